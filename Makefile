@@ -1,0 +1,26 @@
+# The two commands of the README: `make run` and `make test`. Each installs first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: install run test clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	# torch first, pinned: a CPU build on local disk (an unpinned torch pulls a multi-GB CUDA build)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(VENV)/bin/distrain bench comm
+
+test: install
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,32 @@
+"""Exceptions raised by distrain.
+
+Every error says what is wrong and how to fix it: which rank, which collective,
+which argument. They all derive from DistrainError so callers can catch one type.
+"""
+
+from __future__ import annotations
+
+
+class DistrainError(RuntimeError):
+    """Base class of every error distrain raises on purpose."""
+
+
+class ConfigError(DistrainError, ValueError):
+    """A configuration or argument is invalid (raised before any process-group work)."""
+
+
+class CommError(DistrainError):
+    """A collective or point-to-point operation failed on this rank."""
+
+
+class RankFailedError(DistrainError):
+    """A spawned rank raised or died; carries the rank and its traceback."""
+
+    def __init__(self, rank: int, message: str):
+        super().__init__(f"rank {rank} failed:\n{message}")
+        self.rank = rank
+        self.remote_message = message
+
+
+class SpawnTimeoutError(DistrainError, TimeoutError):
+    """spawn() ran past its timeout; the message names the ranks still running."""
