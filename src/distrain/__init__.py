@@ -1,3 +1,16 @@
-"""distrain: distributed training for PyTorch on torch.distributed."""
+"""distrain: distributed training for PyTorch on torch.distributed.
+
+    import distrain
+    distrain.spawn(fn, nprocs=4)          # fn(rank) runs on 4 local ranks (Gloo on CPU)
+    distrain.comm.all_reduce(t, algorithm="ring")
+    distrain.Topology.from_world(dp=2, tp=2)
+"""
+
+from distrain import comm, runtime
+from distrain.errors import CommError, ConfigError, DistrainError, RankFailedError, SpawnTimeoutError
+from distrain.launch import launch, spawn
+from distrain.topology import Topology
 
 __version__ = "0.1.0"
+__all__ = ["CommError", "ConfigError", "DistrainError", "RankFailedError", "SpawnTimeoutError", "Topology",
+           "comm", "launch", "runtime", "spawn"]

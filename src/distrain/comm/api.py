@@ -1,0 +1,434 @@
+"""The eight collectives, with torch.distributed's signatures, dispatched to an algorithm.
+
+    broadcast(tensor, src)              reduce(tensor, dst, op)
+    all_reduce(tensor, op)              scatter(tensor, scatter_list, src)
+    gather(tensor, gather_list, dst)    all_gather(tensor_list, tensor)
+    reduce_scatter(output, input_list, op)                       barrier()
+
+Every one also takes ``group=None`` (a torch.distributed ProcessGroup; None = world),
+``async_op=False`` and ``algorithm=`` one of:
+
+* ``"native"``: torch.distributed's own call (Gloo/NCCL implement it);
+* ``"star"``, ``"ring"``, ``"tree"``: ours, written on the P2P layer (star.py, ring.py, tree.py).
+
+Semantics follow torch.distributed: results are written in place; ``src``/``dst`` are
+*global* ranks; only ``dst`` gets the result of reduce/gather; ``op`` is a ReduceOp or one
+of "sum", "avg", "prod", "min", "max" (and "band", "bor", "bxor" for integers).
+``avg`` is a sum divided by the group size once at the end (Gloo has no native AVG).
+
+Contract: every rank of the group calls the same collectives, in the same order, with
+matching shapes and dtypes. With debug checks on (``DISTRAIN_DEBUG=1`` in the environment
+of the process, read once at import, or ``set_debug(True)``), each call first exchanges a
+fingerprint (sequence number, collective, algorithm, op, dtype, shape, root) with a native
+all-gather, and a mismatch raises on every rank, naming the rank that differs.
+
+async_op=True returns a handle with ``wait()`` and ``is_completed()``; our algorithms then
+run on the group's worker thread (see group.py), native ones on the backend's.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from distrain.comm import ledger as _ledger
+from distrain.comm import ring, star, tree
+from distrain.comm.group import GroupState, resolve
+from distrain.comm.ops import Op, check_dtype, resolve_op
+from distrain.comm.p2p import PeerComm
+from distrain.errors import CommError, ConfigError
+
+ALGORITHMS = {"star": star, "ring": ring, "tree": tree}
+ALGORITHM_NAMES = ("native", "star", "ring", "tree")
+COLLECTIVES = ("broadcast", "reduce", "all_reduce", "scatter", "gather", "all_gather",
+               "reduce_scatter", "barrier")
+
+_debug = os.environ.get("DISTRAIN_DEBUG", "0") not in ("", "0", "false", "False")
+
+
+def set_debug(enabled: bool) -> None:
+    """Turn the cross-rank fingerprint check before every collective on or off."""
+    global _debug
+    _debug = bool(enabled)
+
+
+def debug_enabled() -> bool:
+    return _debug
+
+
+# ---------------------------------------------------------------------------------------
+# Handles
+# ---------------------------------------------------------------------------------------
+
+class CommHandle:
+    """What async_op=True returns: ``wait()`` blocks until the result is in place."""
+
+    def __init__(self, desc: str, future: Future | None = None, work=None,
+                 after: Callable[[], None] | None = None):
+        self._desc = desc
+        self._future = future
+        self._work = work
+        self._after = after
+        self._done = False
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._done:
+            return True
+        try:
+            if self._future is not None:
+                self._future.result(timeout)
+            elif self._work is not None:
+                self._work.wait() if timeout is None else self._work.wait(_td(timeout))
+            if self._after is not None:
+                self._after()
+        except CommError:
+            raise
+        except TimeoutError as e:
+            raise CommError(f"{self._desc}: not completed within {timeout}s") from e
+        except Exception as e:
+            raise CommError(f"{self._desc} failed: {e}") from e
+        self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        if self._done:
+            return True
+        if self._future is not None:
+            return self._future.done()
+        return self._work is None or self._work.is_completed()
+
+
+def _td(seconds: float):
+    from datetime import timedelta
+    return timedelta(seconds=seconds)
+
+
+# ---------------------------------------------------------------------------------------
+# Validation helpers
+# ---------------------------------------------------------------------------------------
+
+def _algorithm(algorithm: str, collective: str) -> str:
+    if algorithm not in ALGORITHM_NAMES:
+        raise ConfigError(
+            f"{collective}: unknown algorithm {algorithm!r}; use one of {', '.join(ALGORITHM_NAMES)}"
+        )
+    return algorithm
+
+
+def _tensor(t, what: str, collective: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ConfigError(f"{collective}: {what} must be a torch.Tensor, got {type(t).__name__}")
+    check_dtype(t.dtype, collective)
+    return t
+
+
+def _tensor_list(lst, ref: torch.Tensor, size: int, what: str, collective: str, rank: int) -> list[torch.Tensor]:
+    if not isinstance(lst, (list, tuple)):
+        raise ConfigError(f"{collective}: {what} must be a list of {size} tensors, got {type(lst).__name__}")
+    if len(lst) != size:
+        raise ConfigError(
+            f"{collective}: {what} on rank {rank} has {len(lst)} tensors but the group has {size} ranks; "
+            f"pass exactly one tensor per rank"
+        )
+    for i, t in enumerate(lst):
+        _tensor(t, f"{what}[{i}]", collective)
+        if t.shape != ref.shape or t.dtype != ref.dtype:
+            raise ConfigError(
+                f"{collective}: {what}[{i}] on rank {rank} has shape {tuple(t.shape)} and dtype {t.dtype}, "
+                f"but the tensor argument has shape {tuple(ref.shape)} and dtype {ref.dtype}; they must match"
+            )
+    return list(lst)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A flat contiguous view of t if possible, else a flat copy (the caller copies back)."""
+    return t.view(-1) if t.is_contiguous() else t.reshape(-1).clone()
+
+
+def _copy_back(dst: torch.Tensor, flat: torch.Tensor) -> None:
+    if not (dst.is_contiguous() and flat.data_ptr() == dst.data_ptr()):
+        dst.copy_(flat.view(dst.shape))
+
+
+# ---------------------------------------------------------------------------------------
+# Debug fingerprints
+# ---------------------------------------------------------------------------------------
+
+_DT_CODES = {dt: i for i, dt in enumerate([
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool])}
+_FIELDS = ("call number", "collective", "algorithm", "op", "dtype", "root", "numel", "shape")
+_MAXD = 6
+
+
+def _fingerprint_check(st: GroupState, seq: int, collective: str, algorithm: str, op: str,
+                       t: torch.Tensor | None, root: int) -> None:
+    shape = tuple(t.shape) if t is not None else ()
+    fp = [seq, COLLECTIVES.index(collective), ALGORITHM_NAMES.index(algorithm),
+          hash(op) % (1 << 31) if op else -1,
+          _DT_CODES.get(t.dtype, -2) if t is not None else -1, root,
+          t.numel() if t is not None else -1, len(shape)]
+    fp += list(shape[:_MAXD]) + [-1] * (_MAXD - min(len(shape), _MAXD))
+    mine = torch.tensor(fp, dtype=torch.int64)
+    rows = [torch.empty_like(mine) for _ in range(st.size)]
+    dist.all_gather(rows, mine, group=st.group)
+
+    def describe(row: torch.Tensor) -> str:
+        r = row.tolist()
+        dt = next((str(d).removeprefix("torch.") for d, c in _DT_CODES.items() if c == r[4]), "none")
+        shp = tuple(x for x in r[8:8 + min(r[7], _MAXD)])
+        alg = ALGORITHM_NAMES[r[2]] if 0 <= r[2] < len(ALGORITHM_NAMES) else "?"
+        return (f"call #{r[0]} {COLLECTIVES[r[1]]}(algorithm={alg}) dtype={dt} shape={shp}"
+                + (f" root={r[5]}" if r[5] >= 0 else ""))
+
+    ref = rows[0]
+    bad = [i for i, row in enumerate(rows) if not torch.equal(row, ref)]
+    if bad:
+        lines = [f"  group rank {i} (global rank {st.ranks[i]}): {describe(rows[i])}" for i in range(st.size)]
+        diff = sorted({_FIELDS[min(j, 7)] for i in bad for j in range(len(fp)) if rows[i][j] != ref[j]})
+        raise CommError(
+            f"{collective}: ranks disagree (debug check) on {', '.join(diff)}; rank(s) "
+            f"{[st.ranks[i] for i in bad]} differ from rank {st.ranks[0]}. Every rank must call the same "
+            f"collectives in the same order with matching shapes and dtypes:\n" + "\n".join(lines)
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# The dispatcher
+# ---------------------------------------------------------------------------------------
+
+def _run(st: GroupState, collective: str, algorithm: str, async_op: bool, payload: int,
+         ours: Callable[[PeerComm], None] | None, native: Callable[[bool], object] | None,
+         after: Callable[[], None] | None, fp: tuple) -> CommHandle | None:
+    """Run one collective call: fingerprint, ledger, then ours (inline or on the worker) or native."""
+    seq = st.next_seq()
+    if _debug:
+        _fingerprint_check(st, seq, collective, algorithm, *fp)
+    _ledger.record(collective, algorithm, calls=1, payload=payload)
+    me = st.ranks[st.rank]
+    desc = f"{collective}(algorithm={algorithm}) on rank {me} (group rank {st.rank} of {st.size})"
+
+    if algorithm == "native":
+        try:
+            work = native(async_op)
+            if not async_op:
+                if after is not None:
+                    after()
+                return None
+        except CommError:
+            raise
+        except Exception as e:
+            raise CommError(f"{desc} failed: {e}") from e
+        return CommHandle(desc, work=work, after=after)
+
+    pc = PeerComm(st, collective, algorithm, st.tag(seq))
+
+    def job() -> None:
+        if ours is not None and st.size > 1:
+            ours(pc)
+        if after is not None:
+            after()
+
+    if async_op:
+        return CommHandle(desc, future=st.submit(job))
+    try:
+        job()
+    except CommError:
+        raise
+    except Exception as e:
+        raise CommError(f"{desc} failed: {e}") from e
+    return None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False, algorithm: str = "native"):
+    name = "broadcast"
+    _algorithm(algorithm, name)
+    st = resolve(group, name)
+    _tensor(tensor, "tensor", name)
+    root = st.group_rank(src, "src", name)
+    flat = _flat(tensor)
+    mod = ALGORITHMS.get(algorithm)
+    after = (lambda: _copy_back(tensor, flat)) if st.rank != root else None
+    return _run(st, name, algorithm, async_op, _nbytes(tensor),
+                ours=lambda pc: flat.numel() and mod.broadcast(pc, flat, root),
+                native=lambda a: dist.broadcast(flat, src, group=st.group, async_op=a),
+                after=after, fp=("", tensor, root))
+
+
+def reduce(tensor: torch.Tensor, dst: int, op="sum", group=None, async_op: bool = False, algorithm: str = "native"):
+    name = "reduce"
+    _algorithm(algorithm, name)
+    st = resolve(group, name)
+    _tensor(tensor, "tensor", name)
+    o = resolve_op(op, tensor.dtype, name)
+    root = st.group_rank(dst, "dst", name)
+    flat = _flat(tensor)
+    mod = ALGORITHMS.get(algorithm)
+
+    def after() -> None:
+        if st.rank == root:
+            o.finish(flat, st.size)
+            _copy_back(tensor, flat)
+
+    return _run(st, name, algorithm, async_op, _nbytes(tensor),
+                ours=lambda pc: flat.numel() and mod.reduce(pc, flat, root, o),
+                native=lambda a: dist.reduce(flat, dst, op=o.native, group=st.group, async_op=a),
+                after=after, fp=(o.name, tensor, root))
+
+
+def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = False, algorithm: str = "native"):
+    name = "all_reduce"
+    _algorithm(algorithm, name)
+    st = resolve(group, name)
+    _tensor(tensor, "tensor", name)
+    o = resolve_op(op, tensor.dtype, name)
+    flat = _flat(tensor)
+    mod = ALGORITHMS.get(algorithm)
+
+    def after() -> None:
+        o.finish(flat, st.size)
+        _copy_back(tensor, flat)
+
+    return _run(st, name, algorithm, async_op, _nbytes(tensor),
+                ours=lambda pc: flat.numel() and mod.all_reduce(pc, flat, o),
+                native=lambda a: dist.all_reduce(flat, op=o.native, group=st.group, async_op=a),
+                after=after, fp=(o.name, tensor, -1))
+
+
+def scatter(tensor: torch.Tensor, scatter_list=None, src: int = 0, group=None, async_op: bool = False,
+            algorithm: str = "native"):
+    name = "scatter"
+    _algorithm(algorithm, name)
+    st = resolve(group, name)
+    _tensor(tensor, "tensor", name)
+    root = st.group_rank(src, "src", name)
+    me = st.ranks[st.rank]
+    if st.rank == root:
+        if scatter_list is None:
+            raise ConfigError(f"{name}: scatter_list is required on the source rank {src}")
+        lst = _tensor_list(scatter_list, tensor, st.size, "scatter_list", name, me)
+        full = torch.cat([t.reshape(-1) for t in lst])
+    else:
+        if scatter_list:
+            raise ConfigError(f"{name}: scatter_list must be None or empty on rank {me}, which is not the source ({src})")
+        lst, full = None, None
+    out = _flat(tensor)
+    if lst is not None:
+        out.copy_(lst[root].reshape(-1))  # the source's own slot (also the whole result when P == 1)
+    mod = ALGORITHMS.get(algorithm)
+    return _run(st, name, algorithm, async_op, _nbytes(tensor),
+                ours=lambda pc: out.numel() and mod.scatter(pc, out, full, root),
+                native=lambda a: dist.scatter(out, list(full.view(st.size, -1)) if lst else None, src,
+                                              group=st.group, async_op=a),
+                after=lambda: _copy_back(tensor, out),
+                fp=("", tensor, root))
+
+
+def gather(tensor: torch.Tensor, gather_list=None, dst: int = 0, group=None, async_op: bool = False,
+           algorithm: str = "native"):
+    name = "gather"
+    _algorithm(algorithm, name)
+    st = resolve(group, name)
+    _tensor(tensor, "tensor", name)
+    root = st.group_rank(dst, "dst", name)
+    me = st.ranks[st.rank]
+    if st.rank == root:
+        if gather_list is None:
+            raise ConfigError(f"{name}: gather_list is required on the destination rank {dst}")
+        lst = _tensor_list(gather_list, tensor, st.size, "gather_list", name, me)
+    else:
+        if gather_list:
+            raise ConfigError(f"{name}: gather_list must be None or empty on rank {me}, which is not the destination ({dst})")
+        lst = None
+    n = tensor.numel()
+    inp = tensor.reshape(-1).contiguous()
+    full = torch.empty(st.size * n, dtype=tensor.dtype, device=tensor.device) if lst is not None else None
+    if full is not None:
+        full[st.rank * n:(st.rank + 1) * n].copy_(inp)  # own slot (also the P == 1 result)
+    mod = ALGORITHMS.get(algorithm)
+
+    def after() -> None:
+        if lst is not None:
+            for i, t in enumerate(lst):
+                t.copy_(full[i * n:(i + 1) * n].view(t.shape))
+
+    return _run(st, name, algorithm, async_op, _nbytes(tensor),
+                ours=lambda pc: n and mod.gather(pc, inp, full, root),
+                native=lambda a: dist.gather(inp, list(full.view(st.size, n)) if lst is not None else None, dst,
+                                             group=st.group, async_op=a),
+                after=after, fp=("", tensor, root))
+
+
+def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = False, algorithm: str = "native"):
+    name = "all_gather"
+    _algorithm(algorithm, name)
+    st = resolve(group, name)
+    _tensor(tensor, "tensor", name)
+    lst = _tensor_list(tensor_list, tensor, st.size, "tensor_list", name, st.ranks[st.rank])
+    n = tensor.numel()
+    full = torch.empty(st.size * n, dtype=tensor.dtype, device=tensor.device)
+    full[st.rank * n:(st.rank + 1) * n].copy_(tensor.reshape(-1))
+    mod = ALGORITHMS.get(algorithm)
+
+    def after() -> None:
+        for i, t in enumerate(lst):
+            t.copy_(full[i * n:(i + 1) * n].view(t.shape))
+
+    def native(a: bool):
+        return dist.all_gather(list(full.view(st.size, n)), full[st.rank * n:(st.rank + 1) * n].clone(),
+                               group=st.group, async_op=a)
+
+    return _run(st, name, algorithm, async_op, _nbytes(tensor),
+                ours=lambda pc: n and mod.all_gather(pc, full, n), native=native,
+                after=after, fp=("", tensor, -1))
+
+
+def reduce_scatter(output: torch.Tensor, input_list, op="sum", group=None, async_op: bool = False,
+                   algorithm: str = "native"):
+    name = "reduce_scatter"
+    _algorithm(algorithm, name)
+    st = resolve(group, name)
+    _tensor(output, "output", name)
+    o = resolve_op(op, output.dtype, name)
+    lst = _tensor_list(input_list, output, st.size, "input_list", name, st.ranks[st.rank])
+    n = output.numel()
+    full = torch.cat([t.reshape(-1) for t in lst])  # a work copy: algorithms may overwrite it
+    out = _flat(output)
+    mod = ALGORITHMS.get(algorithm)
+
+    def after() -> None:
+        if st.size == 1:
+            out.copy_(full)
+        o.finish(out, st.size)
+        _copy_back(output, out)
+
+    return _run(st, name, algorithm, async_op, _nbytes(full),
+                ours=lambda pc: n and mod.reduce_scatter(pc, out, full, o),
+                native=lambda a: _reduce_scatter_native(out, full, op=o.native, group=st.group, async_op=a),
+                after=after, fp=(o.name, output, -1))
+
+
+def barrier(group=None, async_op: bool = False, algorithm: str = "native"):
+    """Block until every rank of the group has entered. Ours: an all-reduce of one byte."""
+    name = "barrier"
+    _algorithm(algorithm, name)
+    st = resolve(group, name)
+    token = torch.zeros(1, dtype=torch.uint8)
+    mod = ALGORITHMS.get(algorithm)
+    sum_op = resolve_op("sum", token.dtype, name)
+    return _run(st, name, algorithm, async_op, 0,
+                ours=lambda pc: mod.all_reduce(pc, token, sum_op),
+                native=lambda a: dist.barrier(group=st.group, async_op=a),
+                after=None, fp=("", None, -1))
+
+
+# torch renamed reduce_scatter_tensor to reduce_scatter_single; take whichever this torch has.
+_reduce_scatter_native = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -1,0 +1,113 @@
+"""Per-process-group state: rank maps, the call sequence number, the async worker.
+
+Contract (the same as torch.distributed's): every rank of a group calls the group's
+collectives in the same order. That makes the per-group sequence number identical on every
+rank, so it can serve as the P2P *tag* of a collective: two collectives in flight on the
+same group (an async one on the worker thread, a sync one in the caller) never confuse
+each other's messages, because their tags differ.
+
+Asynchronous collectives of our own algorithms run on one worker thread per group, in
+submission order (like a CUDA stream per communicator in NCCL).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future
+
+import torch.distributed as dist
+
+from distrain.errors import CommError, ConfigError
+
+# Tags of collectives start here and wrap below 2**30 (Gloo tags are non-negative int32).
+# User point-to-point traffic uses small tags (default 0), so the two never collide.
+COLLECTIVE_TAG_BASE = 1 << 20
+_TAG_SPAN = (1 << 30) - COLLECTIVE_TAG_BASE
+
+
+class _Worker:
+    """One daemon thread running submitted callables in FIFO order."""
+
+    def __init__(self, name: str):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn) -> Future:
+        fut: Future = Future()
+        self._q.put((fn, fut))
+        return fut
+
+    def _loop(self) -> None:
+        while True:
+            fn, fut = self._q.get()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # delivered to whoever waits on the handle
+                fut.set_exception(e)
+
+
+class GroupState:
+    """What we keep per process group: global ranks, this rank, sequence number, worker."""
+
+    def __init__(self, group):
+        self.group = group
+        self.ranks: list[int] = dist.get_process_group_ranks(group)  # group rank -> global rank
+        self.rank: int = dist.get_rank(group)
+        self.size: int = len(self.ranks)
+        self.seq: int = 0
+        self._worker: _Worker | None = None
+        self._lock = threading.Lock()
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def tag(self, seq: int) -> int:
+        return COLLECTIVE_TAG_BASE + seq % _TAG_SPAN
+
+    def group_rank(self, global_rank: int, what: str, collective: str) -> int:
+        """Map a global rank (as torch.distributed takes it) to this group's rank, or raise."""
+        if not isinstance(global_rank, int) or isinstance(global_rank, bool):
+            raise ConfigError(f"{collective}: {what} must be an int global rank, got {global_rank!r}")
+        try:
+            return self.ranks.index(global_rank)
+        except ValueError:
+            raise ConfigError(
+                f"{collective}: {what}={global_rank} is not a member of the group (its global ranks are "
+                f"{self.ranks}); pass the global rank of a group member"
+            ) from None
+
+    def submit(self, fn) -> Future:
+        with self._lock:
+            if self._worker is None:
+                self._worker = _Worker(f"distrain-comm-g{id(self.group):x}")
+        return self._worker.submit(fn)
+
+
+_states: dict[object, GroupState] = {}
+_states_lock = threading.Lock()
+
+
+def resolve(group, collective: str) -> GroupState:
+    """The state of ``group`` (None = the default world group), checking this rank belongs to it."""
+    if not dist.is_initialized():
+        raise CommError(
+            f"{collective}: torch.distributed is not initialized on this process; call "
+            f"distrain.runtime.init() (under `distrain launch`/torchrun) or run the function with distrain.spawn()"
+        )
+    if group is None:
+        group = dist.group.WORLD
+    st = _states.get(group)
+    if st is None:
+        if dist.get_rank(group) < 0:
+            raise ConfigError(
+                f"{collective}: this process (global rank {dist.get_rank()}) is not a member of the group "
+                f"it was called on; only the group's ranks may call it"
+            )
+        with _states_lock:
+            st = _states.setdefault(group, GroupState(group))
+    return st

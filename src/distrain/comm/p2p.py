@@ -1,0 +1,186 @@
+"""Point-to-point messages: the layer every algorithm is written on.
+
+Two faces:
+
+* the public API, mirroring torch.distributed: ``send``, ``recv``, ``isend``, ``irecv``
+  (ranks are *global* ranks, ``group`` optional), plus ``send_tensor``/``recv_tensor`` which
+  send a small header (dtype, shape) first so the receiver needs to know nothing;
+* :class:`PeerComm`, the view an algorithm gets of one collective call: group ranks
+  0..size-1, the call's tag, and the ledger label. It counts every byte in the ledger.
+
+Seeds: P2P communication (blocking ``send``/``recv`` and non-blocking ``isend``/``irecv``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distrain.comm import ledger as _ledger
+from distrain.comm.group import GroupState, resolve
+from distrain.comm.transport import DEFAULT_TRANSPORT, Transport, Work
+from distrain.errors import CommError, ConfigError
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Done:
+    """A completed handle: zero-byte messages are skipped by both sides alike."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+DONE = _Done()
+
+
+class PeerComm:
+    """One collective call's view of its group: ranks are group ranks, one tag per call."""
+
+    def __init__(self, state: GroupState, op: str, algorithm: str, tag: int,
+                 transport: Transport = DEFAULT_TRANSPORT):
+        self.state = state
+        self.rank = state.rank
+        self.size = state.size
+        self.op = op
+        self.algorithm = algorithm
+        self.tag = tag
+        self.transport = transport
+
+    def isend(self, t: torch.Tensor, peer: int) -> Work:
+        if t.numel() == 0:
+            return DONE
+        _ledger.record(self.op, self.algorithm, sent=_nbytes(t), msgs_sent=1)
+        return self.transport.isend(t, self.state.ranks[peer], self.state.group, self.tag)
+
+    def irecv(self, t: torch.Tensor, peer: int) -> Work:
+        if t.numel() == 0:
+            return DONE
+        _ledger.record(self.op, self.algorithm, recv=_nbytes(t), msgs_recv=1)
+        return self.transport.irecv(t, self.state.ranks[peer], self.state.group, self.tag)
+
+    def send(self, t: torch.Tensor, peer: int) -> None:
+        self.isend(t, peer).wait()
+
+    def recv(self, t: torch.Tensor, peer: int) -> None:
+        self.irecv(t, peer).wait()
+
+    def sendrecv(self, send_t: torch.Tensor, dst: int, recv_t: torch.Tensor, src: int) -> None:
+        """Send and receive at once (one ring step); both posted before either is waited on."""
+        works = [self.irecv(recv_t, src), self.isend(send_t, dst)]
+        for w in works:
+            w.wait()
+
+
+def waitall(works) -> None:
+    for w in works:
+        w.wait()
+
+
+# ---------------------------------------------------------------------------------------
+# Public point-to-point API (global ranks, like torch.distributed)
+# ---------------------------------------------------------------------------------------
+
+def _check(tensor, peer: int, what: str, name: str, group, tag: int) -> tuple[GroupState, int]:
+    st = resolve(group, name)
+    if not isinstance(tensor, torch.Tensor):
+        raise ConfigError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_contiguous():
+        raise ConfigError(f"{name}: tensor must be contiguous (call .contiguous() first)")
+    if not isinstance(tag, int) or tag < 0 or tag >= (1 << 20):
+        raise ConfigError(f"{name}: tag must be an int in [0, 2**20) (larger tags are reserved for collectives), got {tag!r}")
+    peer_g = st.group_rank(peer, what, name)
+    if peer_g == st.rank:
+        raise ConfigError(f"{name}: rank {st.ranks[st.rank]} cannot {name} to/from itself ({what}={peer})")
+    return st, peer_g
+
+
+class _P2PWork:
+    """Handle for isend/irecv: wait() re-raises transport errors as CommError naming the peer."""
+
+    def __init__(self, work, desc: str):
+        self._work = work
+        self._desc = desc
+
+    def wait(self, timeout=None) -> bool:
+        try:
+            if timeout is None:
+                self._work.wait()
+            else:
+                self._work.wait(timeout)
+        except Exception as e:  # Gloo raises RuntimeError on peer loss or timeout
+            raise CommError(f"{self._desc} failed: {e}") from e
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0, *, label: str = "p2p") -> _P2PWork:
+    """Non-blocking send to global rank ``dst``. ``label`` names the traffic in the ledger."""
+    st, peer = _check(tensor, dst, "dst", "isend", group, tag)
+    _ledger.record(label, "p2p", sent=_nbytes(tensor), msgs_sent=1)
+    w = DEFAULT_TRANSPORT.isend(tensor, st.ranks[peer], st.group, tag)
+    return _P2PWork(w, f"isend from rank {st.ranks[st.rank]} to rank {dst} (tag {tag})")
+
+
+def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0, *, label: str = "p2p") -> _P2PWork:
+    """Non-blocking receive from global rank ``src`` into ``tensor`` (its shape must match)."""
+    st, peer = _check(tensor, src, "src", "irecv", group, tag)
+    _ledger.record(label, "p2p", recv=_nbytes(tensor), msgs_recv=1)
+    w = DEFAULT_TRANSPORT.irecv(tensor, st.ranks[peer], st.group, tag)
+    return _P2PWork(w, f"irecv on rank {st.ranks[st.rank]} from rank {src} (tag {tag})")
+
+
+def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0, *, label: str = "p2p") -> None:
+    """Blocking send: returns once the tensor may be reused."""
+    isend(tensor, dst, group, tag, label=label).wait()
+
+
+def recv(tensor: torch.Tensor, src: int, group=None, tag: int = 0, *, label: str = "p2p") -> None:
+    """Blocking receive into ``tensor``."""
+    irecv(tensor, src, group, tag, label=label).wait()
+
+
+# -- self-describing messages: header (dtype, shape) then payload -------------------------
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool]
+MAX_NDIM = 8
+_HEADER_LEN = 2 + MAX_NDIM  # [dtype code, ndim, shape..., padded with -1]
+
+
+def _header(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() > MAX_NDIM:
+        raise ConfigError(f"send_tensor: at most {MAX_NDIM} dimensions are supported, got {t.dim()}")
+    if t.dtype not in _DTYPES:
+        raise ConfigError(f"send_tensor: dtype {t.dtype} is not supported; use one of {_DTYPES}")
+    h = torch.full((_HEADER_LEN,), -1, dtype=torch.int64)
+    h[0] = _DTYPES.index(t.dtype)
+    h[1] = t.dim()
+    h[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    return h
+
+
+def send_tensor(tensor: torch.Tensor, dst: int, group=None, tag: int = 0, *, label: str = "p2p") -> None:
+    """Send ``tensor`` preceded by a header, so :func:`recv_tensor` can allocate it."""
+    tensor = tensor.detach().contiguous()
+    send(_header(tensor), dst, group, tag, label=label)
+    if tensor.numel():
+        send(tensor, dst, group, tag, label=label)
+
+
+def recv_tensor(src: int, group=None, tag: int = 0, *, device=None, label: str = "p2p") -> torch.Tensor:
+    """Receive a tensor sent with :func:`send_tensor`; its dtype and shape come from the header."""
+    h = torch.empty(_HEADER_LEN, dtype=torch.int64)
+    recv(h, src, group, tag, label=label)
+    code, ndim = int(h[0]), int(h[1])
+    if not (0 <= code < len(_DTYPES)) or not (0 <= ndim <= MAX_NDIM):
+        raise CommError(f"recv_tensor from rank {src}: malformed header {h.tolist()} (was it sent with send_tensor?)")
+    out = torch.empty([int(s) for s in h[2:2 + ndim]], dtype=_DTYPES[code], device=device)
+    if out.numel():
+        recv(out, src, group, tag, label=label)
+    return out

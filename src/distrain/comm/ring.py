@@ -1,0 +1,142 @@
+"""Ring collectives: every rank talks only to its two ring neighbours.
+
+The seeds' "Ring-All-Reduce": each rank splits its array into P chunks; in P-1 steps
+every rank passes one chunk to the next rank and adds the chunk it receives from the
+previous one (reduce-scatter), after which rank r owns the fully reduced chunk r; in P-1
+more steps the reduced chunks travel once around the ring (all-gather). Every rank sends
+2*(P-1) chunks of N/P bytes: T = 2*(N/P)*(P-1) per rank, independent of P for large P
+(Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
+workstations", JPDC 2009; Baidu's ring all-reduce, 2017).
+
+Chunk schedule (P ranks, r = this rank, next = r+1, prev = r-1, all mod P):
+
+* reduce-scatter step s = 0..P-2: send chunk (r-s-1), receive chunk (r-s-2) and add it in.
+  After the last step rank r holds reduced chunk r (what reduce_scatter must return).
+* all-gather step s = 0..P-2: send chunk (r-s), receive chunk (r-s-1).
+
+When N is not divisible by P the chunks are ``torch.tensor_split`` sizes (the first N mod P
+chunks have one more element); rank r then sends exactly N - |c_r| elements in the
+reduce-scatter and N - |c_(r+1)| in the all-gather.
+
+Broadcast, scatter and gather use the ring as a pipeline (chain): the root's data moves
+one hop per step, split into pieces so that every link is busy at once (broadcast), or
+the items for the farthest ranks go first (scatter/gather). Reduce is composed:
+reduce-scatter, then each rank sends its reduced chunk straight to the root.
+
+Buffer conventions are those of star.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distrain.comm.ops import Op
+from distrain.comm.p2p import PeerComm, waitall
+
+# Broadcast pipelines pieces of this many bytes (more pieces = more overlap, more messages).
+PIPELINE_BYTES = 1 << 20
+
+
+def _reduce_scatter_chunks(pc: PeerComm, chunks: list[torch.Tensor], op: Op) -> None:
+    P, r = pc.size, pc.rank
+    nxt, prv = (r + 1) % P, (r - 1) % P
+    tmp = torch.empty(max(c.numel() for c in chunks), dtype=chunks[0].dtype, device=chunks[0].device)
+    for s in range(P - 1):
+        send_c = chunks[(r - s - 1) % P]
+        recv_c = chunks[(r - s - 2) % P]
+        incoming = tmp[:recv_c.numel()]
+        pc.sendrecv(send_c, nxt, incoming, prv)
+        op.combine(recv_c, incoming)
+
+
+def _all_gather_chunks(pc: PeerComm, chunks: list[torch.Tensor]) -> None:
+    P, r = pc.size, pc.rank
+    nxt, prv = (r + 1) % P, (r - 1) % P
+    for s in range(P - 1):
+        pc.sendrecv(chunks[(r - s) % P], nxt, chunks[(r - s - 1) % P], prv)
+
+
+def all_reduce(pc: PeerComm, buf: torch.Tensor, op: Op) -> None:
+    chunks = list(torch.tensor_split(buf, pc.size))
+    _reduce_scatter_chunks(pc, chunks, op)
+    _all_gather_chunks(pc, chunks)
+
+
+def reduce_scatter(pc: PeerComm, out: torch.Tensor, full: torch.Tensor, op: Op) -> None:
+    chunks = list(full.view(pc.size, -1))
+    _reduce_scatter_chunks(pc, chunks, op)
+    out.copy_(chunks[pc.rank])
+
+
+def all_gather(pc: PeerComm, full: torch.Tensor, n: int) -> None:
+    _all_gather_chunks(pc, list(full.view(pc.size, n)))
+
+
+def reduce(pc: PeerComm, buf: torch.Tensor, root: int, op: Op) -> None:
+    # Composed: reduce-scatter on a work copy (non-root inputs stay intact), then every
+    # rank sends its reduced chunk to the root.
+    work = buf if pc.rank == root else buf.clone()
+    chunks = list(torch.tensor_split(work, pc.size))
+    _reduce_scatter_chunks(pc, chunks, op)
+    if pc.rank == root:
+        waitall([pc.irecv(chunks[p], p) for p in range(pc.size) if p != root])
+    else:
+        pc.send(chunks[pc.rank], root)
+
+
+def broadcast(pc: PeerComm, buf: torch.Tensor, root: int) -> None:
+    P = pc.size
+    v = (pc.rank - root) % P  # position along the chain
+    nxt, prv = (pc.rank + 1) % P, (pc.rank - 1) % P
+    pieces = torch.tensor_split(buf, max(1, -(-buf.numel() * buf.element_size() // PIPELINE_BYTES)))
+    if v == 0:
+        waitall([pc.isend(p, nxt) for p in pieces])
+        return
+    recvs = [pc.irecv(p, prv) for p in pieces]
+    sends = []
+    for piece, w in zip(pieces, recvs):
+        w.wait()
+        if v < P - 1:  # forward while the next piece is still arriving
+            sends.append(pc.isend(piece, nxt))
+    waitall(sends)
+
+
+def scatter(pc: PeerComm, out: torch.Tensor, full: torch.Tensor | None, root: int) -> None:
+    # The root sends the items for ranks at distance P-1, P-2, ..., 1 down the chain; the
+    # rank at distance v receives P-v items, forwards the first P-v-1 and keeps the last.
+    P, n = pc.size, out.numel()
+    v = (pc.rank - root) % P
+    nxt, prv = (pc.rank + 1) % P, (pc.rank - 1) % P
+    if v == 0:
+        sends = [pc.isend(full[((root + d) % P) * n:((root + d) % P + 1) * n], nxt) for d in range(P - 1, 0, -1)]
+        out.copy_(full[root * n:(root + 1) * n])
+        waitall(sends)
+        return
+    bufs = [torch.empty_like(out) for _ in range(P - v - 1)] + [out]
+    recvs = [pc.irecv(b, prv) for b in bufs]
+    sends = []
+    for b, w in zip(bufs[:-1], recvs[:-1]):
+        w.wait()
+        sends.append(pc.isend(b, nxt))
+    recvs[-1].wait()
+    waitall(sends)
+
+
+def gather(pc: PeerComm, inp: torch.Tensor, full: torch.Tensor | None, root: int) -> None:
+    # Mirror of scatter: items flow towards the root (to prev); the rank at distance v
+    # sends its own item, then forwards the P-1-v items coming from farther ranks.
+    P, n = pc.size, inp.numel()
+    v = (pc.rank - root) % P
+    nxt, prv = (pc.rank + 1) % P, (pc.rank - 1) % P
+    if v == 0:
+        works = [pc.irecv(full[((root + d) % P) * n:((root + d) % P + 1) * n], nxt) for d in range(1, P)]
+        full[root * n:(root + 1) * n].copy_(inp)
+        waitall(works)
+        return
+    sends = [pc.isend(inp, prv)]
+    bufs = [torch.empty_like(inp) for _ in range(P - 1 - v)]
+    recvs = [pc.irecv(b, nxt) for b in bufs]
+    for b, w in zip(bufs, recvs):
+        w.wait()
+        sends.append(pc.isend(b, prv))
+    waitall(sends)

@@ -1,0 +1,258 @@
+"""The 3-D arrangement of ranks for data (dp), tensor (tp) and pipeline (pp) parallelism.
+
+A :class:`Topology` is passed around explicitly (there is no global singleton and
+no environment variable is read). The pure part -- sizes, this rank's coordinates,
+the ranks of every group, neighbours -- needs no processes; only
+:meth:`Topology.from_world` touches ``torch.distributed`` to create process groups.
+
+Layout: tp varies fastest, then dp, then pp::
+
+    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+Why this order (the same as Megatron-LM's): tensor-parallel peers talk the most
+(two all-reduces per transformer block, forward and backward), so they get
+neighbouring ranks, i.e. the same node / NVLink island. Data-parallel peers talk
+once per step (the gradient all-reduce). Pipeline stages talk the least (one
+activation per micro-batch, point-to-point), so pp is the outermost axis and its
+groups may cross nodes.
+
+Worked example, dp=2, tp=2, pp=2 (8 ranks)::
+
+    rank: 0 1 2 3 4 5 6 7
+    pp:   0 0 0 0 1 1 1 1
+    dp:   0 0 1 1 0 0 1 1
+    tp:   0 1 0 1 0 1 0 1
+
+    tp groups: [0,1] [2,3] [4,5] [6,7]
+    dp groups: [0,2] [1,3] [4,6] [5,7]
+    pp groups: [0,4] [1,5] [2,6] [3,7]
+
+Rank 5 is (pp=1, dp=0, tp=1); its tp peers are [4,5], its dp peers [5,7], and its
+previous pipeline stage is rank 1 (it is the last stage, so ``pp_next`` is None).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+from typing import Any, NamedTuple
+
+from distrain.errors import ConfigError
+
+AXES = ("dp", "tp", "pp")
+# Order in which from_world creates groups; every rank must use the same one.
+_GROUP_CREATION_ORDER = ("tp", "dp", "pp")
+
+
+class Coords(NamedTuple):
+    """A rank's position in the grid, outermost axis first (so sorting coords sorts ranks)."""
+
+    pp: int
+    dp: int
+    tp: int
+
+
+def _suggest(world_size: int, dp: int, tp: int, pp: int) -> str:
+    """Suggest sizes whose product is world_size, keeping the user's tp/pp where possible."""
+    options = [f"dp={world_size}"]
+    if tp * pp > 1 and world_size % (tp * pp) == 0 and world_size != tp * pp:
+        kept = f"dp={world_size // (tp * pp)}, tp={tp}" + (f", pp={pp}" if pp > 1 else "")
+        options.append(kept)
+    else:  # split off the smallest prime factor as tp
+        f = next((k for k in range(2, world_size) if world_size % k == 0), None)
+        if f is not None:
+            options.append(f"dp={world_size // f}, tp={f}")
+    return " or ".join(options)
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """How ``world_size`` ranks form a dp x tp x pp grid, seen from ``rank``.
+
+    Pure and immutable: building one starts no process. ``world_size`` defaults to
+    ``dp * tp * pp``. Invalid sizes or rank raise :class:`ConfigError`.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    _: dataclasses.KW_ONLY
+    rank: int = 0
+    world_size: int | None = None
+    # Process groups, set only by from_world; not part of equality or repr.
+    _groups: dict[str, Any] | None = dataclasses.field(
+        default=None, init=False, compare=False, repr=False
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "rank"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ConfigError(f"{name} must be an int, got {v!r} ({type(v).__name__})")
+            if name != "rank" and v < 1:
+                raise ConfigError(f"{name} must be >= 1, got {name}={v}")
+        product = self.dp * self.tp * self.pp
+        if self.world_size is None:
+            object.__setattr__(self, "world_size", product)  # frozen: set once here
+        ws = self.world_size
+        if not isinstance(ws, int) or isinstance(ws, bool) or ws < 1:
+            raise ConfigError(f"world_size must be an int >= 1, got {ws!r}")
+        if product != ws:
+            raise ConfigError(
+                f"dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {product} does not equal the "
+                f"world size {ws}; choose sizes whose product is {ws} "
+                f"(e.g. {_suggest(ws, self.dp, self.tp, self.pp)})"
+            )
+        if not 0 <= self.rank < ws:
+            raise ConfigError(f"rank {self.rank} is out of range [0, {ws}) for world size {ws}")
+
+    def coords_of(self, rank: int) -> Coords:
+        """Coordinates of any global ``rank`` (the inverse of :meth:`rank_of`)."""
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ConfigError(f"rank {rank!r} is out of range [0, {self.world_size})")
+        return Coords(pp=rank // (self.dp * self.tp), dp=(rank // self.tp) % self.dp, tp=rank % self.tp)
+
+    @property
+    def coords(self) -> Coords:
+        return self.coords_of(self.rank)
+
+    dp_rank = property(lambda self: self.coords.dp, doc="This rank's index along dp.")
+    tp_rank = property(lambda self: self.coords.tp, doc="This rank's index along tp.")
+    pp_rank = property(lambda self: self.coords.pp, doc="This rank's index (stage) along pp.")
+
+    def size_of(self, axis: str) -> int:
+        """Size of ``axis`` (one of "dp", "tp", "pp")."""
+        return getattr(self, self._check_axis(axis))
+
+    def rank_of(self, *, dp: int = 0, tp: int = 0, pp: int = 0) -> int:
+        """Global rank at the given coordinates; each must lie in [0, axis size)."""
+        for name, v in (("dp", dp), ("tp", tp), ("pp", pp)):
+            size = getattr(self, name)
+            if not isinstance(v, int) or not 0 <= v < size:
+                raise ConfigError(f"{name} coordinate {v!r} is out of range [0, {size})")
+        return pp * (self.dp * self.tp) + dp * self.tp + tp
+
+    @staticmethod
+    def _check_axis(axis: str) -> str:
+        if axis not in AXES:
+            raise ConfigError(f"unknown axis {axis!r}; valid axes are 'dp', 'tp', 'pp'")
+        return axis
+
+    def _ranks_along(self, axis: str, c: Coords) -> list[int]:
+        """Ranks sharing every coordinate of ``c`` except ``axis``, in axis order."""
+        fixed = c._asdict()
+        out = []
+        for i in range(self.size_of(axis)):
+            fixed[axis] = i
+            out.append(self.rank_of(dp=fixed["dp"], tp=fixed["tp"], pp=fixed["pp"]))
+        return out
+
+    def groups_of(self, axis: str) -> list[list[int]]:
+        """Every group along ``axis``: a partition of the world, ordered by smallest rank.
+
+        The order depends only on the sizes, never on ``rank``, so all ranks see the
+        same list -- required because ``new_group`` must be called identically everywhere.
+        """
+        self._check_axis(axis)
+        groups = []
+        for r in range(self.world_size):
+            c = self.coords_of(r)
+            if getattr(c, axis) == 0:  # the first member of each group names it
+                groups.append(self._ranks_along(axis, c))
+        return groups
+
+    def ranks_of(self, axis: str) -> list[int]:
+        """Global ranks of this rank's group along ``axis``, in axis order."""
+        return self._ranks_along(self._check_axis(axis), self.coords)
+
+    dp_ranks = property(lambda self: self.ranks_of("dp"), doc="Ranks of this rank's dp group.")
+    tp_ranks = property(lambda self: self.ranks_of("tp"), doc="Ranks of this rank's tp group.")
+    pp_ranks = property(lambda self: self.ranks_of("pp"), doc="Ranks of this rank's pp group.")
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def pp_prev(self) -> int | None:
+        """Global rank of the previous pipeline stage, None on the first stage."""
+        return None if self.is_first_stage else self.pp_ranks[self.pp_rank - 1]
+
+    @property
+    def pp_next(self) -> int | None:
+        """Global rank of the next pipeline stage, None on the last stage."""
+        return None if self.is_last_stage else self.pp_ranks[self.pp_rank + 1]
+
+    def ring_next(self, axis: str) -> int:
+        """Next rank in this rank's ``axis`` group, wrapping around (itself if size 1)."""
+        ranks = self.ranks_of(axis)
+        return ranks[(ranks.index(self.rank) + 1) % len(ranks)]
+
+    def ring_prev(self, axis: str) -> int:
+        """Previous rank in this rank's ``axis`` group, wrapping around (itself if size 1)."""
+        ranks = self.ranks_of(axis)
+        return ranks[(ranks.index(self.rank) - 1) % len(ranks)]
+
+    def describe(self) -> str:
+        """Short multi-line description: the grid (one block per pp stage) and this rank."""
+        c = self.coords
+        lines = [f"Topology dp={self.dp} tp={self.tp} pp={self.pp} (world size {self.world_size})"]
+        for p in range(self.pp):
+            rows = [[self.rank_of(dp=d, tp=t, pp=p) for t in range(self.tp)] for d in range(self.dp)]
+            lines.append(f"  pp stage {p} (rows dp, columns tp): {rows}")
+        lines.append(f"  this rank {self.rank}: pp={c.pp} dp={c.dp} tp={c.tp}")
+        return "\n".join(lines)
+
+    @classmethod
+    def from_world(
+        cls, dp: int = 1, tp: int = 1, pp: int = 1, *, backend_timeout: timedelta | float | None = None
+    ) -> Topology:
+        """Build the topology of the initialised world and create its process groups.
+
+        Collective: every rank must call it with the same sizes. Every rank calls
+        ``torch.distributed.new_group`` for every group of every axis (order: tp, dp,
+        pp; groups in ``groups_of`` order) and keeps the groups it belongs to.
+        ``backend_timeout`` (timedelta or seconds) is passed to ``new_group``.
+        """
+        import torch.distributed as dist  # only the distributed part needs torch
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError(
+                "Topology.from_world needs an initialised torch.distributed process group; "
+                "call distrain.runtime.init() or use distrain.spawn first "
+                "(or build a pure Topology(dp, tp, pp, rank=..., world_size=...))"
+            )
+        topo = cls(dp, tp, pp, rank=dist.get_rank(), world_size=dist.get_world_size())
+        kwargs: dict[str, Any] = {}
+        if backend_timeout is not None:
+            if not isinstance(backend_timeout, timedelta):
+                backend_timeout = timedelta(seconds=float(backend_timeout))
+            kwargs["timeout"] = backend_timeout
+        groups: dict[str, Any] = {}
+        for axis in _GROUP_CREATION_ORDER:
+            for ranks in topo.groups_of(axis):
+                # new_group is collective over the whole world: call it for every group,
+                # even those this rank is not in, or the ranks deadlock / mismatch.
+                pg = dist.new_group(ranks, **kwargs)
+                if topo.rank in ranks:
+                    groups[axis] = pg
+        object.__setattr__(topo, "_groups", groups)
+        return topo
+
+    def group(self, axis: str) -> Any:
+        """This rank's ProcessGroup along ``axis``; only on a Topology from from_world."""
+        self._check_axis(axis)
+        if self._groups is None:
+            raise ConfigError(
+                f"{axis}_group exists only on a Topology built with Topology.from_world(...); "
+                "this one is pure (no process groups)"
+            )
+        return self._groups[axis]
+
+    dp_group = property(lambda self: self.group("dp"), doc="This rank's data-parallel ProcessGroup.")
+    tp_group = property(lambda self: self.group("tp"), doc="This rank's tensor-parallel ProcessGroup.")
+    pp_group = property(lambda self: self.group("pp"), doc="This rank's pipeline ProcessGroup.")
