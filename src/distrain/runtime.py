@@ -4,7 +4,8 @@ Words (seeds): a *node* is a machine; the *world size* W is the number of proces
 the job; each process has a global *rank* 0..W-1 and a *local rank* 0..(processes on its
 node)-1, which picks its GPU.
 
-``init()`` reads what a launcher put in the environment (torchrun / ``distrain launch``
+``init()`` reads what a launcher put in the environment (and ``DISTRAIN_DEBUG=1``, which turns
+on the cross-rank argument checks of distrain.comm) (torchrun / ``distrain launch``
 set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; ``distrain.spawn`` sets the
 same for its children), so it is called once at the top of a script, never deep inside
 models. Rendezvous goes through a TCPStore at MASTER_ADDR:MASTER_PORT. Before creating the
@@ -22,6 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from distrain import comm
 from distrain.errors import CommError, ConfigError
 
 REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -97,6 +99,8 @@ def init(backend: str = "auto", timeout: float | timedelta = 300.0) -> RuntimeIn
     _wait_for_all(store, prefix, rank, world, secs, f"{addr}:{port}")
     dist.init_process_group(backend, store=dist.PrefixStore(prefix + "pg", store), rank=rank,
                             world_size=world, timeout=timedelta(seconds=secs))
+    # The one place the debug switch is read from the environment (never deep inside comm).
+    comm.set_debug(os.environ.get("DISTRAIN_DEBUG", "0") not in ("", "0", "false", "False"))
     return info()
 
 

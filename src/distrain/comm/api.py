@@ -17,8 +17,8 @@ of "sum", "avg", "prod", "min", "max" (and "band", "bor", "bxor" for integers).
 ``avg`` is a sum divided by the group size once at the end (Gloo has no native AVG).
 
 Contract: every rank of the group calls the same collectives, in the same order, with
-matching shapes and dtypes. With debug checks on (``DISTRAIN_DEBUG=1`` in the environment
-of the process, read once at import, or ``set_debug(True)``), each call first exchanges a
+matching shapes and dtypes. With debug checks on (``set_debug(True)``, which
+``distrain.runtime.init`` calls when the launcher environment has ``DISTRAIN_DEBUG=1``), each call first exchanges a
 fingerprint (sequence number, collective, algorithm, op, dtype, shape, root) with a native
 all-gather, and a mismatch raises on every rank, naming the rank that differs.
 
@@ -28,7 +28,6 @@ run on the group's worker thread (see group.py), native ones on the backend's.
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import Future
 from typing import Callable
 
@@ -47,7 +46,7 @@ ALGORITHM_NAMES = ("native", "star", "ring", "tree")
 COLLECTIVES = ("broadcast", "reduce", "all_reduce", "scatter", "gather", "all_gather",
                "reduce_scatter", "barrier")
 
-_debug = os.environ.get("DISTRAIN_DEBUG", "0") not in ("", "0", "false", "False")
+_debug = False
 
 
 def set_debug(enabled: bool) -> None:

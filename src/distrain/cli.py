@@ -1,0 +1,63 @@
+"""The ``distrain`` command: subcommands map onto library calls.
+
+    distrain launch --nproc-per-node N [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT] script.py ARGS
+    distrain bench comm --nproc 4 --ops all_reduce --algorithms native,ring --sizes 4K,4M
+
+Each subcommand module registers its own flags (``add_arguments(parser)``) and runs with
+``run(args) -> int``; this file only wires them together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from distrain.errors import DistrainError
+
+
+def _launch_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, required=True, help="ranks on this node")
+    p.add_argument("--nnodes", default="1", help="number of nodes (or MIN:MAX for elastic jobs)")
+    p.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's index")
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, help="HOST:PORT reachable by every node")
+    p.add_argument("--max-restarts", "--max_restarts", type=int, default=0, help="restart the job on failure")
+    p.add_argument("script", nargs=argparse.REMAINDER, help="script.py and its arguments")
+
+
+def _run_launch(args: argparse.Namespace) -> int:
+    from distrain.launch import launch
+
+    return launch(args.nproc_per_node, args.script, nnodes=args.nnodes, node_rank=args.node_rank,
+                  rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from distrain.bench import comm_bench
+
+    parser = argparse.ArgumentParser(prog="distrain", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("launch", help="run a script on many ranks (torchrun underneath)")
+    _launch_arguments(p)
+    p.set_defaults(func=_run_launch)
+
+    bench = sub.add_parser("bench", help="benchmarks that compare ours with torch's, side by side")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    p = bsub.add_parser("comm", help="collective bandwidth: native vs star/ring/tree (nccl-tests style)")
+    comm_bench.add_arguments(p)
+    p.set_defaults(func=comm_bench.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except DistrainError as e:
+        print(f"distrain: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

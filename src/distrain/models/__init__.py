@@ -1,0 +1,44 @@
+"""Models for distrain. They know nothing about parallelism; each exposes
+``self.layers`` (an nn.ModuleList run in a plain loop) so that pipeline and
+tensor parallelism can be applied from outside."""
+
+from distrain.models.gpt import (
+    GPT,
+    Block,
+    CausalSelfAttention,
+    Embedding,
+    GPTConfig,
+    Head,
+    MLPBlock,
+    generate,
+    lm_loss,
+)
+from distrain.models.mlp import MLP, classification_loss
+from distrain.models.registry import (
+    MODEL_PRESETS,
+    build_model,
+    count_parameters,
+    list_models,
+    model_kind,
+    preset_config,
+)
+
+__all__ = [
+    "GPT",
+    "Block",
+    "CausalSelfAttention",
+    "Embedding",
+    "GPTConfig",
+    "Head",
+    "MLP",
+    "MLPBlock",
+    "MODEL_PRESETS",
+    "build_model",
+    "classification_loss",
+    "count_parameters",
+    "generate",
+    "list_models",
+    "lm_loss",
+    "model_kind",
+    "preset_config",
+]

@@ -1,0 +1,230 @@
+"""A small GPT (decoder-only transformer) laid out for pipeline and tensor parallelism.
+
+Layout contract (other parts of distrain rely on it; keep it when editing):
+
+* ``GPT.layers = nn.ModuleList([Embedding, Block, ..., Block, Head])`` and
+  ``GPT.forward`` is exactly ``for layer in self.layers: x = layer(x)``; a
+  pipeline stage is a contiguous slice of ``layers``.
+  Embedding: ids ``(B, T)`` -> ``(B, T, C)``; Block: ``(B, T, C)`` -> ``(B, T, C)``;
+  Head: ``(B, T, C)`` -> logits ``(B, T, V)``. The loss is :func:`lm_loss`, outside.
+* ``Embedding.wte`` (V x C), ``Embedding.wpe`` (block_size x C);
+  ``Block.ln_1, attn, ln_2, mlp``; ``CausalSelfAttention.q_proj/k_proj/v_proj/o_proj``
+  (nn.Linear C->C with bias); ``MLPBlock.fc`` (C->4C) and ``MLPBlock.proj`` (4C->C);
+  ``Head.ln_f`` and ``Head.lm_head`` (C->V, no bias).
+* Attention reads its head count from the weights at run time:
+  ``n_local_heads = q_proj.out_features // head_dim``; so q/k/v may be replaced by
+  column-parallel linears holding a subset of heads (and o_proj by a row-parallel
+  one) without touching this file. Same for the MLP: nothing assumes fc's width.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distrain.errors import ConfigError
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    block_size: int = 64
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"GPTConfig.{name} must be a positive int, got {v!r}")
+        if self.n_embd % self.n_head != 0:
+            raise ConfigError(
+                f"GPTConfig: n_embd {self.n_embd} is not divisible by n_head {self.n_head}; "
+                f"choose n_embd a multiple of n_head (e.g. {self.n_head * max(1, round(self.n_embd / self.n_head))})"
+            )
+        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+class Embedding(nn.Module):
+    """Token + learned position embedding: ids (B, T) -> (B, T, C)."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.block_size = config.block_size
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[-1]
+        if T > self.wpe.num_embeddings:
+            raise ConfigError(f"sequence length {T} exceeds block_size {self.wpe.num_embeddings}")
+        pos = torch.arange(T, device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        C = config.n_embd
+        self.head_dim = config.head_dim  # plain int: the head count is derived from q_proj at run time
+        self.q_proj = nn.Linear(C, C, bias=True)
+        self.k_proj = nn.Linear(C, C, bias=True)
+        self.v_proj = nn.Linear(C, C, bias=True)
+        self.o_proj = nn.Linear(C, C, bias=True)
+        self.dropout = config.dropout
+        self.resid_drop = nn.Dropout(config.dropout)
+
+    @property
+    def n_local_heads(self) -> int:
+        return self.q_proj.out_features // self.head_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        n_local_heads = self.q_proj.out_features // self.head_dim
+        hd = self.head_dim
+        q = self.q_proj(x).view(B, T, n_local_heads, hd).transpose(1, 2)  # (B, h, T, hd)
+        k = self.k_proj(x).view(B, T, n_local_heads, hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, n_local_heads, hd).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                           is_causal=True)
+        y = y.transpose(1, 2).reshape(B, T, n_local_heads * hd)
+        return self.resid_drop(self.o_proj(y))
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        C = config.n_embd
+        self.fc = nn.Linear(C, 4 * C, bias=True)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(4 * C, C, bias=True)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(self.act(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x))."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLPBlock(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class Head(nn.Module):
+    """Final LayerNorm + linear to vocabulary logits: (B, T, C) -> (B, T, V)."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer; ``forward(idx)`` returns logits (B, T, vocab_size).
+
+    No weight tying between ``wte`` and ``lm_head``: tying would make the first and
+    the last pipeline stage share a parameter (and its gradient), so they could not
+    be placed on different ranks independently. With V=256 untying costs V*C params.
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(
+            [Embedding(config)] + [Block(config) for _ in range(config.n_layer)] + [Head(config)]
+        )
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 init: N(0, 0.02) for linear and embedding weights, zero biases,
+        LayerNorm (1, 0), and residual projections (attn.o_proj, mlp.proj) with
+        std 0.02 / sqrt(2 * n_layer). Deterministic under torch.manual_seed."""
+        resid_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                std = resid_std if name.endswith(("attn.o_proj", "mlp.proj")) else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = idx
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy of logits (..., V) against int targets (...)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+@torch.no_grad()
+def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Append ``max_new_tokens`` sampled tokens to ``idx`` (B, T) and return (B, T + new).
+
+    The context is cropped to the model's block size. ``temperature == 0`` means greedy
+    (argmax); ``top_k`` keeps the k most likely tokens; ``generator`` makes sampling
+    reproducible. The model is put in eval mode during sampling and restored after.
+    """
+    if temperature < 0:
+        raise ConfigError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ConfigError(f"top_k must be >= 1 or None, got {top_k}")
+    if idx.dim() == 1:
+        idx = idx.unsqueeze(0)
+    block_size = model.config.block_size if hasattr(model, "config") else model.layers[0].wpe.num_embeddings
+    was_training = model.training
+    model.eval()
+    try:
+        for _ in range(max_new_tokens):
+            logits = model(idx[:, -block_size:])[:, -1, :].float()
+            if temperature == 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    k = min(top_k, logits.shape[-1])
+                    kth = torch.topk(logits, k, dim=-1).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                probs = torch.softmax(logits, dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=generator)
+            idx = torch.cat([idx, nxt.to(idx.dtype)], dim=1)
+    finally:
+        model.train(was_training)
+    return idx

@@ -1,0 +1,78 @@
+"""Model presets and ``build_model(name, **overrides)``.
+
+Parameter counts (from :func:`count_parameters`):
+
+* ``gpt-tiny``  (block 16, 4 layers, 4 heads, C=32, V=256):      67,776
+* ``gpt-small`` (block 64, 4 layers, 4 heads, C=128, V=256):    867,072
+  (85-115 ms for forward+backward of a (32, 64) batch on 2 shared CPU cores, fp32)
+* ``mlp``       (784 -> 1536 -> 1536 -> 768 -> 10):         4,754,698
+* ``mlp-tiny``  (64 -> 64 -> 32 -> 10, for 8x8 digits):          6,570
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch.nn as nn
+
+from distrain.errors import ConfigError
+from distrain.models.gpt import GPT, GPTConfig
+from distrain.models.mlp import MLP
+
+# name -> (kind, keyword arguments)
+MODEL_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "gpt-tiny": ("gpt", dict(vocab_size=256, block_size=16, n_layer=4, n_head=4, n_embd=32)),
+    "gpt-small": ("gpt", dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)),
+    "mlp": ("mlp", dict(in_features=784, hidden=(1536, 1536, 768), num_classes=10)),
+    "mlp-tiny": ("mlp", dict(in_features=64, hidden=(64, 32), num_classes=10)),
+}
+
+_VALID_KEYS: dict[str, list[str]] = {
+    "gpt": GPTConfig.field_names(),
+    "mlp": ["in_features", "hidden", "num_classes"],
+}
+_BUILDERS: dict[str, Callable[..., nn.Module]] = {
+    "gpt": lambda **kw: GPT(GPTConfig(**kw)),
+    "mlp": lambda **kw: MLP(**kw),
+}
+
+
+def list_models() -> list[str]:
+    return sorted(MODEL_PRESETS)
+
+
+def model_kind(name: str) -> str:
+    """``"gpt"`` or ``"mlp"``."""
+    return _lookup(name)[0]
+
+
+def preset_config(name: str, **overrides) -> dict[str, Any]:
+    """The keyword arguments ``build_model(name, **overrides)`` would use."""
+    kind, base = _lookup(name)
+    bad = sorted(set(overrides) - set(_VALID_KEYS[kind]))
+    if bad:
+        raise ConfigError(
+            f"model {name!r} has no option(s) {bad}; valid options: {', '.join(_VALID_KEYS[kind])}"
+        )
+    cfg = copy.deepcopy(base)
+    cfg.update(overrides)
+    return cfg
+
+
+def build_model(name: str, **overrides) -> nn.Module:
+    """Build a preset, e.g. ``build_model("gpt-small", n_layer=8)``. Call
+    ``torch.manual_seed`` first for a reproducible init."""
+    kind = model_kind(name)
+    return _BUILDERS[kind](**preset_config(name, **overrides))
+
+
+def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
+    """Number of (unique) parameter elements."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def _lookup(name: str) -> tuple[str, dict[str, Any]]:
+    if name not in MODEL_PRESETS:
+        raise ConfigError(f"unknown model {name!r}; valid names: {', '.join(list_models())}")
+    return MODEL_PRESETS[name]

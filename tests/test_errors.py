@@ -1,0 +1,193 @@
+"""Bad input and failing ranks give precise errors, never a hang."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import distrain
+from distrain import comm
+from distrain.errors import CommError, ConfigError, RankFailedError, SpawnTimeoutError
+
+
+def _expect(fn, exc, *fragments) -> str:
+    """Run fn, return '' if it raised exc with every fragment in the message, else a complaint."""
+    try:
+        fn()
+    except exc as e:
+        missing = [f for f in fragments if f not in str(e)]
+        return f"message lacks {missing}: {e}" if missing else ""
+    except Exception as e:  # noqa: BLE001
+        return f"raised {type(e).__name__} instead of {exc.__name__}: {e}"
+    return f"did not raise {exc.__name__}"
+
+
+def _bad_arguments(rank: int) -> list[str]:
+    P = 3
+    t = torch.ones(4)
+    checks = {
+        "src outside group": _expect(lambda: comm.broadcast(t, src=7, algorithm="ring"), ConfigError,
+                                     "broadcast", "src=7", "not a member", "[0, 1, 2]"),
+        "dst outside group": _expect(lambda: comm.reduce(t, dst=-1), ConfigError, "reduce", "dst=-1"),
+        "unknown algorithm": _expect(lambda: comm.all_reduce(t, algorithm="butterfly"), ConfigError,
+                                     "all_reduce", "'butterfly'", "native, star, ring, tree"),
+        "unknown op": _expect(lambda: comm.all_reduce(t, op="median"), ConfigError, "all_reduce", "'median'"),
+        "avg on ints": _expect(lambda: comm.all_reduce(torch.ones(3, dtype=torch.int64), op="avg", algorithm="tree"),
+                               ConfigError, "all_reduce", "avg", "int64"),
+        "bitwise on floats": _expect(lambda: comm.all_reduce(t, op="bxor"), ConfigError, "bxor", "float32"),
+        "unsupported dtype": _expect(lambda: comm.all_reduce(torch.ones(2, dtype=torch.complex64)), ConfigError,
+                                     "complex64"),
+        "list too short": _expect(lambda: comm.all_gather([torch.ones(4)] * 2, t, algorithm="ring"), ConfigError,
+                                  "all_gather", "2 tensors", f"{P} ranks"),
+        "list shape": _expect(lambda: comm.reduce_scatter(torch.ones(2), [torch.ones(2), torch.ones(3), torch.ones(2)]),
+                              ConfigError, "reduce_scatter", "input_list[1]", "(3,)", "(2,)"),
+        "not a tensor": _expect(lambda: comm.broadcast([1, 2], src=0), ConfigError, "broadcast", "list"),
+        "scatter_list on non-src": _expect(
+            lambda: comm.scatter(t, [t, t, t] if rank != 0 else None, src=0), ConfigError, "must be None") if rank else "",
+        "gather_list missing on dst": _expect(lambda: comm.gather(t, None, dst=rank), ConfigError, "gather_list",
+                                              "required"),
+        "p2p to self": _expect(lambda: comm.send(t, dst=rank), ConfigError, "itself"),
+        "p2p reserved tag": _expect(lambda: comm.send(t, dst=(rank + 1) % P, tag=1 << 25), ConfigError, "tag"),
+    }
+    comm.barrier()  # nobody left a half-done collective behind: the group still works
+    x = torch.full((2,), float(rank))
+    comm.all_reduce(x, algorithm="ring")
+    checks["group still usable"] = "" if torch.all(x == 3) else f"after errors all_reduce gave {x.tolist()}"
+    return [f"rank {rank} {k}: {v}" for k, v in checks.items() if v]
+
+
+@pytest.mark.timeout(120)
+def test_bad_arguments_raise_clear_errors():
+    bad = [x for r in distrain.spawn(_bad_arguments, 3, timeout=90) for x in r]
+    assert not bad, "\n".join(bad)
+
+
+def _mismatched_shapes(rank: int) -> None:
+    comm.all_reduce(torch.ones(4), algorithm="ring")  # a matching call first: call #1
+    comm.all_reduce(torch.ones(5 if rank == 2 else 4), algorithm="ring")
+
+
+@pytest.mark.timeout(120)
+def test_debug_mode_names_the_rank_with_a_different_shape():
+    with pytest.raises(RankFailedError) as ei:
+        distrain.spawn(_mismatched_shapes, 3, timeout=60, env={"DISTRAIN_DEBUG": "1"})
+    msg = str(ei.value)
+    assert "ranks disagree (debug check) on numel, shape" in msg
+    assert "rank(s) [2] differ from rank 0" in msg
+    assert "call #2 all_reduce(algorithm=ring) dtype=float32 shape=(5,)" in msg
+
+
+def _mismatched_collectives(rank: int) -> None:
+    t = torch.ones(3)
+    if rank == 1:
+        comm.broadcast(t, src=0, algorithm="tree")
+    else:
+        comm.all_reduce(t, algorithm="tree")
+
+
+@pytest.mark.timeout(120)
+def test_debug_mode_names_the_rank_calling_another_collective():
+    with pytest.raises(RankFailedError) as ei:
+        distrain.spawn(_mismatched_collectives, 3, timeout=60, env={"DISTRAIN_DEBUG": "1"})
+    assert "collective" in str(ei.value) and "rank(s) [1] differ" in str(ei.value)
+
+
+def _raises_on_rank_1(rank: int) -> None:
+    if rank == 1:
+        raise ValueError("boom on purpose")
+    comm.barrier()  # rank 0 would wait forever for rank 1: spawn must end it
+
+
+@pytest.mark.timeout(60)
+def test_failing_rank_brings_the_others_down_with_its_traceback():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError) as ei:
+        distrain.spawn(_raises_on_rank_1, 2, timeout=45)
+    assert ei.value.rank == 1
+    assert "ValueError: boom on purpose" in str(ei.value) and "_raises_on_rank_1" in str(ei.value)
+    assert time.monotonic() - t0 < 30  # not the timeout
+
+
+def _dies_on_rank_0(rank: int) -> None:
+    if rank == 0:
+        os._exit(3)
+    comm.barrier()
+
+
+@pytest.mark.timeout(60)
+def test_rank_that_dies_without_a_traceback():
+    with pytest.raises(RankFailedError, match="rank 0 failed:\nprocess exited with code 3"):
+        distrain.spawn(_dies_on_rank_0, 2, timeout=45)
+
+
+def _hangs(rank: int) -> None:
+    if rank == 1:
+        time.sleep(120)
+    comm.barrier()
+
+
+@pytest.mark.timeout(60)
+def test_spawn_timeout_names_the_ranks_still_running():
+    t0 = time.monotonic()
+    with pytest.raises(SpawnTimeoutError, match=r"rank\(s\) \[0, 1\] still running"):
+        distrain.spawn(_hangs, 2, timeout=8)
+    assert time.monotonic() - t0 < 30
+
+
+def _returns(rank: int, base: int) -> dict:
+    import torch.distributed as dist
+
+    return {"rank": rank, "world": dist.get_world_size(), "value": base + rank, "tensor": torch.arange(3) * rank}
+
+
+@pytest.mark.timeout(60)
+def test_spawn_returns_values_in_rank_order():
+    res = distrain.spawn(_returns, 3, args=(100,), timeout=45)
+    assert [r["value"] for r in res] == [100, 101, 102]
+    assert all(r["world"] == 3 for r in res)
+    assert torch.equal(res[2]["tensor"], torch.tensor([0, 2, 4]))
+
+
+def test_spawn_rejects_bad_arguments():
+    with pytest.raises(ConfigError, match="nprocs must be a positive int"):
+        distrain.spawn(_returns, 0)
+    with pytest.raises(ConfigError, match="backend must be"):
+        distrain.spawn(_returns, 1, backend="mpi")
+
+
+def _run_python(code: str, env: dict, timeout: float = 60) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    full_env.update(env)
+    return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_init_without_launcher_environment_says_what_is_missing():
+    p = _run_python("import distrain; distrain.runtime.init()", {"RANK": "0"})
+    assert p.returncode != 0
+    assert "WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set" in p.stderr
+    assert "distrain launch --nproc-per-node N" in p.stderr
+
+
+@pytest.mark.timeout(60)
+def test_rank_that_never_joins_is_named():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # rank 0 of a world of 3 starts alone: ranks 1 and 2 never join
+    p = _run_python("import distrain; distrain.runtime.init(timeout=3)",
+                    {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    assert p.returncode != 0
+    assert "rank 0: timed out after 3s waiting for rank(s) [1, 2] to join the process group" in p.stderr
+
+
+def test_collective_without_process_group():
+    with pytest.raises(CommError, match="torch.distributed is not initialized"):
+        comm.all_reduce(torch.ones(2))
