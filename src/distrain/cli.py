@@ -1,6 +1,7 @@
 """The ``distrain`` command: subcommands map onto library calls.
 
     distrain launch --nproc-per-node N [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT] script.py ARGS
+    distrain train --nproc 2 --strategy ddp --algorithm ring --model gpt-small --data shakespeare
     distrain bench comm --nproc 4 --ops all_reduce --algorithms native,ring --sizes 4K,4M
 
 Each subcommand module registers its own flags (``add_arguments(parser)``) and runs with
@@ -31,6 +32,31 @@ def _run_launch(args: argparse.Namespace) -> int:
                   rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts)
 
 
+def _config_arguments(p: argparse.ArgumentParser, cls) -> None:
+    """One flag per dataclass field (``batch_size`` -> ``--batch-size``), typed from its default."""
+    import dataclasses
+
+    for f in dataclasses.fields(cls):
+        if f.name == "extra":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if isinstance(default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        elif f.name in ("max_staleness",):
+            p.add_argument(flag, type=int, default=default)
+        else:
+            p.add_argument(flag, type=type(default) if default is not None else str, default=default)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from distrain.trainer import TrainConfig, train
+
+    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k not in ("command", "func")})
+    train(cfg)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from distrain.bench import comm_bench
 
@@ -40,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("launch", help="run a script on many ranks (torchrun underneath)")
     _launch_arguments(p)
     p.set_defaults(func=_run_launch)
+
+    from distrain.trainer.config import TrainConfig
+
+    p = sub.add_parser("train", help="train a model: single process, DDP, torch DDP or a parameter server",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _config_arguments(p, TrainConfig)
+    p.set_defaults(func=_run_train)
 
     bench = sub.add_parser("bench", help="benchmarks that compare ours with torch's, side by side")
     bsub = bench.add_subparsers(dest="bench", required=True)

@@ -1,0 +1,61 @@
+"""Run records: metrics.jsonl (one JSON object per step), the loss-curve PNG, the summary table."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+class MetricsLog:
+    """Append-only JSON lines, one object per step with at least ``step`` and ``loss``.
+
+    On resume, lines for steps >= the resumed step (written after the checkpoint by a run
+    that then died) are dropped, so the file reads as one uninterrupted run.
+    """
+
+    def __init__(self, path: str | os.PathLike, start_step: int = 0):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if start_step > 0 and self.path.exists():
+            kept = [ln for ln in self.path.read_text().splitlines()
+                    if ln.strip() and json.loads(ln).get("step", -1) < start_step]
+        self.path.write_text("".join(ln + "\n" for ln in kept))
+
+    def write(self, records: list[dict]) -> None:
+        with self.path.open("a") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
+
+
+def plot_losses(metrics_path: str | os.PathLike, png_path: str | os.PathLike, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1, label="train loss")
+    val = [r for r in rows if "val_loss" in r]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    return Path(png_path)
+
+
+def format_table(rows: list[tuple[str, str]]) -> str:
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
