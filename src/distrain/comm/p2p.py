@@ -13,6 +13,8 @@ Seeds: P2P communication (blocking ``send``/``recv`` and non-blocking ``isend``/
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from distrain.comm import ledger as _ledger
@@ -23,6 +25,33 @@ from distrain.errors import CommError, ConfigError
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+_workspace = threading.local()
+
+
+def scratch(numel: int, dtype: torch.dtype, device, slot: int = 0) -> torch.Tensor:
+    """A reusable temporary of ``numel`` elements (contents undefined).
+
+    Why: a fresh large CPU allocation is returned to the OS when freed, and touching it
+    again page-faults every 4 KiB page; here that cost 50 ms for 32 MiB, against 3 ms
+    for the addition done in it. Buffers are cached per thread (an async collective runs
+    on its group's worker thread while the caller may run another), per dtype, device and
+    ``slot`` (one call needing two temporaries uses two slots); they grow, never shrink.
+    """
+    cache = getattr(_workspace, "buffers", None)
+    if cache is None:
+        cache = _workspace.buffers = {}
+    key = (dtype, str(device), slot)
+    buf = cache.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = cache[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+def release_workspace() -> None:
+    """Free this thread's cached temporaries."""
+    _workspace.buffers = {}
 
 
 class _Done:

@@ -31,29 +31,58 @@ from __future__ import annotations
 import torch
 
 from distrain.comm.ops import Op
-from distrain.comm.p2p import PeerComm, waitall
+from distrain.comm.p2p import PeerComm, scratch, waitall
 
 # Broadcast pipelines pieces of this many bytes (more pieces = more overlap, more messages).
 PIPELINE_BYTES = 1 << 20
+# Ring steps are pipelined in pieces of about this size (at most MAX_PIECES per chunk).
+PIECE_BYTES = 1 << 20
+MAX_PIECES = 16
+
+
+def _pieces(t: torch.Tensor) -> list[torch.Tensor]:
+    """Split a chunk into pipeline pieces; sender and receiver derive the same split from
+    the chunk's size, so their messages match one to one."""
+    k = min(MAX_PIECES, max(1, -(-t.numel() * t.element_size() // PIECE_BYTES)))
+    return list(torch.tensor_split(t, k))
 
 
 def _reduce_scatter_chunks(pc: PeerComm, chunks: list[torch.Tensor], op: Op) -> None:
     P, r = pc.size, pc.rank
     nxt, prv = (r + 1) % P, (r - 1) % P
-    tmp = torch.empty(max(c.numel() for c in chunks), dtype=chunks[0].dtype, device=chunks[0].device)
+    # All receives are posted up front, each into its own scratch slot, and a piece is sent
+    # on as soon as it has been reduced: no rank idles on a handshake between steps (on a
+    # busy CPU each wake-up can cost a scheduler tick), and additions overlap transfers.
+    # Extra memory: (P-1)/P of the tensor.
+    m = max(c.numel() for c in chunks)
+    tmp = scratch((P - 1) * m, chunks[0].dtype, chunks[0].device)
+    acc = [_pieces(chunks[(r - s - 2) % P]) for s in range(P - 1)]  # step s adds into these
+    incoming = [_pieces(tmp[s * m:s * m + chunks[(r - s - 2) % P].numel()]) for s in range(P - 1)]
+    recvs = [[pc.irecv(x, prv) for x in step] for step in incoming]
+    sends = [pc.isend(x, nxt) for x in _pieces(chunks[(r - 1) % P])]  # step 0: our own data
     for s in range(P - 1):
-        send_c = chunks[(r - s - 1) % P]
-        recv_c = chunks[(r - s - 2) % P]
-        incoming = tmp[:recv_c.numel()]
-        pc.sendrecv(send_c, nxt, incoming, prv)
-        op.combine(recv_c, incoming)
+        for j, (a, x) in enumerate(zip(acc[s], incoming[s])):
+            recvs[s][j].wait()
+            op.combine(a, x)
+            if s < P - 2:  # the chunk reduced at step s is the one sent at step s + 1
+                sends.append(pc.isend(a, nxt))
+    waitall(sends)  # a piece in flight is never written again in this phase
 
 
 def _all_gather_chunks(pc: PeerComm, chunks: list[torch.Tensor]) -> None:
     P, r = pc.size, pc.rank
     nxt, prv = (r + 1) % P, (r - 1) % P
+    # Receives go straight to their final place, all posted up front; each received piece
+    # is forwarded as soon as it lands.
+    landing = [_pieces(chunks[(r - s - 1) % P]) for s in range(P - 1)]
+    recvs = [[pc.irecv(x, prv) for x in step] for step in landing]
+    sends = [pc.isend(x, nxt) for x in _pieces(chunks[r])]
     for s in range(P - 1):
-        pc.sendrecv(chunks[(r - s) % P], nxt, chunks[(r - s - 1) % P], prv)
+        for j, x in enumerate(landing[s]):
+            recvs[s][j].wait()
+            if s < P - 2:
+                sends.append(pc.isend(x, nxt))
+    waitall(sends)
 
 
 def all_reduce(pc: PeerComm, buf: torch.Tensor, op: Op) -> None:
@@ -75,7 +104,7 @@ def all_gather(pc: PeerComm, full: torch.Tensor, n: int) -> None:
 def reduce(pc: PeerComm, buf: torch.Tensor, root: int, op: Op) -> None:
     # Composed: reduce-scatter on a work copy (non-root inputs stay intact), then every
     # rank sends its reduced chunk to the root.
-    work = buf if pc.rank == root else buf.clone()
+    work = buf if pc.rank == root else scratch(buf.numel(), buf.dtype, buf.device, slot=1).copy_(buf)
     chunks = list(torch.tensor_split(work, pc.size))
     _reduce_scatter_chunks(pc, chunks, op)
     if pc.rank == root:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from distrain.comm.ops import Op
-from distrain.comm.p2p import PeerComm, waitall
+from distrain.comm.p2p import PeerComm, scratch, waitall
 
 ROOT = 0  # the master of the composed collectives
 
@@ -46,9 +46,10 @@ def reduce(pc: PeerComm, buf: torch.Tensor, root: int, op: Op) -> None:
         pc.send(buf, root)
         return
     # The root posts every receive at once, then folds contributions in rank order 0..P-1.
-    tmps = {p: torch.empty_like(buf) for p in range(pc.size) if p != root}
+    tmps = {p: scratch(buf.numel(), buf.dtype, buf.device, slot=p) for p in range(pc.size) if p != root}
     works = {p: pc.irecv(t, p) for p, t in tmps.items()}
-    own = buf.clone() if root != 0 else buf  # buf becomes the accumulator
+    # buf becomes the accumulator; a root other than 0 keeps its own contribution aside
+    own = scratch(buf.numel(), buf.dtype, buf.device, slot=root).copy_(buf) if root != 0 else buf
 
     def contribution(p: int) -> torch.Tensor:
         if p == root:

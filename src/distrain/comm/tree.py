@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from distrain.comm.ops import Op
-from distrain.comm.p2p import PeerComm, waitall
+from distrain.comm.p2p import PeerComm, scratch, waitall
 
 ROOT = 0
 
@@ -72,8 +72,8 @@ def reduce(pc: PeerComm, buf: torch.Tensor, root: int, op: Op) -> None:
         # Inner nodes accumulate in a copy (non-root inputs stay intact); all receives are
         # posted at once, then folded in child order (smallest subtree first, deterministic).
         if v:
-            acc = buf.clone()
-        tmps = [torch.empty_like(buf) for _ in kids]
+            acc = scratch(buf.numel(), buf.dtype, buf.device).copy_(buf)
+        tmps = [scratch(buf.numel(), buf.dtype, buf.device, slot=1 + i) for i in range(len(kids))]
         works = [pc.irecv(t, _real(c, root, P)) for t, c in zip(tmps, kids)]
         for t, w in zip(tmps, works):
             w.wait()

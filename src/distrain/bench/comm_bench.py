@@ -1,0 +1,479 @@
+"""``distrain bench comm``: collective time and bandwidth, native Gloo vs our star/ring/tree.
+
+An nccl-tests-style benchmark of the eight collectives of :mod:`distrain.comm`, with every
+algorithm measured side by side in one run.
+
+Method
+------
+For each world size P in ``--nproc``: one :func:`distrain.spawn` of P local ranks. Inside,
+for each op, then each size:
+
+1. allocate the buffers once (shared by all algorithms of that size; filled with zeros,
+   so repeated sums stay finite and no denormals appear);
+2. warm up: ``--warmup`` rounds, a round being one call of every algorithm;
+3. choose the iteration count (unless ``--iters`` is given): from the last warm-up round,
+   t = the slowest call (max over ranks and algorithms); iters = ceil(0.5 s / t) clamped
+   to [5, 50], i.e. about half a second for the slowest algorithm of the cell, at least 5
+   and at most 50 iterations. With ``--warmup 0`` one untimed probe round is run for it;
+4. time ``iters`` rounds. In round i the algorithms run back to back in an order rotated
+   by i (native, star, ring, tree; then star, ring, tree, native; ...) so that machine noise
+   and cache state hit every algorithm alike. Every single call is preceded by a native
+   ``torch.distributed.barrier()`` and timed on each rank with ``time.perf_counter`` around
+   the blocking call (``async_op=False``);
+5. gather every rank's per-iteration times to every rank (a native all_gather of a float64
+   tensor); per iteration take the max over ranks (the slowest rank's time: a collective is
+   done when its last rank is), then the median over iterations -> ``time``;
+6. one extra, untimed call per algorithm inside a :func:`distrain.comm.ledger` records the
+   payload bytes each rank sent (max over ranks, and the total); Gloo's native calls are
+   invisible to the ledger, so native has no byte count.
+
+All algorithms, native included, are called through :mod:`distrain.comm` (so the buffer
+copies that wrapper makes, e.g. for all_gather/reduce_scatter, are paid by every algorithm).
+
+Sizes and bandwidths follow nccl-tests (doc/PERFORMANCE.md): the size S is the bytes of the
+full buffer: the tensor for all_reduce/broadcast/reduce; the gathered output (P*n elements)
+for all_gather; the full input (P*n) for reduce_scatter; the full P*n buffer for
+scatter/gather, where n (the ``count`` column) is the per-rank element count passed to the
+call: S/elem for all_reduce/broadcast/reduce, S/(P*elem) rounded down otherwise (at least 1;
+the reported size is the exact P*n*elem). ``algbw = S / time`` and ``busbw = algbw * factor``
+with factor 2(P-1)/P for all_reduce, (P-1)/P for all_gather, reduce_scatter, scatter and
+gather, 1 for broadcast and reduce. GB/s = 1e9 bytes/s. barrier has no size: time only.
+Roots (src/dst) are rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+from distrain.bench import common
+from distrain.comm.api import ALGORITHM_NAMES, COLLECTIVES
+from distrain.comm.ops import SUPPORTED_DTYPES
+from distrain.errors import ConfigError
+
+DEFAULT_NPROC = "2,4"
+DEFAULT_OPS = "all_reduce"
+DEFAULT_ALGORITHMS = ",".join(ALGORITHM_NAMES)
+DEFAULT_SIZES = "4K,256K,4M,16M"
+TARGET_S = 0.5  # adaptive iterations: about this long per cell ...
+MIN_ITERS, MAX_ITERS = 5, 50  # ... but at least / at most this many iterations
+ROOT = 0
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in SUPPORTED_DTYPES if d != torch.bool}
+
+
+# ---------------------------------------------------------------------------------------
+# Size convention and bus-bandwidth factors (nccl-tests doc/PERFORMANCE.md)
+# ---------------------------------------------------------------------------------------
+
+def busbw_factor(op: str, P: int) -> float | None:
+    """busbw / algbw for ``op`` on P ranks; None for barrier (no bandwidth)."""
+    if op == "all_reduce":
+        return 2 * (P - 1) / P
+    if op in ("all_gather", "reduce_scatter", "scatter", "gather"):
+        return (P - 1) / P
+    if op in ("broadcast", "reduce"):
+        return 1.0
+    if op == "barrier":
+        return None
+    raise ConfigError(f"unknown collective {op!r}; use one of {', '.join(COLLECTIVES)}")
+
+
+def per_rank_count(op: str, size: int, P: int, elem: int) -> int:
+    """n: elements of the call's per-rank tensor for a requested full-buffer size in bytes."""
+    if op == "barrier":
+        return 0
+    if op in ("all_reduce", "broadcast", "reduce"):
+        return max(1, size // elem)
+    return max(1, size // (P * elem))
+
+
+def full_size(op: str, n: int, P: int, elem: int) -> int:
+    """S in bytes: the full buffer of nccl-tests' convention for per-rank count n."""
+    if op == "barrier":
+        return 0
+    if op in ("all_reduce", "broadcast", "reduce"):
+        return n * elem
+    return P * n * elem
+
+
+def bandwidths(op: str, size: int, P: int, seconds: float) -> tuple[float | None, float | None]:
+    """(algbw, busbw) in GB/s; (None, None) for barrier."""
+    f = busbw_factor(op, P)
+    if f is None:
+        return None, None
+    algbw = common.bandwidth_GBps(size, seconds)
+    return algbw, algbw * f
+
+
+# ---------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = ("Time the collectives of distrain.comm for every algorithm side by side and print "
+                     "nccl-tests-style tables (time, algbw, busbw). See docs/benchmarks.md.")
+    p.add_argument("--nproc", default=DEFAULT_NPROC,
+                   help=f"world size(s), e.g. 4 or 2,4: one spawn each (default {DEFAULT_NPROC})")
+    p.add_argument("--ops", default=DEFAULT_OPS,
+                   help=f"collectives, comma-separated or 'all', from {', '.join(COLLECTIVES)} "
+                        f"(default {DEFAULT_OPS}; barrier reports time only)")
+    p.add_argument("--algorithms", default=DEFAULT_ALGORITHMS,
+                   help=f"algorithms, comma-separated or 'all' (default {DEFAULT_ALGORITHMS})")
+    p.add_argument("--sizes", default=DEFAULT_SIZES,
+                   help=f"full-buffer sizes in bytes, K/M/G = powers of 1024 (default {DEFAULT_SIZES})")
+    p.add_argument("--dtype", default="float32", help=f"element type, one of {', '.join(_DTYPES)} (default float32)")
+    p.add_argument("--warmup", default="3", help="untimed rounds per (op, size) before timing (default 3)")
+    p.add_argument("--iters", default=None,
+                   help=f"timed rounds per (op, size); default adaptive: ceil({TARGET_S} s / slowest warm-up call) "
+                        f"clamped to [{MIN_ITERS}, {MAX_ITERS}]")
+    p.add_argument("--json", default=None, metavar="PATH", help="write every median and metadata as JSON")
+    p.add_argument("--plot", default=None, metavar="PATH", help="write a busbw-vs-size figure (PNG, matplotlib)")
+    p.add_argument("--timeout", default="3600", help="seconds allowed for each world size's spawn (default 3600)")
+
+
+def _int(text, flag: str, minimum: int) -> int:
+    try:
+        v = int(text)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{flag}: expected an integer, got {text!r}") from None
+    if v < minimum:
+        raise ConfigError(f"{flag}: must be >= {minimum}, got {v}")
+    return v
+
+
+def parse_config(args: argparse.Namespace) -> dict[str, Any]:
+    """Validate every flag (ConfigError with a clear message) into a plain, picklable dict."""
+    dtype = str(args.dtype).removeprefix("torch.")
+    if dtype not in _DTYPES:
+        raise ConfigError(f"--dtype: unknown or unsupported dtype {args.dtype!r}; use one of {', '.join(_DTYPES)}")
+    try:
+        timeout = float(args.timeout)
+    except (TypeError, ValueError):
+        raise ConfigError(f"--timeout: expected seconds, got {args.timeout!r}") from None
+    if not timeout > 0:
+        raise ConfigError(f"--timeout: must be positive, got {args.timeout!r}")
+    cfg = {
+        "nprocs": common.parse_ints(args.nproc, "--nproc", minimum=1),
+        "ops": common.parse_choices(args.ops, COLLECTIVES, "--ops"),
+        "algorithms": common.parse_choices(args.algorithms, ALGORITHM_NAMES, "--algorithms"),
+        "sizes": common.parse_sizes(args.sizes),
+        "dtype": dtype,
+        "warmup": _int(args.warmup, "--warmup", 0),
+        "iters": None if args.iters in (None, "", "auto") else _int(args.iters, "--iters", 1),
+        "timeout": timeout,
+        "target_s": TARGET_S,
+    }
+    if args.plot:
+        common.require_pyplot()  # fail before the (long) measurement, not after
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------
+# One (op, size) case on one rank
+# ---------------------------------------------------------------------------------------
+
+def _make_call(op: str, n: int, P: int, rank: int, dtype: torch.dtype) -> Callable[[str], None]:
+    """Allocate op's buffers once; return call(algorithm) doing one blocking collective."""
+    from distrain import comm
+
+    z = lambda k: torch.zeros(k, dtype=dtype)  # noqa: E731
+    if op == "all_reduce":
+        t = z(n)
+        return lambda a: comm.all_reduce(t, algorithm=a)
+    if op == "broadcast":
+        t = z(n)
+        return lambda a: comm.broadcast(t, src=ROOT, algorithm=a)
+    if op == "reduce":
+        t = z(n)
+        return lambda a: comm.reduce(t, dst=ROOT, algorithm=a)
+    if op == "all_gather":
+        t, lst = z(n), [z(n) for _ in range(P)]
+        return lambda a: comm.all_gather(lst, t, algorithm=a)
+    if op == "reduce_scatter":
+        out, lst = z(n), [z(n) for _ in range(P)]
+        return lambda a: comm.reduce_scatter(out, lst, algorithm=a)
+    if op == "scatter":
+        out, lst = z(n), ([z(n) for _ in range(P)] if rank == ROOT else None)
+        return lambda a: comm.scatter(out, lst, src=ROOT, algorithm=a)
+    if op == "gather":
+        t, lst = z(n), ([z(n) for _ in range(P)] if rank == ROOT else None)
+        return lambda a: comm.gather(t, lst, dst=ROOT, algorithm=a)
+    if op == "barrier":
+        return lambda a: comm.barrier(algorithm=a)
+    raise ConfigError(f"unknown collective {op!r}")
+
+
+def _timed_round(call, algs: list[str], order_shift: int, dist) -> list[float]:
+    """One call of every algorithm (order rotated by order_shift); returns seconds per algorithm."""
+    A = len(algs)
+    out = [0.0] * A
+    for j in range(A):
+        k = (j + order_shift) % A
+        dist.barrier()
+        t0 = time.perf_counter()
+        call(algs[k])
+        out[k] = time.perf_counter() - t0
+    return out
+
+
+def _case(rank: int, P: int, op: str, size: int, cfg: dict, dist) -> list[dict]:
+    from distrain import comm
+
+    dtype = _DTYPES[cfg["dtype"]]
+    elem = torch.tensor([], dtype=dtype).element_size()
+    algs = cfg["algorithms"]
+    A = len(algs)
+    n = per_rank_count(op, size, P, elem)
+    S = full_size(op, n, P, elem)
+    call = _make_call(op, n, P, rank, dtype)
+
+    last = None
+    for w in range(cfg["warmup"]):
+        last = _timed_round(call, algs, w, dist)
+    iters = cfg["iters"]
+    if iters is None:
+        if last is None:  # --warmup 0: one untimed probe round
+            last = _timed_round(call, algs, 0, dist)
+        probe = torch.tensor([max(last)], dtype=torch.float64)
+        dist.all_reduce(probe, op=dist.ReduceOp.MAX)  # identical on every rank -> same iters
+        iters = common.adaptive_iters(probe.item(), cfg["target_s"], MIN_ITERS, MAX_ITERS)
+
+    times = torch.zeros(A, iters, dtype=torch.float64)
+    for i in range(iters):
+        times[:, i] = torch.tensor(_timed_round(call, algs, i, dist), dtype=torch.float64)
+
+    # Traffic: one extra untimed call per algorithm under a ledger.
+    traffic = torch.zeros(A, 2, dtype=torch.int64)
+    for k, a in enumerate(algs):
+        dist.barrier()
+        with comm.ledger() as led:
+            call(a)
+        traffic[k, 0] = led.bytes_sent(op, a)
+        traffic[k, 1] = led.bytes_recv(op, a)
+
+    all_times = [torch.empty_like(times) for _ in range(P)]
+    dist.all_gather(all_times, times)
+    all_traffic = [torch.empty_like(traffic) for _ in range(P)]
+    dist.all_gather(all_traffic, traffic)
+
+    records = []
+    for k, a in enumerate(algs):
+        per_rank = [t[k].tolist() for t in all_times]  # [rank][iteration]
+        slowest = common.slowest_rank_times(per_rank)
+        sec = common.median(slowest)
+        algbw, busbw = bandwidths(op, S, P, sec)
+        sent = [int(t[k, 0]) for t in all_traffic]
+        recv = [int(t[k, 1]) for t in all_traffic]
+        native = a == "native"
+        records.append({
+            "P": P, "op": op, "algorithm": a, "dtype": cfg["dtype"],
+            "size_bytes": S, "requested_size_bytes": size if op != "barrier" else 0, "count": n,
+            "iters": iters, "warmup": cfg["warmup"],
+            "time_us": sec * 1e6, "algbw_GBps": algbw, "busbw_GBps": busbw,
+            "busbw_factor": busbw_factor(op, P),
+            "bytes_sent_max_rank": None if native else max(sent),
+            "bytes_recv_max_rank": None if native else max(recv),
+            "bytes_sent_total": None if native else sum(sent),
+            "times_us": [t * 1e6 for t in slowest],  # per iteration, slowest rank
+        })
+    return records
+
+
+def _worker(rank: int, cfg: dict) -> list[dict] | None:
+    """Runs on every rank of one spawn; rank 0 returns the records."""
+    import torch.distributed as dist
+
+    P = dist.get_world_size()
+    records: list[dict] = []
+    sizes = cfg["sizes"]
+    t_start = time.perf_counter()
+    for op in cfg["ops"]:
+        for size in (sizes if op != "barrier" else [0]):
+            t0 = time.perf_counter()
+            recs = _case(rank, P, op, size, cfg, dist)
+            records += recs
+            if rank == 0:
+                cells = "  ".join(f"{r['algorithm']} {r['time_us']:.0f}us" for r in recs)
+                common.progress(f"[P={P}] {op} {common.format_size(size) if size else '-'}: iters={recs[0]['iters']}  "
+                                f"{cells}  ({time.perf_counter() - t0:.1f}s, total {time.perf_counter() - t_start:.0f}s)")
+    return records if rank == 0 else None
+
+
+# ---------------------------------------------------------------------------------------
+# Output: tables, JSON, plot
+# ---------------------------------------------------------------------------------------
+
+def _cases(records: list[dict]) -> list[tuple[int, str]]:
+    return common._dedup((r["P"], r["op"]) for r in records)
+
+
+def _rows(records: list[dict], P: int, op: str, algs: list[str]):
+    """(size, count, {algorithm: record}) rows of one (P, op), in size order."""
+    by_size: dict[int, dict[str, dict]] = {}
+    counts: dict[int, int] = {}
+    for r in records:
+        if r["P"] == P and r["op"] == op:
+            by_size.setdefault(r["size_bytes"], {})[r["algorithm"]] = r
+            counts[r["size_bytes"]] = r["count"]
+    return [(s, counts[s], by_size[s]) for s in sorted(by_size)]
+
+
+def ratio(records: list[dict], P: int, op: str, size: int, num: str = "ring", den: str = "native",
+          key: str = "busbw_GBps") -> float | None:
+    """records' ``key`` of algorithm num over den at (P, op, size); None if either is missing."""
+    got = {r["algorithm"]: r[key] for r in records
+           if r["P"] == P and r["op"] == op and r["size_bytes"] == size}
+    a, b = got.get(num), got.get(den)
+    return a / b if a is not None and b else None
+
+
+def format_tables(records: list[dict], algs: list[str], dtype: str) -> str:
+    out = []
+    with_ratio = "ring" in algs and "native" in algs
+    for P, op in _cases(records):
+        rows_in = _rows(records, P, op, algs)
+        groups = [("", ["size", "count"])]
+        if op == "barrier":
+            groups += [(a, ["time(us)"]) for a in algs]
+        else:
+            groups += [(a, ["time(us)", "algbw", "busbw"]) for a in algs]
+            if with_ratio:
+                groups.append(("ring/native", ["busbw"]))
+        rows = []
+        for size, count, recs in rows_in:
+            row = [str(size), str(count)]
+            for a in algs:
+                r = recs.get(a)
+                row.append(common.fmt_num(r["time_us"], 1) if r else "-")
+                if op != "barrier":
+                    row += [common.fmt_num(r["algbw_GBps"], 3) if r else "-", common.fmt_num(r["busbw_GBps"], 3) if r else "-"]
+            if op != "barrier" and with_ratio:
+                row.append(common.fmt_num(ratio(records, P, op, size)))
+            rows.append(row)
+        f = busbw_factor(op, P)
+        title = (f"{op}  P={P}  {dtype}  time = median over iterations of the slowest rank (us); "
+                 + ("barrier: time only" if f is None else f"algbw, busbw in GB/s (1e9 B/s); busbw = algbw * {f:g}"))
+        out.append(common.format_table(groups, rows, title))
+    return "\n\n".join(out)
+
+
+def format_markdown(records: list[dict], algs: list[str]) -> str:
+    """The tables of format_tables as Markdown (for docs/benchmarks.md)."""
+    out = []
+    with_ratio = "ring" in algs and "native" in algs
+    for P, op in _cases(records):
+        headers = ["size", "count"]
+        for a in algs:
+            headers += [f"{a} us"] if op == "barrier" else [f"{a} us", f"{a} algbw", f"{a} busbw"]
+        if op != "barrier" and with_ratio:
+            headers.append("ring/native busbw")
+        rows = []
+        for size, count, recs in _rows(records, P, op, algs):
+            row = [common.format_size(size) if size else "-", str(count)]
+            for a in algs:
+                r = recs.get(a)
+                row.append(common.fmt_num(r["time_us"], 0) if r else "-")
+                if op != "barrier":
+                    row += [common.fmt_num(r["algbw_GBps"], 3) if r else "-",
+                            common.fmt_num(r["busbw_GBps"], 3) if r else "-"]
+            if op != "barrier" and with_ratio:
+                row.append(common.fmt_num(ratio(records, P, op, size)))
+            rows.append(row)
+        out.append(f"**{op}, P={P}** (time in µs, bandwidths in GB/s)\n\n" + common.markdown_table(headers, rows))
+    return "\n\n".join(out)
+
+
+def plot(records: list[dict], algs: list[str], path: str) -> None:
+    plt = common.require_pyplot()
+    cases = [(P, op) for P, op in _cases(records) if op != "barrier"]
+    if not cases:
+        common.progress("--plot: only barrier was measured; nothing to plot")
+        return
+    Ps = common._dedup(P for P, _ in cases)
+    ops = common._dedup(op for _, op in cases)
+    fig, axes = plt.subplots(len(Ps), len(ops), figsize=(4.2 * len(ops), 3.4 * len(Ps)), squeeze=False,
+                             sharex=True)
+    markers = {"native": "o", "star": "s", "ring": "^", "tree": "v"}
+    for i, P in enumerate(Ps):
+        for j, op in enumerate(ops):
+            ax = axes[i][j]
+            for a in algs:
+                pts = sorted((r["size_bytes"], r["busbw_GBps"]) for r in records
+                             if r["P"] == P and r["op"] == op and r["algorithm"] == a and r["busbw_GBps"] is not None)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers.get(a, "."), label=a)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{op}, P={P}", fontsize=10)
+            ax.grid(True, which="both", alpha=0.3)
+            if j == 0:
+                ax.set_ylabel("busbw (GB/s)")
+            if i == len(Ps) - 1:
+                ax.set_xlabel("size S (bytes)")
+            if (P, op) not in cases:
+                ax.set_visible(False)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(labels), frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------
+
+def measure(cfg: dict) -> list[dict]:
+    """Run every world size of cfg (one spawn each) and return all records."""
+    import distrain
+
+    records: list[dict] = []
+    for P in cfg["nprocs"]:
+        common.progress(f"[P={P}] spawning {P} ranks: ops {','.join(cfg['ops'])}; algorithms "
+                        f"{','.join(cfg['algorithms'])}; sizes {','.join(map(common.format_size, cfg['sizes']))}")
+        t0 = time.perf_counter()
+        results = distrain.spawn(_worker, P, args=(cfg,), timeout=cfg["timeout"])
+        records += results[0]
+        common.progress(f"[P={P}] done in {time.perf_counter() - t0:.1f}s")
+    return records
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The equivalent ``distrain bench comm ...`` command, every flag spelled out."""
+    parts = ["distrain", "bench", "comm"]
+    for flag in ("nproc", "ops", "algorithms", "sizes", "dtype", "warmup", "iters", "json", "plot", "timeout"):
+        v = getattr(args, flag, None)
+        if v is not None:
+            parts += [f"--{flag}", str(v)]
+    return " ".join(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = parse_config(args)
+    t0 = time.perf_counter()
+    records = measure(cfg)
+    elapsed = time.perf_counter() - t0
+    print(format_tables(records, cfg["algorithms"], cfg["dtype"]))
+    sys.stdout.flush()
+    if args.json:
+        meta = common.metadata(command_line(args), benchmark="comm", nprocs=cfg["nprocs"], ops=cfg["ops"],
+                               algorithms=cfg["algorithms"], sizes=cfg["sizes"], dtype=cfg["dtype"],
+                               warmup=cfg["warmup"], iters=cfg["iters"] if cfg["iters"] else
+                               f"adaptive: ceil({TARGET_S}s / slowest warm-up call), clamped to [{MIN_ITERS}, {MAX_ITERS}]",
+                               elapsed_s=round(elapsed, 1),
+                               threads_per_rank={str(P): max(1, (os.cpu_count() or 1) // P) for P in cfg["nprocs"]},
+                               method="per call: native barrier, perf_counter around the blocking call; "
+                                      "per iteration max over ranks; median over iterations; "
+                                      "algorithms interleaved in rotated order per round")
+        common.write_json(args.json, meta, records)
+        common.progress(f"wrote {args.json}")
+    if args.plot:
+        plot(records, cfg["algorithms"], args.plot)
+        common.progress(f"wrote {args.plot}")
+    common.progress(f"bench comm: {len(records)} records in {elapsed:.1f}s")
+    return 0
