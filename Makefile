@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# the main job: train the small GPT on Shakespeare with our DDP (2 processes, ring all-reduce)
 run: install
-	$(VENV)/bin/distrain bench comm
+	$(VENV)/bin/distrain train --out runs/main
 
 test: install
 	$(PY) -m pytest -q tests

@@ -58,7 +58,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from distrain.bench import comm_bench
+    from distrain.bench import comm_bench, train_bench
 
     parser = argparse.ArgumentParser(prog="distrain", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = bsub.add_parser("comm", help="collective bandwidth: native vs star/ring/tree (nccl-tests style)")
     comm_bench.add_arguments(p)
     p.set_defaults(func=comm_bench.run)
+    p = bsub.add_parser("train", help="training throughput: our DDP vs torch DDP vs parameter servers")
+    train_bench.add_arguments(p)
+    p.set_defaults(func=train_bench.run)
     return parser
 
 

@@ -35,7 +35,7 @@ class TrainConfig:
     servers: int = 1
     max_staleness: int | None = None
     # optimization
-    steps: int = 600
+    steps: int = 1200
     batch_size: int = 32  # global batch: the same whatever nproc is, so runs compare
     lr: float = 3e-3
     optimizer: str = "adamw"
@@ -46,12 +46,13 @@ class TrainConfig:
     # bookkeeping
     out: str = "runs/latest"
     log_every: int = 10
-    eval_every: int = 100
+    eval_every: int = 200
     eval_batches: int = 8
     ckpt_every: int = 0  # 0: only at the end
     resume: bool = False
     sample_chars: int = 300
     progress: bool = True
+    report: bool = True  # print the summary table (and sample) at the end
     timeout: float = 3600.0
     extra: dict = field(default_factory=dict)  # reserved for subcommands built on this config
 

@@ -170,8 +170,8 @@ def run_rank(cfg: TrainConfig) -> dict:
     wall = time.perf_counter() - t_run
     if bar is not None:
         bar.close()
-    bytes_per_step = _bytes_per_step(led, cfg.steps - start)
-    return _finish(cfg, rank, base, task, out, wall, start, bytes_per_step) if is_logger else {}
+    traffic = rank_traffic(led, cfg.steps - start)
+    return _finish(cfg, rank, base, task, out, wall, start, traffic) if is_logger else {}
 
 
 def _progress(cfg: TrainConfig, start: int, on: bool):
@@ -200,12 +200,17 @@ def _flush(pending: list[dict], log: MetricsLog | None, bar) -> None:
         bar.update(len(pending))
 
 
-def _bytes_per_step(led: comm.Ledger, steps: int) -> float:
-    return led.total().bytes_sent / max(1, steps)
+def rank_traffic(led: comm.Ledger, steps: int) -> list[dict]:
+    """Every rank's bytes sent and received per step (from its ledger), gathered on all ranks."""
+    t = led.total()
+    mine = torch.tensor([t.bytes_sent / max(1, steps), t.bytes_recv / max(1, steps)], dtype=torch.float64)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    return [{"rank": r, "sent": row[0].item(), "recv": row[1].item()} for r, row in enumerate(rows)]
 
 
 def _finish(cfg: TrainConfig, rank: int, model: nn.Module, task: Task, out: Path, wall: float, start: int,
-            bytes_per_step: float) -> dict:
+            traffic: list[dict]) -> dict:
     from distrain.trainer.metrics import read_metrics
 
     rows = read_metrics(out / "metrics.jsonl")
@@ -220,7 +225,8 @@ def _finish(cfg: TrainConfig, rank: int, model: nn.Module, task: Task, out: Path
         "strategy": cfg.strategy, "model": cfg.model, "data": cfg.data, "nproc": cfg.nproc,
         "algorithm": cfg.algorithm if cfg.strategy == "ddp" else None, "steps": cfg.steps,
         "first_loss": rows[0]["loss"], "final_loss": rows[-1]["loss"], "final_val_loss": vals[-1] if vals else None,
-        rate_key: rate, "comm_share": comm_share, "bytes_sent_per_step_rank0": bytes_per_step, "wall_s": wall,
+        rate_key: rate, "comm_share": comm_share, "bytes_per_step": traffic,
+        "bytes_sent_per_step_rank0": traffic[0]["sent"], "wall_s": wall,
     }
     plot_losses(out / "metrics.jsonl", out / "loss.png", f"{cfg.model} on {cfg.data}, {cfg.strategy}, {cfg.nproc} proc")
     if task.unit == "tokens" and cfg.sample_chars > 0:
@@ -235,9 +241,10 @@ def _finish(cfg: TrainConfig, rank: int, model: nn.Module, task: Task, out: Path
         rows_out.append(("validation loss", f"{vals[-1]:.4f}"))
     rows_out += [(rate_key.replace("_", " "), f"{rate:,.0f}"),
                  ("communication wait", f"{100 * comm_share:.1f}% of step" if comm_share is not None else "n/a"),
-                 ("bytes sent per step (rank 0)", f"{bytes_per_step:,.0f}"), ("wall time", f"{wall:.1f} s"),
+                 ("bytes sent per step (rank 0)", f"{traffic[0]['sent']:,.0f}"), ("wall time", f"{wall:.1f} s"),
                  ("outputs", f"{out}/metrics.jsonl, loss.png, summary.json, {CKPT_NAME}")]
-    print("\n" + format_table(rows_out))
-    if "sample" in summary:
-        print("\n--- sample ---\n" + summary["sample"] + "\n--------------")
+    if cfg.report:
+        print("\n" + format_table(rows_out))
+        if "sample" in summary:
+            print("\n--- sample ---\n" + summary["sample"] + "\n--------------")
     return summary

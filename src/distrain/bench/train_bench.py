@@ -1,0 +1,135 @@
+"""``distrain bench train``: data-parallel training throughput, side by side in one run.
+
+    distrain bench train --nproc 1,2,4 --strategies ddp,torch-ddp,ps-sync,ps-async --model mlp
+
+For each world size P and each strategy, one real training job (``distrain.trainer.train``)
+of ``--warmup`` + ``--steps`` steps on the same model, data and *global* batch, so every job
+does the same work per step; only the way the gradient is shared differs:
+
+* ``single``: one process, the baseline (always run at P = 1);
+* ``ddp``: our DistributedDataParallel (``--algorithm``, default ring);
+* ``torch-ddp``: torch.nn.parallel.DistributedDataParallel, our peer;
+* ``ps-sync`` / ``ps-async``: our parameter server with ``--servers`` server ranks (the
+  other P - S ranks are workers, so a PS job at P computes on fewer ranks).
+
+Reported per job (after the warm-up steps): the median step time of rank 0 (which waits
+for the others, so it is the job's pace), samples or tokens per second, speedup over
+``single``, scaling efficiency = speedup / P, the share of the step spent waiting on
+communication (our DDP and PS report it; torch's DDP does not expose it), and the bytes
+each rank sent and received per step according to its ledger (torch's DDP traffic is inside
+Gloo and invisible to it). ``--rounds`` repeats everything with the strategy order rotated,
+and the median over rounds is reported, so machine noise hits all strategies alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+
+from distrain.bench.common import format_table, metadata, parse_choices, parse_ints, progress, write_json
+from distrain.errors import ConfigError
+from distrain.trainer.config import MODEL_DATA, TrainConfig
+from distrain.trainer.metrics import read_metrics
+
+STRATEGIES = ("ddp", "torch-ddp", "ps-sync", "ps-async")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", default="1,2,4", help="world sizes, comma-separated")
+    p.add_argument("--strategies", default=",".join(STRATEGIES), help=f"any of {', '.join(STRATEGIES)}")
+    p.add_argument("--model", default="mlp", help="mlp (Fashion-MNIST), gpt-small (Shakespeare), or a tiny preset")
+    p.add_argument("--steps", type=int, default=30, help="timed steps per job")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps per job")
+    p.add_argument("--batch-size", type=int, default=None, help="global batch (default: 96 for MLPs, 24 for GPTs)")
+    p.add_argument("--algorithm", default="ring", help="all-reduce algorithm of our DDP")
+    p.add_argument("--servers", type=int, default=1, help="parameter-server ranks for ps-*")
+    p.add_argument("--max-staleness", type=int, default=2, help="staleness bound for ps-async")
+    p.add_argument("--rounds", type=int, default=1, help="repeat the whole set, strategy order rotated")
+    p.add_argument("--json", default=None, help="write every record here")
+
+
+def _jobs(nprocs: list[int], strategies: list[str], servers: int) -> list[tuple[int, str]]:
+    jobs = [(1, "single")]  # the baseline of speedup and efficiency, always measured
+    for P in nprocs:
+        for s in strategies:
+            if P == 1 or (s.startswith("ps-") and P < servers + 1):
+                continue
+            jobs.append((P, s))
+    return jobs
+
+
+def _measure(P: int, strategy: str, args, batch: int, root: str) -> dict:
+    out = os.path.join(root, f"{strategy}-{P}")
+    cfg = TrainConfig(model=args.model, data=MODEL_DATA[args.model] if MODEL_DATA[args.model] != "text" else "shakespeare",
+                      strategy=strategy, nproc=P, algorithm=args.algorithm, servers=args.servers,
+                      max_staleness=args.max_staleness if strategy == "ps-async" else None,
+                      steps=args.warmup + args.steps, batch_size=batch, eval_every=0, sample_chars=0,
+                      progress=False, report=False, log_every=args.warmup + args.steps, out=out)
+    from distrain.trainer import train
+
+    summary = train(cfg)
+    rows = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if r["step"] >= args.warmup]
+    step_s = statistics.median(r["time_s"] for r in rows)
+    units = next(k for k in rows[0] if k.endswith("_per_s")).removesuffix("_per_s")
+    per_sample = rows[0][f"{units}_per_s"] * rows[0]["time_s"] / batch
+    waits = [r["comm_wait_s"] / r["time_s"] for r in rows if r.get("comm_wait_s") is not None]
+    traffic = summary["bytes_per_step"]
+    return {"nproc": P, "strategy": strategy, "step_ms": 1e3 * step_s, "unit": units,
+            "throughput": batch * per_sample / step_s, "comm_share": statistics.median(waits) if waits else None,
+            "bytes_sent_max_rank": max(t["sent"] for t in traffic), "bytes_recv_max_rank": max(t["recv"] for t in traffic),
+            "bytes_per_rank": traffic, "final_loss": summary["final_loss"]}
+
+
+def run(args: argparse.Namespace) -> int:
+    nprocs = parse_ints(args.nproc, "--nproc")
+    strategies = parse_choices(args.strategies, STRATEGIES, "--strategies")
+    if args.model not in MODEL_DATA:
+        raise ConfigError(f"--model {args.model!r} is unknown; use one of {', '.join(MODEL_DATA)}")
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        raise ConfigError("--steps and --rounds must be >= 1 and --warmup >= 0")
+    batch = args.batch_size or (24 if MODEL_DATA[args.model] == "text" else 96)
+    jobs = _jobs(nprocs, strategies, args.servers)
+    results: dict[tuple[int, str], list[dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="distrain-bench-train-") as root:
+        for rnd in range(args.rounds):
+            k = rnd % len(jobs)
+            for P, s in jobs[k:] + jobs[:k]:
+                progress(f"round {rnd + 1}/{args.rounds}: {s} on {P} process(es)")
+                results.setdefault((P, s), []).append(_measure(P, s, args, batch, root))
+    records = [_median_record(v) for v in results.values()]
+    base = next(r["throughput"] for r in records if r["strategy"] == "single")
+    for r in records:
+        r["speedup"] = r["throughput"] / base
+        r["efficiency"] = r["speedup"] / r["nproc"]
+        peer = next((q for q in records if q["nproc"] == r["nproc"] and q["strategy"] == "torch-ddp"), None)
+        r["vs_torch_ddp"] = r["throughput"] / peer["throughput"] if peer else None
+    print(_table(records, args, batch))
+    if args.json:
+        write_json(args.json, metadata(model=args.model, batch_size=batch, steps=args.steps, warmup=args.warmup,
+                                       rounds=args.rounds, algorithm=args.algorithm, servers=args.servers), records)
+    return 0
+
+
+def _median_record(runs: list[dict]) -> dict:
+    out = dict(runs[len(runs) // 2])
+    for k in ("step_ms", "throughput"):
+        out[k] = statistics.median(r[k] for r in runs)
+    out["rounds"] = len(runs)
+    return out
+
+
+def _table(records: list[dict], args, batch: int) -> str:
+    unit = records[0]["unit"]
+    rows = []
+    for r in sorted(records, key=lambda r: (r["nproc"], r["strategy"])):
+        rows.append([str(r["nproc"]), r["strategy"], f"{r['step_ms']:.1f}", f"{r['throughput']:,.0f}",
+                     f"{r['speedup']:.2f}", f"{r['efficiency']:.2f}",
+                     f"{100 * r['comm_share']:.0f}%" if r["comm_share"] is not None else "n/a",
+                     f"{r['bytes_sent_max_rank'] / 1e6:.2f}" if r["strategy"] != "torch-ddp" else "n/a",
+                     f"{r['vs_torch_ddp']:.2f}" if r["vs_torch_ddp"] is not None else ""])
+    head = f"{args.model}, global batch {batch}, {args.steps} timed steps after {args.warmup} warm-up"
+    return head + "\n" + format_table(
+        [("", ["P", "strategy"]), ("step", ["ms", f"{unit}/s", "speedup", "effic."]),
+         ("comm", ["wait", "MB sent/rank/step", "vs torch-ddp"])], rows)
