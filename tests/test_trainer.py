@@ -140,3 +140,44 @@ def test_cli_maps_flags_onto_config(tmp_path):
     assert code == 0
     assert len(read_metrics(tmp_path / "cli" / "metrics.jsonl")) == 3
     assert main(["train", "--strategy", "nope"]) == 2
+
+
+@pytest.mark.timeout(300)
+def test_parameter_server_sync_equals_single_process(tmp_path):
+    single = _cfg(tmp_path, "single", strategy="single", nproc=1)
+    train(single)
+    for nproc, servers in [(3, 1), (4, 2)]:  # W = 2 workers; one server, then two shards
+        cfg = _cfg(tmp_path, f"ps{servers}", strategy="ps-sync", nproc=nproc, servers=servers)
+        summary = train(cfg)
+        torch.testing.assert_close(torch.tensor(_losses(cfg)), torch.tensor(_losses(single)), rtol=1e-11, atol=0)
+        assert summary["ps_bytes_match"] and summary["staleness_max"] == 0
+        N = 67776 * 8  # gpt-tiny in fp64
+        shard = {row["rank"]: row["expected"]["ps_push_recv"] for row in summary["ps_bytes"] if row["role"] == "server"}
+        assert sum(shard.values()) == 2 * N * 5  # W * N per step, split across the servers, 5 steps
+
+
+@pytest.mark.timeout(300)
+def test_parameter_server_resume_continues_exactly(tmp_path):
+    full = _cfg(tmp_path, "full", strategy="ps-sync", nproc=3, steps=6, dtype="float32", optimizer="adamw")
+    train(full)
+    train(_cfg(tmp_path, "part", strategy="ps-sync", nproc=3, steps=3, dtype="float32", optimizer="adamw"))
+    resumed = _cfg(tmp_path, "part", strategy="ps-sync", nproc=3, steps=6, dtype="float32", optimizer="adamw",
+                   resume=True)
+    train(resumed)
+    assert _losses(resumed) == _losses(full)
+
+
+@pytest.mark.timeout(300)
+def test_parameter_server_async_learns_within_the_staleness_bound(tmp_path):
+    cfg = _cfg(tmp_path, "async", strategy="ps-async", nproc=4, servers=1, max_staleness=1, model="mlp-tiny",
+               data="digits", steps=40, batch_size=24, lr=3e-3, optimizer="adamw", dtype="float32")
+    summary = train(cfg)
+    losses = _losses(cfg)
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+    assert summary["staleness_max"] <= 1
+    assert summary["ps_bytes_match"]
+
+
+def test_parameter_server_refuses_periodic_checkpoints(tmp_path):
+    with pytest.raises(ConfigError, match="--ckpt-every is not supported with parameter servers"):
+        train(_cfg(tmp_path, "x", strategy="ps-sync", nproc=3, ckpt_every=2))

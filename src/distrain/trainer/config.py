@@ -102,6 +102,8 @@ class TrainConfig:
             need(self.nproc >= self.servers + 1,
                  f"--nproc {self.nproc} is too small for --servers {self.servers}: a parameter server job needs "
                  f"at least {self.servers + 1} processes ({self.servers} server(s) + at least 1 worker)")
+            need(self.ckpt_every == 0, "--ckpt-every is not supported with parameter servers: their checkpoint is "
+                                       "written at the end of the run (servers hold the state mid-run); drop the flag")
         if self.max_staleness is not None:
             need(self.strategy == "ps-async", "--max-staleness applies only to --strategy ps-async")
             need(self.max_staleness >= 0, f"--max-staleness must be >= 0, got {self.max_staleness}")

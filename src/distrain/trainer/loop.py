@@ -182,10 +182,10 @@ def _progress(cfg: TrainConfig, start: int, on: bool):
     return tqdm(total=cfg.steps, initial=start, desc=f"{cfg.strategy}/{cfg.model}", dynamic_ncols=True)
 
 
-def _flush(pending: list[dict], log: MetricsLog | None, bar) -> None:
+def _flush(pending: list[dict], log: MetricsLog | None, bar, group=None) -> None:
     """Average the pending steps' losses over the data-parallel ranks (one small all-reduce)."""
     losses = torch.stack([r["loss"] for r in pending])
-    comm.all_reduce(losses, op="avg", algorithm="native")
+    comm.all_reduce(losses, op="avg", group=group, algorithm="native")
     for r, v in zip(pending, losses.tolist()):
         r["loss"] = v
     if log is not None:
@@ -210,7 +210,7 @@ def rank_traffic(led: comm.Ledger, steps: int) -> list[dict]:
 
 
 def _finish(cfg: TrainConfig, rank: int, model: nn.Module, task: Task, out: Path, wall: float, start: int,
-            traffic: list[dict]) -> dict:
+            traffic: list[dict], extra: dict | None = None) -> dict:
     from distrain.trainer.metrics import read_metrics
 
     rows = read_metrics(out / "metrics.jsonl")
@@ -226,7 +226,7 @@ def _finish(cfg: TrainConfig, rank: int, model: nn.Module, task: Task, out: Path
         "algorithm": cfg.algorithm if cfg.strategy == "ddp" else None, "steps": cfg.steps,
         "first_loss": rows[0]["loss"], "final_loss": rows[-1]["loss"], "final_val_loss": vals[-1] if vals else None,
         rate_key: rate, "comm_share": comm_share, "bytes_per_step": traffic,
-        "bytes_sent_per_step_rank0": traffic[0]["sent"], "wall_s": wall,
+        "bytes_sent_per_step_rank0": traffic[0]["sent"], "wall_s": wall, **(extra or {}),
     }
     plot_losses(out / "metrics.jsonl", out / "loss.png", f"{cfg.model} on {cfg.data}, {cfg.strategy}, {cfg.nproc} proc")
     if task.unit == "tokens" and cfg.sample_chars > 0:
@@ -241,7 +241,14 @@ def _finish(cfg: TrainConfig, rank: int, model: nn.Module, task: Task, out: Path
         rows_out.append(("validation loss", f"{vals[-1]:.4f}"))
     rows_out += [(rate_key.replace("_", " "), f"{rate:,.0f}"),
                  ("communication wait", f"{100 * comm_share:.1f}% of step" if comm_share is not None else "n/a"),
-                 ("bytes sent per step (rank 0)", f"{traffic[0]['sent']:,.0f}"), ("wall time", f"{wall:.1f} s"),
+                 ("bytes sent per step (rank 0)", f"{traffic[0]['sent']:,.0f}"),
+                 *([("bytes per step, busiest rank", f"{max(t['sent'] for t in traffic):,.0f} sent, "
+                                                      f"{max(t['recv'] for t in traffic):,.0f} received")]
+                   if len(traffic) > 1 else []),
+                 *([("max staleness seen", str(summary["staleness_max"])),
+                    ("PS bytes = W*N_s fan-in/out", "exact" if summary["ps_bytes_match"] else "MISMATCH")]
+                   if "staleness_max" in summary else []),
+                 ("wall time", f"{wall:.1f} s"),
                  ("outputs", f"{out}/metrics.jsonl, loss.png, summary.json, {CKPT_NAME}")]
     if cfg.report:
         print("\n" + format_table(rows_out))

@@ -29,6 +29,15 @@ class MetricsLog:
                 f.write(json.dumps(r) + "\n")
 
 
+    def rewrite_last(self, **fields) -> None:
+        """Add fields to the last record (e.g. a validation loss computed after it was written)."""
+        lines = self.path.read_text().splitlines()
+        rec = json.loads(lines[-1])
+        rec.update(fields)
+        lines[-1] = json.dumps(rec)
+        self.path.write_text("".join(ln + "\n" for ln in lines))
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict]:
     return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
 

@@ -1,0 +1,416 @@
+"""Parameter servers (single and sharded), synchronous and asynchronous, on distrain's P2P layer.
+
+Roles and shards come from :class:`~distrain.parallel.ps_layout.PSLayout`: the last S ranks
+are servers, the first W = world_size - S workers (rank 0 is always a worker); parameters
+are balanced across servers by bytes. Server s holds only its shard, as one flat tensor of
+N_s bytes (the parameters are views into it), and its own optimizer over that shard.
+
+Contract::
+
+    layout = PSLayout.from_model(model, world_size, S)          # the same model (seed) everywhere
+    if layout.is_server(rank):
+        stats = ParameterServer(model, layout, make_opt, mode, max_staleness).serve(num_steps)
+    else:
+        worker = PSWorker(model, layout, mode)
+        for step in range(num_steps):
+            worker.pull(); loss_fn(model(x), y).backward(); worker.push()   # push() zeroes grads
+        worker.pull()            # the final pull (serve(final_pull=True), the default)
+
+Every worker runs ``num_steps`` steps; modes must agree (checked by the hello). The optimizer
+must act per parameter (SGD, Adam, AdamW): no global-norm clipping across shards. Buffers
+are not served; parameters share one dtype and require grad.
+
+Protocol: one tag per message kind (below 2**20), every message one flat tensor.
+
+==============  =======  ================  =================================  =====
+tag             label    direction         payload                            mode
+==============  =======  ================  =================================  =====
+TAG_HELLO       ps_ctrl  server -> worker  int64 [magic, mode, S, W, s, N_s, K]  both
+TAG_REQ         ps_ctrl  worker -> server  int64 [step] (pull request)        async
+TAG_VERSION     ps_ctrl  server -> worker  int64 [version]                    async
+TAG_PULL        ps_pull  server -> worker  the shard's weights, N_s bytes     both
+TAG_PUSH_HDR    ps_ctrl  worker -> server  int64 [step, version pulled]       async
+TAG_PUSH        ps_push  worker -> server  the shard's gradient, N_s bytes    both
+==============  =======  ================  =================================  =====
+
+*Sync* (BSP). Step t on a server: post the W gradient receives, send the weights to every
+worker (fan-out), wait for the gradients in worker-rank order (fan-in), sum them in that
+order, divide by W, one optimizer step: exactly DDP's step on the global batch W*b.
+
+*Async* (HogWild-style, Recht et al. 2011; Downpour SGD, Dean et al. 2012). A pull is a
+request answered by [version] + weights; a push is [step, version] + gradient. The server
+applies each push on arrival as one optimizer step, gradient *unscaled* (an SGD step on one
+local batch of size b; W of them per round), and counts steps in ``version``. Staleness of
+an applied gradient = version at apply time - version it was computed from. Gloo receives
+cannot be polled (``is_completed()`` stays False until ``wait()``), so a server runs one
+reader thread per worker (blocking receives, which also see a dead peer at once) feeding an
+event queue; the main thread handles events in arrival order.
+
+*Bounded staleness* ``max_staleness=K`` (SSP, Ho et al. 2013; bounded delay, Li et al. 2014)
+is enforced by delaying pull answers, never by dropping gradients. With O the outstanding
+gradients (pull answered, push not applied) and V the version, a pull is answered only if,
+counting it, ``max over O of (V - v_g) + |O| - 1 <= K``. Applying another gradient raises V
+and lowers |O| by one, so the bound holds for every gradient; a delayed pull is answered
+once O drains (first come, first served). A bounded worker asks its servers one at a time
+in server order (lock ordering: no cyclic wait). K = 0 serializes the workers: async PS is
+then exactly sequential SGD over the local batches in ``stats["apply_order"]``. The final
+pull is answered once every push is applied, so all workers end with the same weights.
+
+Traffic per step (exact, :func:`~distrain.parallel.ps_layout.expected_ps_bytes`): server s
+sends and receives W*N_s; each worker sends and receives N = sum_s N_s. One server's link
+carries 2*W*N, W times a worker's (the seeds' bottleneck); S balanced servers cut it to
+2*W*N/S. Ring all-reduce: 2*(P-1)*N/P each way on every rank (Patarasuk & Yuan 2009).
+See docs/parameter_server.md. Failures: every transport error becomes a CommError naming
+both roles ("parameter server rank 3: worker rank 1 disconnected during push of step 7: ...").
+"""
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from distrain import comm
+from distrain.errors import CommError, ConfigError
+from distrain.parallel.ps_layout import PSLayout, expected_ps_bytes
+
+__all__ = ["PSLayout", "ParameterServer", "PSWorker", "expected_ps_bytes", "MODES"]
+
+MODES = ("sync", "async")
+TAG_HELLO, TAG_REQ, TAG_VERSION, TAG_PULL, TAG_PUSH_HDR, TAG_PUSH = range(0xA000, 0xA006)
+_MAGIC = 0x5053  # "PS"
+_I64 = torch.int64
+
+
+def _setup(who: str, model: nn.Module, layout: PSLayout, mode: str, want_server: bool) -> tuple[int, list]:
+    """This rank and the model's parameters, after checking the arguments against the job."""
+    if not isinstance(layout, PSLayout):
+        raise ConfigError(f"{who}: layout must be a PSLayout, got {type(layout).__name__}")
+    if mode not in MODES:
+        raise ConfigError(f"{who}: mode must be 'sync' or 'async', got {mode!r}")
+    if not dist.is_initialized():
+        raise ConfigError(f"{who}: no process group; call distrain.runtime.init() or use distrain.spawn")
+    if dist.get_backend() != "gloo":
+        raise ConfigError(f"{who}: the parameter server runs on Gloo (CPU tensors); this job uses {dist.get_backend()}")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != layout.world_size:
+        raise ConfigError(f"{who}: the layout is for {layout.world_size} ranks but the job has {world}")
+    if layout.is_server(rank) != want_server:
+        raise ConfigError(f"{who}: rank {rank} is a {layout.role(rank)} in this layout (servers are ranks "
+                          f"{layout.servers}); build a {'ParameterServer' if want_server else 'PSWorker'} there")
+    return rank, layout.check_model(model, who)
+
+
+class _ProtocolError(CommError):
+    """The peer sent something the protocol does not allow (not a transport failure)."""
+
+
+def _run(me: str, peer: str, what: str, fn):
+    """Run a transport action; any failure becomes a CommError naming both roles."""
+    try:
+        return fn()
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001  (Gloo raises RuntimeError; comm wraps it in CommError)
+        raise CommError(f"{me}: {peer} disconnected during {what}: {e}") from e
+
+
+def _step_name(step: int, num_steps: int) -> str:
+    return "the final pull" if step >= num_steps else f"step {step}"
+
+
+class ParameterServer:
+    """One server rank: its shard of the parameters, its optimizer, ``serve(num_steps)``.
+
+    ``optimizer_factory(params)`` builds the optimizer over the shard's parameters;
+    ``scheduler_factory(optimizer)``, if given, is stepped after every optimizer step.
+    """
+
+    def __init__(self, model: nn.Module, layout: PSLayout, optimizer_factory: Callable, mode: str = "sync",
+                 max_staleness: int | None = None, scheduler_factory: Callable | None = None):
+        if max_staleness is not None:
+            if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
+                raise ConfigError(f"ParameterServer: max_staleness must be None or an int >= 0, got {max_staleness!r}")
+            if mode == "sync":
+                raise ConfigError("ParameterServer: max_staleness applies to mode='async' only (sync has staleness 0)")
+        self.rank, params = _setup("ParameterServer", model, layout, mode, want_server=True)
+        self.layout, self.mode, self.max_staleness = layout, mode, max_staleness
+        self.index = layout.server_index(self.rank)
+        self.workers = layout.workers
+        sl = layout.slices(self.index)
+        self.names = [layout.names[i] for i, _, _ in sl]
+        with torch.no_grad():
+            self.flat = torch.cat([params[i].detach().reshape(-1) for i, _, _ in sl]).clone()
+        self.grad = torch.zeros_like(self.flat)
+        self.params: list[nn.Parameter] = []
+        for i, a, b in sl:  # parameters and their gradients are views into the two flat buffers
+            p = nn.Parameter(self.flat[a:b].view(params[i].shape))
+            p.grad = self.grad[a:b].view(params[i].shape)
+            self.params.append(p)
+        self.optimizer = optimizer_factory(list(self.params))
+        self.scheduler = scheduler_factory(self.optimizer) if scheduler_factory else None
+        self.version = 0  # optimizer steps applied
+        self._me = f"parameter server rank {self.rank}"
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This shard's current weights, by parameter name (copies)."""
+        return {n: p.detach().clone() for n, p in zip(self.names, self.params)}
+
+    def serve(self, num_steps: int, final_pull: bool = True) -> dict:
+        """Serve ``num_steps`` pulls and pushes of every worker (then one final pull each); return stats."""
+        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
+            raise ConfigError(f"ParameterServer.serve: num_steps must be an int >= 0, got {num_steps!r}")
+        t0 = time.perf_counter()
+        self._stale: collections.Counter = collections.Counter()
+        self._order: list[tuple[int, int]] = []
+        self._pulls = self._pushes = self._deferred = 0
+        self._deferred_s = 0.0
+        L, K = self.layout, self.max_staleness
+        hello = torch.tensor([_MAGIC, MODES.index(self.mode), L.num_servers, L.num_workers, self.index,
+                              L.shard_numel(self.index), -1 if K is None else K], dtype=_I64)
+        self._fan_out([(w, [(hello, TAG_HELLO, "ps_ctrl")]) for w in self.workers], "the hello")
+        (self._serve_sync if self.mode == "sync" else self._serve_async)(num_steps, final_pull)
+        n = sum(self._stale.values())
+        return {"role": "server", "rank": self.rank, "server_index": self.index, "mode": self.mode,
+                "max_staleness": K, "steps": num_steps, "workers": len(self.workers),
+                "updates": self.version, "pushes": self._pushes, "pulls": self._pulls,
+                "shard_params": len(self.params), "shard_bytes": L.shard_bytes(self.index),
+                "staleness_max": max(self._stale, default=0),
+                "staleness_mean": sum(k * v for k, v in self._stale.items()) / n if n else 0.0,
+                "staleness_hist": dict(sorted(self._stale.items())), "deferred_pulls": self._deferred,
+                "deferred_s": self._deferred_s, "apply_order": self._order, "elapsed_s": time.perf_counter() - t0}
+
+    def _fan_out(self, plan: list, what: str) -> None:
+        """Send [(worker, [(tensor, tag, label), ...]), ...]: post every message, then wait in order."""
+        hs = [(w, _run(self._me, f"worker rank {w}", what, lambda: comm.isend(t, w, tag=tag, label=label)))
+              for w, msgs in plan for t, tag, label in msgs]
+        for w, h in hs:  # the weights are not updated before every send is complete
+            _run(self._me, f"worker rank {w}", what, h.wait)
+
+    def _send_weights(self, workers: list[int], step: int, num_steps: int) -> None:
+        msgs = [(self.flat, TAG_PULL, "ps_pull")]
+        if self.mode == "async":
+            msgs.insert(0, (torch.tensor([self.version], dtype=_I64), TAG_VERSION, "ps_ctrl"))
+        self._fan_out([(w, msgs) for w in workers], f"pull of {_step_name(step, num_steps)}")
+        self._pulls += len(workers)
+
+    def _step(self) -> None:
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.version += 1
+
+    def _serve_sync(self, num_steps: int, final_pull: bool) -> None:
+        bufs = [torch.empty_like(self.flat) for _ in self.workers]
+        for step in range(num_steps):
+            what = f"push of step {step}"
+            recvs = [_run(self._me, f"worker rank {w}", what,
+                          lambda: comm.irecv(b, w, tag=TAG_PUSH, label="ps_push")) for w, b in zip(self.workers, bufs)]
+            self._send_weights(self.workers, step, num_steps)  # fan-out
+            for w, h in zip(self.workers, recvs):  # fan-in, in worker-rank order
+                _run(self._me, f"worker rank {w}", what, h.wait)
+            self._pushes += len(bufs)
+            with torch.no_grad():  # sum in worker-rank order, then one division: deterministic
+                self.grad.copy_(bufs[0])
+                for b in bufs[1:]:
+                    self.grad.add_(b)
+                self.grad.div_(len(bufs))
+            self._stale[0] += len(bufs)
+            self._step()
+        if final_pull:
+            self._send_weights(self.workers, num_steps, num_steps)
+
+    def _reader(self, w: int, num_steps: int, final_pull: bool, events: queue.SimpleQueue) -> None:
+        """Worker w's messages, in their fixed order, as events ("req"|"push"|"error", w, step, ...)."""
+        step, what = 0, "pull request of step 0"
+        try:
+            for step in range(num_steps + (1 if final_pull else 0)):
+                what = f"pull request of {_step_name(step, num_steps)}"
+                req = torch.empty(1, dtype=_I64)
+                comm.recv(req, w, tag=TAG_REQ, label="ps_ctrl")
+                if int(req[0]) != step:
+                    raise _ProtocolError(f"pull request for step {int(req[0])}, expected step {step} (do all "
+                                         f"workers run the same number of steps as the server?)")
+                events.put(("req", w, step))
+                if step == num_steps:
+                    break
+                what = f"push of step {step}"
+                hdr, g = torch.empty(2, dtype=_I64), torch.empty_like(self.flat)
+                comm.recv(hdr, w, tag=TAG_PUSH_HDR, label="ps_ctrl")
+                comm.recv(g, w, tag=TAG_PUSH, label="ps_push")
+                if int(hdr[0]) != step:
+                    raise _ProtocolError(f"push for step {int(hdr[0])}, expected step {step}")
+                events.put(("push", w, step, int(hdr[1]), g))
+        except BaseException as e:  # noqa: BLE001  (delivered to the main thread)
+            events.put(("error", w, step, what, e))
+
+    def _admissible(self, outstanding: dict[int, int]) -> bool:
+        """May one more pull be answered now without any gradient ever exceeding staleness K?"""
+        if self.max_staleness is None:
+            return True
+        oldest = min(outstanding.values(), default=self.version)
+        return (self.version - oldest) + len(outstanding) <= self.max_staleness  # |O| - 1 after adding it
+
+    def _serve_async(self, num_steps: int, final_pull: bool) -> None:
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        for w in self.workers:
+            threading.Thread(target=self._reader, args=(w, num_steps, final_pull, events), daemon=True,
+                             name=f"ps-server{self.index}-reader-w{w}").start()
+        outstanding: dict[int, int] = {}  # worker -> version its pull was answered at
+        waiting: collections.deque = collections.deque()  # (worker, step, arrival time, event number)
+        finals: list[int] = []
+        total, finals_done, n = len(self.workers) * num_steps, 0, 0
+        while self._pushes < total or (final_pull and finals_done < len(self.workers)):
+            ev = events.get()
+            n += 1
+            kind, w, step = ev[:3]
+            if kind == "error":
+                e = ev[4]
+                if isinstance(e, _ProtocolError):
+                    raise CommError(f"{self._me}: protocol error from worker rank {w} ({ev[3]}): {e}") from e
+                raise CommError(f"{self._me}: worker rank {w} disconnected during {ev[3]}: {e}") from e
+            if kind == "req":
+                if step == num_steps:
+                    finals.append(w)
+                else:
+                    waiting.append((w, step, time.perf_counter(), n))
+            else:  # a push: applied now, whatever the other workers do
+                v = ev[3]
+                if outstanding.pop(w, None) != v:
+                    raise CommError(f"{self._me}: protocol error: worker rank {w} pushed step {step} computed at "
+                                    f"version {v}, but its pull was answered at another version")
+                with torch.no_grad():
+                    self.grad.copy_(ev[4])  # unscaled: one optimizer step per push
+                staleness = self.version - v
+                assert self.max_staleness is None or staleness <= self.max_staleness, "staleness bound violated"
+                self._stale[staleness] += 1
+                self._order.append((w, step))
+                self._pushes += 1
+                self._step()
+            while waiting and self._admissible(outstanding):  # first come, first served
+                w2, step2, t_arrival, n_arrival = waiting.popleft()
+                if n_arrival != n:
+                    self._deferred += 1
+                    self._deferred_s += time.perf_counter() - t_arrival
+                self._send_weights([w2], step2, num_steps)
+                outstanding[w2] = self.version
+            if self._pushes == total and finals:  # final weights once every push is applied
+                self._send_weights(finals, num_steps, num_steps)
+                finals_done += len(finals)
+                finals = []
+
+
+class PSWorker:
+    """One worker rank: ``pull()`` weights into the local model, ``push()`` its gradients."""
+
+    def __init__(self, model: nn.Module, layout: PSLayout, mode: str = "sync"):
+        self.rank, self.params = _setup("PSWorker", model, layout, mode, want_server=False)
+        self.layout, self.mode = layout, mode
+        S = layout.num_servers
+        self._slices = [layout.slices(s) for s in range(S)]
+        p0 = self.params[0]
+        self._wbuf = [torch.empty(layout.shard_numel(s), dtype=p0.dtype, device=p0.device) for s in range(S)]
+        self._gbuf = [torch.empty_like(b) for b in self._wbuf]
+        self._src = [layout.server_rank(s) for s in range(S)]
+        self.versions = [0] * S  # per server: the version of the last pull
+        self.step = 0  # pushes done
+        self.bounded: bool | None = None  # some server bounds staleness (learnt from the hellos)
+        self._pulled = False
+        self.pull_s = self.push_s = 0.0
+        self._me = f"worker rank {self.rank}"
+
+    def _peer(self, s: int) -> str:
+        return f"parameter server rank {self._src[s]}"
+
+    def _hello(self) -> None:
+        L, self.bounded = self.layout, False
+        for s in range(L.num_servers):
+            h = torch.empty(7, dtype=_I64)
+            _run(self._me, self._peer(s), "the hello",
+                 lambda: comm.recv(h, self._src[s], tag=TAG_HELLO, label="ps_ctrl"))
+            got, want = h.tolist(), [_MAGIC, MODES.index(self.mode), L.num_servers, L.num_workers, s, L.shard_numel(s)]
+            if got[:6] != want:
+                mode = MODES[got[1]] if 0 <= got[1] < len(MODES) else got[1]
+                raise ConfigError(
+                    f"{self._me}: {self._peer(s)} disagrees on the set-up: it serves mode {mode!r}, {got[2]} servers, "
+                    f"{got[3]} workers, shard {got[4]} of {got[5]} elements; this worker expects mode {self.mode!r}, "
+                    f"{want[2]} servers, {want[3]} workers, shard {s} of {want[5]} elements")
+            self.bounded = self.bounded or got[6] >= 0
+
+    def pull(self) -> None:
+        """Receive the current weights of every parameter (one message per server) into the model."""
+        if self._pulled:
+            raise ConfigError(f"PSWorker.pull: rank {self.rank} pulled twice without push(); each step is "
+                              f"pull(), forward/backward, push() (and one final pull())")
+        t0 = time.perf_counter()
+        if self.bounded is None:
+            self._hello()
+        what, S = f"pull of step {self.step}", self.layout.num_servers
+        pending = []
+        for s in range(S):
+            pending.append(self._ask(s, what))
+            if self.bounded:  # a bounded server may hold the answer back: one server at a time, in order
+                self._wait(*pending.pop(), what)
+        for p in pending:
+            self._wait(*p, what)
+        with torch.no_grad():
+            for s in range(S):
+                for i, a, b in self._slices[s]:
+                    self.params[i].copy_(self._wbuf[s][a:b].view_as(self.params[i]))
+        self._pulled = True
+        self.pull_s += time.perf_counter() - t0
+
+    def _ask(self, s: int, what: str) -> tuple:
+        """Post the receives of server s's answer (async: [version] first) and, async, send the request."""
+        src, ver = self._src[s], torch.zeros(1, dtype=_I64)
+        msgs = [(comm.irecv, self._wbuf[s], TAG_PULL, "ps_pull")]
+        if self.mode == "async":
+            msgs = [(comm.irecv, ver, TAG_VERSION, "ps_ctrl"), *msgs,
+                    (comm.isend, torch.tensor([self.step], dtype=_I64), TAG_REQ, "ps_ctrl")]
+        hs = [_run(self._me, self._peer(s), what, lambda: op(t, src, tag=tag, label=label))
+              for op, t, tag, label in msgs]
+        return s, hs, ver
+
+    def _wait(self, s: int, handles: list, ver: torch.Tensor, what: str) -> None:
+        for h in handles:
+            _run(self._me, self._peer(s), what, h.wait)
+        self.versions[s] = int(ver[0])
+
+    def push(self, zero_grad: bool = True) -> None:
+        """Send this step's gradients (one message per server; a parameter without one sends zeros),
+        then set them to None if ``zero_grad``."""
+        if not self._pulled:
+            raise ConfigError(f"PSWorker.push: rank {self.rank} pushed without a pull(); each step is "
+                              f"pull(), forward/backward, push()")
+        t0, what, hs = time.perf_counter(), f"push of step {self.step}", []
+        with torch.no_grad():
+            for s in range(self.layout.num_servers):
+                for i, a, b in self._slices[s]:
+                    g = self.params[i].grad
+                    if g is None:
+                        self._gbuf[s][a:b].zero_()
+                    else:
+                        self._gbuf[s][a:b].copy_(g.reshape(-1))
+        for s, dst in enumerate(self._src):
+            msgs = [(self._gbuf[s], TAG_PUSH, "ps_push")]
+            if self.mode == "async":
+                msgs.insert(0, (torch.tensor([self.step, self.versions[s]], dtype=_I64), TAG_PUSH_HDR, "ps_ctrl"))
+            hs += [(s, _run(self._me, self._peer(s), what, lambda: comm.isend(t, dst, tag=tag, label=label)))
+                   for t, tag, label in msgs]
+        for s, h in hs:
+            _run(self._me, self._peer(s), what, h.wait)
+        if zero_grad:
+            for p in self.params:
+                p.grad = None
+        self.step += 1
+        self._pulled = False
+        self.push_s += time.perf_counter() - t0
+
+    def stats(self) -> dict:
+        return {"role": "worker", "rank": self.rank, "mode": self.mode, "pushes": self.step,
+                "versions": list(self.versions), "pull_s": self.pull_s, "push_s": self.push_s}
