@@ -42,8 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="mlp", help="mlp (Fashion-MNIST), gpt-small (Shakespeare), or a tiny preset")
     p.add_argument("--steps", type=int, default=30, help="timed steps per job")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per job")
-    p.add_argument("--batch-size", type=int, default=None, help="global batch (default: 96 for MLPs, 24 for GPTs)")
+    p.add_argument("--batch-size", type=int, default=None, help="global batch (default: 240 for MLPs, 24 for GPTs: divisible by 1-4 workers)")
     p.add_argument("--algorithm", default="ring", help="all-reduce algorithm of our DDP")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size of ddp and torch-ddp")
     p.add_argument("--servers", type=int, default=1, help="parameter-server ranks for ps-*")
     p.add_argument("--max-staleness", type=int, default=2, help="staleness bound for ps-async")
     p.add_argument("--rounds", type=int, default=1, help="repeat the whole set, strategy order rotated")
@@ -60,15 +61,20 @@ def _jobs(nprocs: list[int], strategies: list[str], servers: int) -> list[tuple[
     return jobs
 
 
-def _measure(P: int, strategy: str, args, batch: int, root: str) -> dict:
-    out = os.path.join(root, f"{strategy}-{P}")
-    cfg = TrainConfig(model=args.model, data=MODEL_DATA[args.model] if MODEL_DATA[args.model] != "text" else "shakespeare",
+def _config(P: int, strategy: str, args, batch: int, root: str) -> TrainConfig:
+    return TrainConfig(model=args.model, data=MODEL_DATA[args.model] if MODEL_DATA[args.model] != "text" else "shakespeare",
                       strategy=strategy, nproc=P, algorithm=args.algorithm, servers=args.servers,
+                      bucket_cap_mb=args.bucket_cap_mb,
                       max_staleness=args.max_staleness if strategy == "ps-async" else None,
                       steps=args.warmup + args.steps, batch_size=batch, eval_every=0, sample_chars=0,
-                      progress=False, report=False, log_every=args.warmup + args.steps, out=out)
+                      progress=False, report=False, log_every=args.warmup + args.steps,
+                      out=os.path.join(root, f"{strategy}-{P}"))
+
+
+def _measure(cfg: TrainConfig, args, batch: int) -> dict:
     from distrain.trainer import train
 
+    P, strategy, out = cfg.nproc, cfg.strategy, cfg.out
     summary = train(cfg)
     rows = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if r["step"] >= args.warmup]
     step_s = statistics.median(r["time_s"] for r in rows)
@@ -79,7 +85,10 @@ def _measure(P: int, strategy: str, args, batch: int, root: str) -> dict:
     return {"nproc": P, "strategy": strategy, "step_ms": 1e3 * step_s, "unit": units,
             "throughput": batch * per_sample / step_s, "comm_share": statistics.median(waits) if waits else None,
             "bytes_sent_max_rank": max(t["sent"] for t in traffic), "bytes_recv_max_rank": max(t["recv"] for t in traffic),
-            "bytes_per_rank": traffic, "final_loss": summary["final_loss"]}
+            "bytes_per_rank": traffic, "final_loss": summary["final_loss"],
+            # parameter servers: the ledger's data bytes against W*N_s per server (exact)
+            "ps_bytes_match": summary.get("ps_bytes_match"), "ps_bytes": summary.get("ps_bytes"),
+            "staleness_max": summary.get("staleness_max")}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,15 +98,16 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--model {args.model!r} is unknown; use one of {', '.join(MODEL_DATA)}")
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         raise ConfigError("--steps and --rounds must be >= 1 and --warmup >= 0")
-    batch = args.batch_size or (24 if MODEL_DATA[args.model] == "text" else 96)
+    batch = args.batch_size or (24 if MODEL_DATA[args.model] == "text" else 240)
     jobs = _jobs(nprocs, strategies, args.servers)
     results: dict[tuple[int, str], list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="distrain-bench-train-") as root:
+        configs = {(P, s): _config(P, s, args, batch, root).validate() for P, s in jobs}  # all, before any runs
         for rnd in range(args.rounds):
             k = rnd % len(jobs)
             for P, s in jobs[k:] + jobs[:k]:
                 progress(f"round {rnd + 1}/{args.rounds}: {s} on {P} process(es)")
-                results.setdefault((P, s), []).append(_measure(P, s, args, batch, root))
+                results.setdefault((P, s), []).append(_measure(configs[(P, s)], args, batch))
     records = [_median_record(v) for v in results.values()]
     base = next(r["throughput"] for r in records if r["strategy"] == "single")
     for r in records:

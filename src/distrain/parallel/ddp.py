@@ -7,7 +7,8 @@ selectable (native, star, ring, tree):
 1. On wrapping, parameters and buffers are broadcast from the group's first rank, so every
    replica starts from the same weights.
 2. Parameters are packed, in *reverse* registration order (roughly the order in which
-   backward produces their gradients), into buckets of at most ``bucket_cap_mb``.
+   backward produces their gradients), into buckets of at most ``bucket_cap_mb`` (the
+   first one at most 1 MiB, so that communication starts early).
 3. A post-accumulate-grad hook on every parameter marks it ready; when a bucket is full
    its gradients are copied into the bucket's flat buffer, pre-divided by the group size,
    and all-reduced (sum) *asynchronously*, so communication overlaps the rest of backward.
@@ -39,6 +40,7 @@ import torch.nn as nn
 from distrain import comm
 from distrain.errors import CommError, ConfigError
 
+FIRST_BUCKET_BYTES = 1 << 20
 _COMPRESSION = {None: None, "none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -101,7 +103,10 @@ class DistributedDataParallel(nn.Module):
         buckets, cur, size = [], [], 0
         for n, p in reversed(named):
             nbytes = p.numel() * p.element_size()
-            if cur and (size + nbytes > cap_bytes or p.dtype != cur[0][1].dtype):
+            # The first bucket (the last layers, whose gradients come first) is capped at
+            # 1 MiB, as in torch DDP: its all-reduce starts early and overlaps the rest.
+            cap = min(cap_bytes, FIRST_BUCKET_BYTES) if not buckets else cap_bytes
+            if cur and (size + nbytes > cap or p.dtype != cur[0][1].dtype):
                 buckets.append(cur)
                 cur, size = [], 0
             cur.append((n, p))
