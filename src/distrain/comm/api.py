@@ -143,6 +143,20 @@ def _tensor_list(lst, ref: torch.Tensor, size: int, what: str, collective: str, 
     return list(lst)
 
 
+def _root_list(st: GroupState, root: int, lst, ref: torch.Tensor, what: str, role: str, root_global: int,
+               collective: str) -> list[torch.Tensor] | None:
+    """The list argument of scatter/gather: validated on the root, absent (None or []) elsewhere."""
+    me = st.ranks[st.rank]
+    if st.rank == root:
+        if lst is None:
+            raise ConfigError(f"{collective}: {what} is required on the {role} rank {root_global}")
+        return _tensor_list(lst, ref, st.size, what, collective, me)
+    if lst:
+        raise ConfigError(f"{collective}: {what} must be None or empty on rank {me}, which is not the {role} "
+                          f"({root_global})")
+    return None
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """A flat contiguous view of t if possible, else a flat copy (the caller copies back)."""
     return t.view(-1) if t.is_contiguous() else t.reshape(-1).clone()
@@ -309,16 +323,8 @@ def scatter(tensor: torch.Tensor, scatter_list=None, src: int = 0, group=None, a
     st = resolve(group, name)
     _tensor(tensor, "tensor", name)
     root = st.group_rank(src, "src", name)
-    me = st.ranks[st.rank]
-    if st.rank == root:
-        if scatter_list is None:
-            raise ConfigError(f"{name}: scatter_list is required on the source rank {src}")
-        lst = _tensor_list(scatter_list, tensor, st.size, "scatter_list", name, me)
-        full = torch.cat([t.reshape(-1) for t in lst])
-    else:
-        if scatter_list:
-            raise ConfigError(f"{name}: scatter_list must be None or empty on rank {me}, which is not the source ({src})")
-        lst, full = None, None
+    lst = _root_list(st, root, scatter_list, tensor, "scatter_list", "source", src, name)
+    full = torch.cat([t.reshape(-1) for t in lst]) if lst is not None else None
     out = _flat(tensor)
     if lst is not None:
         out.copy_(lst[root].reshape(-1))  # the source's own slot (also the whole result when P == 1)
@@ -338,15 +344,7 @@ def gather(tensor: torch.Tensor, gather_list=None, dst: int = 0, group=None, asy
     st = resolve(group, name)
     _tensor(tensor, "tensor", name)
     root = st.group_rank(dst, "dst", name)
-    me = st.ranks[st.rank]
-    if st.rank == root:
-        if gather_list is None:
-            raise ConfigError(f"{name}: gather_list is required on the destination rank {dst}")
-        lst = _tensor_list(gather_list, tensor, st.size, "gather_list", name, me)
-    else:
-        if gather_list:
-            raise ConfigError(f"{name}: gather_list must be None or empty on rank {me}, which is not the destination ({dst})")
-        lst = None
+    lst = _root_list(st, root, gather_list, tensor, "gather_list", "destination", dst, name)
     n = tensor.numel()
     inp = tensor.reshape(-1).contiguous()
     full = torch.empty(st.size * n, dtype=tensor.dtype, device=tensor.device) if lst is not None else None

@@ -130,6 +130,22 @@ def broadcast(pc: PeerComm, buf: torch.Tensor, root: int) -> None:
     waitall(sends)
 
 
+def _relay(pc: PeerComm, bufs: list[torch.Tensor], src: int, dst: int, forward: int) -> list:
+    """Receive ``bufs`` from ``src`` in order (all posted at once); pass the first ``forward``
+    of them on to ``dst`` as each lands. Returns the sends still in flight."""
+    recvs = [pc.irecv(b, src) for b in bufs]
+    sends = []
+    for i, (b, w) in enumerate(zip(bufs, recvs)):
+        w.wait()
+        if i < forward:
+            sends.append(pc.isend(b, dst))
+    return sends
+
+
+def _slot(full: torch.Tensor, i: int, n: int) -> torch.Tensor:
+    return full[i * n:(i + 1) * n]
+
+
 def scatter(pc: PeerComm, out: torch.Tensor, full: torch.Tensor | None, root: int) -> None:
     # The root sends the items for ranks at distance P-1, P-2, ..., 1 down the chain; the
     # rank at distance v receives P-v items, forwards the first P-v-1 and keeps the last.
@@ -137,17 +153,11 @@ def scatter(pc: PeerComm, out: torch.Tensor, full: torch.Tensor | None, root: in
     v = (pc.rank - root) % P
     nxt, prv = (pc.rank + 1) % P, (pc.rank - 1) % P
     if v == 0:
-        sends = [pc.isend(full[((root + d) % P) * n:((root + d) % P + 1) * n], nxt) for d in range(P - 1, 0, -1)]
-        out.copy_(full[root * n:(root + 1) * n])
-        waitall(sends)
-        return
-    bufs = [torch.empty_like(out) for _ in range(P - v - 1)] + [out]
-    recvs = [pc.irecv(b, prv) for b in bufs]
-    sends = []
-    for b, w in zip(bufs[:-1], recvs[:-1]):
-        w.wait()
-        sends.append(pc.isend(b, nxt))
-    recvs[-1].wait()
+        sends = [pc.isend(_slot(full, (root + d) % P, n), nxt) for d in range(P - 1, 0, -1)]
+        out.copy_(_slot(full, root, n))
+    else:
+        bufs = [torch.empty_like(out) for _ in range(P - v - 1)] + [out]
+        sends = _relay(pc, bufs, prv, nxt, forward=P - v - 1)
     waitall(sends)
 
 
@@ -158,14 +168,10 @@ def gather(pc: PeerComm, inp: torch.Tensor, full: torch.Tensor | None, root: int
     v = (pc.rank - root) % P
     nxt, prv = (pc.rank + 1) % P, (pc.rank - 1) % P
     if v == 0:
-        works = [pc.irecv(full[((root + d) % P) * n:((root + d) % P + 1) * n], nxt) for d in range(1, P)]
-        full[root * n:(root + 1) * n].copy_(inp)
+        works = [pc.irecv(_slot(full, (root + d) % P, n), nxt) for d in range(1, P)]
+        _slot(full, root, n).copy_(inp)
         waitall(works)
         return
     sends = [pc.isend(inp, prv)]
     bufs = [torch.empty_like(inp) for _ in range(P - 1 - v)]
-    recvs = [pc.irecv(b, nxt) for b in bufs]
-    for b, w in zip(bufs, recvs):
-        w.wait()
-        sends.append(pc.isend(b, prv))
-    waitall(sends)
+    waitall(sends + _relay(pc, bufs, nxt, prv, forward=len(bufs)))
