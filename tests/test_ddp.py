@@ -211,3 +211,30 @@ def _bad_args(rank: int) -> list[str]:
 @pytest.mark.timeout(60)
 def test_bad_arguments():
     assert distrain.spawn(_bad_args, 2, timeout=45) == [[], []]
+
+
+def _explicit_sync(rank: int) -> list[str]:
+    import torch.distributed as dist
+
+    P = dist.get_world_size()
+    torch.manual_seed(0)
+    ref = build_model("mlp-tiny").double()
+    x, y = _data(2 * P * LOCAL_B, "mlp", 0)
+    classification_loss(ref(x), y).backward()
+    model = DistributedDataParallel(_model("mlp"), algorithm="tree")
+    mine = [slice(rank * LOCAL_B, (rank + 1) * LOCAL_B), slice((P + rank) * LOCAL_B, (P + rank + 1) * LOCAL_B)]
+    with model.no_sync():  # two micro-batches that call the layers directly, as a pipeline stage does
+        for m in mine:
+            (classification_loss(model.module(x[m]), y[m]) / 2).backward()
+    with comm.ledger() as led:
+        model.allreduce_gradients()
+    bad = [n for (n, p), q in zip(model.module.named_parameters(), ref.parameters())
+           if not torch.allclose(p.grad, q.grad, rtol=1e-10, atol=1e-13)]
+    if led.get("all_reduce", "tree").calls != len(model.bucket_sizes):
+        bad.append("one all-reduce per bucket expected")
+    return bad
+
+
+@pytest.mark.timeout(120)
+def test_allreduce_gradients_after_no_sync_micro_batches():
+    assert distrain.spawn(_explicit_sync, 3, timeout=90) == [[], [], []]

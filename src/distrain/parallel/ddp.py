@@ -151,7 +151,9 @@ class DistributedDataParallel(nn.Module):
             self._sync = old
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
-        if not self._step_sync or id(p) in self._ready:
+        # Skipped under no_sync(), whether the forward ran through this wrapper or not (a
+        # pipeline stage calls its layers directly and syncs with allreduce_gradients()).
+        if not (self._step_sync and self._sync) or id(p) in self._ready:
             return
         if not self._queued:
             self._queued = True
@@ -188,6 +190,20 @@ class DistributedDataParallel(nn.Module):
         for b in self._buckets:
             b.pending = 0
         self._launch_ready()
+        self._wait_and_write_back()
+
+    def allreduce_gradients(self) -> None:
+        """Average the gradients accumulated so far over the group, now.
+
+        For callers that run backward passes under ``no_sync()`` and decide themselves when
+        to synchronize, e.g. a pipeline step over several micro-batches (parallelize.py).
+        Parameters without a gradient contribute zeros.
+        """
+        for b in self._buckets:
+            self._launch(b)
+        self._wait_and_write_back()
+
+    def _wait_and_write_back(self) -> None:
         t0 = time.perf_counter()
         for b in self._buckets:
             b.handle.wait()
