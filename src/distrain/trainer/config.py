@@ -34,6 +34,12 @@ class TrainConfig:
     compression: str | None = None
     servers: int = 1
     max_staleness: int | None = None
+    # model parallelism (GPT models, strategy ddp): dp * tp * pp = nproc; dp = 0 means nproc // (tp * pp)
+    dp: int = 0
+    tp: int = 1
+    pp: int = 1
+    microbatches: int = 1  # per pipeline step; must divide the per-replica batch
+    schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b
     # optimization
     steps: int = 1200
     batch_size: int = 32  # global batch: the same whatever nproc is, so runs compare
@@ -58,9 +64,19 @@ class TrainConfig:
 
     # -- derived ---------------------------------------------------------------------------
     @property
+    def model_parallel(self) -> bool:
+        return self.tp > 1 or self.pp > 1
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp or max(1, self.nproc // (self.tp * self.pp))
+
+    @property
     def workers(self) -> int:
-        """Ranks that compute gradients (all of them, except parameter-server ranks)."""
-        return self.nproc - self.servers if self.strategy.startswith("ps-") else self.nproc
+        """Data-parallel replicas: each takes a slice of the global batch."""
+        if self.strategy.startswith("ps-"):
+            return self.nproc - self.servers
+        return self.dp_size if (self.model_parallel or self.dp) else self.nproc
 
     @property
     def data_kind(self) -> str:
@@ -75,6 +91,23 @@ class TrainConfig:
         return cls(**{k: v for k, v in d.items() if k in names})
 
     # -- validation ------------------------------------------------------------------------
+    def _validate_model_parallel(self, need) -> None:
+        from distrain.models import preset_config
+
+        need(MODEL_DATA[self.model] == "text", f"--tp/--pp split the GPT models; --model {self.model} is not one")
+        c = preset_config(self.model)
+        n_layers = c["n_layer"] + 2  # embedding, blocks, head
+        need(self.pp <= n_layers, f"--pp {self.pp}: {self.model} has {n_layers} layers (embedding, {c['n_layer']} "
+                                  f"blocks, head) but {self.pp} stages were asked for; use at most {n_layers}")
+        for what, n in (("n_head", c["n_head"]), ("n_embd", c["n_embd"]), ("vocab_size", c["vocab_size"])):
+            divisors = [d for d in range(1, n + 1) if n % d == 0]
+            need(n % self.tp == 0, f"--tp {self.tp}: {self.model} has {what}={n}, not divisible by {self.tp}; "
+                                   f"choose --tp among {divisors[:8]}")
+        local = self.batch_size // max(1, self.dp_size)
+        need(self.batch_size % self.dp_size == 0 and local % self.microbatches == 0,
+             f"--microbatches {self.microbatches} does not divide the per-replica batch {self.batch_size} / "
+             f"dp {self.dp_size} = {self.batch_size / self.dp_size:g}; pick a divisor of it")
+
     def validate(self) -> "TrainConfig":
         from distrain.models import list_models
 
@@ -107,6 +140,16 @@ class TrainConfig:
         if self.max_staleness is not None:
             need(self.strategy == "ps-async", "--max-staleness applies only to --strategy ps-async")
             need(self.max_staleness >= 0, f"--max-staleness must be >= 0, got {self.max_staleness}")
+        need(self.schedule in ("gpipe", "1f1b"), f"--schedule must be gpipe or 1f1b, got {self.schedule!r}")
+        need(min(self.tp, self.pp, self.microbatches) >= 1 and self.dp >= 0,
+             "--tp, --pp and --microbatches must be >= 1, --dp >= 0 (0: whatever is left of --nproc)")
+        if self.model_parallel or self.dp:
+            from distrain.topology import Topology
+
+            need(self.strategy == "ddp", f"--dp/--tp/--pp compose with --strategy ddp only, got {self.strategy}")
+            Topology(dp=self.dp_size, tp=self.tp, pp=self.pp, world_size=self.nproc)  # dp*tp*pp == nproc
+        if self.model_parallel:
+            self._validate_model_parallel(need)
         need(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
         need(self.batch_size % self.workers == 0,
              f"--batch-size {self.batch_size} does not divide among {self.workers} data-parallel worker(s); use a "

@@ -1,0 +1,429 @@
+"""The building blocks of tensor parallelism: f/g, the parallel layers, the vocab-parallel loss.
+
+The contract, the f/g table and the citation are in :mod:`distrain.parallel.tensor`, which
+re-exports everything public here; this module only holds the implementations.
+
+Shapes in comments: B batch, T sequence, C = in_features, O = out_features,
+P = tp size, V vocabulary, N = B*T tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distrain import comm
+from distrain.errors import ConfigError
+
+
+# ---------------------------------------------------------------------------------------
+# The group and the checks shared by every layer
+# ---------------------------------------------------------------------------------------
+
+class TPGroup:
+    """A tensor-parallel group as the layers hold it: the ProcessGroup, the algorithm, and
+    this rank's place in it. Copies of a layer (``copy.deepcopy``) share it: a
+    torch ProcessGroup cannot be copied, and a copy of a shard belongs to the same group."""
+
+    def __init__(self, group=None, algorithm: str = "native"):
+        if algorithm not in comm.ALGORITHM_NAMES:
+            raise ConfigError(f"tensor parallel: unknown algorithm {algorithm!r}; use one of "
+                              f"{', '.join(comm.ALGORITHM_NAMES)}")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError("tensor parallel: torch.distributed is not initialized; call "
+                              "distrain.runtime.init() (under `distrain launch`) or run under distrain.spawn")
+        if group is None:
+            group = dist.group.WORLD
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise ConfigError(f"tensor parallel: this process (global rank {dist.get_rank()}) is not a member "
+                              f"of the tp group it was given; pass this rank's group (e.g. topo.tp_group)")
+        self.group = group
+        self.algorithm = algorithm
+        self.rank = rank
+        self.size = dist.get_world_size(group)
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __repr__(self) -> str:
+        return f"TPGroup(rank={self.rank}, size={self.size}, algorithm={self.algorithm!r})"
+
+
+def _tp(group, algorithm: str) -> TPGroup:
+    return group if isinstance(group, TPGroup) else TPGroup(group, algorithm)
+
+
+def _divide(n: int, p: int, what: str) -> int:
+    if n % p:
+        divs = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+        raise ConfigError(f"{what}={n} is not divisible by tp={p}; choose tp among the divisors of {n}: {divs}")
+    return n // p
+
+
+# ---------------------------------------------------------------------------------------
+# f and g (and the gather/scatter pair for layers used at the edges)
+# ---------------------------------------------------------------------------------------
+
+class _CopyToTP(torch.autograd.Function):
+    """f: identity forward; all-reduce (sum) of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)  # never reduce autograd's buffer in place
+        comm.all_reduce(grad, group=ctx.tp.group, algorithm=ctx.tp.algorithm)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce (sum) forward; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        out = x.clone(memory_format=torch.contiguous_format)  # x may be saved by autograd: reduce a copy
+        comm.all_reduce(out, group=tp.group, algorithm=tp.algorithm)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _all_gather_last(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    x = x.contiguous()                                               # (..., O/P)
+    parts = [torch.empty_like(x) for _ in range(tp.size)]
+    comm.all_gather(parts, x, group=tp.group, algorithm=tp.algorithm)
+    return torch.cat(parts, dim=-1)                                  # (..., O), rank order
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """All-gather along the last dim forward; keep this rank's slice of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _all_gather_last(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.tp.size, dim=-1)[ctx.tp.rank].contiguous(), None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    """Keep this rank's slice of the last dim forward; all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return x.chunk(tp.size, dim=-1)[tp.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_last(grad, ctx.tp), None
+
+
+def _trivial(tp: TPGroup) -> bool:
+    return tp.size == 1  # one rank: f, g and the gathers are identities, no collective is issued
+
+
+def copy_to_tp(x: torch.Tensor, group=None, algorithm: str = "native") -> torch.Tensor:
+    """f: the input of a column-parallel region (identity forward, all-reduce backward)."""
+    tp = _tp(group, algorithm)
+    return x if _trivial(tp) else _CopyToTP.apply(x, tp)
+
+
+def reduce_from_tp(x: torch.Tensor, group=None, algorithm: str = "native") -> torch.Tensor:
+    """g: the output of a row-parallel region (all-reduce forward, identity backward)."""
+    tp = _tp(group, algorithm)
+    return x if _trivial(tp) else _ReduceFromTP.apply(x, tp)
+
+
+def gather_from_tp(x: torch.Tensor, group=None, algorithm: str = "native") -> torch.Tensor:
+    """(..., O/P) shards -> (..., O) on every rank; backward keeps this rank's slice."""
+    tp = _tp(group, algorithm)
+    return x if _trivial(tp) else _GatherFromTP.apply(x, tp)
+
+
+def scatter_to_tp(x: torch.Tensor, group=None, algorithm: str = "native") -> torch.Tensor:
+    """(..., C) replicated -> this rank's (..., C/P) slice; backward all-gathers."""
+    tp = _tp(group, algorithm)
+    return x if _trivial(tp) else _ScatterToTP.apply(x, tp)
+
+
+# ---------------------------------------------------------------------------------------
+# Parallel layers
+# ---------------------------------------------------------------------------------------
+
+class _TPModule(nn.Module):
+    """Common part: the group, ``tp_rank``/``tp_size``, and which slice each parameter holds."""
+
+    def _setup(self, tp: TPGroup) -> None:
+        self.tp = tp
+        self.tp_rank = tp.rank
+        self.tp_size = tp.size
+
+    def shard_info(self) -> dict[str, tuple[int | None, int, int, tuple[int, ...]]]:
+        """{param name: (split dim or None, start, stop, full shape)}; None = replicated."""
+        raise NotImplementedError
+
+    def _init_like_linear(self, fan_in: int) -> None:
+        # nn.Linear's default init, with the fan-in of the full layer (each shard on its own RNG draw)
+        bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+        with torch.no_grad():
+            self.weight.uniform_(-bound, bound)
+            if self.bias is not None:
+                self.bias.uniform_(-bound, bound)
+
+
+class ColumnParallelLinear(_TPModule):
+    """y = x A^T + b with A (O x C) split by rows (output features): rank r holds
+    A[r*O/P:(r+1)*O/P] and the matching bias slice.
+
+    forward: x (..., C) replicated -> f -> (..., O/P) shard, or (..., O) with gather_output.
+    ``sync_input=False`` leaves f out, for several column-parallel linears reading one input
+    that already went through f once (q, k, v: see apply_tensor_parallel).
+    ``out_features`` is the width of what forward returns (the model's attention reads
+    ``q_proj.out_features`` to count its local heads); ``full_out_features`` is O.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None,
+                 algorithm: str = "native", gather_output: bool = False, sync_input: bool = True,
+                 device=None, dtype=None):
+        super().__init__()
+        tp = _tp(group, algorithm)
+        self._setup(tp)
+        self.in_features = in_features
+        self.full_out_features = out_features
+        self.local_out_features = _divide(out_features, tp.size, "out_features")
+        self.out_features = out_features if gather_output else self.local_out_features
+        self.gather_output = gather_output
+        self.sync_input = sync_input
+        kw = dict(device=device, dtype=dtype)
+        self.weight = nn.Parameter(torch.empty(self.local_out_features, in_features, **kw))  # (O/P, C)
+        self.bias = nn.Parameter(torch.empty(self.local_out_features, **kw)) if bias else None  # (O/P,)
+        self._init_like_linear(in_features)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, algorithm: str = "native", gather_output: bool = False,
+                    sync_input: bool = True) -> "ColumnParallelLinear":
+        """This rank's row block of a full ``nn.Linear`` (copied: the full layer is untouched;
+        no random init is drawn, so the caller's RNG stream is not advanced)."""
+        w = linear.weight
+        m = nn.utils.skip_init(cls, linear.in_features, linear.out_features, linear.bias is not None, group,
+                               algorithm, gather_output, sync_input, device=w.device, dtype=w.dtype)
+        rows = slice(m.tp_rank * m.local_out_features, (m.tp_rank + 1) * m.local_out_features)
+        with torch.no_grad():
+            m.weight.copy_(w[rows])
+            if m.bias is not None:
+                m.bias.copy_(linear.bias[rows])
+        return m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sync_input:
+            x = copy_to_tp(x, self.tp)                               # (..., C), f
+        y = F.linear(x, self.weight, self.bias)                      # (..., O/P)
+        return gather_from_tp(y, self.tp) if self.gather_output else y
+
+    def shard_info(self):
+        a, b = self.tp_rank * self.local_out_features, (self.tp_rank + 1) * self.local_out_features
+        info = {"weight": (0, a, b, (self.full_out_features, self.in_features))}
+        if self.bias is not None:
+            info["bias"] = (0, a, b, (self.full_out_features,))
+        return info
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.full_out_features} "
+                f"(local {self.local_out_features}), bias={self.bias is not None}, "
+                f"tp_rank={self.tp_rank} of {self.tp_size}, gather_output={self.gather_output}, "
+                f"sync_input={self.sync_input}, algorithm={self.tp.algorithm}")
+
+
+class RowParallelLinear(_TPModule):
+    """y = x A^T + b with A (O x C) split by columns (input features): rank r holds
+    A[:, r*C/P:(r+1)*C/P]; the bias is whole on every rank and added once, after g.
+
+    forward: x (..., C/P) shard (or (..., C) replicated with input_is_parallel=False, which
+    keeps this rank's slice) -> partial (..., O) -> g -> + b -> (..., O) replicated.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None,
+                 algorithm: str = "native", input_is_parallel: bool = True, device=None, dtype=None):
+        super().__init__()
+        tp = _tp(group, algorithm)
+        self._setup(tp)
+        self.full_in_features = in_features
+        self.local_in_features = _divide(in_features, tp.size, "in_features")
+        self.in_features = self.local_in_features if input_is_parallel else in_features
+        self.out_features = out_features
+        self.input_is_parallel = input_is_parallel
+        kw = dict(device=device, dtype=dtype)
+        self.weight = nn.Parameter(torch.empty(out_features, self.local_in_features, **kw))  # (O, C/P)
+        self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None  # (O,) replicated
+        self._init_like_linear(in_features)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, algorithm: str = "native",
+                    input_is_parallel: bool = True) -> "RowParallelLinear":
+        """This rank's column block of a full ``nn.Linear``, with the whole bias."""
+        w = linear.weight
+        m = nn.utils.skip_init(cls, linear.in_features, linear.out_features, linear.bias is not None, group,
+                               algorithm, input_is_parallel, device=w.device, dtype=w.dtype)
+        cols = slice(m.tp_rank * m.local_in_features, (m.tp_rank + 1) * m.local_in_features)
+        with torch.no_grad():
+            m.weight.copy_(w[:, cols])
+            if m.bias is not None:
+                m.bias.copy_(linear.bias)
+        return m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp(x, self.tp)                            # (..., C) -> (..., C/P)
+        y = reduce_from_tp(F.linear(x, self.weight), self.tp)        # partial (..., O), g
+        return y + self.bias if self.bias is not None else y         # bias once, after the sum
+
+    def shard_info(self):
+        a, b = self.tp_rank * self.local_in_features, (self.tp_rank + 1) * self.local_in_features
+        info = {"weight": (1, a, b, (self.out_features, self.full_in_features))}
+        if self.bias is not None:
+            info["bias"] = (None, 0, self.out_features, (self.out_features,))
+        return info
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.full_in_features} (local {self.local_in_features}), "
+                f"out_features={self.out_features}, bias={self.bias is not None}, "
+                f"tp_rank={self.tp_rank} of {self.tp_size}, input_is_parallel={self.input_is_parallel}, "
+                f"algorithm={self.tp.algorithm}")
+
+
+class VocabParallelEmbedding(_TPModule):
+    """Embedding table (V x C) split by rows: rank r holds tokens [r*V/P, (r+1)*V/P).
+
+    forward: ids (...) -> ids outside the range are looked up as row 0 and their output
+    zeroed -> partial (..., C) -> g -> (..., C) replicated (each token's row comes from
+    exactly one rank). Backward: the masked positions carry zero gradient.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group=None, algorithm: str = "native",
+                 device=None, dtype=None):
+        super().__init__()
+        tp = _tp(group, algorithm)
+        self._setup(tp)
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.local_num_embeddings = _divide(num_embeddings, tp.size, "vocab_size")
+        self.vocab_start = tp.rank * self.local_num_embeddings
+        self.vocab_end = self.vocab_start + self.local_num_embeddings
+        self.weight = nn.Parameter(torch.empty(self.local_num_embeddings, embedding_dim,
+                                               device=device, dtype=dtype))  # (V/P, C)
+        with torch.no_grad():
+            self.weight.normal_()
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding, group=None, algorithm: str = "native") -> "VocabParallelEmbedding":
+        if emb.padding_idx is not None or emb.max_norm is not None or emb.sparse:
+            raise ConfigError("VocabParallelEmbedding.from_embedding: padding_idx, max_norm and sparse are not "
+                              "supported; use a plain nn.Embedding")
+        w = emb.weight
+        m = nn.utils.skip_init(cls, emb.num_embeddings, emb.embedding_dim, group, algorithm, device=w.device,
+                               dtype=w.dtype)
+        with torch.no_grad():
+            m.weight.copy_(w[m.vocab_start:m.vocab_end])
+        return m
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)            # (...)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)                # (...) in [0, V/P)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # (..., C) partial
+        return reduce_from_tp(out, self.tp)                                     # (..., C), g
+
+    def shard_info(self):
+        return {"weight": (0, self.vocab_start, self.vocab_end, (self.num_embeddings, self.embedding_dim))}
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.vocab_start}, {self.vocab_end}), "
+                f"tp_rank={self.tp_rank} of {self.tp_size}, algorithm={self.tp.algorithm}")
+
+
+# ---------------------------------------------------------------------------------------
+# Vocab-parallel cross entropy
+# ---------------------------------------------------------------------------------------
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Mean cross entropy over the non-ignored tokens, from logits sharded on the vocab.
+
+    Three all-reduces of N elements (N = tokens): MAX of the local max, SUM of the target
+    logit (non-zero only on the rank owning the target), SUM of the local sum of exp.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, tp, ignore_index):
+        Vp = logits.shape[-1]
+        x = logits.reshape(-1, Vp)                                   # (N, V/P)
+        t = targets.reshape(-1)                                      # (N,)
+        start = tp.rank * Vp
+        valid = t != ignore_index                                    # (N,)
+        n_valid = int(valid.sum())
+        full_v = Vp * tp.size
+        tv = t[valid]
+        if tv.numel() and (int(tv.min()) < 0 or int(tv.max()) >= full_v):  # same on every rank: no collective yet
+            lo, hi = int(tv.min()), int(tv.max())
+            raise ConfigError(f"vocab_parallel_cross_entropy: targets must lie in [0, {full_v}) "
+                              f"(or equal ignore_index={ignore_index}); got values in [{lo}, {hi}]")
+
+        m = x.max(dim=-1).values                                     # (N,) local max
+        comm.all_reduce(m, op="max", group=tp.group, algorithm=tp.algorithm)   # (N,) global max
+        x = x - m.unsqueeze(-1)                                      # (N, V/P), <= 0
+
+        mine = valid & (t >= start) & (t < start + Vp)               # (N,) targets this rank owns
+        local_t = torch.where(mine, t - start, torch.zeros_like(t))  # (N,) in [0, V/P)
+        picked = x.gather(1, local_t.unsqueeze(1)).squeeze(1) * mine  # (N,) target logit or 0
+        comm.all_reduce(picked, group=tp.group, algorithm=tp.algorithm)         # (N,) target logit
+
+        e = x.exp()                                                  # (N, V/P)
+        s = e.sum(dim=-1)                                            # (N,) local sum of exp
+        comm.all_reduce(s, group=tp.group, algorithm=tp.algorithm)              # (N,) global sum of exp
+
+        per_token = (s.log() - picked) * valid                       # (N,) -log softmax[target]
+        loss = per_token.sum() / n_valid if n_valid else per_token.sum() * float("nan")
+        e.div_(s.unsqueeze(-1))                                      # (N, V/P) softmax shard
+        ctx.save_for_backward(e, local_t, mine, valid)
+        ctx.shape = logits.shape
+        ctx.n_valid = n_valid
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_t, mine, valid = ctx.saved_tensors
+        g = softmax.clone()                                          # d loss_i / d x_i = softmax - onehot
+        g[torch.arange(g.shape[0], device=g.device), local_t] -= mine.to(g.dtype)
+        scale = grad_loss / max(ctx.n_valid, 1)
+        g.mul_((valid.to(g.dtype) * scale).unsqueeze(-1))            # mean over valid tokens, ignored ones 0
+        return g.view(ctx.shape), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tensor, group=None,
+                                 algorithm: str = "native", ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross entropy of ``logits_shard`` (..., V/P), this rank's slice [r*V/P, (r+1)*V/P)
+    of the vocabulary, against the full ``targets`` (...): equals ``F.cross_entropy`` on the
+    gathered logits (``lm_loss``), without ever gathering them. The result is the same scalar on
+    every rank of the group. Backward: (softmax shard - one-hot shard) / tokens, no collective.
+    """
+    tp = _tp(group, algorithm)
+    if logits_shard.shape[:-1] != targets.shape:
+        raise ConfigError(f"vocab_parallel_cross_entropy: logits shard {tuple(logits_shard.shape)} and targets "
+                          f"{tuple(targets.shape)} disagree; logits must be targets' shape plus the vocab dim")
+    if tp.size == 1:
+        return F.cross_entropy(logits_shard.reshape(-1, logits_shard.shape[-1]), targets.reshape(-1),
+                               ignore_index=ignore_index)
+    return _VocabParallelCE.apply(logits_shard, targets, tp, ignore_index)
