@@ -181,3 +181,46 @@ def test_parameter_server_async_learns_within_the_staleness_bound(tmp_path):
 def test_parameter_server_refuses_periodic_checkpoints(tmp_path):
     with pytest.raises(ConfigError, match="--ckpt-every is not supported with parameter servers"):
         train(_cfg(tmp_path, "x", strategy="ps-sync", nproc=3, ckpt_every=2))
+
+
+@pytest.mark.timeout(300)
+def test_model_parallel_runs_equal_single_process(tmp_path):
+    single = _cfg(tmp_path, "single", strategy="single", nproc=1, steps=4)
+    train(single)
+    for dp, tp, pp, m in [(1, 2, 2, 2), (2, 2, 1, 1), (2, 1, 2, 3)]:
+        cfg = _cfg(tmp_path, f"mp{dp}{tp}{pp}", nproc=dp * tp * pp, dp=dp, tp=tp, pp=pp, microbatches=m, steps=4)
+        summary = train(cfg)
+        assert summary["layout"] == {"dp": dp, "tp": tp, "pp": pp}
+        torch.testing.assert_close(torch.tensor(_losses(cfg)), torch.tensor(_losses(single)), rtol=1e-10, atol=0,
+                                   msg=lambda msg: f"dp={dp} tp={tp} pp={pp}: {msg}")
+
+
+@pytest.mark.timeout(300)
+def test_model_parallel_resume_continues_exactly(tmp_path):
+    kw = dict(nproc=4, tp=2, pp=2, microbatches=2, dtype="float32", ckpt_every=3)
+    full = _cfg(tmp_path, "full", steps=6, **kw)
+    train(full)
+    train(_cfg(tmp_path, "part", steps=3, **kw))
+    assert sorted(p.name for p in (tmp_path / "part").glob("checkpoint*.pt")) == [
+        "checkpoint-tp0-pp0.pt", "checkpoint-tp0-pp1.pt", "checkpoint-tp1-pp0.pt", "checkpoint-tp1-pp1.pt",
+        "checkpoint.pt"]
+    resumed = _cfg(tmp_path, "part", steps=6, resume=True, **kw)
+    train(resumed)
+    assert _losses(resumed) == _losses(full)
+    other = _cfg(tmp_path, "part", steps=8, resume=True, nproc=4, dp=2, tp=2, pp=1, dtype="float32")
+    with pytest.raises(Exception, match="resume with the same --dp/--tp/--pp"):
+        train(other)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(nproc=4, tp=3, pp=1), "does not equal the world size 4"),
+    (dict(nproc=3, tp=3), "n_head=4, not divisible by 3"),
+    (dict(nproc=8, pp=8), "6 layers .* but 8 stages"),
+    (dict(nproc=4, tp=2, pp=2, microbatches=5), "--microbatches 5 does not divide"),
+    (dict(nproc=2, tp=2, strategy="torch-ddp"), "compose with --strategy ddp only"),
+    (dict(nproc=2, pp=2, schedule="zigzag"), "--schedule must be gpipe or 1f1b"),
+    (dict(nproc=2, tp=2, model="mlp-tiny", data="digits"), "split the GPT models"),
+])
+def test_bad_model_parallel_config(tmp_path, kw, match):
+    with pytest.raises(ConfigError, match=match):
+        train(_cfg(tmp_path, "bad", **kw))

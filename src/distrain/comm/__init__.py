@@ -27,11 +27,11 @@ from distrain.comm.api import (
     set_debug,
 )
 from distrain.comm.ledger import Counts, Ledger, ledger
-from distrain.comm.p2p import irecv, isend, recv, recv_tensor, send, send_tensor
+from distrain.comm.p2p import irecv, isend, isend_tensor, recv, recv_tensor, send, send_tensor
 
 __all__ = [
     "ALGORITHM_NAMES", "COLLECTIVES", "CommHandle", "Counts", "Ledger",
     "all_gather", "all_reduce", "barrier", "broadcast", "debug_enabled", "gather", "irecv", "isend",
-    "ledger", "recv", "recv_tensor", "reduce", "reduce_scatter", "scatter", "send", "send_tensor",
+    "isend_tensor", "ledger", "recv", "recv_tensor", "reduce", "reduce_scatter", "scatter", "send", "send_tensor",
     "set_debug",
 ]

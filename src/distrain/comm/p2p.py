@@ -194,12 +194,24 @@ def _header(t: torch.Tensor) -> torch.Tensor:
     return h
 
 
+def isend_tensor(tensor: torch.Tensor, dst: int, group=None, tag: int = 0, *,
+                 label: str = "p2p") -> list[tuple[_P2PWork, torch.Tensor]]:
+    """Non-blocking :func:`send_tensor`: returns [(handle, tensor sent), ...] (header, payload).
+
+    Keep the list until every handle has completed: the backend reads the tensors until then.
+    """
+    tensor = tensor.detach().contiguous()
+    h = _header(tensor)
+    out = [(isend(h, dst, group, tag, label=label), h)]
+    if tensor.numel():
+        out.append((isend(tensor, dst, group, tag, label=label), tensor))
+    return out
+
+
 def send_tensor(tensor: torch.Tensor, dst: int, group=None, tag: int = 0, *, label: str = "p2p") -> None:
     """Send ``tensor`` preceded by a header, so :func:`recv_tensor` can allocate it."""
-    tensor = tensor.detach().contiguous()
-    send(_header(tensor), dst, group, tag, label=label)
-    if tensor.numel():
-        send(tensor, dst, group, tag, label=label)
+    for work, _ in isend_tensor(tensor, dst, group, tag, label=label):
+        work.wait()
 
 
 def recv_tensor(src: int, group=None, tag: int = 0, *, device=None, label: str = "p2p") -> torch.Tensor:

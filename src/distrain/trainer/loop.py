@@ -105,6 +105,10 @@ def run_rank(cfg: TrainConfig) -> dict:
         from distrain.trainer.ps_loop import run_ps_rank
 
         return run_ps_rank(cfg)
+    if cfg.model_parallel or cfg.dp:
+        from distrain.trainer.mp_loop import run_mp_rank
+
+        return run_mp_rank(cfg)
 
     # build model (same seed on every rank; DDP also broadcasts rank 0's weights)
     torch.manual_seed(cfg.seed)
@@ -182,10 +186,17 @@ def _progress(cfg: TrainConfig, start: int, on: bool):
     return tqdm(total=cfg.steps, initial=start, desc=f"{cfg.strategy}/{cfg.model}", dynamic_ncols=True)
 
 
-def _flush(pending: list[dict], log: MetricsLog | None, bar, group=None) -> None:
-    """Average the pending steps' losses over the data-parallel ranks (one small all-reduce)."""
+def _flush(pending: list[dict], log: MetricsLog | None, bar, group=None, weight: float | None = None) -> None:
+    """Average the pending steps' losses over the data-parallel ranks (one small all-reduce).
+
+    With ``weight``, each rank contributes loss * weight to a sum instead (model parallelism:
+    only some ranks hold the loss)."""
     losses = torch.stack([r["loss"] for r in pending])
-    comm.all_reduce(losses, op="avg", group=group, algorithm="native")
+    if weight is None:
+        comm.all_reduce(losses, op="avg", group=group, algorithm="native")
+    else:
+        losses.mul_(weight)
+        comm.all_reduce(losses, op="sum", group=group, algorithm="native")
     for r, v in zip(pending, losses.tolist()):
         r["loss"] = v
     if log is not None:
@@ -210,7 +221,7 @@ def rank_traffic(led: comm.Ledger, steps: int) -> list[dict]:
 
 
 def _finish(cfg: TrainConfig, rank: int, model: nn.Module, task: Task, out: Path, wall: float, start: int,
-            traffic: list[dict], extra: dict | None = None) -> dict:
+            traffic: list[dict], extra: dict | None = None, can_sample: bool = True) -> dict:
     from distrain.trainer.metrics import read_metrics
 
     rows = read_metrics(out / "metrics.jsonl")
@@ -229,12 +240,14 @@ def _finish(cfg: TrainConfig, rank: int, model: nn.Module, task: Task, out: Path
         "bytes_sent_per_step_rank0": traffic[0]["sent"], "wall_s": wall, **(extra or {}),
     }
     plot_losses(out / "metrics.jsonl", out / "loss.png", f"{cfg.model} on {cfg.data}, {cfg.strategy}, {cfg.nproc} proc")
-    if task.unit == "tokens" and cfg.sample_chars > 0:
+    if task.unit == "tokens" and cfg.sample_chars > 0 and can_sample:
         g = torch.Generator().manual_seed(cfg.seed)
         ids = generate(model, encode("\n").unsqueeze(0), cfg.sample_chars, temperature=0.8, top_k=40, generator=g)
         summary["sample"] = decode(ids[0])
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    rows_out = [("strategy", f"{cfg.strategy}" + (f" ({cfg.algorithm})" if cfg.strategy == "ddp" else "")),
+    rows_out = [("strategy", f"{cfg.strategy}" + (f" ({cfg.algorithm})" if cfg.strategy == "ddp" else "")
+                             + (f", dp={cfg.dp_size} tp={cfg.tp} pp={cfg.pp}" if cfg.model_parallel else "")
+                             + (f", {cfg.microbatches} micro-batches ({cfg.schedule})" if cfg.pp > 1 else "")),
                 ("model / data", f"{cfg.model} / {cfg.data}"), ("processes", str(cfg.nproc)),
                 ("steps", f"{start} -> {cfg.steps}"), ("loss", f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}")]
     if vals:

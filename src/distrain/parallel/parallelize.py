@@ -1,0 +1,102 @@
+"""``parallelize()``: tensor, then pipeline, then data parallelism, in that fixed order.
+
+The model (a GPT: ``layers`` = [Embedding, Block x n, Head], forward a loop) knows nothing
+of parallelism; every rank builds the same seeded full model and calls::
+
+    pm = parallelize(model, topo, algorithm="ring", microbatches=4, schedule="1f1b")
+    loss = pm.train_step(x, y)   # this data-parallel replica's batch; gradients are ready
+    optimizer.step()             # over pm.parameters()
+
+Why this order:
+
+1. **Tensor parallel first** (``topo.tp_group``): it swaps the Linear/Embedding modules
+   *inside* every layer for their Megatron shards (column/row split, f/g all-reduces),
+   keeping the layer list intact, so the pipeline split below still sees whole layers.
+2. **Pipeline split second** (``topo.pp_group``): the rank keeps the contiguous slice of
+   layers of stage ``topo.pp_rank``; activations go to the same tp rank of the next stage.
+   Balancing by parameter count is the same on every tp rank, since every tp rank holds
+   the same share of each layer.
+3. **Data parallel last** (``topo.dp_group``): DDP wraps exactly the parameters this rank
+   now holds; the ranks of a dp group have the same tp and pp coordinates, so they hold
+   the same shard, and rank 0 of the group broadcasts it. With a pipeline, the micro-batch
+   backwards run under ``no_sync()`` and the gradients are averaged once per step.
+
+Contract: every rank of the world calls ``parallelize`` with the same topology sizes, and
+``train_step`` once per step; first-stage ranks need ``x``, last-stage ranks ``y``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from distrain.models import lm_loss
+from distrain.parallel.ddp import DistributedDataParallel
+from distrain.parallel.pipeline import PipelineStage, partition, pipeline_step
+from distrain.parallel.tensor import apply_tensor_parallel, tp_loss
+from distrain.topology import Topology
+
+
+@dataclass
+class ParallelModel:
+    topo: Topology
+    module: nn.Module  # what this rank trains: the (TP-sharded) model or pipeline stage
+    stage: PipelineStage | None
+    ddp: DistributedDataParallel | None
+    algorithm: str
+    microbatches: int
+    schedule: str
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The full-vocabulary mean cross-entropy (vocab-parallel when tp > 1: no logits gathered)."""
+        if self.topo.tp > 1:
+            return tp_loss(logits, targets, self.topo.tp_group, self.algorithm)
+        return lm_loss(logits, targets)
+
+    @property
+    def has_loss(self) -> bool:
+        """Whether this rank computes the loss (the last pipeline stage)."""
+        return self.stage is None or self.stage.is_last
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """Forward and backward of this replica's batch; returns the loss where it is computed."""
+        if self.stage is None:
+            net = self.ddp if self.ddp is not None else self.module
+            loss = self.loss_fn(net(x), y)
+            loss.backward()
+            return loss.detach()
+        sync = self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
+        with sync:
+            loss = pipeline_step(self.stage, x if self.stage.is_first else None, y if self.stage.is_last else None,
+                                 self.loss_fn, schedule=self.schedule, num_microbatches=self.microbatches)
+        if self.ddp is not None:
+            self.ddp.allreduce_gradients()
+        return loss
+
+    @property
+    def comm_wait_s(self) -> float | None:
+        return self.ddp.comm_wait_s if self.ddp is not None else None
+
+
+def parallelize(model: nn.Module, topo: Topology, algorithm: str = "native", microbatches: int = 1,
+                schedule: str = "1f1b", bucket_cap_mb: float = 25.0) -> ParallelModel:
+    # 0. the pipeline cut is decided on the whole model, before any sharding: the same on
+    #    every rank whatever tp is (layers per stage, balanced by parameter count)
+    cut = [stop - start for start, stop in partition(model, topo.pp)] if topo.pp > 1 else None
+    # 1. tensor parallel: shards inside every layer, on the tp group
+    if topo.tp > 1:
+        apply_tensor_parallel(model, topo.tp_group, algorithm)
+    # 2. pipeline: keep this stage's layers; neighbours are the same (dp, tp) on pp_rank -/+ 1
+    stage = PipelineStage.from_topology(model, topo, balance=cut) if topo.pp > 1 else None
+    module = stage if stage is not None else model
+    # 3. data parallel: average the gradients of identical shards over the dp group
+    ddp = None
+    if topo.dp > 1:
+        ddp = DistributedDataParallel(module, group=topo.dp_group, algorithm=algorithm, bucket_cap_mb=bucket_cap_mb)
+    return ParallelModel(topo, module, stage, ddp, algorithm, microbatches, schedule)

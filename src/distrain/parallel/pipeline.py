@@ -1,0 +1,305 @@
+"""Pipeline parallelism with micro-batches: GPipe and 1F1B, on distrain.comm point-to-point.
+
+The model's ``layers`` list is cut into ``p`` contiguous stages, one per rank of a pipeline
+(:func:`partition`, balanced by parameter count); each rank holds a :class:`PipelineStage`
+(an ``nn.Module`` with only its layers, so an optimizer or a data-parallel wrapper takes its
+parameters). :func:`pipeline_step` splits the batch into ``m`` micro-batches and runs the
+forward and backward of all of them; activations travel forward and their gradients
+backward with ``isend``/``recv_tensor`` (a header carries dtype and shape), label ``"pp"``
+in the ledger. Pure parts (partition, schedules, simulation) are in ``pipeline_schedule``,
+timelines and traces in ``pipeline_timeline``; everything is re-exported here.
+
+Contract
+--------
+* Every rank of a pipeline calls ``pipeline_step`` the same number of times, with the same
+  ``num_microbatches`` and ``schedule`` (``DISTRAIN_DEBUG=1`` checks this along the chain).
+* The first stage passes the inputs (B, ...) -- or a list of m micro-batches -- the last
+  stage the targets and ``loss_fn(output, target) -> scalar``; the others pass None.
+* Gradients accumulate into ``.grad`` (call ``optimizer.zero_grad()`` before the step).
+  Each micro-batch's loss is scaled by 1/m, so with a mean loss over equal micro-batches
+  the accumulated gradients are those of the full batch. The last stage returns the mean
+  of the micro-batch losses (a detached scalar tensor); the other stages return None.
+
+Schedules (p = 3 stages, m = 4 micro-batches, one column = one op of unit time)
+------------------------------------------------------------------------------
+GPipe (Huang et al., "GPipe", NeurIPS 2019): all forwards, then all backwards::
+
+    stage 0:  F0 F1 F2 F3 .  .  .  .  B3 B2 B1 B0
+    stage 1:  .  F0 F1 F2 F3 .  .  B3 B2 B1 B0 .
+    stage 2:  .  .  F0 F1 F2 F3 B3 B2 B1 B0 .  .
+
+1F1B (PipeDream-Flush: Narayanan et al., "PipeDream", SOSP 2019; "Memory-Efficient
+Pipeline-Parallel DNN Training", ICML 2021; the schedule of Megatron-LM, SC 2021): stage s
+runs w = min(p - s - 1, m) warm-up forwards, then alternates one forward and one backward,
+then drains the last w backwards::
+
+    stage 0:  F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3
+    stage 1:  .  F0 F1 .  B0 F2 B1 F3 B2 .  B3 .
+    stage 2:  .  .  F0 B0 F1 B1 F2 B2 F3 B3 .  .
+
+Both have the same bubble -- with equal stages and free communication each stage idles
+(p - 1) forward + backward slots of the m + p - 1 the step takes, so the idle fraction is
+
+    bubble = (p - 1) / (m + p - 1)        (here 2 / 6)
+
+-- but GPipe holds the activations of all m micro-batches at the end of its forwards, 1F1B
+at most min(p - s, m) on stage s: memory bounded by p instead of m.
+
+Why it cannot deadlock
+----------------------
+On Gloo a ``send`` is a rendezvous: it returns only once the receiver has posted the
+matching receive (measured here: a 1-element send waits the full second its peer sleeps
+before receiving). With blocking sends 1F1B deadlocks already at p=2, m=2: stage 0 blocks in
+send(act 1) while stage 1, having run F0 and B0, blocks in send(grad 0); each waits for the
+other to post a receive (``simulate(..., blocking_sends=True)`` finds exactly this). So:
+
+1. Every send is posted with ``isend`` (header, then payload, same tag) and is *not* waited on
+   during the step: the tensors stay alive in a pending list, pruned as sends complete, and
+   the rest are waited for at the end of the step -- by then every receive has been posted,
+   since each stage's program receives every message its neighbours send it.
+2. A receive blocks, from a fixed peer, on a tag naming the micro-batch and the direction
+   (activation k: ``tag_base + 2 + 2k``, its gradient: ``tag_base + 3 + 2k``), so messages
+   cannot be confused whatever order they arrive in.
+3. The only blocking operation is then a receive. Stages are sequential processes with
+   blocking reads on fixed channels and non-blocking writes -- a Kahn process network -- so
+   whether they deadlock does not depend on timing: one complete execution order suffices.
+   The unit-time schedules above are one: each receive's message comes from an op in an
+   earlier column. In words, for 1F1B: before stage s waits for grad j it has sent
+   activations 0..j+p-s-1, while stage s+1 needs only activations 0..j+p-s-2 to produce
+   grad j; before stage s+1 waits for activation k it has waited only for grads
+   j <= k-p+s+1, which stage s produces after sending activations 0..k-1, and activations
+   < k do not depend on activation k. ``simulate`` checks every p <= 8, m <= 16 in the tests.
+
+Composition
+-----------
+``PipelineStage.from_topology(model, topo)`` takes the stage ``topo.pp_rank``, its neighbours
+``topo.pp_prev`` / ``topo.pp_next`` (same dp and tp coordinates: tp rank t of stage i talks to
+tp rank t of stage i+1) and sends on ``topo.pp_group``. Tensor parallelism: the tp ranks of a
+stage run the same program, so their collectives inside F/B are reached in the same order (a
+stage's tp group behaves as one process in the argument above); partition the *unsharded*
+model or pass ``balance=[...]`` so that every tp rank cuts at the same layers. Data
+parallelism: after ``pipeline_step`` all-reduce (average) the stage's gradients over
+``topo.dp_group``, then step the optimizer (tested for dp=2 x pp=2).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn as nn
+
+from distrain import comm
+from distrain.errors import ConfigError
+from distrain.parallel.pipeline_schedule import (  # re-exported: see __all__
+    SCHEDULES, ScheduleDeadlock, check_schedule, ideal_bubble, layer_costs, partition, peak_in_flight,
+    schedule_ops, simulate, split_microbatches, stage_program, warmup_forwards,
+)
+from distrain.parallel.pipeline_timeline import (  # re-exported: see __all__
+    PipelineTimeline, StageTimeline, collect_timeline, format_bubble_table, measure_bubbles,
+)
+
+__all__ = [
+    "DEFAULT_TAG_BASE", "PipelineStage", "PipelineTimeline", "SCHEDULES", "ScheduleDeadlock", "StageTimeline",
+    "check_schedule", "collect_timeline", "format_bubble_table", "ideal_bubble", "layer_costs", "measure_bubbles",
+    "partition", "peak_in_flight", "pipeline_step", "schedule_ops", "simulate", "split_microbatches",
+    "stage_program", "warmup_forwards",
+]
+
+DEFAULT_TAG_BASE = 1 << 19  # pipeline tags: [tag_base, 2**20); tags >= 2**20 are the collectives'
+LABEL = "pp"
+
+
+class PipelineStage(nn.Module):
+    """Stage ``stage_index`` of ``num_stages``: the contiguous slice of the model's layers it runs.
+
+    ``model_or_layers``: a model with ``.layers`` (GPT, MLP) or a list of modules; the stage
+    keeps references to its own layers only (drop the model afterwards to free the rest).
+    ``prev_rank`` / ``next_rank``: global ranks of the neighbouring stages (None on the first
+    / last stage). ``group``: the process group the messages use (None: the world; the ranks
+    stay global either way). ``balance``: see :func:`partition`.
+    """
+
+    def __init__(self, model_or_layers, stage_index: int, num_stages: int, prev_rank: int | None = None,
+                 next_rank: int | None = None, *, balance="params", group=None,
+                 tag_base: int = DEFAULT_TAG_BASE, name: str = "the model"):
+        super().__init__()
+        bounds = partition(model_or_layers, num_stages, balance, name=name)
+        if isinstance(stage_index, bool) or not isinstance(stage_index, int) or not 0 <= stage_index < num_stages:
+            raise ConfigError(f"PipelineStage: stage_index must be in [0, {num_stages}), got {stage_index!r}")
+        first, last = stage_index == 0, stage_index == num_stages - 1
+        for what, rank, none in (("prev_rank", prev_rank, first), ("next_rank", next_rank, last)):
+            if none and rank is not None:
+                raise ConfigError(f"PipelineStage: stage {stage_index} of {num_stages} has no "
+                                  f"{'previous' if what == 'prev_rank' else 'next'} stage; pass {what}=None")
+            if not none and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+                raise ConfigError(f"PipelineStage: stage {stage_index} of {num_stages} needs {what} "
+                                  f"(a global rank), got {rank!r}")
+        if not isinstance(tag_base, int) or not 0 <= tag_base < (1 << 20) - 3:
+            raise ConfigError(f"PipelineStage: tag_base must be in [0, 2**20 - 3), got {tag_base!r}")
+        all_layers = model_or_layers.layers if hasattr(model_or_layers, "layers") else list(model_or_layers)
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.prev_rank, self.next_rank = prev_rank, next_rank
+        self.group, self.tag_base = group, tag_base
+        self.bounds = bounds  # every stage's (start, stop) in the model's layer list
+        self.start, self.stop = bounds[stage_index]
+        self.layers = nn.ModuleList(all_layers[self.start:self.stop])
+        self.timeline: StageTimeline | None = None  # the last step's record
+
+    @classmethod
+    def from_topology(cls, model_or_layers, topo, **kwargs) -> "PipelineStage":
+        """The stage of ``topo.pp_rank``, neighbours ``topo.pp_prev`` / ``topo.pp_next`` (the same
+        dp and tp coordinates), messages on ``topo.pp_group`` when the topology has groups."""
+        try:
+            group = topo.pp_group
+        except ConfigError:  # a pure Topology: the default group, global ranks
+            group = None
+        kwargs.setdefault("group", group)
+        return cls(model_or_layers, topo.pp_rank, topo.pp, topo.pp_prev, topo.pp_next, **kwargs)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def tag(self, k: int, channel: str) -> int:
+        """P2P tag of micro-batch ``k``'s activation ("act") or gradient ("grad")."""
+        return self.tag_base + 2 + 2 * k + (channel == "grad")
+
+    def max_microbatches(self) -> int:
+        return ((1 << 20) - self.tag_base - 2) // 2
+
+
+def _isend_tensor(t: torch.Tensor, dst: int, group, tag: int) -> list:
+    """Non-blocking send of a self-describing tensor; the caller keeps the list until done."""
+    return comm.isend_tensor(t, dst, group, tag, label=LABEL)
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def _microbatches(value, m: int, what: str) -> list:
+    if isinstance(value, torch.Tensor):
+        return split_microbatches(value, m, what=what)
+    if isinstance(value, (list, tuple)):
+        if len(value) != m:
+            raise ConfigError(f"{what}: got a list of {len(value)} micro-batches but num_microbatches={m}")
+        return list(value)
+    raise ConfigError(f"{what} must be a tensor (B, ...) or a list of {m} micro-batches, got {type(value).__name__}")
+
+
+def _check_agreement(stage: PipelineStage, m: int, schedule: str) -> None:
+    """Debug: each stage receives (m, schedule) from the previous one, compares, passes its own on."""
+    mine = torch.tensor([m, SCHEDULES.index(schedule)], dtype=torch.int64)
+    if not stage.is_first:
+        theirs = comm.recv_tensor(stage.prev_rank, stage.group, stage.tag_base, label=LABEL)
+        if not torch.equal(theirs, mine):
+            raise ConfigError(
+                f"pipeline_step: stage {stage.stage_index} (rank {_global_rank()}) was called with "
+                f"num_microbatches={m}, schedule={schedule!r} but stage {stage.stage_index - 1} "
+                f"(rank {stage.prev_rank}) with num_microbatches={int(theirs[0])}, "
+                f"schedule={SCHEDULES[int(theirs[1])]!r}; every stage must use the same values")
+    if not stage.is_last:
+        comm.send_tensor(mine, stage.next_rank, stage.group, stage.tag_base, label=LABEL)
+
+
+def pipeline_step(stage: PipelineStage, micro_inputs=None, micro_targets=None, loss_fn=None, *,
+                  schedule: str = "1f1b", num_microbatches: int) -> torch.Tensor | None:
+    """Forward and backward of ``num_microbatches`` micro-batches through the pipeline (see the module doc).
+
+    ``micro_inputs``: first stage only, the batch (B, ...) split here into m micro-batches of
+    (B/m, ...) (ConfigError if m does not divide B), or a list of m micro-batches.
+    ``micro_targets`` and ``loss_fn(output, target)``: last stage only, likewise.
+    Returns the mean micro-batch loss on the last stage, None elsewhere; ``stage.timeline``
+    then holds this step's :class:`StageTimeline` (for :func:`collect_timeline`).
+    """
+    m, p, s = num_microbatches, stage.num_stages, stage.stage_index
+    check_schedule(schedule)
+    if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= stage.max_microbatches():
+        raise ConfigError(f"num_microbatches must be an int in [1, {stage.max_microbatches()}], got {m!r}")
+    if stage.is_first == (micro_inputs is None):
+        raise ConfigError(f"pipeline_step: stage {s} of {p} " + (
+            "is the first stage: pass micro_inputs" if stage.is_first
+            else "is not the first stage: pass micro_inputs=None"))
+    if stage.is_last == (micro_targets is None) or (stage.is_last and loss_fn is None):
+        raise ConfigError(f"pipeline_step: stage {s} of {p} " + (
+            "is the last stage: pass micro_targets and loss_fn" if stage.is_last
+            else "is not the last stage: pass micro_targets=None"))
+    inputs = _microbatches(micro_inputs, m, "batch") if stage.is_first else None
+    targets = _microbatches(micro_targets, m, "batch of targets") if stage.is_last else None
+    if comm.debug_enabled():
+        _check_agreement(stage, m, schedule)
+
+    device = next((q.device for q in stage.parameters()), None)
+    tl = stage.timeline = StageTimeline(stage=s, rank=_global_rank(), num_stages=p, schedule=schedule,
+                                        num_microbatches=m)
+    saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # k -> (stage input, output or scaled loss)
+    saved_bytes = 0
+    pending: list = []  # [(work, tensor)] of posted sends, kept alive until complete
+    losses: list[torch.Tensor] = []
+    clock = time.perf_counter
+    for kind, k in schedule_ops(schedule, p, s, m):
+        if kind == "F":
+            if stage.is_first:
+                x = inputs[k]  # (B/m, ...) e.g. ids (B/m, T)
+            else:
+                t0 = clock()
+                x = comm.recv_tensor(stage.prev_rank, stage.group, stage.tag(k, "act"), device=device, label=LABEL)
+                tl.add_wait("recv_act", k, t0, clock())
+                if not x.is_floating_point():
+                    raise ConfigError(f"pipeline stage {s} received a {x.dtype} activation; only the first stage "
+                                      "may take non-floating inputs (move the cut after the embedding)")
+                x.requires_grad_()  # a leaf: its .grad is what goes back to stage s-1
+            t0 = clock()
+            out = stage(x)  # e.g. hidden (B/m, T, C), or logits (B/m, T, V) on the last stage
+            if stage.is_last:
+                loss = loss_fn(out, targets[k])
+                losses.append(loss.detach())
+                out = loss / m  # scaled: the m backwards sum to the full batch's gradient
+            tl.add("F", k, t0, clock())
+            if not stage.is_last:
+                pending += _isend_tensor(out, stage.next_rank, stage.group, stage.tag(k, "act"))
+            saved[k] = (x, out)
+            saved_bytes += _nbytes(x) + _nbytes(out)
+        else:
+            grad = None
+            if not stage.is_last:
+                t0 = clock()
+                grad = comm.recv_tensor(stage.next_rank, stage.group, stage.tag(k, "grad"), device=device, label=LABEL)
+                tl.add_wait("recv_grad", k, t0, clock())  # grad has the shape of out: (B/m, T, C)
+            x, out = saved.pop(k)
+            t0 = clock()
+            if out.requires_grad:  # False only for a first stage without parameters
+                torch.autograd.backward(out, grad)
+            tl.add("B", k, t0, clock())
+            if not stage.is_first:
+                gx = x.grad if x.grad is not None else torch.zeros_like(x)
+                pending += _isend_tensor(gx, stage.prev_rank, stage.group, stage.tag(k, "grad"))
+            saved_bytes -= _nbytes(x) + _nbytes(out)
+            del x, out, grad
+        tl.note_held(len(saved), saved_bytes)
+        pending = [(w, t) for w, t in pending if not w.is_completed()]
+    for w, _ in pending:  # every matching receive is posted by now (module doc, point 1)
+        w.wait()
+    return torch.stack(losses).mean() if stage.is_last else None
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+if __name__ == "__main__":
+    from distrain.parallel import pipeline_timeline
+
+    pipeline_timeline.main()
