@@ -29,3 +29,21 @@ def test_bench_train_end_to_end(tmp_path, capsys):
 def test_bench_train_bad_flags():
     assert main(["bench", "train", "--strategies", "allreduce"]) == 2
     assert main(["bench", "train", "--model", "resnet"]) == 2
+
+
+@pytest.mark.timeout(120)
+def test_bench_tp_ledger_equals_megatron_count(capsys):
+    # exit status 0 only if the ledger equals the expected all-reduce calls and bytes exactly
+    assert main(["bench", "tp", "--tp", "2", "--model", "gpt-tiny", "--batch-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "ledger equals Megatron's count exactly" in out
+    assert "| forward | 12 | 37,248 |" in out  # gpt-tiny: 9 x 2*16*32*4 + 3 x 2*16*4
+
+
+@pytest.mark.timeout(120)
+def test_bench_pipeline_table(tmp_path, capsys):
+    assert main(["bench", "pipeline", "--pp", "2", "--m", "2", "--repeats", "1", "--json", str(tmp_path / "p.json")]) == 0
+    rows = json.loads((tmp_path / "p.json").read_text())
+    assert {(r["p"], r["m"], r["schedule"]) for r in rows} == {(2, 2, "gpipe"), (2, 2, "1f1b")}
+    assert all(r["expected"] == pytest.approx(1 / 3) for r in rows)
+    assert [r["peak_held"] for r in rows if r["schedule"] == "1f1b"] == [[2, 1]]
