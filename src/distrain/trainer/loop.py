@@ -156,8 +156,7 @@ def run_rank(cfg: TrainConfig) -> dict:
             opt.step()
             dt = time.perf_counter() - t0
             wait = getattr(model, "comm_wait_s", None)
-            pending.append({"step": step, "loss": loss.detach().double(), "time_s": dt,
-                            "comm_wait_s": wait, f"{task.unit}_per_s": cfg.batch_size * task.units_per_sample / dt})
+            pending.append(step_record(step, loss, dt, wait, task, cfg))
             last = step == cfg.steps - 1
             do_eval = cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or last)
             do_ckpt = (cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0) or last
@@ -176,6 +175,15 @@ def run_rank(cfg: TrainConfig) -> dict:
         bar.close()
     traffic = rank_traffic(led, cfg.steps - start)
     return _finish(cfg, rank, base, task, out, wall, start, traffic) if is_logger else {}
+
+
+def step_record(step: int, loss: torch.Tensor | None, dt: float, comm_wait: float | None, task: Task,
+                cfg: TrainConfig) -> dict:
+    """One metrics.jsonl line; ``loss`` stays a tensor until _flush averages it over ranks
+    (None on ranks that compute no loss, which then contribute 0)."""
+    return {"step": step, "loss": (loss.detach() if loss is not None else torch.zeros(())).double(),
+            "time_s": dt, "comm_wait_s": comm_wait,
+            f"{task.unit}_per_s": cfg.batch_size * task.units_per_sample / dt}
 
 
 def _progress(cfg: TrainConfig, start: int, on: bool):

@@ -30,7 +30,8 @@ from distrain.parallel.parallelize import parallelize
 from distrain.topology import Topology
 from distrain.trainer import checkpoint
 from distrain.trainer.config import TrainConfig
-from distrain.trainer.loop import CKPT_NAME, _finish, _flush, _progress, build_optimizer, build_task, rank_traffic
+from distrain.trainer.loop import (CKPT_NAME, _finish, _flush, _progress, build_optimizer, build_task, rank_traffic,
+                                   step_record)
 from distrain.trainer.metrics import MetricsLog
 
 
@@ -87,9 +88,7 @@ def run_mp_rank(cfg: TrainConfig) -> dict:
             loss = pm.train_step(x, y)
             opt.step()
             dt = time.perf_counter() - t0
-            pending.append({"step": step, "loss": (loss if loss is not None else torch.zeros(())).double(),
-                            "time_s": dt, "comm_wait_s": pm.comm_wait_s,
-                            "tokens_per_s": cfg.batch_size * task.units_per_sample / dt})
+            pending.append(step_record(step, loss, dt, pm.comm_wait_s, task, cfg))
             last = step == cfg.steps - 1
             do_eval = cfg.eval_every and topo.pp == 1 and ((step + 1) % cfg.eval_every == 0 or last)
             do_ckpt = (cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0) or last

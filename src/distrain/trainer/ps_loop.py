@@ -29,7 +29,7 @@ from distrain.parallel.ps import ParameterServer, PSLayout, PSWorker, expected_p
 from distrain.trainer import checkpoint
 from distrain.trainer.config import TrainConfig
 from distrain.trainer.loop import (CKPT_NAME, _finish, _flush, _progress, build_optimizer, build_task, evaluate,
-                                   rank_traffic)
+                                   rank_traffic, step_record)
 from distrain.trainer.metrics import MetricsLog
 
 
@@ -118,9 +118,7 @@ def _work(cfg: TrainConfig, model, layout: PSLayout, mode: str, group, out: Path
         loss.backward()
         worker.push()
         dt = time.perf_counter() - t0
-        pending.append({"step": step, "loss": loss.detach().double(), "time_s": dt,
-                        "comm_wait_s": worker.pull_s + worker.push_s - comm_before,
-                        f"{task.unit}_per_s": cfg.batch_size * task.units_per_sample / dt})
+        pending.append(step_record(step, loss, dt, worker.pull_s + worker.push_s - comm_before, task, cfg))
         if len(pending) >= cfg.log_every or step == cfg.steps - 1:
             _flush(pending, log, bar, group=group)
             pending = []
