@@ -180,3 +180,16 @@ def test_plot_writes_png(tmp_path):
     out = tmp_path / "p.png"
     comm_bench.plot(recs, ["native", "ring"], str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(120)
+def test_markdown_tables(tmp_path):
+    from distrain.cli import main
+
+    md = tmp_path / "t.md"
+    assert main(["bench", "comm", "--nproc", "2", "--ops", "all_reduce", "--algorithms", "native,tree",
+                 "--sizes", "4K", "--iters", "2", "--warmup", "1", "--markdown", str(md)]) == 0
+    text = md.read_text()
+    assert text.startswith("**all_reduce, P=2** (time in µs, bandwidths in GB/s)")
+    assert "| size | count | native us | native algbw | native busbw | tree us |" in text
+    assert "\n| 4K | 1024 |" in text

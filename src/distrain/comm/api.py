@@ -37,7 +37,7 @@ import torch.distributed as dist
 from distrain.comm import ledger as _ledger
 from distrain.comm import ring, star, tree
 from distrain.comm.group import GroupState, resolve
-from distrain.comm.ops import Op, check_dtype, resolve_op
+from distrain.comm.ops import check_dtype, resolve_op
 from distrain.comm.p2p import PeerComm
 from distrain.errors import CommError, ConfigError
 
