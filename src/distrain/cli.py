@@ -37,8 +37,6 @@ def _config_arguments(p: argparse.ArgumentParser, cls) -> None:
     import dataclasses
 
     for f in dataclasses.fields(cls):
-        if f.name == "extra":
-            continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
         if isinstance(default, bool):

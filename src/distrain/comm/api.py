@@ -215,7 +215,7 @@ def _fingerprint_check(st: GroupState, seq: int, collective: str, algorithm: str
 # ---------------------------------------------------------------------------------------
 
 def _run(st: GroupState, collective: str, algorithm: str, async_op: bool, payload: int,
-         ours: Callable[[PeerComm], None] | None, native: Callable[[bool], object] | None,
+         ours: Callable[[PeerComm], None], native: Callable[[bool], object] | None,
          after: Callable[[], None] | None, fp: tuple) -> CommHandle | None:
     """Run one collective call: fingerprint, ledger, then ours (inline or on the worker) or native."""
     seq = st.next_seq()
@@ -240,8 +240,11 @@ def _run(st: GroupState, collective: str, algorithm: str, async_op: bool, payloa
 
     pc = PeerComm(st, collective, algorithm, st.tag(seq))
 
+    tensor = fp[1]  # an empty tensor moves nothing: every rank skips the algorithm alike
+    skip = st.size == 1 or (tensor is not None and tensor.numel() == 0)
+
     def job() -> None:
-        if ours is not None and st.size > 1:
+        if not skip:
             ours(pc)
         if after is not None:
             after()
@@ -271,7 +274,7 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
     mod = ALGORITHMS.get(algorithm)
     after = (lambda: _copy_back(tensor, flat)) if st.rank != root else None
     return _run(st, name, algorithm, async_op, _nbytes(tensor),
-                ours=lambda pc: flat.numel() and mod.broadcast(pc, flat, root),
+                ours=lambda pc: mod.broadcast(pc, flat, root),
                 native=lambda a: dist.broadcast(flat, src, group=st.group, async_op=a),
                 after=after, fp=("", tensor, root))
 
@@ -292,7 +295,7 @@ def reduce(tensor: torch.Tensor, dst: int, op="sum", group=None, async_op: bool 
             _copy_back(tensor, flat)
 
     return _run(st, name, algorithm, async_op, _nbytes(tensor),
-                ours=lambda pc: flat.numel() and mod.reduce(pc, flat, root, o),
+                ours=lambda pc: mod.reduce(pc, flat, root, o),
                 native=lambda a: dist.reduce(flat, dst, op=o.native, group=st.group, async_op=a),
                 after=after, fp=(o.name, tensor, root))
 
@@ -311,7 +314,7 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = Fals
         _copy_back(tensor, flat)
 
     return _run(st, name, algorithm, async_op, _nbytes(tensor),
-                ours=lambda pc: flat.numel() and mod.all_reduce(pc, flat, o),
+                ours=lambda pc: mod.all_reduce(pc, flat, o),
                 native=lambda a: dist.all_reduce(flat, op=o.native, group=st.group, async_op=a),
                 after=after, fp=(o.name, tensor, -1))
 
@@ -330,7 +333,7 @@ def scatter(tensor: torch.Tensor, scatter_list=None, src: int = 0, group=None, a
         out.copy_(lst[root].reshape(-1))  # the source's own slot (also the whole result when P == 1)
     mod = ALGORITHMS.get(algorithm)
     return _run(st, name, algorithm, async_op, _nbytes(tensor),
-                ours=lambda pc: out.numel() and mod.scatter(pc, out, full, root),
+                ours=lambda pc: mod.scatter(pc, out, full, root),
                 native=lambda a: dist.scatter(out, list(full.view(st.size, -1)) if lst else None, src,
                                               group=st.group, async_op=a),
                 after=lambda: _copy_back(tensor, out),
@@ -358,7 +361,7 @@ def gather(tensor: torch.Tensor, gather_list=None, dst: int = 0, group=None, asy
                 t.copy_(full[i * n:(i + 1) * n].view(t.shape))
 
     return _run(st, name, algorithm, async_op, _nbytes(tensor),
-                ours=lambda pc: n and mod.gather(pc, inp, full, root),
+                ours=lambda pc: mod.gather(pc, inp, full, root),
                 native=lambda a: dist.gather(inp, list(full.view(st.size, n)) if lst is not None else None, dst,
                                              group=st.group, async_op=a),
                 after=after, fp=("", tensor, root))
@@ -384,7 +387,7 @@ def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = F
                                group=st.group, async_op=a)
 
     return _run(st, name, algorithm, async_op, _nbytes(tensor),
-                ours=lambda pc: n and mod.all_gather(pc, full, n), native=native,
+                ours=lambda pc: mod.all_gather(pc, full, n), native=native,
                 after=after, fp=("", tensor, -1))
 
 
@@ -396,7 +399,6 @@ def reduce_scatter(output: torch.Tensor, input_list, op="sum", group=None, async
     _tensor(output, "output", name)
     o = resolve_op(op, output.dtype, name)
     lst = _tensor_list(input_list, output, st.size, "input_list", name, st.ranks[st.rank])
-    n = output.numel()
     full = torch.cat([t.reshape(-1) for t in lst])  # a work copy: algorithms may overwrite it
     out = _flat(output)
     mod = ALGORITHMS.get(algorithm)
@@ -408,7 +410,7 @@ def reduce_scatter(output: torch.Tensor, input_list, op="sum", group=None, async
         _copy_back(output, out)
 
     return _run(st, name, algorithm, async_op, _nbytes(full),
-                ours=lambda pc: n and mod.reduce_scatter(pc, out, full, o),
+                ours=lambda pc: mod.reduce_scatter(pc, out, full, o),
                 native=lambda a: _reduce_scatter_native(out, full, op=o.native, group=st.group, async_op=a),
                 after=after, fp=(o.name, output, -1))
 

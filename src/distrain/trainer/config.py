@@ -8,7 +8,7 @@ every error names the flag and how to fix it.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 
 from distrain.comm import ALGORITHM_NAMES
 from distrain.errors import ConfigError
@@ -60,7 +60,6 @@ class TrainConfig:
     progress: bool = True
     report: bool = True  # print the summary table (and sample) at the end
     timeout: float = 3600.0
-    extra: dict = field(default_factory=dict)  # reserved for subcommands built on this config
 
     # -- derived ---------------------------------------------------------------------------
     @property
