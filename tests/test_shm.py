@@ -22,7 +22,8 @@ from distrain.errors import CommError, ConfigError
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory transport needs x86-64 and /dev/shm")
 
-BIG = (1 << 18) + 7  # 1 MiB + 28 bytes of float32: more than one slot, not divisible by P
+BIG = (1 << 18) + 7  # 1 MiB + 28 bytes of float32: 17 slots of SMALL_SLOT, not divisible by P
+SMALL_SLOT = 64 << 10  # tests shrink the slot so that chunking is exercised at modest sizes
 
 
 def _ops(dtype) -> list[str]:
@@ -45,6 +46,7 @@ def _vs_gloo(rank: int, sizes: list[int]) -> list[str]:
 
     P = dist.get_world_size()
     gloo = dist.new_group(list(range(P)))
+    shm.SLOT_BYTES = SMALL_SLOT
     comm.set_transport("shm")
     comm.set_transport("torch", gloo)
     bad, case = [], 0
@@ -169,6 +171,7 @@ def _hierarchical(rank: int, hosts: list[str]) -> list[str]:
     import torch.distributed as dist
 
     shm.set_host_id(hosts[rank])  # one machine made to look like several
+    shm.SLOT_BYTES = SMALL_SLOT
     P = dist.get_world_size()
     gloo = dist.new_group(list(range(P)))
     comm.set_transport("torch", gloo)

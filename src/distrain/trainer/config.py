@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, fields
 
-from distrain.comm import ALGORITHM_NAMES
+from distrain.comm import ALGORITHM_NAMES, TRANSPORT_NAMES
 from distrain.errors import ConfigError
 
 STRATEGIES = ("single", "ddp", "torch-ddp", "ps-sync", "ps-async")
@@ -30,6 +30,7 @@ class TrainConfig:
     strategy: str = "ddp"
     nproc: int = 2
     algorithm: str = "ring"
+    transport: str = "torch"  # how ranks' bytes travel: torch (Gloo/NCCL), shm (shared memory, one host), auto
     bucket_cap_mb: float = 25.0
     compression: str | None = None
     servers: int = 1
@@ -118,6 +119,8 @@ class TrainConfig:
         need(self.model in list_models(), f"--model {self.model!r} is unknown; use one of {', '.join(list_models())}")
         need(self.algorithm in ALGORITHM_NAMES,
              f"--algorithm {self.algorithm!r} is unknown; use one of {', '.join(ALGORITHM_NAMES)}")
+        need(self.transport in TRANSPORT_NAMES,
+             f"--transport {self.transport!r} is unknown; use one of {', '.join(TRANSPORT_NAMES)}")
         need(self.optimizer in OPTIMIZERS, f"--optimizer {self.optimizer!r} is unknown; use one of {', '.join(OPTIMIZERS)}")
         need(self.dtype in DTYPES, f"--dtype {self.dtype!r} is unknown; use one of {', '.join(DTYPES)}")
         need(self.compression in (None, "bf16", "fp16"), f"--compression must be bf16 or fp16, got {self.compression!r}")

@@ -98,6 +98,7 @@ def evaluate(model: nn.Module, task: Task, cfg: TrainConfig) -> float:
 
 
 def run_rank(cfg: TrainConfig) -> dict:
+    comm.set_default_transport(cfg.transport, timeout=cfg.timeout)  # every group this run creates
     rank, world = dist.get_rank(), dist.get_world_size()
     out = Path(cfg.out)
     is_logger = rank == 0
