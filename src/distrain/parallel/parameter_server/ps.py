@@ -76,13 +76,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distrain import comm
+from distrain.comm import tags
 from distrain.errors import CommError, ConfigError
 from distrain.parallel.parameter_server.ps_layout import PSLayout, expected_ps_bytes
 
 __all__ = ["PSLayout", "ParameterServer", "PSWorker", "expected_ps_bytes", "MODES"]
 
 MODES = ("sync", "async")
-TAG_HELLO, TAG_REQ, TAG_VERSION, TAG_PULL, TAG_PUSH_HDR, TAG_PUSH = range(0xA000, 0xA006)
+TAG_HELLO, TAG_REQ, TAG_VERSION, TAG_PULL, TAG_PUSH_HDR, TAG_PUSH = (tags.PARAMETER_SERVER.at(k) for k in range(6))
 _MAGIC = 0x5053  # "PS"
 _I64 = torch.int64
 

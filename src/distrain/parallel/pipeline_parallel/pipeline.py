@@ -90,6 +90,7 @@ import torch
 import torch.nn as nn
 
 from distrain import comm
+from distrain.comm import tags
 from distrain.errors import ConfigError
 from distrain.parallel.pipeline_parallel.schedule import SCHEDULES, check_schedule, partition, schedule_ops, \
     split_microbatches
@@ -97,7 +98,7 @@ from distrain.parallel.pipeline_parallel.timeline import StageTimeline
 
 __all__ = ["DEFAULT_TAG_BASE", "PipelineStage", "pipeline_step"]
 
-DEFAULT_TAG_BASE = 1 << 19  # pipeline tags: [tag_base, 2**20); tags >= 2**20 are the collectives'
+DEFAULT_TAG_BASE = tags.PIPELINE.start  # pipeline tags: [tag_base, 2**20) (comm/tags.py)
 LABEL = "pp"
 
 
