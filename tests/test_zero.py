@@ -180,6 +180,34 @@ def test_stage3_skips_the_backward_gather_of_the_embedding():
 
 
 
+def _accumulation(rank: int) -> list[str]:
+    """Two backward passes of half the batch per step equal one process on the whole batch."""
+    import torch.distributed as dist
+
+    P = dist.get_world_size()
+    B = 2 * P * LOCAL_B
+    ref_losses, ref_model, ref_opt = _reference(B, "mlp", "adamw", steps=3)
+    bad = []
+    for stage in (1, 2, 3):
+        engine = Zero(_model("mlp"), _opt("adamw"), stage=stage, algorithm="ring", bucket_cap_mb=0.005)
+        for s in range(3):
+            x, y = _data(B, "mlp", s)
+            engine.zero_grad()
+            for half in (0, 1):
+                rows = slice(half * B // 2 + rank * LOCAL_B, half * B // 2 + (rank + 1) * LOCAL_B)
+                (_loss("mlp", engine(x[rows]), y[rows]) / 2).backward()
+            engine.clip_grad_norm_(CLIP)
+            engine.step()
+        bad += _compare(f"accumulation stage {stage}", [], [], engine.full_state_dict(), ref_model, ref_opt)
+    return bad
+
+
+@pytest.mark.timeout(200)
+def test_gradient_accumulation_over_two_backward_passes():
+    bad = [x for r in distrain.spawn(_accumulation, 3, timeout=150) for x in r]
+    assert not bad, "\n".join(bad)
+
+
 def _save_full(rank: int, path: str, stage: int) -> list[float]:
     import torch.distributed as dist
 

@@ -56,7 +56,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from distrain.bench import comm_bench, model_parallel_bench, train_bench
+    from distrain.bench import comm_bench, model_parallel_bench, train_bench, zero_bench
 
     parser = argparse.ArgumentParser(prog="distrain", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = bsub.add_parser("tp", help="tensor-parallel all-reduce bytes per block vs Megatron's count")
     model_parallel_bench.add_tp_arguments(p)
     p.set_defaults(func=model_parallel_bench.run_tp)
+    p = bsub.add_parser("zero", help="memory per rank and step time: DDP, ZeRO-1/2/3 vs torch ZeRO-1 and FSDP2")
+    zero_bench.add_arguments(p)
+    p.set_defaults(func=zero_bench.run)
     return parser
 
 
