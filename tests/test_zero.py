@@ -127,7 +127,7 @@ def _bytes(rank: int, kind: str, input_grad: bool = False) -> dict:
     """Bytes sent by this rank in one training step, per stage and for our DDP, with the formulas."""
     import torch.distributed as dist
 
-    from distrain.parallel.ddp import DistributedDataParallel
+    from distrain.parallel.data_parallel import DistributedDataParallel
 
     P = dist.get_world_size()
     x, y = _data(P * LOCAL_B, kind, 0)

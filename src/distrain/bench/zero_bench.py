@@ -53,7 +53,7 @@ def _wrap(strategy: str, model, args):
     import torch
     import torch.nn as nn
 
-    from distrain.parallel.ddp import DistributedDataParallel
+    from distrain.parallel.data_parallel import DistributedDataParallel
     from distrain.parallel.zero import Zero
     from distrain.parallel.zero.memory import optimizer_state_tensors
 
