@@ -56,7 +56,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from distrain.bench import comm_bench, pipeline_bench, tp_bench, train_bench
+    from distrain.bench import comm_bench, pipeline_bench, tp_bench, train_bench, zero_bench
     from distrain.cluster import cli as cluster_cli
 
     parser = argparse.ArgumentParser(prog="distrain", description=__doc__.split("\n")[0])
@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = bsub.add_parser("tp", help="tensor-parallel all-reduce bytes per block vs Megatron's count")
     tp_bench.add_tp_arguments(p)
     p.set_defaults(func=tp_bench.run_tp)
+    p = bsub.add_parser("zero", help="memory per rank and step time: DDP, ZeRO-1/2/3 vs torch ZeRO-1 and FSDP2")
+    zero_bench.add_arguments(p)
+    p.set_defaults(func=zero_bench.run)
     return parser
 
 

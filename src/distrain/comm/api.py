@@ -374,12 +374,16 @@ def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = F
     _tensor(tensor, "tensor", name)
     lst = _tensor_list(tensor_list, tensor, st.size, "tensor_list", name, st.ranks[st.rank])
     n = tensor.numel()
-    full = torch.empty(st.size * n, dtype=tensor.dtype, device=tensor.device)
+    full = _adjacent_views(lst, n)  # gather straight into the caller's buffer when the list allows it
+    direct = full is not None
+    if not direct:
+        full = torch.empty(st.size * n, dtype=tensor.dtype, device=tensor.device)
     full[st.rank * n:(st.rank + 1) * n].copy_(tensor.reshape(-1))
 
     def after() -> None:
-        for i, t in enumerate(lst):
-            t.copy_(full[i * n:(i + 1) * n].view(t.shape))
+        if not direct:
+            for i, t in enumerate(lst):
+                t.copy_(full[i * n:(i + 1) * n].view(t.shape))
 
     def native(a: bool):
         return dist.all_gather(list(full.view(st.size, n)), full[st.rank * n:(st.rank + 1) * n].clone(),
@@ -388,6 +392,18 @@ def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = F
     return _run(st, name, algorithm, async_op, nbytes(tensor),
                 mod=mod, ours=lambda m, pc: m.all_gather(pc, full, n), native=native,
                 after=after, fp=("", tensor, -1))
+
+
+def _adjacent_views(lst: list[torch.Tensor], n: int) -> torch.Tensor | None:
+    """One flat tensor covering ``lst`` if its tensors lie back to back in one contiguous storage
+    (e.g. ``list(buf.view(P, n))``), else None. Lets all_gather skip a full-size temporary."""
+    t0 = lst[0]
+    if not all(t.is_contiguous() for t in lst):
+        return None
+    ptr, off = t0.untyped_storage().data_ptr(), t0.storage_offset()
+    if any(t.untyped_storage().data_ptr() != ptr or t.storage_offset() != off + i * n for i, t in enumerate(lst)):
+        return None
+    return t0.as_strided((len(lst) * n,), (1,), off)
 
 
 def reduce_scatter(output: torch.Tensor, input_list, op="sum", group=None, async_op: bool = False,
