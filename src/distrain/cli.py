@@ -56,7 +56,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from distrain.bench import comm_bench, pipeline_bench, tp_bench, train_bench, zero_bench
+    from distrain.bench import comm_bench, link_bench, pipeline_bench, tp_bench, train_bench, zero_bench
     from distrain.cluster import cli as cluster_cli
 
     parser = argparse.ArgumentParser(prog="distrain", description=__doc__.split("\n")[0])
@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = bsub.add_parser("comm", help="collective bandwidth: native vs star/ring/tree (nccl-tests style)")
     comm_bench.add_arguments(p)
     p.set_defaults(func=comm_bench.run)
+    p = bsub.add_parser("link", help="ping-pong calibration of alpha and beta per link (for the cost model)")
+    link_bench.add_arguments(p)
+    p.set_defaults(func=link_bench.run)
     p = bsub.add_parser("train", help="training throughput: our DDP vs torch DDP vs parameter servers")
     train_bench.add_arguments(p)
     p.set_defaults(func=train_bench.run)
