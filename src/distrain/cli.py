@@ -99,6 +99,7 @@ def _has_checkpoint(out: str) -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     from distrain.bench import comm_bench, model_parallel_bench, train_bench
+    from distrain.cluster import cli as cluster_cli
 
     parser = argparse.ArgumentParser(prog="distrain", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -113,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _config_arguments(p, TrainConfig)
     p.set_defaults(func=_run_train)
+
+    p = sub.add_parser("cluster", help="an emulated cluster on this host (netns + veth + tc) and runs across it")
+    cluster_cli.add_arguments(p)
 
     bench = sub.add_parser("bench", help="benchmarks that compare ours with torch's, side by side")
     bsub = bench.add_subparsers(dest="bench", required=True)
