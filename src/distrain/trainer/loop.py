@@ -40,11 +40,12 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.resume:
         check_resume(cfg)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by a launcher: we are one rank
-        runtime.init(timeout=cfg.timeout)
+        runtime.init(timeout=cfg.collective_timeout)
         if dist.get_world_size() != cfg.nproc:
             raise ConfigError(f"the launcher started {dist.get_world_size()} ranks but --nproc is {cfg.nproc}")
         return run_rank(cfg)
-    return spawn(_spawned, cfg.nproc, args=(cfg.to_dict(),), timeout=cfg.timeout)[0]
+    return spawn(_spawned, cfg.nproc, args=(cfg.to_dict(),), timeout=cfg.timeout or None,
+                 init_timeout=cfg.collective_timeout)[0]
 
 
 def _spawned(rank: int, cfg_dict: dict) -> dict:
