@@ -98,7 +98,7 @@ def _has_checkpoint(out: str) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from distrain.bench import comm_bench, model_parallel_bench, train_bench
+    from distrain.bench import comm_bench, link_bench, pipeline_bench, tp_bench, train_bench, zero_bench
     from distrain.cluster import cli as cluster_cli
 
     parser = argparse.ArgumentParser(prog="distrain", description=__doc__.split("\n")[0])
@@ -123,15 +123,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = bsub.add_parser("comm", help="collective bandwidth: native vs star/ring/tree (nccl-tests style)")
     comm_bench.add_arguments(p)
     p.set_defaults(func=comm_bench.run)
+    p = bsub.add_parser("link", help="ping-pong calibration of alpha and beta per link (for the cost model)")
+    link_bench.add_arguments(p)
+    p.set_defaults(func=link_bench.run)
     p = bsub.add_parser("train", help="training throughput: our DDP vs torch DDP vs parameter servers")
     train_bench.add_arguments(p)
     p.set_defaults(func=train_bench.run)
     p = bsub.add_parser("pipeline", help="pipeline bubble and activation peaks: GPipe vs 1F1B vs (p-1)/(m+p-1)")
-    model_parallel_bench.add_pipeline_arguments(p)
-    p.set_defaults(func=model_parallel_bench.run_pipeline)
+    pipeline_bench.add_pipeline_arguments(p)
+    p.set_defaults(func=pipeline_bench.run_pipeline)
     p = bsub.add_parser("tp", help="tensor-parallel all-reduce bytes per block vs Megatron's count")
-    model_parallel_bench.add_tp_arguments(p)
-    p.set_defaults(func=model_parallel_bench.run_tp)
+    tp_bench.add_tp_arguments(p)
+    p.set_defaults(func=tp_bench.run_tp)
+    p = bsub.add_parser("zero", help="memory per rank and step time: DDP, ZeRO-1/2/3 vs torch ZeRO-1 and FSDP2")
+    zero_bench.add_arguments(p)
+    p.set_defaults(func=zero_bench.run)
     return parser
 
 

@@ -108,7 +108,7 @@ def init(backend: str = "auto", timeout: float | timedelta = 300.0,
     watchdog.install(dist.PrefixStore(prefix, store), rank, world, secs, on_hang)
     # The one place the debug switch is read from the environment (never deep inside comm).
     comm.set_debug(os.environ.get("DISTRAIN_DEBUG", "0") not in ("", "0", "false", "False"))
-    comm.set_default_transport(os.environ.get("DISTRAIN_TRANSPORT") or "torch")  # the whole job's transport
+    comm.set_default_transport(os.environ.get("DISTRAIN_TRANSPORT") or "torch", timeout=secs)  # the job's transport
     return info()
 
 
@@ -207,4 +207,5 @@ def shutdown() -> None:
     """Stop the collective watchdog and destroy the default process group if there is one."""
     watchdog.uninstall()
     if dist.is_initialized():
+        comm.close_all()  # shared-memory segments go with the groups
         dist.destroy_process_group()
