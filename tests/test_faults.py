@@ -8,6 +8,7 @@ Long randomized trials are marked ``faults_long`` and deselected by default
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import socket
@@ -52,7 +53,21 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _children(pid: int) -> list[int]:
+    return _process_tree().get(pid, [])
+
+
 def _descendants(pid: int) -> set[int]:
+    children = _process_tree()
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def _process_tree() -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -62,12 +77,7 @@ def _descendants(pid: int) -> set[int]:
             except (OSError, ValueError, IndexError):
                 continue
             children.setdefault(ppid, []).append(int(d))
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
+    return children
 
 
 def _wait_for(cond, timeout: float, what: str, p: subprocess.Popen | None = None) -> None:
@@ -300,3 +310,48 @@ def test_launch_runs_train_with_or_without_double_dash(tmp_path, form):
                        env=_env(), capture_output=True, text=True, timeout=280)
     assert p.returncode == 0, p.stderr
     assert [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()] == list(range(6))
+
+
+# -- hangs: the collective watchdog names the ranks that did not arrive ------------------------------
+
+def _one_rank_hangs(rank: int, victim: int, how: str) -> None:
+    t = torch.ones(8)
+    comm.all_reduce(t, algorithm="ring")  # everyone arrives once
+    if rank == victim:
+        if how == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            time.sleep(90)  # alive, but never calls the next collective in time
+    comm.all_reduce(t, algorithm="ring")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how,victim,what", [
+    ("busy", 2, "busy outside communication after 1 calls"),
+    ("stop", 1, "not responding (no heartbeat for"),
+])
+def test_watchdog_names_the_hung_rank_and_the_flag(how, victim, what):
+    with pytest.raises(CollectiveTimeoutError) as ei:
+        distrain.spawn(_one_rank_hangs, 3, args=(victim, how), timeout=150, init_timeout=4)
+    msg = str(ei.value)
+    assert msg.startswith("collective time-out: rank ") and "in all_reduce(algorithm=ring) on rank" in msg
+    assert f"(its call #2); 1 rank(s) did not arrive: rank {victim} {what}" in msg
+    assert msg.endswith("If a step legitimately takes longer, raise --collective-timeout (now 4s)")
+    assert "\n" not in msg
+
+
+@pytest.mark.timeout(240)
+def test_train_with_a_stopped_rank_ends_with_one_line_naming_it(tmp_path):
+    out = tmp_path / "run"
+    p = _start("train", "--nproc", "2", *TINY, "--steps", "1000000", "--collective-timeout", "5", "--out", str(out))
+    procs = _training(p, out, 2)
+    ranks = sorted(q for c in _children(p.pid) for q in _children(c))  # top -> fork server -> ranks
+    assert len(ranks) == 2
+    os.kill(ranks[-1], signal.SIGSTOP)  # one rank frozen mid-training
+    code, err = _finish(p, timeout=120)
+    _no_orphans(procs)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("distrain: error: collective time-out: rank "), err
+    waiter, frozen = re.search(r"time-out: rank (\d) waited .* rank (\d) not responding \(no heartbeat for", lines[0]).groups()
+    assert {waiter, frozen} == {"0", "1"} and lines[0].endswith("raise --collective-timeout (now 5s)")

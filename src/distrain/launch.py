@@ -53,8 +53,11 @@ def _child(fn, rank: int, nprocs: int, port: int, args: tuple, backend: str, ini
         "TORCHELASTIC_USE_AGENT_STORE": "True",  # the parent hosts the store
     })
     torch.set_num_threads(threads)
+    def on_hang(report: str) -> None:  # from the watchdog thread, just before it ends this rank
+        conn.send_bytes(pickle.dumps(("hang", report, time.time(), False)))
+
     try:
-        runtime.init(backend, timeout=init_timeout)
+        runtime.init(backend, timeout=init_timeout, on_hang=on_hang)
         payload = pickle.dumps(("ok", fn(rank, *args), time.time()))
     except BaseException as e:
         payload = pickle.dumps(("err", traceback.format_exc(), time.time(), is_secondary(e)))
