@@ -153,6 +153,8 @@ def _p2p(rank: int) -> list:
     from distrain.comm import cost  # the ledger counts the shm messages exactly as Gloo's
 
     out.append(led.bytes_sent("all_reduce", "ring") == cost.traffic("all_reduce", "ring", P, rank, 1000)[0])
+    # every peer has mapped this rank's segment: its files are gone from /dev/shm already
+    out.append([n for n in os.listdir(shm_segment.SHM_DIR) if n.startswith(f"distrain-{os.getpid()}-")] == [])
     return out
 
 
@@ -164,7 +166,7 @@ def test_p2p_over_shared_memory():
                      "has 8; sender and receiver must agree on the size")
     assert r2[:2] == [True, (2, 3)]
     for r in (r0, r1, r2):
-        assert r[-4:] == [True, True, True, True]
+        assert r[-5:] == [True, True, True, True, True]
 
 
 def _hierarchical(rank: int, hosts: list[str]) -> list[str]:

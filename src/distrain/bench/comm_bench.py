@@ -57,7 +57,7 @@ from typing import Any, Callable
 
 import torch
 
-from distrain.bench import common
+from distrain.bench import common, comm_predict
 from distrain.bench.comm_report import (  # noqa: F401  (re-exported: the conventions are part of this API)
     bandwidths, busbw_factor, format_markdown, format_tables, full_size, per_rank_count, plot)
 from distrain.comm.api import ALGORITHM_NAMES, COLLECTIVES
@@ -103,6 +103,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="write every median and metadata as JSON")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a busbw-vs-size figure (PNG, matplotlib)")
     p.add_argument("--markdown", default=None, metavar="PATH", help="write the tables as Markdown (for docs)")
+    p.add_argument("--predict", nargs="?", const="auto", default=None, metavar="CALIBRATION",
+                   help="add the cost model's predicted_us to every record, with links from a `distrain bench link "
+                        "--json` file, or (no value) from a short ping-pong at the start (docs/cost_model.md)")
     p.add_argument("--timeout", default="3600", help="seconds allowed for each world size's spawn (default 3600)")
 
 
@@ -139,7 +142,11 @@ def parse_config(args: argparse.Namespace) -> dict[str, Any]:
         "iters": None if args.iters in (None, "", "auto") else _int(args.iters, "--iters", 1),
         "timeout": timeout,
         "target_s": TARGET_S,
+        "predict": getattr(args, "predict", None),
     }
+    if cfg["predict"] not in (None, "auto") and not os.path.isfile(cfg["predict"]):
+        raise ConfigError(f"--predict: no calibration file {cfg['predict']!r}; write one with "
+                          f"`distrain bench link --json {cfg['predict']}` or give --predict alone to calibrate now")
     if args.plot:
         common.require_pyplot()  # fail before the (long) measurement, not after
     return cfg
@@ -291,12 +298,15 @@ def _worker(rank: int, cfg: dict) -> list[dict] | None:
         comm.set_transport(t, g)
         groups[t] = g
     records: list[dict] = []
+    fabric = comm_predict.setup(cfg["predict"], rank) if cfg.get("predict") else None
     sizes = cfg["sizes"]
     t_start = time.perf_counter()
     for op in cfg["ops"]:
         for size in (sizes if op != "barrier" else [0]):
             t0 = time.perf_counter()
             recs = _case(rank, P, op, size, cfg, dist, groups)
+            if fabric is not None:
+                comm_predict.annotate(recs, fabric, torch.tensor([], dtype=_DTYPES[cfg["dtype"]]).element_size())
             records += recs
             if rank == 0:
                 cells = "  ".join(f"{r['algorithm']} {r['time_us']:.0f}us" for r in recs)
@@ -310,8 +320,21 @@ def _worker(rank: int, cfg: dict) -> list[dict] | None:
 # ---------------------------------------------------------------------------------------
 
 def measure(cfg: dict) -> list[dict]:
-    """Run every world size of cfg (one spawn each) and return all records."""
+    """Run every world size of cfg (one spawn each) and return all records.
+
+    Under a launcher (``distrain launch``, ``distrain cluster run``: RANK and WORLD_SIZE set)
+    the launched world is measured instead; rank 0 returns the records, the others [].
+    """
     import distrain
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        import torch.distributed as dist
+
+        distrain.runtime.init(timeout=cfg["timeout"])
+        try:
+            return _worker(dist.get_rank(), cfg) or []
+        finally:
+            distrain.runtime.shutdown()
 
     records: list[dict] = []
     for P in cfg["nprocs"]:
@@ -328,7 +351,7 @@ def command_line(args: argparse.Namespace) -> str:
     """The equivalent ``distrain bench comm ...`` command, every flag spelled out."""
     parts = ["distrain", "bench", "comm"]
     for flag in ("nproc", "ops", "algorithms", "transport", "sizes", "dtype", "warmup", "iters", "json", "plot",
-                 "timeout"):
+                 "timeout", "predict"):
         v = getattr(args, flag, None)
         if v is not None:
             parts += [f"--{flag}", str(v)]
@@ -340,8 +363,12 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     records = measure(cfg)
     elapsed = time.perf_counter() - t0
+    if not records and "RANK" in os.environ:  # launched, not rank 0: rank 0 reports
+        return 0
     columns = labels(cfg["algorithms"], cfg["transports"])
     print(format_tables(records, columns, cfg["dtype"]))
+    if cfg["predict"]:
+        print(comm_predict.table(records))
     sys.stdout.flush()
     if args.json:
         meta = common.metadata(command_line(args), benchmark="comm", nprocs=cfg["nprocs"], ops=cfg["ops"],

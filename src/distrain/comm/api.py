@@ -28,6 +28,7 @@ run on the group's worker thread (see group.py), native ones on the backend's.
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import Future
 from typing import Callable
 
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from distrain.comm import ledger as _ledger
-from distrain.comm import registry
+from distrain.comm import registry, watchdog
 from distrain.comm.group import GroupState, resolve
 from distrain.comm.ops import OPS, check_dtype, resolve_op
 from distrain.comm.p2p import PeerComm
@@ -78,10 +79,11 @@ class CommHandle:
         if self._done:
             return True
         try:
-            if self._future is not None:
-                self._future.result(timeout)
-            elif self._work is not None:
-                self._work.wait() if timeout is None else self._work.wait(_td(timeout))
+            with watchdog.blocking(self._desc):
+                if self._future is not None:
+                    self._future.result(timeout)
+                elif self._work is not None:
+                    self._work.wait() if timeout is None else self._work.wait(_td(timeout))
             if self._after is not None:
                 self._after()
         except CommError:
@@ -204,6 +206,9 @@ def _fingerprint_check(st: GroupState, seq: int, collective: str, algorithm: str
 # The dispatcher
 # ---------------------------------------------------------------------------------------
 
+_NO_WATCH = contextlib.nullcontext()
+
+
 def _run(st: GroupState, collective: str, algorithm: str, async_op: bool, payload: int, mod,
          ours: Callable[[object, PeerComm], None], native: Callable[[bool], object] | None,
          after: Callable[[], None] | None, fp: tuple) -> CommHandle | None:
@@ -244,10 +249,11 @@ def _run(st: GroupState, collective: str, algorithm: str, async_op: bool, payloa
     if async_op:
         return CommHandle(desc, future=st.submit(job))
     try:
-        if ordered and st.pending:  # async calls before this one still run on the worker
-            st.submit(job).result()
-        else:
-            job()
+        with watchdog.blocking(desc):
+            if ordered and st.pending:  # async calls before this one still run on the worker
+                st.submit(job).result()
+            else:
+                job()
     except CommError:
         raise
     except Exception as e:
@@ -257,7 +263,8 @@ def _run(st: GroupState, collective: str, algorithm: str, async_op: bool, payloa
 
 def _run_native(desc: str, native, async_op: bool, after) -> CommHandle | None:
     try:
-        work = native(async_op)
+        with watchdog.blocking(desc) if not async_op else _NO_WATCH:
+            work = native(async_op)
         if not async_op:
             if after is not None:
                 after()
@@ -374,12 +381,16 @@ def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = F
     _tensor(tensor, "tensor", name)
     lst = _tensor_list(tensor_list, tensor, st.size, "tensor_list", name, st.ranks[st.rank])
     n = tensor.numel()
-    full = torch.empty(st.size * n, dtype=tensor.dtype, device=tensor.device)
+    full = _adjacent_views(lst, n)  # gather straight into the caller's buffer when the list allows it
+    direct = full is not None
+    if not direct:
+        full = torch.empty(st.size * n, dtype=tensor.dtype, device=tensor.device)
     full[st.rank * n:(st.rank + 1) * n].copy_(tensor.reshape(-1))
 
     def after() -> None:
-        for i, t in enumerate(lst):
-            t.copy_(full[i * n:(i + 1) * n].view(t.shape))
+        if not direct:
+            for i, t in enumerate(lst):
+                t.copy_(full[i * n:(i + 1) * n].view(t.shape))
 
     def native(a: bool):
         return dist.all_gather(list(full.view(st.size, n)), full[st.rank * n:(st.rank + 1) * n].clone(),
@@ -388,6 +399,18 @@ def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = F
     return _run(st, name, algorithm, async_op, nbytes(tensor),
                 mod=mod, ours=lambda m, pc: m.all_gather(pc, full, n), native=native,
                 after=after, fp=("", tensor, -1))
+
+
+def _adjacent_views(lst: list[torch.Tensor], n: int) -> torch.Tensor | None:
+    """One flat tensor covering ``lst`` if its tensors lie back to back in one contiguous storage
+    (e.g. ``list(buf.view(P, n))``), else None. Lets all_gather skip a full-size temporary."""
+    t0 = lst[0]
+    if not all(t.is_contiguous() for t in lst):
+        return None
+    ptr, off = t0.untyped_storage().data_ptr(), t0.storage_offset()
+    if any(t.untyped_storage().data_ptr() != ptr or t.storage_offset() != off + i * n for i, t in enumerate(lst)):
+        return None
+    return t0.as_strided((len(lst) * n,), (1,), off)
 
 
 def reduce_scatter(output: torch.Tensor, input_list, op="sum", group=None, async_op: bool = False,

@@ -173,6 +173,7 @@ class ShmTransport:
                                 f"{total} bytes, this rank expects {self.layout.total}; run the same distrain "
                                 f"version on every rank")
             s = self.peers[q] = seg_mod.open_existing(name, self.layout, f"rank {self.ranks[q]}")
+            s.set_line(self.layout.opened_line(self.rank), 1)  # the owner may unlink the file now
         return s
 
     def open_all(self) -> list[Segment]:
@@ -184,6 +185,11 @@ class ShmTransport:
             self._unlinked = True
             self.me.unlink()
 
+    def _unlink_if_all_opened(self) -> None:
+        lay = self.layout
+        if all(self.me.line(lay.opened_line(q)) for q in range(self.size) if q != self.rank):
+            self.unlink_when_mapped()
+
     # -- waiting -------------------------------------------------------------------------
     def wait(self, ready, peers, what: str) -> None:
         """Poll ``ready()`` until true: spin, then block on the wake-up pipe (see the module doc).
@@ -194,6 +200,8 @@ class ShmTransport:
         for _ in range(SPIN):
             if ready():
                 return
+        if not self._unlinked:
+            self._unlink_if_all_opened()
         start = last = time.monotonic()
         block = 1e-3
         me = self.me
@@ -259,6 +267,8 @@ class ShmTransport:
     def post(self, line: int, step: int, peers=None) -> None:
         self.me.set_line(line, step)
         self.wake_peers(peers)
+        if not self._unlinked:
+            self._unlink_if_all_opened()
 
     def wait_all(self, line: int, step: int, what: str, peers=None) -> None:
         segs = [self.peers[q] for q in (range(self.size) if peers is None else peers)]

@@ -114,6 +114,8 @@ class Channels:
 
     # -- progress ------------------------------------------------------------------------
     def progress(self) -> None:
+        if not self.sh._unlinked:
+            self.sh._unlink_if_all_opened()
         with self.lock:
             for q, pending in self.sends.items():
                 if pending:

@@ -9,9 +9,10 @@ that name when they first need it. Names are unique per run and carry the creato
 Cleanup, so that no run leaves files behind and no run trips over an older one's:
 
 * a new run never reuses a name (the random part), so stale files cannot confuse it;
-* a file is unlinked as soon as every peer has mapped it (the mapping outlives the name),
-  so after the group's first collective nothing is left on disk even if a rank is later
-  killed with SIGKILL: the kernel frees the memory when the last mapping goes;
+* a file is unlinked as soon as every peer has mapped it (the mapping outlives the name;
+  each peer sets its own "opened" line in the segment), so once every pair has talked
+  nothing is left on disk even if ranks are later killed with SIGKILL: the kernel frees
+  the memory when the last mapping goes;
 * until then, the creator unlinks it on group destroy and at process exit (atexit), and a
   survivor unlinks the files of peers whose process is dead when it exits;
 * creating a segment first sweeps /dev/shm for distrain files whose creator process no
@@ -59,6 +60,7 @@ class Layout:
       5 sleeping: how many of the owner's threads block on its wake-up pipe
       6 + 2q:   head of the channel to rank q (bytes written so far by the owner)
       7 + 2q:   tail of that channel (bytes read so far; written by rank q, the reader)
+      6 + 2P + q: 1 once rank q has mapped this segment (written by rank q)
     coll: ``slots`` buffers of ``slot_bytes`` for the direct collectives (double buffering)
     chan: ``size`` rings of ``ring_bytes``, ring q carries the owner's messages to rank q
     """
@@ -70,7 +72,10 @@ class Layout:
 
     @property
     def ctrl_lines(self) -> int:
-        return 6 + 2 * self.size
+        return 6 + 3 * self.size
+
+    def opened_line(self, q: int) -> int:
+        return 6 + 2 * self.size + q
 
     @staticmethod
     def head_line(q: int) -> int:
