@@ -66,7 +66,9 @@ def test_every_train_flag_has_help_default_and_choices():
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     train_parser = sub.choices["train"]
-    actions = {a.dest: a for a in train_parser._actions}
+    actions: dict = {}
+    for a in train_parser._actions:  # the first flag of each field (--resume before --no-resume)
+        actions.setdefault(a.dest, a)
     flat = "".join(train_parser.format_help().split())  # help wraps lines (also at hyphens)
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")

@@ -7,6 +7,7 @@ every error names the flag and how to fix it.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 
@@ -66,11 +67,14 @@ class TrainConfig:
     eval_every: int = opt(200, "steps between validation losses (0: never; always at the end otherwise)")
     eval_batches: int = opt(8, "validation batches per evaluation")
     ckpt_every: int = opt(0, "steps between checkpoints (0: only at the end)")
-    resume: bool = opt(False, "continue the run in --out from its last checkpoint")
+    resume: bool | str = opt(False, "continue the run in --out from its newest checkpoint; `auto`: only if there "
+                                    "is one (the default under `distrain launch --max-restarts`)",
+                             choices=("auto", "yes", "no"))
     sample_chars: int = opt(300, "characters of generated text at the end (text models; 0: none)")
     progress: bool = opt(True, "show a progress bar")
     report: bool = opt(True, "print the summary table (and sample) at the end")
-    timeout: float = opt(3600.0, "seconds the whole job and every collective may take")
+    timeout: float = opt(0.0, "whole-run limit in seconds (local spawn); 0: no limit")
+    collective_timeout: float = opt(300.0, "a collective not completed in this many seconds stops the job")
 
     # -- derived ---------------------------------------------------------------------------
     @property
@@ -135,6 +139,11 @@ class TrainConfig:
         need(isinstance(self.nproc, int) and self.nproc >= 1, f"--nproc must be >= 1, got {self.nproc}")
         need(self.steps >= 1, f"--steps must be >= 1, got {self.steps}")
         need(self.lr > 0, f"--lr must be positive, got {self.lr}")
+        need(self.resume in (True, False, "auto"), f"--resume takes no value, or auto; got {self.resume!r}")
+        need(math.isfinite(self.timeout) and self.timeout >= 0,
+             f"--timeout must be a number of seconds >= 0 (0: no limit), got {self.timeout}")
+        need(math.isfinite(self.collective_timeout) and self.collective_timeout > 0,
+             f"--collective-timeout must be a positive number of seconds, got {self.collective_timeout}")
         need(self.log_every >= 1 and self.eval_every >= 0 and self.ckpt_every >= 0,
              "--log-every must be >= 1; --eval-every and --ckpt-every must be >= 0")
         if self.strategy == "single":

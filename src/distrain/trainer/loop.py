@@ -37,18 +37,22 @@ from distrain.trainer.task import Task, build_optimizer, build_task
 def train(cfg: TrainConfig) -> dict:
     """Run a training job described by ``cfg``; returns rank 0's summary."""
     cfg.validate()
+    if cfg.resume == "auto":  # restarts under distrain launch: resume if there is a checkpoint, else start afresh
+        cfg.resume = (Path(cfg.out) / checkpoint.MANIFEST).exists()
+        cfg.overwrite = cfg.overwrite or not cfg.resume
     if cfg.resume:
         check_resume(cfg)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by a launcher: we are one rank
-        if int(os.environ["RANK"]) == 0 and not cfg.resume:
-            check_out(cfg)
-        runtime.init(BACKENDS[cfg.device], timeout=cfg.timeout)
+        if not cfg.resume:
+            check_out(cfg, remove=int(os.environ["RANK"]) == 0)
+        runtime.init(BACKENDS[cfg.device], timeout=cfg.collective_timeout)
         if dist.get_world_size() != cfg.nproc:
             raise ConfigError(f"the launcher started {dist.get_world_size()} ranks but --nproc is {cfg.nproc}")
         return run_rank(cfg)
     if not cfg.resume:
         check_out(cfg)
-    return spawn(_spawned, cfg.nproc, args=(cfg.to_dict(),), backend=BACKENDS[cfg.device], timeout=cfg.timeout)[0]
+    return spawn(_spawned, cfg.nproc, args=(cfg.to_dict(),), backend=BACKENDS[cfg.device], timeout=cfg.timeout or None,
+                 init_timeout=cfg.collective_timeout)[0]
 
 
 def _spawned(rank: int, cfg_dict: dict) -> dict:
@@ -60,23 +64,23 @@ RUN_FILES = ("metrics.jsonl", "summary.json", "loss.png", checkpoint.MANIFEST, "
 BACKENDS = {"auto": "auto", "cpu": "gloo", "cuda": "nccl"}
 
 
-def check_out(cfg: TrainConfig) -> None:
+def check_out(cfg: TrainConfig, remove: bool = True) -> None:
     """A fresh run needs an empty --out (or --overwrite, which removes the previous run's files)."""
     out = Path(cfg.out)
     if not out.exists():
         return
     if not out.is_dir():
         raise ConfigError(f"--out {out} is a file; give a folder for the run's outputs")
-    held = sorted(p.name for p in out.iterdir())
+    held = sorted(p.name for p in out.iterdir() if p.name != ".distrain.lock")  # the run lock (runlock.py)
     if not held:
         return
     if not cfg.overwrite:
         listed = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
         raise ConfigError(f"--out {out} is not empty ({listed}); pass --resume to continue that run, --overwrite to "
                           f"replace it, or choose another --out")
-    for pattern in RUN_FILES:
+    for pattern in RUN_FILES if remove else ():
         for p in out.glob(pattern):
-            p.unlink()
+            p.unlink(missing_ok=True)
 
 
 def check_resume(cfg: TrainConfig) -> dict:

@@ -20,11 +20,17 @@ from distrain.trainer.engines.base import Engine
 
 class ModelParallelEngine(Engine):
     def __init__(self, cfg, model, loss_fn, optimizer_factory):
+        from distrain.models.registry import tp_plan_for
         from distrain.parallel import parallelize
 
         super().__init__(cfg, model, loss_fn, optimizer_factory)
         self.topo = topo = Topology.from_world(**self.layout_of(cfg))
-        self.pm = parallelize(model, topo, cfg.algorithm, cfg.microbatches, cfg.schedule, cfg.bucket_cap_mb)
+        # the plan lives beside the model (models/gpt_plan.py, models/mlp_plan.py); a user's model
+        # brings its own as ``model.tp_plan`` when tp > 1
+        plan = getattr(model, "tp_plan", None) or tp_plan_for(model)
+        self.pm = parallelize(model, topo, loss_fn=loss_fn, tp_plan=plan, algorithm=cfg.algorithm,
+                              microbatches=cfg.microbatches, schedule=cfg.schedule,
+                              bucket_cap_mb=cfg.bucket_cap_mb)
         self.optimizer = optimizer_factory(self.pm.parameters())
         self.dp_rank, self.dp_size = topo.dp_rank, topo.dp
         self.loss_weight = 1.0 / topo.dp if (self.pm.has_loss and topo.tp_rank == 0) else 0.0

@@ -1,4 +1,4 @@
-"""Parameter server: ``ps-sync`` and ``ps-async`` (distrain.parallel.ps).
+"""Parameter server: ``ps-sync`` and ``ps-async`` (distrain.parallel.parameter_server).
 
 Roles come from PSLayout: the last S ranks serve (``serves = True``: they hold their shard
 and its optimizer and answer pulls and pushes), the first W = nproc - S work. A worker step
@@ -22,7 +22,7 @@ from distrain.trainer.engines.base import Engine, mean_loss
 
 class PSEngine(Engine):
     def __init__(self, cfg, model, loss_fn, optimizer_factory):
-        from distrain.parallel.ps import ParameterServer, PSLayout, PSWorker
+        from distrain.parallel.parameter_server import ParameterServer, PSLayout, PSWorker
 
         super().__init__(cfg, model, loss_fn, optimizer_factory)
         self.model, self.mode = model, ("sync" if cfg.strategy == "ps-sync" else "async")
@@ -84,7 +84,7 @@ class PSEngine(Engine):
 
     # -- report -----------------------------------------------------------------------------
     def report(self, ledger, steps: int) -> dict:
-        from distrain.parallel.ps import expected_ps_bytes
+        from distrain.parallel.parameter_server import expected_ps_bytes
 
         stats = dict(self.stats) if self.serves else self.worker.stats()
         # the data messages' bytes of this rank, to check against the fan-in/fan-out formula
