@@ -1,6 +1,6 @@
 """Parameter servers (single and sharded), synchronous and asynchronous, on distrain's P2P layer.
 
-Roles and shards come from :class:`~distrain.parallel.ps_layout.PSLayout`: the last S ranks
+Roles and shards come from :class:`~distrain.parallel.parameter_server.PSLayout`: the last S ranks
 are servers, the first W = world_size - S workers (rank 0 is always a worker); parameters
 are balanced across servers by bytes. Server s holds only its shard, as one flat tensor of
 N_s bytes (the parameters are views into it), and its own optimizer over that shard.
@@ -56,7 +56,7 @@ in server order (lock ordering: no cyclic wait). K = 0 serializes the workers: a
 then exactly sequential SGD over the local batches in ``stats["apply_order"]``. The final
 pull is answered once every push is applied, so all workers end with the same weights.
 
-Traffic per step (exact, :func:`~distrain.parallel.ps_layout.expected_ps_bytes`): server s
+Traffic per step (exact, :func:`~distrain.parallel.parameter_server.expected_ps_bytes`): server s
 sends and receives W*N_s; each worker sends and receives N = sum_s N_s. One server's link
 carries 2*W*N, W times a worker's (the seeds' bottleneck); S balanced servers cut it to
 2*W*N/S. Ring all-reduce: 2*(P-1)*N/P each way on every rank (Patarasuk & Yuan 2009).
@@ -76,13 +76,16 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distrain import comm
+from distrain.comm import tags
+from distrain.comm.util import check_int
 from distrain.errors import CommError, ConfigError
-from distrain.parallel.ps_layout import PSLayout, expected_ps_bytes
+from distrain.parallel.parameter_server.ps_layout import PSLayout, expected_ps_bytes
 
 __all__ = ["PSLayout", "ParameterServer", "PSWorker", "expected_ps_bytes", "MODES"]
 
 MODES = ("sync", "async")
-TAG_HELLO, TAG_REQ, TAG_VERSION, TAG_PULL, TAG_PUSH_HDR, TAG_PUSH = range(0xA000, 0xA006)
+# one tag per message kind, in the parameter server's range of distrain.comm.tags
+TAG_HELLO, TAG_REQ, TAG_VERSION, TAG_PULL, TAG_PUSH_HDR, TAG_PUSH = (tags.PARAMETER_SERVER.at(i) for i in range(6))
 _MAGIC = 0x5053  # "PS"
 _I64 = torch.int64
 
@@ -163,8 +166,7 @@ class ParameterServer:
 
     def serve(self, num_steps: int, final_pull: bool = True) -> dict:
         """Serve ``num_steps`` pulls and pushes of every worker (then one final pull each); return stats."""
-        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
-            raise ConfigError(f"ParameterServer.serve: num_steps must be an int >= 0, got {num_steps!r}")
+        check_int(num_steps, "num_steps", "ParameterServer.serve", 0)
         t0 = time.perf_counter()
         self._stale: collections.Counter = collections.Counter()
         self._order: list[tuple[int, int]] = []
