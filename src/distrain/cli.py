@@ -126,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cluster", help="an emulated cluster on this host (netns + veth + tc) and runs across it")
     cluster_cli.add_arguments(p)
 
+    from distrain.costmodel import plan as cost_plan
+
+    p = sub.add_parser("plan", help="rank DDP/PS/dp x tp x pp strategies for a model on a cluster by predicted step time")
+    cost_plan.add_arguments(p)
+    p.set_defaults(func=cost_plan.run)
+
     bench = sub.add_parser("bench", help="benchmarks that compare ours with torch's, side by side")
     bsub = bench.add_subparsers(dest="bench", required=True)
     p = bsub.add_parser("comm", help="collective bandwidth: native vs star/ring/tree (nccl-tests style)")
