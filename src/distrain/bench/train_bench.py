@@ -41,7 +41,8 @@ STRATEGIES = ("ddp", "torch-ddp", "ps-sync", "ps-async")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", default="1,2,4", help="world sizes, comma-separated")
-    p.add_argument("--strategies", default=",".join(STRATEGIES), help=f"any of {', '.join(STRATEGIES)}")
+    p.add_argument("--strategy", "--strategies", dest="strategies", default=",".join(STRATEGIES),
+                   help=f"comma-separated, any of {', '.join(STRATEGIES)}")
     p.add_argument("--model", default="mlp", help="mlp (Fashion-MNIST), gpt-small (Shakespeare), or a tiny preset")
     p.add_argument("--steps", type=int, default=30, help="timed steps per job")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per job")
@@ -79,7 +80,7 @@ def _config(P: int, strategy: str, transport: str, args, batch: int, root: str) 
                       bucket_cap_mb=args.bucket_cap_mb,
                       max_staleness=args.max_staleness if strategy == "ps-async" else None,
                       steps=args.warmup + args.steps, batch_size=batch, eval_every=0, sample_chars=0,
-                      progress=False, report=False, log_every=args.warmup + args.steps,
+                      progress=False, report=False, log_every=args.warmup + args.steps, overwrite=True,
                       out=os.path.join(root, f"{_label(strategy, transport)}-{P}"))
 
 
