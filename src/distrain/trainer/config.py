@@ -11,7 +11,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 
-from distrain.comm import ALGORITHM_NAMES
+from distrain.comm import ALGORITHM_NAMES, TRANSPORT_NAMES
 from distrain.errors import ConfigError
 
 STRATEGIES = ("single", "ddp", "torch-ddp", "ps-sync", "ps-async")
@@ -41,6 +41,8 @@ class TrainConfig:
     device: str = opt("auto", "where each rank computes: auto = cuda:LOCAL_RANK when CUDA is visible (NCCL), "
                               "else cpu (Gloo)", choices=DEVICES)
     algorithm: str = opt("ring", "all-reduce algorithm of our DDP (and TP/PP collectives)", choices=ALGORITHM_NAMES)
+    transport: str = opt("torch", "how ranks' bytes travel: torch (Gloo/NCCL), shm (shared memory, one host), "
+                                  "auto (shm when every rank is on this host)", choices=TRANSPORT_NAMES)
     bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB")
     compression: str | None = opt(None, "DDP gradient compression on the wire", choices=("bf16", "fp16"), type=str)
     servers: int = opt(1, "parameter servers (ps-* strategies); the other ranks work")
@@ -133,6 +135,8 @@ class TrainConfig:
         need(self.model in list_models(), f"--model {self.model!r} is unknown; use one of {', '.join(list_models())}")
         need(self.algorithm in ALGORITHM_NAMES,
              f"--algorithm {self.algorithm!r} is unknown; use one of {', '.join(ALGORITHM_NAMES)}")
+        need(self.transport in TRANSPORT_NAMES,
+             f"--transport {self.transport!r} is unknown; use one of {', '.join(TRANSPORT_NAMES)}")
         need(self.optimizer in OPTIMIZERS, f"--optimizer {self.optimizer!r} is unknown; use one of {', '.join(OPTIMIZERS)}")
         need(self.dtype in DTYPES, f"--dtype {self.dtype!r} is unknown; use one of {', '.join(DTYPES)}")
         need(self.compression in (None, "bf16", "fp16"), f"--compression must be bf16 or fp16, got {self.compression!r}")

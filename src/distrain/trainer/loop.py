@@ -100,6 +100,7 @@ def check_resume(cfg: TrainConfig) -> dict:
 
 
 def run_rank(cfg: TrainConfig) -> dict:
+    comm.set_default_transport(cfg.transport, timeout=cfg.collective_timeout)  # every group this run creates
     out = Path(cfg.out)
 
     # build model: the same seeded model on every rank (engines replicate, shard or serve it),
