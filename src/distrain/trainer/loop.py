@@ -37,6 +37,8 @@ from distrain.trainer.task import Task, build_optimizer, build_task
 def train(cfg: TrainConfig) -> dict:
     """Run a training job described by ``cfg``; returns rank 0's summary."""
     cfg.validate()
+    if cfg.resume == "auto":  # resume when --out holds a committed checkpoint, else start
+        cfg.resume = (Path(cfg.out) / checkpoint.MANIFEST).exists()
     if cfg.resume:
         check_resume(cfg)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by a launcher: we are one rank
@@ -52,9 +54,15 @@ def _spawned(rank: int, cfg_dict: dict) -> dict:
     return run_rank(TrainConfig.from_dict(cfg_dict))
 
 
+# flags whose change would make a resumed run differ from the uninterrupted one (--steps may grow)
+CONTINUATION_FIELDS = ("data", "seed", "batch_size", "dtype", "optimizer", "lr", "weight_decay", "momentum",
+                       "algorithm", "compression", "microbatches", "schedule", "max_staleness")
+
+
 def check_resume(cfg: TrainConfig) -> dict:
     """The committed checkpoint of ``cfg.out`` fits this run, or a one-line ConfigError."""
     manifest = checkpoint.read_manifest(cfg.out)
+    checkpoint.verify(cfg.out, manifest)  # checksums, before any rank starts
     where = Path(cfg.out) / checkpoint.MANIFEST
     if manifest.get("model") != cfg.model:
         raise ConfigError(f"--resume: checkpoint {where} holds model {manifest.get('model')!r}, this run trains "
@@ -63,6 +71,13 @@ def check_resume(cfg: TrainConfig) -> dict:
     if manifest["layout"] != layout:
         raise ConfigError(f"--resume: checkpoint {where} was written with layout {manifest['layout']}, this run uses "
                           f"{layout}; resume with the same --dp/--tp/--pp (and --strategy, --nproc, --servers)")
+    saved = manifest.get("config", {})
+    changed = [f for f in CONTINUATION_FIELDS if f in saved and saved[f] != getattr(cfg, f)]
+    if changed:
+        f = changed[0]
+        raise ConfigError(f"--resume: --{f.replace('_', '-')} is {getattr(cfg, f)!r} but the checkpoint {where} was "
+                          f"trained with {saved[f]!r}; a changed {', '.join(changed)} breaks exact continuation: resume "
+                          f"with the same value or choose another --out")
     if int(manifest["step"]) > cfg.steps:
         raise ConfigError(f"--resume: checkpoint {where} is at step {manifest['step']}, past --steps {cfg.steps}")
     return manifest
