@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from distrain import lifeline, runtime
 from distrain.blame import Failure, blame, is_secondary
-from distrain.errors import ConfigError, RankFailedError, SpawnTimeoutError
+from distrain.errors import ConfigError, DistrainError, SpawnTimeoutError
 
 BLAME_GRACE_S = 2.0  # after the first failure, wait this long for the others to pick the first
 
@@ -59,6 +59,8 @@ def _child(fn, rank: int, nprocs: int, port: int, args: tuple, backend: str, ini
     try:
         runtime.init(backend, timeout=init_timeout, on_hang=on_hang)
         payload = pickle.dumps(("ok", fn(rank, *args), time.time()))
+    except DistrainError as e:  # our errors say what to fix: the message is enough
+        payload = pickle.dumps(("err", f"{type(e).__name__}: {e}", time.time(), is_secondary(e)))
     except BaseException as e:
         payload = pickle.dumps(("err", traceback.format_exc(), time.time(), is_secondary(e)))
     try:

@@ -142,7 +142,12 @@ class TrainConfig:
         need(self.compression in (None, "bf16", "fp16"), f"--compression must be bf16 or fp16, got {self.compression!r}")
         need(isinstance(self.nproc, int) and self.nproc >= 1, f"--nproc must be >= 1, got {self.nproc}")
         need(self.steps >= 1, f"--steps must be >= 1, got {self.steps}")
-        need(self.lr > 0, f"--lr must be positive, got {self.lr}")
+        need(math.isfinite(self.lr) and self.lr > 0, f"--lr must be a positive finite number, got {self.lr}")
+        need(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+             f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
+        need(math.isfinite(self.momentum) and 0 <= self.momentum < 1, f"--momentum must be in [0, 1), got {self.momentum}")
+        need(math.isfinite(self.bucket_cap_mb) and self.bucket_cap_mb > 0,
+             f"--bucket-cap-mb must be a positive finite number, got {self.bucket_cap_mb}")
         need(self.resume in (True, False, "auto"), f"--resume takes no value, or auto; got {self.resume!r}")
         need(math.isfinite(self.timeout) and self.timeout >= 0,
              f"--timeout must be a number of seconds >= 0 (0: no limit), got {self.timeout}")
@@ -150,6 +155,8 @@ class TrainConfig:
              f"--collective-timeout must be a positive number of seconds, got {self.collective_timeout}")
         need(self.log_every >= 1 and self.eval_every >= 0 and self.ckpt_every >= 0,
              "--log-every must be >= 1; --eval-every and --ckpt-every must be >= 0")
+        need(self.eval_every == 0 or self.eval_batches >= 1,
+             f"--eval-batches must be >= 1 when evaluating, got {self.eval_batches} (use --eval-every 0 to skip evaluation)")
         if self.strategy == "single":
             need(self.nproc == 1, f"--strategy single runs one process; got --nproc {self.nproc} (use --nproc 1, "
                                   f"or --strategy ddp for {self.nproc} processes)")
