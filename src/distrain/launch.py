@@ -37,7 +37,7 @@ from distrain.errors import ConfigError, RankFailedError, SpawnTimeoutError
 
 
 def _child(fn, rank: int, nprocs: int, port: int, args: tuple, backend: str, init_timeout: float,
-           threads: int, conn, env: dict[str, str]) -> None:
+           threads: int, conn, env: dict[str, str], init: bool = True) -> None:
     os.environ.update(env)
     os.environ.update({
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(nprocs),
@@ -46,7 +46,8 @@ def _child(fn, rank: int, nprocs: int, port: int, args: tuple, backend: str, ini
     })
     torch.set_num_threads(threads)
     try:
-        runtime.init(backend, timeout=init_timeout)
+        if init:
+            runtime.init(backend, timeout=init_timeout)
         payload = pickle.dumps(("ok", fn(rank, *args)))
     except BaseException:
         payload = pickle.dumps(("err", traceback.format_exc()))
@@ -79,13 +80,15 @@ def _end(procs) -> None:
 
 def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str = "auto",
           timeout: float = 600.0, init_timeout: float | None = None, start_method: str = "forkserver",
-          threads_per_rank: int | None = None, env: dict[str, str] | None = None) -> list[Any]:
+          threads_per_rank: int | None = None, env: dict[str, str] | None = None, init: bool = True) -> list[Any]:
     """Run ``fn(rank, *args)`` on ``nprocs`` local ranks with an initialized process group.
 
     ``fn`` must be importable by name (a module-level function). ``timeout`` bounds the whole
     run; ``init_timeout`` (default: ``timeout``) bounds the rendezvous and each collective.
     ``threads_per_rank`` defaults to cpu_count // nprocs (at least 1) so ranks do not fight
-    for cores. ``env`` adds environment variables in the children.
+    for cores. ``env`` adds environment variables in the children. ``init=False`` leaves the
+    process group to ``fn`` (torch.multiprocessing.spawn's contract): the launcher environment
+    is set, so ``init_process_group("gloo")`` (env://) joins the parent's store.
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ConfigError(f"spawn: nprocs must be a positive int, got {nprocs!r}")
@@ -104,7 +107,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
         recv_end, send_end = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_child, name=f"distrain-rank{r}", args=(
             fn, r, nprocs, store.port, tuple(args), backend, init_timeout or timeout, threads, send_end,
-            dict(env or {})))
+            dict(env or {}), init))
         p.start()
         send_end.close()
         procs.append(p)

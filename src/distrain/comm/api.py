@@ -28,6 +28,7 @@ run on the group's worker thread (see group.py), native ones on the backend's.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from typing import Callable
 
@@ -37,8 +38,9 @@ import torch.distributed as dist
 from distrain.comm import ledger as _ledger
 from distrain.comm import ring, star, tree
 from distrain.comm.group import GroupState, resolve
-from distrain.comm.ops import check_dtype, resolve_op
+from distrain.comm.ops import COMPLEX_DTYPES, OPS, check_complex_op, check_dtype, resolve_op
 from distrain.comm.p2p import PeerComm
+from distrain.comm.torchargs import torch_call
 from distrain.errors import CommError, ConfigError
 
 ALGORITHMS = {"star": star, "ring": ring, "tree": tree}
@@ -64,15 +66,31 @@ def debug_enabled() -> bool:
 # ---------------------------------------------------------------------------------------
 
 class CommHandle:
-    """What async_op=True returns: ``wait()`` blocks until the result is in place."""
+    """What async_op=True returns, with torch's Work methods.
+
+    ``wait(timeout=None)`` blocks until the result is in place; ``is_completed()``;
+    ``get_future()`` a ``torch.futures.Future`` whose value is the output tensors;
+    ``result()`` the output tensors (after ``wait``); ``exception()`` the error or None.
+    """
 
     def __init__(self, desc: str, future: Future | None = None, work=None,
-                 after: Callable[[], None] | None = None):
+                 after: Callable[[], None] | None = None, outputs: list | None = None):
         self._desc = desc
         self._future = future
         self._work = work
         self._after = after
+        self._outputs = list(outputs or [])
         self._done = False
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def _finish(self) -> None:
+        """Run the copy-back once, whoever completes the handle first (wait or a future callback)."""
+        with self._lock:
+            if not self._done:
+                if self._after is not None:
+                    self._after()
+                self._done = True
 
     def wait(self, timeout: float | None = None) -> bool:
         if self._done:
@@ -82,15 +100,15 @@ class CommHandle:
                 self._future.result(timeout)
             elif self._work is not None:
                 self._work.wait() if timeout is None else self._work.wait(_td(timeout))
-            if self._after is not None:
-                self._after()
-        except CommError:
+            self._finish()
+        except CommError as e:
+            self._error = e
             raise
         except TimeoutError as e:
             raise CommError(f"{self._desc}: not completed within {timeout}s") from e
         except Exception as e:
-            raise CommError(f"{self._desc} failed: {e}") from e
-        self._done = True
+            self._error = CommError(f"{self._desc} failed: {e}")
+            raise self._error from e
         return True
 
     def is_completed(self) -> bool:
@@ -99,6 +117,42 @@ class CommHandle:
         if self._future is not None:
             return self._future.done()
         return self._work is None or self._work.is_completed()
+
+    def result(self) -> list:
+        self.wait()
+        return self._outputs
+
+    def exception(self) -> BaseException | None:
+        """The error this operation ended with (None while running or after success)."""
+        if self._error is None and self.is_completed() and not self._done:
+            try:
+                self.wait()
+            except CommError:
+                pass
+        return self._error
+
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+
+        def settle(done=None) -> None:
+            # Runs on the thread that completed the operation: read the finished future, never
+            # wait on the work (Gloo calls this before the work counts as complete).
+            try:
+                if done is not None:
+                    done.result() if isinstance(done, Future) else done.value()
+                self._finish()
+                fut.set_result(self._outputs)
+            except Exception as e:  # noqa: BLE001 - delivered to whoever waits on the future
+                self._error = e if isinstance(e, CommError) else CommError(f"{self._desc} failed: {e}")
+                fut.set_exception(self._error)
+
+        if self._future is not None:
+            self._future.add_done_callback(settle)
+        elif self._work is not None:
+            self._work.get_future().add_done_callback(settle)
+        else:
+            settle()
+        return fut
 
 
 def _td(seconds: float):
@@ -118,11 +172,21 @@ def _algorithm(algorithm: str, collective: str) -> str:
     return algorithm
 
 
-def _tensor(t, what: str, collective: str) -> torch.Tensor:
+def _tensor(t, what: str, collective: str, op=None) -> torch.Tensor:
+    """The tensor the algorithms work on: detached (it shares t's storage, so results land in t,
+    but autograd never sees our in-place writes: a leaf Parameter works as with torch), and a
+    complex tensor as its real view (..., 2), which Gloo and our algorithms move and sum alike."""
     if not isinstance(t, torch.Tensor):
         raise ConfigError(f"{collective}: {what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ConfigError(f"{collective}: {what} is a {t.layout} tensor; only dense (strided) tensors are "
+                          f"supported: call .to_dense() first")
+    if t.dtype in COMPLEX_DTYPES:
+        if op is not None:
+            check_complex_op(op, t.dtype, collective)
+        return torch.view_as_real(t.detach())
     check_dtype(t.dtype, collective)
-    return t
+    return t.detach()
 
 
 def _tensor_list(lst, ref: torch.Tensor, size: int, what: str, collective: str, rank: int) -> list[torch.Tensor]:
@@ -133,14 +197,14 @@ def _tensor_list(lst, ref: torch.Tensor, size: int, what: str, collective: str, 
             f"{collective}: {what} on rank {rank} has {len(lst)} tensors but the group has {size} ranks; "
             f"pass exactly one tensor per rank"
         )
+    lst = [_tensor(t, f"{what}[{i}]", collective) for i, t in enumerate(lst)]
     for i, t in enumerate(lst):
-        _tensor(t, f"{what}[{i}]", collective)
         if t.shape != ref.shape or t.dtype != ref.dtype:
             raise ConfigError(
                 f"{collective}: {what}[{i}] on rank {rank} has shape {tuple(t.shape)} and dtype {t.dtype}, "
                 f"but the tensor argument has shape {tuple(ref.shape)} and dtype {ref.dtype}; they must match"
             )
-    return list(lst)
+    return lst
 
 
 def _root_list(st: GroupState, root: int, lst, ref: torch.Tensor, what: str, role: str, root_global: int,
@@ -174,6 +238,7 @@ def _copy_back(dst: torch.Tensor, flat: torch.Tensor) -> None:
 _DT_CODES = {dt: i for i, dt in enumerate([
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool])}
+_OP_CODES = {name: i for i, name in enumerate(OPS)}
 _FIELDS = ("call number", "collective", "algorithm", "op", "dtype", "root", "numel", "shape")
 _MAXD = 6
 
@@ -182,7 +247,7 @@ def _fingerprint_check(st: GroupState, seq: int, collective: str, algorithm: str
                        t: torch.Tensor | None, root: int) -> None:
     shape = tuple(t.shape) if t is not None else ()
     fp = [seq, COLLECTIVES.index(collective), ALGORITHM_NAMES.index(algorithm),
-          hash(op) % (1 << 31) if op else -1,
+          _OP_CODES[op] if op else -1,  # not hash(): salted per interpreter
           _DT_CODES.get(t.dtype, -2) if t is not None else -1, root,
           t.numel() if t is not None else -1, len(shape)]
     fp += list(shape[:_MAXD]) + [-1] * (_MAXD - min(len(shape), _MAXD))
@@ -216,13 +281,14 @@ def _fingerprint_check(st: GroupState, seq: int, collective: str, algorithm: str
 
 def _run(st: GroupState, collective: str, algorithm: str, async_op: bool, payload: int,
          ours: Callable[[PeerComm], None], native: Callable[[bool], object] | None,
-         after: Callable[[], None] | None, fp: tuple) -> CommHandle | None:
+         after: Callable[[], None] | None, fp: tuple, outputs: list | None = None) -> CommHandle | None:
     """Run one collective call: fingerprint, ledger, then ours (inline or on the worker) or native."""
     seq = st.next_seq()
     if _debug:
         _fingerprint_check(st, seq, collective, algorithm, *fp)
     _ledger.record(collective, algorithm, calls=1, payload=payload)
     me = st.ranks[st.rank]
+    outs = outputs if outputs is not None else [t for t in fp[1:2] if t is not None]
     desc = f"{collective}(algorithm={algorithm}) on rank {me} (group rank {st.rank} of {st.size})"
 
     if algorithm == "native":
@@ -236,7 +302,7 @@ def _run(st: GroupState, collective: str, algorithm: str, async_op: bool, payloa
             raise
         except Exception as e:
             raise CommError(f"{desc} failed: {e}") from e
-        return CommHandle(desc, work=work, after=after)
+        return CommHandle(desc, work=work, after=after, outputs=outs)
 
     pc = PeerComm(st, collective, algorithm, st.tag(seq))
 
@@ -250,7 +316,7 @@ def _run(st: GroupState, collective: str, algorithm: str, async_op: bool, payloa
             after()
 
     if async_op:
-        return CommHandle(desc, future=st.submit(job))
+        return CommHandle(desc, future=st.submit(job), outputs=outs)
     try:
         job()
     except CommError:
@@ -264,11 +330,12 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+@torch_call('src')
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False, algorithm: str = "native"):
     name = "broadcast"
     _algorithm(algorithm, name)
     st = resolve(group, name)
-    _tensor(tensor, "tensor", name)
+    tensor = _tensor(tensor, "tensor", name)
     root = st.group_rank(src, "src", name)
     flat = _flat(tensor)
     mod = ALGORITHMS.get(algorithm)
@@ -279,11 +346,12 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
                 after=after, fp=("", tensor, root))
 
 
+@torch_call('dst')
 def reduce(tensor: torch.Tensor, dst: int, op="sum", group=None, async_op: bool = False, algorithm: str = "native"):
     name = "reduce"
     _algorithm(algorithm, name)
     st = resolve(group, name)
-    _tensor(tensor, "tensor", name)
+    tensor = _tensor(tensor, "tensor", name, op)
     o = resolve_op(op, tensor.dtype, name)
     root = st.group_rank(dst, "dst", name)
     flat = _flat(tensor)
@@ -300,11 +368,12 @@ def reduce(tensor: torch.Tensor, dst: int, op="sum", group=None, async_op: bool 
                 after=after, fp=(o.name, tensor, root))
 
 
+@torch_call()
 def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = False, algorithm: str = "native"):
     name = "all_reduce"
     _algorithm(algorithm, name)
     st = resolve(group, name)
-    _tensor(tensor, "tensor", name)
+    tensor = _tensor(tensor, "tensor", name, op)
     o = resolve_op(op, tensor.dtype, name)
     flat = _flat(tensor)
     mod = ALGORITHMS.get(algorithm)
@@ -319,12 +388,13 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = Fals
                 after=after, fp=(o.name, tensor, -1))
 
 
+@torch_call('src')
 def scatter(tensor: torch.Tensor, scatter_list=None, src: int = 0, group=None, async_op: bool = False,
             algorithm: str = "native"):
     name = "scatter"
     _algorithm(algorithm, name)
     st = resolve(group, name)
-    _tensor(tensor, "tensor", name)
+    tensor = _tensor(tensor, "tensor", name)
     root = st.group_rank(src, "src", name)
     lst = _root_list(st, root, scatter_list, tensor, "scatter_list", "source", src, name)
     full = torch.cat([t.reshape(-1) for t in lst]) if lst is not None else None
@@ -340,12 +410,13 @@ def scatter(tensor: torch.Tensor, scatter_list=None, src: int = 0, group=None, a
                 fp=("", tensor, root))
 
 
+@torch_call('dst')
 def gather(tensor: torch.Tensor, gather_list=None, dst: int = 0, group=None, async_op: bool = False,
            algorithm: str = "native"):
     name = "gather"
     _algorithm(algorithm, name)
     st = resolve(group, name)
-    _tensor(tensor, "tensor", name)
+    tensor = _tensor(tensor, "tensor", name)
     root = st.group_rank(dst, "dst", name)
     lst = _root_list(st, root, gather_list, tensor, "gather_list", "destination", dst, name)
     n = tensor.numel()
@@ -364,14 +435,15 @@ def gather(tensor: torch.Tensor, gather_list=None, dst: int = 0, group=None, asy
                 ours=lambda pc: mod.gather(pc, inp, full, root),
                 native=lambda a: dist.gather(inp, list(full.view(st.size, n)) if lst is not None else None, dst,
                                              group=st.group, async_op=a),
-                after=after, fp=("", tensor, root))
+                after=after, fp=("", tensor, root), outputs=lst or [])
 
 
+@torch_call()
 def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = False, algorithm: str = "native"):
     name = "all_gather"
     _algorithm(algorithm, name)
     st = resolve(group, name)
-    _tensor(tensor, "tensor", name)
+    tensor = _tensor(tensor, "tensor", name)
     lst = _tensor_list(tensor_list, tensor, st.size, "tensor_list", name, st.ranks[st.rank])
     n = tensor.numel()
     full = torch.empty(st.size * n, dtype=tensor.dtype, device=tensor.device)
@@ -388,15 +460,16 @@ def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = F
 
     return _run(st, name, algorithm, async_op, _nbytes(tensor),
                 ours=lambda pc: mod.all_gather(pc, full, n), native=native,
-                after=after, fp=("", tensor, -1))
+                after=after, fp=("", tensor, -1), outputs=lst)
 
 
+@torch_call()
 def reduce_scatter(output: torch.Tensor, input_list, op="sum", group=None, async_op: bool = False,
                    algorithm: str = "native"):
     name = "reduce_scatter"
     _algorithm(algorithm, name)
     st = resolve(group, name)
-    _tensor(output, "output", name)
+    output = _tensor(output, "output", name, op)
     o = resolve_op(op, output.dtype, name)
     lst = _tensor_list(input_list, output, st.size, "input_list", name, st.ranks[st.rank])
     full = torch.cat([t.reshape(-1) for t in lst])  # a work copy: algorithms may overwrite it
@@ -415,18 +488,29 @@ def reduce_scatter(output: torch.Tensor, input_list, op="sum", group=None, async
                 after=after, fp=(o.name, output, -1))
 
 
-def barrier(group=None, async_op: bool = False, algorithm: str = "native"):
-    """Block until every rank of the group has entered. Ours: an all-reduce of one byte."""
+@torch_call()
+def barrier(group=None, async_op: bool = False, device_ids=None, algorithm: str = "native",
+            timeout: float | None = None):
+    """Block until every rank of the group has entered. Ours: an all-reduce of one byte.
+
+    ``timeout`` (seconds or a timedelta): raise CommError on this rank if the others have not
+    all entered by then (the barrier is left posted; the group should then be torn down).
+    ``device_ids`` is accepted for torch's signature (it only matters to NCCL).
+    """
     name = "barrier"
     _algorithm(algorithm, name)
     st = resolve(group, name)
     token = torch.zeros(1, dtype=torch.uint8)
     mod = ALGORITHMS.get(algorithm)
     sum_op = resolve_op("sum", token.dtype, name)
-    return _run(st, name, algorithm, async_op, 0,
-                ours=lambda pc: mod.all_reduce(pc, token, sum_op),
-                native=lambda a: dist.barrier(group=st.group, async_op=a),
-                after=None, fp=("", None, -1))
+    h = _run(st, name, algorithm, async_op or timeout is not None, 0,
+             ours=lambda pc: mod.all_reduce(pc, token, sum_op),
+             native=lambda a: dist.barrier(group=st.group, async_op=a),
+             after=None, fp=("", None, -1))
+    if timeout is None or async_op:
+        return h
+    h.wait(timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout))
+    return None
 
 
 # torch renamed reduce_scatter_tensor to reduce_scatter_single; take whichever this torch has.

@@ -20,10 +20,10 @@ import torch.distributed as dist
 
 from distrain.errors import CommError, ConfigError
 
-# Tags of collectives start here and wrap below 2**30 (Gloo tags are non-negative int32).
-# User point-to-point traffic uses small tags (default 0), so the two never collide.
-COLLECTIVE_TAG_BASE = 1 << 20
-_TAG_SPAN = (1 << 30) - COLLECTIVE_TAG_BASE
+# Tags of collectives start here and wrap below 2**31 (Gloo tags are non-negative int32).
+# User point-to-point traffic uses tags below 2**30 (default 0), so the two never collide.
+COLLECTIVE_TAG_BASE = 1 << 30
+_TAG_SPAN = (1 << 31) - COLLECTIVE_TAG_BASE
 
 
 class _Worker:
