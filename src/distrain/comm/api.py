@@ -47,6 +47,7 @@ ALGORITHMS = {"star": star, "ring": ring, "tree": tree}
 ALGORITHM_NAMES = ("native", "star", "ring", "tree")
 COLLECTIVES = ("broadcast", "reduce", "all_reduce", "scatter", "gather", "all_gather",
                "reduce_scatter", "barrier")
+_FP_NAMES = COLLECTIVES + ("all_to_all",)  # every collective a debug fingerprint can name
 
 _debug = False
 
@@ -246,7 +247,7 @@ _MAXD = 6
 def _fingerprint_check(st: GroupState, seq: int, collective: str, algorithm: str, op: str,
                        t: torch.Tensor | None, root: int) -> None:
     shape = tuple(t.shape) if t is not None else ()
-    fp = [seq, COLLECTIVES.index(collective), ALGORITHM_NAMES.index(algorithm),
+    fp = [seq, _FP_NAMES.index(collective), ALGORITHM_NAMES.index(algorithm),
           _OP_CODES[op] if op else -1,  # not hash(): salted per interpreter
           _DT_CODES.get(t.dtype, -2) if t is not None else -1, root,
           t.numel() if t is not None else -1, len(shape)]
@@ -260,7 +261,7 @@ def _fingerprint_check(st: GroupState, seq: int, collective: str, algorithm: str
         dt = next((str(d).removeprefix("torch.") for d, c in _DT_CODES.items() if c == r[4]), "none")
         shp = tuple(x for x in r[8:8 + min(r[7], _MAXD)])
         alg = ALGORITHM_NAMES[r[2]] if 0 <= r[2] < len(ALGORITHM_NAMES) else "?"
-        return (f"call #{r[0]} {COLLECTIVES[r[1]]}(algorithm={alg}) dtype={dt} shape={shp}"
+        return (f"call #{r[0]} {_FP_NAMES[r[1]]}(algorithm={alg}) dtype={dt} shape={shp}"
                 + (f" root={r[5]}" if r[5] >= 0 else ""))
 
     ref = rows[0]
