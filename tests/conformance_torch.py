@@ -4,16 +4,17 @@ torch ships its test suite for torch.distributed inside the wheel
 (``torch/testing/_internal/distributed/distributed_test.py``). Its collective and P2P test
 methods are written against a module-level ``dist``; this harness replaces that name with
 ``distrain.comm`` whose communication functions are bound to one ``algorithm=`` (native,
-star, ring or tree), and runs the methods with torch's own multi-process test runner
-(one fresh process per rank, Gloo, file:// rendezvous).
+star, ring or tree), and runs the methods in P long-lived rank processes (torch's runner
+starts P fresh interpreters per method, a minute each on a loaded 2-core machine): each
+method gets a fresh Gloo default process group, its own temp directory and file barrier.
 
     python tests/conformance_torch.py --algorithm all --world-size 2,3,4
     python tests/conformance_torch.py --algorithm ring --world-size 3 -k all_reduce -v
 
 It prints, per algorithm and world size, how many methods passed, failed, were skipped by
-torch's own decorators (e.g. "needs world size >= 3") and timed out (a hang: each method
-runs under torch's per-test timeout, here DISTRIBUTED_TESTS_DEFAULT_TIMEOUT=90 s), and
-writes the per-method outcomes as JSON with ``--json``.
+torch's own decorators (e.g. "needs world size >= 3") and timed out (a hang: a method not
+finished on every rank within ``--timeout`` seconds; the ranks are then restarted at the
+next method), and writes the per-method outcomes as JSON with ``--json``.
 
 What is changed in torch's tests, and why:
 
@@ -31,7 +32,6 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +43,6 @@ ENV_ALG = "DISTRAIN_CONFORMANCE_ALGORITHM"
 ALG = os.environ.get(ENV_ALG, "native")
 os.environ.setdefault("BACKEND", "gloo")
 os.environ.setdefault("WORLD_SIZE", "2")
-os.environ.setdefault("DISTRIBUTED_TESTS_DEFAULT_TIMEOUT", "90")
 os.environ.setdefault("TEMP_DIR", tempfile.gettempdir())
 
 import torch.distributed as _torch_dist  # noqa: E402
@@ -105,11 +104,7 @@ _dt.PROFILING_SUPPORTED_BACKENDS = []
 
 
 class TestDistrainAsTorch(_dt.TestDistBackend, _dt.DistributedTest._DistTestBase):
-    """torch's test methods; every rank is a fresh process started by torch's runner."""
-
-    def setUp(self):
-        super().setUp()
-        self._spawn_processes()
+    """torch's test methods, run by :func:`_rank_main` inside long-lived rank processes."""
 
 
 def selected(patterns: list[str] | None = None) -> list[str]:
@@ -120,56 +115,110 @@ def selected(patterns: list[str] | None = None) -> list[str]:
     return names
 
 
-class _Outcomes(unittest.TestResult):
-    def __init__(self):
-        super().__init__()
-        self.rows: dict[str, str] = {}
-        self.detail: dict[str, str] = {}
-
-    def _name(self, test) -> str:
-        return test.id().rsplit(".", 1)[-1]
-
-    def addSuccess(self, test):
-        self.rows[self._name(test)] = "pass"
-
-    def _bad(self, test, err):
-        text = self._exc_info_to_string(err, test)
-        self.rows[self._name(test)] = "timeout" if "timed out after" in text else "fail"
-        self.detail[self._name(test)] = text[-1500:]
-
-    addFailure = addError = _bad
-
-    def addSkip(self, test, reason):
-        self.rows[self._name(test)] = "skip"
-        self.detail[self._name(test)] = reason
+PG_TIMEOUT = 60  # seconds: a rank left waiting by a failed peer gets Gloo's error, not a hang
+TEST_TIMEOUT = 180  # seconds per method before the parent declares a hang and restarts the ranks
 
 
-def _worker(names: list[str]) -> None:
-    """Run the named methods in this process (its environment says the algorithm and world size)."""
-    result = _Outcomes()
-    unittest.TestSuite(TestDistrainAsTorch(n) for n in names).run(result)
-    print("CONFORMANCE " + json.dumps({"rows": result.rows, "detail": result.detail}), flush=True)
+def _run_one(name: str, rank: int, world: int, store, prefix: str, tmp: str) -> tuple[str, str]:
+    """One torch test method on this rank, in a fresh default process group."""
+    import traceback
+    from datetime import timedelta
+
+    from torch.testing._internal.common_distributed import TEST_SKIPS
+
+    os.environ["TEMP_DIR"] = tmp
+    os.makedirs(os.path.join(tmp, "barrier"), exist_ok=True)
+    _dt.Barrier.barrier_id = 0
+    _torch_dist.init_process_group("gloo", store=_torch_dist.PrefixStore(prefix, store), rank=rank,
+                                   world_size=world, timeout=timedelta(seconds=PG_TIMEOUT))
+    test = TestDistrainAsTorch(name)
+    test.rank = rank
+    test.file_name = os.path.join(tmp, "init_file")
+    skip_codes = {v.exit_code: v.message for v in TEST_SKIPS.values()}
+    try:
+        getattr(test, name)()
+        outcome = ("pass", "")
+    except unittest.SkipTest as e:
+        outcome = ("skip", str(e))
+    except SystemExit as e:  # torch's multi-process skips exit with a code
+        outcome = ("skip", skip_codes[e.code]) if e.code in skip_codes else ("fail", f"exit {e.code}")
+    except BaseException:  # noqa: BLE001 - recorded, and the next method runs
+        outcome = ("fail", traceback.format_exc()[-1500:])
+    finally:
+        if _torch_dist.is_initialized():
+            getattr(_comm, "destroy_process_group", _torch_dist.destroy_process_group)()
+    return outcome
 
 
-def run(algorithm: str, world_size: int, names: list[str], timeout: float) -> dict:
-    """One subprocess per (algorithm, world size): its module-level shim is bound at import."""
-    with tempfile.TemporaryDirectory(prefix="distrain-conf-") as tmp:
-        env = dict(os.environ, **{ENV_ALG: algorithm, "WORLD_SIZE": str(world_size), "TEMP_DIR": tmp,
-                                  "BACKEND": "gloo"})
-        t0 = time.monotonic()
-        try:
-            p = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", *names], env=env,
-                               capture_output=True, text=True, timeout=timeout)
-            out = p.stdout
-        except subprocess.TimeoutExpired as e:
-            out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        secs = time.monotonic() - t0
-    line = next((x for x in out.splitlines() if x.startswith("CONFORMANCE ")), None)
-    got = json.loads(line[len("CONFORMANCE "):]) if line else {"rows": {}, "detail": {}}
-    for n in names:  # a worker killed by the overall timeout: what it did not report hung
-        got["rows"].setdefault(n, "timeout")
-    got["seconds"] = round(secs, 1)
-    return got
+def _rank_main(rank: int, world: int, port: int, names: list[str], first: int, attempt: int, base: str,
+               conn) -> None:
+    """A rank process: run methods first, first+1, ... and report each outcome to the parent."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    store = _torch_dist.TCPStore("127.0.0.1", port, world, is_master=False)
+    for i in range(first, len(names)):
+        tmp = os.path.join(base, f"{attempt}_{i}")
+        conn.send((i, *_run_one(names[i], rank, world, store, f"{attempt}/{i}/", tmp)))
+    conn.close()
+
+
+def run(algorithm: str, world_size: int, names: list[str], timeout: float = TEST_TIMEOUT) -> dict:
+    """Run ``names`` on ``world_size`` rank processes with distrain.comm bound to ``algorithm``.
+
+    A method passes when it passes on every rank; one that does not finish on every rank within
+    ``timeout`` seconds is a hang ("timeout"): the ranks are ended and restarted at the next method.
+    """
+    import multiprocessing as mp
+    from datetime import timedelta
+
+    os.environ[ENV_ALG] = algorithm  # the spawned ranks bind their shim from it at import
+    os.environ["WORLD_SIZE"] = str(world_size)
+    ctx = mp.get_context("spawn")
+    rows: dict[str, str] = {}
+    detail: dict[str, str] = {}
+    t0 = time.monotonic()
+    attempt, first = 0, 0
+    with tempfile.TemporaryDirectory(prefix="distrain-conf-") as base:
+        store = _torch_dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                                     timeout=timedelta(seconds=PG_TIMEOUT))
+        while first < len(names):
+            pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
+            procs = [ctx.Process(target=_rank_main, args=(r, world_size, store.port, names, first, attempt, base,
+                                                          pipes[r][1]), daemon=True) for r in range(world_size)]
+            for p in procs:
+                p.start()
+            for _, w in pipes:
+                w.close()
+            got: dict[int, list] = {}
+            i, deadline = first, time.monotonic() + timeout + 120  # + start-up (imports) of the ranks
+            while i < len(names):
+                for r, (rd, _) in enumerate(pipes):
+                    if r not in got.get(i, {}) and rd.poll(0.05):
+                        try:
+                            j, outcome, text = rd.recv()
+                        except EOFError:
+                            continue
+                        got.setdefault(j, {})[r] = (outcome, text)
+                if len(got.get(i, {})) == world_size:
+                    res = got.pop(i)
+                    kinds = {o for o, _ in res.values()}
+                    rows[names[i]] = "fail" if "fail" in kinds else "skip" if "skip" in kinds else "pass"
+                    texts = [f"rank {r}: {t}" for r, (o, t) in sorted(res.items()) if o != "pass"]
+                    if texts:
+                        detail[names[i]] = "\n".join(texts)
+                    i, deadline = i + 1, time.monotonic() + timeout
+                elif time.monotonic() > deadline or not any(p.is_alive() for p in procs) and \
+                        not any(rd.poll() for rd, _ in pipes):
+                    rows[names[i]] = "timeout"
+                    detail[names[i]] = f"not finished on ranks {sorted(set(range(world_size)) - set(got.get(i, {})))}"
+                    i += 1
+                    break
+            for p in procs:
+                p.kill() if p.is_alive() else None
+                p.join(5)
+            first, attempt = i, attempt + 1
+    return {"rows": rows, "detail": detail, "seconds": round(time.monotonic() - t0, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,14 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world-size", default="2,3,4", help="comma-separated world sizes (default 2,3,4)")
     ap.add_argument("-k", action="append", help="run only methods whose name contains this (repeatable)")
     ap.add_argument("--json", help="write every method's outcome here")
-    ap.add_argument("--timeout", type=float, default=3600, help="seconds per (algorithm, world size) run")
+    ap.add_argument("--timeout", type=float, default=TEST_TIMEOUT, help="seconds per method before it counts as a hang")
     ap.add_argument("-v", action="store_true", help="print each failure's traceback tail")
     ap.add_argument("--list", action="store_true", help="list the selected methods and exit")
-    ap.add_argument("--worker", nargs="*", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    if a.worker is not None:
-        _worker(a.worker)
-        return 0
     names = selected(a.k)
     if a.list:
         print("\n".join(names))

@@ -17,7 +17,7 @@ import distrain
 from distrain import comm
 from distrain.errors import ConfigError
 
-ALGS = ["native", "star", "ring", "tree"]
+ALGS = list(comm.ALGORITHM_NAMES)  # "native" + every registered algorithm
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int32, torch.int64]
 OPS = ["sum", "prod", "min", "max", "avg"]
 SHAPES = [(0,), (1,), (7,), (3, 5)]  # empty, single, not divisible by P, 2-D

@@ -10,7 +10,7 @@ import distrain
 from distrain import comm
 from distrain.errors import CommError, ConfigError
 from distrain.models import build_model, classification_loss, lm_loss
-from distrain.parallel.ddp import DistributedDataParallel
+from distrain.parallel.data_parallel import DistributedDataParallel
 
 ALGS = ["native", "star", "ring", "tree"]
 STEPS = 4

@@ -9,7 +9,8 @@ import distrain
 from distrain import Topology
 from distrain.models import build_model, lm_loss
 from distrain.parallel.parallelize import parallelize
-from distrain.parallel.tensor import tp_shard_info
+from distrain.parallel.tensor_parallel import tp_shard_info
+from distrain.models.gpt_plan import gpt_tp_plan
 
 STEPS = 3
 GLOBAL_B = 8
@@ -41,7 +42,8 @@ def _composed(rank: int, dp: int, tp: int, pp: int, schedule: str, alg: str) -> 
     ref_losses, ref_grads, ref_params = _reference()
     topo = Topology.from_world(dp=dp, tp=tp, pp=pp)
     torch.manual_seed(0)
-    pm = parallelize(build_model("gpt-tiny").double(), topo, algorithm=alg, microbatches=2, schedule=schedule)
+    pm = parallelize(build_model("gpt-tiny").double(), topo, loss_fn=lm_loss, tp_plan=gpt_tp_plan(), algorithm=alg,
+                     microbatches=2, schedule=schedule)
     opt = torch.optim.Adam(pm.parameters(), lr=1e-2)
     start = pm.stage.start if pm.stage is not None else 0  # the stage's first layer in the full model
 

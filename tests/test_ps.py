@@ -14,7 +14,7 @@ from distrain import comm
 from distrain.data import DistributedBatchSampler, load_digits
 from distrain.errors import CommError, ConfigError, RankFailedError
 from distrain.models import build_model, classification_loss
-from distrain.parallel.ps import ParameterServer, PSLayout, PSWorker, expected_ps_bytes
+from distrain.parallel.parameter_server import ParameterServer, PSLayout, PSWorker, expected_ps_bytes
 
 G = 12      # global batch of the sync tests
 SEED = 0

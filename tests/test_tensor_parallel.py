@@ -18,17 +18,18 @@ from distrain import comm
 from distrain.comm.cost import traffic
 from distrain.errors import ConfigError
 from distrain.models import GPTConfig, MLPBlock, build_model, generate, lm_loss
-from distrain.parallel.tensor import (
+from distrain.models.gpt_plan import check_tp_sizes, gpt_tp_plan, tp_all_reduces_per_step
+from distrain.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     apply_tensor_parallel,
-    check_tp_sizes,
     megatron_bytes_per_block,
-    tp_all_reduces_per_step,
     tp_loss,
     tp_shard_info,
     vocab_parallel_cross_entropy,
 )
+
+GPT_PLAN = gpt_tp_plan()
 
 B, T = 2, 16
 STEPS = 3
@@ -80,7 +81,7 @@ def _gpt_matches_reference(rank: int, algs: list[str], opts: list[str]) -> list[
     for alg in algs:
         for opt_name in opts:
             ref = _full_model()
-            tpm = apply_tensor_parallel(_full_model(), None, alg)
+            tpm = apply_tensor_parallel(_full_model(), None, alg, plan=GPT_PLAN)
             ref_opt, tp_opt = _optimizer(ref.parameters(), opt_name), _optimizer(tpm.parameters(), opt_name)
             ref_params = dict(ref.named_parameters())
             info = tp_shard_info(tpm)
@@ -259,7 +260,7 @@ def test_parallel_mlp_and_vocab_parallel_cross_entropy(P):
 def _ledger_counts(rank: int) -> dict:
     P = dist.get_world_size()
     C = 32
-    model = apply_tensor_parallel(_full_model(), None, "ring")
+    model = apply_tensor_parallel(_full_model(), None, "ring", plan=GPT_PLAN)
     x, y = _batch(0)
     out = {}
     # One block alone: 2 all-reduces forward (g after o_proj, g after mlp.proj), 2 backward (the f's).
@@ -282,13 +283,13 @@ def _ledger_counts(rank: int) -> dict:
     # A tp group of one rank issues no collective and is the plain model.
     solo = [dist.new_group([r]) for r in range(P)][rank]
     ref = _full_model()
-    one = apply_tensor_parallel(_full_model(), solo, "ring")
+    one = apply_tensor_parallel(_full_model(), solo, "ring", plan=GPT_PLAN)
     with comm.ledger() as led:
         l1 = tp_loss(one(x), y, solo, "ring")
         l1.backward()
     out["solo"] = (led.total().calls, torch.equal(l1, lm_loss(ref(x), y)))
     # gather_logits=True: the full logits on every rank, so generate() works unchanged.
-    full = apply_tensor_parallel(_full_model(), None, "ring", gather_logits=True)
+    full = apply_tensor_parallel(_full_model(), None, "ring", plan=gpt_tp_plan(gather_logits=True))
     out["gathered"] = _close(full(x), ref(x)) and torch.equal(
         generate(full, x[:, :4], 8, temperature=0), generate(ref, x[:, :4], 8, temperature=0))
     twin = copy.deepcopy(model)  # copies share the group
@@ -348,7 +349,7 @@ def test_apply_needs_an_initialized_group():
     if dist.is_initialized():
         pytest.skip("this process already has a process group")
     with pytest.raises(ConfigError, match="torch.distributed is not initialized"):
-        apply_tensor_parallel(_full_model())
+        apply_tensor_parallel(_full_model(), plan=GPT_PLAN)
 
 
 def _bad_inputs(rank: int) -> list[str]:
@@ -367,7 +368,7 @@ def _bad_inputs(rank: int) -> list[str]:
             model = _full_model(**over)
             before = {k: v.clone() for k, v in model.state_dict().items()}
             try:
-                apply_tensor_parallel(model, None, alg)
+                apply_tensor_parallel(model, None, alg, plan=GPT_PLAN)
                 bad.append(f"rank {rank}: {over} {alg}: no error")
             except ConfigError as e:
                 if msg not in str(e):
@@ -377,9 +378,9 @@ def _bad_inputs(rank: int) -> list[str]:
                     any(not isinstance(m, (nn.Linear, nn.Embedding, nn.LayerNorm)) for m in
                         [model.layers[0].wte, model.layers[1].attn.q_proj, model.layers[-1].lm_head]):
                 bad.append(f"rank {rank}: {over} {alg}: the model was modified before the error")
-        twice = apply_tensor_parallel(_full_model(), None, "native")
+        twice = apply_tensor_parallel(_full_model(), None, "native", plan=GPT_PLAN)
         try:
-            apply_tensor_parallel(twice, None, "native")
+            apply_tensor_parallel(twice, None, "native", plan=GPT_PLAN)
             bad.append(f"rank {rank}: applying twice: no error")
         except ConfigError as e:
             if "already tensor-parallel" not in str(e):

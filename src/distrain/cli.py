@@ -56,7 +56,8 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from distrain.bench import comm_bench, model_parallel_bench, train_bench
+    from distrain.bench import comm_bench, pipeline_bench, tp_bench, train_bench
+    from distrain.cluster import cli as cluster_cli
 
     parser = argparse.ArgumentParser(prog="distrain", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -72,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     _config_arguments(p, TrainConfig)
     p.set_defaults(func=_run_train)
 
+    p = sub.add_parser("cluster", help="an emulated cluster on this host (netns + veth + tc) and runs across it")
+    cluster_cli.add_arguments(p)
+
     bench = sub.add_parser("bench", help="benchmarks that compare ours with torch's, side by side")
     bsub = bench.add_subparsers(dest="bench", required=True)
     p = bsub.add_parser("comm", help="collective bandwidth: native vs star/ring/tree (nccl-tests style)")
@@ -81,11 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     train_bench.add_arguments(p)
     p.set_defaults(func=train_bench.run)
     p = bsub.add_parser("pipeline", help="pipeline bubble and activation peaks: GPipe vs 1F1B vs (p-1)/(m+p-1)")
-    model_parallel_bench.add_pipeline_arguments(p)
-    p.set_defaults(func=model_parallel_bench.run_pipeline)
+    pipeline_bench.add_pipeline_arguments(p)
+    p.set_defaults(func=pipeline_bench.run_pipeline)
     p = bsub.add_parser("tp", help="tensor-parallel all-reduce bytes per block vs Megatron's count")
-    model_parallel_bench.add_tp_arguments(p)
-    p.set_defaults(func=model_parallel_bench.run_tp)
+    tp_bench.add_tp_arguments(p)
+    p.set_defaults(func=tp_bench.run_tp)
     return parser
 
 

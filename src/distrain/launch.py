@@ -66,6 +66,30 @@ def _died(code: int | None) -> str:
     return msg
 
 
+def _is_fallout(text: str) -> bool:
+    """A rank that failed only because a peer went away (its traceback is a comm error)."""
+    return "CommError" in text or "Connection closed by peer" in text or "Connection reset by peer" in text
+
+
+def _root_cause(r: int, text: str, conns, others: list[int], grace: float = 2.0) -> tuple[int, str]:
+    """When rank r failed only because a peer vanished, wait briefly for the peer that raised
+    first, so the error names the cause rather than its fallout."""
+    if not _is_fallout(text):
+        return r, text
+    by_conn = {conns[q]: q for q in others}
+    deadline = time.monotonic() + grace
+    while by_conn and time.monotonic() < deadline:
+        for c in mp.connection.wait(list(by_conn), timeout=max(0.0, deadline - time.monotonic())):
+            q = by_conn.pop(c)
+            try:
+                status, value = pickle.loads(c.recv_bytes())
+            except (EOFError, OSError):
+                continue
+            if status == "err" and not _is_fallout(value):
+                return q, value
+    return r, text
+
+
 def _end(procs) -> None:
     for p in procs:
         if p.is_alive():
@@ -142,7 +166,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
                     procs[r].join(1)
                     raise RankFailedError(r, _died(procs[r].exitcode)) from None
                 if status == "err":
-                    raise RankFailedError(r, value)
+                    raise RankFailedError(*_root_cause(r, value, conns, [q for q in pending if q != r]))
                 results[r] = value
     finally:
         # On success the ranks are shutting down by themselves; on failure end them now.

@@ -101,6 +101,7 @@ def init(backend: str = "auto", timeout: float | timedelta = 300.0) -> RuntimeIn
                             world_size=world, timeout=timedelta(seconds=secs))
     # The one place the debug switch is read from the environment (never deep inside comm).
     comm.set_debug(os.environ.get("DISTRAIN_DEBUG", "0") not in ("", "0", "false", "False"))
+    comm.set_default_transport(os.environ.get("DISTRAIN_TRANSPORT") or "torch")  # the whole job's transport
     return info()
 
 

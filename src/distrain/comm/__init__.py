@@ -6,13 +6,17 @@ torch's own or thin wrappers (compat.py); any other name falls through to torch.
 
 Layers, each depending only on those above it:
 
-    transport.py   the one place bytes leave the process (torch.distributed P2P)
-    group.py       per-group rank maps, sequence numbers (= tags), async worker
+    util.py        shared helpers: dtype codes, byte counts, int checks
+    tags.py        the one map of P2P tag ranges (user, parameter server, pipeline, collectives)
+    transports.py  the one place bytes leave the process; chosen per group, injectable
+    group.py       per-group rank maps, sequence numbers (= tags), transport, async worker
     torchargs.py   torch's calling rules: non-member no-op, group_src/group_dst
     p2p.py         send/recv/isend/irecv (+ header variants) and PeerComm for algorithms
     ops.py         reduce ops and dtype rules
     ledger.py      traffic accounting
     star.py ring.py tree.py   our algorithms, written only on PeerComm
+    registry.py    the algorithm registry and its interface (Protocol)
+    cost.py        exact traffic per rank, from each algorithm's own closed form
     api.py         the eight collectives: validation, dispatch, async handles, debug checks
     forms.py       *_into_tensor / *_tensor / coalesced forms, P2POp, batch_isend_irecv
     alltoall.py    all_to_all, all_to_all_single
@@ -37,6 +41,8 @@ from distrain.comm.api import (
     reduce_scatter,
     scatter,
     set_debug,
+    set_transport,
+    transport_of,
 )
 from distrain.comm.compat import PASSTHROUGH, destroy_process_group, init_process_group
 from distrain.comm.forms import (
@@ -56,6 +62,7 @@ from distrain.comm.objects import (
     scatter_object_list,
     send_object_list,
 )
+from distrain.comm.transports import TRANSPORT_NAMES, Transport, set_default_transport
 from distrain.comm.p2p import irecv, isend, isend_tensor, recv, recv_tensor, send, send_tensor
 
 globals().update({_n: getattr(_torch_dist, _n) for _n in PASSTHROUGH if hasattr(_torch_dist, _n)})
@@ -70,11 +77,11 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "ALGORITHM_NAMES", "COLLECTIVES", "CommHandle", "Counts", "Ledger", "P2POp",
+    "ALGORITHM_NAMES", "COLLECTIVES", "CommHandle", "Counts", "Ledger", "P2POp", "TRANSPORT_NAMES", "Transport",
     "all_gather", "all_gather_coalesced", "all_gather_into_tensor", "all_gather_object", "all_reduce",
     "all_reduce_coalesced", "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv", "broadcast",
     "broadcast_object_list", "debug_enabled", "destroy_process_group", "gather", "gather_object",
     "init_process_group", "irecv", "isend", "isend_tensor", "ledger", "recv", "recv_object_list", "recv_tensor",
     "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send",
-    "send_object_list", "send_tensor", "set_debug",
+    "send_object_list", "send_tensor", "set_debug", "set_default_transport", "set_transport", "transport_of",
 ] + [n for n in PASSTHROUGH if hasattr(_torch_dist, n)]

@@ -25,10 +25,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from distrain.comm import api
+from distrain.comm import api, registry
 from distrain.comm.group import resolve
 from distrain.comm.p2p import PeerComm
 from distrain.comm.torchargs import torch_call
+from distrain.comm.util import nbytes
 from distrain.errors import CommError, ConfigError
 
 NAME = "all_to_all"
@@ -79,7 +80,7 @@ def _ours(pc: PeerComm, mod, send: torch.Tensor, cin: list[int], recv: torch.Ten
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,  # noqa: A002
                       input_split_sizes=None, group=None, async_op: bool = False, algorithm: str = "native"):
     name = "all_to_all_single"
-    api._algorithm(algorithm, name)
+    mod = registry.get(algorithm, name)
     st = resolve(group, name)
     out, inp = api._tensor(output, "output", name), api._tensor(input, "input", name)
     if out.dtype != inp.dtype:
@@ -88,7 +89,6 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     cout = _counts(out, output_split_sizes, st.size, "output", name)
     send = inp.reshape(-1).contiguous()
     recv = api._flat(out)
-    mod = api.ALGORITHMS.get(algorithm)
 
     def after() -> None:
         if st.size == 1 and algorithm != "native":
@@ -102,7 +102,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
                                       group=st.group, async_op=a)
 
     dummy = torch.empty((), dtype=inp.dtype)  # same on every rank: blocks may be empty on some ranks only
-    return api._run(st, NAME, algorithm, async_op, api._nbytes(inp),
+    return api._run(st, NAME, algorithm, async_op, nbytes(inp),
                     ours=lambda pc: _ours(pc, mod, send, cin, recv, cout), native=native,
                     after=after, fp=("", dummy, -1), outputs=[output])
 

@@ -36,15 +36,15 @@ import torch
 import torch.distributed as dist
 
 from distrain.comm import ledger as _ledger
-from distrain.comm import ring, star, tree
+from distrain.comm import registry
 from distrain.comm.group import GroupState, resolve
 from distrain.comm.ops import COMPLEX_DTYPES, OPS, check_complex_op, check_dtype, resolve_op
 from distrain.comm.p2p import PeerComm
+from distrain.comm.registry import ALGORITHM_NAMES
 from distrain.comm.torchargs import torch_call
+from distrain.comm.util import DTYPE_CODE, dtype_name, nbytes
 from distrain.errors import CommError, ConfigError
 
-ALGORITHMS = {"star": star, "ring": ring, "tree": tree}
-ALGORITHM_NAMES = ("native", "star", "ring", "tree")
 COLLECTIVES = ("broadcast", "reduce", "all_reduce", "scatter", "gather", "all_gather",
                "reduce_scatter", "barrier")
 _FP_NAMES = COLLECTIVES + ("all_to_all",)  # every collective a debug fingerprint can name
@@ -165,14 +165,6 @@ def _td(seconds: float):
 # Validation helpers
 # ---------------------------------------------------------------------------------------
 
-def _algorithm(algorithm: str, collective: str) -> str:
-    if algorithm not in ALGORITHM_NAMES:
-        raise ConfigError(
-            f"{collective}: unknown algorithm {algorithm!r}; use one of {', '.join(ALGORITHM_NAMES)}"
-        )
-    return algorithm
-
-
 def _tensor(t, what: str, collective: str, op=None) -> torch.Tensor:
     """The tensor the algorithms work on: detached (it shares t's storage, so results land in t,
     but autograd never sees our in-place writes: a leaf Parameter works as with torch), and a
@@ -236,10 +228,7 @@ def _copy_back(dst: torch.Tensor, flat: torch.Tensor) -> None:
 # Debug fingerprints
 # ---------------------------------------------------------------------------------------
 
-_DT_CODES = {dt: i for i, dt in enumerate([
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool])}
-_OP_CODES = {name: i for i, name in enumerate(OPS)}
+_OP_CODES = {name: i for i, name in enumerate(OPS)}  # stable across processes (unlike hash())
 _FIELDS = ("call number", "collective", "algorithm", "op", "dtype", "root", "numel", "shape")
 _MAXD = 6
 
@@ -248,8 +237,8 @@ def _fingerprint_check(st: GroupState, seq: int, collective: str, algorithm: str
                        t: torch.Tensor | None, root: int) -> None:
     shape = tuple(t.shape) if t is not None else ()
     fp = [seq, _FP_NAMES.index(collective), ALGORITHM_NAMES.index(algorithm),
-          _OP_CODES[op] if op else -1,  # not hash(): salted per interpreter
-          _DT_CODES.get(t.dtype, -2) if t is not None else -1, root,
+          _OP_CODES[op] if op else -1,
+          DTYPE_CODE.get(t.dtype, -2) if t is not None else -1, root,
           t.numel() if t is not None else -1, len(shape)]
     fp += list(shape[:_MAXD]) + [-1] * (_MAXD - min(len(shape), _MAXD))
     mine = torch.tensor(fp, dtype=torch.int64)
@@ -258,7 +247,7 @@ def _fingerprint_check(st: GroupState, seq: int, collective: str, algorithm: str
 
     def describe(row: torch.Tensor) -> str:
         r = row.tolist()
-        dt = next((str(d).removeprefix("torch.") for d, c in _DT_CODES.items() if c == r[4]), "none")
+        dt = next((dtype_name(d) for d, c in DTYPE_CODE.items() if c == r[4]), "none")
         shp = tuple(x for x in r[8:8 + min(r[7], _MAXD)])
         alg = ALGORITHM_NAMES[r[2]] if 0 <= r[2] < len(ALGORITHM_NAMES) else "?"
         return (f"call #{r[0]} {_FP_NAMES[r[1]]}(algorithm={alg}) dtype={dt} shape={shp}"
@@ -327,21 +316,16 @@ def _run(st: GroupState, collective: str, algorithm: str, async_op: bool, payloa
     return None
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 @torch_call('src')
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False, algorithm: str = "native"):
     name = "broadcast"
-    _algorithm(algorithm, name)
+    mod = registry.get(algorithm, name)
     st = resolve(group, name)
     tensor = _tensor(tensor, "tensor", name)
     root = st.group_rank(src, "src", name)
     flat = _flat(tensor)
-    mod = ALGORITHMS.get(algorithm)
     after = (lambda: _copy_back(tensor, flat)) if st.rank != root else None
-    return _run(st, name, algorithm, async_op, _nbytes(tensor),
+    return _run(st, name, algorithm, async_op, nbytes(tensor),
                 ours=lambda pc: mod.broadcast(pc, flat, root),
                 native=lambda a: dist.broadcast(flat, src, group=st.group, async_op=a),
                 after=after, fp=("", tensor, root))
@@ -350,20 +334,19 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
 @torch_call('dst')
 def reduce(tensor: torch.Tensor, dst: int, op="sum", group=None, async_op: bool = False, algorithm: str = "native"):
     name = "reduce"
-    _algorithm(algorithm, name)
+    mod = registry.get(algorithm, name)
     st = resolve(group, name)
     tensor = _tensor(tensor, "tensor", name, op)
     o = resolve_op(op, tensor.dtype, name)
     root = st.group_rank(dst, "dst", name)
     flat = _flat(tensor)
-    mod = ALGORITHMS.get(algorithm)
 
     def after() -> None:
         if st.rank == root:
             o.finish(flat, st.size)
             _copy_back(tensor, flat)
 
-    return _run(st, name, algorithm, async_op, _nbytes(tensor),
+    return _run(st, name, algorithm, async_op, nbytes(tensor),
                 ours=lambda pc: mod.reduce(pc, flat, root, o),
                 native=lambda a: dist.reduce(flat, dst, op=o.native, group=st.group, async_op=a),
                 after=after, fp=(o.name, tensor, root))
@@ -372,18 +355,17 @@ def reduce(tensor: torch.Tensor, dst: int, op="sum", group=None, async_op: bool 
 @torch_call()
 def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = False, algorithm: str = "native"):
     name = "all_reduce"
-    _algorithm(algorithm, name)
+    mod = registry.get(algorithm, name)
     st = resolve(group, name)
     tensor = _tensor(tensor, "tensor", name, op)
     o = resolve_op(op, tensor.dtype, name)
     flat = _flat(tensor)
-    mod = ALGORITHMS.get(algorithm)
 
     def after() -> None:
         o.finish(flat, st.size)
         _copy_back(tensor, flat)
 
-    return _run(st, name, algorithm, async_op, _nbytes(tensor),
+    return _run(st, name, algorithm, async_op, nbytes(tensor),
                 ours=lambda pc: mod.all_reduce(pc, flat, o),
                 native=lambda a: dist.all_reduce(flat, op=o.native, group=st.group, async_op=a),
                 after=after, fp=(o.name, tensor, -1))
@@ -393,7 +375,7 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = Fals
 def scatter(tensor: torch.Tensor, scatter_list=None, src: int = 0, group=None, async_op: bool = False,
             algorithm: str = "native"):
     name = "scatter"
-    _algorithm(algorithm, name)
+    mod = registry.get(algorithm, name)
     st = resolve(group, name)
     tensor = _tensor(tensor, "tensor", name)
     root = st.group_rank(src, "src", name)
@@ -402,8 +384,7 @@ def scatter(tensor: torch.Tensor, scatter_list=None, src: int = 0, group=None, a
     out = _flat(tensor)
     if lst is not None:
         out.copy_(lst[root].reshape(-1))  # the source's own slot (also the whole result when P == 1)
-    mod = ALGORITHMS.get(algorithm)
-    return _run(st, name, algorithm, async_op, _nbytes(tensor),
+    return _run(st, name, algorithm, async_op, nbytes(tensor),
                 ours=lambda pc: mod.scatter(pc, out, full, root),
                 native=lambda a: dist.scatter(out, list(full.view(st.size, -1)) if lst else None, src,
                                               group=st.group, async_op=a),
@@ -415,7 +396,7 @@ def scatter(tensor: torch.Tensor, scatter_list=None, src: int = 0, group=None, a
 def gather(tensor: torch.Tensor, gather_list=None, dst: int = 0, group=None, async_op: bool = False,
            algorithm: str = "native"):
     name = "gather"
-    _algorithm(algorithm, name)
+    mod = registry.get(algorithm, name)
     st = resolve(group, name)
     tensor = _tensor(tensor, "tensor", name)
     root = st.group_rank(dst, "dst", name)
@@ -425,14 +406,13 @@ def gather(tensor: torch.Tensor, gather_list=None, dst: int = 0, group=None, asy
     full = torch.empty(st.size * n, dtype=tensor.dtype, device=tensor.device) if lst is not None else None
     if full is not None:
         full[st.rank * n:(st.rank + 1) * n].copy_(inp)  # own slot (also the P == 1 result)
-    mod = ALGORITHMS.get(algorithm)
 
     def after() -> None:
         if lst is not None:
             for i, t in enumerate(lst):
                 t.copy_(full[i * n:(i + 1) * n].view(t.shape))
 
-    return _run(st, name, algorithm, async_op, _nbytes(tensor),
+    return _run(st, name, algorithm, async_op, nbytes(tensor),
                 ours=lambda pc: mod.gather(pc, inp, full, root),
                 native=lambda a: dist.gather(inp, list(full.view(st.size, n)) if lst is not None else None, dst,
                                              group=st.group, async_op=a),
@@ -442,14 +422,13 @@ def gather(tensor: torch.Tensor, gather_list=None, dst: int = 0, group=None, asy
 @torch_call()
 def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = False, algorithm: str = "native"):
     name = "all_gather"
-    _algorithm(algorithm, name)
+    mod = registry.get(algorithm, name)
     st = resolve(group, name)
     tensor = _tensor(tensor, "tensor", name)
     lst = _tensor_list(tensor_list, tensor, st.size, "tensor_list", name, st.ranks[st.rank])
     n = tensor.numel()
     full = torch.empty(st.size * n, dtype=tensor.dtype, device=tensor.device)
     full[st.rank * n:(st.rank + 1) * n].copy_(tensor.reshape(-1))
-    mod = ALGORITHMS.get(algorithm)
 
     def after() -> None:
         for i, t in enumerate(lst):
@@ -459,7 +438,7 @@ def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = F
         return dist.all_gather(list(full.view(st.size, n)), full[st.rank * n:(st.rank + 1) * n].clone(),
                                group=st.group, async_op=a)
 
-    return _run(st, name, algorithm, async_op, _nbytes(tensor),
+    return _run(st, name, algorithm, async_op, nbytes(tensor),
                 ours=lambda pc: mod.all_gather(pc, full, n), native=native,
                 after=after, fp=("", tensor, -1), outputs=lst)
 
@@ -468,14 +447,13 @@ def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = F
 def reduce_scatter(output: torch.Tensor, input_list, op="sum", group=None, async_op: bool = False,
                    algorithm: str = "native"):
     name = "reduce_scatter"
-    _algorithm(algorithm, name)
+    mod = registry.get(algorithm, name)
     st = resolve(group, name)
     output = _tensor(output, "output", name, op)
     o = resolve_op(op, output.dtype, name)
     lst = _tensor_list(input_list, output, st.size, "input_list", name, st.ranks[st.rank])
     full = torch.cat([t.reshape(-1) for t in lst])  # a work copy: algorithms may overwrite it
     out = _flat(output)
-    mod = ALGORITHMS.get(algorithm)
 
     def after() -> None:
         if st.size == 1:
@@ -483,7 +461,7 @@ def reduce_scatter(output: torch.Tensor, input_list, op="sum", group=None, async
         o.finish(out, st.size)
         _copy_back(output, out)
 
-    return _run(st, name, algorithm, async_op, _nbytes(full),
+    return _run(st, name, algorithm, async_op, nbytes(full),
                 ours=lambda pc: mod.reduce_scatter(pc, out, full, o),
                 native=lambda a: _reduce_scatter_native(out, full, op=o.native, group=st.group, async_op=a),
                 after=after, fp=(o.name, output, -1))
@@ -499,10 +477,9 @@ def barrier(group=None, async_op: bool = False, device_ids=None, algorithm: str 
     ``device_ids`` is accepted for torch's signature (it only matters to NCCL).
     """
     name = "barrier"
-    _algorithm(algorithm, name)
+    mod = registry.get(algorithm, name)
     st = resolve(group, name)
     token = torch.zeros(1, dtype=torch.uint8)
-    mod = ALGORITHMS.get(algorithm)
     sum_op = resolve_op("sum", token.dtype, name)
     h = _run(st, name, algorithm, async_op or timeout is not None, 0,
              ours=lambda pc: mod.all_reduce(pc, token, sum_op),
@@ -516,3 +493,14 @@ def barrier(group=None, async_op: bool = False, device_ids=None, algorithm: str 
 
 # torch renamed reduce_scatter_tensor to reduce_scatter_single; take whichever this torch has.
 _reduce_scatter_native = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def set_transport(transport, group=None) -> None:
+    """Choose the transport of ``group`` (None = the world) before its first message: a name
+    from ``TRANSPORT_NAMES`` or any object implementing ``transports.Transport``."""
+    resolve(group, "set_transport").set_transport(transport)
+
+
+def transport_of(group=None) -> str:
+    """The name of the transport ``group`` uses (building it if this is its first use)."""
+    return resolve(group, "transport_of").transport.name

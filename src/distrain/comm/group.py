@@ -18,12 +18,9 @@ from concurrent.futures import Future
 
 import torch.distributed as dist
 
+from distrain.comm import tags, transports
+from distrain.comm.util import check_int
 from distrain.errors import CommError, ConfigError
-
-# Tags of collectives start here and wrap below 2**31 (Gloo tags are non-negative int32).
-# User point-to-point traffic uses tags below 2**30 (default 0), so the two never collide.
-COLLECTIVE_TAG_BASE = 1 << 30
-_TAG_SPAN = (1 << 31) - COLLECTIVE_TAG_BASE
 
 
 class _Worker:
@@ -61,18 +58,39 @@ class GroupState:
         self.seq: int = 0
         self._worker: _Worker | None = None
         self._lock = threading.Lock()
+        self._transport_choice = None  # set_transport(); None = the job-wide default
+        self._transport: transports.Transport | None = None
+
+    @property
+    def transport(self) -> transports.Transport:
+        """This group's transport, built on first use (see transports.py for the choice)."""
+        if self._transport is None:
+            choice = self._transport_choice or transports.default_transport()
+            self._transport = transports.build(choice, self)
+        return self._transport
+
+    def set_transport(self, choice) -> None:
+        if self._transport is not None:
+            if choice is self._transport or choice == self._transport.name:
+                return
+            raise ConfigError(
+                f"set_transport: the group of global ranks {self.ranks} already uses transport "
+                f"{self._transport.name!r}; choose the transport before the group's first message"
+            )
+        if isinstance(choice, str):
+            transports.check_name(choice, "set_transport")
+        self._transport_choice = choice
 
     def next_seq(self) -> int:
         self.seq += 1
         return self.seq
 
     def tag(self, seq: int) -> int:
-        return COLLECTIVE_TAG_BASE + seq % _TAG_SPAN
+        return tags.collective_tag(seq)
 
     def group_rank(self, global_rank: int, what: str, collective: str) -> int:
         """Map a global rank (as torch.distributed takes it) to this group's rank, or raise."""
-        if not isinstance(global_rank, int) or isinstance(global_rank, bool):
-            raise ConfigError(f"{collective}: {what} must be an int global rank, got {global_rank!r}")
+        check_int(global_rank, f"{what} (a global rank)", collective)
         try:
             return self.ranks.index(global_rank)
         except ValueError:

@@ -18,14 +18,12 @@ import threading
 import torch
 
 from distrain.comm import ledger as _ledger
-from distrain.comm.group import COLLECTIVE_TAG_BASE, GroupState, resolve
+from distrain.comm import tags
+from distrain.comm.group import GroupState, resolve
 from distrain.comm.torchargs import torch_call
-from distrain.comm.transport import DEFAULT_TRANSPORT, Transport, Work
+from distrain.comm.transports import Transport, Work
+from distrain.comm.util import DTYPE_CODE, WIRE_DTYPES, check_int, dtype_name, nbytes
 from distrain.errors import CommError, ConfigError
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 _workspace = threading.local()
@@ -72,25 +70,25 @@ class PeerComm:
     """One collective call's view of its group: ranks are group ranks, one tag per call."""
 
     def __init__(self, state: GroupState, op: str, algorithm: str, tag: int,
-                 transport: Transport = DEFAULT_TRANSPORT):
+                 transport: Transport | None = None):
         self.state = state
         self.rank = state.rank
         self.size = state.size
         self.op = op
         self.algorithm = algorithm
         self.tag = tag
-        self.transport = transport
+        self.transport = transport if transport is not None else state.transport
 
     def isend(self, t: torch.Tensor, peer: int) -> Work:
         if t.numel() == 0:
             return DONE
-        _ledger.record(self.op, self.algorithm, sent=_nbytes(t), msgs_sent=1)
+        _ledger.record(self.op, self.algorithm, sent=nbytes(t), msgs_sent=1)
         return self.transport.isend(t, self.state.ranks[peer], self.state.group, self.tag)
 
     def irecv(self, t: torch.Tensor, peer: int) -> Work:
         if t.numel() == 0:
             return DONE
-        _ledger.record(self.op, self.algorithm, recv=_nbytes(t), msgs_recv=1)
+        _ledger.record(self.op, self.algorithm, recv=nbytes(t), msgs_recv=1)
         return self.transport.irecv(t, self.state.ranks[peer], self.state.group, self.tag)
 
     def send(self, t: torch.Tensor, peer: int) -> None:
@@ -123,9 +121,8 @@ def _check(tensor, peer: int | None, what: str, name: str, group, tag: int) -> t
         raise ConfigError(f"{name}: a {tensor.layout} tensor cannot be sent; call .to_dense() first")
     if not tensor.is_contiguous():
         raise ConfigError(f"{name}: tensor must be contiguous (call .contiguous() first)")
-    if not isinstance(tag, int) or tag < 0 or tag >= COLLECTIVE_TAG_BASE:
-        raise ConfigError(f"{name}: tag must be an int in [0, 2**30) (larger tags are reserved for collectives), "
-                          f"got {tag!r}")
+    check_int(tag, "tag (tags from 2**30 up are reserved for collectives, see comm/tags.py)", name,
+              tags.USER.start, tags.USER.stop)
     if peer is None:  # any source (receives only)
         return st, None
     peer_g = st.group_rank(peer, what, name)
@@ -178,8 +175,8 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0
     if dst is None:
         raise ConfigError("isend: give dst= (a global rank) or group_dst= (a rank inside group)")
     st, peer = _check(tensor, dst, "dst", "isend", group, tag)
-    _ledger.record(label, "p2p", sent=_nbytes(tensor), msgs_sent=1)
-    w = DEFAULT_TRANSPORT.isend(_p2p_tensor(tensor), st.ranks[peer], st.group, tag)
+    _ledger.record(label, "p2p", sent=nbytes(tensor), msgs_sent=1)
+    w = st.transport.isend(_p2p_tensor(tensor), st.ranks[peer], st.group, tag)
     return _P2PWork(w, f"isend from rank {st.ranks[st.rank]} to rank {dst} (tag {tag})")
 
 
@@ -188,12 +185,12 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0
           label: str = "p2p") -> _P2PWork:
     """Non-blocking receive from global rank ``src`` (None: from any rank) into ``tensor``."""
     st, peer = _check(tensor, src, "src", "irecv", group, tag)
-    _ledger.record(label, "p2p", recv=_nbytes(tensor), msgs_recv=1)
+    _ledger.record(label, "p2p", recv=nbytes(tensor), msgs_recv=1)
     me = st.ranks[st.rank]
     if peer is None:  # any source: Gloo's recv_anysource; Work._source_rank() tells who sent it
         w = torch.distributed.irecv(_p2p_tensor(tensor), src=None, group=st.group, tag=tag)
         return _P2PWork(w, f"irecv on rank {me} from any rank (tag {tag})", group=group)
-    w = DEFAULT_TRANSPORT.irecv(_p2p_tensor(tensor), st.ranks[peer], st.group, tag)
+    w = st.transport.irecv(_p2p_tensor(tensor), st.ranks[peer], st.group, tag)
     return _P2PWork(w, f"irecv on rank {me} from rank {src} (tag {tag})")
 
 
@@ -211,8 +208,6 @@ def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
 
 
 # -- self-describing messages: header (dtype, shape) then payload -------------------------
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-           torch.int16, torch.int8, torch.uint8, torch.bool]
 MAX_NDIM = 8
 _HEADER_LEN = 2 + MAX_NDIM  # [dtype code, ndim, shape..., padded with -1]
 
@@ -220,10 +215,11 @@ _HEADER_LEN = 2 + MAX_NDIM  # [dtype code, ndim, shape..., padded with -1]
 def _header(t: torch.Tensor) -> torch.Tensor:
     if t.dim() > MAX_NDIM:
         raise ConfigError(f"send_tensor: at most {MAX_NDIM} dimensions are supported, got {t.dim()}")
-    if t.dtype not in _DTYPES:
-        raise ConfigError(f"send_tensor: dtype {t.dtype} is not supported; use one of {_DTYPES}")
+    if t.dtype not in DTYPE_CODE:
+        raise ConfigError(f"send_tensor: dtype {t.dtype} is not supported; use one of "
+                          f"{', '.join(dtype_name(d) for d in WIRE_DTYPES)}")
     h = torch.full((_HEADER_LEN,), -1, dtype=torch.int64)
-    h[0] = _DTYPES.index(t.dtype)
+    h[0] = DTYPE_CODE[t.dtype]
     h[1] = t.dim()
     h[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
     return h
@@ -254,9 +250,9 @@ def recv_tensor(src: int, group=None, tag: int = 0, *, device=None, label: str =
     h = torch.empty(_HEADER_LEN, dtype=torch.int64)
     recv(h, src, group, tag, label=label)
     code, ndim = int(h[0]), int(h[1])
-    if not (0 <= code < len(_DTYPES)) or not (0 <= ndim <= MAX_NDIM):
+    if not (0 <= code < len(WIRE_DTYPES)) or not (0 <= ndim <= MAX_NDIM):
         raise CommError(f"recv_tensor from rank {src}: malformed header {h.tolist()} (was it sent with send_tensor?)")
-    out = torch.empty([int(s) for s in h[2:2 + ndim]], dtype=_DTYPES[code], device=device)
+    out = torch.empty([int(s) for s in h[2:2 + ndim]], dtype=WIRE_DTYPES[code], device=device)
     if out.numel():
         recv(out, src, group, tag, label=label)
     return out

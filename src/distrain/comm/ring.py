@@ -32,6 +32,7 @@ import torch
 
 from distrain.comm.ops import Op
 from distrain.comm.p2p import PeerComm, scratch, waitall
+from distrain.comm.util import chunk_sizes
 
 # Broadcast pipelines pieces of this many bytes (more pieces = more overlap, more messages).
 PIPELINE_BYTES = 1 << 20
@@ -175,3 +176,25 @@ def gather(pc: PeerComm, inp: torch.Tensor, full: torch.Tensor | None, root: int
     sends = [pc.isend(inp, prv)]
     bufs = [torch.empty_like(inp) for _ in range(P - 1 - v)]
     waitall(sends + _relay(pc, bufs, nxt, prv, forward=len(bufs)))
+
+
+def traffic(coll: str, P: int, rank: int, count: int, root: int) -> tuple[int, int]:
+    """(elements sent, elements received) by ``rank`` in one call (notation of cost.py)."""
+    N = n = count
+    c, r, v = chunk_sizes(N, P), rank, (rank - root) % P
+    if coll == "all_reduce":
+        return (N - c[r]) + (N - c[(r + 1) % P]), (N - c[(r - 1) % P]) + (N - c[r])
+    if coll in ("all_gather", "reduce_scatter"):
+        return (P - 1) * n, (P - 1) * n
+    if coll == "broadcast":
+        return (N if v < P - 1 else 0), (N if v > 0 else 0)
+    if coll == "reduce":
+        rs_sent, rs_recv = N - c[r], N - c[(r - 1) % P]
+        if v == 0:
+            return rs_sent, rs_recv + (N - c[r])
+        return rs_sent + c[r], rs_recv
+    if coll == "scatter":
+        return ((P - 1) * n, 0) if v == 0 else ((P - v - 1) * n, (P - v) * n)
+    if coll == "gather":
+        return (0, (P - 1) * n) if v == 0 else ((P - v) * n, (P - v - 1) * n)
+    raise ValueError(f"ring.traffic: no model for {coll!r}")

@@ -26,6 +26,7 @@ import torch
 
 from distrain.comm.ops import Op
 from distrain.comm.p2p import PeerComm, scratch, waitall
+from distrain.comm.util import COMPOSED_AT_ROOT
 
 ROOT = 0  # the master of the composed collectives
 
@@ -100,3 +101,19 @@ def all_gather(pc: PeerComm, full: torch.Tensor, n: int) -> None:
 def reduce_scatter(pc: PeerComm, out: torch.Tensor, full: torch.Tensor, op: Op) -> None:
     reduce(pc, full, ROOT, op)
     scatter(pc, out, full if pc.rank == ROOT else None, ROOT)
+
+
+def traffic(coll: str, P: int, rank: int, count: int, root: int) -> tuple[int, int]:
+    """(elements sent, elements received) by ``rank`` in one call (notation of cost.py)."""
+    v = (rank - (ROOT if coll in COMPOSED_AT_ROOT else root)) % P
+    N = n = count
+    table = {
+        "broadcast": ((P - 1) * N, 0) if v == 0 else (0, N),
+        "reduce": (0, (P - 1) * N) if v == 0 else (N, 0),
+        "all_reduce": ((P - 1) * N, (P - 1) * N) if v == 0 else (N, N),
+        "scatter": ((P - 1) * n, 0) if v == 0 else (0, n),
+        "gather": (0, (P - 1) * n) if v == 0 else (n, 0),
+        "all_gather": ((P - 1) * P * n, (P - 1) * n) if v == 0 else (n, P * n),
+        "reduce_scatter": ((P - 1) * n, (P - 1) * P * n) if v == 0 else (P * n, n),
+    }
+    return table[coll]

@@ -28,6 +28,7 @@ import torch
 
 from distrain.comm.ops import Op
 from distrain.comm.p2p import PeerComm, scratch, waitall
+from distrain.comm.util import COMPOSED_AT_ROOT
 
 ROOT = 0
 
@@ -143,3 +144,22 @@ def all_gather(pc: PeerComm, full: torch.Tensor, n: int) -> None:
 def reduce_scatter(pc: PeerComm, out: torch.Tensor, full: torch.Tensor, op: Op) -> None:
     reduce(pc, full, ROOT, op)
     scatter(pc, out, full if pc.rank == ROOT else None, ROOT)
+
+
+def traffic(coll: str, P: int, rank: int, count: int, root: int) -> tuple[int, int]:
+    """(elements sent, elements received) by ``rank`` in one call (notation of cost.py)."""
+    v = (rank - (ROOT if coll in COMPOSED_AT_ROOT else root)) % P
+    N = n = count
+    span, kids, nonroot = _span(v, P), len(_children(v, P)), 1 if v else 0
+    table = {
+        "all_reduce": (N * (kids + nonroot), N * (kids + nonroot)),
+        "broadcast": (N * kids, N * nonroot),
+        "reduce": (N * nonroot, N * kids),
+        "scatter": ((span - 1) * n, span * n * nonroot),
+        "gather": (span * n * nonroot, (span - 1) * n),
+        # gather to 0, then broadcast of the P*n buffer
+        "all_gather": (span * n * nonroot + P * n * kids, (span - 1) * n + P * n * nonroot),
+        # reduce of the P*n buffer to 0, then scatter
+        "reduce_scatter": (P * n * nonroot + (span - 1) * n, P * n * kids + span * n * nonroot),
+    }
+    return table[coll]

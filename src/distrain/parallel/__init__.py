@@ -1,13 +1,20 @@
-"""distrain.parallel: one module per paradigm, each written only on distrain.comm.
+"""distrain.parallel: one folder per paradigm, each written only on distrain.comm.
 
-    ddp.py          data parallel by all-reduce (our DistributedDataParallel)
-    ps.py           data parallel by parameter server (sync and async, sharded; ps_layout.py)
-    tensor.py       tensor parallel (Megatron column/row split, f/g; tensor_layers.py)
-    pipeline.py     pipeline parallel (GPipe, 1F1B; pipeline_schedule.py, pipeline_timeline.py)
-    parallelize.py  tensor, then pipeline, then data parallel on one model
+    data_parallel/      all-reduce data parallelism: our DistributedDataParallel (ddp.py)
+    parameter_server/   data parallelism by parameter servers, sync and async, sharded
+                        (ps.py: the protocol; ps_layout.py: roles, shards, exact bytes)
+    tensor_parallel/    Megatron column/row split with f/g (layers.py) placed by a per-model
+                        plan (plan.py; the GPT's plan is distrain.models.gpt_plan)
+    pipeline_parallel/  GPipe and 1F1B (schedule.py: pure planning; pipeline.py: the
+                        executor; timeline.py: bubble, traces)
+    parallelize.py      tensor, then pipeline, then data parallel on one model
+
+Each folder's docstring maps its files to the seeds' diagrams. Imports go downwards only:
+parallelize -> the paradigm folders -> distrain.comm; the folders do not import each other.
+Benchmarks live in distrain.bench.
 """
 
-from distrain.parallel.ddp import DistributedDataParallel
+from distrain.parallel.data_parallel import DistributedDataParallel
 from distrain.parallel.parallelize import ParallelModel, parallelize
 
 __all__ = ["DistributedDataParallel", "ParallelModel", "parallelize"]

@@ -1,15 +1,17 @@
 """``parallelize()``: tensor, then pipeline, then data parallelism, in that fixed order.
 
-The model (a GPT: ``layers`` = [Embedding, Block x n, Head], forward a loop) knows nothing
-of parallelism; every rank builds the same seeded full model and calls::
+The model (``layers`` = a list of modules run in a loop, e.g. the GPT's [Embedding, Block x n,
+Head]) knows nothing of parallelism; its tensor-parallel plan sits beside it. Every rank
+builds the same seeded full model and calls::
 
-    pm = parallelize(model, topo, algorithm="ring", microbatches=4, schedule="1f1b")
+    pm = parallelize(model, topo, loss_fn=lm_loss, tp_plan=gpt_tp_plan(), algorithm="ring",
+                     microbatches=4, schedule="1f1b")
     loss = pm.train_step(x, y)   # this data-parallel replica's batch; gradients are ready
     optimizer.step()             # over pm.parameters()
 
 Why this order:
 
-1. **Tensor parallel first** (``topo.tp_group``): it swaps the Linear/Embedding modules
+1. **Tensor parallel first** (``topo.tp_group``): the plan swaps the Linear/Embedding modules
    *inside* every layer for their Megatron shards (column/row split, f/g all-reduces),
    keeping the layer list intact, so the pipeline split below still sees whole layers.
 2. **Pipeline split second** (``topo.pp_group``): the rank keeps the contiguous slice of
@@ -29,15 +31,19 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
 
-from distrain.models import lm_loss
-from distrain.parallel.ddp import DistributedDataParallel
-from distrain.parallel.pipeline import PipelineStage, partition, pipeline_step
-from distrain.parallel.tensor import apply_tensor_parallel, tp_loss
+from distrain.errors import ConfigError
+from distrain.parallel.data_parallel import DistributedDataParallel
+from distrain.parallel.pipeline_parallel import PipelineStage, partition, pipeline_step
+from distrain.parallel.tensor_parallel import TPGroup, apply_tensor_parallel
+from distrain.parallel.tensor_parallel.plan import TPPlan, as_plan
 from distrain.topology import Topology
+
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -49,16 +55,18 @@ class ParallelModel:
     algorithm: str
     microbatches: int
     schedule: str
+    criterion: Loss                     # the user's loss on the full output
+    tp_plan: TPPlan | None = None
 
     def parameters(self):
         return self.module.parameters()
 
-    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The full-vocabulary mean cross-entropy (vocab-parallel when tp > 1: no logits gathered)."""
-        if self.topo.tp > 1:
-            return tp_loss(logits, targets, self.topo.tp_group, self.algorithm)
-        return lm_loss(logits, targets)
-
+    def loss_fn(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss of this rank's output: the plan's loss on shards when tp > 1 and the plan
+        keeps the output sharded (the GPT's vocab-parallel cross entropy), else ``criterion``."""
+        if self.topo.tp > 1 and self.tp_plan is not None and self.tp_plan.loss is not None:
+            return self.tp_plan.loss(output, targets, TPGroup(self.topo.tp_group, self.algorithm))
+        return self.criterion(output, targets)
     @property
     def has_loss(self) -> bool:
         """Whether this rank computes the loss (the last pipeline stage)."""
@@ -84,14 +92,23 @@ class ParallelModel:
         return self.ddp.comm_wait_s if self.ddp is not None else None
 
 
-def parallelize(model: nn.Module, topo: Topology, algorithm: str = "native", microbatches: int = 1,
-                schedule: str = "1f1b", bucket_cap_mb: float = 25.0) -> ParallelModel:
+def parallelize(model: nn.Module, topo: Topology, *, loss_fn: Loss, tp_plan=None, algorithm: str = "native",
+                microbatches: int = 1, schedule: str = "1f1b", bucket_cap_mb: float = 25.0) -> ParallelModel:
+    """Apply ``tp_plan`` on ``topo.tp_group``, cut the pipeline stage of ``topo.pp_rank``, wrap it
+    in DDP over ``topo.dp_group``. ``loss_fn(output, target)``: the loss on the model's full
+    output (a plan that keeps the output sharded brings its own loss on shards, used when tp > 1)."""
+    if not callable(loss_fn):
+        raise ConfigError(f"parallelize: loss_fn must be a callable (output, target) -> loss, got {loss_fn!r}")
+    if topo.tp > 1 and tp_plan is None:
+        raise ConfigError(f"parallelize: tp={topo.tp} needs tp_plan= (module name -> 'colwise' / 'rowwise' / "
+                          f"'vocab'); the GPT's is distrain.models.gpt_plan.gpt_tp_plan()")
+    plan = as_plan(tp_plan) if tp_plan is not None else None
     # 0. the pipeline cut is decided on the whole model, before any sharding: the same on
     #    every rank whatever tp is (layers per stage, balanced by parameter count)
     cut = [stop - start for start, stop in partition(model, topo.pp)] if topo.pp > 1 else None
     # 1. tensor parallel: shards inside every layer, on the tp group
     if topo.tp > 1:
-        apply_tensor_parallel(model, topo.tp_group, algorithm)
+        apply_tensor_parallel(model, topo.tp_group, algorithm, plan=plan)
     # 2. pipeline: keep this stage's layers; neighbours are the same (dp, tp) on pp_rank -/+ 1
     stage = PipelineStage.from_topology(model, topo, balance=cut) if topo.pp > 1 else None
     module = stage if stage is not None else model
@@ -99,4 +116,4 @@ def parallelize(model: nn.Module, topo: Topology, algorithm: str = "native", mic
     ddp = None
     if topo.dp > 1:
         ddp = DistributedDataParallel(module, group=topo.dp_group, algorithm=algorithm, bucket_cap_mb=bucket_cap_mb)
-    return ParallelModel(topo, module, stage, ddp, algorithm, microbatches, schedule)
+    return ParallelModel(topo, module, stage, ddp, algorithm, microbatches, schedule, loss_fn, plan)

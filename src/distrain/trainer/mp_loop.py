@@ -25,7 +25,8 @@ import torch.distributed as dist
 from distrain import comm
 from distrain.data import DistributedBatchSampler
 from distrain.errors import ConfigError
-from distrain.models import build_model
+from distrain.models import build_model, lm_loss
+from distrain.models.gpt_plan import gpt_tp_plan
 from distrain.parallel.parallelize import parallelize
 from distrain.topology import Topology
 from distrain.trainer import checkpoint
@@ -53,7 +54,8 @@ def run_mp_rank(cfg: TrainConfig) -> dict:
                                       seed=cfg.seed)
 
     # parallelize: tensor, then pipeline, then data parallel (see parallelize.py for why)
-    pm = parallelize(model, topo, cfg.algorithm, cfg.microbatches, cfg.schedule, cfg.bucket_cap_mb)
+    pm = parallelize(model, topo, loss_fn=lm_loss, tp_plan=gpt_tp_plan(), algorithm=cfg.algorithm,
+                     microbatches=cfg.microbatches, schedule=cfg.schedule, bucket_cap_mb=cfg.bucket_cap_mb)
 
     # build optimizer over this rank's shard
     opt = build_optimizer(cfg, pm.parameters())

@@ -2,7 +2,7 @@
 
 Roles come from PSLayout: the last S ranks serve, the first W = nproc - S work. Servers
 load no data; they hold their shard and its optimizer and answer pulls and pushes
-(distrain.parallel.ps). Workers read their slice of each global batch and run
+(distrain.parallel.parameter_server). Workers read their slice of each global batch and run
 ``pull -> forward/backward -> push``; rank 0 (always a worker) logs and evaluates.
 
 Checkpoints: the servers own the weights and optimizer state, so a checkpoint is one file
@@ -25,7 +25,7 @@ from distrain import comm
 from distrain.data import DistributedBatchSampler
 from distrain.errors import ConfigError
 from distrain.models import build_model
-from distrain.parallel.ps import ParameterServer, PSLayout, PSWorker, expected_ps_bytes
+from distrain.parallel.parameter_server import ParameterServer, PSLayout, PSWorker, expected_ps_bytes
 from distrain.trainer import checkpoint
 from distrain.trainer.config import TrainConfig
 from distrain.trainer.loop import (CKPT_NAME, _finish, _flush, _progress, build_optimizer, build_task, evaluate,

@@ -1,7 +1,7 @@
-"""The building blocks of tensor parallelism: f/g, the parallel layers, the vocab-parallel loss.
+"""The building blocks of tensor parallelism: f/g and the parallel layers.
 
-The contract, the f/g table and the citation are in :mod:`distrain.parallel.tensor`, which
-re-exports everything public here; this module only holds the implementations.
+The contract, the f/g table and the citation are in the package docstring
+(:mod:`distrain.parallel.tensor_parallel`); :mod:`.plan` places these layers in a model.
 
 Shapes in comments: B batch, T sequence, C = in_features, O = out_features,
 P = tp size, V vocabulary, N = B*T tokens.
@@ -10,6 +10,7 @@ P = tp size, V vocabulary, N = B*T tokens.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -163,8 +164,9 @@ def scatter_to_tp(x: torch.Tensor, group=None, algorithm: str = "native") -> tor
 # Parallel layers
 # ---------------------------------------------------------------------------------------
 
-class _TPModule(nn.Module):
-    """Common part: the group, ``tp_rank``/``tp_size``, and which slice each parameter holds."""
+class TPModule(nn.Module):
+    """Base of every tensor-parallel layer: the group, ``tp_rank``/``tp_size``, and which
+    slice each parameter holds."""
 
     def _setup(self, tp: TPGroup) -> None:
         self.tp = tp
@@ -184,7 +186,7 @@ class _TPModule(nn.Module):
                 self.bias.uniform_(-bound, bound)
 
 
-class ColumnParallelLinear(_TPModule):
+class ColumnParallelLinear(TPModule):
     """y = x A^T + b with A (O x C) split by rows (output features): rank r holds
     A[r*O/P:(r+1)*O/P] and the matching bias slice.
 
@@ -247,7 +249,7 @@ class ColumnParallelLinear(_TPModule):
                 f"sync_input={self.sync_input}, algorithm={self.tp.algorithm}")
 
 
-class RowParallelLinear(_TPModule):
+class RowParallelLinear(TPModule):
     """y = x A^T + b with A (O x C) split by columns (input features): rank r holds
     A[:, r*C/P:(r+1)*C/P]; the bias is whole on every rank and added once, after g.
 
@@ -304,7 +306,7 @@ class RowParallelLinear(_TPModule):
                 f"algorithm={self.tp.algorithm}")
 
 
-class VocabParallelEmbedding(_TPModule):
+class VocabParallelEmbedding(TPModule):
     """Embedding table (V x C) split by rows: rank r holds tokens [r*V/P, (r+1)*V/P).
 
     forward: ids (...) -> ids outside the range are looked up as row 0 and their output
@@ -356,74 +358,18 @@ class VocabParallelEmbedding(_TPModule):
 
 
 # ---------------------------------------------------------------------------------------
-# Vocab-parallel cross entropy
+# Communication volume of a transformer block
 # ---------------------------------------------------------------------------------------
 
-class _VocabParallelCE(torch.autograd.Function):
-    """Mean cross entropy over the non-ignored tokens, from logits sharded on the vocab.
-
-    Three all-reduces of N elements (N = tokens): MAX of the local max, SUM of the target
-    logit (non-zero only on the rank owning the target), SUM of the local sum of exp.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, targets, tp, ignore_index):
-        Vp = logits.shape[-1]
-        x = logits.reshape(-1, Vp)                                   # (N, V/P)
-        t = targets.reshape(-1)                                      # (N,)
-        start = tp.rank * Vp
-        valid = t != ignore_index                                    # (N,)
-        n_valid = int(valid.sum())
-        full_v = Vp * tp.size
-        tv = t[valid]
-        if tv.numel() and (int(tv.min()) < 0 or int(tv.max()) >= full_v):  # same on every rank: no collective yet
-            lo, hi = int(tv.min()), int(tv.max())
-            raise ConfigError(f"vocab_parallel_cross_entropy: targets must lie in [0, {full_v}) "
-                              f"(or equal ignore_index={ignore_index}); got values in [{lo}, {hi}]")
-
-        m = x.max(dim=-1).values                                     # (N,) local max
-        comm.all_reduce(m, op="max", group=tp.group, algorithm=tp.algorithm)   # (N,) global max
-        x = x - m.unsqueeze(-1)                                      # (N, V/P), <= 0
-
-        mine = valid & (t >= start) & (t < start + Vp)               # (N,) targets this rank owns
-        local_t = torch.where(mine, t - start, torch.zeros_like(t))  # (N,) in [0, V/P)
-        picked = x.gather(1, local_t.unsqueeze(1)).squeeze(1) * mine  # (N,) target logit or 0
-        comm.all_reduce(picked, group=tp.group, algorithm=tp.algorithm)         # (N,) target logit
-
-        e = x.exp()                                                  # (N, V/P)
-        s = e.sum(dim=-1)                                            # (N,) local sum of exp
-        comm.all_reduce(s, group=tp.group, algorithm=tp.algorithm)              # (N,) global sum of exp
-
-        per_token = (s.log() - picked) * valid                       # (N,) -log softmax[target]
-        loss = per_token.sum() / n_valid if n_valid else per_token.sum() * float("nan")
-        e.div_(s.unsqueeze(-1))                                      # (N, V/P) softmax shard
-        ctx.save_for_backward(e, local_t, mine, valid)
-        ctx.shape = logits.shape
-        ctx.n_valid = n_valid
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, local_t, mine, valid = ctx.saved_tensors
-        g = softmax.clone()                                          # d loss_i / d x_i = softmax - onehot
-        g[torch.arange(g.shape[0], device=g.device), local_t] -= mine.to(g.dtype)
-        scale = grad_loss / max(ctx.n_valid, 1)
-        g.mul_((valid.to(g.dtype) * scale).unsqueeze(-1))            # mean over valid tokens, ignored ones 0
-        return g.view(ctx.shape), None, None, None
+class BlockAllReduceBytes(NamedTuple):
+    forward: int   # g after the attention's row-parallel output + g after the MLP's: 2 x b*s*h elements
+    backward: int  # f before the attention's column-parallel inputs + f before the MLP's: 2 x b*s*h
 
 
-def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tensor, group=None,
-                                 algorithm: str = "native", ignore_index: int = -100) -> torch.Tensor:
-    """Mean cross entropy of ``logits_shard`` (..., V/P), this rank's slice [r*V/P, (r+1)*V/P)
-    of the vocabulary, against the full ``targets`` (...): equals ``F.cross_entropy`` on the
-    gathered logits (``lm_loss``), without ever gathering them. The result is the same scalar on
-    every rank of the group. Backward: (softmax shard - one-hot shard) / tokens, no collective.
-    """
-    tp = _tp(group, algorithm)
-    if logits_shard.shape[:-1] != targets.shape:
-        raise ConfigError(f"vocab_parallel_cross_entropy: logits shard {tuple(logits_shard.shape)} and targets "
-                          f"{tuple(targets.shape)} disagree; logits must be targets' shape plus the vocab dim")
-    if tp.size == 1:
-        return F.cross_entropy(logits_shard.reshape(-1, logits_shard.shape[-1]), targets.reshape(-1),
-                               ignore_index=ignore_index)
-    return _VocabParallelCE.apply(logits_shard, targets, tp, ignore_index)
+def megatron_bytes_per_block(b: int, s: int, h: int, elem_size: int = 4) -> BlockAllReduceBytes:
+    """All-reduce payload of one transformer block for one step (micro-batch b, sequence s,
+    hidden h): 2 forward (the g of attention and of the MLP) + 2 backward (their f), each of
+    b*s*h elements, independent of the tp size (Megatron-LM, section 3). The bytes each rank
+    puts on the wire are the algorithm's: ring 2*(P-1)/P of each payload (distrain.comm.cost)."""
+    one = b * s * h * elem_size
+    return BlockAllReduceBytes(forward=2 * one, backward=2 * one)

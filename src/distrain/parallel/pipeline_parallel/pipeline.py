@@ -6,8 +6,8 @@ The model's ``layers`` list is cut into ``p`` contiguous stages, one per rank of
 parameters). :func:`pipeline_step` splits the batch into ``m`` micro-batches and runs the
 forward and backward of all of them; activations travel forward and their gradients
 backward with ``isend``/``recv_tensor`` (a header carries dtype and shape), label ``"pp"``
-in the ledger. Pure parts (partition, schedules, simulation) are in ``pipeline_schedule``,
-timelines and traces in ``pipeline_timeline``; everything is re-exported here.
+in the ledger. Pure parts (partition, schedules, simulation) are in ``schedule``, timelines
+and traces in ``timeline``; the package ``distrain.parallel.pipeline_parallel`` exports all.
 
 Contract
 --------
@@ -91,20 +91,11 @@ import torch.nn as nn
 
 from distrain import comm
 from distrain.errors import ConfigError
-from distrain.parallel.pipeline_schedule import (  # re-exported: see __all__
-    SCHEDULES, ScheduleDeadlock, check_schedule, ideal_bubble, layer_costs, partition, peak_in_flight,
-    schedule_ops, simulate, split_microbatches, stage_program, warmup_forwards,
-)
-from distrain.parallel.pipeline_timeline import (  # re-exported: see __all__
-    PipelineTimeline, StageTimeline, collect_timeline, format_bubble_table, measure_bubbles,
-)
+from distrain.parallel.pipeline_parallel.schedule import SCHEDULES, check_schedule, partition, schedule_ops, \
+    split_microbatches
+from distrain.parallel.pipeline_parallel.timeline import StageTimeline
 
-__all__ = [
-    "DEFAULT_TAG_BASE", "PipelineStage", "PipelineTimeline", "SCHEDULES", "ScheduleDeadlock", "StageTimeline",
-    "check_schedule", "collect_timeline", "format_bubble_table", "ideal_bubble", "layer_costs", "measure_bubbles",
-    "partition", "peak_in_flight", "pipeline_step", "schedule_ops", "simulate", "split_microbatches",
-    "stage_program", "warmup_forwards",
-]
+__all__ = ["DEFAULT_TAG_BASE", "PipelineStage", "pipeline_step"]
 
 DEFAULT_TAG_BASE = 1 << 19  # pipeline tags: [tag_base, 2**20); tags >= 2**20 are the collectives'
 LABEL = "pp"
@@ -297,9 +288,3 @@ def _global_rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-if __name__ == "__main__":
-    from distrain.parallel import pipeline_timeline
-
-    pipeline_timeline.main()

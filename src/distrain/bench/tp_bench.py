@@ -1,43 +1,15 @@
-"""``distrain bench pipeline`` and ``distrain bench tp``: the model-parallel measurements.
-
-* ``bench pipeline``: the measured bubble fraction of GPipe and 1F1B against
-  (p-1)/(m+p-1), and each stage's peak of micro-batches held, on a synthetic pipeline of
-  equal-cost stages (distrain.parallel.pipeline_timeline.measure_bubbles).
-* ``bench tp``: one forward and one backward of a tensor-parallel GPT under the traffic
-  ledger; the all-reduce payload per transformer block against Megatron's count (two
-  all-reduces of b*s*h elements forward, two backward, per block; Shoeybi et al. 2019).
+"""``distrain bench tp``: one forward and one backward of a tensor-parallel GPT under the traffic
+ledger; the all-reduce payload per transformer block against Megatron's count (two
+all-reduces of b*s*h elements forward, two backward, per block; Shoeybi et al. 2019).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
-from distrain.bench.common import parse_choices, parse_ints
 from distrain.errors import ConfigError
-
-
-def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pp", default="2,4", help="pipeline sizes")
-    p.add_argument("--m", default="1,2,4,8", help="micro-batch counts")
-    p.add_argument("--repeats", type=int, default=3, help="timed steps per configuration (median)")
-    p.add_argument("--workload", default="spin", help="spin (busy CPU) or sleep (idle CPU) stage cost")
-    p.add_argument("--json", default=None)
-
-
-def run_pipeline(args: argparse.Namespace) -> int:
-    from distrain.parallel.pipeline_timeline import format_bubble_table, measure_bubbles
-
-    workload = parse_choices(args.workload, ("spin", "sleep"), "--workload")[0]
-    rows = measure_bubbles(parse_ints(args.pp, "--pp", 2), parse_ints(args.m, "--m"), repeats=args.repeats,
-                           workload=workload)
-    print(format_bubble_table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0
 
 
 def add_tp_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,10 +24,11 @@ def _tp_rank(rank: int, model: str, b: int, algorithm: str) -> dict:
 
     from distrain import comm
     from distrain.models import build_model
-    from distrain.parallel.tensor import apply_tensor_parallel, tp_loss
+    from distrain.models.gpt_plan import gpt_tp_plan
+    from distrain.parallel.tensor_parallel import apply_tensor_parallel, tp_loss
 
     torch.manual_seed(0)
-    gpt = apply_tensor_parallel(build_model(model), dist.group.WORLD, algorithm)
+    gpt = apply_tensor_parallel(build_model(model), dist.group.WORLD, algorithm, plan=gpt_tp_plan())
     T = gpt.config.block_size
     ids = torch.randint(0, gpt.config.vocab_size, (b, T + 1), generator=torch.Generator().manual_seed(1))
     with comm.ledger() as fwd:
@@ -69,7 +42,8 @@ def _tp_rank(rank: int, model: str, b: int, algorithm: str) -> dict:
 def run_tp(args: argparse.Namespace) -> int:
     from distrain.launch import spawn
     from distrain.models import preset_config
-    from distrain.parallel.tensor import megatron_bytes_per_block, tp_all_reduces_per_step
+    from distrain.models.gpt_plan import tp_all_reduces_per_step
+    from distrain.parallel.tensor_parallel import megatron_bytes_per_block
 
     if args.algorithm not in ("star", "ring", "tree"):
         raise ConfigError("--algorithm must be star, ring or tree: the ledger cannot see inside native calls")

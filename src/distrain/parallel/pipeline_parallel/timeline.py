@@ -7,8 +7,8 @@ the time it spent blocked in receives, and the peaks of what it held for backwar
 ``gather_object`` on the pipeline's group) into a :class:`PipelineTimeline`, which computes
 the bubble fraction and writes a Chrome trace and a Gantt chart.
 
-:func:`measure_bubbles` (``python -m distrain.parallel.pipeline``) runs equal synthetic stages and
-reports the measured bubble per (p, m, schedule) next to (p - 1) / (m + p - 1).
+The benchmark that measures the bubble of equal synthetic stages against (p - 1) / (m + p - 1)
+is ``distrain bench pipeline`` (:mod:`distrain.bench.pipeline_bench`).
 
 Clocks: ``perf_counter`` is CLOCK_MONOTONIC on Linux, shared by all processes of one
 machine, so stages on one host are on one time axis. Stages on different machines are not;
@@ -18,11 +18,7 @@ their trace still shows each stage's own order, but the measured bubble is meani
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
-
-import torch
-import torch.nn as nn
 
 from distrain.errors import ConfigError
 
@@ -200,143 +196,3 @@ def collect_timeline(timeline: StageTimeline, group=None, dst: int | None = None
     out = [None] * n if dist.get_rank() == dst else None
     dist.gather_object(timeline, out, dst=dst, group=group)
     return PipelineTimeline(out) if out is not None else None
-
-
-# ---------------------------------------------------------------------------------------
-# Benchmark: measured bubble of equal synthetic stages against (p - 1) / (m + p - 1)
-# ---------------------------------------------------------------------------------------
-
-def _burn(seconds: float, workload: str) -> None:
-    if workload == "sleep":
-        time.sleep(seconds)
-        return
-    # "spin": a busy loop of fixed wall-clock duration (it holds a core, like real compute, and so
-    # competes with the process's Gloo I/O thread; "sleep" leaves the core to it)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
-
-
-class _FixedCost(torch.autograd.Function):
-    """Identity whose forward takes f seconds and backward b seconds (busy loop or sleep)."""
-
-    @staticmethod
-    def forward(ctx, x, f_s, b_s, workload):
-        _burn(f_s, workload)
-        ctx.b_s, ctx.workload = b_s, workload
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        _burn(ctx.b_s, ctx.workload)
-        return g, None, None, None
-
-
-class SyntheticLayer(nn.Module):
-    """Linear(width, width) then a fixed cost: forward f_ms, backward b_ms. Equal on every stage,
-    so the schedule, not the stage times, decides the bubble."""
-
-    def __init__(self, width: int = 256, f_ms: float = 10.0, b_ms: float = 20.0, workload: str = "spin"):
-        super().__init__()
-        if workload not in ("spin", "sleep"):
-            raise ConfigError(f"SyntheticLayer: workload must be 'spin' or 'sleep', got {workload!r}")
-        self.lin = nn.Linear(width, width)
-        self.f_s, self.b_s, self.workload = f_ms / 1e3, b_ms / 1e3, workload
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (rows, width) -> (rows, width)
-        return _FixedCost.apply(self.lin(x), self.f_s, self.b_s, self.workload)
-
-
-def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return ((out - target) ** 2).mean()
-
-
-def _bubble_worker(rank: int, m_list, schedules, f_ms, b_ms, width, mb_rows, repeats, workload):
-    import statistics
-
-    import torch.distributed as dist
-
-    from distrain.parallel.pipeline import PipelineStage, pipeline_step
-    from distrain.topology import Topology
-
-    p = dist.get_world_size()
-    topo = Topology.from_world(pp=p)
-    torch.manual_seed(0)
-    layers = [SyntheticLayer(width, f_ms, b_ms, workload) for _ in range(p)]
-    stage = PipelineStage.from_topology(layers, topo, balance=[1] * p, name="the synthetic model")
-    rows = []
-    for schedule in schedules:
-        for m in m_list:
-            bubbles, spans, tl = [], [], None
-            for r in range(repeats + 1):  # run 0 warms up (connections, allocations)
-                x = torch.randn(m * mb_rows, width) if stage.is_first else None  # (m * rows, width)
-                y = torch.zeros(m * mb_rows, width) if stage.is_last else None
-                stage.zero_grad()
-                dist.barrier(group=topo.pp_group)
-                pipeline_step(stage, x, y, _mse if stage.is_last else None, schedule=schedule, num_microbatches=m)
-                tl = collect_timeline(stage.timeline, group=topo.pp_group)
-                if r:
-                    bubbles.append(tl.bubble_fraction())
-                    spans.append(tl.makespan())
-            rows.append({
-                "p": p, "m": m, "schedule": schedule, "bubble": statistics.median(bubbles), "bubble_min": min(bubbles),
-                "expected": tl.expected_bubble(), "makespan_ms": statistics.median(spans) * 1e3,
-                "ideal_makespan_ms": (m + p - 1) * (f_ms + b_ms), "peak_held": tl.peak_held(),
-                "peak_saved_bytes": tl.peak_saved_bytes(), "workload": workload,
-            })
-    return rows if rank == 0 else None
-
-
-def measure_bubbles(pp_list=(2, 4), m_list=(1, 2, 4, 8), schedules=("gpipe", "1f1b"), *, f_ms: float = 10.0,
-                    b_ms: float = 20.0, width: int = 256, mb_rows: int = 16, repeats: int = 3,
-                    workload: str = "spin", timeout: float = 600.0) -> list[dict]:
-    """Measured bubble fraction per (p, m, schedule) next to (p - 1) / (m + p - 1).
-
-    Each of p stages is one :class:`SyntheticLayer` (forward ``f_ms``, backward ``b_ms``;
-    micro-batches of ``mb_rows`` x ``width`` floats), run on p local ranks (one spawn per p).
-    Per configuration: one warm-up step, then ``repeats`` steps; the row holds the median and
-    the smallest bubble, the median makespan against the ideal (m + p - 1)(f + b), and each
-    stage's peak held micro-batches and peak bytes of saved stage inputs + outputs.
-    """
-    from distrain.launch import spawn
-
-    rows: list[dict] = []
-    for p in pp_list:
-        out = spawn(_bubble_worker, p, args=(tuple(m_list), tuple(schedules), f_ms, b_ms, width, mb_rows, repeats,
-                                              workload), timeout=timeout, threads_per_rank=1)
-        rows += out[0]
-    return rows
-
-
-def format_bubble_table(rows: list[dict]) -> str:
-    """A markdown table of :func:`measure_bubbles` rows."""
-    lines = ["| p | m | schedule | bubble (median) | bubble (min) | (p-1)/(m+p-1) | makespan ms | ideal ms "
-             "| peak held per stage | peak saved KiB per stage |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        kib = ", ".join(f"{b / 1024:.0f}" for b in r["peak_saved_bytes"])
-        lines.append(f"| {r['p']} | {r['m']} | {r['schedule']} | {r['bubble']:.3f} | {r['bubble_min']:.3f} | "
-                     f"{r['expected']:.3f} | {r['makespan_ms']:.0f} | {r['ideal_makespan_ms']:.0f} | "
-                     f"{', '.join(map(str, r['peak_held']))} | {kib} |")
-    return "\n".join(lines)
-
-
-def main(argv=None) -> None:
-    """``python -m distrain.parallel.pipeline --pp 2 4 --m 1 2 4 8``: print the bubble table."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m distrain.parallel.pipeline", description=main.__doc__)
-    ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8])
-    ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"])
-    ap.add_argument("--f-ms", type=float, default=10.0)
-    ap.add_argument("--b-ms", type=float, default=20.0)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--workload", choices=["spin", "sleep"], default="spin")
-    ap.add_argument("--json", help="also write the rows to this JSON file")
-    a = ap.parse_args(argv)
-    rows = measure_bubbles(a.pp, a.m, a.schedules, f_ms=a.f_ms, b_ms=a.b_ms, repeats=a.repeats, workload=a.workload)
-    print(format_bubble_table(rows))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)

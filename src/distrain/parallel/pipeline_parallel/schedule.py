@@ -1,6 +1,6 @@
 """The pure part of pipeline parallelism: partitioning, micro-batches, schedules, simulation.
 
-Nothing here starts a process or touches ``torch.distributed``; :mod:`distrain.parallel.pipeline`
+Nothing here starts a process or touches ``torch.distributed``; :mod:`distrain.parallel.pipeline_parallel.pipeline`
 runs what is planned here. Everything is deterministic and testable in one process.
 
 * :func:`partition` cuts a layer list into contiguous stages (balanced by parameter count,
@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from distrain.errors import ConfigError, DistrainError
+from distrain.parallel.pipeline_parallel.timeline import PipelineTimeline, StageTimeline
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -261,8 +262,6 @@ def simulate(schedule: str, num_stages: int, num_microbatches: int, *, f_cost: f
     channel, the stages form a Kahn process network: whether it deadlocks does not depend on
     timing, so a completed simulation proves the real run cannot deadlock either.
     """
-    from distrain.parallel.pipeline_timeline import PipelineTimeline, StageTimeline
-
     p, m = num_stages, num_microbatches
     progs = [stage_program(schedule, p, s, m) for s in range(p)]
     pc = [0] * p

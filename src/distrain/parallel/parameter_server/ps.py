@@ -1,6 +1,6 @@
 """Parameter servers (single and sharded), synchronous and asynchronous, on distrain's P2P layer.
 
-Roles and shards come from :class:`~distrain.parallel.ps_layout.PSLayout`: the last S ranks
+Roles and shards come from :class:`~distrain.parallel.parameter_server.PSLayout`: the last S ranks
 are servers, the first W = world_size - S workers (rank 0 is always a worker); parameters
 are balanced across servers by bytes. Server s holds only its shard, as one flat tensor of
 N_s bytes (the parameters are views into it), and its own optimizer over that shard.
@@ -56,7 +56,7 @@ in server order (lock ordering: no cyclic wait). K = 0 serializes the workers: a
 then exactly sequential SGD over the local batches in ``stats["apply_order"]``. The final
 pull is answered once every push is applied, so all workers end with the same weights.
 
-Traffic per step (exact, :func:`~distrain.parallel.ps_layout.expected_ps_bytes`): server s
+Traffic per step (exact, :func:`~distrain.parallel.parameter_server.expected_ps_bytes`): server s
 sends and receives W*N_s; each worker sends and receives N = sum_s N_s. One server's link
 carries 2*W*N, W times a worker's (the seeds' bottleneck); S balanced servers cut it to
 2*W*N/S. Ring all-reduce: 2*(P-1)*N/P each way on every rank (Patarasuk & Yuan 2009).
@@ -77,7 +77,7 @@ import torch.nn as nn
 
 from distrain import comm
 from distrain.errors import CommError, ConfigError
-from distrain.parallel.ps_layout import PSLayout, expected_ps_bytes
+from distrain.parallel.parameter_server.ps_layout import PSLayout, expected_ps_bytes
 
 __all__ = ["PSLayout", "ParameterServer", "PSWorker", "expected_ps_bytes", "MODES"]
 

@@ -1,0 +1,75 @@
+"""``distrain cluster up|down|status|run``: the command line of the emulated cluster."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from distrain.cluster import netns
+from distrain.cluster import runner as cluster_run
+from distrain.errors import ConfigError
+
+DEFAULT_NAME = "dt"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = ("An emulated cluster on this host: one network namespace per node, veth pairs to a bridge, "
+                     "each link shaped with tc tbf. Needs root and iproute2. See docs/cluster.md.")
+    sub = p.add_subparsers(dest="cluster_command", required=True)
+    up = sub.add_parser("up", help="build the cluster (replacing one of the same name)")
+    up.add_argument("--nodes", type=int, default=2, help="number of nodes (default 2)")
+    up.add_argument("--link", default="1gbit",
+                    help="link rate of every node (e.g. 100mbit, 1gbit), or one per node comma-separated, "
+                         "or 'none' for unshaped veths (default 1gbit)")
+    up.set_defaults(func=_up)
+    down = sub.add_parser("down", help="end its processes and delete its namespaces, links and bridge")
+    down.set_defaults(func=_down)
+    st = sub.add_parser("status", help="show the nodes, addresses, link rates and processes")
+    st.set_defaults(func=_status)
+    r = sub.add_parser("run", help="run a command on every node through distrain launch (torchrun)")
+    r.add_argument("--procs-per-node", type=int, default=1, help="ranks per node (default 1)")
+    r.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts of the job (default 0)")
+    r.add_argument("--timeout", type=float, default=3600.0, help="seconds before the job is ended (default 3600)")
+    r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- distrain train --nproc 4")
+    r.set_defaults(func=_run)
+    for q in (up, down, st, r):
+        q.add_argument("--name", default=DEFAULT_NAME, help=f"cluster name, prefix of its namespaces (default {DEFAULT_NAME})")
+
+
+def _up(args: argparse.Namespace) -> int:
+    spec = netns.up(netns.ClusterSpec.build(args.name, args.nodes, args.link))
+    print(netns.describe(spec))
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    n = netns.down(args.name)
+    print(f"cluster {args.name}: removed {n} namespace(s)" if n else f"cluster {args.name}: nothing to remove")
+    return 0
+
+
+def _existing(name: str) -> netns.ClusterSpec:
+    spec = netns.status(name)
+    if spec is None:
+        raise netns.ClusterError(f"no cluster named {name!r}; create it with `distrain cluster up --name {name} --nodes N`")
+    return spec
+
+
+def _status(args: argparse.Namespace) -> int:
+    print(netns.describe(_existing(args.name)))
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        raise ConfigError("cluster run: give the command after --, e.g. `distrain cluster run -- distrain train --nproc 4`")
+    spec = _existing(args.name)
+    res = cluster_run.run(spec, cmd, procs_per_node=args.procs_per_node, max_restarts=args.max_restarts,
+                          timeout=args.timeout)
+    bad = res.first_failure
+    if bad is not None:
+        others = ", ".join(f"node {e.node}: {e.describe()}" for e in res.exits if e.node != bad.node)
+        print(f"distrain cluster run: node {bad.node} (netns {spec.netns(bad.node)}) failed first: {bad.describe()}"
+              + (f"; then {others}" if others else ""), file=sys.stderr)
+    return res.returncode

@@ -1,0 +1,103 @@
+"""The GPT's tensor-parallel plan (Megatron-LM's layout), kept beside the GPT.
+
+``gpt.py`` knows nothing of parallelism; this file says which of its modules become which
+parallel layer (:mod:`distrain.parallel.tensor_parallel.plan`)::
+
+    wte              vocab      rows of the vocabulary, g on the output
+    attn             f on the attention's input once, for q, k and v together
+    attn.q/k/v_proj  colwise    whole heads per rank (n_head/P), no f of their own
+    attn.o_proj      rowwise    g on the output, bias added after it
+    mlp.fc           colwise    f on the input
+    mlp.proj         rowwise    g on the output
+    lm_head          colwise    the logits stay sharded (B, T, V/P); the loss reads the shards
+                                (vocab-parallel cross entropy = lm_loss), or gathered for generate
+
+The attention reads its head count from ``q_proj.out_features`` at run time, so splitting
+q/k/v by whole heads needs no change to the model. Also here: the GPT's size check (naming
+n_head, n_embd, 4*n_embd, vocab_size) and the exact list of all-reduces of one step.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from distrain.errors import ConfigError
+from distrain.models.gpt import Block, Embedding, Head
+from distrain.parallel.tensor_parallel import ColwiseParallel, TPPlan, vocab_parallel_cross_entropy
+
+__all__ = ["check_gpt_tp", "check_tp_sizes", "gpt_tp_plan", "tp_all_reduces_per_step"]
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def check_tp_sizes(tp: int, *, n_head: int | None = None, n_embd: int | None = None,
+                   mlp_hidden: int | None = None, vocab_size: int | None = None) -> None:
+    """Raise ConfigError naming every GPT size that tp does not divide (pure: no communication).
+    A size left None is not checked (a pipeline stage without the embedding has no vocab)."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"tensor parallel: tp must be a positive int, got {tp!r}")
+    sizes = [(name, n) for name, n in (("n_head", n_head), ("n_embd", n_embd), ("4*n_embd", mlp_hidden),
+                                       ("vocab_size", vocab_size)) if n is not None]
+    bad = [f"{name}={n} is not divisible by tp={tp}; choose tp among the divisors of {n}: {_divisors(n)}"
+           for name, n in sizes if n % tp]
+    if bad:
+        msg = "tensor parallelism does not fit the model: " + ". ".join(bad)
+        if len(bad) > 1 or len(sizes) > 1:
+            fit = [d for d in range(1, min(n for _, n in sizes) + 1) if all(n % d == 0 for _, n in sizes)]
+            msg += f". (tp values that divide every size: {', '.join(map(str, fit))})"
+        raise ConfigError(msg)
+
+
+def check_gpt_tp(model: nn.Module, tp: int) -> None:
+    """The GPT's sizes (of every Block, Embedding and Head in ``model``) against tp."""
+    sizes: dict[str, set[int]] = {"n_head": set(), "n_embd": set(), "mlp_hidden": set(), "vocab_size": set()}
+    for m in model.modules():
+        if isinstance(m, Block) and isinstance(m.attn.q_proj, nn.Linear):
+            sizes["n_head"].add(m.attn.q_proj.out_features // m.attn.head_dim)
+            sizes["n_embd"].add(m.attn.q_proj.out_features)
+            if isinstance(m.mlp.fc, nn.Linear):
+                sizes["mlp_hidden"].add(m.mlp.fc.out_features)
+        elif isinstance(m, Embedding) and isinstance(m.wte, nn.Embedding):
+            sizes["vocab_size"].add(m.wte.num_embeddings)
+        elif isinstance(m, Head) and isinstance(m.lm_head, nn.Linear):
+            sizes["vocab_size"].add(m.lm_head.out_features)
+    check_tp_sizes(tp, **{k: min(v, default=None) for k, v in sizes.items()})
+    for k, v in sizes.items():  # GPT blocks are alike; a custom stage with several sizes: check each
+        for n in v:
+            check_tp_sizes(tp, **{k: n})
+
+
+def gpt_tp_plan(gather_logits: bool = False) -> TPPlan:
+    """Megatron's plan for :class:`~distrain.models.GPT` (or a pipeline stage of it).
+
+    ``gather_logits=False``: ``model(idx)`` returns this rank's logits shard (B, T, V/P) and the
+    plan's loss is the vocab-parallel cross entropy. ``True``: the full logits on every rank
+    (evaluation, ``generate``), and the plan has no loss of its own (``lm_loss`` applies)."""
+    heads = ColwiseParallel(sync_input=False)  # the f is the attention's copy_input, once for q/k/v
+    return TPPlan(
+        layers={"wte": "vocab", "attn": "copy_input", "attn.q_proj": heads, "attn.k_proj": heads,
+                "attn.v_proj": heads, "attn.o_proj": "rowwise", "mlp.fc": "colwise", "mlp.proj": "rowwise",
+                "lm_head": ColwiseParallel(gather_output=gather_logits)},
+        loss=None if gather_logits else vocab_parallel_cross_entropy,
+        check=check_gpt_tp,
+    )
+
+
+def tp_all_reduces_per_step(n_layer: int, b: int, s: int, h: int, elem_size: int = 4,
+                            embedding: bool = True, head: bool = True) -> dict[str, list[tuple[str, int]]]:
+    """Every all-reduce the GPT under :func:`gpt_tp_plan` (or a stage of it) issues in one
+    forward+backward, in order: {"forward": [(site, payload bytes), ...], "backward": [...]}.
+    With the embedding and the head (the whole model) that is 2*n_layer + 1 + 3 forward and
+    2*n_layer + 1 backward."""
+    act, tok = b * s * h * elem_size, b * s * elem_size
+    fwd = [("embedding.wte g", act)] if embedding else []
+    bwd = [("head.lm_head f", act)] if head else []
+    for i in range(n_layer):
+        fwd += [(f"block{i}.attn g", act), (f"block{i}.mlp g", act)]
+    for i in reversed(range(n_layer)):
+        bwd += [(f"block{i}.mlp f", act), (f"block{i}.attn f", act)]
+    if head:
+        fwd += [("loss max", tok), ("loss target logit", tok), ("loss sum exp", tok)]
+    return {"forward": fwd, "backward": bwd}

@@ -1,0 +1,32 @@
+"""Pipeline parallelism: the model's layer list cut into contiguous stages, one per rank,
+with micro-batches flowing through them (GPipe, 1F1B).
+
+Seed ``001`` "Model Parallelism / Pipeline Parallelism": the 12 layers on 3 GPUs diagram
+(``1..4 | 5..8 | 9..12``) is :func:`partition`; the micro-batches that let the stages
+overlap are :func:`split_microbatches` and the schedules of :func:`schedule_ops`. Seed
+``004`` "Message Passing": stages talk only by point-to-point send/recv of activations
+(forward) and their gradients (backward).
+
+    schedule.py  pure planning: partition, micro-batches, GPipe / 1F1B op lists, and
+                 simulate() (the Kahn-network argument that the executor cannot deadlock)
+    pipeline.py  PipelineStage (this rank's layers) and pipeline_step (runs the schedule
+                 with isend / recv between neighbouring stages)
+    timeline.py  what ran when on each stage: bubble fraction, held activations, Chrome
+                 trace and Gantt chart
+
+Imports go one way: pipeline -> schedule -> timeline. The bubble benchmark is
+``distrain bench pipeline`` (distrain.bench.pipeline_bench).
+"""
+
+from distrain.parallel.pipeline_parallel.pipeline import DEFAULT_TAG_BASE, PipelineStage, pipeline_step
+from distrain.parallel.pipeline_parallel.schedule import (
+    SCHEDULES, ScheduleDeadlock, check_schedule, ideal_bubble, layer_costs, partition, peak_in_flight,
+    schedule_ops, simulate, split_microbatches, stage_program, warmup_forwards,
+)
+from distrain.parallel.pipeline_parallel.timeline import PipelineTimeline, StageTimeline, collect_timeline
+
+__all__ = [
+    "DEFAULT_TAG_BASE", "PipelineStage", "PipelineTimeline", "SCHEDULES", "ScheduleDeadlock", "StageTimeline",
+    "check_schedule", "collect_timeline", "ideal_bubble", "layer_costs", "partition", "peak_in_flight",
+    "pipeline_step", "schedule_ops", "simulate", "split_microbatches", "stage_program", "warmup_forwards",
+]

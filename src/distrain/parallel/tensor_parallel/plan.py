@@ -1,0 +1,241 @@
+"""Tensor-parallel plans: which module of a model becomes which Megatron layer.
+
+A plan maps module names (``model.named_modules()``) to a *style*, as the plans of torch's
+``parallelize_module`` do; the model itself knows nothing of parallelism, and the plan of a
+model sits beside it (``distrain.models.gpt_plan``, ``distrain.models.mlp_plan``)::
+
+    plan = TPPlan({"ff_in": "colwise", "ff_out": "rowwise", "out": ColwiseParallel(gather_output=True)})
+    apply_tensor_parallel(model, topo.tp_group, "ring", plan=plan)
+
+Styles (strings are the defaults of the classes)::
+
+    "colwise"     nn.Linear -> ColumnParallelLinear: f on the input, output (..., O/P) sharded
+    "rowwise"     nn.Linear -> RowParallelLinear: input (..., C/P) sharded, g on the output
+    "vocab"       nn.Embedding -> VocabParallelEmbedding: rows of the vocabulary, g on the output
+    "copy_input"  any module: f on its first input (a forward pre-hook), so several column-
+                  parallel linears reading that input (q, k, v with sync_input=False) share one f
+
+Name matching: a key matches a module whose name equals it, or ends with ``"." + key``, with
+``fnmatch`` wildcards (``"mlp.fc"`` matches ``layers.3.mlp.fc``; ``"layers.*.attn"`` works too).
+One module may match one key only. Keys that match nothing are allowed (a pipeline stage holds
+some layers only), but a plan must match at least one module.
+
+A plan whose output stays sharded along its last dimension names the ``loss`` that reads the
+shards (the GPT's: vocab-parallel cross entropy, equal to ``lm_loss`` on the gathered logits);
+``check(model, tp_size)`` lets a model name its own sizes in errors (whole attention heads).
+Every check runs before any module changes or any collective runs.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, NamedTuple, Union
+
+import torch
+import torch.nn as nn
+
+from distrain.errors import ConfigError
+from distrain.parallel.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPGroup,
+    TPModule,
+    VocabParallelEmbedding,
+    copy_to_tp,
+)
+
+__all__ = ["ColwiseParallel", "CopyInput", "RowwiseParallel", "ShardInfo", "TPPlan", "VocabParallel",
+           "apply_tensor_parallel", "tp_shard_info"]
+
+
+@dataclass(frozen=True)
+class ColwiseParallel:
+    sync_input: bool = True      # False: the input already went through f (see CopyInput)
+    gather_output: bool = False  # True: all-gather the (..., O/P) shards into (..., O)
+
+
+@dataclass(frozen=True)
+class RowwiseParallel:
+    input_is_parallel: bool = True  # False: the input is replicated; keep this rank's slice
+
+
+@dataclass(frozen=True)
+class VocabParallel:
+    pass
+
+
+@dataclass(frozen=True)
+class CopyInput:
+    pass
+
+
+Style = Union[ColwiseParallel, RowwiseParallel, VocabParallel, CopyInput]
+STYLE_NAMES: dict[str, Style] = {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel(),
+                                 "vocab": VocabParallel(), "copy_input": CopyInput()}
+LossOnShards = Callable[[torch.Tensor, torch.Tensor, TPGroup], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    """``layers``: {module name pattern: style or style name}; ``loss(output shard, target, tp)``
+    for a plan whose output stays sharded (None: the output is replicated); ``check``: sizes."""
+
+    layers: Mapping[str, Union[str, Style]]
+    loss: LossOnShards | None = None
+    check: Callable[[nn.Module, int], None] | None = None
+    styles: dict[str, Style] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        if not isinstance(self.layers, Mapping) or not self.layers:
+            raise ConfigError(f"TPPlan: layers must be a non-empty mapping {{module name: style}}, got {self.layers!r}")
+        styles = {}
+        for key, style in self.layers.items():
+            if isinstance(style, str):
+                if style not in STYLE_NAMES:
+                    raise ConfigError(f"TPPlan: {key!r} has unknown style {style!r}; use one of "
+                                      f"{', '.join(STYLE_NAMES)} or a ColwiseParallel/RowwiseParallel object")
+                style = STYLE_NAMES[style]
+            if not isinstance(style, (ColwiseParallel, RowwiseParallel, VocabParallel, CopyInput)):
+                raise ConfigError(f"TPPlan: {key!r} maps to {style!r}, not a style")
+            styles[key] = style
+        object.__setattr__(self, "styles", styles)
+
+    def match(self, name: str) -> list[str]:
+        """The keys whose pattern matches module ``name``."""
+        return [k for k in self.styles if fnmatch.fnmatchcase(name, k) or fnmatch.fnmatchcase(name, "*." + k)]
+
+
+def as_plan(plan) -> TPPlan:
+    if isinstance(plan, TPPlan):
+        return plan
+    if isinstance(plan, Mapping):
+        return TPPlan(plan)
+    raise ConfigError(f"tensor parallel: plan must be a TPPlan or a mapping {{module name: style}}, got "
+                      f"{type(plan).__name__} (the GPT's is distrain.models.gpt_plan.gpt_tp_plan())")
+
+
+# ---------------------------------------------------------------------------------------
+# Applying a plan
+# ---------------------------------------------------------------------------------------
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+_NEEDS = {ColwiseParallel: (nn.Linear, "out_features"), RowwiseParallel: (nn.Linear, "in_features"),
+          VocabParallel: (nn.Embedding, "num_embeddings")}
+
+
+def _check_module(name: str, m: nn.Module, style: Style, P: int) -> None:
+    if isinstance(m, TPModule) or getattr(m, "_tp_copy_input", False):
+        raise ConfigError(f"apply_tensor_parallel: {name} is already tensor-parallel; apply a plan once, "
+                          f"to a model built whole")
+    if isinstance(style, CopyInput):
+        return
+    cls, dim = _NEEDS[type(style)]
+    if type(m) is not cls:
+        raise ConfigError(f"apply_tensor_parallel: {name} is a {type(m).__name__}, but its style "
+                          f"{type(style).__name__} needs an nn.{cls.__name__}")
+    n = getattr(m, dim)
+    if n % P:
+        raise ConfigError(f"apply_tensor_parallel: {name}.{dim}={n} is not divisible by tp={P}; choose tp among "
+                          f"the divisors of {n}: {_divisors(n)}")
+    if isinstance(m, nn.Embedding) and (m.padding_idx is not None or m.max_norm is not None or m.sparse):
+        raise ConfigError(f"apply_tensor_parallel: {name} has padding_idx, max_norm or sparse=True, which "
+                          f"VocabParallelEmbedding does not support")
+
+
+def _resolve(model: nn.Module, plan: TPPlan) -> list[tuple[str, nn.Module, Style]]:
+    found = []
+    for name, m in model.named_modules():
+        keys = plan.match(name) if name else []
+        if len(keys) > 1:
+            raise ConfigError(f"apply_tensor_parallel: module {name} matches several plan keys {keys}; "
+                              f"make the keys specific enough that each module matches one")
+        if keys:
+            found.append((name, m, plan.styles[keys[0]]))
+    if not found:
+        some = [n for n, _ in model.named_modules() if n][:8]
+        raise ConfigError(f"apply_tensor_parallel: the plan's keys {list(plan.styles)} match no module of "
+                          f"{type(model).__name__} (its modules are named like {some})")
+    return found
+
+
+class _CopyInputHook:
+    """Forward pre-hook: f on the module's first input."""
+
+    def __init__(self, tp: TPGroup):
+        self.tp = tp
+
+    def __call__(self, module, args):
+        return (copy_to_tp(args[0], self.tp),) + tuple(args[1:])
+
+
+def _replacement(m: nn.Module, style: Style, tp: TPGroup) -> nn.Module:
+    if isinstance(style, ColwiseParallel):
+        return ColumnParallelLinear.from_linear(m, tp, sync_input=style.sync_input,
+                                                gather_output=style.gather_output)
+    if isinstance(style, RowwiseParallel):
+        return RowParallelLinear.from_linear(m, tp, input_is_parallel=style.input_is_parallel)
+    return VocabParallelEmbedding.from_embedding(m, tp)
+
+
+def apply_tensor_parallel(model: nn.Module, group=None, algorithm: str = "native", *, plan) -> nn.Module:
+    """Split ``model`` over the tp ``group`` in place, as ``plan`` says, and return it. Every rank
+    passes the same full model (same seed) and the same plan; rank r keeps block r of P of each
+    planned weight (copied from the full module: no random draw). Unplanned modules stay whole
+    (replicated). Raises ConfigError, before changing anything, when a planned module has the
+    wrong type or a size tp does not divide, or is already tensor-parallel."""
+    tp = TPGroup(group, algorithm)  # checks the algorithm and that this rank is in the group
+    plan = as_plan(plan)
+    found = _resolve(model, plan)
+    if plan.check is not None:
+        plan.check(model, tp.size)
+    for name, m, style in found:
+        _check_module(name, m, style, tp.size)
+    # Everything is valid: replace the modules on their parents, children before parents.
+    for name, m, style in reversed(found):
+        if isinstance(style, CopyInput):
+            m.register_forward_pre_hook(_CopyInputHook(tp))
+            m._tp_copy_input = True
+            continue
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, _replacement(m, style, tp))
+    return model
+
+
+# ---------------------------------------------------------------------------------------
+# Which slice each rank holds (for checkpoints)
+# ---------------------------------------------------------------------------------------
+
+class ShardInfo(NamedTuple):
+    """Where a parameter of a tp rank sits in the full one. ``dim`` None: replicated."""
+    dim: int | None
+    start: int
+    stop: int
+    full_shape: tuple[int, ...]
+    tp_rank: int
+    tp_size: int
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the full tensor (a view)."""
+        if tuple(full.shape) != tuple(self.full_shape):
+            raise ConfigError(f"ShardInfo.take: full tensor has shape {tuple(full.shape)}, expected "
+                              f"{tuple(self.full_shape)}")
+        return full if self.dim is None else full.narrow(self.dim, self.start, self.stop - self.start)
+
+
+def tp_shard_info(model: nn.Module) -> dict[str, ShardInfo]:
+    """{parameter name (as in ``model.named_parameters()``): ShardInfo} for every parameter.
+    A checkpoint of a tp rank stores it next to the shards; ``info.take(full)`` slices a
+    full tensor (from a single-process checkpoint) into this rank's shard."""
+    sharded: dict[str, ShardInfo] = {}
+    rank, size = 0, 1  # a model without tensor parallelism: everything is whole
+    for mname, m in model.named_modules():
+        if isinstance(m, TPModule):
+            rank, size = m.tp_rank, m.tp_size
+            for pname, (dim, a, b, shape) in m.shard_info().items():
+                sharded[f"{mname}.{pname}" if mname else pname] = ShardInfo(dim, a, b, tuple(shape), rank, size)
+    return {name: sharded.get(name) or ShardInfo(None, 0, p.shape[0] if p.dim() else 1, tuple(p.shape), rank, size)
+            for name, p in model.named_parameters()}

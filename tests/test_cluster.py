@@ -1,0 +1,167 @@
+"""The emulated cluster: namespaces, shaped links, runs across nodes, failures, clean-up.
+
+Tests that build a cluster need root and iproute2; without them they skip with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+from distrain.cluster import netns, runner
+from distrain.cluster.fixture import emulated_cluster  # noqa: F401  (the fixture)
+from distrain.errors import ConfigError
+from distrain.trainer import TrainConfig, train
+from distrain.trainer.metrics import read_metrics
+
+JOB = textwrap.dedent("""
+    import os, torch, distrain
+    from distrain import comm
+    info = distrain.runtime.init(timeout=60)
+    t = torch.full((5,), float(info.rank))
+    comm.all_reduce(t, algorithm="ring")
+    print("RESULT", info.rank, info.world_size, info.local_rank, os.environ["DISTRAIN_CLUSTER_NODE"], t[0].item())
+    distrain.runtime.shutdown()
+""")
+
+
+# ---------------------------------------------------------------------------------------
+# Without root: argument checks
+# ---------------------------------------------------------------------------------------
+
+def test_spec_parses_rates_and_refuses_bad_input():
+    spec = netns.ClusterSpec.build("c1", 3, "1gbit,100mbit,2.5gbit")
+    assert spec.links == (1e9, 1e8, 2.5e9)
+    assert netns.ClusterSpec.build("c1", 2, "200mbit").links == (2e8, 2e8)
+    assert netns.ClusterSpec.build("c1", 2, "none").links == (None, None)
+    assert [spec.netns(i) for i in range(3)] == ["c1-0", "c1-1", "c1-2"] and spec.switch == "c1-sw"
+    assert netns.format_rate(1e9) == "1gbit" and netns.format_rate(2e8) == "200mbit"
+    with pytest.raises(ConfigError, match="exactly 3 \\(one per node\\), got 2"):
+        netns.ClusterSpec.build("c1", 3, "1gbit,1gbit")
+    with pytest.raises(ConfigError, match="bad rate '1gb'"):
+        netns.ClusterSpec.build("c1", 2, "1gb")
+    with pytest.raises(ConfigError, match="--name"):
+        netns.ClusterSpec.build("Bad-Name", 2, "1gbit")
+    with pytest.raises(ConfigError, match="--nodes"):
+        netns.ClusterSpec.build("c1", 0, "1gbit")
+
+
+def test_command_is_checked():
+    assert runner.check_command(["distrain", "train", "--nproc", "4"]) == ["distrain", "train", "--nproc", "4"]
+    with pytest.raises(ConfigError, match="give the command after --"):
+        runner.check_command([])
+    with pytest.raises(ConfigError, match="python needs a script or -m MODULE"):
+        runner.check_command(["python"])
+
+
+# ---------------------------------------------------------------------------------------
+# With root: the cluster itself
+# ---------------------------------------------------------------------------------------
+
+def _netns_names() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+@pytest.mark.timeout(120)
+def test_up_status_down_leaves_nothing(emulated_cluster):
+    spec = emulated_cluster(nodes=3, link="1gbit,100mbit,200mbit")
+    assert {spec.netns(i) for i in range(3)} | {spec.switch} <= _netns_names()
+    back = netns.status(spec.name)
+    assert back == spec  # rates read back from tc
+    # the switch port (downlink) is shaped like the node's uplink
+    assert netns._rate_of(spec.switch, "p1") == 1e8
+    # node 1 reaches node 2 over the bridge, the host's own namespace never sees the subnet
+    code = ("import socket; s=socket.socket(); s.settimeout(5); s.bind(('10.251.0.3', 7001)); s.listen(1); "
+            "c,_=s.accept(); print(c.recv(5).decode())")
+    server = subprocess.Popen(["ip", "netns", "exec", spec.netns(2), sys.executable, "-c", code],
+                              stdout=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    subprocess.run(["ip", "netns", "exec", spec.netns(1), sys.executable, "-c",
+                    "import socket; socket.create_connection(('10.251.0.3', 7001), timeout=5).sendall(b'hello')"],
+                   check=True, timeout=30)
+    assert server.communicate(timeout=30)[0].strip() == "hello"
+    host_addrs = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
+    assert netns.SUBNET not in host_addrs
+    # a process left running inside a node is ended by down
+    sleeper = subprocess.Popen(["ip", "netns", "exec", spec.netns(0), "sleep", "600"])
+    assert netns.down(spec.name) == 4
+    assert sleeper.wait(timeout=10) != 0
+    assert not any(n.startswith(spec.name + "-") for n in _netns_names())
+    assert netns.status(spec.name) is None
+
+
+@pytest.mark.timeout(180)
+def test_run_across_two_nodes_two_procs_each(emulated_cluster, tmp_path):
+    spec = emulated_cluster(nodes=2, link="1gbit")
+    job = tmp_path / "job.py"
+    job.write_text(JOB)
+    res = runner.run(spec, ["python", str(job)], procs_per_node=2, timeout=150, echo=False)
+    assert res.returncode == 0, "\n".join(res.output)
+    got = sorted(line.split("RESULT ")[1] for line in res.output if "RESULT" in line)
+    # rank, world, local rank, node, ring all-reduce of 0+1+2+3; ranks 0,1 on node 0 and 2,3 on node 1
+    assert got == ["0 4 0 0 6.0", "1 4 1 0 6.0", "2 4 0 1 6.0", "3 4 1 1 6.0"]
+    assert all(not netns.pids(spec.netns(i)) for i in range(2))  # nothing left running
+
+
+def _train_cfg(out, **kw) -> TrainConfig:
+    base = dict(model="mlp-tiny", data="digits", strategy="ddp", algorithm="ring", nproc=4, steps=6,
+                batch_size=16, lr=1e-2, dtype="float64", eval_every=0, sample_chars=0, progress=False,
+                log_every=1, out=str(out), timeout=150, report=False)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _cli(cfg: TrainConfig) -> list[str]:
+    args = ["distrain", "train"]
+    for k in ("model", "data", "strategy", "algorithm", "nproc", "steps", "batch_size", "lr", "dtype",
+              "eval_every", "sample_chars", "log_every", "out", "timeout", "ckpt_every"):
+        args += ["--" + k.replace("_", "-"), str(getattr(cfg, k))]
+    return args + ["--no-progress", "--no-report"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_ddp_two_nodes_equals_one_node(emulated_cluster, tmp_path):
+    ref_cfg = _train_cfg(tmp_path / "one")
+    train(ref_cfg)
+    ref = [r["loss"] for r in read_metrics(tmp_path / "one" / "metrics.jsonl")]
+    spec = emulated_cluster(nodes=2, link="1gbit")
+    cfg = _train_cfg(tmp_path / "two")
+    res = runner.run(spec, _cli(cfg), procs_per_node=2, timeout=300, echo=False)
+    assert res.returncode == 0, "\n".join(res.output[-40:])
+    got = [r["loss"] for r in read_metrics(tmp_path / "two" / "metrics.jsonl")]
+    assert len(got) == len(ref) == 6
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-11, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_node_killed_mid_run_names_the_node(emulated_cluster, tmp_path):
+    spec = emulated_cluster(nodes=2, link="100mbit")
+    cfg = _train_cfg(tmp_path / "killed", nproc=2, steps=1000000, log_every=1)
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    result: dict = {}
+    th = threading.Thread(target=lambda: result.setdefault(
+        "res", runner.run(spec, _cli(cfg), procs_per_node=1, timeout=300, grace=60, echo=False)))
+    th.start()
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not (metrics.exists() and len(read_metrics(metrics)) >= 3):
+        time.sleep(0.5)
+    assert metrics.exists(), "training never started"
+    victims = netns.pids(spec.netns(1))
+    for p in victims:  # the machine "dies": every process of node 1 at once
+        os.kill(p, 9)
+    th.join(300)
+    res = result["res"]
+    assert res.returncode == 1
+    assert res.first_failure.node == 1 and res.first_failure.code == -9
+    assert res.exits[0].code != 0  # node 0 noticed and gave up
+    assert all(not netns.pids(spec.netns(i)) for i in range(2))
