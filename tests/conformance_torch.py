@@ -39,6 +39,7 @@ import types
 import unittest
 
 ALGORITHMS = ("native", "star", "ring", "tree")
+BASELINE = "torch"  # --algorithm torch: torch.distributed itself, what this runner makes of torch's tests
 ENV_ALG = "DISTRAIN_CONFORMANCE_ALGORITHM"
 ALG = os.environ.get(ENV_ALG, "native")
 os.environ.setdefault("BACKEND", "gloo")
@@ -49,19 +50,7 @@ import torch.distributed as _torch_dist  # noqa: E402
 import torch.testing._internal.distributed.distributed_test as _dt  # noqa: E402
 
 import distrain.comm as _comm  # noqa: E402
-
-# Everything the tests call that moves data: taken from distrain.comm, bound to the algorithm.
-COMM_FUNCTIONS = (
-    "broadcast", "reduce", "all_reduce", "scatter", "gather", "all_gather", "reduce_scatter", "barrier",
-    "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce_coalesced", "all_gather_coalesced",
-    "all_to_all", "all_to_all_single", "all_gather_object", "gather_object", "scatter_object_list",
-    "broadcast_object_list", "send_object_list", "recv_object_list", "send", "recv", "isend", "irecv",
-    "batch_isend_irecv", "P2POp",
-)
-TAKES_ALGORITHM = {"broadcast", "reduce", "all_reduce", "scatter", "gather", "all_gather", "reduce_scatter",
-                   "barrier", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce_coalesced",
-                   "all_gather_coalesced", "all_to_all", "all_to_all_single", "all_gather_object",
-                   "gather_object", "scatter_object_list", "broadcast_object_list"}
+from dist_shim import make_shim  # noqa: E402  (tests/ is on sys.path: script dir or pytest rootdir)
 
 # torch's collective and P2P methods (DDP, model averaging, NCCL/CUDA and profiler-only tests left out)
 SELECT = re.compile(r"^test_(all_reduce|reduce|broadcast|scatter|gather|all_gather|all_to_all|barrier|"
@@ -70,36 +59,7 @@ SELECT = re.compile(r"^test_(all_reduce|reduce|broadcast|scatter|gather|all_gath
 EXCLUDE = re.compile(r"ddp|cuda|nccl|gpu|profil|mixed_backend|_sum_cuda|coalesced_max_complex_unsupported$")
 
 
-def _missing(name: str):
-    def fail(*args, **kwargs):
-        raise AttributeError(f"distrain.comm has no {name}")
-    return fail
-
-
-def _bind(fn, name: str):
-    if name not in TAKES_ALGORITHM:
-        return fn
-
-    def bound(*args, **kwargs):
-        kwargs.setdefault("algorithm", ALG)
-        return fn(*args, **kwargs)
-
-    bound.__name__ = name
-    return bound
-
-
-def make_shim(algorithm: str) -> types.ModuleType:
-    """distrain.comm, its communication functions bound to ``algorithm``, as a module object."""
-    shim = types.ModuleType("distrain_comm_" + algorithm)
-    for name in COMM_FUNCTIONS:
-        fn = getattr(_comm, name, None)
-        setattr(shim, name, _missing(name) if fn is None else _bind(fn, name))
-    # torch's P2POp checks op is torch's isend/irecv; ours takes either, by name
-    shim.__getattr__ = lambda n: getattr(_comm, n) if hasattr(_comm, n) else getattr(_torch_dist, n)
-    return shim
-
-
-_dt.dist = make_shim(ALG)
+_dt.dist = _torch_dist if ALG == "torch" else make_shim(ALG)
 _dt.PROFILING_SUPPORTED_BACKENDS = []
 
 
@@ -125,12 +85,18 @@ def _run_one(name: str, rank: int, world: int, store, prefix: str, tmp: str) -> 
     from datetime import timedelta
 
     from torch.testing._internal.common_distributed import TEST_SKIPS
+    from torch.testing._internal.common_utils import SEED, set_rng_seed
 
     os.environ["TEMP_DIR"] = tmp
     os.makedirs(os.path.join(tmp, "barrier"), exist_ok=True)
     _dt.Barrier.barrier_id = 0
-    _torch_dist.init_process_group("gloo", store=_torch_dist.PrefixStore(prefix, store), rank=rank,
-                                   world_size=world, timeout=timedelta(seconds=PG_TIMEOUT))
+    _dt.INIT_METHOD = "file://" + os.path.join(tmp, "reinit_file")  # for methods that re-initialise
+    set_rng_seed(SEED)  # torch's runner seeds each rank alike in setUp (random test objects must agree)
+    try:
+        _torch_dist.init_process_group("gloo", store=_torch_dist.PrefixStore(prefix, store), rank=rank,
+                                       world_size=world, timeout=timedelta(seconds=PG_TIMEOUT))
+    except RuntimeError as e:  # the machine, not the method: reported apart from failures
+        return "infra", f"init_process_group failed: {e}"[:500]
     test = TestDistrainAsTorch(name)
     test.rank = rank
     test.file_name = os.path.join(tmp, "init_file")
@@ -203,7 +169,7 @@ def run(algorithm: str, world_size: int, names: list[str], timeout: float = TEST
                 if len(got.get(i, {})) == world_size:
                     res = got.pop(i)
                     kinds = {o for o, _ in res.values()}
-                    rows[names[i]] = "fail" if "fail" in kinds else "skip" if "skip" in kinds else "pass"
+                    rows[names[i]] = next((k for k in ("infra", "fail", "skip") if k in kinds), "pass")
                     texts = [f"rank {r}: {t}" for r, (o, t) in sorted(res.items()) if o != "pass"]
                     if texts:
                         detail[names[i]] = "\n".join(texts)
@@ -223,7 +189,9 @@ def run(algorithm: str, world_size: int, names: list[str], timeout: float = TEST
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--algorithm", default="all", help="native, star, ring, tree, comma-separated, or all")
+    ap.add_argument("--algorithm", default="all",
+                    help="native, star, ring, tree, comma-separated, or all; 'torch' runs torch.distributed itself "
+                         "(the baseline: methods that fail there fail for reasons of this runner or machine)")
     ap.add_argument("--world-size", default="2,3,4", help="comma-separated world sizes (default 2,3,4)")
     ap.add_argument("-k", action="append", help="run only methods whose name contains this (repeatable)")
     ap.add_argument("--json", help="write every method's outcome here")
@@ -236,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(names))
         return 0
     algs = ALGORITHMS if a.algorithm == "all" else tuple(a.algorithm.split(","))
-    bad_alg = [x for x in algs if x not in ALGORITHMS]
+    bad_alg = [x for x in algs if x not in ALGORITHMS + (BASELINE,)]
     if bad_alg:
         ap.error(f"--algorithm: unknown {bad_alg}; use {', '.join(ALGORITHMS)} or all")
     sizes = [int(x) for x in a.world_size.split(",")]
@@ -247,10 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         for ws in sizes:
             got = run(alg, ws, names, a.timeout)
             report[f"{alg}/{ws}"] = got
-            c = {k: sum(v == k for v in got["rows"].values()) for k in ("pass", "fail", "skip", "timeout")}
+            c = {k: sum(v == k for v in got["rows"].values()) for k in ("pass", "fail", "skip", "timeout", "infra")}
             failed += c["fail"] + c["timeout"]
             print(f"{alg:6s} P={ws}: {c['pass']:3d} passed, {c['fail']:3d} failed, {c['skip']:3d} skipped, "
-                  f"{c['timeout']} timed out  ({got['seconds']:.0f} s)", flush=True)
+                  f"{c['timeout']} timed out" + (f", {c['infra']} not run (process group did not start)"
+                                                 if c["infra"] else "") + f"  ({got['seconds']:.0f} s)",
+                  flush=True)
             if a.v:
                 for n, d in sorted(got["detail"].items()):
                     if got["rows"].get(n) in ("fail", "timeout"):

@@ -90,7 +90,7 @@ def _dtypes_and_ops(rank: int) -> list[str]:
                     and torch.equal(sc, z.to(dtype) * (rank + 1) if rank == 0 else zr[0] * (rank + 1))):
                 bad.append(f"{alg} {dtype}: broadcast/all_gather/scatter of complex differ")
             err = _fails(lambda: comm.all_reduce(z.to(dtype).clone(), op="max", algorithm=alg), ConfigError,
-                         "all_reduce", "'max'", str(dtype), "'sum' and 'avg'")
+                         "all_reduce does not support", "'max'", str(dtype), "'sum' and 'avg'")
             if err:
                 bad.append(f"{alg} complex max: {err}")
         for op, native in (("sum", dist.ReduceOp.SUM), ("prod", dist.ReduceOp.PRODUCT)):
@@ -104,10 +104,15 @@ def _dtypes_and_ops(rank: int) -> list[str]:
         comm.all_reduce(t, op=dist.ReduceOp(dist.ReduceOp.MAX), algorithm=alg)
         if not torch.equal(t, torch.full((3,), P - 1.0)):
             bad.append(f"{alg}: ReduceOp(MAX) object gave {t.tolist()}")
-    err = _fails(lambda: comm.all_reduce(torch.ones(3, 3).to_sparse()), ConfigError,
-                 "all_reduce", "sparse", ".to_dense()")
-    if err:
-        bad.append(f"sparse: {err}")
+    for alg in ALGS[1:]:
+        err = _fails(lambda: comm.all_reduce(torch.ones(3, 3).to_sparse(), algorithm=alg), ConfigError,
+                     "all_reduce", "sparse", ".to_dense()")
+        if err:
+            bad.append(f"sparse {alg}: {err}")
+    sp = (torch.eye(3) * (rank + 1)).to_sparse()
+    comm.all_reduce(sp)  # native: Gloo's sparse all-reduce, as torch
+    if not torch.equal(sp.to_dense(), torch.eye(3) * P * (P + 1) / 2):
+        bad.append(f"native sparse all_reduce gave {sp.to_dense().tolist()}")
     return bad
 
 

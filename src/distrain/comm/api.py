@@ -173,7 +173,7 @@ def _tensor(t, what: str, collective: str, op=None) -> torch.Tensor:
         raise ConfigError(f"{collective}: {what} must be a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
         raise ConfigError(f"{collective}: {what} is a {t.layout} tensor; only dense (strided) tensors are "
-                          f"supported: call .to_dense() first")
+                          f"supported: call .to_dense() first (all_reduce with algorithm='native' takes sparse COO)")
     if t.dtype in COMPLEX_DTYPES:
         if op is not None:
             check_complex_op(op, t.dtype, collective)
@@ -357,6 +357,9 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = Fals
     name = "all_reduce"
     mod = registry.get(algorithm, name)
     st = resolve(group, name)
+    if mod is None and isinstance(tensor, torch.Tensor) and tensor.is_sparse:  # Gloo sums sparse COO itself
+        return dist.all_reduce(tensor, op=resolve_op(op, tensor.dtype, name).native, group=st.group,
+                               async_op=async_op)
     tensor = _tensor(tensor, "tensor", name, op)
     o = resolve_op(op, tensor.dtype, name)
     flat = _flat(tensor)

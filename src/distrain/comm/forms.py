@@ -89,6 +89,9 @@ def _flat_same_dtype(tensors, what: str, name: str) -> torch.Tensor:
         raise ConfigError(f"{name}: {what} must be a non-empty list of tensors")
     for i, t in enumerate(tensors):
         _check_tensor(t, f"{what}[{i}]", name)
+    # complex tensors travel as their real view (torch does the same), so they coalesce with their real dtype
+    tensors = [torch.view_as_real(t.detach()) if t.is_complex() else t for t in tensors]
+    for i, t in enumerate(tensors):
         if t.dtype != tensors[0].dtype:
             raise ConfigError(f"{name}: {what}[{i}] is {t.dtype} but {what}[0] is {tensors[0].dtype}; "
                               f"coalesced tensors must share one dtype")
@@ -98,7 +101,8 @@ def _flat_same_dtype(tensors, what: str, name: str) -> torch.Tensor:
 def _unflatten_into(flat: torch.Tensor, tensors) -> None:
     at = 0
     for t in tensors:
-        t.detach().copy_(flat[at:at + t.numel()].view(t.shape))
+        t = torch.view_as_real(t.detach()) if t.is_complex() else t.detach()
+        t.copy_(flat[at:at + t.numel()].view(t.shape))
         at += t.numel()
 
 
@@ -143,6 +147,11 @@ def all_gather_coalesced(output_tensor_lists, input_tensor_list, group=None, asy
     return _chain(h, copy_out, [t for lst in output_tensor_lists for t in lst], name)
 
 
+def _is_p2p_op(p) -> bool:
+    """Ours or torch.distributed.P2POp (same attributes): either may be batched."""
+    return all(hasattr(p, a) for a in ("op", "tensor", "peer", "group", "tag"))
+
+
 class P2POp:
     """One send or receive for :func:`batch_isend_irecv` (torch's P2POp: op is isend or irecv,
     ours or torch.distributed's)."""
@@ -161,13 +170,15 @@ class P2POp:
 
 def batch_isend_irecv(p2p_op_list) -> list:
     """Post every operation of the list (in order) and return their handles."""
-    if not isinstance(p2p_op_list, (list, tuple)) or not all(isinstance(p, P2POp) for p in p2p_op_list):
-        raise ConfigError("batch_isend_irecv: expected a list of distrain.comm.P2POp")
+    if not isinstance(p2p_op_list, (list, tuple)) or not p2p_op_list or not all(map(_is_p2p_op, p2p_op_list)):
+        raise ConfigError("Invalid ``p2p_op_list``: batch_isend_irecv takes a non-empty list of "
+                          "distrain.comm.P2POp (or torch.distributed.P2POp)")
     works = []
     for p in p2p_op_list:
         if not_member(p.group):
             warn_not_member("batch_isend_irecv")
             continue
-        fn = isend if p.op == "isend" else irecv
+        kind = p.op if isinstance(p.op, str) else getattr(p.op, "__name__", "")
+        fn = isend if kind == "isend" else irecv
         works.append(fn(p.tensor, p.peer, p.group, p.tag))
     return works

@@ -108,7 +108,8 @@ def scatter_object_list(scatter_object_output_list, scatter_object_input_list=No
     P = _size(group)
     src = 0 if src is None else src
     if not isinstance(scatter_object_output_list, list) or len(scatter_object_output_list) < 1:
-        raise ConfigError("scatter_object_list: scatter_object_output_list must be a list of at least one entry")
+        raise ConfigError("scatter_object_list: Expected argument scatter_object_output_list to be a list of size "
+                          "at least 1.")
     is_src = dist.get_rank() == src
     if is_src and (not isinstance(scatter_object_input_list, list) or len(scatter_object_input_list) != P):
         raise ConfigError(f"scatter_object_list: scatter_object_input_list must be a list of {P} objects on "

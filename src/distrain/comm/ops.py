@@ -131,7 +131,7 @@ def check_complex_op(op, dtype: torch.dtype, collective: str) -> None:
     """Complex tensors reduce as their real view, so only sum and avg are exact (torch's rule)."""
     if dtype in COMPLEX_DTYPES and op_name(op, collective) not in ("sum", "avg"):
         raise ConfigError(
-            f"{collective}: op {op_name(op, collective)!r} is not defined for complex dtype {dtype}; "
+            f"{collective} does not support op {op_name(op, collective)!r} on complex tensors (dtype {dtype}); "
             f"complex tensors support only 'sum' and 'avg' (as in torch.distributed)"
         )
 

@@ -158,6 +158,10 @@ class _P2PWork:
         r = self._work._source_rank()
         return r if self._group is None else torch.distributed.get_global_rank(self._group, r)
 
+    def _source_rank(self) -> int:
+        """torch's Work._source_rank(): the sender's rank in the group (any-source receives)."""
+        return self._work._source_rank()
+
     def get_future(self):
         return self._work.get_future()
 
