@@ -37,21 +37,50 @@ from distrain.trainer.task import Task, build_optimizer, build_task
 def train(cfg: TrainConfig) -> dict:
     """Run a training job described by ``cfg``; returns rank 0's summary."""
     cfg.validate()
-    if cfg.resume == "auto":  # resume when --out holds a committed checkpoint, else start
+    if cfg.resume == "auto":  # restarts under distrain launch: resume if there is a checkpoint, else start afresh
         cfg.resume = (Path(cfg.out) / checkpoint.MANIFEST).exists()
+        cfg.overwrite = cfg.overwrite or not cfg.resume
     if cfg.resume:
         check_resume(cfg)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by a launcher: we are one rank
-        runtime.init(timeout=cfg.collective_timeout)
+        if not cfg.resume:
+            check_out(cfg, remove=int(os.environ["RANK"]) == 0)
+        runtime.init(BACKENDS[cfg.device], timeout=cfg.collective_timeout)
         if dist.get_world_size() != cfg.nproc:
             raise ConfigError(f"the launcher started {dist.get_world_size()} ranks but --nproc is {cfg.nproc}")
         return run_rank(cfg)
-    return spawn(_spawned, cfg.nproc, args=(cfg.to_dict(),), timeout=cfg.timeout or None,
+    if not cfg.resume:
+        check_out(cfg)
+    return spawn(_spawned, cfg.nproc, args=(cfg.to_dict(),), backend=BACKENDS[cfg.device], timeout=cfg.timeout or None,
                  init_timeout=cfg.collective_timeout)[0]
 
 
 def _spawned(rank: int, cfg_dict: dict) -> dict:
     return run_rank(TrainConfig.from_dict(cfg_dict))
+
+
+# what a run writes into --out; --overwrite removes these and nothing else
+RUN_FILES = ("metrics.jsonl", "summary.json", "loss.png", checkpoint.MANIFEST, "checkpoint-*.pt", ".checkpoint*.tmp")
+BACKENDS = {"auto": "auto", "cpu": "gloo", "cuda": "nccl"}
+
+
+def check_out(cfg: TrainConfig, remove: bool = True) -> None:
+    """A fresh run needs an empty --out (or --overwrite, which removes the previous run's files)."""
+    out = Path(cfg.out)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give a folder for the run's outputs")
+    held = sorted(p.name for p in out.iterdir() if p.name != ".distrain.lock")  # the run lock (runlock.py)
+    if not held:
+        return
+    if not cfg.overwrite:
+        listed = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+        raise ConfigError(f"--out {out} is not empty ({listed}); pass --resume to continue that run, --overwrite to "
+                          f"replace it, or choose another --out")
+    for pattern in RUN_FILES if remove else ():
+        for p in out.glob(pattern):
+            p.unlink(missing_ok=True)
 
 
 # flags whose change would make a resumed run differ from the uninterrupted one (--steps may grow)
@@ -84,11 +113,14 @@ def check_resume(cfg: TrainConfig) -> dict:
 
 
 def run_rank(cfg: TrainConfig) -> dict:
+    comm.set_default_transport(cfg.transport, timeout=cfg.collective_timeout)  # every group this run creates
     out = Path(cfg.out)
 
-    # build model: the same seeded model on every rank (engines replicate, shard or serve it)
+    # build model: the same seeded model on every rank (engines replicate, shard or serve it),
+    # on this rank's device: cuda:LOCAL_RANK under NCCL, the CPU under Gloo
+    device = runtime.info().device if cfg.device != "cpu" else torch.device("cpu")
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model).to(getattr(torch, cfg.dtype))
+    model = build_model(cfg.model).to(device=device, dtype=getattr(torch, cfg.dtype))
 
     # build engine: the way of training, with its communication and optimizer (engines/)
     engine = build_engine(cfg, model, loss_function(cfg), lambda params: build_optimizer(cfg, params))
@@ -107,7 +139,7 @@ def run_rank(cfg: TrainConfig) -> dict:
         if engine.serves:
             engine.serve(cfg.steps - start)
         else:
-            task = build_task(cfg, getattr(getattr(model, "config", None), "block_size", None))
+            task = build_task(cfg, getattr(getattr(model, "config", None), "block_size", None), device)
             wall = train_steps(cfg, engine, task, start)
 
     # checkpoint: the final set, written by every rank that owns a shard

@@ -92,9 +92,10 @@ def summarize(cfg: TrainConfig, label: str, unit: str, units_per_sample: int, ou
 
 
 def text_sample(model, cfg: TrainConfig) -> str:
-    g = torch.Generator().manual_seed(cfg.seed)
-    ids = generate(model, encode("\n").unsqueeze(0), cfg.sample_chars, temperature=0.8, top_k=40, generator=g)
-    return decode(ids[0])
+    prompt = encode("\n").unsqueeze(0).to(next(model.parameters()).device)
+    g = torch.Generator(device=prompt.device).manual_seed(cfg.seed)
+    ids = generate(model, prompt, cfg.sample_chars, temperature=0.8, top_k=40, generator=g)
+    return decode(ids[0].cpu())
 
 
 def table_rows(cfg: TrainConfig, s: dict, start: int, unit: str, extra_rows: list) -> list[tuple[str, str]]:
