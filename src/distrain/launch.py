@@ -336,6 +336,8 @@ def launch(nproc_per_node: int | None, script_args: Sequence[str], nnodes: int |
         raise ConfigError(f"--nnodes={nnodes} needs --rdzv-endpoint HOST:PORT (a host every node can reach)")
     else:
         argv.append("--standalone")
+        if "GLOO_SOCKET_IFNAME" not in os.environ and any(n == "lo" for _, n in socket.if_nameindex()):
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # one node: Gloo listens on the loopback only
     argv += _entrypoint(script_args, world)
     os.environ[lifeline.PARENT_ENV] = str(os.getpid())  # the ranks inherit it and watch us
     if max_restarts > 0:
