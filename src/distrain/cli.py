@@ -11,18 +11,22 @@ Each subcommand module registers its own flags (``add_arguments(parser)``) and r
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from distrain.errors import DistrainError
 
 
 def _launch_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, required=True, help="ranks on this node")
+    p.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int, default=None,
+                   help="ranks on this node, torchrun's --nproc-per-node (default: the --nproc of a `train` job)")
     p.add_argument("--nnodes", default="1", help="number of nodes (or MIN:MAX for elastic jobs)")
     p.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's index")
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, help="HOST:PORT reachable by every node")
-    p.add_argument("--max-restarts", "--max_restarts", type=int, default=0, help="restart the job on failure")
-    p.add_argument("script", nargs=argparse.REMAINDER, help="script.py and its arguments")
+    p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
+                   help="restart the job on failure; `train` jobs then resume from their newest checkpoint")
+    p.add_argument("script", nargs=argparse.REMAINDER,
+                   help="script.py and its arguments, or `train ...` / `-- distrain train ...`")
 
 
 def _run_launch(args: argparse.Namespace) -> int:
@@ -32,55 +36,98 @@ def _run_launch(args: argparse.Namespace) -> int:
                   rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts)
 
 
+def _resume_value(v: str):
+    """--resume (yes), --resume auto (if a checkpoint exists), --resume no."""
+    low = v.lower()
+    if low == "auto":
+        return "auto"
+    if low in ("yes", "true", "1"):
+        return True
+    if low in ("no", "false", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"--resume takes no value, or auto / yes / no; got {v!r}")
+
+
 def _config_arguments(p: argparse.ArgumentParser, cls) -> None:
-    """One flag per dataclass field (``batch_size`` -> ``--batch-size``), typed from its default."""
+    """One flag per dataclass field (``batch_size`` -> ``--batch-size``): type from its default,
+    help text and allowed values from its metadata (``trainer.config.opt``), so there is one source."""
     import dataclasses
 
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
-        if isinstance(default, bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-        elif f.name in ("max_staleness",):
-            p.add_argument(flag, type=int, default=default)
+        meta = f.metadata
+        choices = meta.get("choices")
+        help_text = meta.get("help", "") + (f" [{' | '.join(map(str, choices))}]" if choices else "")
+        help_text += " (default: %(default)s)"
+        if f.name == "resume":
+            p.add_argument(flag, nargs="?", const=True, default=default, type=_resume_value, metavar="auto",
+                           help=help_text)
+            p.add_argument("--no-resume", dest="resume", action="store_false", default=default,
+                           help="start afresh (the default)")
+        elif isinstance(default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         else:
-            p.add_argument(flag, type=type(default) if default is not None else str, default=default)
+            kind = meta.get("type") or (type(default) if default is not None else str)
+            p.add_argument(flag, type=kind, default=default, help=help_text,
+                           metavar=f.name.upper())
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from distrain.trainer import TrainConfig, train
+    from distrain import runlock
+    from distrain.trainer import TrainConfig, checkpoint, train
 
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k not in ("command", "func")})
-    train(cfg)
+    if cfg.resume is False and os.environ.get("DISTRAIN_RESUME") == "auto":  # set by launch --max-restarts
+        cfg.resume = "auto"
+    cfg.validate()
+    if "RANK" in os.environ and os.environ["RANK"] != "0":  # one rank of a launched job: rank 0 holds the lock
+        train(cfg)
+        return 0
+    with runlock.hold(cfg.out):
+        checkpoint.clean_temporaries(cfg.out)  # left by a run killed mid-save; nobody else writes here now
+        train(cfg)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from distrain.bench import comm_bench, pipeline_bench, tp_bench, train_bench, zero_bench
+    from distrain.bench import comm_bench, link_bench, pipeline_bench, tp_bench, train_bench, zero_bench
     from distrain.cluster import cli as cluster_cli
 
+    from distrain import __version__
+
     parser = argparse.ArgumentParser(prog="distrain", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"distrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("launch", help="run a script on many ranks (torchrun underneath)")
+    p = sub.add_parser("launch", help="run a script on many ranks (torchrun underneath)", allow_abbrev=False)
     _launch_arguments(p)
     p.set_defaults(func=_run_launch)
 
     from distrain.trainer.config import TrainConfig
 
-    p = sub.add_parser("train", help="train a model: single process, DDP, torch DDP or a parameter server",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser("train", help="train a model: one process, DDP, torch DDP, dp x tp x pp or parameter servers",
+                       description="Train a model on one or many processes; see docs/training.md.")
     _config_arguments(p, TrainConfig)
     p.set_defaults(func=_run_train)
 
     p = sub.add_parser("cluster", help="an emulated cluster on this host (netns + veth + tc) and runs across it")
     cluster_cli.add_arguments(p)
 
+    from distrain.costmodel import plan as cost_plan
+
+    p = sub.add_parser("plan", help="rank DDP/PS/dp x tp x pp strategies for a model on a cluster by predicted step time")
+    cost_plan.add_arguments(p)
+    p.set_defaults(func=cost_plan.run)
+
     bench = sub.add_parser("bench", help="benchmarks that compare ours with torch's, side by side")
     bsub = bench.add_subparsers(dest="bench", required=True)
     p = bsub.add_parser("comm", help="collective bandwidth: native vs star/ring/tree (nccl-tests style)")
     comm_bench.add_arguments(p)
     p.set_defaults(func=comm_bench.run)
+    p = bsub.add_parser("link", help="ping-pong calibration of alpha and beta per link (for the cost model)")
+    link_bench.add_arguments(p)
+    p.set_defaults(func=link_bench.run)
     p = bsub.add_parser("train", help="training throughput: our DDP vs torch DDP vs parameter servers")
     train_bench.add_arguments(p)
     p.set_defaults(func=train_bench.run)
@@ -97,13 +144,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from distrain import lifeline
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    # the top process: SIGTERM/SIGHUP end the ranks, then us
+    previous = lifeline.stop_on_signals() if "RANK" not in os.environ else {}
     try:
         return args.func(args) or 0
     except DistrainError as e:
         print(f"distrain: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("distrain: interrupted (Ctrl-C); every rank was stopped", file=sys.stderr)
+        return 130
+    except lifeline.Stopped as e:
+        print(f"distrain: {e}; every rank was stopped", file=sys.stderr)
+        return 128 + e.signum
+    finally:
+        lifeline.restore(previous)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ run on the group's worker thread (see group.py), native ones on the backend's.
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import Future
 from typing import Callable
 
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from distrain.comm import ledger as _ledger
-from distrain.comm import registry
+from distrain.comm import registry, watchdog
 from distrain.comm.group import GroupState, resolve
 from distrain.comm.ops import OPS, check_dtype, resolve_op
 from distrain.comm.p2p import PeerComm
@@ -78,10 +79,11 @@ class CommHandle:
         if self._done:
             return True
         try:
-            if self._future is not None:
-                self._future.result(timeout)
-            elif self._work is not None:
-                self._work.wait() if timeout is None else self._work.wait(_td(timeout))
+            with watchdog.blocking(self._desc):
+                if self._future is not None:
+                    self._future.result(timeout)
+                elif self._work is not None:
+                    self._work.wait() if timeout is None else self._work.wait(_td(timeout))
             if self._after is not None:
                 self._after()
         except CommError:
@@ -204,50 +206,74 @@ def _fingerprint_check(st: GroupState, seq: int, collective: str, algorithm: str
 # The dispatcher
 # ---------------------------------------------------------------------------------------
 
-def _run(st: GroupState, collective: str, algorithm: str, async_op: bool, payload: int,
-         ours: Callable[[PeerComm], None], native: Callable[[bool], object] | None,
+_NO_WATCH = contextlib.nullcontext()
+
+
+def _run(st: GroupState, collective: str, algorithm: str, async_op: bool, payload: int, mod,
+         ours: Callable[[object, PeerComm], None], native: Callable[[bool], object] | None,
          after: Callable[[], None] | None, fp: tuple) -> CommHandle | None:
-    """Run one collective call: fingerprint, ledger, then ours (inline or on the worker) or native."""
+    """Run one collective call: fingerprint, ledger, then ours (inline or on the worker) or native.
+
+    ``mod`` is the registered algorithm, or None for "native": then the group's transport may
+    provide its own (the direct shared-memory collectives), else torch.distributed's runs.
+    """
     seq = st.next_seq()
     if _debug:
         _fingerprint_check(st, seq, collective, algorithm, *fp)
     _ledger.record(collective, algorithm, calls=1, payload=payload)
     me = st.ranks[st.rank]
-    desc = f"{collective}(algorithm={algorithm}) on rank {me} (group rank {st.rank} of {st.size})"
+    transport = st.transport
+    desc = f"{collective}(algorithm={algorithm}, transport={transport.name}) on rank {me} " \
+           f"(group rank {st.rank} of {st.size})"
+    ordered = False  # the direct collectives share one slot per rank: calls run one at a time, in order
+    if mod is None:
+        mod = transport.direct(collective) if st.size > 1 else None
+        ordered = mod is not None
+    if mod is None:
+        return _run_native(desc, native, async_op, after)
 
-    if algorithm == "native":
-        try:
-            work = native(async_op)
-            if not async_op:
-                if after is not None:
-                    after()
-                return None
-        except CommError:
-            raise
-        except Exception as e:
-            raise CommError(f"{desc} failed: {e}") from e
-        return CommHandle(desc, work=work, after=after)
-
-    pc = PeerComm(st, collective, algorithm, st.tag(seq))
-
+    pc = PeerComm(st, collective, algorithm, st.tag(seq), transport)
     tensor = fp[1]  # an empty tensor moves nothing: every rank skips the algorithm alike
     skip = st.size == 1 or (tensor is not None and tensor.numel() == 0)
 
     def job() -> None:
         if not skip:
-            ours(pc)
+            try:
+                ours(mod, pc)
+            except BaseException:
+                transport.abort()  # peers waiting on this rank stop at once
+                raise
         if after is not None:
             after()
 
     if async_op:
         return CommHandle(desc, future=st.submit(job))
     try:
-        job()
+        with watchdog.blocking(desc):
+            if ordered and st.pending:  # async calls before this one still run on the worker
+                st.submit(job).result()
+            else:
+                job()
     except CommError:
         raise
     except Exception as e:
         raise CommError(f"{desc} failed: {e}") from e
     return None
+
+
+def _run_native(desc: str, native, async_op: bool, after) -> CommHandle | None:
+    try:
+        with watchdog.blocking(desc) if not async_op else _NO_WATCH:
+            work = native(async_op)
+        if not async_op:
+            if after is not None:
+                after()
+            return None
+    except CommError:
+        raise
+    except Exception as e:
+        raise CommError(f"{desc} failed: {e}") from e
+    return CommHandle(desc, work=work, after=after)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False, algorithm: str = "native"):
@@ -259,7 +285,7 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
     flat = _flat(tensor)
     after = (lambda: _copy_back(tensor, flat)) if st.rank != root else None
     return _run(st, name, algorithm, async_op, nbytes(tensor),
-                ours=lambda pc: mod.broadcast(pc, flat, root),
+                mod=mod, ours=lambda m, pc: m.broadcast(pc, flat, root),
                 native=lambda a: dist.broadcast(flat, src, group=st.group, async_op=a),
                 after=after, fp=("", tensor, root))
 
@@ -279,7 +305,7 @@ def reduce(tensor: torch.Tensor, dst: int, op="sum", group=None, async_op: bool 
             _copy_back(tensor, flat)
 
     return _run(st, name, algorithm, async_op, nbytes(tensor),
-                ours=lambda pc: mod.reduce(pc, flat, root, o),
+                mod=mod, ours=lambda m, pc: m.reduce(pc, flat, root, o),
                 native=lambda a: dist.reduce(flat, dst, op=o.native, group=st.group, async_op=a),
                 after=after, fp=(o.name, tensor, root))
 
@@ -297,7 +323,7 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = Fals
         _copy_back(tensor, flat)
 
     return _run(st, name, algorithm, async_op, nbytes(tensor),
-                ours=lambda pc: mod.all_reduce(pc, flat, o),
+                mod=mod, ours=lambda m, pc: m.all_reduce(pc, flat, o),
                 native=lambda a: dist.all_reduce(flat, op=o.native, group=st.group, async_op=a),
                 after=after, fp=(o.name, tensor, -1))
 
@@ -315,7 +341,7 @@ def scatter(tensor: torch.Tensor, scatter_list=None, src: int = 0, group=None, a
     if lst is not None:
         out.copy_(lst[root].reshape(-1))  # the source's own slot (also the whole result when P == 1)
     return _run(st, name, algorithm, async_op, nbytes(tensor),
-                ours=lambda pc: mod.scatter(pc, out, full, root),
+                mod=mod, ours=lambda m, pc: m.scatter(pc, out, full, root),
                 native=lambda a: dist.scatter(out, list(full.view(st.size, -1)) if lst else None, src,
                                               group=st.group, async_op=a),
                 after=lambda: _copy_back(tensor, out),
@@ -342,7 +368,7 @@ def gather(tensor: torch.Tensor, gather_list=None, dst: int = 0, group=None, asy
                 t.copy_(full[i * n:(i + 1) * n].view(t.shape))
 
     return _run(st, name, algorithm, async_op, nbytes(tensor),
-                ours=lambda pc: mod.gather(pc, inp, full, root),
+                mod=mod, ours=lambda m, pc: m.gather(pc, inp, full, root),
                 native=lambda a: dist.gather(inp, list(full.view(st.size, n)) if lst is not None else None, dst,
                                              group=st.group, async_op=a),
                 after=after, fp=("", tensor, root))
@@ -371,7 +397,7 @@ def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = F
                                group=st.group, async_op=a)
 
     return _run(st, name, algorithm, async_op, nbytes(tensor),
-                ours=lambda pc: mod.all_gather(pc, full, n), native=native,
+                mod=mod, ours=lambda m, pc: m.all_gather(pc, full, n), native=native,
                 after=after, fp=("", tensor, -1))
 
 
@@ -405,7 +431,7 @@ def reduce_scatter(output: torch.Tensor, input_list, op="sum", group=None, async
         _copy_back(output, out)
 
     return _run(st, name, algorithm, async_op, nbytes(full),
-                ours=lambda pc: mod.reduce_scatter(pc, out, full, o),
+                mod=mod, ours=lambda m, pc: m.reduce_scatter(pc, out, full, o),
                 native=lambda a: _reduce_scatter_native(out, full, op=o.native, group=st.group, async_op=a),
                 after=after, fp=(o.name, output, -1))
 
@@ -418,7 +444,7 @@ def barrier(group=None, async_op: bool = False, algorithm: str = "native"):
     token = torch.zeros(1, dtype=torch.uint8)
     sum_op = resolve_op("sum", token.dtype, name)
     return _run(st, name, algorithm, async_op, 0,
-                ours=lambda pc: mod.all_reduce(pc, token, sum_op),
+                mod=mod, ours=lambda m, pc: m.all_reduce(pc, token, sum_op),
                 native=lambda a: dist.barrier(group=st.group, async_op=a),
                 after=None, fp=("", None, -1))
 
