@@ -165,3 +165,30 @@ def test_node_killed_mid_run_names_the_node(emulated_cluster, tmp_path):
     assert res.first_failure.node == 1 and res.first_failure.code == -9
     assert res.exits[0].code != 0  # node 0 noticed and gave up
     assert all(not netns.pids(spec.netns(i)) for i in range(2))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_bench_link_and_comm_across_nodes_with_prediction(emulated_cluster, tmp_path):
+    import json
+
+    spec = emulated_cluster(nodes=2, link="200mbit")
+    cal = tmp_path / "link.json"
+    res = runner.run(spec, ["distrain", "bench", "link", "--sizes", "8,256K,1M", "--iters", "3", "--json", str(cal)],
+                     timeout=300, echo=False)
+    assert res.returncode == 0, "\n".join(res.output[-30:])
+    model = json.loads(cal.read_text())["model"]
+    assert set(model) == {"inter", "gamma_ns_per_byte"}  # one rank per node: only the shaped link
+    # the shaped link: below 200 Mbit/s = 0.025 GB/s, and far above nothing
+    assert 0.005 < model["inter"]["bandwidth_GBps"] <= 0.025
+    out = tmp_path / "comm.json"
+    res = runner.run(spec, ["distrain", "bench", "comm", "--sizes", "1M", "--algorithms", "ring,star,native",
+                            "--warmup", "1", "--iters", "3", "--predict", str(cal), "--json", str(out)],
+                     timeout=300, echo=False)
+    assert res.returncode == 0, "\n".join(res.output[-30:])
+    recs = {r["algorithm"]: r for r in json.loads(out.read_text())["records"]}
+    assert {r["P"] for r in recs.values()} == {2} and recs["ring"]["placement"] == [0, 1]
+    assert recs["native"]["predicted_us"] is None
+    # P=2 over one link: the star moves N each way in turn, the ring N/2 twice each way at once
+    assert recs["star"]["predicted_us"] > 1.8 * recs["ring"]["predicted_us"]
+    assert recs["ring"]["bytes_sent_max_rank"] == 1 << 20  # 2 * (P-1)/P * N

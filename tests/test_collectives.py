@@ -48,9 +48,10 @@ def _same(got: torch.Tensor, ref: torch.Tensor, op: str) -> bool:
     return torch.equal(got, ref)
 
 
-def _matrix(rank: int) -> list[str]:
+def _matrix(rank: int, transport: str = "torch") -> list[str]:
     import torch.distributed as dist
 
+    comm.set_transport(transport)  # "native" is then Gloo (torch) or the direct shm collectives
     P = dist.get_world_size()
     bad: list[str] = []
     case = 0
@@ -118,14 +119,17 @@ def _matrix(rank: int) -> list[str]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("P", [1, 2, 3, 4, 5])
-def test_every_collective_every_algorithm(P):
-    results = distrain.spawn(_matrix, P, timeout=240)
+@pytest.mark.parametrize("transport", ["torch", "shm"])
+def test_every_collective_every_algorithm(P, transport):
+    results = distrain.spawn(_matrix, P, args=(transport,), timeout=240)
     bad = [line for r in results for line in r]
     assert not bad, f"{len(bad)} mismatches, first ones:\n" + "\n".join(bad[:20])
 
 
-def _non_contiguous_and_bool(rank: int) -> list[str]:
+def _non_contiguous_and_bool(rank: int, transport: str = "torch") -> list[str]:
     import torch.distributed as dist
+
+    comm.set_default_transport(transport)  # the world and the subgroups
 
     P = dist.get_world_size()
     bad = []
@@ -144,13 +148,16 @@ def _non_contiguous_and_bool(rank: int) -> list[str]:
 
 
 @pytest.mark.timeout(120)
-def test_non_contiguous_and_bool():
-    bad = [x for r in distrain.spawn(_non_contiguous_and_bool, 3, timeout=90) for x in r]
+@pytest.mark.parametrize("transport", ["torch", "shm"])
+def test_non_contiguous_and_bool(transport):
+    bad = [x for r in distrain.spawn(_non_contiguous_and_bool, 3, args=(transport,), timeout=90) for x in r]
     assert not bad, bad
 
 
-def _async_many_in_flight(rank: int) -> list[str]:
+def _async_many_in_flight(rank: int, transport: str = "torch") -> list[str]:
     import torch.distributed as dist
+
+    comm.set_default_transport(transport)  # the world and the subgroups
 
     P = dist.get_world_size()
     bad = []
@@ -181,13 +188,16 @@ def _async_many_in_flight(rank: int) -> list[str]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("P", [2, 3])
-def test_async_collectives(P):
-    bad = [x for r in distrain.spawn(_async_many_in_flight, P, timeout=90) for x in r]
+@pytest.mark.parametrize("transport", ["torch", "shm"])
+def test_async_collectives(P, transport):
+    bad = [x for r in distrain.spawn(_async_many_in_flight, P, args=(transport,), timeout=90) for x in r]
     assert not bad, bad
 
 
-def _subgroups(rank: int) -> list[str]:
+def _subgroups(rank: int, transport: str = "torch") -> list[str]:
     import torch.distributed as dist
+
+    comm.set_default_transport(transport)  # the world and the subgroups
 
     bad = []
     evens = dist.new_group([0, 2, 4])
@@ -217,6 +227,7 @@ def _subgroups(rank: int) -> list[str]:
 
 
 @pytest.mark.timeout(120)
-def test_subgroups():
-    bad = [x for r in distrain.spawn(_subgroups, 5, timeout=90) for x in r]
+@pytest.mark.parametrize("transport", ["torch", "shm"])
+def test_subgroups(transport):
+    bad = [x for r in distrain.spawn(_subgroups, 5, args=(transport,), timeout=90) for x in r]
     assert not bad, bad

@@ -33,7 +33,8 @@ def test_registry_is_what_everyone_reads():
 
 
 def test_tag_ranges_are_one_consistent_map():
-    from distrain.parallel import pipeline, ps
+    from distrain.parallel.parameter_server import ps
+    from distrain.parallel.pipeline_parallel import pipeline
 
     assert tags.USER.stop == tags.COLLECTIVE.start  # user tags end where collectives begin
     assert tags.COLLECTIVE.stop <= 2 ** 31  # Gloo tags are non-negative int32

@@ -75,9 +75,10 @@ def _mismatched_shapes(rank: int) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_debug_mode_names_the_rank_with_a_different_shape():
+@pytest.mark.parametrize("transport", ["torch", "shm"])
+def test_debug_mode_names_the_rank_with_a_different_shape(transport):
     with pytest.raises(RankFailedError) as ei:
-        distrain.spawn(_mismatched_shapes, 3, timeout=60, env={"DISTRAIN_DEBUG": "1"})
+        distrain.spawn(_mismatched_shapes, 3, timeout=60, env={"DISTRAIN_DEBUG": "1", "DISTRAIN_TRANSPORT": transport})
     msg = str(ei.value)
     assert "ranks disagree (debug check) on numel, shape" in msg
     assert "rank(s) [2] differ from rank 0" in msg

@@ -12,12 +12,11 @@ from distrain.errors import ConfigError
 from distrain.trainer import TrainConfig, checkpoint, train
 from distrain.trainer.metrics import read_metrics
 
+from conftest import reference_losses, trainer_config
+
 
 def _cfg(tmp_path, name: str, **kw) -> TrainConfig:
-    base = dict(model="gpt-tiny", data="shakespeare", steps=5, batch_size=12, lr=1e-2, dtype="float64",
-                eval_every=0, sample_chars=0, progress=False, log_every=2, out=str(tmp_path / name), timeout=120)
-    base.update(kw)
-    return TrainConfig(**base)
+    return trainer_config(tmp_path / name, **kw)
 
 
 def _losses(cfg: TrainConfig) -> list[float]:
@@ -26,10 +25,8 @@ def _losses(cfg: TrainConfig) -> list[float]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("model,data", [("gpt-tiny", "shakespeare"), ("mlp-tiny", "digits")])
-def test_ddp_and_torch_ddp_equal_single_process(tmp_path, model, data):
-    single = _cfg(tmp_path, "single", strategy="single", nproc=1, model=model, data=data)
-    train(single)
-    ref = _losses(single)
+def test_ddp_and_torch_ddp_equal_single_process(tmp_path, tmp_path_factory, model, data):
+    ref = reference_losses(tmp_path_factory, model=model, data=data)
     for strategy, nproc, alg in [("ddp", 3, "ring"), ("ddp", 2, "tree"), ("torch-ddp", 2, "native")]:
         cfg = _cfg(tmp_path, f"{strategy}{nproc}{alg}", strategy=strategy, nproc=nproc, algorithm=alg,
                    model=model, data=data)
@@ -143,13 +140,12 @@ def test_cli_maps_flags_onto_config(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_parameter_server_sync_equals_single_process(tmp_path):
-    single = _cfg(tmp_path, "single", strategy="single", nproc=1)
-    train(single)
+def test_parameter_server_sync_equals_single_process(tmp_path, tmp_path_factory):
+    ref = reference_losses(tmp_path_factory)
     for nproc, servers in [(3, 1), (4, 2)]:  # W = 2 workers; one server, then two shards
         cfg = _cfg(tmp_path, f"ps{servers}", strategy="ps-sync", nproc=nproc, servers=servers)
         summary = train(cfg)
-        torch.testing.assert_close(torch.tensor(_losses(cfg)), torch.tensor(_losses(single)), rtol=1e-11, atol=0)
+        torch.testing.assert_close(torch.tensor(_losses(cfg)), torch.tensor(ref), rtol=1e-11, atol=0)
         assert summary["ps_bytes_match"] and summary["staleness_max"] == 0
         N = 67776 * 8  # gpt-tiny in fp64
         shard = {row["rank"]: row["expected"]["ps_push_recv"] for row in summary["ps_bytes"] if row["role"] == "server"}
@@ -161,6 +157,9 @@ def test_parameter_server_resume_continues_exactly(tmp_path):
     full = _cfg(tmp_path, "full", strategy="ps-sync", nproc=3, steps=6, dtype="float32", optimizer="adamw")
     train(full)
     train(_cfg(tmp_path, "part", strategy="ps-sync", nproc=3, steps=3, dtype="float32", optimizer="adamw"))
+    # the state lives on the one server: its shard is the checkpoint set
+    assert sorted(p.name for p in (tmp_path / "part").glob("checkpoint*")) == [
+        "checkpoint-00000003-server0.pt", "checkpoint.json"]
     resumed = _cfg(tmp_path, "part", strategy="ps-sync", nproc=3, steps=6, dtype="float32", optimizer="adamw",
                    resume=True)
     train(resumed)
@@ -184,14 +183,13 @@ def test_parameter_server_refuses_periodic_checkpoints(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_model_parallel_runs_equal_single_process(tmp_path):
-    single = _cfg(tmp_path, "single", strategy="single", nproc=1, steps=4)
-    train(single)
+def test_model_parallel_runs_equal_single_process(tmp_path, tmp_path_factory):
+    ref = reference_losses(tmp_path_factory, steps=4)
     for dp, tp, pp, m in [(1, 2, 2, 2), (2, 2, 1, 1), (2, 1, 2, 3)]:
         cfg = _cfg(tmp_path, f"mp{dp}{tp}{pp}", nproc=dp * tp * pp, dp=dp, tp=tp, pp=pp, microbatches=m, steps=4)
         summary = train(cfg)
         assert summary["layout"] == {"dp": dp, "tp": tp, "pp": pp}
-        torch.testing.assert_close(torch.tensor(_losses(cfg)), torch.tensor(_losses(single)), rtol=1e-10, atol=0,
+        torch.testing.assert_close(torch.tensor(_losses(cfg)), torch.tensor(ref), rtol=1e-10, atol=0,
                                    msg=lambda msg: f"dp={dp} tp={tp} pp={pp}: {msg}")
 
 
@@ -201,9 +199,10 @@ def test_model_parallel_resume_continues_exactly(tmp_path):
     full = _cfg(tmp_path, "full", steps=6, **kw)
     train(full)
     train(_cfg(tmp_path, "part", steps=3, **kw))
-    assert sorted(p.name for p in (tmp_path / "part").glob("checkpoint*.pt")) == [
-        "checkpoint-tp0-pp0.pt", "checkpoint-tp0-pp1.pt", "checkpoint-tp1-pp0.pt", "checkpoint-tp1-pp1.pt",
-        "checkpoint.pt"]
+    # one checkpoint set: a shard per (tp, pp) coordinate, committed by the manifest
+    assert sorted(p.name for p in (tmp_path / "part").glob("checkpoint*")) == [
+        "checkpoint-00000003-tp0-pp0.pt", "checkpoint-00000003-tp0-pp1.pt", "checkpoint-00000003-tp1-pp0.pt",
+        "checkpoint-00000003-tp1-pp1.pt", "checkpoint.json"]
     resumed = _cfg(tmp_path, "part", steps=6, resume=True, **kw)
     train(resumed)
     assert _losses(resumed) == _losses(full)

@@ -104,6 +104,12 @@ def _equivalence(rank: int, kind: str, opt_name: str, stages: list[int], alg: st
     for stage in stages:
         engine = Zero(_model(kind), _opt(opt_name), stage=stage, algorithm=alg, bucket_cap_mb=0.005)
         losses = _train(engine, kind, rank, P, P * LOCAL_B, STEPS)
+        x, _ = _data(P * LOCAL_B, kind, 99)
+        with torch.no_grad():  # evaluation: no autograd, stage 3 still gathers layer by layer
+            engine.eval()
+            if not torch.allclose(engine(x), ref_model(x), rtol=1e-9, atol=1e-12) or engine.training:
+                bad.append(f"P={P} stage {stage}: eval forward differs from the reference")
+            engine.train()
         bad += _compare(f"P={P} stage {stage}", losses, ref_losses, engine.full_state_dict(), ref_model, ref_opt)
     return bad
 
@@ -127,7 +133,7 @@ def _bytes(rank: int, kind: str, input_grad: bool = False) -> dict:
     """Bytes sent by this rank in one training step, per stage and for our DDP, with the formulas."""
     import torch.distributed as dist
 
-    from distrain.parallel.ddp import DistributedDataParallel
+    from distrain.parallel.data_parallel import DistributedDataParallel
 
     P = dist.get_world_size()
     x, y = _data(P * LOCAL_B, kind, 0)
@@ -178,6 +184,34 @@ def test_stage3_skips_the_backward_gather_of_the_embedding():
         assert d["ag_calls"] == 2 * d["units"] - 1  # the Embedding's backward needs only the indices
         assert d["ag"] == d["want_ag"] and d["rs"] == d["want_rs"] == d["closed"]
 
+
+
+def _accumulation(rank: int) -> list[str]:
+    """Two backward passes of half the batch per step equal one process on the whole batch."""
+    import torch.distributed as dist
+
+    P = dist.get_world_size()
+    B = 2 * P * LOCAL_B
+    ref_losses, ref_model, ref_opt = _reference(B, "mlp", "adamw", steps=3)
+    bad = []
+    for stage in (1, 2, 3):
+        engine = Zero(_model("mlp"), _opt("adamw"), stage=stage, algorithm="ring", bucket_cap_mb=0.005)
+        for s in range(3):
+            x, y = _data(B, "mlp", s)
+            engine.zero_grad()
+            for half in (0, 1):
+                rows = slice(half * B // 2 + rank * LOCAL_B, half * B // 2 + (rank + 1) * LOCAL_B)
+                (_loss("mlp", engine(x[rows]), y[rows]) / 2).backward()
+            engine.clip_grad_norm_(CLIP)
+            engine.step()
+        bad += _compare(f"accumulation stage {stage}", [], [], engine.full_state_dict(), ref_model, ref_opt)
+    return bad
+
+
+@pytest.mark.timeout(200)
+def test_gradient_accumulation_over_two_backward_passes():
+    bad = [x for r in distrain.spawn(_accumulation, 3, timeout=150) for x in r]
+    assert not bad, "\n".join(bad)
 
 
 def _save_full(rank: int, path: str, stage: int) -> list[float]:
@@ -281,3 +315,31 @@ def _bad_args(rank: int) -> list[str]:
 def test_bad_arguments_are_refused_with_the_reason():
     bad = [x for r in distrain.spawn(_bad_args, 2, timeout=90) for x in r]
     assert not bad, "\n".join(bad)
+
+
+def _memory(rank: int) -> list[tuple]:
+    import torch.distributed as dist
+
+    P = dist.get_world_size()
+    out = []
+    for stage in (1, 2, 3):
+        engine = Zero(_model("gpt"), _opt("adamw"), stage=stage, algorithm="ring", bucket_cap_mb=0.05)
+        _train(engine, "gpt", rank, P, P * LOCAL_B, 1, clip=None)
+        x, y = _data(P * LOCAL_B, "gpt", 1)
+        _loss("gpt", engine(x[:LOCAL_B]), y[:LOCAL_B]).backward()  # gradients present, as before a step
+        S = sum(u.shard for u in engine.units)
+        out.append((stage, engine.memory(), S, len(engine.units), sum(u.numel for u in engine.units)))
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_memory_per_rank_is_exactly_the_sharded_layout():
+    for r in distrain.spawn(_memory, 3, timeout=150):
+        for stage, mem, S, units, psi in r:
+            assert psi == 67_776  # gpt-tiny
+            e = 8  # fp64
+            assert mem["params"] == e * (3 * S if stage < 3 else S), (stage, mem)  # stage 3: 1/P, padding included
+            assert mem["grads"] == e * (psi + S if stage == 1 else S), (stage, mem)  # stage 1 keeps full-size grads
+            # AdamW: exp_avg and exp_avg_sq per shard element, and one fp32 step counter per shard
+            assert mem["optimizer"] == 2 * e * S + 4 * units, (stage, mem)
+            assert 3 * S - psi < 3 * units  # padding: fewer than P elements per unit

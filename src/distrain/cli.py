@@ -11,18 +11,22 @@ Each subcommand module registers its own flags (``add_arguments(parser)``) and r
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from distrain.errors import DistrainError
 
 
 def _launch_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, required=True, help="ranks on this node")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=None,
+                   help="ranks on this node (default: the --nproc of a `train` job)")
     p.add_argument("--nnodes", default="1", help="number of nodes (or MIN:MAX for elastic jobs)")
     p.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's index")
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, help="HOST:PORT reachable by every node")
-    p.add_argument("--max-restarts", "--max_restarts", type=int, default=0, help="restart the job on failure")
-    p.add_argument("script", nargs=argparse.REMAINDER, help="script.py and its arguments")
+    p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
+                   help="restart the job on failure; `train` jobs then resume from their newest checkpoint")
+    p.add_argument("script", nargs=argparse.REMAINDER,
+                   help="script.py and its arguments, or `train ...` / `-- distrain train ...`")
 
 
 def _run_launch(args: argparse.Namespace) -> int:
@@ -32,6 +36,18 @@ def _run_launch(args: argparse.Namespace) -> int:
                   rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts)
 
 
+def _resume_value(v: str):
+    """--resume (yes), --resume auto (if a checkpoint exists), --resume no."""
+    low = v.lower()
+    if low == "auto":
+        return "auto"
+    if low in ("yes", "true", "1"):
+        return True
+    if low in ("no", "false", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"--resume takes no value, or auto / yes / no; got {v!r}")
+
+
 def _config_arguments(p: argparse.ArgumentParser, cls) -> None:
     """One flag per dataclass field (``batch_size`` -> ``--batch-size``), typed from its default."""
     import dataclasses
@@ -39,7 +55,12 @@ def _config_arguments(p: argparse.ArgumentParser, cls) -> None:
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
-        if isinstance(default, bool):
+        if f.name == "resume":
+            p.add_argument(flag, nargs="?", const=True, default=default, type=_resume_value, metavar="auto",
+                           help="resume from the newest checkpoint in --out; `auto`: only if there is one "
+                                "(the default under `distrain launch --max-restarts`)")
+            p.add_argument("--no-resume", dest="resume", action="store_false")
+        elif isinstance(default, bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
         elif f.name in ("max_staleness",):
             p.add_argument(flag, type=int, default=default)
@@ -48,21 +69,42 @@ def _config_arguments(p: argparse.ArgumentParser, cls) -> None:
 
 
 def _run_train(args: argparse.Namespace) -> int:
+    from distrain import runlock
     from distrain.trainer import TrainConfig, train
 
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k not in ("command", "func")})
-    train(cfg)
+    if cfg.resume is False and os.environ.get("DISTRAIN_RESUME") == "auto":  # set by launch --max-restarts
+        cfg.resume = "auto"
+    cfg.validate()
+    if "RANK" in os.environ and os.environ["RANK"] != "0":  # one rank of a launched job: rank 0 holds the lock
+        _resolve_resume(cfg)
+        train(cfg)
+        return 0
+    with runlock.hold(cfg.out):
+        _resolve_resume(cfg)
+        train(cfg)
     return 0
 
 
+def _resolve_resume(cfg) -> None:
+    if cfg.resume == "auto":
+        cfg.resume = _has_checkpoint(cfg.out)
+
+
+def _has_checkpoint(out: str) -> bool:
+    from pathlib import Path
+
+    return any((Path(out) / name).exists() for name in ("checkpoint.json", "checkpoint.pt"))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from distrain.bench import comm_bench, pipeline_bench, tp_bench, train_bench
+    from distrain.bench import comm_bench, link_bench, pipeline_bench, tp_bench, train_bench, zero_bench
     from distrain.cluster import cli as cluster_cli
 
     parser = argparse.ArgumentParser(prog="distrain", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("launch", help="run a script on many ranks (torchrun underneath)")
+    p = sub.add_parser("launch", help="run a script on many ranks (torchrun underneath)", allow_abbrev=False)
     _launch_arguments(p)
     p.set_defaults(func=_run_launch)
 
@@ -81,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = bsub.add_parser("comm", help="collective bandwidth: native vs star/ring/tree (nccl-tests style)")
     comm_bench.add_arguments(p)
     p.set_defaults(func=comm_bench.run)
+    p = bsub.add_parser("link", help="ping-pong calibration of alpha and beta per link (for the cost model)")
+    link_bench.add_arguments(p)
+    p.set_defaults(func=link_bench.run)
     p = bsub.add_parser("train", help="training throughput: our DDP vs torch DDP vs parameter servers")
     train_bench.add_arguments(p)
     p.set_defaults(func=train_bench.run)
@@ -90,17 +135,30 @@ def build_parser() -> argparse.ArgumentParser:
     p = bsub.add_parser("tp", help="tensor-parallel all-reduce bytes per block vs Megatron's count")
     tp_bench.add_tp_arguments(p)
     p.set_defaults(func=tp_bench.run_tp)
+    p = bsub.add_parser("zero", help="memory per rank and step time: DDP, ZeRO-1/2/3 vs torch ZeRO-1 and FSDP2")
+    zero_bench.add_arguments(p)
+    p.set_defaults(func=zero_bench.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from distrain import lifeline
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    if "RANK" not in os.environ:  # the top process: SIGTERM/SIGHUP end the ranks, then us
+        lifeline.stop_on_signals()
     try:
         return args.func(args) or 0
     except DistrainError as e:
         print(f"distrain: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("distrain: interrupted (Ctrl-C); every rank was stopped", file=sys.stderr)
+        return 130
+    except lifeline.Stopped as e:
+        print(f"distrain: {e}; every rank was stopped", file=sys.stderr)
+        return 128 + e.signum
 
 
 if __name__ == "__main__":

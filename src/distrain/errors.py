@@ -30,3 +30,8 @@ class RankFailedError(DistrainError):
 
 class SpawnTimeoutError(DistrainError, TimeoutError):
     """spawn() ran past its timeout; the message names the ranks still running."""
+
+
+class CollectiveTimeoutError(CommError, TimeoutError):
+    """A collective did not complete within the collective time-out; the message names the
+    ranks that did not arrive and the call they were expected at."""

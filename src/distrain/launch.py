@@ -20,10 +20,13 @@ spawn's contract:
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import socket
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -32,25 +35,33 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from distrain import runtime
+from distrain import lifeline, runtime
+from distrain.blame import Failure, blame, is_secondary
 from distrain.errors import ConfigError, RankFailedError, SpawnTimeoutError
+
+BLAME_GRACE_S = 2.0  # after the first failure, wait this long for the others to pick the first
 
 
 def _child(fn, rank: int, nprocs: int, port: int, args: tuple, backend: str, init_timeout: float,
            threads: int, conn, env: dict[str, str], init: bool = True) -> None:
     os.environ.update(env)
+    lifeline.die_with_parent()  # reads DISTRAIN_PARENT_PID from env
+    lifeline.quiet_interrupts()
     os.environ.update({
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(nprocs),
         "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nprocs), "GROUP_RANK": "0",
         "TORCHELASTIC_USE_AGENT_STORE": "True",  # the parent hosts the store
     })
     torch.set_num_threads(threads)
+    def on_hang(report: str) -> None:  # from the watchdog thread, just before it ends this rank
+        conn.send_bytes(pickle.dumps(("hang", report, time.time(), False)))
+
     try:
         if init:
-            runtime.init(backend, timeout=init_timeout)
-        payload = pickle.dumps(("ok", fn(rank, *args)))
-    except BaseException:
-        payload = pickle.dumps(("err", traceback.format_exc()))
+            runtime.init(backend, timeout=init_timeout, on_hang=on_hang)
+        payload = pickle.dumps(("ok", fn(rank, *args), time.time()))
+    except BaseException as e:
+        payload = pickle.dumps(("err", traceback.format_exc(), time.time(), is_secondary(e)))
     try:
         conn.send_bytes(payload)
     finally:
@@ -66,30 +77,6 @@ def _died(code: int | None) -> str:
     return msg
 
 
-def _is_fallout(text: str) -> bool:
-    """A rank that failed only because a peer went away (its traceback is a comm error)."""
-    return "CommError" in text or "Connection closed by peer" in text or "Connection reset by peer" in text
-
-
-def _root_cause(r: int, text: str, conns, others: list[int], grace: float = 2.0) -> tuple[int, str]:
-    """When rank r failed only because a peer vanished, wait briefly for the peer that raised
-    first, so the error names the cause rather than its fallout."""
-    if not _is_fallout(text):
-        return r, text
-    by_conn = {conns[q]: q for q in others}
-    deadline = time.monotonic() + grace
-    while by_conn and time.monotonic() < deadline:
-        for c in mp.connection.wait(list(by_conn), timeout=max(0.0, deadline - time.monotonic())):
-            q = by_conn.pop(c)
-            try:
-                status, value = pickle.loads(c.recv_bytes())
-            except (EOFError, OSError):
-                continue
-            if status == "err" and not _is_fallout(value):
-                return q, value
-    return r, text
-
-
 def _end(procs) -> None:
     for p in procs:
         if p.is_alive():
@@ -102,26 +89,49 @@ def _end(procs) -> None:
             p.join(1)
 
 
+def local_store(world: int, timeout: float) -> dist.TCPStore:
+    """A rendezvous TCPStore listening on 127.0.0.1 only, on a port the OS picks.
+
+    TCPStore binds every interface when it opens the port itself; handing it a socket we
+    bound to the loopback keeps a local job unreachable from the network."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(max(128, 2 * world))
+    store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], world, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout), master_listen_fd=sock.detach())
+    return store
+
+
+def local_env() -> dict[str, str]:
+    """Environment for ranks of a local job: the top process to die with, Gloo on the loopback."""
+    env = {lifeline.PARENT_ENV: os.environ.get(lifeline.PARENT_ENV, str(os.getpid()))}
+    if "GLOO_SOCKET_IFNAME" not in os.environ and any(name == "lo" for _, name in socket.if_nameindex()):
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    return env
+
+
 def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str = "auto",
-          timeout: float = 600.0, init_timeout: float | None = None, start_method: str = "forkserver",
+          timeout: float | None = 600.0, init_timeout: float | None = None, start_method: str = "forkserver",
           threads_per_rank: int | None = None, env: dict[str, str] | None = None, init: bool = True) -> list[Any]:
     """Run ``fn(rank, *args)`` on ``nprocs`` local ranks with an initialized process group.
 
     ``fn`` must be importable by name (a module-level function). ``timeout`` bounds the whole
-    run; ``init_timeout`` (default: ``timeout``) bounds the rendezvous and each collective.
-    ``threads_per_rank`` defaults to cpu_count // nprocs (at least 1) so ranks do not fight
-    for cores. ``env`` adds environment variables in the children. ``init=False`` leaves the
-    process group to ``fn`` (torch.multiprocessing.spawn's contract): the launcher environment
-    is set, so ``init_process_group("gloo")`` (env://) joins the parent's store.
+    run (None: no limit); ``init_timeout`` (default: ``timeout``, or 300 s without one) bounds
+    the rendezvous and each collective. ``threads_per_rank`` defaults to cpu_count // nprocs
+    (at least 1) so ranks do not fight for cores. ``env`` adds environment variables in the
+    children. The ranks die with this process, whatever kills it (see distrain.lifeline).
+    ``init=False`` leaves the process group to ``fn`` (torch.multiprocessing.spawn's contract):
+    the launcher environment is set, so ``init_process_group("gloo")`` (env://) joins the
+    parent's store.
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ConfigError(f"spawn: nprocs must be a positive int, got {nprocs!r}")
-    if timeout <= 0:
-        raise ConfigError(f"spawn: timeout must be positive, got {timeout}")
+    if timeout is not None and not timeout > 0:
+        raise ConfigError(f"spawn: timeout must be positive (or None for no limit), got {timeout}")
     runtime.resolve_backend(backend)
+    init_timeout = init_timeout or timeout or 300.0
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nprocs)
-    store = dist.TCPStore("127.0.0.1", 0, nprocs, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout))
+    store = local_store(nprocs, init_timeout)
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(["distrain.comm", "distrain.launch"])
@@ -130,44 +140,16 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
     for r in range(nprocs):
         recv_end, send_end = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_child, name=f"distrain-rank{r}", args=(
-            fn, r, nprocs, store.port, tuple(args), backend, init_timeout or timeout, threads, send_end,
-            dict(env or {}), init))
+            fn, r, nprocs, store.port, tuple(args), backend, init_timeout, threads, send_end,
+            local_env() | dict(env or {}), init))
         p.start()
         send_end.close()
         procs.append(p)
         conns.append(recv_end)
 
     results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
     try:
-        while len(results) < nprocs:
-            pending = [r for r in range(nprocs) if r not in results]
-            waitables = {conns[r]: r for r in pending} | {procs[r].sentinel: r for r in pending}
-            ready = mp.connection.wait(list(waitables), timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                joined = runtime.joined_ranks(store, nprocs)
-                never = [r for r in range(nprocs) if r not in joined]
-                raise SpawnTimeoutError(
-                    f"spawn: timed out after {timeout:g}s; rank(s) {pending} still running"
-                    + (f"; rank(s) {never} never joined the process group" if never else "")
-                    + " (a rank blocked in a collective its peers never called, or a slow job: raise timeout=)"
-                )
-            for w in ready:
-                r = waitables[w]
-                if r in results:
-                    continue
-                conn = conns[r]
-                if w is procs[r].sentinel and not conn.poll():
-                    procs[r].join(1)
-                    raise RankFailedError(r, _died(procs[r].exitcode))
-                try:
-                    status, value = pickle.loads(conn.recv_bytes())
-                except EOFError:
-                    procs[r].join(1)
-                    raise RankFailedError(r, _died(procs[r].exitcode)) from None
-                if status == "err":
-                    raise RankFailedError(*_root_cause(r, value, conns, [q for q in pending if q != r]))
-                results[r] = value
+        _collect(procs, conns, results, store, timeout)
     finally:
         # On success the ranks are shutting down by themselves; on failure end them now.
         if len(results) == nprocs:
@@ -180,20 +162,117 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
     return [results[r] for r in range(nprocs)]
 
 
-def launch(nproc_per_node: int, script_args: Sequence[str], nnodes: int | str = 1, node_rank: int = 0,
+def _receive(r: int, proc, conn, ready_sentinel: bool) -> tuple[str, Any, float, bool]:
+    """One rank's outcome: ("ok", value, t, _), ("err", traceback, t, secondary), ("hang", report, t, _)
+    from the collective watchdog, or ("died", how, t, _)."""
+    if ready_sentinel and not conn.poll():
+        proc.join(1)
+        return "died", _died(proc.exitcode), time.time(), False
+    try:
+        msg = pickle.loads(conn.recv_bytes())
+    except EOFError:
+        proc.join(1)
+        return "died", _died(proc.exitcode), time.time(), False
+    return msg if len(msg) == 4 else (*msg, False)
+
+
+def _collect(procs, conns, results: dict[int, Any], store, timeout: float | None) -> None:
+    """Wait for every rank's result; on failure, blame the rank that failed first.
+
+    After the first failure we keep listening for BLAME_GRACE_S so that a rank killed by a
+    signal is not out-raced by a survivor reporting the "connection reset" it caused."""
+    nprocs = len(procs)
+    failures: dict[int, Failure] = {}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    grace_end = None
+    while len(results) + len(failures) < nprocs:
+        pending = [r for r in range(nprocs) if r not in results and r not in failures]
+        waitables = {conns[r]: r for r in pending} | {procs[r].sentinel: r for r in pending}
+        limits = [t - time.monotonic() for t in (deadline, grace_end) if t is not None]
+        ready = mp.connection.wait(list(waitables), timeout=max(0.0, min(limits)) if limits else None)
+        if not ready:
+            if failures:
+                break
+            joined = runtime.joined_ranks(store, nprocs)
+            never = [r for r in range(nprocs) if r not in joined]
+            raise SpawnTimeoutError(
+                f"spawn: timed out after {timeout:g}s (the whole-run limit); rank(s) {pending} still running"
+                + (f"; rank(s) {never} never joined the process group" if never else "")
+                + " (a rank blocked in a collective its peers never called, or a slow job: raise the whole-run "
+                  "limit, --timeout for distrain train, timeout= for spawn)"
+            )
+        for w in ready:
+            r = waitables[w]
+            if r in results or r in failures:
+                continue
+            status, value, when, secondary = _receive(r, procs[r], conns[r], w is procs[r].sentinel)
+            if status == "ok":
+                results[r] = value
+                continue
+            failures[r] = Failure(r, when, value, secondary=secondary, died=status == "died", hang=status == "hang")
+            if grace_end is None:
+                grace_end = time.monotonic() + BLAME_GRACE_S
+    if failures:
+        raise blame(failures)
+
+
+def _entrypoint(script_args: Sequence[str], world: int | None) -> list[str]:
+    """torchrun's arguments for the command to run on every rank.
+
+    ``train ...`` and ``distrain train ...`` (optionally after ``--``) run this interpreter's
+    ``distrain`` CLI (so no PATH lookup picks another install); ``--nproc`` is added when
+    missing so that the job's size is the launcher's. Anything else is a script.py and its args."""
+    args = list(script_args)
+    if args and args[0] == "--":
+        args = args[1:]
+    if not args:
+        raise ConfigError("launch: give the script to run, e.g. `distrain launch --nproc-per-node 2 train.py` "
+                          "or `distrain launch --nproc-per-node 2 train --steps 100`")
+    if args[0] == "distrain" or os.path.basename(args[0]) == "distrain":
+        args = args[1:]
+        if not args:
+            raise ConfigError("launch: `distrain` needs a subcommand, e.g. `-- distrain train --steps 100`")
+    elif args[0] != "train":
+        return args
+    if args[0] == "train" and world is not None and not any(a == "--nproc" or a.startswith("--nproc=") for a in args):
+        args += ["--nproc", str(world)]
+    return ["-m", "distrain.cli", *args]
+
+
+def _nproc_of(script_args: Sequence[str]) -> int | None:
+    """The --nproc of a `train` command line, if given (to default --nproc-per-node)."""
+    args = list(script_args)
+    for i, a in enumerate(args):
+        if a.startswith("--nproc="):
+            return int(a.split("=", 1)[1])
+        if a == "--nproc" and i + 1 < len(args) and args[i + 1].isdigit():
+            return int(args[i + 1])
+    return None
+
+
+def launch(nproc_per_node: int | None, script_args: Sequence[str], nnodes: int | str = 1, node_rank: int = 0,
            rdzv_endpoint: str | None = None, max_restarts: int = 0, rdzv_id: str = "distrain") -> int:
-    """Run a script on every rank through torch's elastic launcher (torchrun).
+    """Run a script (or ``train ...``) on every rank through torch's elastic launcher (torchrun).
 
     One node without an endpoint uses torchrun's --standalone rendezvous on a free port;
     several nodes use the c10d rendezvous at ``rdzv_endpoint`` (HOST:PORT of any one node).
-    Returns the launcher's exit status (0 when every rank succeeded).
+    The ranks die with this process whatever kills it (they watch its pid, see
+    distrain.lifeline); under ``max_restarts`` a ``train`` job resumes from its newest
+    checkpoint (DISTRAIN_RESUME=auto). Returns the exit status (0 when every rank succeeded).
     """
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    is_train = any(a in ("train", "distrain") or os.path.basename(a) == "distrain" for a in list(script_args)[:2])
+    if nproc_per_node is None:
+        nproc_per_node = _nproc_of(script_args) if is_train else None
+        if nproc_per_node is None:
+            raise ConfigError("launch: give --nproc-per-node N (ranks on this node)")
     if nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
-    if not script_args:
-        raise ConfigError("launch: give the script to run, e.g. `distrain launch --nproc-per-node 2 train.py`")
+    if max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be >= 0, got {max_restarts}")
+    world = nproc_per_node * int(nnodes) if str(nnodes).isdigit() else None
     argv = [f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}"]
     if rdzv_endpoint:
         argv += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d",
@@ -202,11 +281,21 @@ def launch(nproc_per_node: int, script_args: Sequence[str], nnodes: int | str = 
         raise ConfigError(f"--nnodes={nnodes} needs --rdzv-endpoint HOST:PORT (a host every node can reach)")
     else:
         argv.append("--standalone")
-    argv += list(script_args)
+    argv += _entrypoint(script_args, world)
+    os.environ[lifeline.PARENT_ENV] = str(os.getpid())  # the ranks inherit it and watch us
+    if max_restarts > 0:
+        os.environ.setdefault("DISTRAIN_RESUME", "auto")
+    for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
+        logging.getLogger(name).setLevel(logging.ERROR)  # their shutdown chatter: we print one line instead
+    parser = torchrun.get_args_parser()
+    parser.allow_abbrev = False  # else a train flag such as --nproc is taken for torchrun's --nproc-per-node
     try:
-        torchrun.main(argv)
+        torchrun.run(parser.parse_args(argv))
     except SystemExit as e:
         return int(e.code or 0)
+    except SignalException as e:  # torchrun turns SIGTERM/SIGINT/SIGHUP into this after stopping the ranks
+        print(f"distrain launch: stopped by {e.sigval.name}; every rank was stopped", file=sys.stderr)
+        return 128 + int(e.sigval)
     except Exception as e:  # torchrun raises ChildFailedError with every failed rank's traceback
         print(e)
         return 1

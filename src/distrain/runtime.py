@@ -16,17 +16,22 @@ rank that never joins gives an error naming it instead of an anonymous time-out.
 from __future__ import annotations
 
 import os
+import socket
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from distrain import comm
+from distrain import comm, lifeline
+from distrain.comm import watchdog
 from distrain.errors import CommError, ConfigError
 
 REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+HANDSHAKE_S = 20.0  # a port that accepts connections but has not answered as a store by then is something else
 LAUNCH_HINT = (
     "start the script with `distrain launch --nproc-per-node N script.py` (or `torchrun "
     "--nproc-per-node N script.py`), or run a function on N local ranks with distrain.spawn(fn, N)"
@@ -64,10 +69,15 @@ def _env_int(name: str) -> int:
         raise ConfigError(f"environment variable {name}={os.environ[name]!r} is not an integer") from None
 
 
-def init(backend: str = "auto", timeout: float | timedelta = 300.0) -> RuntimeInfo:
+def init(backend: str = "auto", timeout: float | timedelta = 300.0,
+         on_hang: Callable[[str], None] | None = None) -> RuntimeInfo:
     """Initialize the default process group from the launcher's environment (idempotent).
 
-    ``timeout`` (seconds) bounds the rendezvous and every later collective of the group.
+    ``timeout`` (seconds) bounds the rendezvous and every later collective of the group: a
+    rank blocked longer in one call is stopped by the collective watchdog
+    (distrain.comm.watchdog), which names the ranks that did not arrive and hands that report
+    to ``on_hang`` (default: stderr) before exiting. The backend's own time-out is set a little
+    longer so that the watchdog's report comes first.
     """
     if dist.is_initialized():
         return info()
@@ -82,27 +92,83 @@ def init(backend: str = "auto", timeout: float | timedelta = 300.0) -> RuntimeIn
     secs = _seconds(timeout)
     addr, port = os.environ["MASTER_ADDR"], _env_int("MASTER_PORT")
 
+    if lifeline.PARENT_ENV in os.environ:  # started by distrain: die with the top process, leave Ctrl-C to it
+        lifeline.die_with_parent()
+        lifeline.quiet_interrupts()
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
     # Under torchrun (and distrain.spawn) the launcher already hosts the store; else rank 0 does.
     hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    try:
-        store = dist.TCPStore(addr, port, world, is_master=hosts_store, timeout=timedelta(seconds=secs),
-                              wait_for_workers=False)
-    except Exception as e:
-        raise CommError(
-            f"rank {rank}: cannot reach the rendezvous store at {addr}:{port} within {secs:g}s ({e}); "
-            f"check that rank 0 / the launcher is running and that every rank has the same MASTER_ADDR and MASTER_PORT"
-        ) from e
+    store = _connect_store(addr, port, world, rank, hosts_store, secs)
     # A restarted job (torchrun --max-restarts) reuses the store: keep each attempt's keys apart.
     prefix = f"distrain/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     _wait_for_all(store, prefix, rank, world, secs, f"{addr}:{port}")
     dist.init_process_group(backend, store=dist.PrefixStore(prefix + "pg", store), rank=rank,
-                            world_size=world, timeout=timedelta(seconds=secs))
+                            world_size=world, timeout=timedelta(seconds=secs + max(30.0, secs / 5)))
+    watchdog.install(dist.PrefixStore(prefix, store), rank, world, secs, on_hang)
     # The one place the debug switch is read from the environment (never deep inside comm).
     comm.set_debug(os.environ.get("DISTRAIN_DEBUG", "0") not in ("", "0", "false", "False"))
-    comm.set_default_transport(os.environ.get("DISTRAIN_TRANSPORT") or "torch")  # the whole job's transport
+    comm.set_default_transport(os.environ.get("DISTRAIN_TRANSPORT") or "torch", timeout=secs)  # the job's transport
     return info()
+
+
+def _connect_store(addr: str, port: int, world: int, rank: int, hosts_store: bool, secs: float):
+    """The rendezvous store client (or server, for rank 0 without a launcher).
+
+    TCPStore's client retries a refused connection until ``secs`` (the store may start
+    later), but waits forever for the answer of a port that accepts and stays silent. So the
+    client is built on a helper thread while we probe the port: once a plain TCP connect
+    succeeds, the store has HANDSHAKE_S to answer, else MASTER_PORT points at another service."""
+    where = f"{addr}:{port}"
+    result: dict = {}
+
+    def make() -> None:
+        try:
+            # a local job's store listens on the loopback only (TCPStore alone would bind every interface)
+            fd = _loopback_listener(port) if hosts_store and addr in ("127.0.0.1", "localhost") else None
+            result["store"] = dist.TCPStore(addr, port, world, is_master=hosts_store, timeout=timedelta(seconds=secs),
+                                            wait_for_workers=False, master_listen_fd=fd)
+        except Exception as e:  # noqa: BLE001 - reported below with the address
+            result["error"] = e
+
+    helper = threading.Thread(target=make, name="distrain-store-connect", daemon=True)
+    helper.start()
+    deadline, answer_by = time.monotonic() + secs, None
+    while helper.is_alive():
+        helper.join(0.2)
+        now = time.monotonic()
+        if helper.is_alive() and answer_by is None and not hosts_store and _accepts(addr, port):
+            answer_by = now + min(HANDSHAKE_S, secs)
+        if helper.is_alive() and answer_by is not None and now > answer_by:
+            raise CommError(f"rank {rank}: MASTER_ADDR:MASTER_PORT {where} accepts connections but does not answer "
+                            f"as a torch.distributed store (no reply in {min(HANDSHAKE_S, secs):g}s); MASTER_PORT "
+                            f"points at another service: give the port of the launcher's or rank 0's store")
+        if helper.is_alive() and now > deadline + 5:
+            break
+    if "store" not in result:
+        e = result.get("error", f"no answer in {secs:g}s")
+        raise CommError(
+            f"rank {rank}: cannot reach the rendezvous store at {where} within {secs:g}s "
+            f"({str(e).splitlines()[0][:200]}); check that rank 0 / the launcher is running and that every rank has "
+            f"the same MASTER_ADDR and MASTER_PORT"
+        ) from (e if isinstance(e, BaseException) else None)
+    return result["store"]
+
+
+def _loopback_listener(port: int) -> int:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(128)
+    return sock.detach()
+
+
+def _accepts(addr: str, port: int) -> bool:
+    try:
+        with socket.create_connection((addr, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
 
 
 def _wait_for_all(store, prefix: str, rank: int, world: int, secs: float, where: str) -> None:
@@ -138,6 +204,8 @@ def info() -> RuntimeInfo:
 
 
 def shutdown() -> None:
-    """Destroy the default process group if there is one."""
+    """Stop the collective watchdog and destroy the default process group if there is one."""
+    watchdog.uninstall()
     if dist.is_initialized():
+        comm.close_all()  # shared-memory segments go with the groups
         dist.destroy_process_group()

@@ -30,6 +30,12 @@ for each op, then each size:
 All algorithms, native included, are called through :mod:`distrain.comm` (so the buffer
 copies that wrapper makes, e.g. for all_gather/reduce_scatter, are paid by every algorithm).
 
+``--transport torch,shm`` measures every algorithm on each transport, interleaved in the
+same rounds: the world group carries the first transport, a second group of the same ranks
+each further one. Columns are labelled ``ALGORITHM`` for torch and ``ALGORITHM@TRANSPORT``
+otherwise (``native@shm`` = the direct shared-memory collectives, ``ring@shm`` = our ring
+over shared-memory P2P).
+
 Sizes and bandwidths follow nccl-tests (doc/PERFORMANCE.md): the size S is the bytes of the
 full buffer: the tensor for all_reduce/broadcast/reduce; the gathered output (P*n elements)
 for all_gather; the full input (P*n) for reduce_scatter; the full P*n buffer for
@@ -51,10 +57,11 @@ from typing import Any, Callable
 
 import torch
 
-from distrain.bench import common
+from distrain.bench import common, comm_predict
 from distrain.bench.comm_report import (  # noqa: F401  (re-exported: the conventions are part of this API)
     bandwidths, busbw_factor, format_markdown, format_tables, full_size, per_rank_count, plot)
 from distrain.comm.api import ALGORITHM_NAMES, COLLECTIVES
+from distrain.comm.transports import TRANSPORT_NAMES
 from distrain.comm.ops import SUPPORTED_DTYPES
 from distrain.errors import ConfigError
 
@@ -62,6 +69,7 @@ DEFAULT_NPROC = "2,4"
 DEFAULT_OPS = "all_reduce"
 DEFAULT_ALGORITHMS = ",".join(ALGORITHM_NAMES)
 DEFAULT_SIZES = "4K,256K,4M,16M"
+DEFAULT_TRANSPORTS = "torch"
 TARGET_S = 0.5  # adaptive iterations: about this long per cell ...
 MIN_ITERS, MAX_ITERS = 5, 50  # ... but at least / at most this many iterations
 ROOT = 0
@@ -83,6 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_OPS}; barrier reports time only)")
     p.add_argument("--algorithms", default=DEFAULT_ALGORITHMS,
                    help=f"algorithms, comma-separated or 'all' (default {DEFAULT_ALGORITHMS})")
+    p.add_argument("--transport", default=DEFAULT_TRANSPORTS,
+                   help=f"transports to compare, comma-separated: {', '.join(TRANSPORT_NAMES)} (default torch)")
     p.add_argument("--sizes", default=DEFAULT_SIZES,
                    help=f"full-buffer sizes in bytes, K/M/G = powers of 1024 (default {DEFAULT_SIZES})")
     p.add_argument("--dtype", default="float32", help=f"element type, one of {', '.join(_DTYPES)} (default float32)")
@@ -93,6 +103,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="write every median and metadata as JSON")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a busbw-vs-size figure (PNG, matplotlib)")
     p.add_argument("--markdown", default=None, metavar="PATH", help="write the tables as Markdown (for docs)")
+    p.add_argument("--predict", nargs="?", const="auto", default=None, metavar="CALIBRATION",
+                   help="add the cost model's predicted_us to every record, with links from a `distrain bench link "
+                        "--json` file, or (no value) from a short ping-pong at the start (docs/cost_model.md)")
     p.add_argument("--timeout", default="3600", help="seconds allowed for each world size's spawn (default 3600)")
 
 
@@ -121,13 +134,19 @@ def parse_config(args: argparse.Namespace) -> dict[str, Any]:
         "nprocs": common.parse_ints(args.nproc, "--nproc", minimum=1),
         "ops": common.parse_choices(args.ops, COLLECTIVES, "--ops"),
         "algorithms": common.parse_choices(args.algorithms, ALGORITHM_NAMES, "--algorithms"),
+        "transports": common.parse_choices(getattr(args, "transport", DEFAULT_TRANSPORTS), TRANSPORT_NAMES,
+                                           "--transport"),
         "sizes": common.parse_sizes(args.sizes),
         "dtype": dtype,
         "warmup": _int(args.warmup, "--warmup", 0),
         "iters": None if args.iters in (None, "", "auto") else _int(args.iters, "--iters", 1),
         "timeout": timeout,
         "target_s": TARGET_S,
+        "predict": getattr(args, "predict", None),
     }
+    if cfg["predict"] not in (None, "auto") and not os.path.isfile(cfg["predict"]):
+        raise ConfigError(f"--predict: no calibration file {cfg['predict']!r}; write one with "
+                          f"`distrain bench link --json {cfg['predict']}` or give --predict alone to calibrate now")
     if args.plot:
         common.require_pyplot()  # fail before the (long) measurement, not after
     return cfg
@@ -137,34 +156,56 @@ def parse_config(args: argparse.Namespace) -> dict[str, Any]:
 # One (op, size) case on one rank
 # ---------------------------------------------------------------------------------------
 
-def _make_call(op: str, n: int, P: int, rank: int, dtype: torch.dtype) -> Callable[[str], None]:
-    """Allocate op's buffers once; return call(algorithm) doing one blocking collective."""
+def labels(algorithms: list[str], transports: list[str]) -> list[str]:
+    """Column labels: the algorithm on torch, ``alg@transport`` on the others."""
+    return [a if t == "torch" else f"{a}@{t}" for t in transports for a in algorithms]
+
+
+def _split(label: str, groups: dict) -> tuple[str, Any]:
+    alg, _, t = label.partition("@")
+    return alg, groups[t or "torch"]
+
+
+def _make_call(op: str, n: int, P: int, rank: int, dtype: torch.dtype, groups: dict) -> Callable[[str], None]:
+    """Allocate op's buffers once; return call(label) doing one blocking collective."""
     from distrain import comm
 
     z = lambda k: torch.zeros(k, dtype=dtype)  # noqa: E731
+    inner = _make_call_on(op, n, P, rank, z)
+
+    def call(label: str) -> None:
+        alg, group = _split(label, groups)
+        inner(alg, group)
+
+    return call
+
+
+def _make_call_on(op: str, n: int, P: int, rank: int, z) -> Callable[[str, Any], None]:
+    from distrain import comm
+
     if op == "all_reduce":
         t = z(n)
-        return lambda a: comm.all_reduce(t, algorithm=a)
+        return lambda a, g: comm.all_reduce(t, algorithm=a, group=g)
     if op == "broadcast":
         t = z(n)
-        return lambda a: comm.broadcast(t, src=ROOT, algorithm=a)
+        return lambda a, g: comm.broadcast(t, src=ROOT, algorithm=a, group=g)
     if op == "reduce":
         t = z(n)
-        return lambda a: comm.reduce(t, dst=ROOT, algorithm=a)
+        return lambda a, g: comm.reduce(t, dst=ROOT, algorithm=a, group=g)
     if op == "all_gather":
         t, lst = z(n), [z(n) for _ in range(P)]
-        return lambda a: comm.all_gather(lst, t, algorithm=a)
+        return lambda a, g: comm.all_gather(lst, t, algorithm=a, group=g)
     if op == "reduce_scatter":
         out, lst = z(n), [z(n) for _ in range(P)]
-        return lambda a: comm.reduce_scatter(out, lst, algorithm=a)
+        return lambda a, g: comm.reduce_scatter(out, lst, algorithm=a, group=g)
     if op == "scatter":
         out, lst = z(n), ([z(n) for _ in range(P)] if rank == ROOT else None)
-        return lambda a: comm.scatter(out, lst, src=ROOT, algorithm=a)
+        return lambda a, g: comm.scatter(out, lst, src=ROOT, algorithm=a, group=g)
     if op == "gather":
         t, lst = z(n), ([z(n) for _ in range(P)] if rank == ROOT else None)
-        return lambda a: comm.gather(t, lst, dst=ROOT, algorithm=a)
+        return lambda a, g: comm.gather(t, lst, dst=ROOT, algorithm=a, group=g)
     if op == "barrier":
-        return lambda a: comm.barrier(algorithm=a)
+        return lambda a, g: comm.barrier(algorithm=a, group=g)
     raise ConfigError(f"unknown collective {op!r}")
 
 
@@ -181,16 +222,16 @@ def _timed_round(call, algs: list[str], order_shift: int, dist) -> list[float]:
     return out
 
 
-def _case(rank: int, P: int, op: str, size: int, cfg: dict, dist) -> list[dict]:
+def _case(rank: int, P: int, op: str, size: int, cfg: dict, dist, groups: dict) -> list[dict]:
     from distrain import comm
 
     dtype = _DTYPES[cfg["dtype"]]
     elem = torch.tensor([], dtype=dtype).element_size()
-    algs = cfg["algorithms"]
+    algs = labels(cfg["algorithms"], cfg["transports"])
     A = len(algs)
     n = per_rank_count(op, size, P, elem)
     S = full_size(op, n, P, elem)
-    call = _make_call(op, n, P, rank, dtype)
+    call = _make_call(op, n, P, rank, dtype, groups)
 
     last = None
     for w in range(cfg["warmup"]):
@@ -213,8 +254,8 @@ def _case(rank: int, P: int, op: str, size: int, cfg: dict, dist) -> list[dict]:
         dist.barrier()
         with comm.ledger() as led:
             call(a)
-        traffic[k, 0] = led.bytes_sent(op, a)
-        traffic[k, 1] = led.bytes_recv(op, a)
+        traffic[k, 0] = led.bytes_sent(op, a.partition("@")[0])
+        traffic[k, 1] = led.bytes_recv(op, a.partition("@")[0])
 
     all_times = [torch.empty_like(times) for _ in range(P)]
     dist.all_gather(all_times, times)
@@ -229,9 +270,9 @@ def _case(rank: int, P: int, op: str, size: int, cfg: dict, dist) -> list[dict]:
         algbw, busbw = bandwidths(op, S, P, sec)
         sent = [int(t[k, 0]) for t in all_traffic]
         recv = [int(t[k, 1]) for t in all_traffic]
-        native = a == "native"
+        native = a.startswith("native")
         records.append({
-            "P": P, "op": op, "algorithm": a, "dtype": cfg["dtype"],
+            "P": P, "op": op, "algorithm": a, "dtype": cfg["dtype"], "transport": a.partition("@")[2] or "torch",
             "size_bytes": S, "requested_size_bytes": size if op != "barrier" else 0, "count": n,
             "iters": iters, "warmup": cfg["warmup"],
             "time_us": sec * 1e6, "algbw_GBps": algbw, "busbw_GBps": busbw,
@@ -248,14 +289,24 @@ def _worker(rank: int, cfg: dict) -> list[dict] | None:
     """Runs on every rank of one spawn; rank 0 returns the records."""
     import torch.distributed as dist
 
+    from distrain import comm
+
     P = dist.get_world_size()
+    groups: dict[str, Any] = {}
+    for i, t in enumerate(cfg["transports"]):  # one group of all ranks per transport
+        g = None if i == 0 else dist.new_group(list(range(P)))
+        comm.set_transport(t, g)
+        groups[t] = g
     records: list[dict] = []
+    fabric = comm_predict.setup(cfg["predict"], rank) if cfg.get("predict") else None
     sizes = cfg["sizes"]
     t_start = time.perf_counter()
     for op in cfg["ops"]:
         for size in (sizes if op != "barrier" else [0]):
             t0 = time.perf_counter()
-            recs = _case(rank, P, op, size, cfg, dist)
+            recs = _case(rank, P, op, size, cfg, dist, groups)
+            if fabric is not None:
+                comm_predict.annotate(recs, fabric, torch.tensor([], dtype=_DTYPES[cfg["dtype"]]).element_size())
             records += recs
             if rank == 0:
                 cells = "  ".join(f"{r['algorithm']} {r['time_us']:.0f}us" for r in recs)
@@ -269,8 +320,21 @@ def _worker(rank: int, cfg: dict) -> list[dict] | None:
 # ---------------------------------------------------------------------------------------
 
 def measure(cfg: dict) -> list[dict]:
-    """Run every world size of cfg (one spawn each) and return all records."""
+    """Run every world size of cfg (one spawn each) and return all records.
+
+    Under a launcher (``distrain launch``, ``distrain cluster run``: RANK and WORLD_SIZE set)
+    the launched world is measured instead; rank 0 returns the records, the others [].
+    """
     import distrain
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        import torch.distributed as dist
+
+        distrain.runtime.init(timeout=cfg["timeout"])
+        try:
+            return _worker(dist.get_rank(), cfg) or []
+        finally:
+            distrain.runtime.shutdown()
 
     records: list[dict] = []
     for P in cfg["nprocs"]:
@@ -286,7 +350,8 @@ def measure(cfg: dict) -> list[dict]:
 def command_line(args: argparse.Namespace) -> str:
     """The equivalent ``distrain bench comm ...`` command, every flag spelled out."""
     parts = ["distrain", "bench", "comm"]
-    for flag in ("nproc", "ops", "algorithms", "sizes", "dtype", "warmup", "iters", "json", "plot", "timeout"):
+    for flag in ("nproc", "ops", "algorithms", "transport", "sizes", "dtype", "warmup", "iters", "json", "plot",
+                 "timeout", "predict"):
         v = getattr(args, flag, None)
         if v is not None:
             parts += [f"--{flag}", str(v)]
@@ -298,11 +363,16 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     records = measure(cfg)
     elapsed = time.perf_counter() - t0
-    print(format_tables(records, cfg["algorithms"], cfg["dtype"]))
+    if not records and "RANK" in os.environ:  # launched, not rank 0: rank 0 reports
+        return 0
+    columns = labels(cfg["algorithms"], cfg["transports"])
+    print(format_tables(records, columns, cfg["dtype"]))
+    if cfg["predict"]:
+        print(comm_predict.table(records))
     sys.stdout.flush()
     if args.json:
         meta = common.metadata(command_line(args), benchmark="comm", nprocs=cfg["nprocs"], ops=cfg["ops"],
-                               algorithms=cfg["algorithms"], sizes=cfg["sizes"], dtype=cfg["dtype"],
+                               algorithms=cfg["algorithms"], transports=cfg["transports"], sizes=cfg["sizes"], dtype=cfg["dtype"],
                                warmup=cfg["warmup"], iters=cfg["iters"] if cfg["iters"] else
                                f"adaptive: ceil({TARGET_S}s / slowest warm-up call), clamped to [{MIN_ITERS}, {MAX_ITERS}]",
                                elapsed_s=round(elapsed, 1),
@@ -313,11 +383,11 @@ def run(args: argparse.Namespace) -> int:
         common.write_json(args.json, meta, records)
         common.progress(f"wrote {args.json}")
     if args.plot:
-        plot(records, cfg["algorithms"], args.plot)
+        plot(records, columns, args.plot)
         common.progress(f"wrote {args.plot}")
     if args.markdown:
         with open(args.markdown, "w") as f:
-            f.write(format_markdown(records, cfg["algorithms"]) + "\n")
+            f.write(format_markdown(records, columns) + "\n")
         common.progress(f"wrote {args.markdown}")
     common.progress(f"bench comm: {len(records)} records in {elapsed:.1f}s")
     return 0

@@ -15,7 +15,7 @@ import os
 import runpy
 import sys
 
-ENV = "DISTRAIN_CLUSTER_CMD"
+from distrain.cluster.runner import CMD_ENV as ENV
 
 
 def main() -> int:

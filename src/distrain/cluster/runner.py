@@ -30,10 +30,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from distrain.cluster import command, netns
+from distrain.cluster import netns
 from distrain.errors import ConfigError
 
 RDZV_PORT = 29400
+CMD_ENV = "DISTRAIN_CLUSTER_CMD"  # the command, as JSON, read by distrain.cluster.command
 
 
 @dataclass
@@ -78,7 +79,7 @@ def node_env(spec: netns.ClusterSpec, i: int, cmd: list[str]) -> dict[str, str]:
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")}
     env.update({"GLOO_SOCKET_IFNAME": "eth0", "PET_LOCAL_ADDR": spec.address(i),
                 "PET_RDZV_CONF": f"is_host={1 if i == 0 else 0}", "DISTRAIN_CLUSTER_NODE": str(i),
-                command.ENV: json.dumps(cmd)})
+                CMD_ENV: json.dumps(cmd)})
     return env
 
 

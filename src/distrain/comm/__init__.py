@@ -15,6 +15,9 @@ Layers, each depending only on those above it:
     ops.py         reduce ops and dtype rules
     ledger.py      traffic accounting
     star.py ring.py tree.py   our algorithms, written only on PeerComm
+    shm_segment.py shm.py shm_p2p.py   the shared-memory transport (segments, waits, P2P rings)
+    shm_coll.py    direct shared-memory collectives ("native" on the shm transport)
+    hierarchy.py   all_reduce over several hosts: shm inside, torch between leaders
     registry.py    the algorithm registry and its interface (Protocol)
     cost.py        exact traffic per rank, from each algorithm's own closed form
     api.py         the eight collectives: validation, dispatch, async handles, debug checks
@@ -53,6 +56,7 @@ from distrain.comm.forms import (
     batch_isend_irecv,
     reduce_scatter_tensor,
 )
+from distrain.comm.group import close_all, close_group
 from distrain.comm.ledger import Counts, Ledger, ledger
 from distrain.comm.objects import (
     all_gather_object,
@@ -80,8 +84,8 @@ __all__ = [
     "ALGORITHM_NAMES", "COLLECTIVES", "CommHandle", "Counts", "Ledger", "P2POp", "TRANSPORT_NAMES", "Transport",
     "all_gather", "all_gather_coalesced", "all_gather_into_tensor", "all_gather_object", "all_reduce",
     "all_reduce_coalesced", "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv", "broadcast",
-    "broadcast_object_list", "debug_enabled", "destroy_process_group", "gather", "gather_object",
-    "init_process_group", "irecv", "isend", "isend_tensor", "ledger", "recv", "recv_object_list", "recv_tensor",
-    "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send",
+    "broadcast_object_list", "close_all", "close_group", "debug_enabled", "destroy_process_group", "gather",
+    "gather_object", "init_process_group", "irecv", "isend", "isend_tensor", "ledger", "recv", "recv_object_list",
+    "recv_tensor", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send",
     "send_object_list", "send_tensor", "set_debug", "set_default_transport", "set_transport", "transport_of",
 ] + [n for n in PASSTHROUGH if hasattr(_torch_dist, n)]

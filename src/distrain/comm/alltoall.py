@@ -103,7 +103,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
 
     dummy = torch.empty((), dtype=inp.dtype)  # same on every rank: blocks may be empty on some ranks only
     return api._run(st, NAME, algorithm, async_op, nbytes(inp),
-                    ours=lambda pc: _ours(pc, mod, send, cin, recv, cout), native=native,
+                    mod=mod, ours=lambda m, pc: _ours(pc, m, send, cin, recv, cout), native=native,
                     after=after, fp=("", dummy, -1), outputs=[output])
 
 

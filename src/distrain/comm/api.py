@@ -28,6 +28,7 @@ run on the group's worker thread (see group.py), native ones on the backend's.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from concurrent.futures import Future
 from typing import Callable
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from distrain.comm import ledger as _ledger
-from distrain.comm import registry
+from distrain.comm import registry, watchdog
 from distrain.comm.group import GroupState, resolve
 from distrain.comm.ops import COMPLEX_DTYPES, OPS, check_complex_op, check_dtype, resolve_op
 from distrain.comm.p2p import PeerComm
@@ -97,10 +98,11 @@ class CommHandle:
         if self._done:
             return True
         try:
-            if self._future is not None:
-                self._future.result(timeout)
-            elif self._work is not None:
-                self._work.wait() if timeout is None else self._work.wait(_td(timeout))
+            with watchdog.blocking(self._desc):
+                if self._future is not None:
+                    self._future.result(timeout)
+                elif self._work is not None:
+                    self._work.wait() if timeout is None else self._work.wait(_td(timeout))
             self._finish()
         except CommError as e:
             self._error = e
@@ -269,51 +271,76 @@ def _fingerprint_check(st: GroupState, seq: int, collective: str, algorithm: str
 # The dispatcher
 # ---------------------------------------------------------------------------------------
 
-def _run(st: GroupState, collective: str, algorithm: str, async_op: bool, payload: int,
-         ours: Callable[[PeerComm], None], native: Callable[[bool], object] | None,
+_NO_WATCH = contextlib.nullcontext()
+
+
+def _run(st: GroupState, collective: str, algorithm: str, async_op: bool, payload: int, mod,
+         ours: Callable[[object, PeerComm], None], native: Callable[[bool], object] | None,
          after: Callable[[], None] | None, fp: tuple, outputs: list | None = None) -> CommHandle | None:
-    """Run one collective call: fingerprint, ledger, then ours (inline or on the worker) or native."""
+    """Run one collective call: fingerprint, ledger, then ours (inline or on the worker) or native.
+
+    ``mod`` is the registered algorithm, or None for "native": then the group's transport may
+    provide its own (the direct shared-memory collectives), else torch.distributed's runs.
+    ``outputs``: what the handle's result() returns (default: the tensor of ``fp``).
+    """
     seq = st.next_seq()
     if _debug:
         _fingerprint_check(st, seq, collective, algorithm, *fp)
     _ledger.record(collective, algorithm, calls=1, payload=payload)
     me = st.ranks[st.rank]
     outs = outputs if outputs is not None else [t for t in fp[1:2] if t is not None]
-    desc = f"{collective}(algorithm={algorithm}) on rank {me} (group rank {st.rank} of {st.size})"
+    transport = st.transport
+    desc = f"{collective}(algorithm={algorithm}, transport={transport.name}) on rank {me} " \
+           f"(group rank {st.rank} of {st.size})"
+    ordered = False  # the direct collectives share one slot per rank: calls run one at a time, in order
+    if mod is None:
+        mod = transport.direct(collective) if st.size > 1 else None
+        ordered = mod is not None
+    if mod is None:
+        return _run_native(desc, native, async_op, after, outs)
 
-    if algorithm == "native":
-        try:
-            work = native(async_op)
-            if not async_op:
-                if after is not None:
-                    after()
-                return None
-        except CommError:
-            raise
-        except Exception as e:
-            raise CommError(f"{desc} failed: {e}") from e
-        return CommHandle(desc, work=work, after=after, outputs=outs)
-
-    pc = PeerComm(st, collective, algorithm, st.tag(seq))
-
+    pc = PeerComm(st, collective, algorithm, st.tag(seq), transport)
     tensor = fp[1]  # an empty tensor moves nothing: every rank skips the algorithm alike
     skip = st.size == 1 or (tensor is not None and tensor.numel() == 0)
 
     def job() -> None:
         if not skip:
-            ours(pc)
+            try:
+                ours(mod, pc)
+            except BaseException:
+                transport.abort()  # peers waiting on this rank stop at once
+                raise
         if after is not None:
             after()
 
     if async_op:
         return CommHandle(desc, future=st.submit(job), outputs=outs)
     try:
-        job()
+        with watchdog.blocking(desc):
+            if ordered and st.pending:  # async calls before this one still run on the worker
+                st.submit(job).result()
+            else:
+                job()
     except CommError:
         raise
     except Exception as e:
         raise CommError(f"{desc} failed: {e}") from e
     return None
+
+
+def _run_native(desc: str, native, async_op: bool, after, outs: list) -> CommHandle | None:
+    try:
+        with watchdog.blocking(desc) if not async_op else _NO_WATCH:
+            work = native(async_op)
+        if not async_op:
+            if after is not None:
+                after()
+            return None
+    except CommError:
+        raise
+    except Exception as e:
+        raise CommError(f"{desc} failed: {e}") from e
+    return CommHandle(desc, work=work, after=after, outputs=outs)
 
 
 @torch_call('src')
@@ -326,7 +353,7 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
     flat = _flat(tensor)
     after = (lambda: _copy_back(tensor, flat)) if st.rank != root else None
     return _run(st, name, algorithm, async_op, nbytes(tensor),
-                ours=lambda pc: mod.broadcast(pc, flat, root),
+                mod=mod, ours=lambda m, pc: m.broadcast(pc, flat, root),
                 native=lambda a: dist.broadcast(flat, src, group=st.group, async_op=a),
                 after=after, fp=("", tensor, root))
 
@@ -347,7 +374,7 @@ def reduce(tensor: torch.Tensor, dst: int, op="sum", group=None, async_op: bool 
             _copy_back(tensor, flat)
 
     return _run(st, name, algorithm, async_op, nbytes(tensor),
-                ours=lambda pc: mod.reduce(pc, flat, root, o),
+                mod=mod, ours=lambda m, pc: m.reduce(pc, flat, root, o),
                 native=lambda a: dist.reduce(flat, dst, op=o.native, group=st.group, async_op=a),
                 after=after, fp=(o.name, tensor, root))
 
@@ -369,7 +396,7 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = Fals
         _copy_back(tensor, flat)
 
     return _run(st, name, algorithm, async_op, nbytes(tensor),
-                ours=lambda pc: mod.all_reduce(pc, flat, o),
+                mod=mod, ours=lambda m, pc: m.all_reduce(pc, flat, o),
                 native=lambda a: dist.all_reduce(flat, op=o.native, group=st.group, async_op=a),
                 after=after, fp=(o.name, tensor, -1))
 
@@ -388,7 +415,7 @@ def scatter(tensor: torch.Tensor, scatter_list=None, src: int = 0, group=None, a
     if lst is not None:
         out.copy_(lst[root].reshape(-1))  # the source's own slot (also the whole result when P == 1)
     return _run(st, name, algorithm, async_op, nbytes(tensor),
-                ours=lambda pc: mod.scatter(pc, out, full, root),
+                mod=mod, ours=lambda m, pc: m.scatter(pc, out, full, root),
                 native=lambda a: dist.scatter(out, list(full.view(st.size, -1)) if lst else None, src,
                                               group=st.group, async_op=a),
                 after=lambda: _copy_back(tensor, out),
@@ -416,7 +443,7 @@ def gather(tensor: torch.Tensor, gather_list=None, dst: int = 0, group=None, asy
                 t.copy_(full[i * n:(i + 1) * n].view(t.shape))
 
     return _run(st, name, algorithm, async_op, nbytes(tensor),
-                ours=lambda pc: mod.gather(pc, inp, full, root),
+                mod=mod, ours=lambda m, pc: m.gather(pc, inp, full, root),
                 native=lambda a: dist.gather(inp, list(full.view(st.size, n)) if lst is not None else None, dst,
                                              group=st.group, async_op=a),
                 after=after, fp=("", tensor, root), outputs=lst or [])
@@ -430,20 +457,36 @@ def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = F
     tensor = _tensor(tensor, "tensor", name)
     lst = _tensor_list(tensor_list, tensor, st.size, "tensor_list", name, st.ranks[st.rank])
     n = tensor.numel()
-    full = torch.empty(st.size * n, dtype=tensor.dtype, device=tensor.device)
+    full = _adjacent_views(lst, n)  # gather straight into the caller's buffer when the list allows it
+    direct = full is not None
+    if not direct:
+        full = torch.empty(st.size * n, dtype=tensor.dtype, device=tensor.device)
     full[st.rank * n:(st.rank + 1) * n].copy_(tensor.reshape(-1))
 
     def after() -> None:
-        for i, t in enumerate(lst):
-            t.copy_(full[i * n:(i + 1) * n].view(t.shape))
+        if not direct:
+            for i, t in enumerate(lst):
+                t.copy_(full[i * n:(i + 1) * n].view(t.shape))
 
     def native(a: bool):
         return dist.all_gather(list(full.view(st.size, n)), full[st.rank * n:(st.rank + 1) * n].clone(),
                                group=st.group, async_op=a)
 
     return _run(st, name, algorithm, async_op, nbytes(tensor),
-                ours=lambda pc: mod.all_gather(pc, full, n), native=native,
+                mod=mod, ours=lambda m, pc: m.all_gather(pc, full, n), native=native,
                 after=after, fp=("", tensor, -1), outputs=lst)
+
+
+def _adjacent_views(lst: list[torch.Tensor], n: int) -> torch.Tensor | None:
+    """One flat tensor covering ``lst`` if its tensors lie back to back in one contiguous storage
+    (e.g. ``list(buf.view(P, n))``), else None. Lets all_gather skip a full-size temporary."""
+    t0 = lst[0]
+    if not all(t.is_contiguous() for t in lst):
+        return None
+    ptr, off = t0.untyped_storage().data_ptr(), t0.storage_offset()
+    if any(t.untyped_storage().data_ptr() != ptr or t.storage_offset() != off + i * n for i, t in enumerate(lst)):
+        return None
+    return t0.as_strided((len(lst) * n,), (1,), off)
 
 
 @torch_call()
@@ -465,7 +508,7 @@ def reduce_scatter(output: torch.Tensor, input_list, op="sum", group=None, async
         _copy_back(output, out)
 
     return _run(st, name, algorithm, async_op, nbytes(full),
-                ours=lambda pc: mod.reduce_scatter(pc, out, full, o),
+                mod=mod, ours=lambda m, pc: m.reduce_scatter(pc, out, full, o),
                 native=lambda a: _reduce_scatter_native(out, full, op=o.native, group=st.group, async_op=a),
                 after=after, fp=(o.name, output, -1))
 
@@ -485,7 +528,7 @@ def barrier(group=None, async_op: bool = False, device_ids=None, algorithm: str 
     token = torch.zeros(1, dtype=torch.uint8)
     sum_op = resolve_op("sum", token.dtype, name)
     h = _run(st, name, algorithm, async_op or timeout is not None, 0,
-             ours=lambda pc: mod.all_reduce(pc, token, sum_op),
+             mod=mod, ours=lambda m, pc: m.all_reduce(pc, token, sum_op),
              native=lambda a: dist.barrier(group=st.group, async_op=a),
              after=None, fp=("", None, -1))
     if timeout is None or async_op:

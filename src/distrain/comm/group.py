@@ -56,6 +56,7 @@ class GroupState:
         self.rank: int = dist.get_rank(group)
         self.size: int = len(self.ranks)
         self.seq: int = 0
+        self.pending = 0  # async jobs submitted to the worker and not finished
         self._worker: _Worker | None = None
         self._lock = threading.Lock()
         self._transport_choice = None  # set_transport(); None = the job-wide default
@@ -100,10 +101,25 @@ class GroupState:
             ) from None
 
     def submit(self, fn) -> Future:
+        """Run ``fn`` on the group's worker thread, after everything submitted before it."""
+        def counted():
+            try:
+                return fn()
+            finally:
+                with self._lock:
+                    self.pending -= 1
+
         with self._lock:
             if self._worker is None:
                 self._worker = _Worker(f"distrain-comm-g{id(self.group):x}")
-        return self._worker.submit(fn)
+            self.pending += 1
+        return self._worker.submit(counted)
+
+    def close(self) -> None:
+        """Release the transport's resources (shared-memory segments); the state is forgotten."""
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
 
 
 _states: dict[object, GroupState] = {}
@@ -129,3 +145,22 @@ def resolve(group, collective: str) -> GroupState:
         with _states_lock:
             st = _states.setdefault(group, GroupState(group))
     return st
+
+
+def close_group(group=None) -> None:
+    """Forget ``group``'s state and free its transport (call before destroying the group)."""
+    if group is None and dist.is_initialized():
+        group = dist.group.WORLD
+    with _states_lock:
+        st = _states.pop(group, None)
+    if st is not None:
+        st.close()
+
+
+def close_all() -> None:
+    """Free every group's transport (``distrain.runtime.shutdown`` calls it)."""
+    with _states_lock:
+        states = list(_states.values())
+        _states.clear()
+    for st in states:
+        st.close()

@@ -33,6 +33,15 @@ class Op:
     native: dist.ReduceOp.RedOpType  # the op passed to torch.distributed (avg -> SUM, then /n)
     needs_finish: bool = False
 
+    def fold(self, out: torch.Tensor, parts: list[torch.Tensor]) -> None:
+        """out <- parts[0] (op) parts[1] (op) ..., left to right (out may be any of them or new)."""
+        if len(parts) == 1:
+            out.copy_(parts[0])
+            return
+        _BINARY[self.name](parts[0], parts[1], out=out)
+        for x in parts[2:]:
+            self.combine(out, x)
+
     def finish(self, t: torch.Tensor, n: int) -> None:
         if self.needs_finish:
             t.div_(n)
@@ -66,6 +75,8 @@ def _bxor(acc: torch.Tensor, x: torch.Tensor) -> None:
     acc.bitwise_xor_(x)
 
 
+_BINARY = {"sum": torch.add, "avg": torch.add, "prod": torch.mul, "min": torch.minimum, "max": torch.maximum,
+           "band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
 _R = dist.ReduceOp
 OPS: dict[str, Op] = {
     "sum": Op("sum", _sum, _R.SUM),

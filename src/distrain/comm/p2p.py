@@ -145,6 +145,8 @@ class _P2PWork:
                 self._work.wait()
             else:
                 self._work.wait(timeout)
+        except CommError:  # already names the rank, peer and tag (shared-memory transport)
+            raise
         except Exception as e:  # Gloo raises RuntimeError on peer loss or timeout
             raise CommError(f"{self._desc} failed: {e}") from e
         return True

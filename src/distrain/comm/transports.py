@@ -10,7 +10,17 @@ group uses is decided once, on its first use, from (first that applies):
    ``distrain.runtime.init`` sets from ``DISTRAIN_TRANSPORT``;
 3. ``"torch"``.
 
-Names: ``"torch"`` is torch.distributed's point-to-point (Gloo over TCP on CPU, NCCL on GPU).
+Names:
+
+* ``"torch"``: torch.distributed's point-to-point (Gloo over TCP on CPU, NCCL on GPU), and
+  its native collectives;
+* ``"shm"``: shared memory between the ranks of this host (shm.py); every rank of the group
+  must be on this host; native collectives are the direct shared-memory ones (shm_coll.py);
+* ``"auto"``: shared memory with the peers on this host and torch with the others (decided
+  per peer through the store); native all_reduce of a group spread over several hosts is
+  hierarchical (hierarchy.py), other native collectives of such a group are torch's.
+  On a machine where shared memory is not supported (not x86-64, no /dev/shm), ``auto``
+  is ``torch``.
 
 Contract: ``isend``/``irecv`` take *global* ranks, a contiguous tensor and a tag, and return
 a handle with ``wait()``. Messages between one pair of ranks with the same tag on the same
@@ -51,14 +61,23 @@ class TorchTransport:
     def irecv(self, tensor: torch.Tensor, src: int, group, tag: int) -> Work:
         return dist.irecv(tensor, src=src, group=group, tag=tag)
 
+    def direct(self, collective: str):
+        """The transport's own algorithm for ``collective`` when ``algorithm="native"``, or None
+        for torch.distributed's native collective."""
+        return None
+
+    def abort(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
 
 TORCH = TorchTransport()
-TRANSPORT_NAMES: tuple[str, ...] = ("torch",)
+TRANSPORT_NAMES: tuple[str, ...] = ("auto", "shm", "torch")
 
 _default = "torch"
+_timeout = 300.0  # seconds a shared-memory wait may take (the process group's timeout)
 
 
 def check_name(name, where: str) -> str:
@@ -67,10 +86,13 @@ def check_name(name, where: str) -> str:
     return name
 
 
-def set_default_transport(name: str) -> None:
-    """The transport of every group that is not given one with ``set_transport`` (job-wide)."""
-    global _default
+def set_default_transport(name: str, timeout: float | None = None) -> None:
+    """The transport of every group not given one with ``set_transport`` (job-wide), and the
+    time-out of shared-memory waits in seconds (``distrain.runtime.init`` passes its own)."""
+    global _default, _timeout
     _default = check_name(name, "set_default_transport")
+    if timeout is not None:
+        _timeout = float(timeout)
 
 
 def default_transport() -> str:
@@ -85,4 +107,12 @@ def build(choice, state) -> Transport:
                               f"nor an object with name, isend(tensor, dst, group, tag) and irecv(...)")
         return choice
     check_name(choice, "set_transport")
-    return TORCH
+    if choice == "torch":
+        return TORCH
+    from distrain.comm import shm
+    if not shm.supported():
+        if choice == "auto":
+            return TORCH
+        raise ConfigError(f"transport 'shm' needs x86-64 and {shm.seg_mod.SHM_DIR} (this machine: "
+                          f"{shm.platform.machine()}); use transport 'torch' or 'auto'")
+    return shm.ShmTransport(state, _timeout, strict=choice == "shm", fallback=TORCH)

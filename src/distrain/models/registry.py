@@ -76,3 +76,16 @@ def _lookup(name: str) -> tuple[str, dict[str, Any]]:
     if name not in MODEL_PRESETS:
         raise ConfigError(f"unknown model {name!r}; valid names: {', '.join(list_models())}")
     return MODEL_PRESETS[name]
+
+
+def tp_plan_for(model: nn.Module):
+    """The tensor-parallel plan kept beside ``model``'s class (GPT: Megatron's; MLP: column/row
+    pairs), or ``None`` for a model that brings none (pass ``tp_plan=`` yourself)."""
+    from distrain.models.gpt_plan import gpt_tp_plan
+    from distrain.models.mlp_plan import mlp_tp_plan
+
+    if isinstance(model, GPT):
+        return gpt_tp_plan()
+    if isinstance(model, MLP):
+        return mlp_tp_plan(model)
+    return None

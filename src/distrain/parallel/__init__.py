@@ -7,6 +7,8 @@
                         plan (plan.py; the GPT's plan is distrain.models.gpt_plan)
     pipeline_parallel/  GPipe and 1F1B (schedule.py: pure planning; pipeline.py: the
                         executor; timeline.py: bubble, traces)
+    zero/               ZeRO stages 1-3: optimizer state, gradients, parameters sharded
+                        over the data-parallel group (engine.py: Zero; layout.py: flat shards)
     parallelize.py      tensor, then pipeline, then data parallel on one model
 
 Each folder's docstring maps its files to the seeds' diagrams. Imports go downwards only:

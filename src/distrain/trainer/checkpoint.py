@@ -1,33 +1,50 @@
-"""Checkpoints: written atomically, read without executing pickled code.
+"""Checkpoints: files written atomically, read without executing pickled code, and
+committed as a SET by one manifest.
 
-Writing goes to a temporary file in the same folder, flushed and fsynced, then renamed
-over the target with ``os.replace`` (atomic on POSIX): a crash mid-write leaves the old
-checkpoint intact and no half-written file under the real name. Reading uses
-``torch.load(weights_only=True)``, which only rebuilds tensors and plain containers, so a
-malicious or corrupt file cannot run code; a truncated or corrupt file gives a ConfigError
-naming it.
+One file (``save``/``load``): writing goes to a temporary file in the same folder, flushed
+and fsynced, then renamed over the target with ``os.replace`` (atomic on POSIX): a crash
+mid-write leaves the old file intact and no half-written file under the real name.
+Reading uses ``torch.load(weights_only=True)``, which only rebuilds tensors and plain
+containers, so a malicious or corrupt file cannot run code; a truncated or corrupt file
+gives a ConfigError naming it.
+
+A checkpoint set (``save_set``/``read_manifest``/``load_shard``), the same layout for
+every way of training:
+
+    out/checkpoint-{step:08d}-{shard}.pt   one per shard (written by the rank that owns it)
+    out/checkpoint.json                    the manifest: step, layout, files; written LAST
+
+Every owning rank writes its shard file under a name that includes the step, so the
+previous set's files are never overwritten; a barrier waits for all of them; rank 0 then
+commits the manifest atomically, and only after that deletes the previous set's files. A
+crash at any moment therefore leaves either the old set (manifest still names it) or the
+new one, both complete. Shards are named by what they hold: ``tp{t}-pp{p}`` for a model
+replica or model-parallel shard (DDP and one process write ``tp0-pp0``), ``server{s}`` for
+a parameter server's shard.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from distrain.errors import ConfigError
 
 FORMAT_VERSION = 1
+MANIFEST = "checkpoint.json"
 
 
-def save(path: str | os.PathLike, state: dict) -> Path:
-    path = Path(path)
+def _atomic_write(path: Path, write) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save({"format": FORMAT_VERSION, **state}, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -36,6 +53,10 @@ def save(path: str | os.PathLike, state: dict) -> Path:
             os.unlink(tmp)
         raise
     return path
+
+
+def save(path: str | os.PathLike, state: dict) -> Path:
+    return _atomic_write(Path(path), lambda f: torch.save({"format": FORMAT_VERSION, **state}, f))
 
 
 def load(path: str | os.PathLike) -> dict:
@@ -49,4 +70,62 @@ def load(path: str | os.PathLike) -> dict:
                           f"{str(e).splitlines()[0][:200]}); delete it to start afresh") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
         raise ConfigError(f"checkpoint {path} is not a distrain checkpoint (format {FORMAT_VERSION})")
+    return state
+
+
+def shard_file(step: int, shard: str) -> str:
+    return f"checkpoint-{step:08d}-{shard}.pt"
+
+
+def save_set(out: str | os.PathLike, step: int, layout: dict, shard: str | None, state: dict | None,
+             meta: dict | None = None) -> None:
+    """Collective over the world: every rank calls it at the same step.
+
+    ``shard``/``state``: what this rank writes (None on ranks that hold a copy another rank
+    writes, e.g. DDP replicas other than rank 0). ``meta`` (rank 0's) goes into the manifest.
+    Uses torch.distributed directly, not distrain.comm, so the traffic ledger only counts training.
+    """
+    out = Path(out)
+    if shard is not None:
+        save(out / shard_file(step, shard), {"step": step, "shard": shard, **state})
+    names: list = [None] * dist.get_world_size()
+    dist.all_gather_object(names, shard)  # doubles as the barrier: every shard is on disk
+    if dist.get_rank() == 0:
+        files = sorted({shard_file(step, s) for s in names if s is not None})
+        manifest = {"format": FORMAT_VERSION, "step": step, "layout": layout, "files": files, **(meta or {})}
+        _atomic_write(out / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
+        for old in out.glob("checkpoint-*.pt"):  # the previous sets, now superseded
+            if old.name not in files:
+                old.unlink(missing_ok=True)
+    dist.barrier()  # nobody goes on (or exits) before the set is committed
+
+
+def read_manifest(out: str | os.PathLike) -> dict:
+    """The committed manifest of ``out``, or a one-line ConfigError saying what is wrong."""
+    path = Path(out) / MANIFEST
+    if not path.exists():
+        raise ConfigError(f"--resume: checkpoint {path} does not exist; run without --resume to start afresh")
+    try:
+        manifest = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--resume: {path} is corrupt ({e}); delete the run folder or start without --resume") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION or "step" not in manifest:
+        raise ConfigError(f"--resume: {path} is not a distrain checkpoint manifest (format {FORMAT_VERSION})")
+    missing = [f for f in manifest.get("files", []) if not (Path(out) / f).exists()]
+    if missing:
+        raise ConfigError(f"--resume: {path} names {', '.join(missing)}, which do not exist; the checkpoint set is "
+                          f"incomplete; start afresh")
+    return manifest
+
+
+def load_shard(out: str | os.PathLike, manifest: dict, shard: str) -> dict:
+    """This rank's shard of the committed set; checks it belongs to the manifest's step."""
+    name = shard_file(int(manifest["step"]), shard)
+    if name not in manifest["files"]:
+        raise ConfigError(f"--resume: the checkpoint in {out} has no shard {shard!r} (it holds "
+                          f"{', '.join(manifest['files'])}); resume with the layout it was written with")
+    state = load(Path(out) / name)
+    if int(state["step"]) != int(manifest["step"]):
+        raise ConfigError(f"{name} is at step {state['step']} but {MANIFEST} at {manifest['step']}: "
+                          f"the checkpoint set is inconsistent; start afresh")
     return state

@@ -7,6 +7,7 @@ every error names the flag and how to fix it.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, fields
 
@@ -55,11 +56,12 @@ class TrainConfig:
     eval_every: int = 200
     eval_batches: int = 8
     ckpt_every: int = 0  # 0: only at the end
-    resume: bool = False
+    resume: bool | str = False  # True, False, or "auto": resume only if --out holds a checkpoint
     sample_chars: int = 300
     progress: bool = True
     report: bool = True  # print the summary table (and sample) at the end
-    timeout: float = 3600.0
+    timeout: float = 0.0  # whole-run limit in seconds (local spawn); 0: no limit
+    collective_timeout: float = 300.0  # a collective not completed in this many seconds stops the job
 
     # -- derived ---------------------------------------------------------------------------
     @property
@@ -124,6 +126,11 @@ class TrainConfig:
         need(isinstance(self.nproc, int) and self.nproc >= 1, f"--nproc must be >= 1, got {self.nproc}")
         need(self.steps >= 1, f"--steps must be >= 1, got {self.steps}")
         need(self.lr > 0, f"--lr must be positive, got {self.lr}")
+        need(self.resume in (True, False, "auto"), f"--resume takes no value, or auto; got {self.resume!r}")
+        need(math.isfinite(self.timeout) and self.timeout >= 0,
+             f"--timeout must be a number of seconds >= 0 (0: no limit), got {self.timeout}")
+        need(math.isfinite(self.collective_timeout) and self.collective_timeout > 0,
+             f"--collective-timeout must be a positive number of seconds, got {self.collective_timeout}")
         need(self.log_every >= 1 and self.eval_every >= 0 and self.ckpt_every >= 0,
              "--log-every must be >= 1; --eval-every and --ckpt-every must be >= 0")
         if self.strategy == "single":

@@ -18,6 +18,11 @@ selectable (native, star, ring, tree):
    is left, waits for every bucket, and writes the averaged gradients back to ``.grad``.
    The optimizer step that follows sees averaged gradients, as with torch DDP.
 
+Before each forward the buffers (BatchNorm running statistics) are broadcast from the
+group's first rank, as torch DDP does (``broadcast_buffers`` / ``forward_sync_buffers``), so
+every replica normalizes evaluation batches alike. ``gradient_as_bucket_view=True`` leaves
+``.grad`` as views into the buckets (no copy back, one buffer less).
+
 ``no_sync()`` skips 3-4 (gradients accumulate locally; the next synchronized backward
 all-reduces the sum). A parameter that got no gradient raises an error naming it, unless
 ``find_unused_parameters=True``, which all-reduces zeros for it instead. ``compression=
@@ -31,13 +36,16 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._pytree import tree_map
 
 from distrain import comm
+from distrain.comm.util import nbytes
 from distrain.errors import CommError, ConfigError
 
 FIRST_BUCKET_BYTES = 1 << 20
@@ -56,31 +64,57 @@ class _Bucket:
 
 
 class DistributedDataParallel(nn.Module):
-    """Wrap ``module`` so that ``loss.backward()`` leaves gradients averaged over ``group``."""
+    """Wrap ``module`` so that ``loss.backward()`` leaves gradients averaged over the group.
 
-    def __init__(self, module: nn.Module, group=None, algorithm: str = "ring", bucket_cap_mb: float = 25,
-                 find_unused_parameters: bool = False, compression: str | None = None):
+    Takes torch DDP's constructor arguments, in torch's order and with torch's meaning (see
+    :func:`_torch_options`), plus distrain's own keyword-only ones: ``algorithm`` (native,
+    star, ring, tree), ``compression`` (None, "bf16", "fp16") and ``group`` (= process_group).
+    """
+
+    def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,
+                 broadcast_buffers: bool | None = None, init_sync: bool = True, process_group=None,
+                 bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
+                 check_reduction: bool = False, gradient_as_bucket_view: bool = False, static_graph: bool = False,
+                 delay_all_reduce_named_params=None, param_to_hook_all_reduce=None, mixed_precision=None,
+                 device_mesh=None, skip_all_reduce_unused_params: bool = False, bucket_cap_mb_list=None,
+                 batched_grad_copy: bool = False, forward_sync_buffers: bool | None = None, *,
+                 group=None, algorithm: str = "ring", compression: str | None = None):
         super().__init__()
         if algorithm not in comm.ALGORITHM_NAMES:
             raise ConfigError(f"DistributedDataParallel: unknown algorithm {algorithm!r}; "
                               f"use one of {', '.join(comm.ALGORITHM_NAMES)}")
         if compression not in _COMPRESSION:
             raise ConfigError(f"DistributedDataParallel: compression must be None, 'bf16' or 'fp16', got {compression!r}")
-        if bucket_cap_mb <= 0:
+        bucket_cap_mb = 25.0 if bucket_cap_mb is None else bucket_cap_mb
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
             raise ConfigError(f"DistributedDataParallel: bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        _unsupported(delay_all_reduce_named_params=delay_all_reduce_named_params,
+                     param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
+                     device_mesh=device_mesh, skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+                     bucket_cap_mb_list=bucket_cap_mb_list)
+        opts = _torch_options(module, device_ids, output_device, dim, broadcast_buffers, forward_sync_buffers,
+                              check_reduction, process_group, group)
         self.module = module
-        self.group = group
+        self.group = opts.group
+        self.device_ids, self.output_device, self.dim = opts.device_ids, opts.output_device, dim
+        self._input_device = opts.input_device
         self.algorithm = algorithm
         self.find_unused_parameters = find_unused_parameters
+        self.static_graph = static_graph  # the same parameters unused every step: no error for them
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.batched_grad_copy = batched_grad_copy
+        self.forward_sync_buffers = opts.forward_sync_buffers
         self.wire_dtype = _COMPRESSION[compression]
-        self.world = dist.get_world_size(group)
-        self.src = dist.get_process_group_ranks(group or dist.group.WORLD)[0]
+        self.world = dist.get_world_size(self.group)
+        self.src = dist.get_process_group_ranks(self.group or dist.group.WORLD)[0]
         self.comm_wait_s = 0.0  # time the last backward spent blocked on communication
         self._sync = True
         self._step_sync = True
         self._queued = False
+        self._require_forward_buffer_sync = True  # torch's require_forward_param_sync
 
-        self._broadcast_state()
+        if init_sync:
+            self._broadcast_state(buffers=opts.init_sync_buffers)
         self._buckets = self._build_buckets(bucket_cap_mb * 2 ** 20)
         self._bucket_of: dict[int, int] = {}
         for b, bucket in enumerate(self._buckets):
@@ -90,10 +124,21 @@ class DistributedDataParallel(nn.Module):
         self._ready: set[int] = set()
         self._next_launch = 0
 
+    @property
+    def broadcast_buffers(self) -> bool:
+        """torch's name for :attr:`forward_sync_buffers`."""
+        return self.forward_sync_buffers
+
     # -- set-up ------------------------------------------------------------------------------
-    def _broadcast_state(self) -> None:
+    def _broadcast_state(self, buffers: bool = True) -> None:
         with torch.no_grad():
-            for t in list(self.module.parameters()) + list(self.module.buffers()):
+            for t in list(self.module.parameters()) + (list(self.module.buffers()) if buffers else []):
+                comm.broadcast(t.data, src=self.src, group=self.group, algorithm=self.algorithm)
+
+    def _broadcast_buffers(self) -> None:
+        """The group's first rank's buffers (BatchNorm running stats, ...) to every rank."""
+        with torch.no_grad():
+            for t in self.module.buffers():
                 comm.broadcast(t.data, src=self.src, group=self.group, algorithm=self.algorithm)
 
     def _build_buckets(self, cap_bytes: float) -> list[_Bucket]:
@@ -102,15 +147,15 @@ class DistributedDataParallel(nn.Module):
             raise ConfigError("DistributedDataParallel: the module has no parameter that requires grad")
         buckets, cur, size = [], [], 0
         for n, p in reversed(named):
-            nbytes = p.numel() * p.element_size()
+            size_p = nbytes(p)
             # The first bucket (the last layers, whose gradients come first) is capped at
             # 1 MiB, as in torch DDP: its all-reduce starts early and overlaps the rest.
             cap = min(cap_bytes, FIRST_BUCKET_BYTES) if not buckets else cap_bytes
-            if cur and (size + nbytes > cap or p.dtype != cur[0][1].dtype):
+            if cur and (size + size_p > cap or p.dtype != cur[0][1].dtype):
                 buckets.append(cur)
                 cur, size = [], 0
             cur.append((n, p))
-            size += nbytes
+            size += size_p
         buckets.append(cur)
         out = []
         for group in buckets:
@@ -126,10 +171,17 @@ class DistributedDataParallel(nn.Module):
     @property
     def bucket_sizes(self) -> list[int]:
         """Bytes per bucket, in launch order (the first bucket holds the last layers)."""
-        return [b.buffer.numel() * b.buffer.element_size() for b in self._buckets]
+        return [nbytes(b.buffer) for b in self._buckets]
 
     # -- forward / backward ------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        # As torch DDP: buffers come from the first rank before the forward, unless the previous
+        # forward ran under no_sync() or without grad (torch's require_forward_param_sync).
+        if self.forward_sync_buffers and self._require_forward_buffer_sync:
+            self._broadcast_buffers()
+        if self.device_ids:  # a single-device accelerator module: inputs go to device_ids[0]
+            dev = self._input_device
+            args, kwargs = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, (args, kwargs))
         # Like torch DDP, whether this step synchronizes is decided when its forward runs.
         self._step_sync = self._sync
         self._ready.clear()
@@ -138,7 +190,9 @@ class DistributedDataParallel(nn.Module):
         for b in self._buckets:
             b.pending = len(b.params)
             b.handle = None
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        self._require_forward_buffer_sync = torch.is_grad_enabled() and self._sync
+        return out
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -170,11 +224,18 @@ class DistributedDataParallel(nn.Module):
 
     def _launch(self, b: _Bucket) -> None:
         with torch.no_grad():
+            dst, src = [], []
             for p, v in zip(b.params, b.views):
                 if p.grad is None:
                     v.zero_()  # unused on this rank (find_unused_parameters=True)
-                else:
-                    v.copy_(p.grad.reshape(-1))
+                elif p.grad.data_ptr() != v.data_ptr():  # not already the bucket view
+                    dst.append(v)
+                    src.append(p.grad.reshape(-1))
+            if self.batched_grad_copy and dst:
+                torch._foreach_copy_(dst, src)  # one fused copy per bucket
+            else:
+                for v, g in zip(dst, src):
+                    v.copy_(g)
             # Pre-divide, then sum: the average without a final pass, and no fp16 overflow.
             b.buffer.div_(self.world)
             b.wire = b.buffer if self.wire_dtype is None else b.buffer.to(self.wire_dtype)
@@ -182,7 +243,7 @@ class DistributedDataParallel(nn.Module):
 
     def _finish_backward(self) -> None:
         missing = [n for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in self._ready]
-        if missing and not self.find_unused_parameters:
+        if missing and not (self.find_unused_parameters or self.static_graph):
             raise CommError(
                 f"DistributedDataParallel: parameter(s) {missing} received no gradient in this backward pass; "
                 f"make every parameter take part in the loss, or pass find_unused_parameters=True"
@@ -213,7 +274,82 @@ class DistributedDataParallel(nn.Module):
                 if b.wire is not b.buffer:
                     b.buffer.copy_(b.wire)
                 for p, v in zip(b.params, b.views):
-                    if p.grad is None:
+                    if self.gradient_as_bucket_view:
+                        p.grad = v.view_as(p)  # the gradient lives in the bucket: no copy
+                    elif p.grad is None:
                         p.grad = v.view_as(p).clone()
                     else:
                         p.grad.copy_(v.view_as(p))
+
+
+# ---------------------------------------------------------------------------------------
+# torch DDP's constructor arguments
+# ---------------------------------------------------------------------------------------
+
+@dataclass
+class _Options:
+    group: object
+    device_ids: list[int] | None
+    output_device: int | None
+    input_device: torch.device | None
+    forward_sync_buffers: bool
+    init_sync_buffers: bool
+
+
+_NOT_SUPPORTED = {  # argument: (its default, what to do instead)
+    "delay_all_reduce_named_params": (None, "every parameter is all-reduced in its bucket"),
+    "param_to_hook_all_reduce": (None, "every parameter is all-reduced in its bucket"),
+    "mixed_precision": (None, "use compression='bf16' or 'fp16' to all-reduce in half precision"),
+    "device_mesh": (None, "pass process_group= (e.g. topo.dp_group)"),
+    "skip_all_reduce_unused_params": (False, "unused parameters are all-reduced as zeros"),
+    "bucket_cap_mb_list": (None, "use bucket_cap_mb (the first bucket is capped at 1 MiB, as in torch)"),
+}
+
+
+def _unsupported(**given) -> None:
+    for name, value in given.items():
+        default, instead = _NOT_SUPPORTED[name]
+        if value is not default and value != default:
+            raise ConfigError(f"DistributedDataParallel: {name}={value!r} is not supported by distrain's DDP; "
+                              f"leave it at {default!r} ({instead})")
+
+
+def _torch_options(module, device_ids, output_device, dim, broadcast_buffers, forward_sync_buffers,
+                   check_reduction, process_group, group) -> _Options:
+    """torch DDP's rules for the arguments that change nothing in the gradient math:
+
+    * ``process_group`` (or distrain's ``group``): the group; None is the world.
+    * ``device_ids`` / ``output_device``: None for CPU modules (an error otherwise, as in torch);
+      a one-element list for a single-device accelerator module, whose inputs are moved there.
+    * ``broadcast_buffers`` / ``forward_sync_buffers`` (torch 2.13): buffers broadcast from the
+      group's first rank before each forward (default True); ``broadcast_buffers=False`` also
+      leaves buffers out of the initial broadcast, ``forward_sync_buffers=False`` does not.
+    * ``dim``: the scatter dimension of multi-device modules (unused for one device, as in torch);
+      ``check_reduction``: deprecated in torch, no effect (a FutureWarning, as in torch).
+    """
+    if process_group is not None and group is not None and process_group is not group:
+        raise ConfigError("DistributedDataParallel: pass the group once, as process_group= or group=, not both")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise ConfigError(f"DistributedDataParallel: dim must be an int, got {dim!r}")
+    if device_ids is not None and len(device_ids) > 1:
+        raise ConfigError(f"DistributedDataParallel: device_ids can only be None or contain a single element, "
+                          f"got {device_ids}")
+    devices = {p.device for p in module.parameters()}
+    if (device_ids or output_device is not None) and (len(devices) != 1 or next(iter(devices)).type == "cpu"):
+        raise ConfigError(f"DistributedDataParallel: device_ids and output_device only apply to a module on one "
+                          f"accelerator; this module's parameters are on {sorted(map(str, devices))}: pass "
+                          f"device_ids=None, output_device=None (got {device_ids}, {output_device})")
+    ids = [torch.device(d).index if not isinstance(d, int) else d for d in device_ids] if device_ids else None
+    out = output_device if output_device is not None else (ids[0] if ids else None)
+    if check_reduction:
+        warnings.warn("DistributedDataParallel: check_reduction is deprecated (as in torch) and has no effect",
+                      FutureWarning, stacklevel=3)
+    if forward_sync_buffers is not None:
+        if broadcast_buffers is not None:
+            warnings.warn("DistributedDataParallel: broadcast_buffers is ignored when forward_sync_buffers is "
+                          "given (as in torch)", FutureWarning, stacklevel=3)
+        fwd, init = bool(forward_sync_buffers), True
+    else:
+        fwd = init = True if broadcast_buffers is None else bool(broadcast_buffers)
+    dev = torch.device(next(iter(devices)).type, ids[0]) if ids else None
+    return _Options(process_group if process_group is not None else group, ids, out, dev, fwd, init)

@@ -6,8 +6,10 @@ optimizer sees, so the optimizer's state covers 1/P of the model (stage 1, P_os 
 paper). During backward, as soon as every gradient of a bucket is there (post-accumulate-
 grad hooks, buckets launched in index order so all ranks issue the same collectives), the
 bucket's gradients, pre-divided by P, are reduce-scattered asynchronously: each rank gets
-the averaged gradient of its shard only. Stage 2 (P_os+g) then drops the full gradients
-(``p.grad = None``), so a rank holds gradients for its shard only; stage 1 keeps them.
+the averaged gradient of its shard only (accumulated in the shard's ``.grad``, so several
+backward passes per step accumulate). Stage 2 (P_os+g) then drops the full gradients
+(``p.grad = None``), so a rank holds gradients for its shard only; stage 1 keeps its
+full-size gradient tensors (zeroed, e Psi bytes, as the paper's P_os) beside the shard's.
 After the optimizer updated the shards, ``after_step`` all-gathers every bucket's flat
 tensor, which writes the new values straight into the parameters (they are views of it).
 
@@ -72,9 +74,13 @@ class Stage12:
         with torch.no_grad():
             flat = u.flatten([p.grad for p in ps], self.flats[i])  # missing gradients count as zero
             flat.div_(self.world)  # pre-divide, then sum: the average
-            if self.stage >= 2:
-                for p in ps:
+            for p in ps:
+                if self.stage >= 2 or p.grad is None:
                     p.grad = None  # P_g: only the shard's gradient survives
+                else:
+                    # stage 1 keeps the full-size gradients (zeroed: their sum is now in flight),
+                    # so a further backward before the step accumulates only new gradients
+                    p.grad.zero_()
             out = torch.empty(u.shard, dtype=flat.dtype)
             h = comm.reduce_scatter(out, list(flat.view(self.world, u.shard)), op="sum", group=self.group,
                                     async_op=True, algorithm=self.algorithm)

@@ -14,8 +14,8 @@ optimizer sees); the unit's module has plain attributes in place of its paramete
 * **Backward.** The first time autograd unpacks such a reference, the unit is all-gathered
   again (and the next unit backward that needs its parameters is prefetched); the
   reference becomes a view of the new tensor. When ``_Gather.backward`` receives the full
-  gradient, the gathered parameters are dropped and the gradient, pre-divided by P, is
-  reduce-scattered asynchronously; a callback at the end of backward waits and
+  gradient, the gathered parameters are dropped and the gradient is reduce-scattered
+  asynchronously with op "avg"; a callback at the end of backward waits and
   accumulates each rank's piece into its shard's ``.grad``.
 
 Contract: every rank runs the same units in the same order (the order of ``units``);
@@ -179,9 +179,10 @@ class Stage3:
         self._bwd.pop(i, None)  # unit i's backward is done: free its gathered parameters
         u = self.units[i]
         with torch.no_grad():
-            g = grad_full.div(self.world).contiguous()  # pre-divide, then sum: the average
+            g = grad_full.contiguous()
             out = torch.empty(u.shard, dtype=g.dtype)
-            h = comm.reduce_scatter(out, list(g.view(self.world, u.shard)), op="sum", group=self.group,
+            # "avg": the sum divided by P once, on the shard only (no full-size divided copy)
+            h = comm.reduce_scatter(out, list(g.view(self.world, u.shard)), op="avg", group=self.group,
                                     async_op=True, algorithm=self.algorithm)
         self._handles.append((i, h, out))
 

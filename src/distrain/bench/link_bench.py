@@ -1,0 +1,173 @@
+"""``distrain bench link``: calibrate α and β of every link by ping-pong, and γ of the adds.
+
+Method: rank 0 ping-pongs with every other rank in turn (the others wait): for each size n
+(``--sizes``), ``--warmup`` untimed round trips, then ``--iters`` timed ones, each a
+blocking ``distrain.comm.send`` of n bytes followed by a blocking ``recv`` of n bytes back
+(the peer mirrors it), timed with ``perf_counter`` on rank 0. One-way time t(n) = median
+round trip / 2. The α-β model t(n) = α + n·β (Hockney 1994) is fitted per pair:
+
+* β = least-squares slope of t(n) over the sizes >= 256 KiB (where the bytes dominate);
+* α = t(smallest size) - smallest·β (the per-message cost: stack, Gloo, wake-ups).
+
+Pairs are grouped by placement: "inter" (ranks on different nodes: the shaped link) and
+"intra" (same node). Nodes are told apart by ``DISTRAIN_CLUSTER_NODE`` (set by ``distrain
+cluster run``) or else the host name. The model of a group is the median α and β of its
+pairs. γ (seconds per byte of an element-wise float32 add, the reduction of the
+collectives) is timed on rank 0 on a 16 MiB buffer. ``--json`` writes the records and
+``model`` = {inter, intra: {alpha_us, bandwidth_GBps}, gamma_ns_per_byte}, which
+``distrain bench comm --predict PATH`` and the cost model read.
+
+Run it under a launcher (``distrain cluster run -- distrain bench link``) to measure a
+cluster; without one it spawns ``--nproc`` local ranks (loopback: the "intra" link).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import time
+
+import torch
+
+from distrain.bench import common
+from distrain.errors import ConfigError
+
+DEFAULT_SIZES = "8,64K,256K,1M,4M,16M"
+FIT_FROM = 256 << 10
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = "Ping-pong α-β calibration of every link (rank 0 with each other rank); see docs/cost_model.md."
+    p.add_argument("--nproc", type=int, default=2, help="local ranks to spawn when not under a launcher (default 2)")
+    p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"message sizes, K/M = powers of 1024 (default {DEFAULT_SIZES})")
+    p.add_argument("--warmup", type=int, default=2, help="untimed round trips per size (default 2)")
+    p.add_argument("--iters", type=int, default=7, help="timed round trips per size (default 7)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write records and the fitted model as JSON")
+
+
+def node_id() -> str:
+    return os.environ.get("DISTRAIN_CLUSTER_NODE") or socket.gethostname()
+
+
+def placement() -> list[int]:
+    """Node index of every rank (nodes numbered in order of first appearance), via all_gather_object."""
+    import torch.distributed as dist
+
+    names: list = [None] * dist.get_world_size()
+    dist.all_gather_object(names, node_id())
+    order = {n: i for i, n in enumerate(dict.fromkeys(names))}
+    return [order[n] for n in names]
+
+
+def fit(sizes: list[int], one_way: list[float]) -> tuple[float, float]:
+    """(α seconds, β seconds per byte) as in the module docstring."""
+    pts = [(n, t) for n, t in zip(sizes, one_way) if n >= FIT_FROM] or list(zip(sizes, one_way))[-2:]
+    if len(pts) < 2:
+        raise ConfigError("--sizes: give at least two sizes >= 256K to fit β")
+    mx = sum(n for n, _ in pts) / len(pts)
+    mt = sum(t for _, t in pts) / len(pts)
+    beta = sum((n - mx) * (t - mt) for n, t in pts) / sum((n - mx) ** 2 for n, _ in pts)
+    if beta <= 0:  # noise swamped the slope (a loaded machine): the largest message's average cost
+        beta = pts[-1][1] / pts[-1][0]
+    alpha = max(0.0, one_way[0] - sizes[0] * beta)
+    return alpha, beta
+
+
+def gamma_add(nbytes: int = 16 << 20, reps: int = 7) -> float:
+    a, b = torch.zeros(nbytes // 4), torch.ones(nbytes // 4)
+    ts = [common.time_call(lambda: a.add_(b)) for _ in range(reps)]
+    return common.median(ts) / nbytes
+
+
+def _pingpong(rank: int, peer: int, sizes: list[int], warmup: int, iters: int) -> list[float]:
+    from distrain import comm
+
+    out = []
+    for n in sizes:
+        buf = torch.zeros(n, dtype=torch.uint8)
+        ts = []
+        for i in range(warmup + iters):
+            t0 = time.perf_counter()
+            if rank == 0:
+                comm.send(buf, peer, tag=7)
+                comm.recv(buf, peer, tag=7)
+            else:
+                comm.recv(buf, 0, tag=7)
+                comm.send(buf, 0, tag=7)
+            if i >= warmup:
+                ts.append(time.perf_counter() - t0)
+        out.append(common.median(ts) / 2)
+    return out
+
+
+def _worker(rank: int, cfg: dict) -> dict | None:
+    import torch.distributed as dist
+
+    where = placement()
+    P = dist.get_world_size()
+    records = []
+    for peer in range(1, P):
+        dist.barrier()
+        if rank in (0, peer):
+            t = _pingpong(rank, peer, cfg["sizes"], cfg["warmup"], cfg["iters"])
+            if rank == 0:
+                alpha, beta = fit(cfg["sizes"], t)
+                kind = "intra" if where[0] == where[peer] else "inter"
+                records.append({"pair": [0, peer], "nodes": [where[0], where[peer]], "kind": kind,
+                                "sizes": cfg["sizes"], "one_way_us": [x * 1e6 for x in t],
+                                "alpha_us": alpha * 1e6, "bandwidth_GBps": 1 / beta / 1e9})
+                common.progress(f"[link] 0 <-> {peer} ({kind}): alpha {alpha * 1e6:.1f} us, "
+                                f"{1 / beta / 1e9:.4f} GB/s ({8 / beta / 1e6:.0f} Mbit/s)")
+    dist.barrier()
+    if rank != 0:
+        return None
+    model: dict = {"gamma_ns_per_byte": gamma_add() * 1e9}
+    for kind in ("inter", "intra"):
+        rs = [r for r in records if r["kind"] == kind]
+        if rs:
+            model[kind] = {"alpha_us": common.median([r["alpha_us"] for r in rs]),
+                           "bandwidth_GBps": common.median([r["bandwidth_GBps"] for r in rs]),
+                           "source": f"distrain bench link, median of {len(rs)} pair(s)"}
+    return {"records": records, "model": model, "placement": where}
+
+
+def calibrate(cfg: dict) -> dict:
+    """Run the calibration (under a launcher: this world; else ``cfg['nproc']`` spawned ranks)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        from distrain import runtime
+
+        runtime.init(timeout=600)
+        import torch.distributed as dist
+
+        try:
+            return _worker(dist.get_rank(), cfg) or {}
+        finally:
+            runtime.shutdown()
+    import distrain
+
+    return distrain.spawn(_worker, cfg["nproc"], args=(cfg,), timeout=600)[0]
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.nproc < 2:
+        raise ConfigError(f"--nproc must be >= 2 (a ping-pong needs two ranks), got {args.nproc}")
+    cfg = {"sizes": common.parse_sizes(args.sizes), "warmup": args.warmup, "iters": args.iters, "nproc": args.nproc}
+    if args.iters < 1 or args.warmup < 0:
+        raise ConfigError("--iters must be >= 1 and --warmup >= 0")
+    res = calibrate(cfg)
+    if not res:  # not rank 0
+        return 0
+    for kind in ("inter", "intra"):
+        m = res["model"].get(kind)
+        if m:
+            print(f"{kind}: alpha = {m['alpha_us']:.1f} us, bandwidth = {m['bandwidth_GBps']:.4f} GB/s")
+    print(f"gamma (float32 add) = {res['model']['gamma_ns_per_byte']:.3f} ns/byte")
+    if args.json:
+        meta = common.metadata(benchmark="link", sizes=cfg["sizes"], warmup=cfg["warmup"], iters=cfg["iters"],
+                               placement=res["placement"])
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "records": res["records"], "model": res["model"]}, f, indent=1)
+        common.progress(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,209 @@
+"""``distrain bench zero``: memory per rank and step time of DDP and ZeRO, ours and torch's, in one run.
+
+    distrain bench zero --nproc 2 --strategies all --model gpt-small --n-embd 256 --n-layer 8 --json F
+
+Strategies (same model, same seed, same global batch, AdamW, ``--steps`` after ``--warmup``):
+
+* ``ddp``: our DistributedDataParallel;  ``zero1``/``zero2``/``zero3``: our ``Zero`` engine;
+* ``torch-ddp``: torch.nn.parallel.DistributedDataParallel;
+* ``torch-zero1``: torch DDP + torch.distributed.optim.ZeroRedundancyOptimizer (ZeRO-1);
+* ``torch-fsdp``: FSDP2, ``torch.distributed.fsdp.fully_shard`` on every layer and the root (ZeRO-3).
+
+Each (P, strategy) is a fresh set of processes, so memory peaks do not mix. Measured per rank
+(max over ranks reported): the bytes of the distinct storages holding parameters, gradients
+and optimizer state after the last step (before zero_grad), our DDP's gradient buckets, and
+the peak resident set size during the timed steps above the RSS before the model was built
+(Linux VmHWM, reset through /proc/self/clear_refs after the warm-up steps; it includes the
+allocator's retained free memory and one-time library state, alike for every strategy; we
+do not force glibc to unmap freed blocks: that made every large allocation fault its pages
+in again and slowed the sharded strategies 2-4x). Beside them: the formulas of memory.py for
+Psi = the model's parameter count (ours: fp32, no master copy; the paper's: mixed precision).
+Step time is rank 0's median after warm-up; ``--rounds`` repeats all jobs in rotated order
+and reports medians over rounds, so a loaded machine's noise hits every strategy alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from distrain.bench.common import format_table, metadata, parse_choices, parse_ints, progress, write_json
+from distrain.errors import ConfigError
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "torch-ddp", "torch-zero1", "torch-fsdp")
+STAGE_OF = {"ddp": 0, "torch-ddp": 0, "zero1": 1, "torch-zero1": 1, "zero2": 2, "zero3": 3, "torch-fsdp": 3}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", default="2", help="world sizes, comma-separated")
+    p.add_argument("--strategies", default="all", help=f"any of {', '.join(STRATEGIES)} (or all)")
+    p.add_argument("--model", default="gpt-small", help="a GPT preset (gpt-tiny, gpt-small)")
+    p.add_argument("--n-embd", type=int, default=256, help="GPT width override")
+    p.add_argument("--n-layer", type=int, default=8, help="GPT depth override")
+    p.add_argument("--batch-size", type=int, default=8, help="global batch (sequences of block_size tokens)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per job")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per job")
+    p.add_argument("--algorithm", default="ring", help="collective algorithm of ours (native, star, ring, tree)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="bucket size of DDP, torch DDP, zero1/2")
+    p.add_argument("--rounds", type=int, default=1, help="repeat every job, order rotated; medians over rounds")
+    p.add_argument("--json", default=None, help="write every record here")
+
+
+def _wrap(strategy: str, model, args):
+    """-> (forward, step, tensors) for one strategy; tensors() -> {kind: [tensors]}."""
+    import torch
+    import torch.nn as nn
+
+    from distrain.parallel.data_parallel import DistributedDataParallel
+    from distrain.parallel.zero import Zero
+    from distrain.parallel.zero.memory import optimizer_state_tensors
+
+    def adamw(ps):
+        return torch.optim.AdamW(ps, lr=1e-3)
+
+    if strategy.startswith("zero"):
+        eng = Zero(model, adamw, stage=int(strategy[-1]), algorithm=args.algorithm, bucket_cap_mb=args.bucket_cap_mb)
+        r = eng.impl.resident
+        return eng, eng.step, eng.zero_grad, lambda: dict(r(), optimizer=optimizer_state_tensors(eng.optimizer))
+    if strategy == "torch-fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        fwd = model
+    elif strategy == "ddp":
+        fwd = DistributedDataParallel(model, algorithm=args.algorithm, bucket_cap_mb=args.bucket_cap_mb)
+    else:
+        fwd = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+    if strategy == "torch-zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    else:
+        opt = adamw(model.parameters())
+
+    def tensors():
+        ps = list(model.parameters())
+        out = {"params": ps, "grads": [p.grad for p in ps], "optimizer": optimizer_state_tensors(opt)}
+        if strategy == "ddp":
+            out["buffers"] = [b.buffer for b in fwd._buckets]
+        return out
+
+    return fwd, opt.step, lambda: opt.zero_grad(set_to_none=True), tensors
+
+
+def _job(rank: int, strategy: str, args) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from distrain import comm
+    from distrain.models import build_model, count_parameters, lm_loss
+    from distrain.parallel.zero.memory import PeakRSS, _status, resident_bytes
+
+    P = dist.get_world_size()
+    base = _status("VmRSS")
+    torch.manual_seed(0)
+    model = build_model(args.model, n_embd=args.n_embd, n_layer=args.n_layer)
+    psi = count_parameters(model)
+    fwd, step, zero_grad, tensors = _wrap(strategy, model, args)
+    peak = PeakRSS()
+    g = torch.Generator().manual_seed(1)
+    T = model.layers[0].block_size
+    times, held = [], {}
+    with comm.ledger() as led:
+        for s in range(args.warmup + args.steps):
+            idx = torch.randint(0, 256, (args.batch_size, T + 1), generator=g)
+            rows = slice(rank * args.batch_size // P, (rank + 1) * args.batch_size // P)
+            dist.barrier()
+            t0 = time.perf_counter()
+            lm_loss(fwd(idx[rows, :-1]), idx[rows, 1:]).backward()
+            step()
+            times.append(time.perf_counter() - t0)
+            if s == args.warmup + args.steps - 1:
+                held = {k: resident_bytes(v) for k, v in tensors().items()}
+            zero_grad()
+            if s == args.warmup - 1:  # steady state from here: high-water mark and ledger restart
+                led.reset()
+                peak.start()
+                peak.base = base
+    return {"psi": psi, "step_s": statistics.median(times[args.warmup:]), "peak": peak.peak(), **held,
+            "sent_per_step": led.bytes_sent() // args.steps}
+
+
+def _record(P: int, strategy: str, per_rank: list[dict]) -> dict:
+    from distrain.parallel.zero.memory import model_bytes, paper_bytes
+
+    psi, stage = per_rank[0]["psi"], STAGE_OF[strategy]
+    want = model_bytes(stage, psi, P)
+    rec = {"nproc": P, "strategy": strategy, "stage": stage, "psi": psi, "step_ms": 1e3 * per_rank[0]["step_s"],
+           "peak_mem_bytes": max(r["peak"] for r in per_rank), "peak_mem_bytes_per_rank": [r["peak"] for r in per_rank],
+           "bytes_sent_per_step": max(r["sent_per_step"] for r in per_rank),
+           "formula_bytes": want, "paper_mixed_precision_bytes": paper_bytes(stage, psi, P)["total"]}
+    for k in ("params", "grads", "optimizer", "buffers"):
+        rec[f"{k}_bytes"] = max(r.get(k, 0) for r in per_rank)
+    rec["state_bytes"] = rec["params_bytes"] + rec["grads_bytes"] + rec["optimizer_bytes"]
+    return rec
+
+
+def run(args: argparse.Namespace) -> int:
+    import distrain
+
+    nprocs = parse_ints(args.nproc, "--nproc", minimum=2)
+    strategies = parse_choices(args.strategies, STRATEGIES, "--strategies")
+    if not args.model.startswith("gpt"):
+        raise ConfigError(f"--model {args.model!r}: bench zero runs a GPT preset (gpt-tiny, gpt-small)")
+    if args.steps < 1 or args.warmup < 1 or args.rounds < 1:
+        raise ConfigError("--steps, --warmup and --rounds must be >= 1")
+    for P in nprocs:
+        if args.batch_size % P:
+            raise ConfigError(f"--batch-size {args.batch_size} is not divisible by --nproc {P}")
+    jobs = [(P, s) for P in nprocs for s in strategies]
+    runs: dict[tuple[int, str], list[dict]] = {}
+    for rnd in range(args.rounds):
+        k = rnd % len(jobs)
+        for P, s in jobs[k:] + jobs[:k]:
+            progress(f"round {rnd + 1}/{args.rounds}: {s} on {P} processes")
+            runs.setdefault((P, s), []).append(_record(P, s, distrain.spawn(_job, P, args=(s, args), timeout=1200)))
+    records = []
+    for (P, s), rs in runs.items():
+        rec = dict(rs[len(rs) // 2])
+        for k in ("step_ms", "peak_mem_bytes"):
+            rec[k] = statistics.median(r[k] for r in rs)
+        rec["rounds"] = len(rs)
+        records.append(rec)
+    for r in records:
+        peer = next((q for q in records if q["nproc"] == r["nproc"] and q["strategy"] == "torch-fsdp"), None)
+        r["step_vs_torch_fsdp"] = peer["step_ms"] / r["step_ms"] if peer else None
+        r["peak_vs_torch_fsdp"] = r["peak_mem_bytes"] / peer["peak_mem_bytes"] if peer else None
+    print(_table(records, args))
+    if args.json:
+        write_json(args.json, metadata(model=args.model, n_embd=args.n_embd, n_layer=args.n_layer,
+                                       batch_size=args.batch_size, steps=args.steps, warmup=args.warmup,
+                                       rounds=args.rounds, algorithm=args.algorithm,
+                                       bucket_cap_mb=args.bucket_cap_mb), records)
+    return 0
+
+
+def _table(records: list[dict], args) -> str:
+    mb = 1e6
+    rows = []
+    order = {s: i for i, s in enumerate(STRATEGIES)}
+    for r in sorted(records, key=lambda r: (r["nproc"], order[r["strategy"]])):
+        f = r["formula_bytes"]
+        rows.append([str(r["nproc"]), r["strategy"], f"{r['params_bytes'] / mb:.1f} ({f['params'] / mb:.1f})",
+                     f"{r['grads_bytes'] / mb:.1f} ({f['grads'] / mb:.1f})",
+                     f"{r['optimizer_bytes'] / mb:.1f} ({f['optimizer'] / mb:.1f})",
+                     f"{r['state_bytes'] / mb:.1f} ({f['total'] / mb:.1f})", f"{r['buffers_bytes'] / mb:.1f}",
+                     f"{r['peak_mem_bytes'] / mb:.1f}", f"{r['paper_mixed_precision_bytes'] / mb:.1f}",
+                     f"{r['step_ms']:.0f}", f"{r['bytes_sent_per_step'] / mb:.2f}" if not r["strategy"].startswith("torch")
+                     else "n/a",
+                     f"{r['peak_vs_torch_fsdp']:.2f} / {r['step_vs_torch_fsdp']:.2f}" if r["peak_vs_torch_fsdp"] else ""])
+    psi = records[0]["psi"]
+    head = (f"{args.model} (n_embd {args.n_embd}, n_layer {args.n_layer}), Psi = {psi:,} parameters, AdamW fp32, "
+            f"global batch {args.batch_size}; MB = 1e6 bytes per rank (max over ranks), formula in parentheses")
+    return head + "\n" + format_table(
+        [("", ["P", "strategy"]), ("held after step: measured (formula)", ["params", "grads", "optim", "total"]),
+         ("", ["DDP buckets", "peak RSS", "paper 16Psi-style"]),
+         ("", ["step ms", "MB sent/step", "vs FSDP2 peak / speed"])], rows)

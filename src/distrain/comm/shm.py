@@ -1,0 +1,256 @@
+"""The shared-memory transport: ranks of one host exchange bytes through /dev/shm.
+
+One :class:`ShmTransport` per process group. On first use it creates this rank's segment
+(shm_segment.py), publishes ``name size host pid`` in the process group's store under
+``distrain-shm/<group name>/<group rank>``, and later opens a peer's segment by reading
+that key (blocking until the peer has published it). Lazy, per peer: a point-to-point
+pair never waits for ranks it does not talk to.
+
+* Collectives (``algorithm="native"`` on this transport) are the direct ones of
+  shm_coll.py: each rank copies its contribution into its slot once, publishes a step
+  number in its control line, and reads or reduces straight from its peers' slots.
+* Point-to-point (``isend``/``irecv``, what star/ring/tree use) goes through byte rings in
+  the sender's segment (shm_p2p.py), ordered per pair and tag.
+
+Visibility between processes (why a reader never sees stale data): a writer stores the
+data first and the step number (a single aligned 8-byte store) afterwards; a reader loads
+the step number first and the data only once it sees that step. x86-64 keeps stores in
+program order as seen by other cores (TSO) and never reorders two loads, and each of these
+accesses is a separate call into numpy/torch that no compiler moves across. Data written
+by torch's worker threads are published by the join of the parallel region, which happens
+before the step store. A slot is rewritten only two steps later, and every rank waits at
+each step for every peer's arrival, which a peer posts only after it finished reading the
+previous step: so no slot is overwritten while a peer still reads it. Hence only x86-64 is
+supported (other architectures would need explicit fences): ``auto`` falls back to torch there.
+
+Waiting never starves the other ranks of a 2-core machine: spin briefly, then
+``sched_yield``, then sleep with exponential backoff (up to 1 ms); every wait honours the
+timeout, notices a peer that aborted or whose process died, and raises a CommError naming
+this rank, the collective and the peer.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+
+from distrain.comm import shm_segment as seg_mod
+from distrain.comm.shm_segment import Layout, Segment
+from distrain.errors import CommError
+
+ARRIVE, DONE, ABORT, PID, RESULT = 0, 1, 2, 3, 4
+SLOT_BYTES = 1 << 20  # a collective step moves at most this much per rank: the cache-sized chunk
+RING_BYTES = 1 << 20  # per directed pair of ranks
+SPIN = 200  # polls before the first sched_yield
+YIELDS = 50  # sched_yields before sleeping
+MAX_SLEEP = 1e-3
+CHECK_EVERY = 0.05  # seconds between checks for dead peers and the deadline
+
+_host_override: str | None = None
+
+
+def set_host_id(host: str | None) -> None:
+    """Pretend this process runs on host ``host`` (tests make one machine look like several)."""
+    global _host_override
+    _host_override = host
+
+
+def host_id() -> str:
+    """This machine's identity: the hostname and the kernel's boot id (or the test override)."""
+    if _host_override is not None:
+        return _host_override
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def supported() -> bool:
+    return platform.machine() in ("x86_64", "AMD64") and os.path.isdir(seg_mod.SHM_DIR)
+
+
+class ShmTransport:
+    """Shared memory between the ranks of one group on this host (see the module docstring).
+
+    ``strict``: every peer must be on this host (transport="shm"); otherwise (transport="auto")
+    peers on other hosts are reached through ``fallback`` (torch's P2P).
+    """
+
+    def __init__(self, state, timeout: float, strict: bool, fallback):
+        self.state = state
+        self.name = "shm" if strict else "auto"
+        self.strict, self.fallback, self.timeout = strict, fallback, timeout
+        self.rank, self.size, self.ranks = state.rank, state.size, state.ranks
+        self.me_global = self.ranks[self.rank]
+        self.layout = Layout(self.size, SLOT_BYTES, RING_BYTES)
+        self.store = dist.PrefixStore(f"distrain-shm/{state.group.group_name}/",
+                                      dist.distributed_c10d._get_default_store())
+        self.host = host_id()
+        self.me: Segment = seg_mod.create(seg_mod.new_name(state.group.group_name, self.rank), self.layout)
+        self.store.set(str(self.rank), f"{self.me.name} {self.layout.total} {self.host} {os.getpid()}")
+        self.peers: dict[int, Segment] = {self.rank: self.me}
+        self.pids: dict[int, int] = {self.rank: os.getpid()}
+        self.hosts: dict[int, str] = {self.rank: self.host}
+        self._names: dict[int, tuple[str, int]] = {self.rank: (self.me.name, self.layout.total)}
+        self.step = 0  # collective steps done; identical on every rank (same calls, same order)
+        self.coll = "collective"  # what the current wait is for, for error messages
+        self.p2p = None  # built on the first point-to-point message (shm_p2p.Channels)
+        self._unlinked = False
+        self._all_local: bool | None = None
+        if self.size == 1:
+            self.unlink_when_mapped()
+
+    # -- peers ---------------------------------------------------------------------------
+    def _info(self, q: int) -> tuple[str, int, str, int]:
+        if q not in self.hosts:
+            try:
+                self.store.wait([str(q)])
+            except Exception as e:
+                raise CommError(f"{self.coll} on rank {self.me_global}: rank {self.ranks[q]} never joined the "
+                                f"shared-memory transport ({e})") from None
+            name, total, host, pid = self.store.get(str(q)).decode().split(" ")
+            self.hosts[q], self.pids[q] = host, int(pid)
+            self._names[q] = (name, int(total))
+        name, total = self._names[q]
+        return name, total, self.hosts[q], self.pids[q]
+
+    def local(self, q: int) -> bool:
+        """True if group rank q is on this host (reached through shared memory)."""
+        return self._info(q)[2] == self.host
+
+    def all_local(self) -> bool:
+        if self._all_local is None:
+            self._all_local = all(self.local(q) for q in range(self.size))
+        return self._all_local
+
+    def direct(self, collective: str):
+        """What ``algorithm="native"`` runs: the direct shared-memory collectives when the whole
+        group is on this host; for a group over several hosts (auto) a hierarchical all_reduce,
+        and torch's native collectives otherwise."""
+        if self.strict or self.all_local():
+            from distrain.comm import shm_coll
+            return shm_coll
+        if collective == "all_reduce":
+            from distrain.comm import hierarchy
+            return hierarchy
+        return None
+
+    def seg(self, q: int) -> Segment:
+        s = self.peers.get(q)
+        if s is None:
+            name, total, host, _ = self._info(q)
+            if host != self.host:
+                raise CommError(f"{self.coll} on rank {self.me_global}: transport 'shm' needs every rank on one "
+                                f"host, but rank {self.ranks[q]} is on {host} and this rank on {self.host}; use "
+                                f"transport 'auto' (shared memory inside a host, torch between hosts) or 'torch'")
+            if total != self.layout.total:
+                raise CommError(f"{self.coll} on rank {self.me_global}: rank {self.ranks[q]}'s segment has "
+                                f"{total} bytes, this rank expects {self.layout.total}; run the same distrain "
+                                f"version on every rank")
+            s = self.peers[q] = seg_mod.open_existing(name, self.layout, f"rank {self.ranks[q]}")
+        return s
+
+    def open_all(self) -> list[Segment]:
+        return [self.seg(q) for q in range(self.size)]
+
+    def unlink_when_mapped(self) -> None:
+        """Called after a step every rank arrived at: all peers have mapped our segment."""
+        if not self._unlinked:
+            self._unlinked = True
+            self.me.unlink()
+
+    # -- waiting -------------------------------------------------------------------------
+    def wait(self, ready, peers, what: str) -> None:
+        """Poll ``ready()`` until true: spin, then yield, then sleep with backoff.
+
+        Raises a CommError naming this rank, ``what`` and the peer, when a peer (group ranks
+        ``peers``) aborted or died, or when the timeout passes.
+        """
+        for _ in range(SPIN):
+            if ready():
+                return
+        start = last = time.monotonic()
+        polls, delay = 0, 1e-5
+        while not ready():
+            polls += 1
+            if polls < YIELDS:
+                os.sched_yield()
+            else:
+                time.sleep(delay)
+                delay = min(delay * 2, MAX_SLEEP)
+            now = time.monotonic()
+            if now - last >= CHECK_EVERY:
+                last = now
+                self._check_peers(peers, what, now - start)
+
+    def _check_peers(self, peers, what: str, waited: float) -> None:
+        for q in peers:
+            s = self.peers.get(q)
+            if s is not None and s.line(ABORT):
+                raise CommError(f"{what} on rank {self.me_global}: rank {self.ranks[q]} failed during this "
+                                f"collective (shared-memory transport); see that rank's error")
+            if q in self.pids and not seg_mod.pid_alive(self.pids[q]):
+                raise CommError(f"{what} on rank {self.me_global}: rank {self.ranks[q]} (pid {self.pids[q]}) died "
+                                f"while this rank waited for it (shared-memory transport)")
+        if waited > self.timeout:
+            raise CommError(f"{what} on rank {self.me_global}: timed out after {self.timeout:g}s waiting for "
+                            f"rank(s) {[self.ranks[q] for q in peers]} (shared-memory transport); a rank is stuck "
+                            f"or did not call the same collective")
+
+    def abort(self) -> None:
+        """Tell every peer that this rank failed, so their waits end at once."""
+        if self.me is not None and self.me.ctrl is not None:
+            self.me.set_line(ABORT, 1)
+
+    # -- collective steps ----------------------------------------------------------------
+    def begin(self) -> int:
+        self.step += 1
+        return self.step
+
+    def slot(self, q: int, step: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rank q's collective buffer for ``step`` (alternating two buffers), as ``dtype``."""
+        return self.peers[q].slot(step % 2).view(dtype)
+
+    def post(self, line: int, step: int) -> None:
+        self.me.set_line(line, step)
+
+    def wait_all(self, line: int, step: int, what: str, peers=None) -> None:
+        segs = [self.peers[q] for q in (range(self.size) if peers is None else peers)]
+        peer_ids = list(range(self.size)) if peers is None else list(peers)
+        self.wait(lambda: all(s.ctrl[line * 8] >= step for s in segs), peer_ids, what)
+        if not self._unlinked and line == ARRIVE and peers is None:
+            self.unlink_when_mapped()
+
+    # -- point-to-point ------------------------------------------------------------------
+    def _channels(self):
+        if self.p2p is None:
+            from distrain.comm.shm_p2p import Channels
+            self.p2p = Channels(self)
+        return self.p2p
+
+    def isend(self, tensor: torch.Tensor, dst: int, group, tag: int):
+        q = self.ranks.index(dst)
+        if not self.strict and not self.local(q):
+            return self.fallback.isend(tensor, dst, group, tag)
+        self.seg(q)
+        return self._channels().isend(tensor, q, tag)
+
+    def irecv(self, tensor: torch.Tensor, src: int, group, tag: int):
+        q = self.ranks.index(src)
+        if not self.strict and not self.local(q):
+            return self.fallback.irecv(tensor, src, group, tag)
+        self.seg(q)
+        return self._channels().irecv(tensor, q, tag)
+
+    def close(self) -> None:
+        for s in self.peers.values():
+            s.close()
+        self.peers = {}
+        self.me = None

@@ -1,0 +1,180 @@
+"""Direct shared-memory collectives: copy in once, then read straight from the peers' slots.
+
+What ``algorithm="native"`` means on the shared-memory transport (the approach of
+DeepSpeed's and oneCCL's CPU shared-memory all-reduce). Every rank owns a slot of
+``SLOT_BYTES`` in its segment, double buffered. A message is processed in chunks that fit
+the slot (cache-sized, so a chunk is still in cache when it is reduced); per chunk, one
+*step*:
+
+1. each rank copies its contribution into its slot and publishes the step number (ARRIVE);
+2. it waits until every peer has published that step;
+3. it reads what it needs straight from the peers' slots.
+
+all_reduce of a chunk of c elements on P ranks, large chunks (two phases): after step 2,
+rank r reduces part r (``tensor_split`` sizes) of all P slots in rank order 0..P-1 into its
+output and back into its own slot, publishes DONE, waits for every DONE, then copies the
+other parts from their owners' slots: each rank reads c elements and writes c/P + c, the
+reduction work is split P ways. Small chunks (< SMALL_BYTES) take one phase: every rank
+reduces the whole chunk itself (same order everywhere, so every rank gets the same bits),
+saving the second wait, which dominates latency.
+
+reduce_scatter: step with the P pieces destined to each rank; rank r folds piece r of all
+slots. all_gather / gather: each copies its piece in; readers copy all. broadcast / scatter:
+the root copies in, the others copy out. reduce: all copy in, the root folds.
+
+Why a slot is never overwritten while a peer reads it: see shm.py (double buffering and
+the wait for every peer at each step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distrain.comm.ops import Op
+from distrain.comm.shm import ARRIVE, DONE
+from distrain.comm.util import chunk_sizes
+
+SMALL_BYTES = 32 << 10
+
+
+def _sh(pc):
+    return pc.transport
+
+
+def _step(sh, what: str) -> int:
+    """Start a step: peers' segments open, the step number for this chunk."""
+    if len(sh.peers) < sh.size:
+        sh.coll = what
+        sh.open_all()
+    return sh.begin()
+
+
+def _arrive(sh, step: int, what: str) -> None:
+    sh.post(ARRIVE, step)
+    sh.wait_all(ARRIVE, step, what)
+
+
+def _bounds(c: int, P: int) -> list[tuple[int, int]]:
+    out, lo = [], 0
+    for k in chunk_sizes(c, P):
+        out.append((lo, lo + k))
+        lo += k
+    return out
+
+
+def _chunk(sh, t: torch.Tensor, per: int = 1) -> int:
+    """Elements per step so that ``per`` pieces of it fit in one slot."""
+    return max(1, sh.layout.slot_bytes // (t.element_size() * per))
+
+
+def all_reduce(pc, buf: torch.Tensor, op: Op) -> None:
+    sh, what = _sh(pc), f"{pc.op}(transport=shm)"
+    P, r, n = sh.size, sh.rank, buf.numel()
+    m = _chunk(sh, buf)
+    for a in range(0, n, m):
+        x = buf[a:a + m]
+        c = x.numel()
+        step = _step(sh, what)
+        mine = sh.slot(r, step, buf.dtype)[:c]
+        mine.copy_(x)
+        _arrive(sh, step, what)
+        slots = [sh.slot(q, step, buf.dtype)[:c] for q in range(P)]
+        if c * buf.element_size() < SMALL_BYTES:
+            op.fold(x, slots)
+            continue
+        parts = _bounds(c, P)
+        lo, hi = parts[r]
+        op.fold(x[lo:hi], [s[lo:hi] for s in slots])
+        mine[lo:hi].copy_(x[lo:hi])
+        sh.post(DONE, step)
+        sh.wait_all(DONE, step, what)
+        for q, (lo, hi) in enumerate(parts):
+            if q != r and hi > lo:
+                x[lo:hi].copy_(slots[q][lo:hi])
+
+
+def reduce(pc, buf: torch.Tensor, root: int, op: Op) -> None:
+    sh, what = _sh(pc), f"{pc.op}(transport=shm)"
+    m = _chunk(sh, buf)
+    for a in range(0, buf.numel(), m):
+        x = buf[a:a + m]
+        step = _step(sh, what)
+        sh.slot(sh.rank, step, buf.dtype)[:x.numel()].copy_(x)
+        _arrive(sh, step, what)
+        if sh.rank == root:
+            op.fold(x, [sh.slot(q, step, buf.dtype)[:x.numel()] for q in range(sh.size)])
+
+
+def broadcast(pc, buf: torch.Tensor, root: int) -> None:
+    sh, what = _sh(pc), f"{pc.op}(transport=shm)"
+    m = _chunk(sh, buf)
+    for a in range(0, buf.numel(), m):
+        x = buf[a:a + m]
+        step = _step(sh, what)
+        if sh.rank == root:
+            sh.slot(root, step, buf.dtype)[:x.numel()].copy_(x)
+        _arrive(sh, step, what)
+        if sh.rank != root:
+            x.copy_(sh.slot(root, step, buf.dtype)[:x.numel()])
+
+
+def all_gather(pc, full: torch.Tensor, n: int) -> None:
+    sh, what = _sh(pc), f"{pc.op}(transport=shm)"
+    P, r = sh.size, sh.rank
+    rows = full.view(P, n)
+    m = _chunk(sh, full)
+    for a in range(0, n, m):
+        c = min(m, n - a)
+        step = _step(sh, what)
+        sh.slot(r, step, full.dtype)[:c].copy_(rows[r, a:a + c])
+        _arrive(sh, step, what)
+        for q in range(P):
+            if q != r:
+                rows[q, a:a + c].copy_(sh.slot(q, step, full.dtype)[:c])
+
+
+def gather(pc, inp: torch.Tensor, full: torch.Tensor | None, root: int) -> None:
+    sh, what = _sh(pc), f"{pc.op}(transport=shm)"
+    P, r, n = sh.size, sh.rank, inp.numel()
+    m = _chunk(sh, inp)
+    for a in range(0, n, m):
+        c = min(m, n - a)
+        step = _step(sh, what)
+        sh.slot(r, step, inp.dtype)[:c].copy_(inp[a:a + c])
+        _arrive(sh, step, what)
+        if r == root:
+            rows = full.view(P, n)
+            for q in range(P):
+                if q != r:
+                    rows[q, a:a + c].copy_(sh.slot(q, step, inp.dtype)[:c])
+
+
+def scatter(pc, out: torch.Tensor, full: torch.Tensor | None, root: int) -> None:
+    sh, what = _sh(pc), f"{pc.op}(transport=shm)"
+    P, r, n = sh.size, sh.rank, out.numel()
+    m = _chunk(sh, out, per=P)
+    for a in range(0, n, m):
+        c = min(m, n - a)
+        step = _step(sh, what)
+        if r == root:
+            sh.slot(r, step, out.dtype)[:P * c].view(P, c).copy_(full.view(P, n)[:, a:a + c])
+        _arrive(sh, step, what)
+        if r != root:
+            out[a:a + c].copy_(sh.slot(root, step, out.dtype)[r * c:(r + 1) * c])
+
+
+def reduce_scatter(pc, out: torch.Tensor, full: torch.Tensor, op: Op) -> None:
+    sh, what = _sh(pc), f"{pc.op}(transport=shm)"
+    P, r, n = sh.size, sh.rank, out.numel()
+    m = _chunk(sh, out, per=P)
+    for a in range(0, n, m):
+        c = min(m, n - a)
+        step = _step(sh, what)
+        sh.slot(r, step, out.dtype)[:P * c].view(P, c).copy_(full.view(P, n)[:, a:a + c])
+        _arrive(sh, step, what)
+        op.fold(out[a:a + c], [sh.slot(q, step, out.dtype)[r * c:(r + 1) * c] for q in range(P)])
+
+
+def traffic(coll: str, P: int, rank: int, count: int, root: int) -> tuple[int, int]:
+    """Nothing is sent: peers read the slots. (Elements copied are not messages.)"""
+    return 0, 0

@@ -1,0 +1,131 @@
+"""Links, placements and link presets of the cost model.
+
+A :class:`Fabric` says where each rank runs (``placement[r]`` = its node) and what the links
+are: every node has a full-duplex link to a non-blocking switch (an uplink and a downlink,
+each ``inter`` or the node's own entry of ``node_links``), and ranks of one node share the
+node's ``intra`` link (loopback, shared memory, PCIe or NVLink). ``gamma`` is the time to
+reduce one byte (an element-wise add), which the schedules charge where the code adds.
+
+Presets (``LINKS``/``INTRA``): bandwidth is the data rate of the standard or the vendor's
+data sheet, as payload bytes per second per direction; α is a typical one-way small-message
+latency through the software stack, *not* a data-sheet number (TCP over Ethernet: tens of
+microseconds; RDMA: a few). Sources are in docs/cost_model.md. Calibrated values from
+``distrain bench link`` (a JSON file) replace them for a real cluster.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+
+from distrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Link:
+    alpha: float  # seconds per message
+    bandwidth: float  # payload bytes per second, one direction
+    source: str = ""
+
+    @property
+    def beta(self) -> float:
+        return 1.0 / self.bandwidth
+
+
+# Ethernet: IEEE 802.3 line rates; TCP/IP payload is 1448 of every 1538 bytes on the wire
+# (MTU 1500, with preamble and inter-frame gap): 94.1 %.
+_TCP = 1448 / 1538
+LINKS = {
+    "eth-100m": Link(50e-6, 100e6 / 8 * _TCP, "IEEE 802.3u 100 Mb/s, TCP payload"),
+    "eth-1g": Link(50e-6, 1e9 / 8 * _TCP, "IEEE 802.3ab 1 Gb/s, TCP payload"),
+    "eth-10g": Link(20e-6, 10e9 / 8 * _TCP, "IEEE 802.3ae 10 Gb/s, TCP payload"),
+    "eth-100g": Link(10e-6, 100e9 / 8 * _TCP, "IEEE 802.3ba 100 Gb/s, TCP payload"),
+    "ib-hdr": Link(2e-6, 200e9 / 8, "InfiniBand HDR 200 Gb/s (NVIDIA ConnectX-6 data sheet)"),
+}
+INTRA = {
+    "shm": Link(5e-6, 10e9, "one-core memory copy, ~10 GB/s (measure with distrain bench link)"),
+    "pcie4": Link(5e-6, 32e9 * 0.8, "PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b, ~80 % after protocol overhead"),
+    "nvlink3": Link(3e-6, 300e9, "NVIDIA A100 data sheet: NVLink 600 GB/s bidirectional = 300 GB/s per direction"),
+}
+DEFAULT_GAMMA = 1.0 / 4e9  # s per byte added (float32 add ~ 4 GB/s of one operand on one core)
+
+
+@dataclass(frozen=True)
+class Fabric:
+    placement: tuple[int, ...]  # node of every rank
+    inter: Link
+    intra: Link
+    gamma: float = DEFAULT_GAMMA
+    node_links: tuple[Link, ...] | None = None  # per-node inter links (e.g. a slow server link)
+    notes: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.placement)
+
+    def link_of(self, node: int) -> Link:
+        return self.node_links[node] if self.node_links else self.inter
+
+    def path(self, src: int, dst: int) -> tuple[tuple, ...]:
+        a, b = self.placement[src], self.placement[dst]
+        if src == dst:
+            return ()
+        if a == b:
+            return (("intra", a),)
+        return (("up", a), ("down", b))
+
+    def alpha(self, src: int, dst: int) -> float:
+        a, b = self.placement[src], self.placement[dst]
+        if a == b:
+            return self.intra.alpha
+        return max(self.link_of(a).alpha, self.link_of(b).alpha)
+
+    def bandwidth(self, link: tuple) -> float:
+        kind, node = link
+        return self.intra.bandwidth if kind == "intra" else self.link_of(node).bandwidth
+
+    def with_placement(self, placement) -> "Fabric":
+        return replace(self, placement=tuple(placement))
+
+
+def block_placement(world: int, procs_per_node: int) -> tuple[int, ...]:
+    """torchrun's layout: ranks i*K .. i*K+K-1 on node i."""
+    if procs_per_node < 1:
+        raise ConfigError(f"--procs-per-node must be >= 1, got {procs_per_node}")
+    return tuple(r // procs_per_node for r in range(world))
+
+
+def preset_fabric(world: int, procs_per_node: int, link: str, intra: str = "shm",
+                  gamma: float = DEFAULT_GAMMA) -> Fabric:
+    if link not in LINKS:
+        raise ConfigError(f"--link: unknown preset {link!r}; choose from {', '.join(LINKS)}")
+    if intra not in INTRA:
+        raise ConfigError(f"--intra: unknown preset {intra!r}; choose from {', '.join(INTRA)}")
+    return Fabric(block_placement(world, procs_per_node), LINKS[link], INTRA[intra], gamma)
+
+
+def _link(d: dict, what: str) -> Link:
+    try:
+        return Link(float(d["alpha_us"]) * 1e-6, float(d["bandwidth_GBps"]) * 1e9, d.get("source", "calibrated"))
+    except (KeyError, TypeError, ValueError):
+        raise ConfigError(f"calibration: {what} needs alpha_us and bandwidth_GBps, got {d!r}") from None
+
+
+def calibrated_fabric(path: str, placement) -> Fabric:
+    """A Fabric from ``distrain bench link --json`` output (its "model" entry)."""
+    try:
+        with open(path) as f:
+            model = json.load(f)["model"]
+    except (OSError, KeyError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--predict: cannot read a calibration from {path!r} ({e}); "
+                          f"write one with `distrain bench link --json {path}`") from None
+    return fabric_from_model(model, placement)
+
+
+def fabric_from_model(model: dict, placement) -> Fabric:
+    """A Fabric from a calibration's model dict ({inter, intra: {alpha_us, bandwidth_GBps}, gamma_ns_per_byte})."""
+    inter = _link(model["inter"], "inter") if model.get("inter") else None
+    intra = _link(model["intra"], "intra") if model.get("intra") else INTRA["shm"]
+    if inter is None:
+        inter = intra  # one node: every message stays inside it
+    return Fabric(tuple(placement), inter, intra, float(model.get("gamma_ns_per_byte", DEFAULT_GAMMA * 1e9)) * 1e-9)

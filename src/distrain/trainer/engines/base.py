@@ -1,0 +1,121 @@
+"""The Engine contract: one way of training, as the training loop (``trainer/loop.py``) sees it.
+
+An engine owns the model as this rank holds it (whole, wrapped for data parallelism, or a
+tensor/pipeline shard), its optimizer, and its communication. The loop owns everything
+else: data, resume, logging, checkpoint sets, the report. Per global step the loop calls
+
+    loss = engine.train_step(x, y)   # forward, backward, gradient sync, optimizer step
+
+with this rank's slice ``(dp_rank, dp_size)`` of the global batch (and ``end_training()``
+right after the last one), and logs
+``sum over loss_group of loss * loss_weight`` (the global batch's mean loss).
+
+A rank with ``serves = True`` (a parameter server) runs ``serve(steps)`` instead of the
+loop and joins the loop's collective calls afterwards (checkpoint set, traffic, report).
+
+Checkpoints: ``shard`` names the state this rank holds (replicas hold the same one; None:
+nothing, e.g. a parameter-server worker) and ``writes_shard`` says whether this rank is the
+one that writes it; ``state_dict``/``load_state_dict`` move it. ``layout_of(cfg)`` goes into
+the manifest, and a resume with another layout is refused before any rank starts.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from distrain.trainer.config import TrainConfig
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+class Engine(ABC):
+    """Base of every engine; subclasses set the attributes below in ``__init__``."""
+
+    serves: bool = False
+    dp_rank: int = 0  # which slice of the global batch this rank reads
+    dp_size: int = 1  # into how many slices the global batch is cut
+    loss_group = None  # the ranks whose weighted losses sum to the logged loss (None: the world)
+    loss_weight: float = 1.0
+    label: str = ""  # what the progress bar, plot and summary call this run, e.g. "dp1×tp2×pp2"
+
+    def __init__(self, cfg: TrainConfig, model: nn.Module, loss_fn: LossFn, optimizer_factory: OptimizerFactory):
+        self.cfg = cfg
+        self.loss_fn = loss_fn
+        self.optimizer_factory = optimizer_factory
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.comm_wait_s: float | None = None  # seconds the last step waited on communication (None: not measured)
+
+    # -- training -------------------------------------------------------------------------
+    @abstractmethod
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """One global step on this rank's slice; the loss where this rank computes one, else None."""
+
+    @abstractmethod
+    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
+        """Mean validation loss (on rank 0 at least; None elsewhere). Every training rank calls it."""
+
+    def end_training(self) -> None:
+        """Called once right after the last step's ``train_step`` (e.g. a final pull of weights)."""
+
+    @property
+    def can_evaluate(self) -> bool:
+        return True
+
+    def serve(self, steps: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not serve")
+
+    # -- checkpoints ----------------------------------------------------------------------
+    @classmethod
+    @abstractmethod
+    def layout_of(cls, cfg: TrainConfig) -> dict:
+        """How the state is split (recorded in the manifest; resume requires the same)."""
+
+    @property
+    def layout(self) -> dict:
+        return self.layout_of(self.cfg)
+
+    @property
+    @abstractmethod
+    def shard(self) -> str | None:
+        """The name of the state this rank holds in a checkpoint set, or None."""
+
+    @property
+    def writes_shard(self) -> bool:
+        """Whether this rank writes its shard (one rank per distinct shard)."""
+        return self.shard is not None
+
+    @abstractmethod
+    def state_dict(self) -> dict:
+        """This rank's shard: model and optimizer state."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict) -> None: ...
+
+    # -- report ---------------------------------------------------------------------------
+    def report(self, ledger, steps: int) -> dict:
+        """Extra summary fields (collective: every rank calls it; rank 0's result is used)."""
+        return {}
+
+    def report_rows(self, summary: dict) -> list[tuple[str, str]]:
+        """Extra lines for the summary table."""
+        return []
+
+    def sample_model(self) -> nn.Module | None:
+        """The whole model on rank 0 for text samples, or None when it is sharded."""
+        return None
+
+
+@torch.no_grad()
+def mean_loss(net: nn.Module, loss_fn: LossFn, batches) -> float:
+    """Mean of ``loss_fn(net(x), y)`` over ``batches``, in eval mode."""
+    was = net.training
+    net.eval()
+    losses = [loss_fn(net(x), y).item() for x, y in batches]
+    net.train(was)
+    return sum(losses) / len(losses)

@@ -1,0 +1,32 @@
+"""Data parallel by all-reduce: our DistributedDataParallel (``ddp``) and torch's (``torch-ddp``).
+
+The model is replicated; the wrapper averages gradients over all ranks during backward
+(reverse-order buckets, distrain.parallel's DDP), so the optimizer steps are identical on
+every rank. Everything else is SingleEngine's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distrain.trainer.engines.single import SingleEngine
+
+
+class DDPEngine(SingleEngine):
+    def wrap(self, model):
+        from distrain.parallel import DistributedDataParallel
+
+        c = self.cfg
+        return DistributedDataParallel(model, algorithm=c.algorithm, bucket_cap_mb=c.bucket_cap_mb,
+                                       compression=c.compression)
+
+    def describe(self) -> str:
+        return f"ddp ({self.cfg.algorithm})"
+
+
+class TorchDDPEngine(SingleEngine):
+    def wrap(self, model):
+        return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=self.cfg.bucket_cap_mb)
+
+    def describe(self) -> str:
+        return "torch-ddp"

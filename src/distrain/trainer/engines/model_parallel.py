@@ -1,0 +1,79 @@
+"""Model parallelism: ``--dp A --tp B --pp C`` (B > 1 or C > 1) on the dp × tp × pp grid.
+
+Every rank builds the same seeded full model; ``parallelize()`` applies tensor parallel
+(tp group), the pipeline split (pp group) and data parallel (dp group), in that order.
+Each data-parallel replica reads its slice of the global batch; first-stage ranks feed
+the inputs, last-stage ranks the targets.
+
+The loss exists on the last stage (identical on its tp ranks): those ranks of tp rank 0
+contribute loss / dp, which sums over the world to the global batch's loss. Every (tp, pp)
+coordinate holds a different shard: dp rank 0 of each writes ``tp{t}-pp{p}``. Validation
+runs when pp == 1 (every rank takes part: the tp all-reduces need all of them); text
+sampling is not done (the model is sharded).
+"""
+
+from __future__ import annotations
+
+from distrain.topology import Topology
+from distrain.trainer.engines.base import Engine
+
+
+class ModelParallelEngine(Engine):
+    def __init__(self, cfg, model, loss_fn, optimizer_factory):
+        from distrain.models.registry import tp_plan_for
+        from distrain.parallel import parallelize
+
+        super().__init__(cfg, model, loss_fn, optimizer_factory)
+        self.topo = topo = Topology.from_world(**self.layout_of(cfg))
+        # the plan lives beside the model (models/gpt_plan.py, models/mlp_plan.py); a user's model
+        # brings its own as ``model.tp_plan`` when tp > 1
+        plan = getattr(model, "tp_plan", None) or tp_plan_for(model)
+        self.pm = parallelize(model, topo, loss_fn=loss_fn, tp_plan=plan, algorithm=cfg.algorithm,
+                              microbatches=cfg.microbatches, schedule=cfg.schedule,
+                              bucket_cap_mb=cfg.bucket_cap_mb)
+        self.optimizer = optimizer_factory(self.pm.parameters())
+        self.dp_rank, self.dp_size = topo.dp_rank, topo.dp
+        self.loss_weight = 1.0 / topo.dp if (self.pm.has_loss and topo.tp_rank == 0) else 0.0
+        self.label = f"dp{topo.dp}×tp{topo.tp}×pp{topo.pp}"
+
+    def train_step(self, x, y):
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.pm.train_step(x, y)
+        self.optimizer.step()
+        self.comm_wait_s = self.pm.comm_wait_s
+        return loss
+
+    @property
+    def can_evaluate(self) -> bool:
+        return self.topo.pp == 1
+
+    def evaluate(self, batches):
+        from distrain.trainer.engines.base import mean_loss
+
+        return mean_loss(self.pm.module, self.pm.loss_fn, batches)
+
+    @classmethod
+    def layout_of(cls, cfg) -> dict:
+        return {"dp": cfg.dp_size, "tp": cfg.tp, "pp": cfg.pp}
+
+    @property
+    def shard(self):
+        return f"tp{self.topo.tp_rank}-pp{self.topo.pp_rank}"
+
+    @property
+    def writes_shard(self) -> bool:
+        return self.topo.dp_rank == 0
+
+    def state_dict(self) -> dict:
+        return {"model": self.pm.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pm.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def report(self, ledger, steps: int) -> dict:
+        return {"layout": self.layout, "microbatches": self.cfg.microbatches, "schedule": self.cfg.schedule}
+
+    def report_rows(self, summary: dict) -> list[tuple[str, str]]:
+        c = self.cfg
+        return [("micro-batches", f"{c.microbatches} ({c.schedule})")] if c.pp > 1 else []

@@ -1,0 +1,108 @@
+"""Parameter server: ``ps-sync`` and ``ps-async`` (distrain.parallel.parameter_server).
+
+Roles come from PSLayout: the last S ranks serve (``serves = True``: they hold their shard
+and its optimizer and answer pulls and pushes), the first W = nproc - S work. A worker step
+is ``pull -> forward/backward -> push``; ``end_training`` makes the final pull, after which
+the worker's model holds the final weights. Rank 0 (always a worker) evaluates and samples
+then, at the end of the run only: mid-run its model holds the weights of the step before.
+(Pulling right after each push instead would hold a pull open while the workers log their
+loss together, which deadlocks against a server that bounds staleness.) The state lives on
+the servers: each writes shard ``server{s}`` (its flat weights and optimizer). Periodic
+checkpoints are refused by the config (mid-run, the state is spread over messages in
+flight); the final one is written.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from distrain.trainer.engines.base import Engine, mean_loss
+
+
+class PSEngine(Engine):
+    def __init__(self, cfg, model, loss_fn, optimizer_factory):
+        from distrain.parallel.parameter_server import ParameterServer, PSLayout, PSWorker
+
+        super().__init__(cfg, model, loss_fn, optimizer_factory)
+        self.model, self.mode = model, ("sync" if cfg.strategy == "ps-sync" else "async")
+        self.ps_layout = L = PSLayout.from_model(model, self.world, cfg.servers)
+        self.loss_group = dist.new_group(L.workers)  # every rank must create it
+        self.serves = L.is_server(self.rank)
+        self.label = f"{cfg.strategy} ({L.num_workers} workers, {L.num_servers} server{'s' * (L.num_servers > 1)})"
+        self.stats: dict = {}
+        if self.serves:
+            self.server = ParameterServer(model, L, optimizer_factory, self.mode, max_staleness=cfg.max_staleness)
+        else:
+            self.worker = PSWorker(model, L, self.mode)
+            self.dp_rank, self.dp_size = L.workers.index(self.rank), L.num_workers
+            self.loss_weight = 1.0 / L.num_workers
+            self._final = False
+
+    # -- server -----------------------------------------------------------------------------
+    def serve(self, steps: int) -> None:
+        self.stats = self.server.serve(steps)
+
+    # -- worker -----------------------------------------------------------------------------
+    def train_step(self, x, y):
+        w = self.worker
+        before = w.pull_s + w.push_s
+        w.pull()
+        loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        w.push()
+        self.comm_wait_s = w.pull_s + w.push_s - before
+        return loss.detach()
+
+    def end_training(self) -> None:
+        self.worker.pull()  # the final weights, the same on every worker
+        self._final = True
+
+    def evaluate(self, batches):
+        return mean_loss(self.model, self.loss_fn, batches) if self.rank == 0 and self._final else None
+
+    def sample_model(self):
+        return self.model
+
+    # -- checkpoints ------------------------------------------------------------------------
+    @classmethod
+    def layout_of(cls, cfg) -> dict:
+        return {"workers": cfg.nproc - cfg.servers, "servers": cfg.servers}
+
+    @property
+    def shard(self):
+        return f"server{self.ps_layout.server_index(self.rank)}" if self.serves else None
+
+    def state_dict(self) -> dict:
+        return {"flat": self.server.flat, "optimizer": self.server.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.serves:
+            with torch.no_grad():
+                self.server.flat.copy_(state["flat"])
+            self.server.optimizer.load_state_dict(state["optimizer"])
+
+    # -- report -----------------------------------------------------------------------------
+    def report(self, ledger, steps: int) -> dict:
+        from distrain.parallel.parameter_server import expected_ps_bytes
+
+        stats = dict(self.stats) if self.serves else self.worker.stats()
+        # the data messages' bytes of this rank, to check against the fan-in/fan-out formula
+        stats["ledger"] = {f"{lab}_{d}": getattr(ledger.get(lab, "p2p"), f"bytes_{d}")
+                           for lab in ("ps_pull", "ps_push") for d in ("sent", "recv")}
+        every = [None] * self.world
+        dist.all_gather_object(every, stats)
+        L = self.ps_layout
+        servers = [s for s in every if s and s.get("role") == "server"]
+        expected = expected_ps_bytes(L, steps, final_pull=True)
+        extra = {"servers": [{k: v for k, v in s.items() if k != "apply_order"} for s in servers],
+                 "staleness_max": max(s["staleness_max"] for s in servers),
+                 "ps_bytes": [{"rank": r, "role": L.role(r), "ledger": every[r]["ledger"],
+                               "expected": {k: v for k, v in expected[r].items() if k.startswith("ps_")}}
+                              for r in range(self.world)]}
+        extra["ps_bytes_match"] = all(row["ledger"] == row["expected"] for row in extra["ps_bytes"])
+        return extra
+
+    def report_rows(self, summary: dict) -> list[tuple[str, str]]:
+        return [("max staleness seen", str(summary["staleness_max"])),
+                ("PS bytes = W*N_s fan-in/out", "exact" if summary["ps_bytes_match"] else "MISMATCH")]

@@ -1,0 +1,63 @@
+"""One process, or the whole model on every rank: the base of the data-parallel engines.
+
+Every rank holds the whole model; ``wrap`` (none here) makes ``backward()`` average the
+gradients over the ranks (engines/ddp.py). Rank 0 evaluates and writes the checkpoint
+shard ``tp0-pp0`` (the replicas are identical), the same layout as ``--dp N --tp 1 --pp 1``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from distrain.trainer.engines.base import Engine, mean_loss
+
+
+class SingleEngine(Engine):
+    def __init__(self, cfg, model, loss_fn, optimizer_factory):
+        super().__init__(cfg, model, loss_fn, optimizer_factory)
+        self.model = model
+        self.net = self.wrap(model)
+        self.optimizer = optimizer_factory(self.net.parameters())
+        self.dp_rank, self.dp_size = self.rank, self.world
+        self.loss_weight = 1.0 / self.world
+        self.label = self.describe()
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def describe(self) -> str:
+        return "single"
+
+    def train_step(self, x, y):
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.net(x), y)
+        loss.backward()
+        self.optimizer.step()
+        self.comm_wait_s = getattr(self.net, "comm_wait_s", None)
+        return loss.detach()
+
+    def evaluate(self, batches):
+        return mean_loss(self.model, self.loss_fn, batches) if self.rank == 0 else None
+
+    @classmethod
+    def layout_of(cls, cfg) -> dict:
+        return {"dp": cfg.nproc, "tp": 1, "pp": 1}
+
+    @property
+    def shard(self):
+        return "tp0-pp0"
+
+    @property
+    def writes_shard(self) -> bool:
+        return self.rank == 0
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def sample_model(self):
+        return self.model

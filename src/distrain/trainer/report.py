@@ -1,0 +1,123 @@
+"""What a run shows and leaves behind: the progress bar, metrics lines, the summary.
+
+``step_record`` makes one metrics.jsonl line per step; ``flush`` turns the pending steps'
+losses into the global batch's loss (one small all-reduce of ``loss * weight`` over the
+engine's loss group) and writes them; ``finish`` (rank 0, after training) writes
+summary.json and loss.png, generates a text sample when the whole model is on rank 0, and
+prints the table.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from distrain import comm
+from distrain.data import decode, encode
+from distrain.models import generate
+from distrain.trainer.config import TrainConfig
+from distrain.trainer.metrics import MetricsLog, format_table, plot_losses, read_metrics
+
+
+def step_record(step: int, loss: torch.Tensor | None, dt: float, comm_wait: float | None, unit: str,
+                units_per_step: int) -> dict:
+    """One metrics.jsonl line; ``loss`` stays a tensor until ``flush`` sums it over ranks
+    (None on ranks that compute no loss, which then contribute 0)."""
+    return {"step": step, "loss": (loss.detach() if loss is not None else torch.zeros(())).double(),
+            "time_s": dt, "comm_wait_s": comm_wait, f"{unit}_per_s": units_per_step / dt}
+
+
+def progress_bar(cfg: TrainConfig, start: int, label: str, on: bool):
+    if not (on and cfg.progress):
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=cfg.steps, initial=start, desc=f"{label}/{cfg.model}", dynamic_ncols=True)
+
+
+def flush(pending: list[dict], log: MetricsLog | None, bar, group, weight: float) -> None:
+    """Replace each pending loss by sum over ``group`` of loss * weight, log, update the bar."""
+    losses = torch.stack([r["loss"] for r in pending]).mul_(weight)
+    comm.all_reduce(losses, op="sum", group=group, algorithm="native")
+    for r, v in zip(pending, losses.tolist()):
+        r["loss"] = v
+    if log is not None:
+        log.write(pending)
+    if bar is not None:
+        r = pending[-1]
+        rate_key = next(k for k in r if k.endswith("_per_s"))
+        post = {"loss": f"{r['loss']:.4f}", rate_key.replace("_per_s", "/s"): f"{r[rate_key]:,.0f}"}
+        if r.get("comm_wait_s") is not None:
+            post["comm"] = f"{100 * r['comm_wait_s'] / r['time_s']:.0f}%"
+        if "val_loss" in r:
+            bar.write(f"step {r['step'] + 1}: validation loss {r['val_loss']:.4f}")
+        bar.set_postfix(post)
+        bar.update(len(pending))
+
+
+def rank_traffic(led: comm.Ledger, steps: int) -> list[dict]:
+    """Every rank's bytes sent and received per step (from its ledger), gathered on all ranks."""
+    t = led.total()
+    mine = torch.tensor([t.bytes_sent / max(1, steps), t.bytes_recv / max(1, steps)], dtype=torch.float64)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    return [{"rank": r, "sent": row[0].item(), "recv": row[1].item()} for r, row in enumerate(rows)]
+
+
+def summarize(cfg: TrainConfig, label: str, unit: str, units_per_sample: int, out: Path, wall: float, start: int,
+              traffic: list[dict], extra: dict) -> dict:
+    rows = read_metrics(out / "metrics.jsonl")
+    run = [r for r in rows if r["step"] >= start]
+    steady = run[min(len(run) - 1, 5):]  # skip warm-up steps for rates
+    rate = cfg.batch_size * units_per_sample * len(steady) / max(1e-9, sum(r["time_s"] for r in steady))
+    waits = [r["comm_wait_s"] for r in steady if r.get("comm_wait_s") is not None]
+    vals = [r["val_loss"] for r in rows if "val_loss" in r]
+    return {
+        "strategy": cfg.strategy, "label": label, "model": cfg.model, "data": cfg.data, "nproc": cfg.nproc,
+        "algorithm": cfg.algorithm if cfg.strategy == "ddp" else None, "steps": cfg.steps,
+        "first_loss": rows[0]["loss"], "final_loss": rows[-1]["loss"], "final_val_loss": vals[-1] if vals else None,
+        f"{unit}_per_s": rate, "comm_share": sum(waits) / sum(r["time_s"] for r in steady) if waits else None,
+        "bytes_per_step": traffic, "bytes_sent_per_step_rank0": traffic[0]["sent"], "wall_s": wall, **extra,
+    }
+
+
+def text_sample(model, cfg: TrainConfig) -> str:
+    g = torch.Generator().manual_seed(cfg.seed)
+    ids = generate(model, encode("\n").unsqueeze(0), cfg.sample_chars, temperature=0.8, top_k=40, generator=g)
+    return decode(ids[0])
+
+
+def table_rows(cfg: TrainConfig, s: dict, start: int, unit: str, extra_rows: list) -> list[tuple[str, str]]:
+    traffic, share = s["bytes_per_step"], s["comm_share"]
+    rows = [("strategy", s["label"]), ("model / data", f"{cfg.model} / {cfg.data}"), ("processes", str(cfg.nproc)),
+            ("steps", f"{start} -> {cfg.steps}"), ("loss", f"{s['first_loss']:.4f} -> {s['final_loss']:.4f}")]
+    if s["final_val_loss"] is not None:
+        rows.append(("validation loss", f"{s['final_val_loss']:.4f}"))
+    rows += [(f"{unit} per s", f"{s[f'{unit}_per_s']:,.0f}"),
+             ("communication wait", f"{100 * share:.1f}% of step" if share is not None else "n/a"),
+             ("bytes sent per step (rank 0)", f"{traffic[0]['sent']:,.0f}")]
+    if len(traffic) > 1:
+        rows.append(("bytes per step, busiest rank", f"{max(t['sent'] for t in traffic):,.0f} sent, "
+                                                     f"{max(t['recv'] for t in traffic):,.0f} received"))
+    return rows + extra_rows + [("wall time", f"{s['wall_s']:.1f} s"),
+                                ("outputs", f"{cfg.out}/metrics.jsonl, loss.png, summary.json, checkpoint.json")]
+
+
+def finish(cfg: TrainConfig, engine, task, out: Path, wall: float, start: int, traffic: list[dict],
+           extra: dict) -> dict:
+    """Rank 0: summary.json, loss.png, a text sample if possible, and the printed table."""
+    summary = summarize(cfg, engine.label, task.unit, task.units_per_sample, out, wall, start, traffic, extra)
+    plot_losses(out / "metrics.jsonl", out / "loss.png", f"{cfg.model} on {cfg.data}, {engine.label}, "
+                                                         f"{cfg.nproc} proc")
+    model = engine.sample_model()
+    if task.unit == "tokens" and cfg.sample_chars > 0 and model is not None:
+        summary["sample"] = text_sample(model, cfg)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if cfg.report:
+        print("\n" + format_table(table_rows(cfg, summary, start, task.unit, engine.report_rows(summary))))
+        if "sample" in summary:
+            print("\n--- sample ---\n" + summary["sample"] + "\n--------------")
+    return summary

@@ -1,0 +1,76 @@
+"""Shared test helpers: spawning ranks, the single-process reference run, and the two tiers.
+
+Tiers: ``pytest -m "not slow"`` is the fast tier (a couple of minutes); ``make test`` runs
+everything. A test is slow when it is marked ``@pytest.mark.slow`` or when its own
+``@pytest.mark.timeout`` allows two minutes or more (the timeout already says "this one
+is long"), so a new long test lands in the slow tier without anyone remembering to mark it.
+
+Helpers:
+    run_ranks(fn, nprocs, *args, timeout=90)   distrain.spawn with every rank's problems
+                                               checked: fn returns a list of failure strings
+    train_losses(cfg)                          train with distrain's trainer, return the losses
+    reference_losses(tmp_path_factory, **kw)   the single-process run of the same job (cached
+                                               per session: many equivalence tests share it)
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+SLOW_TIMEOUT_S = 120
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a long test (multi-process training jobs); skipped by -m 'not slow'")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        t = item.get_closest_marker("timeout")
+        if t is not None and t.args and t.args[0] >= SLOW_TIMEOUT_S and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
+
+
+def run_ranks(fn, nprocs: int, *args, timeout: float = 90) -> list:
+    """Run ``fn(rank, *args)`` on ``nprocs`` ranks; each returns a list of problems (strings).
+
+    Fails naming every rank's problems, so one run reports all of them at once."""
+    import distrain
+
+    results = distrain.spawn(fn, nprocs, args=args, timeout=timeout)
+    bad = [f"rank {r}: {p}" for r, res in enumerate(results) for p in (res or [])]
+    assert not bad, "\n".join(bad)
+    return results
+
+
+def train_losses(cfg) -> list[float]:
+    """Train ``cfg`` (a TrainConfig) and return the logged losses, one per step."""
+    from distrain.trainer import train
+    from distrain.trainer.metrics import read_metrics
+
+    train(cfg)
+    return [r["loss"] for r in read_metrics(os.path.join(cfg.out, "metrics.jsonl"))]
+
+
+def trainer_config(out, **kw):
+    """A small, exact trainer job: gpt-tiny in fp64, 5 steps, no evaluation, no output noise."""
+    from distrain.trainer import TrainConfig
+
+    base = dict(model="gpt-tiny", data="shakespeare", steps=5, batch_size=12, lr=1e-2, dtype="float64",
+                eval_every=0, sample_chars=0, progress=False, log_every=2, out=str(out), timeout=120)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+_REFERENCES: dict = {}
+
+
+def reference_losses(tmp_path_factory, **kw) -> list[float]:
+    """The single-process run of ``trainer_config(**kw)``, computed once per session."""
+    key = tuple(sorted(kw.items()))
+    if key not in _REFERENCES:
+        out = tmp_path_factory.mktemp("reference")
+        _REFERENCES[key] = train_losses(trainer_config(out, **kw, strategy="single", nproc=1))
+    return _REFERENCES[key]

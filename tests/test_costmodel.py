@@ -1,0 +1,125 @@
+"""The cost model: schedules carry exactly the ledger's bytes; times match the closed forms."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from distrain.bench import link_bench
+from distrain.comm.cost import traffic
+from distrain.costmodel import Fabric, Link, Message, predict, predict_ps, simulate
+from distrain.costmodel.links import calibrated_fabric
+from distrain.errors import ConfigError
+
+B = 1e8  # bytes/s
+
+
+def _fabric(P: int, alpha: float = 0.0, gamma: float = 0.0, per_node: int = 1) -> Fabric:
+    return Fabric(tuple(r // per_node for r in range(P)), Link(alpha, B), Link(alpha, 10 * B), gamma)
+
+
+@pytest.mark.parametrize("P", [2, 3, 5, 8])
+@pytest.mark.parametrize("alg,colls", [("star", ["all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter"]),
+                                       ("ring", ["all_reduce", "all_gather", "reduce_scatter"]),
+                                       ("tree", ["all_reduce", "broadcast", "reduce"])])
+def test_schedule_bytes_equal_the_traffic_formulas(P, alg, colls):
+    # 1000003 elements: not divisible by any P; every rank's uplink carries what it sends
+    f = _fabric(P)
+    for coll in colls:
+        per_rank = coll in ("all_gather", "reduce_scatter")
+        count = 1000003 // (P if per_rank else 1)
+        size = count * 4 * (P if per_rank else 1)
+        res = predict(coll, alg, size, f)
+        for r in range(P):
+            sent, recv = traffic(coll, alg, P, r, count, 4)
+            assert res.link_bytes.get(("up", r), 0) == sent, (coll, alg, P, r)
+            assert res.link_bytes.get(("down", r), 0) == recv, (coll, alg, P, r)
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 7])
+def test_bandwidth_terms_match_the_seeds(P):
+    N = 64 << 20
+    f = _fabric(P)
+    # star: the root's link carries (P-1)N each way, one direction after the other
+    assert predict("all_reduce", "star", N, f).seconds == pytest.approx(2 * (P - 1) * N / B, rel=1e-9)
+    # ring: 2(P-1) steps of N/P, pieces pipelined along the ring (Patarasuk & Yuan)
+    assert predict("all_reduce", "ring", N, f).seconds == pytest.approx(2 * (P - 1) / P * N / B, rel=1e-3)
+    # broadcast from a star root: P-1 copies share its uplink
+    assert predict("broadcast", "star", N, f).seconds == pytest.approx((P - 1) * N / B, rel=1e-9)
+
+
+def test_tree_shares_the_root_link_and_waits_for_subtrees():
+    N = 1 << 20
+    f = _fabric(4)
+    # reduce: position 1 -> 0 at once; 3 -> 2 then 2 -> 0: the root's downlink serves 1 then 2 -> 2N/B
+    assert predict("reduce", "tree", N, f).seconds == pytest.approx(2 * N / B)
+    # broadcast: 0 -> {2, 1} share the uplink (2N/B), then 2 -> 3 (N/B)
+    assert predict("broadcast", "tree", N, f).seconds == pytest.approx(3 * N / B)
+
+
+@pytest.mark.parametrize("P", [2, 3, 5, 8])
+def test_latency_terms(P):
+    a = 1e-3
+    f = _fabric(P, alpha=a)
+    tiny = 4  # bytes: the α terms dominate
+    assert predict("all_reduce", "star", tiny, f).seconds == pytest.approx(2 * a, rel=1e-3)
+    # the root posts its ceil(log2 P) sends at once, so the α's add up along the deepest path only:
+    # depth = the most 1-bits of a position v < P (v's path to the root clears one bit per hop)
+    depth = max(bin(v).count("1") for v in range(P))
+    assert depth <= math.ceil(math.log2(P))
+    assert predict("all_reduce", "tree", tiny, f).seconds == pytest.approx(2 * depth * a, rel=1e-3)
+    if P > 2:  # with 4 bytes and P > 4 some chunks are empty but still one message each
+        assert predict("all_reduce", "ring", 4 * P, f).seconds == pytest.approx(2 * (P - 1) * a, rel=1e-3)
+
+
+def test_reduction_compute_and_intra_node_links():
+    g = 1e-9
+    f = _fabric(3, gamma=g)
+    N = 1 << 20
+    # star: the root adds 2 contributions before it broadcasts
+    assert predict("all_reduce", "star", N, f).seconds == pytest.approx(4 * N / B + 2 * g * N)
+    # two ranks per node: rank 0 and 1 talk over the node's 10x faster shared link
+    f2 = _fabric(4, per_node=2)
+    assert predict("broadcast", "star", N, f2).seconds == pytest.approx(2 * N / B)  # 2 copies up node 0's link
+    assert f2.path(0, 1) == (("intra", 0),) and f2.path(1, 2) == (("up", 0), ("down", 1))
+
+
+def test_parameter_server_round():
+    N = 8 << 20
+    for S in (1, 2):
+        f = _fabric(6)
+        W = 6 - S
+        res = predict_ps(N, S, f)
+        # every server's link carries W shards of N/S each way: pull (fan-out) then push (fan-in)
+        for s in range(S):
+            assert res.link_bytes[("up", W + s)] == res.link_bytes[("down", W + s)] == pytest.approx(W * N / S)
+        assert res.seconds == pytest.approx(2 * W * N / S / B, rel=1e-9)
+
+
+def test_simulator_checks_its_input():
+    f = _fabric(2)
+    with pytest.raises(ValueError, match="dependency 1 must be an earlier message"):
+        simulate([Message(0, 1, 10, deps=(1,)), Message(1, 0, 10)], f)
+    bad = Fabric((0, 1), Link(0.0, 0.0), Link(0.0, 1.0))
+    with pytest.raises(ValueError, match="bandwidth must be positive"):
+        simulate([Message(0, 1, 10)], bad)
+    assert predict("all_reduce", "native", 1 << 20, f) is None
+    assert predict("scatter", "ring", 1 << 20, f) is None
+
+
+def test_link_fit_and_calibration_file(tmp_path):
+    sizes = [8, 256 << 10, 1 << 20, 4 << 20]
+    alpha, beta = 50e-6, 1 / 25e6
+    a, b = link_bench.fit(sizes, [alpha + n * beta for n in sizes])
+    assert a == pytest.approx(alpha) and b == pytest.approx(beta)
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"model": {"inter": {"alpha_us": 50, "bandwidth_GBps": 0.025},
+                                          "intra": {"alpha_us": 20, "bandwidth_GBps": 1.5},
+                                          "gamma_ns_per_byte": 0.25}}))
+    f = calibrated_fabric(str(path), [0, 0, 1])
+    assert f.inter.alpha == pytest.approx(50e-6) and f.inter.bandwidth == pytest.approx(25e6)
+    assert f.intra.bandwidth == pytest.approx(1.5e9) and f.gamma == pytest.approx(0.25e-9)
+    with pytest.raises(ConfigError, match="write one with `distrain bench link --json"):
+        calibrated_fabric(str(tmp_path / "missing.json"), [0, 1])

@@ -1,0 +1,357 @@
+"""Fault injection: signals to the top process, killed and hung ranks, a busy run folder,
+a foreign MASTER_PORT, blame, restarts that resume. Each case asserts one precise outcome.
+
+Long randomized trials are marked ``faults_long`` and deselected by default
+(run them with ``pytest -m faults_long tests/test_faults.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import distrain
+from distrain import comm, runlock
+from distrain.blame import Failure, blame, is_secondary
+from distrain.errors import CollectiveTimeoutError, CommError, ConfigError, RankFailedError
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+TINY = ["--model", "mlp-tiny", "--data", "digits", "--no-progress", "--eval-every", "0", "--no-report"]
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                                            "DISTRAIN_PARENT_PID", "DISTRAIN_RESUME")}
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _start(*args: str) -> subprocess.Popen:
+    """`distrain ARGS` in its own session (so a signal to its group reaches only it and its ranks)."""
+    return subprocess.Popen([sys.executable, "-m", "distrain.cli", *args], env=_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    return _process_tree().get(pid, [])
+
+
+def _descendants(pid: int) -> set[int]:
+    children = _process_tree()
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def _process_tree() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    return children
+
+
+def _wait_for(cond, timeout: float, what: str, p: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if p is not None and p.poll() is not None:
+            pytest.fail(f"{what}: process ended early with {p.returncode}:\n{p.stderr.read()}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def _metric_lines(out: Path) -> int:
+    try:
+        return len((out / "metrics.jsonl").read_text().splitlines())
+    except OSError:
+        return 0
+
+
+def _training(p: subprocess.Popen, out: Path, ranks: int) -> set[int]:
+    """Wait until the job writes metrics, return the pids under its top process."""
+    _wait_for(lambda: _metric_lines(out) >= 1, 120, "the first metrics line", p)
+    procs = _descendants(p.pid)
+    assert len(procs) >= ranks, procs
+    return procs
+
+
+def _finish(p: subprocess.Popen, timeout: float = 60) -> tuple[int, str]:
+    try:
+        _, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail("the top process did not end after the signal")
+    return p.returncode, err
+
+
+def _no_orphans(procs: set[int]) -> None:
+    _wait_for(lambda: not any(_alive(q) for q in procs), 30, f"ranks {sorted(procs)} to end")
+
+
+# -- no orphans, whatever kills the top process ------------------------------------------------
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("command", ["train", "launch"])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_signal_to_the_top_process_takes_every_rank_down(tmp_path, command, sig):
+    if command == "launch" and sig == signal.SIGHUP:
+        pytest.skip("same torchrun handler as SIGTERM")
+    out = tmp_path / "run"
+    head = ["train", "--nproc", "2"] if command == "train" else ["launch", "--nproc-per-node", "2", "train"]
+    p = _start(*head, *TINY, "--steps", "1000000", "--log-every", "1", "--out", str(out))
+    procs = _training(p, out, 2)
+    if sig == signal.SIGINT:
+        os.killpg(p.pid, sig)  # Ctrl-C reaches the whole foreground process group
+    else:
+        os.kill(p.pid, sig)
+    code, err = _finish(p)
+    _no_orphans(procs)
+    lines_after = _metric_lines(out)
+    time.sleep(1.5)
+    assert _metric_lines(out) == lines_after  # nobody writes into --out any more
+    if sig == signal.SIGKILL:
+        assert code == -signal.SIGKILL
+        return
+    assert code == 128 + sig if sig != signal.SIGINT else code == 130
+    last = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("W1")]  # W...: torchrun's banner
+    want = ("distrain: interrupted (Ctrl-C); every rank was stopped" if command == "train" and sig == signal.SIGINT
+            else f"distrain{' launch' if command == 'launch' else ''}: stopped by {signal.Signals(sig).name}; "
+                 f"every rank was stopped")
+    assert last == [want], err
+
+
+# -- one run per folder ----------------------------------------------------------------------------
+
+@pytest.mark.timeout(180)
+def test_second_run_into_a_busy_folder_is_refused_and_the_lock_dies_with_its_holder(tmp_path):
+    out = tmp_path / "run"
+    p = _start("train", "--nproc", "2", *TINY, "--steps", "1000000", "--out", str(out))
+    procs = _training(p, out, 2)
+    q = subprocess.run([sys.executable, "-m", "distrain.cli", "train", "--nproc", "1", "--strategy", "single", *TINY,
+                        "--steps", "2", "--out", str(out)], env=_env(), capture_output=True, text=True, timeout=120)
+    assert q.returncode == 2
+    assert q.stderr.startswith(f"distrain: error: --out {out} is in use by a running job (pid {p.pid} on ")
+    assert q.stderr.rstrip().endswith("wait for it to end, stop it, or choose another --out")
+    assert len(q.stderr.strip().splitlines()) == 1
+    os.kill(p.pid, signal.SIGKILL)
+    _finish(p)
+    _no_orphans(procs)
+    with runlock.hold(out) as lock:  # a SIGKILLed holder leaves no stale lock
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+
+
+def test_unwritable_out_is_a_one_line_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match=r"--out .*/file/run: cannot create the run folder \(Not a directory\)"):
+        with runlock.hold(blocker / "run"):
+            pass
+    with pytest.raises(ConfigError, match=r"--out .*/file exists and is not a folder"):
+        with runlock.hold(blocker):
+            pass
+
+
+# -- rendezvous: a foreign service on MASTER_PORT, a loopback-only store -------------------------
+
+@pytest.mark.timeout(90)
+def test_init_against_a_silent_foreign_service_fails_instead_of_hanging():
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)  # accepts connections (the kernel does) and never answers
+    port = srv.getsockname()[1]
+    env = _env() | {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    p = subprocess.run([sys.executable, "-c", "import distrain; distrain.runtime.init(timeout=6)"], env=env,
+                       capture_output=True, text=True, timeout=80)
+    srv.close()
+    assert p.returncode == 1
+    assert (f"CommError: rank 1: MASTER_ADDR:MASTER_PORT 127.0.0.1:{port} accepts connections but does not answer "
+            f"as a torch.distributed store (no reply in 6s)") in p.stderr
+
+
+def _listening_addresses(port: int) -> list[str]:
+    rows = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for ln in lines:
+            local, state = ln.split()[1], ln.split()[3]
+            addr, p = local.split(":")
+            if state == "0A" and int(p, 16) == port:
+                rows.append(addr)
+    return rows
+
+
+def test_local_store_listens_on_the_loopback_only():
+    from distrain.launch import local_store
+
+    store = local_store(2, 10)
+    assert _listening_addresses(store.port) == ["0100007F"]  # 127.0.0.1, and no "*" or :: entry
+    del store
+
+
+# -- blame: the first rank that died, not the first survivor that complained ----------------------
+
+def test_blame_prefers_the_dead_rank_over_an_earlier_connection_reset():
+    fs = {0: Failure(0, 100.0, "CommError: ... Read error [127.0.0.1]:1: Connection reset by peer", secondary=True),
+          1: Failure(1, 100.5, "process exited with code -9 before returning", died=True),
+          2: Failure(2, 100.2, "CommError: ... Connection closed by peer", secondary=True)}
+    err = blame(fs)
+    assert isinstance(err, RankFailedError) and err.rank == 1 and err.also_failed == [0, 2]
+    # two primary failures: the earlier one
+    fs[2] = Failure(2, 99.0, "ValueError: bad batch")
+    assert blame(fs).rank == 2
+    # only secondary failures: the earliest of them
+    assert blame({3: Failure(3, 5.0, "x reset", secondary=True), 4: Failure(4, 4.0, "y", secondary=True)}).rank == 4
+    # a watchdog report is blamed only when nobody died
+    hang = {0: Failure(0, 1.0, "collective all_reduce #3 ... rank(s) [1] did not arrive", hang=True)}
+    assert isinstance(blame(hang), CollectiveTimeoutError)
+    hang[1] = Failure(1, 2.0, "process exited with code 3 before returning", died=True)
+    assert blame(hang).rank == 1
+
+
+def test_connection_errors_are_secondary():
+    try:
+        try:
+            raise RuntimeError("[pair.cc:537] Read error [127.0.0.1]:5: Connection reset by peer")
+        except RuntimeError as e:
+            raise CommError("all_reduce(algorithm=ring) on rank 0 failed") from e
+    except CommError as e:
+        assert is_secondary(e)
+    assert not is_secondary(ValueError("boom"))
+
+
+def _dies_in_the_middle(rank: int, victim: int, how: str) -> None:
+    t = torch.ones(1 << 16)
+    for step in range(40):
+        if rank == victim and step == 20:
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            os._exit(3)
+        comm.all_reduce(t, algorithm="ring")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("how,victim", [("exit", 2), ("kill", 0), ("exit", 1)])
+def test_spawn_names_the_rank_that_died_not_a_survivor(how, victim):
+    with pytest.raises(RankFailedError) as ei:
+        distrain.spawn(_dies_in_the_middle, 3, args=(victim, how), timeout=120)
+    assert ei.value.rank == victim
+    code = -signal.SIGKILL if how == "kill" else 3
+    assert str(ei.value).startswith(f"rank {victim} failed:\nprocess exited with code {code} before returning")
+
+
+# -- the CLI's flags for time-outs and resume --------------------------------------------------------
+
+@pytest.mark.parametrize("flags,msg", [
+    (["--timeout", "inf"], "--timeout must be a number of seconds >= 0 (0: no limit), got inf"),
+    (["--timeout", "-1"], "--timeout must be a number of seconds >= 0 (0: no limit), got -1.0"),
+    (["--collective-timeout", "0"], "--collective-timeout must be a positive number of seconds, got 0.0"),
+    (["--collective-timeout", "nan"], "--collective-timeout must be a positive number of seconds, got nan"),
+])
+def test_bad_timeouts_are_one_line_errors(tmp_path, flags, msg, capsys):
+    from distrain.cli import main
+
+    assert main(["train", "--nproc", "1", "--strategy", "single", *TINY, "--out", str(tmp_path / "r"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err == f"distrain: error: {msg}\n"
+    assert not (tmp_path / "r").exists()  # refused before the run folder is made
+
+
+def test_resume_flag_values():
+    from distrain.cli import build_parser
+
+    parse = lambda *a: build_parser().parse_args(["train", *a]).resume  # noqa: E731
+    assert parse() is False and parse("--resume") is True and parse("--resume", "auto") == "auto"
+    assert parse("--no-resume") is False and parse("--resume", "no") is False
+    with pytest.raises(SystemExit):
+        parse("--resume", "maybe")
+
+
+# -- launch: `train` without `--`, `-- distrain train` ---------------------------------------------
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("form", [["train"], ["--", "distrain", "train"]])
+def test_launch_runs_train_with_or_without_double_dash(tmp_path, form):
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "distrain.cli", "launch", "--nproc-per-node", "2", *form, "--nproc", "2",
+                        *TINY, "--steps", "6", "--log-every", "1", "--out", str(out)],
+                       env=_env(), capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stderr
+    assert [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()] == list(range(6))
+
+
+# -- hangs: the collective watchdog names the ranks that did not arrive ------------------------------
+
+def _one_rank_hangs(rank: int, victim: int, how: str) -> None:
+    t = torch.ones(8)
+    comm.all_reduce(t, algorithm="ring")  # everyone arrives once
+    if rank == victim:
+        if how == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            time.sleep(90)  # alive, but never calls the next collective in time
+    comm.all_reduce(t, algorithm="ring")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how,victim,what", [
+    ("busy", 2, "busy outside communication after 1 calls"),
+    ("stop", 1, "not responding (no heartbeat for"),
+])
+def test_watchdog_names_the_hung_rank_and_the_flag(how, victim, what):
+    with pytest.raises(CollectiveTimeoutError) as ei:
+        distrain.spawn(_one_rank_hangs, 3, args=(victim, how), timeout=150, init_timeout=4)
+    msg = str(ei.value)
+    assert msg.startswith("collective time-out: rank ") and "in all_reduce(algorithm=ring) on rank" in msg
+    assert f"(its call #2); 1 rank(s) did not arrive: rank {victim} {what}" in msg
+    assert msg.endswith("If a step legitimately takes longer, raise --collective-timeout (now 4s)")
+    assert "\n" not in msg
+
+
+@pytest.mark.timeout(240)
+def test_train_with_a_stopped_rank_ends_with_one_line_naming_it(tmp_path):
+    out = tmp_path / "run"
+    p = _start("train", "--nproc", "2", *TINY, "--steps", "1000000", "--collective-timeout", "5", "--out", str(out))
+    procs = _training(p, out, 2)
+    ranks = sorted(q for c in _children(p.pid) for q in _children(c))  # top -> fork server -> ranks
+    assert len(ranks) == 2
+    os.kill(ranks[-1], signal.SIGSTOP)  # one rank frozen mid-training
+    code, err = _finish(p, timeout=120)
+    _no_orphans(procs)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("distrain: error: collective time-out: rank "), err
+    waiter, frozen = re.search(r"time-out: rank (\d) waited .* rank (\d) not responding \(no heartbeat for", lines[0]).groups()
+    assert {waiter, frozen} == {"0", "1"} and lines[0].endswith("raise --collective-timeout (now 5s)")

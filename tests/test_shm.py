@@ -1,0 +1,326 @@
+"""The shared-memory transport: equality with Gloo for every dtype, op and collective
+(chunked sizes, odd world sizes, sizes not divisible by P), P2P ordering, the hierarchical
+all_reduce with one host made to look like two, selection, and faults (a dead peer, a
+peer that never comes, a full /dev/shm, leftovers of a crashed run)."""
+
+from __future__ import annotations
+
+import errno
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+
+import pytest
+import torch
+
+import distrain
+from distrain import comm
+from distrain.comm import shm, shm_segment
+from distrain.comm.ops import SUPPORTED_DTYPES
+from distrain.errors import CommError, ConfigError
+
+pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory transport needs x86-64 and /dev/shm")
+
+BIG = (1 << 18) + 7  # 1 MiB + 28 bytes of float32: more than one slot, not divisible by P
+
+
+def _ops(dtype) -> list[str]:
+    if dtype == torch.bool:
+        return ["max", "min", "band", "bor", "bxor"]
+    if dtype.is_floating_point:
+        return ["sum", "avg", "prod", "min", "max"]
+    return ["sum", "prod", "min", "max", "band", "bor", "bxor"]
+
+
+def _x(rank: int, case: int, n: int, dtype, op: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7919 * case + rank)
+    lo, hi = (1, 3) if op == "prod" else (0, 6)  # small integers: exact in every dtype
+    return torch.randint(lo, hi, (n,), generator=g).to(dtype)
+
+
+def _vs_gloo(rank: int, sizes: list[int]) -> list[str]:
+    """Every collective on the shm world group against the same call on a Gloo group."""
+    import torch.distributed as dist
+
+    P = dist.get_world_size()
+    gloo = dist.new_group(list(range(P)))
+    comm.set_transport("shm")
+    comm.set_transport("torch", gloo)
+    bad, case = [], 0
+
+    def same(label, a, b):
+        b = b.to(a.dtype)  # the Gloo reference ran in a wide dtype (Gloo lacks int16, bool, ...)
+        if not torch.equal(a, b):
+            bad.append(f"P={P} rank {rank} {label}: shm {a[:4].tolist()} gloo {b[:4].tolist()}")
+
+    for dtype in SUPPORTED_DTYPES:
+        wide = torch.float64 if dtype.is_floating_point else torch.uint8 if dtype == torch.bool else torch.int64
+        for n in sizes if dtype in (torch.float32, torch.int32) else sizes[:2]:
+            for op in _ops(dtype):
+                case += 1
+                label = f"{dtype} n={n} {op}"
+                x = _x(rank, case, n, dtype, op)
+                a, b = x.clone(), x.to(wide, copy=True)
+                comm.all_reduce(a, op=op)
+                comm.all_reduce(b, op=op, group=gloo)
+                same("all_reduce " + label, a, b)
+                root = case % P
+                a, b = x.clone(), x.to(wide, copy=True)
+                comm.reduce(a, dst=root, op=op)
+                comm.reduce(b, dst=root, op=op, group=gloo)
+                same("reduce " + label, a, b if rank == root else x)  # non-root inputs stay intact
+                ins = [_x(rank, case * 31 + i, n, dtype, op) for i in range(P)]
+                a, b = torch.empty(n, dtype=dtype), torch.empty(n, dtype=wide)
+                comm.reduce_scatter(a, [t.clone() for t in ins], op=op)
+                comm.reduce_scatter(b, [t.to(wide, copy=True) for t in ins], op=op, group=gloo)
+                same("reduce_scatter " + label, a, b)
+            case += 1
+            x, root = _x(rank, case, n, dtype, "sum"), case % P
+            for g in (None, gloo):
+                out = [torch.empty(n, dtype=dtype if g is None else wide) for _ in range(P)]
+                comm.all_gather(out, x if g is None else x.to(wide, copy=True), group=g)
+                if g is None:
+                    mine = out
+                else:
+                    for i in range(P):
+                        same(f"all_gather[{i}] {dtype} n={n}", mine[i], out[i])
+            a = x.clone()
+            comm.broadcast(a, src=root)
+            same(f"broadcast {dtype} n={n}", a, _x(root, case, n, dtype, "sum"))
+            lst = [_x(q, case + 5, n, dtype, "sum") for q in range(P)]
+            a = torch.empty(n, dtype=dtype)
+            comm.scatter(a, lst if rank == root else None, src=root)
+            same(f"scatter {dtype} n={n}", a, lst[rank])
+            got = [torch.empty(n, dtype=dtype) for _ in range(P)] if rank == root else None
+            comm.gather(x, got, dst=root)
+            if rank == root:
+                for q in range(P):
+                    same(f"gather[{q}] {dtype} n={n}", got[q], _x(q, case, n, dtype, "sum"))
+    comm.barrier()
+    return bad
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("P", [2, 3, 5])
+def test_direct_collectives_equal_gloo(P):
+    sizes = [1, 13, BIG] if P != 5 else [1, 13, 4099]
+    bad = [x for r in distrain.spawn(_vs_gloo, P, args=(sizes,), timeout=540) for x in r]
+    assert not bad, f"{len(bad)} mismatches:\n" + "\n".join(bad[:20])
+
+
+def _p2p(rank: int) -> list:
+    """Ordered per pair and tag, other tags overtaking, messages larger than the ring."""
+    import torch.distributed as dist
+
+    comm.set_transport("shm")
+    P = dist.get_world_size()
+    out = []
+    if rank == 0:
+        big = torch.arange(3 * (1 << 18) + 5, dtype=torch.float64)  # 6 MiB: six times the ring
+        works = [comm.isend(torch.full((3,), float(i)), 1, tag=5) for i in range(4)]
+        works.append(comm.isend(torch.tensor([42]), 1, tag=9))
+        works.append(comm.isend(big, 1, tag=5))
+        for w in works:
+            w.wait()
+        comm.send_tensor(torch.ones(2, 3, dtype=torch.bfloat16), 2 % P)
+    elif rank == 1:
+        first = torch.empty(1, dtype=torch.int64)
+        comm.recv(first, 0, tag=9)  # posted first although sent last but one: the tag-5 messages wait
+        got = []
+        for _ in range(4):
+            t = torch.empty(3)
+            comm.recv(t, 0, tag=5)
+            got.append(t[0].item())
+        big = torch.empty(3 * (1 << 18) + 5, dtype=torch.float64)
+        comm.recv(big, 0, tag=5)
+        out = [first.item(), got, bool(torch.equal(big, torch.arange(big.numel(), dtype=torch.float64)))]
+        try:
+            comm.recv(torch.empty(2), 2, tag=3)
+        except CommError as e:
+            out.append(str(e))
+    elif rank == 2:
+        t = comm.recv_tensor(0)
+        out = [t.dtype == torch.bfloat16, tuple(t.shape)]
+        comm.send(torch.zeros(5), 1, tag=3)  # 20 bytes into 8: a clear error on the receiver
+    with comm.ledger() as led:
+        for alg in ("star", "ring", "tree"):  # our algorithms run unchanged over the shm P2P
+            t = torch.full((1000,), float(rank))
+            comm.all_reduce(t, algorithm=alg)
+            out.append(bool(torch.all(t == sum(range(P)))))
+    from distrain.comm import cost  # the ledger counts the shm messages exactly as Gloo's
+
+    out.append(led.bytes_sent("all_reduce", "ring") == cost.traffic("all_reduce", "ring", P, rank, 1000)[0])
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_p2p_over_shared_memory():
+    r0, r1, r2 = distrain.spawn(_p2p, 3, timeout=150)
+    assert r1[:3] == [42, [0.0, 1.0, 2.0, 3.0], True]
+    assert r1[3] == ("irecv on rank 1 from rank 2 (tag 3): the message has 20 bytes but the receiving tensor "
+                     "has 8; sender and receiver must agree on the size")
+    assert r2[:2] == [True, (2, 3)]
+    for r in (r0, r1, r2):
+        assert r[-4:] == [True, True, True, True]
+
+
+def _hierarchical(rank: int, hosts: list[str]) -> list[str]:
+    import torch.distributed as dist
+
+    shm.set_host_id(hosts[rank])  # one machine made to look like several
+    P = dist.get_world_size()
+    gloo = dist.new_group(list(range(P)))
+    comm.set_transport("torch", gloo)
+    comm.set_transport("auto")
+    bad = []
+    for case, (dtype, n, op) in enumerate([(torch.float32, 7, "sum"), (torch.float64, BIG, "sum"),
+                                           (torch.int32, 1000, "max"), (torch.float32, 3, "avg"),
+                                           (torch.int64, 2, "prod"), (torch.bool, 5, "bor")]):
+        x = _x(rank, case, n, dtype, op)
+        a, b = x.clone(), x.clone()
+        with comm.ledger() as led:
+            comm.all_reduce(a, op=op)
+        comm.all_reduce(b, op=op, group=gloo)
+        if not torch.equal(a, b):
+            bad.append(f"rank {rank} {dtype} n={n} {op}: {a[:4].tolist()} vs {b[:4].tolist()}")
+        leader = hosts.index(hosts[rank]) == rank
+        between = led.bytes_sent("all_reduce", "hierarchical")
+        if (between > 0) != leader:
+            bad.append(f"rank {rank}: leader={leader} but sent {between} bytes between hosts")
+    lst = [torch.zeros(2) for _ in range(P)]  # other collectives: torch's, across the hosts
+    comm.all_gather(lst, torch.full((2,), float(rank)))
+    if [t[0].item() for t in lst] != [float(q) for q in range(P)]:
+        bad.append(f"rank {rank}: all_gather over hosts gave {lst}")
+    if comm.transport_of() != "auto":
+        bad.append(f"transport_of() = {comm.transport_of()}")
+    return bad
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("hosts", [["a", "a", "b", "b", "b"], ["a", "b", "a", "c"]])
+def test_hierarchical_all_reduce_on_two_pretend_hosts(hosts):
+    bad = [x for r in distrain.spawn(_hierarchical, len(hosts), args=(hosts,), timeout=200) for x in r]
+    assert not bad, bad
+
+
+def _strict_refuses_other_host(rank: int) -> str:
+    shm.set_host_id(f"host{rank}")
+    comm.set_transport("shm")
+    try:
+        comm.all_reduce(torch.ones(3))
+        return "no error"
+    except CommError as e:
+        return str(e)
+
+
+@pytest.mark.timeout(120)
+def test_shm_transport_refuses_ranks_on_other_hosts():
+    msgs = distrain.spawn(_strict_refuses_other_host, 2, timeout=90)
+    assert "transport 'shm' needs every rank on one host, but rank 1 is on host1" in msgs[0]
+    assert "use transport 'auto'" in msgs[0]
+
+
+def _late_peer(rank: int) -> str:
+    import time
+
+    comm.set_default_transport("shm", timeout=1.5)
+    comm.all_reduce(torch.ones(2))  # both present
+    if rank == 1:
+        time.sleep(4)  # never calls the second all_reduce
+        return ""
+    try:
+        comm.all_reduce(torch.ones(2))
+        return "no error"
+    except CommError as e:
+        return str(e)
+
+
+@pytest.mark.timeout(120)
+def test_wait_honours_the_timeout_and_names_the_peer():
+    msg = distrain.spawn(_late_peer, 2, timeout=90)[0]
+    assert msg.startswith("all_reduce(transport=shm) on rank 0: timed out after 1.5s waiting for rank(s) [0, 1]") \
+        or msg.startswith("all_reduce(transport=shm) on rank 0: timed out after 1.5s waiting for rank(s) [1]"), msg
+
+
+def _victim_run(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="3",
+                      DISTRAIN_TRANSPORT="shm", TORCHELASTIC_USE_AGENT_STORE="True")
+    torch.set_num_threads(1)
+    from distrain import runtime
+
+    runtime.init("gloo", timeout=60)
+    t = torch.ones(1 << 20)
+    for _ in range(3):
+        comm.all_reduce(t)
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)  # dies between two collectives of its peers
+    try:
+        for _ in range(100):
+            comm.all_reduce(t)
+        msg = "no error"
+    except CommError as e:
+        msg = str(e)
+    with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
+        f.write(msg)
+    os._exit(0)
+
+
+@pytest.mark.timeout(120)
+def test_killed_peer_is_named_and_leaves_no_files(tmp_path):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    port = store.port
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_victim_run, args=(r, port, str(tmp_path))) for r in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(90)
+    assert procs[2].exitcode == -signal.SIGKILL
+    for r in (0, 1):
+        msg = (tmp_path / f"rank{r}").read_text()
+        assert msg.startswith(f"all_reduce(transport=shm) on rank {r}: rank 2 (pid {procs[2].pid}) died") or \
+            msg.startswith(f"all_reduce(transport=shm) on rank {r}: rank "), msg
+        assert "rank 2" in msg or "failed during this collective" in msg, msg
+    pids = {str(p.pid) for p in procs}
+    left = [n for n in os.listdir(shm_segment.SHM_DIR) if n.startswith("distrain-") and n.split("-")[1] in pids]
+    assert left == []
+
+
+def test_full_dev_shm_says_how_much_and_how_to_fall_back(monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    lay = shm_segment.Layout(size=2, slot_bytes=1 << 20, ring_bytes=1 << 20)
+    name = shm_segment.new_name("t", 0)
+    with pytest.raises(CommError, match=rf"cannot allocate {lay.total} bytes in /dev/shm \(No space left on device; "
+                                        rf"\d+ bytes free\); free space in /dev/shm or use --transport torch"):
+        shm_segment.create(name, lay)
+    assert not os.path.exists(os.path.join(shm_segment.SHM_DIR, name))
+
+
+def test_stale_segments_of_dead_processes_are_swept():
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = os.path.join(shm_segment.SHM_DIR, f"distrain-{dead.pid}-deadbeef-g0-r0")
+    with open(stale, "wb") as f:
+        f.write(b"x" * 100)
+    mine = os.path.join(shm_segment.SHM_DIR, f"distrain-{os.getpid()}-cafecafe-g0-r0")
+    with open(mine, "wb") as f:
+        f.write(b"x")
+    try:
+        removed = shm_segment.sweep_stale()
+        assert os.path.basename(stale) in removed and not os.path.exists(stale)
+        assert os.path.exists(mine)  # a live process's segment stays
+    finally:
+        os.unlink(mine)
+
+
+def test_transport_names_are_checked():
+    with pytest.raises(ConfigError, match=r"set_default_transport: unknown transport 'tcp'; use one of auto, shm, torch"):
+        comm.set_default_transport("tcp")
