@@ -20,7 +20,7 @@ install: $(STAMP)
 
 # the main job: train the small GPT on Shakespeare with our DDP (2 processes, ring all-reduce)
 run: install
-	$(VENV)/bin/distrain train --out runs/main
+	$(VENV)/bin/distrain train --out runs/main --overwrite
 
 test: install
 	$(PY) -m pytest -q tests

@@ -29,6 +29,7 @@ def test_every_strategy_has_an_engine():
     assert engine_class(trainer_config("x", nproc=4, tp=2, pp=2)).__name__ == "ModelParallelEngine"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(100)
 def test_same_job_same_checkpoint_whichever_flags_spell_it(tmp_path):
     kw = dict(model="mlp-tiny", data="digits", steps=3, batch_size=8)

@@ -189,6 +189,7 @@ def test_model_parallel_runs_equal_single_process(tmp_path, tmp_path_factory):
         cfg = _cfg(tmp_path, f"mp{dp}{tp}{pp}", nproc=dp * tp * pp, dp=dp, tp=tp, pp=pp, microbatches=m, steps=4)
         summary = train(cfg)
         assert summary["layout"] == {"dp": dp, "tp": tp, "pp": pp}
+        assert summary["label"] == f"dp{dp}×tp{tp}×pp{pp}"  # the real strategy, not "ddp"
         torch.testing.assert_close(torch.tensor(_losses(cfg)), torch.tensor(ref), rtol=1e-10, atol=0,
                                    msg=lambda msg: f"dp={dp} tp={tp} pp={pp}: {msg}")
 

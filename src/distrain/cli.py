@@ -18,8 +18,8 @@ from distrain.errors import DistrainError
 
 
 def _launch_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=None,
-                   help="ranks on this node (default: the --nproc of a `train` job)")
+    p.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int, default=None,
+                   help="ranks on this node, torchrun's --nproc-per-node (default: the --nproc of a `train` job)")
     p.add_argument("--nnodes", default="1", help="number of nodes (or MIN:MAX for elastic jobs)")
     p.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's index")
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, help="HOST:PORT reachable by every node")
@@ -49,59 +49,55 @@ def _resume_value(v: str):
 
 
 def _config_arguments(p: argparse.ArgumentParser, cls) -> None:
-    """One flag per dataclass field (``batch_size`` -> ``--batch-size``), typed from its default."""
+    """One flag per dataclass field (``batch_size`` -> ``--batch-size``): type from its default,
+    help text and allowed values from its metadata (``trainer.config.opt``), so there is one source."""
     import dataclasses
 
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
+        meta = f.metadata
+        choices = meta.get("choices")
+        help_text = meta.get("help", "") + (f" [{' | '.join(map(str, choices))}]" if choices else "")
+        help_text += " (default: %(default)s)"
         if f.name == "resume":
             p.add_argument(flag, nargs="?", const=True, default=default, type=_resume_value, metavar="auto",
-                           help="resume from the newest checkpoint in --out; `auto`: only if there is one "
-                                "(the default under `distrain launch --max-restarts`)")
-            p.add_argument("--no-resume", dest="resume", action="store_false")
+                           help=help_text)
+            p.add_argument("--no-resume", dest="resume", action="store_false", default=default,
+                           help="start afresh (the default)")
         elif isinstance(default, bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-        elif f.name in ("max_staleness",):
-            p.add_argument(flag, type=int, default=default)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         else:
-            p.add_argument(flag, type=type(default) if default is not None else str, default=default)
+            kind = meta.get("type") or (type(default) if default is not None else str)
+            p.add_argument(flag, type=kind, default=default, help=help_text,
+                           metavar=f.name.upper())
 
 
 def _run_train(args: argparse.Namespace) -> int:
     from distrain import runlock
-    from distrain.trainer import TrainConfig, train
+    from distrain.trainer import TrainConfig, checkpoint, train
 
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k not in ("command", "func")})
     if cfg.resume is False and os.environ.get("DISTRAIN_RESUME") == "auto":  # set by launch --max-restarts
         cfg.resume = "auto"
     cfg.validate()
     if "RANK" in os.environ and os.environ["RANK"] != "0":  # one rank of a launched job: rank 0 holds the lock
-        _resolve_resume(cfg)
         train(cfg)
         return 0
     with runlock.hold(cfg.out):
-        _resolve_resume(cfg)
+        checkpoint.clean_temporaries(cfg.out)  # left by a run killed mid-save; nobody else writes here now
         train(cfg)
     return 0
-
-
-def _resolve_resume(cfg) -> None:
-    if cfg.resume == "auto":
-        cfg.resume = _has_checkpoint(cfg.out)
-
-
-def _has_checkpoint(out: str) -> bool:
-    from pathlib import Path
-
-    return any((Path(out) / name).exists() for name in ("checkpoint.json", "checkpoint.pt"))
 
 
 def build_parser() -> argparse.ArgumentParser:
     from distrain.bench import comm_bench, link_bench, pipeline_bench, tp_bench, train_bench, zero_bench
     from distrain.cluster import cli as cluster_cli
 
+    from distrain import __version__
+
     parser = argparse.ArgumentParser(prog="distrain", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"distrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("launch", help="run a script on many ranks (torchrun underneath)", allow_abbrev=False)
@@ -110,13 +106,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     from distrain.trainer.config import TrainConfig
 
-    p = sub.add_parser("train", help="train a model: single process, DDP, torch DDP or a parameter server",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser("train", help="train a model: one process, DDP, torch DDP, dp x tp x pp or parameter servers",
+                       description="Train a model on one or many processes; see docs/training.md.")
     _config_arguments(p, TrainConfig)
     p.set_defaults(func=_run_train)
 
     p = sub.add_parser("cluster", help="an emulated cluster on this host (netns + veth + tc) and runs across it")
     cluster_cli.add_arguments(p)
+
+    from distrain.costmodel import plan as cost_plan
+
+    p = sub.add_parser("plan", help="rank DDP/PS/dp x tp x pp strategies for a model on a cluster by predicted step time")
+    cost_plan.add_arguments(p)
+    p.set_defaults(func=cost_plan.run)
 
     bench = sub.add_parser("bench", help="benchmarks that compare ours with torch's, side by side")
     bsub = bench.add_subparsers(dest="bench", required=True)
@@ -146,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    if "RANK" not in os.environ:  # the top process: SIGTERM/SIGHUP end the ranks, then us
-        lifeline.stop_on_signals()
+    # the top process: SIGTERM/SIGHUP end the ranks, then us
+    previous = lifeline.stop_on_signals() if "RANK" not in os.environ else {}
     try:
         return args.func(args) or 0
     except DistrainError as e:
@@ -159,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     except lifeline.Stopped as e:
         print(f"distrain: {e}; every rank was stopped", file=sys.stderr)
         return 128 + e.signum
+    finally:
+        lifeline.restore(previous)
 
 
 if __name__ == "__main__":

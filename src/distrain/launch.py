@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from distrain import lifeline, runtime
 from distrain.blame import Failure, blame, is_secondary
-from distrain.errors import ConfigError, RankFailedError, SpawnTimeoutError
+from distrain.errors import ConfigError, DistrainError, SpawnTimeoutError
 
 BLAME_GRACE_S = 2.0  # after the first failure, wait this long for the others to pick the first
 
@@ -60,6 +60,8 @@ def _child(fn, rank: int, nprocs: int, port: int, args: tuple, backend: str, ini
         if init:
             runtime.init(backend, timeout=init_timeout, on_hang=on_hang)
         payload = pickle.dumps(("ok", fn(rank, *args), time.time()))
+    except DistrainError as e:  # our errors say what to fix: the message is enough
+        payload = pickle.dumps(("err", f"{type(e).__name__}: {e}", time.time(), is_secondary(e)))
     except BaseException as e:
         payload = pickle.dumps(("err", traceback.format_exc(), time.time(), is_secondary(e)))
     try:
@@ -69,12 +71,61 @@ def _child(fn, rank: int, nprocs: int, port: int, args: tuple, backend: str, ini
     runtime.shutdown()
 
 
+def _main_guard_missing() -> str | None:
+    """The path of the __main__ script if it has no ``if __name__ == "__main__":`` block."""
+    import ast
+    import sys
+
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        tree = ast.parse(open(path, encoding="utf-8").read())
+    except (SyntaxError, UnicodeDecodeError, OSError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) and "__name__" in ast.unparse(node.test):
+            return None
+    return path
+
+
+def _startup_failure(fn, code: int | None) -> str | None:
+    """Why a rank may have died while starting (before it ran ``fn``), with what to do."""
+    script = _main_guard_missing()
+    if script is not None:
+        return (f"process exited with code {code} while starting: {script} has no `if __name__ == \"__main__\":` "
+                f"guard, so each new rank re-ran the script's top level (and its spawn call) on import. Put the "
+                f"code that calls distrain.spawn under `if __name__ == \"__main__\":` and keep {fn.__name__}() at "
+                f"module level")
+    return None
+
+
+def _check_not_bootstrapping() -> None:
+    if getattr(mp.process.current_process(), "_inheriting", False):
+        raise ConfigError("distrain.spawn was called while a rank was starting: the script that calls it needs an "
+                          "`if __name__ == \"__main__\":` guard around the call (each rank imports the script)")
+
+
 def _died(code: int | None) -> str:
     msg = f"process exited with code {code} before returning"
     if code is not None and code < 0:
         msg += (f" (killed by signal {-code}; if the backend aborted, its message is on stderr above: "
                 f"a collective mismatch across ranks is the usual cause, rerun with DISTRAIN_DEBUG=1 to find it)")
     return msg
+
+
+def _early_death(fn, store, nprocs: int, code: int | None, message: str) -> str:
+    """A rank failed: when it died without a result before any rank joined the process group,
+    say why it could not start; otherwise keep ``message``."""
+    if code == 1 and message.startswith("process exited") and not runtime.joined_ranks(store, nprocs):
+        hint = _startup_failure(fn, code)
+        if hint is not None:
+            return hint
+        return (f"process exited with code {code} while starting, before any rank joined the process group (its "
+                f"traceback is on stderr above). Usual causes: {fn.__name__} is not importable by name (define it at "
+                f"module level, not inside a function or the `if __name__ == \"__main__\":` block), or an import "
+                f"of the script failed in the new process")
+    return message
 
 
 def _end(procs) -> None:
@@ -124,6 +175,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
     the launcher environment is set, so ``init_process_group("gloo")`` (env://) joins the
     parent's store.
     """
+    _check_not_bootstrapping()
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ConfigError(f"spawn: nprocs must be a positive int, got {nprocs!r}")
     if timeout is not None and not timeout > 0:
@@ -149,7 +201,11 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
 
     results: dict[int, Any] = {}
     try:
-        _collect(procs, conns, results, store, timeout)
+        try:
+            _collect(procs, conns, results, store, timeout)
+        except RankFailedError as e:
+            raise RankFailedError(e.rank, _early_death(fn, store, nprocs, procs[e.rank].exitcode,
+                                                       e.remote_message)) from None
     finally:
         # On success the ranks are shutting down by themselves; on failure end them now.
         if len(results) == nprocs:

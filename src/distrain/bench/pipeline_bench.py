@@ -133,7 +133,7 @@ def format_bubble_table(rows: list[dict]) -> str:
 
 def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", default="2,4", help="pipeline sizes")
-    p.add_argument("--m", default="1,2,4,8", help="micro-batch counts")
+    p.add_argument("--microbatches", "--m", dest="m", default="1,2,4,8", help="micro-batch counts, comma-separated")
     p.add_argument("--repeats", type=int, default=3, help="timed steps per configuration (median)")
     p.add_argument("--workload", default="spin", help="spin (busy CPU) or sleep (idle CPU) stage cost")
     p.add_argument("--json", default=None)

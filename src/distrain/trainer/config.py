@@ -9,59 +9,74 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
-from distrain.comm import ALGORITHM_NAMES
+from distrain.comm import ALGORITHM_NAMES, TRANSPORT_NAMES
 from distrain.errors import ConfigError
 
 STRATEGIES = ("single", "ddp", "torch-ddp", "ps-sync", "ps-async")
 DATASETS = ("shakespeare", "fashion-mnist", "digits")
 OPTIMIZERS = ("adamw", "sgd")
 DTYPES = ("float32", "float64")
+DEVICES = ("auto", "cpu", "cuda")
+SCHEDULES = ("gpipe", "1f1b")
 # which data each model preset reads (input sizes must match)
 MODEL_DATA = {"gpt-tiny": "text", "gpt-small": "text", "mlp": "fashion-mnist", "mlp-tiny": "digits"}
+
+
+def opt(default, help: str, choices=None, type=None):
+    """A config field with its flag's help text and allowed values (the CLI reads these)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "type": type})
 
 
 @dataclass
 class TrainConfig:
     # what to train
-    model: str = "gpt-small"
-    data: str = "shakespeare"  # a dataset name, or a path to a text file / folder of .txt files
+    model: str = opt("gpt-small", "model preset", choices=tuple(MODEL_DATA))
+    data: str = opt("shakespeare", "data set name, or a path to a .txt file / folder of .txt files",
+                    choices=DATASETS + ("PATH",))
     # how to parallelize
-    strategy: str = "ddp"
-    nproc: int = 2
-    algorithm: str = "ring"
-    bucket_cap_mb: float = 25.0
-    compression: str | None = None
-    servers: int = 1
-    max_staleness: int | None = None
+    strategy: str = opt("ddp", "way of training (ps-*: parameter servers)", choices=STRATEGIES)
+    nproc: int = opt(2, "processes (ranks) in the job")
+    device: str = opt("auto", "where each rank computes: auto = cuda:LOCAL_RANK when CUDA is visible (NCCL), "
+                              "else cpu (Gloo)", choices=DEVICES)
+    algorithm: str = opt("ring", "all-reduce algorithm of our DDP (and TP/PP collectives)", choices=ALGORITHM_NAMES)
+    transport: str = opt("torch", "how ranks' bytes travel: torch (Gloo/NCCL), shm (shared memory, one host), "
+                                  "auto (shm when every rank is on this host)", choices=TRANSPORT_NAMES)
+    bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB")
+    compression: str | None = opt(None, "DDP gradient compression on the wire", choices=("bf16", "fp16"), type=str)
+    servers: int = opt(1, "parameter servers (ps-* strategies); the other ranks work")
+    max_staleness: int | None = opt(None, "ps-async: bound on gradient staleness (none: unbounded)", type=int)
     # model parallelism (GPT models, strategy ddp): dp * tp * pp = nproc; dp = 0 means nproc // (tp * pp)
-    dp: int = 0
-    tp: int = 1
-    pp: int = 1
-    microbatches: int = 1  # per pipeline step; must divide the per-replica batch
-    schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b
+    dp: int = opt(0, "data-parallel size of the dp x tp x pp grid (0: nproc / (tp * pp))")
+    tp: int = opt(1, "tensor-parallel size (GPT models)")
+    pp: int = opt(1, "pipeline-parallel stages (GPT models)")
+    microbatches: int = opt(1, "micro-batches per pipeline step; must divide the per-replica batch")
+    schedule: str = opt("1f1b", "pipeline schedule", choices=SCHEDULES)
     # optimization
-    steps: int = 1200
-    batch_size: int = 32  # global batch: the same whatever nproc is, so runs compare
-    lr: float = 3e-3
-    optimizer: str = "adamw"
-    weight_decay: float = 0.0
-    momentum: float = 0.9
-    seed: int = 0
-    dtype: str = "float32"
+    steps: int = opt(1200, "optimizer steps")
+    batch_size: int = opt(32, "global batch size (the same whatever nproc is, so runs compare)")
+    lr: float = opt(3e-3, "learning rate")
+    optimizer: str = opt("adamw", "optimizer", choices=OPTIMIZERS)
+    weight_decay: float = opt(0.0, "weight decay")
+    momentum: float = opt(0.9, "SGD momentum")
+    seed: int = opt(0, "seed of the model's initialisation and of the batch order")
+    dtype: str = opt("float32", "parameter and activation dtype", choices=DTYPES)
     # bookkeeping
-    out: str = "runs/latest"
-    log_every: int = 10
-    eval_every: int = 200
-    eval_batches: int = 8
-    ckpt_every: int = 0  # 0: only at the end
-    resume: bool | str = False  # True, False, or "auto": resume only if --out holds a checkpoint
-    sample_chars: int = 300
-    progress: bool = True
-    report: bool = True  # print the summary table (and sample) at the end
-    timeout: float = 0.0  # whole-run limit in seconds (local spawn); 0: no limit
-    collective_timeout: float = 300.0  # a collective not completed in this many seconds stops the job
+    out: str = opt("runs/latest", "run folder: metrics.jsonl, loss.png, summary.json, checkpoints")
+    overwrite: bool = opt(False, "replace the previous run's files in a non-empty --out")
+    log_every: int = opt(10, "steps per metrics flush (one small all-reduce of the losses)")
+    eval_every: int = opt(200, "steps between validation losses (0: never; always at the end otherwise)")
+    eval_batches: int = opt(8, "validation batches per evaluation")
+    ckpt_every: int = opt(0, "steps between checkpoints (0: only at the end)")
+    resume: bool | str = opt(False, "continue the run in --out from its newest checkpoint; `auto`: only if there "
+                                    "is one (the default under `distrain launch --max-restarts`)",
+                             choices=("auto", "yes", "no"))
+    sample_chars: int = opt(300, "characters of generated text at the end (text models; 0: none)")
+    progress: bool = opt(True, "show a progress bar")
+    report: bool = opt(True, "print the summary table (and sample) at the end")
+    timeout: float = opt(0.0, "whole-run limit in seconds (local spawn); 0: no limit")
+    collective_timeout: float = opt(300.0, "a collective not completed in this many seconds stops the job")
 
     # -- derived ---------------------------------------------------------------------------
     @property
@@ -120,12 +135,19 @@ class TrainConfig:
         need(self.model in list_models(), f"--model {self.model!r} is unknown; use one of {', '.join(list_models())}")
         need(self.algorithm in ALGORITHM_NAMES,
              f"--algorithm {self.algorithm!r} is unknown; use one of {', '.join(ALGORITHM_NAMES)}")
+        need(self.transport in TRANSPORT_NAMES,
+             f"--transport {self.transport!r} is unknown; use one of {', '.join(TRANSPORT_NAMES)}")
         need(self.optimizer in OPTIMIZERS, f"--optimizer {self.optimizer!r} is unknown; use one of {', '.join(OPTIMIZERS)}")
         need(self.dtype in DTYPES, f"--dtype {self.dtype!r} is unknown; use one of {', '.join(DTYPES)}")
         need(self.compression in (None, "bf16", "fp16"), f"--compression must be bf16 or fp16, got {self.compression!r}")
         need(isinstance(self.nproc, int) and self.nproc >= 1, f"--nproc must be >= 1, got {self.nproc}")
         need(self.steps >= 1, f"--steps must be >= 1, got {self.steps}")
-        need(self.lr > 0, f"--lr must be positive, got {self.lr}")
+        need(math.isfinite(self.lr) and self.lr > 0, f"--lr must be a positive finite number, got {self.lr}")
+        need(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+             f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
+        need(math.isfinite(self.momentum) and 0 <= self.momentum < 1, f"--momentum must be in [0, 1), got {self.momentum}")
+        need(math.isfinite(self.bucket_cap_mb) and self.bucket_cap_mb > 0,
+             f"--bucket-cap-mb must be a positive finite number, got {self.bucket_cap_mb}")
         need(self.resume in (True, False, "auto"), f"--resume takes no value, or auto; got {self.resume!r}")
         need(math.isfinite(self.timeout) and self.timeout >= 0,
              f"--timeout must be a number of seconds >= 0 (0: no limit), got {self.timeout}")
@@ -133,6 +155,8 @@ class TrainConfig:
              f"--collective-timeout must be a positive number of seconds, got {self.collective_timeout}")
         need(self.log_every >= 1 and self.eval_every >= 0 and self.ckpt_every >= 0,
              "--log-every must be >= 1; --eval-every and --ckpt-every must be >= 0")
+        need(self.eval_every == 0 or self.eval_batches >= 1,
+             f"--eval-batches must be >= 1 when evaluating, got {self.eval_batches} (use --eval-every 0 to skip evaluation)")
         if self.strategy == "single":
             need(self.nproc == 1, f"--strategy single runs one process; got --nproc {self.nproc} (use --nproc 1, "
                                   f"or --strategy ddp for {self.nproc} processes)")
@@ -146,7 +170,14 @@ class TrainConfig:
         if self.max_staleness is not None:
             need(self.strategy == "ps-async", "--max-staleness applies only to --strategy ps-async")
             need(self.max_staleness >= 0, f"--max-staleness must be >= 0, got {self.max_staleness}")
-        need(self.schedule in ("gpipe", "1f1b"), f"--schedule must be gpipe or 1f1b, got {self.schedule!r}")
+        need(self.schedule in SCHEDULES, f"--schedule must be gpipe or 1f1b, got {self.schedule!r}")
+        need(self.device in DEVICES, f"--device {self.device!r} is unknown; use one of {', '.join(DEVICES)}")
+        if self.device == "cuda":
+            import torch
+
+            need(torch.cuda.is_available(), "--device cuda: no CUDA device is visible (torch.cuda.is_available() is "
+                                            "False; install a CUDA build of torch, see docs/training.md, or use "
+                                            "--device cpu)")
         need(min(self.tp, self.pp, self.microbatches) >= 1 and self.dp >= 0,
              "--tp, --pp and --microbatches must be >= 1, --dp >= 0 (0: whatever is left of --nproc)")
         if self.model_parallel or self.dp:

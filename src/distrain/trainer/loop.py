@@ -37,14 +37,21 @@ from distrain.trainer.task import Task, build_optimizer, build_task
 def train(cfg: TrainConfig) -> dict:
     """Run a training job described by ``cfg``; returns rank 0's summary."""
     cfg.validate()
+    if cfg.resume == "auto":  # restarts under distrain launch: resume if there is a checkpoint, else start afresh
+        cfg.resume = (Path(cfg.out) / checkpoint.MANIFEST).exists()
+        cfg.overwrite = cfg.overwrite or not cfg.resume
     if cfg.resume:
         check_resume(cfg)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by a launcher: we are one rank
-        runtime.init(timeout=cfg.collective_timeout)
+        if not cfg.resume:
+            check_out(cfg, remove=int(os.environ["RANK"]) == 0)
+        runtime.init(BACKENDS[cfg.device], timeout=cfg.collective_timeout)
         if dist.get_world_size() != cfg.nproc:
             raise ConfigError(f"the launcher started {dist.get_world_size()} ranks but --nproc is {cfg.nproc}")
         return run_rank(cfg)
-    return spawn(_spawned, cfg.nproc, args=(cfg.to_dict(),), timeout=cfg.timeout or None,
+    if not cfg.resume:
+        check_out(cfg)
+    return spawn(_spawned, cfg.nproc, args=(cfg.to_dict(),), backend=BACKENDS[cfg.device], timeout=cfg.timeout or None,
                  init_timeout=cfg.collective_timeout)[0]
 
 
@@ -52,9 +59,39 @@ def _spawned(rank: int, cfg_dict: dict) -> dict:
     return run_rank(TrainConfig.from_dict(cfg_dict))
 
 
+# what a run writes into --out; --overwrite removes these and nothing else
+RUN_FILES = ("metrics.jsonl", "summary.json", "loss.png", checkpoint.MANIFEST, "checkpoint-*.pt", ".checkpoint*.tmp")
+BACKENDS = {"auto": "auto", "cpu": "gloo", "cuda": "nccl"}
+
+
+def check_out(cfg: TrainConfig, remove: bool = True) -> None:
+    """A fresh run needs an empty --out (or --overwrite, which removes the previous run's files)."""
+    out = Path(cfg.out)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give a folder for the run's outputs")
+    held = sorted(p.name for p in out.iterdir() if p.name != ".distrain.lock")  # the run lock (runlock.py)
+    if not held:
+        return
+    if not cfg.overwrite:
+        listed = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+        raise ConfigError(f"--out {out} is not empty ({listed}); pass --resume to continue that run, --overwrite to "
+                          f"replace it, or choose another --out")
+    for pattern in RUN_FILES if remove else ():
+        for p in out.glob(pattern):
+            p.unlink(missing_ok=True)
+
+
+# flags whose change would make a resumed run differ from the uninterrupted one (--steps may grow)
+CONTINUATION_FIELDS = ("data", "seed", "batch_size", "dtype", "optimizer", "lr", "weight_decay", "momentum",
+                       "algorithm", "compression", "microbatches", "schedule", "max_staleness")
+
+
 def check_resume(cfg: TrainConfig) -> dict:
     """The committed checkpoint of ``cfg.out`` fits this run, or a one-line ConfigError."""
     manifest = checkpoint.read_manifest(cfg.out)
+    checkpoint.verify(cfg.out, manifest)  # checksums, before any rank starts
     where = Path(cfg.out) / checkpoint.MANIFEST
     if manifest.get("model") != cfg.model:
         raise ConfigError(f"--resume: checkpoint {where} holds model {manifest.get('model')!r}, this run trains "
@@ -63,17 +100,27 @@ def check_resume(cfg: TrainConfig) -> dict:
     if manifest["layout"] != layout:
         raise ConfigError(f"--resume: checkpoint {where} was written with layout {manifest['layout']}, this run uses "
                           f"{layout}; resume with the same --dp/--tp/--pp (and --strategy, --nproc, --servers)")
+    saved = manifest.get("config", {})
+    changed = [f for f in CONTINUATION_FIELDS if f in saved and saved[f] != getattr(cfg, f)]
+    if changed:
+        f = changed[0]
+        raise ConfigError(f"--resume: --{f.replace('_', '-')} is {getattr(cfg, f)!r} but the checkpoint {where} was "
+                          f"trained with {saved[f]!r}; a changed {', '.join(changed)} breaks exact continuation: resume "
+                          f"with the same value or choose another --out")
     if int(manifest["step"]) > cfg.steps:
         raise ConfigError(f"--resume: checkpoint {where} is at step {manifest['step']}, past --steps {cfg.steps}")
     return manifest
 
 
 def run_rank(cfg: TrainConfig) -> dict:
+    comm.set_default_transport(cfg.transport, timeout=cfg.collective_timeout)  # every group this run creates
     out = Path(cfg.out)
 
-    # build model: the same seeded model on every rank (engines replicate, shard or serve it)
+    # build model: the same seeded model on every rank (engines replicate, shard or serve it),
+    # on this rank's device: cuda:LOCAL_RANK under NCCL, the CPU under Gloo
+    device = runtime.info().device if cfg.device != "cpu" else torch.device("cpu")
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model).to(getattr(torch, cfg.dtype))
+    model = build_model(cfg.model).to(device=device, dtype=getattr(torch, cfg.dtype))
 
     # build engine: the way of training, with its communication and optimizer (engines/)
     engine = build_engine(cfg, model, loss_function(cfg), lambda params: build_optimizer(cfg, params))
@@ -92,7 +139,7 @@ def run_rank(cfg: TrainConfig) -> dict:
         if engine.serves:
             engine.serve(cfg.steps - start)
         else:
-            task = build_task(cfg, getattr(getattr(model, "config", None), "block_size", None))
+            task = build_task(cfg, getattr(getattr(model, "config", None), "block_size", None), device)
             wall = train_steps(cfg, engine, task, start)
 
     # checkpoint: the final set, written by every rank that owns a shard

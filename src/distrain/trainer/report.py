@@ -10,6 +10,7 @@ prints the table.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from distrain import comm
 from distrain.data import decode, encode
+from distrain.errors import TrainingError
 from distrain.models import generate
 from distrain.trainer.config import TrainConfig
 from distrain.trainer.metrics import MetricsLog, format_table, plot_losses, read_metrics
@@ -44,6 +46,11 @@ def flush(pending: list[dict], log: MetricsLog | None, bar, group, weight: float
     comm.all_reduce(losses, op="sum", group=group, algorithm="native")
     for r, v in zip(pending, losses.tolist()):
         r["loss"] = v
+    bad = next((r for r in pending if not math.isfinite(r["loss"])), None)
+    if bad is not None:  # every rank sees the same summed losses, so every rank stops here
+        raise TrainingError(f"step {bad['step']}: the loss is {bad['loss']}; the run stops before writing it or a "
+                            f"checkpoint (the last good checkpoint stays in --out): lower --lr, use --dtype float64, "
+                            f"or check the data")
     if log is not None:
         log.write(pending)
     if bar is not None:
@@ -85,9 +92,10 @@ def summarize(cfg: TrainConfig, label: str, unit: str, units_per_sample: int, ou
 
 
 def text_sample(model, cfg: TrainConfig) -> str:
-    g = torch.Generator().manual_seed(cfg.seed)
-    ids = generate(model, encode("\n").unsqueeze(0), cfg.sample_chars, temperature=0.8, top_k=40, generator=g)
-    return decode(ids[0])
+    prompt = encode("\n").unsqueeze(0).to(next(model.parameters()).device)
+    g = torch.Generator(device=prompt.device).manual_seed(cfg.seed)
+    ids = generate(model, prompt, cfg.sample_chars, temperature=0.8, top_k=40, generator=g)
+    return decode(ids[0].cpu())
 
 
 def table_rows(cfg: TrainConfig, s: dict, start: int, unit: str, extra_rows: list) -> list[tuple[str, str]]:

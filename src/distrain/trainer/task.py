@@ -28,10 +28,12 @@ class Task:
     unit: str  # "tokens" or "samples"
     units_per_sample: int
     dtype: torch.dtype
+    device: torch.device = torch.device("cpu")  # batches are moved here (the rank's device)
 
     def batch(self, ds, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = ds.get_batch(idx)
-        return (x.to(self.dtype) if x.is_floating_point() else x), y
+        x = x.to(self.device, self.dtype) if x.is_floating_point() else x.to(self.device)
+        return x, y.to(self.device)
 
     def val_batches(self, batch_size: int, count: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The first ``count`` validation batches (the same every time, wrapping around)."""
@@ -40,13 +42,13 @@ class Task:
             yield self.batch(self.val, torch.arange(b * batch_size, (b + 1) * batch_size) % n)
 
 
-def build_task(cfg: TrainConfig, block_size: int | None) -> Task:
+def build_task(cfg: TrainConfig, block_size: int | None, device: torch.device = torch.device("cpu")) -> Task:
     dtype = getattr(torch, cfg.dtype)
     if cfg.data_kind == "text":
         train, val = load_text_datasets(None if cfg.data == "shakespeare" else cfg.data, block_size=block_size)
-        return Task(train, val, lm_loss, "tokens", block_size, dtype)
+        return Task(train, val, lm_loss, "tokens", block_size, dtype, device)
     train, val = load_fashion_mnist() if cfg.data == "fashion-mnist" else load_digits()
-    return Task(train, val, classification_loss, "samples", 1, dtype)
+    return Task(train, val, classification_loss, "samples", 1, dtype, device)
 
 
 def build_optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:

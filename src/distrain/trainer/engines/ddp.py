@@ -26,7 +26,9 @@ class DDPEngine(SingleEngine):
 
 class TorchDDPEngine(SingleEngine):
     def wrap(self, model):
-        return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=self.cfg.bucket_cap_mb)
+        device = next(model.parameters()).device
+        ids = [device.index] if device.type == "cuda" else None  # one device per rank
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=self.cfg.bucket_cap_mb)
 
     def describe(self) -> str:
         return "torch-ddp"

@@ -1,0 +1,7 @@
+"""``python -m distrain ...``: the same as the ``distrain`` command."""
+
+import sys
+
+from distrain.cli import main
+
+sys.exit(main())
