@@ -222,7 +222,7 @@ def test_groups_p2p_handles_as_torch():
 @pytest.mark.timeout(120)
 def test_barrier_timeout_raises_instead_of_hanging():
     out = distrain.spawn(_barrier_times_out, 2, timeout=90)
-    assert "barrier(algorithm=ring, transport=torch)" in out[0] and "not completed within 2" in out[0], out
+    assert "barrier(algorithm=ring" in out[0] and "not completed within 2" in out[0], out
 
 
 @pytest.mark.timeout(120)

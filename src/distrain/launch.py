@@ -57,7 +57,7 @@ def _child(fn, rank: int, nprocs: int, port: int, args: tuple, backend: str, ini
         conn.send_bytes(pickle.dumps(("hang", report, time.time(), False)))
 
     try:
-        if init:  # init=False: fn calls init_process_group itself (torch.multiprocessing.spawn's contract)
+        if init:
             runtime.init(backend, timeout=init_timeout, on_hang=on_hang)
         payload = pickle.dumps(("ok", fn(rank, *args), time.time()))
     except DistrainError as e:  # our errors say what to fix: the message is enough
@@ -171,8 +171,9 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
     the rendezvous and each collective. ``threads_per_rank`` defaults to cpu_count // nprocs
     (at least 1) so ranks do not fight for cores. ``env`` adds environment variables in the
     children. The ranks die with this process, whatever kills it (see distrain.lifeline).
-    ``init=False`` leaves the process group to ``fn`` (torch.multiprocessing.spawn's contract): the
-    launcher environment is set, so ``init_process_group("gloo")`` (env://) joins the parent's store.
+    ``init=False`` leaves the process group to ``fn`` (torch.multiprocessing.spawn's contract):
+    the launcher environment is set, so ``init_process_group("gloo")`` (env://) joins the
+    parent's store.
     """
     _check_not_bootstrapping()
     if not isinstance(nprocs, int) or nprocs < 1:

@@ -47,7 +47,6 @@ from distrain.comm.api import (
     set_transport,
     transport_of,
 )
-from distrain.comm.group import close_all, close_group
 from distrain.comm.compat import PASSTHROUGH, destroy_process_group, init_process_group
 from distrain.comm.forms import (
     P2POp,
@@ -57,6 +56,7 @@ from distrain.comm.forms import (
     batch_isend_irecv,
     reduce_scatter_tensor,
 )
+from distrain.comm.group import close_all, close_group
 from distrain.comm.ledger import Counts, Ledger, ledger
 from distrain.comm.objects import (
     all_gather_object,
@@ -84,8 +84,8 @@ __all__ = [
     "ALGORITHM_NAMES", "COLLECTIVES", "CommHandle", "Counts", "Ledger", "P2POp", "TRANSPORT_NAMES", "Transport",
     "all_gather", "all_gather_coalesced", "all_gather_into_tensor", "all_gather_object", "all_reduce",
     "all_reduce_coalesced", "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv", "broadcast",
-    "broadcast_object_list", "debug_enabled", "destroy_process_group", "gather", "gather_object",
-    "init_process_group", "irecv", "isend", "isend_tensor", "ledger", "recv", "recv_object_list", "recv_tensor",
-    "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send",
-    "send_object_list", "send_tensor", "close_all", "close_group", "set_debug", "set_default_transport", "set_transport", "transport_of",
+    "broadcast_object_list", "close_all", "close_group", "debug_enabled", "destroy_process_group", "gather",
+    "gather_object", "init_process_group", "irecv", "isend", "isend_tensor", "ledger", "recv", "recv_object_list",
+    "recv_tensor", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send",
+    "send_object_list", "send_tensor", "set_debug", "set_default_transport", "set_transport", "transport_of",
 ] + [n for n in PASSTHROUGH if hasattr(_torch_dist, n)]

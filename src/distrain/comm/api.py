@@ -281,7 +281,7 @@ def _run(st: GroupState, collective: str, algorithm: str, async_op: bool, payloa
 
     ``mod`` is the registered algorithm, or None for "native": then the group's transport may
     provide its own (the direct shared-memory collectives), else torch.distributed's runs.
-    ``outputs``: the tensors an async handle's ``result()`` returns (torch's Work.result()).
+    ``outputs``: what the handle's result() returns (default: the tensor of ``fp``).
     """
     seq = st.next_seq()
     if _debug:
@@ -487,7 +487,6 @@ def _adjacent_views(lst: list[torch.Tensor], n: int) -> torch.Tensor | None:
     if any(t.untyped_storage().data_ptr() != ptr or t.storage_offset() != off + i * n for i, t in enumerate(lst)):
         return None
     return t0.as_strided((len(lst) * n,), (1,), off)
-
 
 
 @torch_call()

@@ -7,20 +7,21 @@
 
 The group objects are torch.distributed's own, so a group made here works with
 torch.distributed and the reverse. What distrain adds: ``init_process_group`` reads
-``DISTRAIN_DEBUG`` like :func:`distrain.runtime.init` (the one place it is read), and
-``destroy_process_group`` also forgets distrain's per-group state (sequence numbers,
-worker threads), so a later group with the same ranks starts its tags from the beginning.
+``DISTRAIN_DEBUG`` and ``DISTRAIN_TRANSPORT`` as :func:`distrain.runtime.init` does, and
+``destroy_process_group`` also frees distrain's per-group state (sequence numbers,
+worker threads, transports), so a later group with the same ranks starts afresh.
 Everything else is torch.distributed's function itself (same object), listed in ``PASSTHROUGH``.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import torch.distributed as dist
 
 from distrain.comm import api
+from distrain.comm.group import close_all, close_group
+from distrain.comm.transports import set_default_transport
 
 PASSTHROUGH = (
     "is_available", "is_initialized", "is_gloo_available", "is_nccl_available", "is_mpi_available",
@@ -37,17 +38,15 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     dist.init_process_group(backend, init_method=init_method, timeout=timeout, world_size=world_size,
                             rank=rank, store=store, group_name=group_name, **kwargs)
     api.set_debug(os.environ.get("DISTRAIN_DEBUG", "0") not in ("", "0", "false", "False"))
+    secs = timeout.total_seconds() if timeout is not None else 300.0
+    set_default_transport(os.environ.get("DISTRAIN_TRANSPORT") or "torch", timeout=secs)
 
 
 def destroy_process_group(group=None) -> None:
-    """Destroy ``group`` (None: every group, as torch) and drop distrain's state for it."""
-    # by module path: distrain.comm.group is, as an attribute, torch's `group` (group.WORLD)
-    mod = importlib.import_module("distrain.comm.group")
-    states = getattr(mod, "_states", None)
-    if states is not None:
-        with mod._states_lock:
-            if group is None:
-                states.clear()
-            else:
-                states.pop(group, None)
+    """Destroy ``group`` (None: every group, as torch) after freeing distrain's state for it
+    (sequence numbers, worker thread, transport such as shared-memory segments)."""
+    if group is None:
+        close_all()
+    else:
+        close_group(group)
     dist.destroy_process_group(group)
