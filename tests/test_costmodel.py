@@ -123,3 +123,35 @@ def test_link_fit_and_calibration_file(tmp_path):
     assert f.intra.bandwidth == pytest.approx(1.5e9) and f.gamma == pytest.approx(0.25e-9)
     with pytest.raises(ConfigError, match="write one with `distrain bench link --json"):
         calibrated_fabric(str(tmp_path / "missing.json"), [0, 1])
+
+
+def test_plan_ranks_strategies_with_the_seeds_link_loads():
+    from distrain.costmodel import plan
+
+    m = plan.model_spec("gpt-small", None)
+    assert (m.params, m.layers, m.hidden, m.heads, m.seq) == (867072, 4, 128, 4, 64)
+    P, N = 4, 4 * m.params
+    fabric = plan.Fabric(plan.block_placement(P, 1), plan.LINKS["eth-1g"], plan.INTRA["shm"], 0.0)
+    rows = {r.strategy: r for r in plan.plans(m, fabric, 0.1, 32, 1, 8)}
+    assert rows["ddp star"].busiest_bytes == (P - 1) * N  # the root's link (seeds: (P-1)N)
+    assert rows["ddp ring"].busiest_bytes == pytest.approx(2 * (P - 1) / P * N, rel=1e-6)
+    assert rows["ps-sync S=1"].busiest_bytes == (P - 1) * N  # the server's link, each way
+    assert rows["ddp ring"].step_s < rows["ddp tree"].step_s < rows["ddp star"].step_s
+    assert rows["ddp ring"].compute_s == pytest.approx(0.1 / P)
+    assert rows["ps-sync S=1"].compute_s == pytest.approx(0.1 / (P - 1))
+    # 16 bytes per parameter held (weights, grads, AdamW moments); tp x pp = 4 holds a quarter
+    assert rows["dp2 x tp1 x pp2 (ring)"].mem_bytes < rows["ddp ring"].mem_bytes
+    assert rows["ddp ring"].mem_bytes > 16 * m.params
+
+
+def test_plan_command(capsys):
+    from distrain.cli import main
+
+    assert main(["plan", "--model", "gpt-small", "--nodes", "2", "--procs-per-node", "2", "--link", "eth-10g",
+                 "--compute-ms", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "867,072 parameters" in out and "ddp ring" in out and "dp1 x tp2 x pp2 (ring)" in out
+    assert main(["plan", "--nodes", "2", "--link", "eth-7g", "--compute-ms", "1"]) == 2
+    assert "--link must be one of eth-100m, eth-1g" in capsys.readouterr().err
+    assert main(["plan", "--params", "1000", "--nodes", "2"]) == 2
+    assert "--params needs --compute-ms" in capsys.readouterr().err

@@ -88,9 +88,11 @@ def _ddp_matches_reference(rank: int, kind: str, opt_name: str, algs: list[str],
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("P", [2, 3, 4])
-def test_ddp_equals_single_process_every_algorithm(P):
+@pytest.mark.parametrize("transport", ["torch", "shm"])
+def test_ddp_equals_single_process_every_algorithm(P, transport):
     # small buckets: several all-reduces per backward, launched while backward still runs
-    bad = [x for r in distrain.spawn(_ddp_matches_reference, P, args=("mlp", "sgd", ALGS, 0.005), timeout=200)
+    bad = [x for r in distrain.spawn(_ddp_matches_reference, P, args=("mlp", "sgd", ALGS, 0.005), timeout=200,
+                                     env={"DISTRAIN_TRANSPORT": transport})
            for x in r]
     assert not bad, "\n".join(bad[:20])
 

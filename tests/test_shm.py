@@ -22,7 +22,8 @@ from distrain.errors import CommError, ConfigError
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory transport needs x86-64 and /dev/shm")
 
-BIG = (1 << 18) + 7  # 1 MiB + 28 bytes of float32: more than one slot, not divisible by P
+BIG = (1 << 18) + 7  # 1 MiB + 28 bytes of float32: 17 slots of SMALL_SLOT, not divisible by P
+SMALL_SLOT = 64 << 10  # tests shrink the slot so that chunking is exercised at modest sizes
 
 
 def _ops(dtype) -> list[str]:
@@ -45,6 +46,7 @@ def _vs_gloo(rank: int, sizes: list[int]) -> list[str]:
 
     P = dist.get_world_size()
     gloo = dist.new_group(list(range(P)))
+    shm.SLOT_BYTES = SMALL_SLOT
     comm.set_transport("shm")
     comm.set_transport("torch", gloo)
     bad, case = [], 0
@@ -151,6 +153,8 @@ def _p2p(rank: int) -> list:
     from distrain.comm import cost  # the ledger counts the shm messages exactly as Gloo's
 
     out.append(led.bytes_sent("all_reduce", "ring") == cost.traffic("all_reduce", "ring", P, rank, 1000)[0])
+    # every peer has mapped this rank's segment: its files are gone from /dev/shm already
+    out.append([n for n in os.listdir(shm_segment.SHM_DIR) if n.startswith(f"distrain-{os.getpid()}-")] == [])
     return out
 
 
@@ -162,13 +166,14 @@ def test_p2p_over_shared_memory():
                      "has 8; sender and receiver must agree on the size")
     assert r2[:2] == [True, (2, 3)]
     for r in (r0, r1, r2):
-        assert r[-4:] == [True, True, True, True]
+        assert r[-5:] == [True, True, True, True, True]
 
 
 def _hierarchical(rank: int, hosts: list[str]) -> list[str]:
     import torch.distributed as dist
 
     shm.set_host_id(hosts[rank])  # one machine made to look like several
+    shm.SLOT_BYTES = SMALL_SLOT
     P = dist.get_world_size()
     gloo = dist.new_group(list(range(P)))
     comm.set_transport("torch", gloo)

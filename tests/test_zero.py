@@ -104,6 +104,12 @@ def _equivalence(rank: int, kind: str, opt_name: str, stages: list[int], alg: st
     for stage in stages:
         engine = Zero(_model(kind), _opt(opt_name), stage=stage, algorithm=alg, bucket_cap_mb=0.005)
         losses = _train(engine, kind, rank, P, P * LOCAL_B, STEPS)
+        x, _ = _data(P * LOCAL_B, kind, 99)
+        with torch.no_grad():  # evaluation: no autograd, stage 3 still gathers layer by layer
+            engine.eval()
+            if not torch.allclose(engine(x), ref_model(x), rtol=1e-9, atol=1e-12) or engine.training:
+                bad.append(f"P={P} stage {stage}: eval forward differs from the reference")
+            engine.train()
         bad += _compare(f"P={P} stage {stage}", losses, ref_losses, engine.full_state_dict(), ref_model, ref_opt)
     return bad
 

@@ -75,31 +75,19 @@ def _config_arguments(p: argparse.ArgumentParser, cls) -> None:
 
 def _run_train(args: argparse.Namespace) -> int:
     from distrain import runlock
-    from distrain.trainer import TrainConfig, train
+    from distrain.trainer import TrainConfig, checkpoint, train
 
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k not in ("command", "func", "config")})
     if cfg.resume is False and os.environ.get("DISTRAIN_RESUME") == "auto":  # set by launch --max-restarts
         cfg.resume = "auto"
     cfg.validate()
     if "RANK" in os.environ and os.environ["RANK"] != "0":  # one rank of a launched job: rank 0 holds the lock
-        _resolve_resume(cfg)
         train(cfg)
         return 0
     with runlock.hold(cfg.out):
-        _resolve_resume(cfg)
+        checkpoint.clean_temporaries(cfg.out)  # left by a run killed mid-save; nobody else writes here now
         train(cfg)
     return 0
-
-
-def _resolve_resume(cfg) -> None:
-    if cfg.resume == "auto":
-        cfg.resume = _has_checkpoint(cfg.out)
-
-
-def _has_checkpoint(out: str) -> bool:
-    from pathlib import Path
-
-    return any((Path(out) / name).exists() for name in ("checkpoint.json", "checkpoint.pt"))
 
 
 def _apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:
@@ -165,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cluster", help="an emulated cluster on this host (netns + veth + tc) and runs across it")
     cluster_cli.add_arguments(p)
 
+    from distrain.costmodel import plan as cost_plan
+
+    p = sub.add_parser("plan", help="rank DDP/PS/dp x tp x pp strategies for a model on a cluster by predicted step time")
+    cost_plan.add_arguments(p)
+    p.set_defaults(func=cost_plan.run)
+
     bench = sub.add_parser("bench", help="benchmarks that compare ours with torch's, side by side")
     bsub = bench.add_subparsers(dest="bench", required=True)
     p = bsub.add_parser("comm", help="collective bandwidth: native vs star/ring/tree (nccl-tests style)")
@@ -199,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"distrain: error: {e}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
-    if "RANK" not in os.environ:  # the top process: SIGTERM/SIGHUP end the ranks, then us
-        lifeline.stop_on_signals()
+    # the top process: SIGTERM/SIGHUP end the ranks, then us
+    previous = lifeline.stop_on_signals() if "RANK" not in os.environ else {}
     try:
         return args.func(args) or 0
     except DistrainError as e:
@@ -212,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     except lifeline.Stopped as e:
         print(f"distrain: {e}; every rank was stopped", file=sys.stderr)
         return 128 + e.signum
+    finally:
+        lifeline.restore(previous)
 
 
 if __name__ == "__main__":

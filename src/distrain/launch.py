@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from distrain import lifeline, runtime
 from distrain.blame import Failure, blame, is_secondary
-from distrain.errors import ConfigError, RankFailedError, SpawnTimeoutError
+from distrain.errors import ConfigError, DistrainError, RankFailedError, SpawnTimeoutError
 
 BLAME_GRACE_S = 2.0  # after the first failure, wait this long for the others to pick the first
 
@@ -53,9 +53,14 @@ def _child(fn, rank: int, nprocs: int, port: int, args: tuple, backend: str, ini
         "TORCHELASTIC_USE_AGENT_STORE": "True",  # the parent hosts the store
     })
     torch.set_num_threads(threads)
+    def on_hang(report: str) -> None:  # from the watchdog thread, just before it ends this rank
+        conn.send_bytes(pickle.dumps(("hang", report, time.time(), False)))
+
     try:
-        runtime.init(backend, timeout=init_timeout)
+        runtime.init(backend, timeout=init_timeout, on_hang=on_hang)
         payload = pickle.dumps(("ok", fn(rank, *args), time.time()))
+    except DistrainError as e:  # our errors say what to fix: the message is enough
+        payload = pickle.dumps(("err", f"{type(e).__name__}: {e}", time.time(), is_secondary(e)))
     except BaseException as e:
         payload = pickle.dumps(("err", traceback.format_exc(), time.time(), is_secondary(e)))
     try:
@@ -108,9 +113,9 @@ def _died(code: int | None) -> str:
     return msg
 
 
-def _early_death(fn, store, nprocs: int, code: int | None, message: str) -> str:
+def _early_death(fn, store, nprocs: int, code: int | None, message: str) -> str | None:
     """A rank failed: when it died without a result before any rank joined the process group,
-    say why it could not start; otherwise keep ``message``."""
+    say why it could not start (None otherwise)."""
     if code == 1 and message.startswith("process exited") and not runtime.joined_ranks(store, nprocs):
         hint = _startup_failure(fn, code)
         if hint is not None:
@@ -119,7 +124,7 @@ def _early_death(fn, store, nprocs: int, code: int | None, message: str) -> str:
                 f"traceback is on stderr above). Usual causes: {fn.__name__} is not importable by name (define it at "
                 f"module level, not inside a function or the `if __name__ == \"__main__\":` block), or an import "
                 f"of the script failed in the new process")
-    return message
+    return None
 
 
 def _end(procs) -> None:
@@ -195,8 +200,10 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
         try:
             _collect(procs, conns, results, store, timeout)
         except RankFailedError as e:
-            raise RankFailedError(e.rank, _early_death(fn, store, nprocs, procs[e.rank].exitcode,
-                                                       e.remote_message)) from None
+            hint = _early_death(fn, store, nprocs, procs[e.rank].exitcode, e.remote_message)
+            if hint is None:
+                raise
+            raise RankFailedError(e.rank, hint) from None
     finally:
         # On success the ranks are shutting down by themselves; on failure end them now.
         if len(results) == nprocs:

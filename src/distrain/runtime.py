@@ -21,11 +21,13 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from distrain import comm, lifeline
+from distrain.comm import watchdog
 from distrain.errors import CommError, ConfigError
 
 REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -67,10 +69,15 @@ def _env_int(name: str) -> int:
         raise ConfigError(f"environment variable {name}={os.environ[name]!r} is not an integer") from None
 
 
-def init(backend: str = "auto", timeout: float | timedelta = 300.0) -> RuntimeInfo:
+def init(backend: str = "auto", timeout: float | timedelta = 300.0,
+         on_hang: Callable[[str], None] | None = None) -> RuntimeInfo:
     """Initialize the default process group from the launcher's environment (idempotent).
 
-    ``timeout`` (seconds) bounds the rendezvous and every later collective of the group.
+    ``timeout`` (seconds) bounds the rendezvous and every later collective of the group: a
+    rank blocked longer in one call is stopped by the collective watchdog
+    (distrain.comm.watchdog), which names the ranks that did not arrive and hands that report
+    to ``on_hang`` (default: stderr) before exiting. The backend's own time-out is set a little
+    longer so that the watchdog's report comes first.
     """
     if dist.is_initialized():
         return info()
@@ -97,7 +104,8 @@ def init(backend: str = "auto", timeout: float | timedelta = 300.0) -> RuntimeIn
     prefix = f"distrain/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     _wait_for_all(store, prefix, rank, world, secs, f"{addr}:{port}")
     dist.init_process_group(backend, store=dist.PrefixStore(prefix + "pg", store), rank=rank,
-                            world_size=world, timeout=timedelta(seconds=secs))
+                            world_size=world, timeout=timedelta(seconds=secs + max(30.0, secs / 5)))
+    watchdog.install(dist.PrefixStore(prefix, store), rank, world, secs, on_hang)
     # The one place the debug switch is read from the environment (never deep inside comm).
     comm.set_debug(os.environ.get("DISTRAIN_DEBUG", "0") not in ("", "0", "false", "False"))
     comm.set_default_transport(os.environ.get("DISTRAIN_TRANSPORT") or "torch", timeout=secs)  # the job's transport
@@ -196,7 +204,8 @@ def info() -> RuntimeInfo:
 
 
 def shutdown() -> None:
-    """Destroy the default process group if there is one."""
+    """Stop the collective watchdog and destroy the default process group if there is one."""
+    watchdog.uninstall()
     if dist.is_initialized():
         comm.close_all()  # shared-memory segments go with the groups
         dist.destroy_process_group()

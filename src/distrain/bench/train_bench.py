@@ -12,6 +12,9 @@ does the same work per step; only the way the gradient is shared differs:
 * ``ps-sync`` / ``ps-async``: our parameter server with ``--servers`` server ranks (the
   other P - S ranks are workers, so a PS job at P computes on fewer ranks).
 
+``--transport torch,shm`` runs each of our strategies once per transport (labelled
+``ddp`` on torch, ``ddp@shm`` on shared memory); torch-ddp always runs on Gloo.
+
 Reported per job (after the warm-up steps): the median step time of rank 0 (which waits
 for the others, so it is the job's pace), samples or tokens per second, speedup over
 ``single``, scaling efficiency = speedup / P, the share of the step spent waiting on
@@ -45,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per job")
     p.add_argument("--batch-size", type=int, default=None, help="global batch (default: 240 for MLPs, 24 for GPTs: divisible by 1-4 workers)")
     p.add_argument("--algorithm", default="ring", help="all-reduce algorithm of our DDP")
+    p.add_argument("--transport", default="torch",
+                   help="transports of our strategies, comma-separated: torch, shm, auto (default torch)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size of ddp and torch-ddp")
     p.add_argument("--servers", type=int, default=1, help="parameter-server ranks for ps-*")
     p.add_argument("--max-staleness", type=int, default=2, help="staleness bound for ps-async")
@@ -52,24 +57,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write every record here")
 
 
-def _jobs(nprocs: list[int], strategies: list[str], servers: int) -> list[tuple[int, str]]:
-    jobs = [(1, "single")]  # the baseline of speedup and efficiency, always measured
+def _jobs(nprocs: list[int], strategies: list[str], servers: int,
+          transports: tuple[str, ...] = ("torch",)) -> list[tuple[int, str, str]]:
+    jobs = [(1, "single", "torch")]  # the baseline of speedup and efficiency, always measured
     for P in nprocs:
         for s in strategies:
             if P == 1 or (s.startswith("ps-") and P < servers + 1):
                 continue
-            jobs.append((P, s))
+            for t in (transports if s != "torch-ddp" else ("torch",)):
+                jobs.append((P, s, t))
     return jobs
 
 
-def _config(P: int, strategy: str, args, batch: int, root: str) -> TrainConfig:
+def _label(strategy: str, transport: str) -> str:
+    return strategy if transport == "torch" else f"{strategy}@{transport}"
+
+
+def _config(P: int, strategy: str, transport: str, args, batch: int, root: str) -> TrainConfig:
     return TrainConfig(model=args.model, data=MODEL_DATA[args.model] if MODEL_DATA[args.model] != "text" else "shakespeare",
                       strategy=strategy, nproc=P, algorithm=args.algorithm, servers=args.servers,
+                      transport=transport,
                       bucket_cap_mb=args.bucket_cap_mb,
                       max_staleness=args.max_staleness if strategy == "ps-async" else None,
                       steps=args.warmup + args.steps, batch_size=batch, eval_every=0, sample_chars=0,
                       progress=False, report=False, log_every=args.warmup + args.steps, overwrite=True,
-                      out=os.path.join(root, f"{strategy}-{P}"))
+                      out=os.path.join(root, f"{_label(strategy, transport)}-{P}"))
 
 
 def _measure(cfg: TrainConfig, args, batch: int) -> dict:
@@ -83,7 +95,7 @@ def _measure(cfg: TrainConfig, args, batch: int) -> dict:
     per_sample = rows[0][f"{units}_per_s"] * rows[0]["time_s"] / batch
     waits = [r["comm_wait_s"] / r["time_s"] for r in rows if r.get("comm_wait_s") is not None]
     traffic = summary["bytes_per_step"]
-    return {"nproc": P, "strategy": strategy, "step_ms": 1e3 * step_s, "unit": units,
+    return {"nproc": P, "strategy": _label(strategy, cfg.transport), "transport": cfg.transport, "step_ms": 1e3 * step_s, "unit": units,
             "throughput": batch * per_sample / step_s, "comm_share": statistics.median(waits) if waits else None,
             "bytes_sent_max_rank": max(t["sent"] for t in traffic), "bytes_recv_max_rank": max(t["recv"] for t in traffic),
             "bytes_per_rank": traffic, "final_loss": summary["final_loss"],
@@ -100,15 +112,16 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         raise ConfigError("--steps and --rounds must be >= 1 and --warmup >= 0")
     batch = args.batch_size or (24 if MODEL_DATA[args.model] == "text" else 240)
-    jobs = _jobs(nprocs, strategies, args.servers)
-    results: dict[tuple[int, str], list[dict]] = {}
+    transports = tuple(parse_choices(args.transport, ("torch", "shm", "auto"), "--transport"))
+    jobs = _jobs(nprocs, strategies, args.servers, transports)
+    results: dict[tuple[int, str, str], list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="distrain-bench-train-") as root:
-        configs = {(P, s): _config(P, s, args, batch, root).validate() for P, s in jobs}  # all, before any runs
+        configs = {j: _config(*j, args, batch, root).validate() for j in jobs}  # all, before any runs
         for rnd in range(args.rounds):
             k = rnd % len(jobs)
-            for P, s in jobs[k:] + jobs[:k]:
-                progress(f"round {rnd + 1}/{args.rounds}: {s} on {P} process(es)")
-                results.setdefault((P, s), []).append(_measure(configs[(P, s)], args, batch))
+            for j in jobs[k:] + jobs[:k]:
+                progress(f"round {rnd + 1}/{args.rounds}: {_label(j[1], j[2])} on {j[0]} process(es)")
+                results.setdefault(j, []).append(_measure(configs[j], args, batch))
     records = [_median_record(v) for v in results.values()]
     base = next(r["throughput"] for r in records if r["strategy"] == "single")
     for r in records:
@@ -119,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
     print(_table(records, args, batch))
     if args.json:
         write_json(args.json, metadata(model=args.model, batch_size=batch, steps=args.steps, warmup=args.warmup,
-                                       rounds=args.rounds, algorithm=args.algorithm, servers=args.servers), records)
+                                       rounds=args.rounds, algorithm=args.algorithm, servers=args.servers,
+                                       transports=list(transports)), records)
     return 0
 
 

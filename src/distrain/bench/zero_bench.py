@@ -13,8 +13,10 @@ Each (P, strategy) is a fresh set of processes, so memory peaks do not mix. Meas
 (max over ranks reported): the bytes of the distinct storages holding parameters, gradients
 and optimizer state after the last step (before zero_grad), our DDP's gradient buckets, and
 the peak resident set size during the timed steps above the RSS before the model was built
-(Linux VmHWM, reset through /proc/self/clear_refs after the warm-up steps; glibc's mmap threshold is fixed at
-128 KiB so freed tensors return to the OS). Beside them: the formulas of memory.py for
+(Linux VmHWM, reset through /proc/self/clear_refs after the warm-up steps; it includes the
+allocator's retained free memory and one-time library state, alike for every strategy; we
+do not force glibc to unmap freed blocks: that made every large allocation fault its pages
+in again and slowed the sharded strategies 2-4x). Beside them: the formulas of memory.py for
 Psi = the model's parameter count (ours: fp32, no master copy; the paper's: mixed precision).
 Step time is rank 0's median after warm-up; ``--rounds`` repeats all jobs in rotated order
 and reports medians over rounds, so a loaded machine's noise hits every strategy alike.
@@ -93,8 +95,6 @@ def _wrap(strategy: str, model, args):
 
 
 def _job(rank: int, strategy: str, args) -> dict:
-    import ctypes
-
     import torch
     import torch.distributed as dist
 
@@ -102,10 +102,6 @@ def _job(rank: int, strategy: str, args) -> dict:
     from distrain.models import build_model, count_parameters, lm_loss
     from distrain.parallel.zero.memory import PeakRSS, _status, resident_bytes
 
-    try:  # M_MMAP_THRESHOLD = -3: big blocks mmap'ed and unmapped on free, so RSS follows live tensors
-        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)
-    except OSError:
-        pass
     P = dist.get_world_size()
     base = _status("VmRSS")
     torch.manual_seed(0)

@@ -11,6 +11,7 @@ rate R``): on eth0 (node i's uplink) and on p{i} (its downlink, i.e. the switch 
 egress), so a node can neither send nor receive faster than its link, exactly as a host
 behind a full-duplex switch port. The kernel here has no netem, so no latency is added:
 the per-message latency is whatever the stack gives (``distrain bench link`` measures it).
+Each node sets ``net.ipv4.tcp_slow_start_after_idle=0`` (its own namespace's sysctl).
 
 Nothing is kept in files: the cluster *is* its namespaces, so ``status`` reads it back
 from ``ip netns`` and ``tc``; ``down`` ends every process inside the namespaces
@@ -212,6 +213,9 @@ def up(spec: ClusterSpec) -> ClusterSpec:
             _sh("ip", "-n", ns, "addr", "add", f"{spec.address(i)}/24", "dev", "eth0")
             _sh("ip", "-n", ns, "link", "set", "eth0", "up")
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            # keep TCP's window across the idle gaps between collectives (a data-centre setting;
+            # with the default, every call after a pause > RTO restarts from slow start)
+            _sh("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0")
             if bits is not None:
                 _tbf(ns, "eth0", bits)  # uplink: node -> switch
                 _tbf(spec.switch, f"p{i}", bits)  # downlink: switch -> node

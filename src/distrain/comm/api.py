@@ -28,6 +28,7 @@ run on the group's worker thread (see group.py), native ones on the backend's.
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import Future
 from typing import Callable
 
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from distrain.comm import ledger as _ledger
-from distrain.comm import registry
+from distrain.comm import registry, watchdog
 from distrain.comm.group import GroupState, resolve
 from distrain.comm.ops import OPS, check_dtype, resolve_op
 from distrain.comm.p2p import PeerComm
@@ -78,10 +79,11 @@ class CommHandle:
         if self._done:
             return True
         try:
-            if self._future is not None:
-                self._future.result(timeout)
-            elif self._work is not None:
-                self._work.wait() if timeout is None else self._work.wait(_td(timeout))
+            with watchdog.blocking(self._desc):
+                if self._future is not None:
+                    self._future.result(timeout)
+                elif self._work is not None:
+                    self._work.wait() if timeout is None else self._work.wait(_td(timeout))
             if self._after is not None:
                 self._after()
         except CommError:
@@ -204,6 +206,9 @@ def _fingerprint_check(st: GroupState, seq: int, collective: str, algorithm: str
 # The dispatcher
 # ---------------------------------------------------------------------------------------
 
+_NO_WATCH = contextlib.nullcontext()
+
+
 def _run(st: GroupState, collective: str, algorithm: str, async_op: bool, payload: int, mod,
          ours: Callable[[object, PeerComm], None], native: Callable[[bool], object] | None,
          after: Callable[[], None] | None, fp: tuple) -> CommHandle | None:
@@ -244,10 +249,11 @@ def _run(st: GroupState, collective: str, algorithm: str, async_op: bool, payloa
     if async_op:
         return CommHandle(desc, future=st.submit(job))
     try:
-        if ordered and st.pending:  # async calls before this one still run on the worker
-            st.submit(job).result()
-        else:
-            job()
+        with watchdog.blocking(desc):
+            if ordered and st.pending:  # async calls before this one still run on the worker
+                st.submit(job).result()
+            else:
+                job()
     except CommError:
         raise
     except Exception as e:
@@ -257,7 +263,8 @@ def _run(st: GroupState, collective: str, algorithm: str, async_op: bool, payloa
 
 def _run_native(desc: str, native, async_op: bool, after) -> CommHandle | None:
     try:
-        work = native(async_op)
+        with watchdog.blocking(desc) if not async_op else _NO_WATCH:
+            work = native(async_op)
         if not async_op:
             if after is not None:
                 after()

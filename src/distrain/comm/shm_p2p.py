@@ -114,6 +114,8 @@ class Channels:
 
     # -- progress ------------------------------------------------------------------------
     def progress(self) -> None:
+        if not self.sh._unlinked:
+            self.sh._unlink_if_all_opened()
         with self.lock:
             for q, pending in self.sends.items():
                 if pending:
@@ -149,6 +151,7 @@ class Channels:
                 m.work.done = True
         if moved:
             me.set_line(head_line, head)  # after the bytes it covers
+            self.sh.wake_peers((q,))
 
     def _pull(self, q: int, s) -> None:
         head_line, tail_line = s.layout.head_line(self.sh.rank), s.layout.tail_line(self.sh.rank)
@@ -180,6 +183,7 @@ class Channels:
             else:
                 self.current[q] = (m, off, total)
         s.set_line(tail_line, tail)  # after the bytes are copied out: the sender may reuse them
+        self.sh.wake_peers((q,))
 
     def _match(self, q: int, tag: int, n: int) -> _Recv:
         posted = self.posted.get((q, tag))

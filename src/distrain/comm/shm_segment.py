@@ -9,16 +9,19 @@ that name when they first need it. Names are unique per run and carry the creato
 Cleanup, so that no run leaves files behind and no run trips over an older one's:
 
 * a new run never reuses a name (the random part), so stale files cannot confuse it;
-* a file is unlinked as soon as every peer has mapped it (the mapping outlives the name),
-  so after the group's first collective nothing is left on disk even if a rank is later
-  killed with SIGKILL: the kernel frees the memory when the last mapping goes;
+* a file is unlinked as soon as every peer has mapped it (the mapping outlives the name;
+  each peer sets its own "opened" line in the segment), so once every pair has talked
+  nothing is left on disk even if ranks are later killed with SIGKILL: the kernel frees
+  the memory when the last mapping goes;
 * until then, the creator unlinks it on group destroy and at process exit (atexit), and a
   survivor unlinks the files of peers whose process is dead when it exits;
 * creating a segment first sweeps /dev/shm for distrain files whose creator process no
   longer exists on this host (left by a run killed during setup).
 
 Layout of a segment (offsets in bytes, every region 64-byte aligned, one writer per line)
-is described in :class:`Layout`.
+is described in :class:`Layout`. Beside each segment a FIFO (``<name>.wake``) lets a rank
+that has waited too long to keep polling block in the kernel until a peer writes a byte
+(a peer does so after publishing a flag, if the rank's "sleeping" line is set).
 """
 
 from __future__ import annotations
@@ -54,8 +57,10 @@ class Layout:
       2 abort:  1 once this rank has failed (peers stop waiting at once)
       3 pid of the owner
       4 result: step number whose result a host leader has written (hierarchy.py)
-      5 + 2q:   head of the channel to rank q (bytes written so far by the owner)
-      6 + 2q:   tail of that channel (bytes read so far; written by rank q, the reader)
+      5 sleeping: how many of the owner's threads block on its wake-up pipe
+      6 + 2q:   head of the channel to rank q (bytes written so far by the owner)
+      7 + 2q:   tail of that channel (bytes read so far; written by rank q, the reader)
+      6 + 2P + q: 1 once rank q has mapped this segment (written by rank q)
     coll: ``slots`` buffers of ``slot_bytes`` for the direct collectives (double buffering)
     chan: ``size`` rings of ``ring_bytes``, ring q carries the owner's messages to rank q
     """
@@ -67,15 +72,18 @@ class Layout:
 
     @property
     def ctrl_lines(self) -> int:
-        return 5 + 2 * self.size
+        return 6 + 3 * self.size
+
+    def opened_line(self, q: int) -> int:
+        return 6 + 2 * self.size + q
 
     @staticmethod
     def head_line(q: int) -> int:
-        return 5 + 2 * q
+        return 6 + 2 * q
 
     @staticmethod
     def tail_line(q: int) -> int:
-        return 6 + 2 * q
+        return 7 + 2 * q
 
     @property
     def coll_offset(self) -> int:
@@ -101,6 +109,10 @@ class Segment:
         self.linked = owner  # the owner is responsible for unlinking the file
         self.ctrl = np.frombuffer(self.mm, dtype=np.int64, count=layout.ctrl_lines * _I64_PER_LINE)
         self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
+        # the wake-up pipe: the owner reads it (opened read-write, so it never sees EOF),
+        # peers write one byte to wake it
+        flags = (os.O_RDWR if owner else os.O_WRONLY) | os.O_NONBLOCK
+        self.wake_fd = os.open(self.path + ".wake", flags)
 
     def line(self, i: int) -> int:
         return int(self.ctrl[i * _I64_PER_LINE])
@@ -118,19 +130,37 @@ class Segment:
         start = lay.chan_offset + q * lay.ring_bytes
         return self.bytes[start:start + lay.ring_bytes]
 
+    def wake(self) -> None:
+        """Wake the owner if it blocks on its pipe (a full pipe already wakes it)."""
+        try:
+            os.write(self.wake_fd, b"\0")
+        except (BlockingIOError, BrokenPipeError, OSError):
+            pass
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.wake_fd, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
     def unlink(self) -> None:
         if self.linked:
             self.linked = False
-            _forget(self.path)
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            for p in (self.path, self.path + ".wake"):
+                _forget(p)
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
 
     def close(self) -> None:
         self.unlink()
         # numpy/torch views keep the buffer exported; drop them before closing the map
         self.ctrl = self.bytes = None
+        if self.wake_fd is not None:
+            os.close(self.wake_fd)
+            self.wake_fd = None
         try:
             self.mm.close()
         except BufferError:  # a view is still alive somewhere: the GC closes the map later
@@ -145,14 +175,17 @@ def create(name: str, layout: Layout) -> Segment:
     """Create and map a new segment; a full /dev/shm raises a CommError saying how much was needed."""
     sweep_stale()
     path = os.path.join(SHM_DIR, name)
+    os.mkfifo(path + ".wake", 0o600)
+    _remember(path + ".wake")
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     _remember(path)
     try:
         try:
             os.posix_fallocate(fd, 0, layout.total)  # reserve the pages now: ENOSPC here, not SIGBUS later
         except OSError as e:
-            _forget(path)
-            os.unlink(path)
+            for p in (path, path + ".wake"):
+                _forget(p)
+                os.unlink(p)
             st = os.statvfs(SHM_DIR)
             raise CommError(
                 f"shared-memory transport: cannot allocate {layout.total} bytes in {SHM_DIR} ({e.strerror}; "

@@ -8,7 +8,7 @@ messages in flight. The ranges:
 range                     owner                  how tags inside are used
 ========================  =====================  =============================================
 [0, 2**20)                user point-to-point    ``send``/``recv``/``isend``/``irecv``; default 0
-[0xA000, 0xA100)          parameter server       one tag per message kind (parallel/ps)
+[0xA000, 0xA100)          parameter server       one tag per message kind (parallel/parameter_server/ps.py)
 [2**19, 2**20)            pipeline (default)     ``tag_base + 2 + 2k (+1 for gradients)``
 [2**20, 2**30)            collectives            COLLECTIVE.start + call sequence number of
                                                  the group (wraps), see group.py

@@ -23,7 +23,9 @@ import torch.nn as nn
 
 from distrain.errors import ConfigError
 from distrain.models.gpt import Block, Embedding, Head
-from distrain.parallel.tensor_parallel import ColwiseParallel, TPPlan, vocab_parallel_cross_entropy
+from distrain.parallel.tensor_parallel import (
+    ColwiseParallel, CopyInput, RowwiseParallel, TPPlan, vocab_parallel_cross_entropy,
+)
 
 __all__ = ["check_gpt_tp", "check_tp_sizes", "gpt_tp_plan", "tp_all_reduces_per_step"]
 
@@ -69,20 +71,28 @@ def check_gpt_tp(model: nn.Module, tp: int) -> None:
             check_tp_sizes(tp, **{k: n})
 
 
-def gpt_tp_plan(gather_logits: bool = False) -> TPPlan:
+def gpt_tp_plan(gather_logits: bool = False, sequence_parallel: bool = False) -> TPPlan:
     """Megatron's plan for :class:`~distrain.models.GPT` (or a pipeline stage of it).
 
     ``gather_logits=False``: ``model(idx)`` returns this rank's logits shard (B, T, V/P) and the
     plan's loss is the vocab-parallel cross entropy. ``True``: the full logits on every rank
-    (evaluation, ``generate``), and the plan has no loss of its own (``lm_loss`` applies)."""
+    (evaluation, ``generate``), and the plan has no loss of its own (``lm_loss`` applies).
+    ``sequence_parallel=True``: the residual stream between the split linears is sharded along
+    the sequence (B, T/P, C): the embedding's output is split (``layers.0``, the Embedding),
+    LayerNorms run on shards, q/k/v, fc and lm_head all-gather their input, o_proj and proj
+    reduce-scatter their output (:mod:`distrain.parallel.tensor_parallel.sequence`); T must
+    then be a multiple of P."""
+    sp = sequence_parallel
     heads = ColwiseParallel(sync_input=False)  # the f is the attention's copy_input, once for q/k/v
-    return TPPlan(
-        layers={"wte": "vocab", "attn": "copy_input", "attn.q_proj": heads, "attn.k_proj": heads,
-                "attn.v_proj": heads, "attn.o_proj": "rowwise", "mlp.fc": "colwise", "mlp.proj": "rowwise",
-                "lm_head": ColwiseParallel(gather_output=gather_logits)},
-        loss=None if gather_logits else vocab_parallel_cross_entropy,
-        check=check_gpt_tp,
-    )
+    layers = {"wte": "vocab", "attn": CopyInput(sequence_parallel=sp), "attn.q_proj": heads, "attn.k_proj": heads,
+              "attn.v_proj": heads, "attn.o_proj": RowwiseParallel(sequence_parallel=sp),
+              "mlp.fc": ColwiseParallel(sequence_parallel=sp), "mlp.proj": RowwiseParallel(sequence_parallel=sp),
+              "lm_head": ColwiseParallel(gather_output=gather_logits, sequence_parallel=sp)}
+    if sp:
+        layers.update({"layers.0": "split_sequence_output", "ln_1": "sequence_parallel",
+                       "ln_2": "sequence_parallel", "ln_f": "sequence_parallel"})
+    return TPPlan(layers, loss=None if gather_logits else vocab_parallel_cross_entropy, check=check_gpt_tp,
+                  sequence_dim=1)
 
 
 def tp_all_reduces_per_step(n_layer: int, b: int, s: int, h: int, elem_size: int = 4,

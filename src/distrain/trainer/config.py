@@ -11,7 +11,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 
-from distrain.comm import ALGORITHM_NAMES
+from distrain.comm import ALGORITHM_NAMES, TRANSPORT_NAMES
 from distrain.errors import ConfigError
 
 STRATEGIES = ("single", "ddp", "torch-ddp", "ps-sync", "ps-async")
@@ -46,6 +46,8 @@ class TrainConfig:
     device: str = opt("auto", "where each rank computes: auto = cuda:LOCAL_RANK when CUDA is visible (NCCL), "
                               "else cpu (Gloo)", choices=DEVICES)
     algorithm: str = opt("ring", "all-reduce algorithm of our DDP (and TP/PP collectives)", choices=ALGORITHM_NAMES)
+    transport: str = opt("torch", "how ranks' bytes travel: torch (Gloo/NCCL), shm (shared memory, one host), "
+                                  "auto (shm when every rank is on this host)", choices=TRANSPORT_NAMES)
     bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB")
     compression: str | None = opt(None, "DDP gradient compression on the wire", choices=("bf16", "fp16"), type=str)
     servers: int = opt(1, "parameter servers (ps-* strategies); the other ranks work")
@@ -180,6 +182,8 @@ class TrainConfig:
              f"--loss {self.loss!r} is unknown; use auto, cross-entropy, mse or PKG.MOD:FN")
         need(self.algorithm in ALGORITHM_NAMES,
              f"--algorithm {self.algorithm!r} is unknown; use one of {', '.join(ALGORITHM_NAMES)}")
+        need(self.transport in TRANSPORT_NAMES,
+             f"--transport {self.transport!r} is unknown; use one of {', '.join(TRANSPORT_NAMES)}")
         need(self.optimizer in OPTIMIZERS,
              f"--optimizer {self.optimizer!r} is unknown; use one of {', '.join(OPTIMIZERS)}")
         need(self.dtype in DTYPES, f"--dtype {self.dtype!r} is unknown; use one of {', '.join(DTYPES)}")
@@ -187,7 +191,12 @@ class TrainConfig:
              f"--compression must be bf16 or fp16, got {self.compression!r}")
         need(isinstance(self.nproc, int) and self.nproc >= 1, f"--nproc must be >= 1, got {self.nproc}")
         need(self.steps >= 1, f"--steps must be >= 1, got {self.steps}")
-        need(self.lr > 0, f"--lr must be positive, got {self.lr}")
+        need(math.isfinite(self.lr) and self.lr > 0, f"--lr must be a positive finite number, got {self.lr}")
+        need(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+             f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
+        need(math.isfinite(self.momentum) and 0 <= self.momentum < 1, f"--momentum must be in [0, 1), got {self.momentum}")
+        need(math.isfinite(self.bucket_cap_mb) and self.bucket_cap_mb > 0,
+             f"--bucket-cap-mb must be a positive finite number, got {self.bucket_cap_mb}")
         need(self.resume in (True, False, "auto"), f"--resume takes no value, or auto; got {self.resume!r}")
         need(math.isfinite(self.timeout) and self.timeout >= 0,
              f"--timeout must be a number of seconds >= 0 (0: no limit), got {self.timeout}")
@@ -195,6 +204,8 @@ class TrainConfig:
              f"--collective-timeout must be a positive number of seconds, got {self.collective_timeout}")
         need(self.log_every >= 1 and self.eval_every >= 0 and self.ckpt_every >= 0,
              "--log-every must be >= 1; --eval-every and --ckpt-every must be >= 0")
+        need(self.eval_every == 0 or self.eval_batches >= 1,
+             f"--eval-batches must be >= 1 when evaluating, got {self.eval_batches} (use --eval-every 0 to skip evaluation)")
         if self.strategy == "single":
             need(self.nproc == 1, f"--strategy single runs one process; got --nproc {self.nproc} (use --nproc 1, "
                                   f"or --strategy ddp for {self.nproc} processes)")

@@ -104,9 +104,15 @@ def check_out(cfg: TrainConfig, remove: bool = True) -> None:
             p.unlink(missing_ok=True)
 
 
+# flags whose change would make a resumed run differ from the uninterrupted one (--steps may grow)
+CONTINUATION_FIELDS = ("data", "seed", "batch_size", "dtype", "optimizer", "lr", "weight_decay", "momentum",
+                       "algorithm", "compression", "microbatches", "schedule", "max_staleness")
+
+
 def check_resume(cfg: TrainConfig) -> dict:
     """The committed checkpoint of ``cfg.out`` fits this run, or a one-line ConfigError."""
     manifest = checkpoint.read_manifest(cfg.out)
+    checkpoint.verify(cfg.out, manifest)  # checksums, before any rank starts
     where = Path(cfg.out) / checkpoint.MANIFEST
     if manifest.get("model") != cfg.model:
         raise ConfigError(f"--resume: checkpoint {where} holds model {manifest.get('model')!r}, this run trains "
@@ -115,6 +121,13 @@ def check_resume(cfg: TrainConfig) -> dict:
     if manifest["layout"] != layout:
         raise ConfigError(f"--resume: checkpoint {where} was written with layout {manifest['layout']}, this run uses "
                           f"{layout}; resume with the same --dp/--tp/--pp (and --strategy, --nproc, --servers)")
+    saved = manifest.get("config", {})
+    changed = [f for f in CONTINUATION_FIELDS if f in saved and saved[f] != getattr(cfg, f)]
+    if changed:
+        f = changed[0]
+        raise ConfigError(f"--resume: --{f.replace('_', '-')} is {getattr(cfg, f)!r} but the checkpoint {where} was "
+                          f"trained with {saved[f]!r}; a changed {', '.join(changed)} breaks exact continuation: resume "
+                          f"with the same value or choose another --out")
     if int(manifest["step"]) > cfg.steps:
         raise ConfigError(f"--resume: checkpoint {where} is at step {manifest['step']}, past --steps {cfg.steps}")
     return manifest
@@ -122,6 +135,8 @@ def check_resume(cfg: TrainConfig) -> dict:
 
 def run_rank(cfg: TrainConfig, parts=None) -> dict:
     from distrain.trainer.custom import UserParts
+
+    comm.set_default_transport(cfg.transport, timeout=cfg.collective_timeout)  # every group this run creates
 
     out = Path(cfg.out)
     parts = parts or UserParts.from_config(cfg)  # --model/--data/--loss PKG.MOD:NAME, built here

@@ -19,8 +19,7 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
         if start_step > 0 and self.path.exists():
-            kept = [ln for ln in self.path.read_text().splitlines()
-                    if ln.strip() and json.loads(ln).get("step", -1) < start_step]
+            kept = [ln for ln in self.path.read_text().splitlines() if _step(ln) < start_step]
         self.path.write_text("".join(ln + "\n" for ln in kept))
         self.tensorboard = TensorBoardLog(self.path.parent) if tensorboard else None
 
@@ -39,6 +38,14 @@ class MetricsLog:
         rec.update(fields)
         lines[-1] = json.dumps(rec)
         self.path.write_text("".join(ln + "\n" for ln in lines))
+
+
+def _step(line: str) -> float:
+    """A line's step; a blank or torn line (a run killed mid-write) counts as past any resume point."""
+    try:
+        return json.loads(line).get("step", float("inf"))
+    except ValueError:
+        return float("inf")
 
 
 class TensorBoardLog:

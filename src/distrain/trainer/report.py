@@ -10,6 +10,7 @@ prints the table.
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from distrain import comm
 from distrain.data import decode, encode
+from distrain.errors import TrainingError
 from distrain.models import generate
 from distrain.trainer.config import TrainConfig
 from distrain.trainer.metrics import MetricsLog, format_table, plot_losses, read_metrics
@@ -47,6 +49,11 @@ def flush(pending: list[dict], log: MetricsLog | None, bar, group, weight: float
     comm.all_reduce(losses, op="sum", group=group, algorithm="native")
     for r, v in zip(pending, losses.tolist()):
         r["loss"] = v
+    bad = next((r for r in pending if not math.isfinite(r["loss"])), None)
+    if bad is not None:  # every rank sees the same summed losses, so every rank stops here
+        raise TrainingError(f"step {bad['step']}: the loss is {bad['loss']}; the run stops before writing it or a "
+                            f"checkpoint (the last good checkpoint stays in --out): lower --lr, use --dtype float64, "
+                            f"or check the data")
     if log is not None:
         log.write(pending)
     if bar is not None:

@@ -45,6 +45,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from distrain import comm
+from distrain.comm.util import nbytes
 from distrain.errors import CommError, ConfigError
 
 FIRST_BUCKET_BYTES = 1 << 20
@@ -146,15 +147,15 @@ class DistributedDataParallel(nn.Module):
             raise ConfigError("DistributedDataParallel: the module has no parameter that requires grad")
         buckets, cur, size = [], [], 0
         for n, p in reversed(named):
-            nbytes = p.numel() * p.element_size()
+            size_p = nbytes(p)
             # The first bucket (the last layers, whose gradients come first) is capped at
             # 1 MiB, as in torch DDP: its all-reduce starts early and overlaps the rest.
             cap = min(cap_bytes, FIRST_BUCKET_BYTES) if not buckets else cap_bytes
-            if cur and (size + nbytes > cap or p.dtype != cur[0][1].dtype):
+            if cur and (size + size_p > cap or p.dtype != cur[0][1].dtype):
                 buckets.append(cur)
                 cur, size = [], 0
             cur.append((n, p))
-            size += nbytes
+            size += size_p
         buckets.append(cur)
         out = []
         for group in buckets:
@@ -170,7 +171,7 @@ class DistributedDataParallel(nn.Module):
     @property
     def bucket_sizes(self) -> list[int]:
         """Bytes per bucket, in launch order (the first bucket holds the last layers)."""
-        return [b.buffer.numel() * b.buffer.element_size() for b in self._buckets]
+        return [nbytes(b.buffer) for b in self._buckets]
 
     # -- forward / backward ------------------------------------------------------------------
     def forward(self, *args, **kwargs):

@@ -77,13 +77,15 @@ import torch.nn as nn
 
 from distrain import comm
 from distrain.comm import tags
+from distrain.comm.util import check_int
 from distrain.errors import CommError, ConfigError
 from distrain.parallel.parameter_server.ps_layout import PSLayout, expected_ps_bytes
 
 __all__ = ["PSLayout", "ParameterServer", "PSWorker", "expected_ps_bytes", "MODES"]
 
 MODES = ("sync", "async")
-TAG_HELLO, TAG_REQ, TAG_VERSION, TAG_PULL, TAG_PUSH_HDR, TAG_PUSH = (tags.PARAMETER_SERVER.at(k) for k in range(6))
+# one tag per message kind, in the parameter server's range of distrain.comm.tags
+TAG_HELLO, TAG_REQ, TAG_VERSION, TAG_PULL, TAG_PUSH_HDR, TAG_PUSH = (tags.PARAMETER_SERVER.at(i) for i in range(6))
 _MAGIC = 0x5053  # "PS"
 _I64 = torch.int64
 
@@ -164,8 +166,7 @@ class ParameterServer:
 
     def serve(self, num_steps: int, final_pull: bool = True) -> dict:
         """Serve ``num_steps`` pulls and pushes of every worker (then one final pull each); return stats."""
-        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
-            raise ConfigError(f"ParameterServer.serve: num_steps must be an int >= 0, got {num_steps!r}")
+        check_int(num_steps, "num_steps", "ParameterServer.serve", 0)
         t0 = time.perf_counter()
         self._stale: collections.Counter = collections.Counter()
         self._order: list[tuple[int, int]] = []

@@ -27,13 +27,12 @@ from typing import Sequence
 
 import torch.nn as nn
 
+from distrain.comm.util import check_int
 from distrain.errors import ConfigError
 
 
 def _positive_int(name: str, v, minimum: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ConfigError(f"PSLayout: {name} must be an int >= {minimum}, got {v!r}")
-    return v
+    return check_int(v, name, "PSLayout", minimum)
 
 
 class PSLayout:

@@ -91,6 +91,7 @@ import torch.nn as nn
 
 from distrain import comm
 from distrain.comm import tags
+from distrain.comm.util import check_int, nbytes
 from distrain.errors import ConfigError
 from distrain.parallel.pipeline_parallel.schedule import SCHEDULES, check_schedule, partition, schedule_ops, \
     split_microbatches
@@ -98,7 +99,7 @@ from distrain.parallel.pipeline_parallel.timeline import StageTimeline
 
 __all__ = ["DEFAULT_TAG_BASE", "PipelineStage", "pipeline_step"]
 
-DEFAULT_TAG_BASE = tags.PIPELINE.start  # pipeline tags: [tag_base, 2**20) (comm/tags.py)
+DEFAULT_TAG_BASE = tags.PIPELINE.start  # pipeline tags: [tag_base, PIPELINE.stop), see distrain.comm.tags
 LABEL = "pp"
 
 
@@ -117,8 +118,7 @@ class PipelineStage(nn.Module):
                  tag_base: int = DEFAULT_TAG_BASE, name: str = "the model"):
         super().__init__()
         bounds = partition(model_or_layers, num_stages, balance, name=name)
-        if isinstance(stage_index, bool) or not isinstance(stage_index, int) or not 0 <= stage_index < num_stages:
-            raise ConfigError(f"PipelineStage: stage_index must be in [0, {num_stages}), got {stage_index!r}")
+        check_int(stage_index, "stage_index", "PipelineStage", 0, num_stages)
         first, last = stage_index == 0, stage_index == num_stages - 1
         for what, rank, none in (("prev_rank", prev_rank, first), ("next_rank", next_rank, last)):
             if none and rank is not None:
@@ -127,8 +127,7 @@ class PipelineStage(nn.Module):
             if not none and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
                 raise ConfigError(f"PipelineStage: stage {stage_index} of {num_stages} needs {what} "
                                   f"(a global rank), got {rank!r}")
-        if not isinstance(tag_base, int) or not 0 <= tag_base < (1 << 20) - 3:
-            raise ConfigError(f"PipelineStage: tag_base must be in [0, 2**20 - 3), got {tag_base!r}")
+        check_int(tag_base, "tag_base", "PipelineStage", 0, tags.PIPELINE.stop - 3)
         all_layers = model_or_layers.layers if hasattr(model_or_layers, "layers") else list(model_or_layers)
         self.stage_index, self.num_stages = stage_index, num_stages
         self.prev_rank, self.next_rank = prev_rank, next_rank
@@ -167,7 +166,7 @@ class PipelineStage(nn.Module):
         return self.tag_base + 2 + 2 * k + (channel == "grad")
 
     def max_microbatches(self) -> int:
-        return ((1 << 20) - self.tag_base - 2) // 2
+        return (tags.PIPELINE.stop - self.tag_base - 2) // 2
 
 
 def _isend_tensor(t: torch.Tensor, dst: int, group, tag: int) -> list:
@@ -176,7 +175,7 @@ def _isend_tensor(t: torch.Tensor, dst: int, group, tag: int) -> list:
 
 
 def _nbytes(t) -> int:
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+    return nbytes(t) if isinstance(t, torch.Tensor) else 0
 
 
 def _microbatches(value, m: int, what: str) -> list:
@@ -216,8 +215,7 @@ def pipeline_step(stage: PipelineStage, micro_inputs=None, micro_targets=None, l
     """
     m, p, s = num_microbatches, stage.num_stages, stage.stage_index
     check_schedule(schedule)
-    if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= stage.max_microbatches():
-        raise ConfigError(f"num_microbatches must be an int in [1, {stage.max_microbatches()}], got {m!r}")
+    check_int(m, "num_microbatches", "pipeline_step", 1, stage.max_microbatches() + 1)
     if stage.is_first == (micro_inputs is None):
         raise ConfigError(f"pipeline_step: stage {s} of {p} " + (
             "is the first stage: pass micro_inputs" if stage.is_first

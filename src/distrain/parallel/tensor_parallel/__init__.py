@@ -23,7 +23,10 @@ So a transformer block costs 2 all-reduces of B*T*C elements forward and 2 backw
 
     layers.py  f and g (copy_to_tp, reduce_from_tp; gather/scatter for the edges) and the
                parallel layers (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+    sequence.py  sequence parallelism (Korthikanti et al. 2022): LayerNorm/dropout regions
+               sharded along the sequence; all-gather and reduce-scatter in place of f and g
     loss.py    vocab_parallel_cross_entropy: the loss of vocab-sharded logits
+    group.py   TPGroup: the group, the algorithm and this rank's place, shared by the layers
     plan.py    TPPlan: module name -> "colwise" / "rowwise" / "vocab" / "copy_input", and
                apply_tensor_parallel(model, group, algorithm, plan=...); tp_shard_info for
                checkpoints. Models' plans live beside the models (distrain.models.gpt_plan).
@@ -58,16 +61,27 @@ from distrain.parallel.tensor_parallel.plan import (
     RowwiseParallel,
     ShardInfo,
     TPPlan,
+    SequenceParallel,
+    SplitSequenceOutput,
     VocabParallel,
     apply_tensor_parallel,
     tp_shard_info,
+)
+from distrain.parallel.tensor_parallel.sequence import (
+    gather_from_sequence,
+    reduce_scatter_to_sequence,
+    sequence_parallel_bytes_per_block,
+    split_to_sequence,
+    sync_grads_over_tp,
 )
 
 tp_loss = vocab_parallel_cross_entropy  # the training loss of a plan that keeps the logits sharded
 
 __all__ = [
     "BlockAllReduceBytes", "ColumnParallelLinear", "ColwiseParallel", "CopyInput", "RowParallelLinear",
-    "RowwiseParallel", "ShardInfo", "TPGroup", "TPModule", "TPPlan", "VocabParallel", "VocabParallelEmbedding",
-    "apply_tensor_parallel", "copy_to_tp", "gather_from_tp", "megatron_bytes_per_block", "reduce_from_tp",
-    "scatter_to_tp", "tp_loss", "tp_shard_info", "vocab_parallel_cross_entropy",
+    "RowwiseParallel", "SequenceParallel", "ShardInfo", "SplitSequenceOutput", "TPGroup", "TPModule", "TPPlan",
+    "VocabParallel", "VocabParallelEmbedding", "apply_tensor_parallel", "copy_to_tp", "gather_from_sequence",
+    "gather_from_tp", "megatron_bytes_per_block", "reduce_from_tp", "reduce_scatter_to_sequence", "scatter_to_tp",
+    "sequence_parallel_bytes_per_block", "split_to_sequence", "sync_grads_over_tp", "tp_loss", "tp_shard_info",
+    "vocab_parallel_cross_entropy",
 ]

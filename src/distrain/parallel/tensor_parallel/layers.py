@@ -13,57 +13,13 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from distrain import comm
 from distrain.errors import ConfigError
-
-
-# ---------------------------------------------------------------------------------------
-# The group and the checks shared by every layer
-# ---------------------------------------------------------------------------------------
-
-class TPGroup:
-    """A tensor-parallel group as the layers hold it: the ProcessGroup, the algorithm, and
-    this rank's place in it. Copies of a layer (``copy.deepcopy``) share it: a
-    torch ProcessGroup cannot be copied, and a copy of a shard belongs to the same group."""
-
-    def __init__(self, group=None, algorithm: str = "native"):
-        if algorithm not in comm.ALGORITHM_NAMES:
-            raise ConfigError(f"tensor parallel: unknown algorithm {algorithm!r}; use one of "
-                              f"{', '.join(comm.ALGORITHM_NAMES)}")
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ConfigError("tensor parallel: torch.distributed is not initialized; call "
-                              "distrain.runtime.init() (under `distrain launch`) or run under distrain.spawn")
-        if group is None:
-            group = dist.group.WORLD
-        rank = dist.get_rank(group)
-        if rank < 0:
-            raise ConfigError(f"tensor parallel: this process (global rank {dist.get_rank()}) is not a member "
-                              f"of the tp group it was given; pass this rank's group (e.g. topo.tp_group)")
-        self.group = group
-        self.algorithm = algorithm
-        self.rank = rank
-        self.size = dist.get_world_size(group)
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def __repr__(self) -> str:
-        return f"TPGroup(rank={self.rank}, size={self.size}, algorithm={self.algorithm!r})"
-
-
-def _tp(group, algorithm: str) -> TPGroup:
-    return group if isinstance(group, TPGroup) else TPGroup(group, algorithm)
-
-
-def _divide(n: int, p: int, what: str) -> int:
-    if n % p:
-        divs = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-        raise ConfigError(f"{what}={n} is not divisible by tp={p}; choose tp among the divisors of {n}: {divs}")
-    return n // p
+from distrain.parallel.tensor_parallel.group import TPGroup, _divide, _tp
+from distrain.parallel.tensor_parallel.sequence import RegatherSaved, gather_from_sequence, reduce_scatter_to_sequence
 
 
 # ---------------------------------------------------------------------------------------
@@ -193,13 +149,15 @@ class ColumnParallelLinear(TPModule):
     forward: x (..., C) replicated -> f -> (..., O/P) shard, or (..., O) with gather_output.
     ``sync_input=False`` leaves f out, for several column-parallel linears reading one input
     that already went through f once (q, k, v: see apply_tensor_parallel).
+    ``sequence_parallel=True``: the input is this rank's sequence shard (B, T/P, C) along
+    ``seq_dim``, all-gathered in place of f (reduce-scattered backward; :mod:`.sequence`).
     ``out_features`` is the width of what forward returns (the model's attention reads
     ``q_proj.out_features`` to count its local heads); ``full_out_features`` is O.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None,
                  algorithm: str = "native", gather_output: bool = False, sync_input: bool = True,
-                 device=None, dtype=None):
+                 device=None, dtype=None, *, sequence_parallel: bool = False, seq_dim: int = 1):
         super().__init__()
         tp = _tp(group, algorithm)
         self._setup(tp)
@@ -209,6 +167,7 @@ class ColumnParallelLinear(TPModule):
         self.out_features = out_features if gather_output else self.local_out_features
         self.gather_output = gather_output
         self.sync_input = sync_input
+        self.sequence_parallel, self.seq_dim = sequence_parallel, seq_dim
         kw = dict(device=device, dtype=dtype)
         self.weight = nn.Parameter(torch.empty(self.local_out_features, in_features, **kw))  # (O/P, C)
         self.bias = nn.Parameter(torch.empty(self.local_out_features, **kw)) if bias else None  # (O/P,)
@@ -216,12 +175,14 @@ class ColumnParallelLinear(TPModule):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, algorithm: str = "native", gather_output: bool = False,
-                    sync_input: bool = True) -> "ColumnParallelLinear":
+                    sync_input: bool = True, *, sequence_parallel: bool = False,
+                    seq_dim: int = 1) -> "ColumnParallelLinear":
         """This rank's row block of a full ``nn.Linear`` (copied: the full layer is untouched;
         no random init is drawn, so the caller's RNG stream is not advanced)."""
         w = linear.weight
         m = nn.utils.skip_init(cls, linear.in_features, linear.out_features, linear.bias is not None, group,
-                               algorithm, gather_output, sync_input, device=w.device, dtype=w.dtype)
+                               algorithm, gather_output, sync_input, device=w.device, dtype=w.dtype,
+                               sequence_parallel=sequence_parallel, seq_dim=seq_dim)
         rows = slice(m.tp_rank * m.local_out_features, (m.tp_rank + 1) * m.local_out_features)
         with torch.no_grad():
             m.weight.copy_(w[rows])
@@ -230,6 +191,11 @@ class ColumnParallelLinear(TPModule):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sync_input and self.sequence_parallel:               # (B, T/P, C) -> (B, T, C)
+            full = gather_from_sequence(x, self.tp, dim=self.seq_dim)
+            with RegatherSaved(full, x, self.tp, self.seq_dim).hooks:  # keep only the shard for backward
+                y = F.linear(full, self.weight, self.bias)           # (B, T, O/P)
+            return gather_from_tp(y, self.tp) if self.gather_output else y
         if self.sync_input:
             x = copy_to_tp(x, self.tp)                               # (..., C), f
         y = F.linear(x, self.weight, self.bias)                      # (..., O/P)
@@ -246,7 +212,8 @@ class ColumnParallelLinear(TPModule):
         return (f"in_features={self.in_features}, out_features={self.full_out_features} "
                 f"(local {self.local_out_features}), bias={self.bias is not None}, "
                 f"tp_rank={self.tp_rank} of {self.tp_size}, gather_output={self.gather_output}, "
-                f"sync_input={self.sync_input}, algorithm={self.tp.algorithm}")
+                f"sync_input={self.sync_input}, sequence_parallel={self.sequence_parallel}, "
+                f"algorithm={self.tp.algorithm}")
 
 
 class RowParallelLinear(TPModule):
@@ -255,10 +222,14 @@ class RowParallelLinear(TPModule):
 
     forward: x (..., C/P) shard (or (..., C) replicated with input_is_parallel=False, which
     keeps this rank's slice) -> partial (..., O) -> g -> + b -> (..., O) replicated.
+    ``sequence_parallel=True``: reduce-scatter along ``seq_dim`` in place of g, so the output is
+    this rank's sequence shard (B, T/P, O); the bias then goes through f (its gradient, from
+    this rank's tokens only, is summed over the group).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None,
-                 algorithm: str = "native", input_is_parallel: bool = True, device=None, dtype=None):
+                 algorithm: str = "native", input_is_parallel: bool = True, device=None, dtype=None, *,
+                 sequence_parallel: bool = False, seq_dim: int = 1):
         super().__init__()
         tp = _tp(group, algorithm)
         self._setup(tp)
@@ -267,6 +238,7 @@ class RowParallelLinear(TPModule):
         self.in_features = self.local_in_features if input_is_parallel else in_features
         self.out_features = out_features
         self.input_is_parallel = input_is_parallel
+        self.sequence_parallel, self.seq_dim = sequence_parallel, seq_dim
         kw = dict(device=device, dtype=dtype)
         self.weight = nn.Parameter(torch.empty(out_features, self.local_in_features, **kw))  # (O, C/P)
         self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None  # (O,) replicated
@@ -274,11 +246,13 @@ class RowParallelLinear(TPModule):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, algorithm: str = "native",
-                    input_is_parallel: bool = True) -> "RowParallelLinear":
+                    input_is_parallel: bool = True, *, sequence_parallel: bool = False,
+                    seq_dim: int = 1) -> "RowParallelLinear":
         """This rank's column block of a full ``nn.Linear``, with the whole bias."""
         w = linear.weight
         m = nn.utils.skip_init(cls, linear.in_features, linear.out_features, linear.bias is not None, group,
-                               algorithm, input_is_parallel, device=w.device, dtype=w.dtype)
+                               algorithm, input_is_parallel, device=w.device, dtype=w.dtype,
+                               sequence_parallel=sequence_parallel, seq_dim=seq_dim)
         cols = slice(m.tp_rank * m.local_in_features, (m.tp_rank + 1) * m.local_in_features)
         with torch.no_grad():
             m.weight.copy_(w[:, cols])
@@ -289,6 +263,9 @@ class RowParallelLinear(TPModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp)                            # (..., C) -> (..., C/P)
+        if self.sequence_parallel:                                   # partial (B, T, O) -> (B, T/P, O)
+            y = reduce_scatter_to_sequence(F.linear(x, self.weight), self.tp, dim=self.seq_dim)
+            return y + copy_to_tp(self.bias, self.tp) if self.bias is not None else y
         y = reduce_from_tp(F.linear(x, self.weight), self.tp)        # partial (..., O), g
         return y + self.bias if self.bias is not None else y         # bias once, after the sum
 
@@ -303,7 +280,7 @@ class RowParallelLinear(TPModule):
         return (f"in_features={self.full_in_features} (local {self.local_in_features}), "
                 f"out_features={self.out_features}, bias={self.bias is not None}, "
                 f"tp_rank={self.tp_rank} of {self.tp_size}, input_is_parallel={self.input_is_parallel}, "
-                f"algorithm={self.tp.algorithm}")
+                f"sequence_parallel={self.sequence_parallel}, algorithm={self.tp.algorithm}")
 
 
 class VocabParallelEmbedding(TPModule):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from distrain import comm
 from distrain.errors import ConfigError
-from distrain.parallel.tensor_parallel.layers import _tp
+from distrain.parallel.tensor_parallel.group import _tp
 
 
 class _VocabParallelCE(torch.autograd.Function):

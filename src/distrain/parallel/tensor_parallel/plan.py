@@ -15,6 +15,16 @@ Styles (strings are the defaults of the classes)::
     "copy_input"  any module: f on its first input (a forward pre-hook), so several column-
                   parallel linears reading that input (q, k, v with sync_input=False) share one f
 
+Sequence parallelism (:mod:`.sequence`): ``ColwiseParallel(sequence_parallel=True)`` and
+``CopyInput(sequence_parallel=True)`` all-gather their input along the plan's ``sequence_dim``
+in place of f, ``RowwiseParallel(sequence_parallel=True)`` reduce-scatters its output in place
+of g, and two more styles mark the regions between them::
+
+    "sequence_parallel"      any module run on sequence shards (LayerNorm, dropout): its
+                             parameters' gradients are summed over the tp group
+    "split_sequence_output"  any module whose replicated output enters the sharded region:
+                             keep this rank's rows (a forward hook; backward all-gathers)
+
 Name matching: a key matches a module whose name equals it, or ends with ``"." + key``, with
 ``fnmatch`` wildcards (``"mlp.fc"`` matches ``layers.3.mlp.fc``; ``"layers.*.attn"`` works too).
 One module may match one key only. Keys that match nothing are allowed (a pipeline stage holds
@@ -44,20 +54,25 @@ from distrain.parallel.tensor_parallel.layers import (
     VocabParallelEmbedding,
     copy_to_tp,
 )
+from distrain.parallel.tensor_parallel.sequence import (
+    RegatherSaved, gather_from_sequence, split_to_sequence, sync_grads_over_tp,
+)
 
-__all__ = ["ColwiseParallel", "CopyInput", "RowwiseParallel", "ShardInfo", "TPPlan", "VocabParallel",
-           "apply_tensor_parallel", "tp_shard_info"]
+__all__ = ["ColwiseParallel", "CopyInput", "RowwiseParallel", "SequenceParallel", "ShardInfo", "SplitSequenceOutput",
+           "TPPlan", "VocabParallel", "apply_tensor_parallel", "tp_shard_info"]
 
 
 @dataclass(frozen=True)
 class ColwiseParallel:
-    sync_input: bool = True      # False: the input already went through f (see CopyInput)
-    gather_output: bool = False  # True: all-gather the (..., O/P) shards into (..., O)
+    sync_input: bool = True          # False: the input already went through f (see CopyInput)
+    gather_output: bool = False      # True: all-gather the (..., O/P) shards into (..., O)
+    sequence_parallel: bool = False  # True: the input is a sequence shard, all-gathered in place of f
 
 
 @dataclass(frozen=True)
 class RowwiseParallel:
-    input_is_parallel: bool = True  # False: the input is replicated; keep this rank's slice
+    input_is_parallel: bool = True   # False: the input is replicated; keep this rank's slice
+    sequence_parallel: bool = False  # True: reduce-scatter the output along the sequence in place of g
 
 
 @dataclass(frozen=True)
@@ -67,23 +82,38 @@ class VocabParallel:
 
 @dataclass(frozen=True)
 class CopyInput:
+    sequence_parallel: bool = False  # True: all-gather the sequence shards in place of f
+
+
+@dataclass(frozen=True)
+class SequenceParallel:
     pass
 
 
-Style = Union[ColwiseParallel, RowwiseParallel, VocabParallel, CopyInput]
+@dataclass(frozen=True)
+class SplitSequenceOutput:
+    pass
+
+
+Style = Union[ColwiseParallel, RowwiseParallel, VocabParallel, CopyInput, SequenceParallel, SplitSequenceOutput]
 STYLE_NAMES: dict[str, Style] = {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel(),
-                                 "vocab": VocabParallel(), "copy_input": CopyInput()}
+                                 "vocab": VocabParallel(), "copy_input": CopyInput(),
+                                 "sequence_parallel": SequenceParallel(),
+                                 "split_sequence_output": SplitSequenceOutput()}
+_HOOK_STYLES = (CopyInput, SequenceParallel, SplitSequenceOutput)  # any module; nothing replaced
 LossOnShards = Callable[[torch.Tensor, torch.Tensor, TPGroup], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class TPPlan:
     """``layers``: {module name pattern: style or style name}; ``loss(output shard, target, tp)``
-    for a plan whose output stays sharded (None: the output is replicated); ``check``: sizes."""
+    for a plan whose output stays sharded (None: the output is replicated); ``check``: sizes;
+    ``sequence_dim``: the sequence dimension of the activations (1 for (B, T, C))."""
 
     layers: Mapping[str, Union[str, Style]]
     loss: LossOnShards | None = None
     check: Callable[[nn.Module, int], None] | None = None
+    sequence_dim: int = 1
     styles: dict[str, Style] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -96,7 +126,7 @@ class TPPlan:
                     raise ConfigError(f"TPPlan: {key!r} has unknown style {style!r}; use one of "
                                       f"{', '.join(STYLE_NAMES)} or a ColwiseParallel/RowwiseParallel object")
                 style = STYLE_NAMES[style]
-            if not isinstance(style, (ColwiseParallel, RowwiseParallel, VocabParallel, CopyInput)):
+            if not isinstance(style, (ColwiseParallel, RowwiseParallel, VocabParallel) + _HOOK_STYLES):
                 raise ConfigError(f"TPPlan: {key!r} maps to {style!r}, not a style")
             styles[key] = style
         object.__setattr__(self, "styles", styles)
@@ -128,10 +158,10 @@ _NEEDS = {ColwiseParallel: (nn.Linear, "out_features"), RowwiseParallel: (nn.Lin
 
 
 def _check_module(name: str, m: nn.Module, style: Style, P: int) -> None:
-    if isinstance(m, TPModule) or getattr(m, "_tp_copy_input", False):
+    if isinstance(m, TPModule) or getattr(m, "_tp_hooked", False):
         raise ConfigError(f"apply_tensor_parallel: {name} is already tensor-parallel; apply a plan once, "
                           f"to a model built whole")
-    if isinstance(style, CopyInput):
+    if isinstance(style, _HOOK_STYLES):
         return
     cls, dim = _NEEDS[type(style)]
     if type(m) is not cls:
@@ -162,22 +192,57 @@ def _resolve(model: nn.Module, plan: TPPlan) -> list[tuple[str, nn.Module, Style
     return found
 
 
-class _CopyInputHook:
-    """Forward pre-hook: f on the module's first input."""
+class _InputHook:
+    """Forward pre-hook: f on the module's first input, or the all-gather of its sequence shards;
+    then, until the forward hook, what is saved from the gathered input is kept as the shard."""
 
-    def __init__(self, tp: TPGroup):
-        self.tp = tp
+    def __init__(self, tp: TPGroup, sequence_dim: int | None):
+        self.tp, self.dim = tp, sequence_dim
+        self.active: list = []
 
     def __call__(self, module, args):
-        return (copy_to_tp(args[0], self.tp),) + tuple(args[1:])
+        if self.dim is None:
+            return (copy_to_tp(args[0], self.tp),) + tuple(args[1:])
+        full = gather_from_sequence(args[0], self.tp, dim=self.dim)          # (B, T/P, C) -> (B, T, C)
+        hooks = RegatherSaved(full, args[0], self.tp, self.dim).hooks
+        hooks.__enter__()
+        self.active.append(hooks)
+        return (full,) + tuple(args[1:])
+
+    def done(self, module, args, out):
+        if self.active:
+            self.active.pop().__exit__(None, None, None)
 
 
-def _replacement(m: nn.Module, style: Style, tp: TPGroup) -> nn.Module:
+class _SplitOutputHook:
+    """Forward hook: this rank's rows of the module's (replicated) output."""
+
+    def __init__(self, tp: TPGroup, sequence_dim: int):
+        self.tp, self.dim = tp, sequence_dim
+
+    def __call__(self, module, args, out):
+        return split_to_sequence(out, self.tp, dim=self.dim)
+
+
+def _hook(m: nn.Module, style: Style, tp: TPGroup, dim: int) -> None:
+    if isinstance(style, CopyInput):
+        hook = _InputHook(tp, dim if style.sequence_parallel else None)
+        m.register_forward_pre_hook(hook)
+        m.register_forward_hook(hook.done, always_call=True)
+    elif isinstance(style, SplitSequenceOutput):
+        m.register_forward_hook(_SplitOutputHook(tp, dim))
+    else:
+        sync_grads_over_tp(m, tp)
+    m._tp_hooked = True
+
+
+def _replacement(m: nn.Module, style: Style, tp: TPGroup, dim: int) -> nn.Module:
     if isinstance(style, ColwiseParallel):
-        return ColumnParallelLinear.from_linear(m, tp, sync_input=style.sync_input,
-                                                gather_output=style.gather_output)
+        return ColumnParallelLinear.from_linear(m, tp, sync_input=style.sync_input, gather_output=style.gather_output,
+                                                sequence_parallel=style.sequence_parallel, seq_dim=dim)
     if isinstance(style, RowwiseParallel):
-        return RowParallelLinear.from_linear(m, tp, input_is_parallel=style.input_is_parallel)
+        return RowParallelLinear.from_linear(m, tp, input_is_parallel=style.input_is_parallel,
+                                             sequence_parallel=style.sequence_parallel, seq_dim=dim)
     return VocabParallelEmbedding.from_embedding(m, tp)
 
 
@@ -196,12 +261,11 @@ def apply_tensor_parallel(model: nn.Module, group=None, algorithm: str = "native
         _check_module(name, m, style, tp.size)
     # Everything is valid: replace the modules on their parents, children before parents.
     for name, m, style in reversed(found):
-        if isinstance(style, CopyInput):
-            m.register_forward_pre_hook(_CopyInputHook(tp))
-            m._tp_copy_input = True
+        if isinstance(style, _HOOK_STYLES):
+            _hook(m, style, tp, plan.sequence_dim)
             continue
         parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, _replacement(m, style, tp))
+        setattr(model.get_submodule(parent) if parent else model, attr, _replacement(m, style, tp, plan.sequence_dim))
     return model
 
 

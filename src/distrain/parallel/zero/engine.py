@@ -81,6 +81,10 @@ class Zero:
     def __call__(self, *args, **kwargs):
         return self.impl.forward(*args, **kwargs)
 
+    @property
+    def training(self) -> bool:
+        return self.module.training
+
     def train(self, mode: bool = True) -> "Zero":
         self.module.train(mode)
         return self

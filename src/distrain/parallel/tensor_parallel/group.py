@@ -1,0 +1,49 @@
+"""The tensor-parallel group as every layer holds it, and the size checks the layers share."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from distrain import comm
+from distrain.errors import ConfigError
+
+
+class TPGroup:
+    """A tensor-parallel group as the layers hold it: the ProcessGroup, the algorithm, and
+    this rank's place in it. Copies of a layer (``copy.deepcopy``) share it: a
+    torch ProcessGroup cannot be copied, and a copy of a shard belongs to the same group."""
+
+    def __init__(self, group=None, algorithm: str = "native"):
+        if algorithm not in comm.ALGORITHM_NAMES:
+            raise ConfigError(f"tensor parallel: unknown algorithm {algorithm!r}; use one of "
+                              f"{', '.join(comm.ALGORITHM_NAMES)}")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError("tensor parallel: torch.distributed is not initialized; call "
+                              "distrain.runtime.init() (under `distrain launch`) or run under distrain.spawn")
+        if group is None:
+            group = dist.group.WORLD
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise ConfigError(f"tensor parallel: this process (global rank {dist.get_rank()}) is not a member "
+                              f"of the tp group it was given; pass this rank's group (e.g. topo.tp_group)")
+        self.group = group
+        self.algorithm = algorithm
+        self.rank = rank
+        self.size = dist.get_world_size(group)
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __repr__(self) -> str:
+        return f"TPGroup(rank={self.rank}, size={self.size}, algorithm={self.algorithm!r})"
+
+
+def _tp(group, algorithm: str) -> TPGroup:
+    return group if isinstance(group, TPGroup) else TPGroup(group, algorithm)
+
+
+def _divide(n: int, p: int, what: str) -> int:
+    if n % p:
+        divs = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+        raise ConfigError(f"{what}={n} is not divisible by tp={p}; choose tp among the divisors of {n}: {divs}")
+    return n // p
