@@ -124,3 +124,16 @@ def test_tensorboard_event_log(tmp_path):
     assert [e.step for e in events.Scalars("loss")] == [0, 1, 2]
     assert [e.value for e in events.Scalars("loss")] == pytest.approx(losses, rel=1e-6)  # stored as float32
     assert [e.value for e in events.Scalars("lr")] == pytest.approx([1e-2] * 3)
+
+
+@pytest.mark.timeout(150)
+def test_pipeline_trace_and_gantt(tmp_path):
+    trace, gantt = tmp_path / "trace.json", tmp_path / "gantt.png"
+    train(trainer_config(tmp_path / "run", nproc=2, pp=2, microbatches=2, steps=2, trace=str(trace), gantt=str(gantt)))
+    events = json.loads(trace.read_text())["traceEvents"]
+    ops = {(e["pid"], e["name"]) for e in events if e.get("ph") == "X" and e["cat"] in ("F", "B")}
+    assert ops == {(s, f"{k}{m}") for s in (0, 1) for k in "FB" for m in (0, 1)}  # 2 stages x 2 micro-batches
+    assert gantt.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and gantt.stat().st_size > 1000
+    with pytest.raises(ConfigError, match=r"--trace/--gantt draw a pipeline's timeline: they need --pp >= 2, got "
+                                          r"--pp 1"):
+        trainer_config(tmp_path / "x", strategy="single", nproc=1, trace=str(trace)).validate()

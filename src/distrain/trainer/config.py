@@ -58,6 +58,9 @@ class TrainConfig:
     pp: int = opt(1, "pipeline-parallel stages (GPT models)")
     microbatches: int = opt(1, "micro-batches per pipeline step; must divide the per-replica batch")
     schedule: str = opt("1f1b", "pipeline schedule", choices=SCHEDULES)
+    trace: str = opt("", "pipeline runs: write the last step's timeline as a Chrome trace (JSON for "
+                         "chrome://tracing or Perfetto) to this path")
+    gantt: str = opt("", "pipeline runs: draw the last step's timeline as a Gantt chart (PNG) to this path")
     # optimization
     steps: int = opt(1200, "optimizer steps")
     batch_size: int = opt(32, "global batch size (the same whatever nproc is, so runs compare)")
@@ -159,6 +162,8 @@ class TrainConfig:
         need(self.autocast == "none" or self.dtype == "float32",
              f"--autocast {self.autocast} needs --dtype float32 (autocast lowers float32 compute), got {self.dtype}")
         need(self.accum_steps >= 1, f"--accum-steps must be >= 1, got {self.accum_steps}")
+        need(not (self.trace or self.gantt) or self.pp > 1,
+             f"--trace/--gantt draw a pipeline's timeline: they need --pp >= 2, got --pp {self.pp}")
         need(self.device in DEVICES, f"--device {self.device!r} is unknown; use one of {', '.join(DEVICES)}")
         if self.device == "cuda":
             import torch

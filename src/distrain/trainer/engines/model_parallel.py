@@ -52,6 +52,23 @@ class ModelParallelEngine(Engine):
         self.comm_wait_s = self.pm.comm_wait_s
         return loss
 
+    def end_training(self) -> None:
+        """--trace/--gantt: the last step's timeline of the pipeline that holds rank 0 (collective
+        over its pp group), written by rank 0."""
+        c = self.cfg
+        if not (c.trace or c.gantt) or self.pm.stage is None or self.topo.dp_rank or self.topo.tp_rank:
+            return
+        from distrain.parallel.pipeline_parallel import collect_timeline
+
+        timeline = collect_timeline(self.pm.stage.timeline, group=self.topo.pp_group, dst=0)
+        if timeline is None:
+            return
+        if c.trace:
+            timeline.to_chrome_trace(c.trace)
+        if c.gantt:
+            timeline.plot_gantt(c.gantt, title=f"{self.label}, {c.schedule}, {c.microbatches} micro-batches, "
+                                               f"last step")
+
     @torch.no_grad()
     def _clip(self, max_norm: float) -> None:
         """Clip by the norm of the WHOLE model's gradient: sum of squares over this rank's shard
