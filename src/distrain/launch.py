@@ -114,9 +114,9 @@ def _died(code: int | None) -> str:
     return msg
 
 
-def _early_death(fn, store, nprocs: int, code: int | None, message: str) -> str:
+def _early_death(fn, store, nprocs: int, code: int | None, message: str) -> str | None:
     """A rank failed: when it died without a result before any rank joined the process group,
-    say why it could not start; otherwise keep ``message``."""
+    say why it could not start (None otherwise)."""
     if code == 1 and message.startswith("process exited") and not runtime.joined_ranks(store, nprocs):
         hint = _startup_failure(fn, code)
         if hint is not None:
@@ -125,7 +125,7 @@ def _early_death(fn, store, nprocs: int, code: int | None, message: str) -> str:
                 f"traceback is on stderr above). Usual causes: {fn.__name__} is not importable by name (define it at "
                 f"module level, not inside a function or the `if __name__ == \"__main__\":` block), or an import "
                 f"of the script failed in the new process")
-    return message
+    return None
 
 
 def _end(procs) -> None:
@@ -204,8 +204,10 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
         try:
             _collect(procs, conns, results, store, timeout)
         except RankFailedError as e:
-            raise RankFailedError(e.rank, _early_death(fn, store, nprocs, procs[e.rank].exitcode,
-                                                       e.remote_message)) from None
+            hint = _early_death(fn, store, nprocs, procs[e.rank].exitcode, e.remote_message)
+            if hint is None:
+                raise
+            raise RankFailedError(e.rank, hint) from None
     finally:
         # On success the ranks are shutting down by themselves; on failure end them now.
         if len(results) == nprocs:
