@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from distrain import lifeline, runtime
 from distrain.blame import Failure, blame, is_secondary
-from distrain.errors import ConfigError, DistrainError, SpawnTimeoutError
+from distrain.errors import ConfigError, DistrainError, RankFailedError, SpawnTimeoutError
 
 BLAME_GRACE_S = 2.0  # after the first failure, wait this long for the others to pick the first
 
@@ -200,8 +200,10 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
         try:
             _collect(procs, conns, results, store, timeout)
         except RankFailedError as e:
-            raise RankFailedError(e.rank, _early_death(fn, store, nprocs, procs[e.rank].exitcode,
-                                                       e.remote_message)) from None
+            why = _early_death(fn, store, nprocs, procs[e.rank].exitcode, e.remote_message)
+            if why is e.remote_message:
+                raise
+            raise RankFailedError(e.rank, why) from None
     finally:
         # On success the ranks are shutting down by themselves; on failure end them now.
         if len(results) == nprocs:
