@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, fields
 from distrain.comm import ALGORITHM_NAMES, TRANSPORT_NAMES
 from distrain.errors import ConfigError
 
-STRATEGIES = ("single", "ddp", "torch-ddp", "ps-sync", "ps-async")
+STRATEGIES = ("single", "ddp", "torch-ddp", "ps-sync", "ps-async", "zero1", "zero2", "zero3")
 DATASETS = ("shakespeare", "fashion-mnist", "digits")
 OPTIMIZERS = ("adamw", "sgd")
 DTYPES = ("float32", "float64")
@@ -36,7 +36,7 @@ class TrainConfig:
     data: str = opt("shakespeare", "data set name, or a path to a .txt file / folder of .txt files",
                     choices=DATASETS + ("PATH",))
     # how to parallelize
-    strategy: str = opt("ddp", "way of training (ps-*: parameter servers)", choices=STRATEGIES)
+    strategy: str = opt("ddp", "way of training (ps-*: parameter servers; zero1-3: ZeRO stages)", choices=STRATEGIES)
     nproc: int = opt(2, "processes (ranks) in the job")
     device: str = opt("auto", "where each rank computes: auto = cuda:LOCAL_RANK when CUDA is visible (NCCL), "
                               "else cpu (Gloo)", choices=DEVICES)
