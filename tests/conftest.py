@@ -21,16 +21,22 @@ import os
 import pytest
 
 SLOW_TIMEOUT_S = 120
-# long tests in files owned by other areas, named here so their files need no edit
-SLOW_TESTS = {"test_gpt_learns_tiny_repeated_text", "test_generate", "test_gpt_tp4_native_equals_one_process",
+# long tests in other areas' files, named here so their files need no edit
+SLOW_TESTS = {"test_gpt_learns_tiny_repeated_text", "test_generate",
+              "test_gpt_tp4_native_equals_one_process",
               "test_ledger_all_reduces_per_step_are_exactly_megatrons", "test_gpt_tp2_ring_tree_star_equals_one_process"}
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: a long test (multi-process training jobs); skipped by -m 'not slow'")
+    config.addinivalue_line("markers", "faults_long: randomized fault-injection trials; run only with -m faults_long")
 
 
 def pytest_collection_modifyitems(config, items):
+    if "faults_long" not in (config.getoption("markexpr") or ""):  # long fault trials: only when asked for
+        keep = [i for i in items if i.get_closest_marker("faults_long") is None]
+        config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+        items[:] = keep
     for item in items:
         t = item.get_closest_marker("timeout")
         long_timeout = t is not None and t.args and t.args[0] >= SLOW_TIMEOUT_S

@@ -24,6 +24,7 @@ from distrain.errors import CollectiveTimeoutError, DistrainError, RankFailedErr
 SECONDARY_PATTERNS = (
     "connection reset", "connection closed", "closed by peer", "broken pipe", "econnreset", "epipe",
     "connection refused", "socket closed", "connection was aborted", "end of file", "unexpected eof",
+    "disconnected",
 )
 
 
@@ -57,6 +58,6 @@ def blame(failures: dict[int, Failure]) -> DistrainError:
         first = min((f for f in fs if f.hang), key=lambda f: (f.when, f.rank))
         return CollectiveTimeoutError(first.message)
     first = min(primary or fs, key=lambda f: (f.when, f.rank))
-    err = RankFailedError(first.rank, first.message)
+    err = RankFailedError(first.rank, first.message, brief=not first.died and "\n" not in first.message)
     err.also_failed = sorted(r for r in failures if r != first.rank)
     return err

@@ -75,31 +75,56 @@ def _config_arguments(p: argparse.ArgumentParser, cls) -> None:
 
 def _run_train(args: argparse.Namespace) -> int:
     from distrain import runlock
-    from distrain.trainer import TrainConfig, train
+    from distrain.trainer import TrainConfig, checkpoint, train
 
-    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k not in ("command", "func")})
+    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k not in ("command", "func", "config")})
     if cfg.resume is False and os.environ.get("DISTRAIN_RESUME") == "auto":  # set by launch --max-restarts
         cfg.resume = "auto"
     cfg.validate()
     if "RANK" in os.environ and os.environ["RANK"] != "0":  # one rank of a launched job: rank 0 holds the lock
-        _resolve_resume(cfg)
         train(cfg)
         return 0
     with runlock.hold(cfg.out):
-        _resolve_resume(cfg)
+        checkpoint.clean_temporaries(cfg.out)  # left by a run killed mid-save; nobody else writes here now
         train(cfg)
     return 0
 
 
-def _resolve_resume(cfg) -> None:
-    if cfg.resume == "auto":
-        cfg.resume = _has_checkpoint(cfg.out)
+def _apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """``train --config run.toml``: the file's settings become the defaults, so flags override them."""
+    import dataclasses
 
+    from distrain.errors import ConfigError
+    from distrain.trainer.config import TrainConfig
 
-def _has_checkpoint(out: str) -> bool:
-    from pathlib import Path
-
-    return any((Path(out) / name).exists() for name in ("checkpoint.json", "checkpoint.pt"))
+    if not argv or argv[0] != "train":
+        return
+    path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if path is None and "--config" in argv[:-1]:
+        path = argv[argv.index("--config") + 1]
+    if path is None:
+        return
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        raise ConfigError("--config needs Python >= 3.11 (tomllib); give the settings as flags instead") from None
+    try:
+        with open(path, "rb") as f:
+            settings = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot read it ({e.strerror})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = {}
+    for key, value in settings.items():
+        name = key.replace("-", "_")
+        if name not in names:
+            raise ConfigError(f"--config {path}: unknown setting {key!r}; settings are the train flags' names "
+                              f"(e.g. batch-size or batch_size)")
+        values[name] = value
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    sub.choices["train"].set_defaults(**values)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a model: one process, DDP, torch DDP, dp x tp x pp or parameter servers",
                        description="Train a model on one or many processes; see docs/training.md.")
+    p.add_argument("--config", metavar="RUN.toml", default=None,
+                   help="read settings from a TOML file (keys: the flags' names); flags given here override it")
     _config_arguments(p, TrainConfig)
     p.set_defaults(func=_run_train)
 
@@ -159,9 +186,15 @@ def main(argv: list[str] | None = None) -> int:
     from distrain import lifeline
 
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        _apply_config_file(parser, argv)
+    except DistrainError as e:
+        print(f"distrain: error: {e}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
-    if "RANK" not in os.environ:  # the top process: SIGTERM/SIGHUP end the ranks, then us
-        lifeline.stop_on_signals()
+    # the top process: SIGTERM/SIGHUP end the ranks, then us
+    previous = lifeline.stop_on_signals() if "RANK" not in os.environ else {}
     try:
         return args.func(args) or 0
     except DistrainError as e:
@@ -173,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     except lifeline.Stopped as e:
         print(f"distrain: {e}; every rank was stopped", file=sys.stderr)
         return 128 + e.signum
+    finally:
+        lifeline.restore(previous)
 
 
 if __name__ == "__main__":

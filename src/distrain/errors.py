@@ -22,14 +22,19 @@ class CommError(DistrainError):
 class RankFailedError(DistrainError):
     """A spawned rank raised or died; carries the rank and its traceback."""
 
-    def __init__(self, rank: int, message: str):
-        super().__init__(f"rank {rank} failed:\n{message}")
+    def __init__(self, rank: int, message: str, brief: bool = False):
+        # brief: a one-line distrain error from the rank, shown on the same line
+        super().__init__(f"rank {rank} failed:{' ' if brief else chr(10)}{message}")
         self.rank = rank
         self.remote_message = message
 
 
 class SpawnTimeoutError(DistrainError, TimeoutError):
     """spawn() ran past its timeout; the message names the ranks still running."""
+
+
+class TrainingError(DistrainError):
+    """Training cannot go on (e.g. a NaN loss); the message says what to change."""
 
 
 class CollectiveTimeoutError(CommError, TimeoutError):

@@ -110,12 +110,17 @@ def _raise_stopped(signum, frame) -> None:
     raise Stopped(signum)
 
 
-def stop_on_signals() -> None:
-    """In the top process: SIGTERM and SIGHUP raise :class:`Stopped` in the main thread."""
+def stop_on_signals() -> dict:
+    """In the top process: SIGTERM and SIGHUP raise :class:`Stopped` in the main thread.
+    Returns the previous handlers (for :func:`restore`)."""
     if threading.current_thread() is not threading.main_thread():
-        return
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _raise_stopped)
+        return {}
+    return {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGTERM, signal.SIGHUP)}
+
+
+def restore(handlers: dict) -> None:
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
 
 
 def quiet_interrupts() -> None:

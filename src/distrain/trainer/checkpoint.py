@@ -25,6 +25,7 @@ a parameter server's shard.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -63,11 +64,15 @@ def load(path: str | os.PathLike) -> dict:
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"checkpoint {path} does not exist; run without --resume to start afresh")
+    if path.stat().st_size == 0:
+        raise ConfigError(f"checkpoint {path} is empty (0 bytes): it was never written completely; delete it to "
+                          f"start afresh")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, bad pickle opcodes, a non-weights object...
+        first = (str(e).strip().splitlines() or [""])[0][:200]
         raise ConfigError(f"checkpoint {path} is corrupt or truncated and cannot be loaded ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:200]}); delete it to start afresh") from None
+                          f"{first}); delete it to start afresh") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
         raise ConfigError(f"checkpoint {path} is not a distrain checkpoint (format {FORMAT_VERSION})")
     return state
@@ -75,6 +80,24 @@ def load(path: str | os.PathLike) -> dict:
 
 def shard_file(step: int, shard: str) -> str:
     return f"checkpoint-{step:08d}-{shard}.pt"
+
+
+def sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def clean_temporaries(out: str | os.PathLike) -> list[str]:
+    """Delete the temporaries a save killed mid-write left behind (call only while no run
+    writes ``out``, i.e. under its run lock). Returns their names."""
+    gone = []
+    for tmp in Path(out).glob(".checkpoint*.tmp"):
+        tmp.unlink(missing_ok=True)
+        gone.append(tmp.name)
+    return gone
 
 
 def save_set(out: str | os.PathLike, step: int, layout: dict, shard: str | None, state: dict | None,
@@ -86,13 +109,17 @@ def save_set(out: str | os.PathLike, step: int, layout: dict, shard: str | None,
     Uses torch.distributed directly, not distrain.comm, so the traffic ledger only counts training.
     """
     out = Path(out)
+    mine = None
     if shard is not None:
-        save(out / shard_file(step, shard), {"step": step, "shard": shard, **state})
+        path = save(out / shard_file(step, shard), {"step": step, "shard": shard, **state})
+        mine = (path.name, sha256(path))
     names: list = [None] * dist.get_world_size()
-    dist.all_gather_object(names, shard)  # doubles as the barrier: every shard is on disk
+    dist.all_gather_object(names, mine)  # doubles as the barrier: every shard is on disk
     if dist.get_rank() == 0:
-        files = sorted({shard_file(step, s) for s in names if s is not None})
-        manifest = {"format": FORMAT_VERSION, "step": step, "layout": layout, "files": files, **(meta or {})}
+        sums = dict(n for n in names if n is not None)
+        files = sorted(sums)
+        manifest = {"format": FORMAT_VERSION, "step": step, "layout": layout, "files": files, "sha256": sums,
+                    **(meta or {})}
         _atomic_write(out / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
         for old in out.glob("checkpoint-*.pt"):  # the previous sets, now superseded
             if old.name not in files:
@@ -108,7 +135,8 @@ def read_manifest(out: str | os.PathLike) -> dict:
     try:
         manifest = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--resume: {path} is corrupt ({e}); delete the run folder or start without --resume") from None
+        raise ConfigError(f"--resume: {path} is corrupt ({e}); delete the run folder or start without "
+                          f"--resume") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION or "step" not in manifest:
         raise ConfigError(f"--resume: {path} is not a distrain checkpoint manifest (format {FORMAT_VERSION})")
     missing = [f for f in manifest.get("files", []) if not (Path(out) / f).exists()]
@@ -118,12 +146,26 @@ def read_manifest(out: str | os.PathLike) -> dict:
     return manifest
 
 
+def verify(out: str | os.PathLike, manifest: dict, names: list[str] | None = None) -> None:
+    """Every file of the set (or ``names``) is non-empty and matches its checksum in the manifest."""
+    for name in names if names is not None else manifest.get("files", []):
+        path = Path(out) / name
+        if path.exists() and path.stat().st_size == 0:
+            raise ConfigError(f"--resume: checkpoint {path} is empty (0 bytes): it was never written completely; "
+                              f"restore it or start afresh")
+        want = manifest.get("sha256", {}).get(name)
+        if want is not None and path.exists() and sha256(path) != want:
+            raise ConfigError(f"--resume: {path} does not match the checksum in {MANIFEST} (the file was corrupted "
+                              f"or changed after it was written); restore it or start afresh")
+
+
 def load_shard(out: str | os.PathLike, manifest: dict, shard: str) -> dict:
     """This rank's shard of the committed set; checks it belongs to the manifest's step."""
     name = shard_file(int(manifest["step"]), shard)
     if name not in manifest["files"]:
         raise ConfigError(f"--resume: the checkpoint in {out} has no shard {shard!r} (it holds "
                           f"{', '.join(manifest['files'])}); resume with the layout it was written with")
+    verify(out, manifest, [name])
     state = load(Path(out) / name)
     if int(state["step"]) != int(manifest["step"]):
         raise ConfigError(f"{name} is at step {state['step']} but {MANIFEST} at {manifest['step']}: "
