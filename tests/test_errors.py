@@ -40,8 +40,10 @@ def _bad_arguments(rank: int) -> list[str]:
         "avg on ints": _expect(lambda: comm.all_reduce(torch.ones(3, dtype=torch.int64), op="avg", algorithm="tree"),
                                ConfigError, "all_reduce", "avg", "int64"),
         "bitwise on floats": _expect(lambda: comm.all_reduce(t, op="bxor"), ConfigError, "bxor", "float32"),
-        "unsupported dtype": _expect(lambda: comm.all_reduce(torch.ones(2, dtype=torch.complex64)), ConfigError,
-                                     "complex64"),
+        "unsupported dtype": _expect(lambda: comm.all_reduce(torch.ones(2, dtype=torch.uint16)), ConfigError,
+                                     "uint16"),
+        "complex max": _expect(lambda: comm.all_reduce(torch.ones(2, dtype=torch.complex64), op="max"), ConfigError,
+                               "complex64"),
         "list too short": _expect(lambda: comm.all_gather([torch.ones(4)] * 2, t, algorithm="ring"), ConfigError,
                                   "all_gather", "2 tensors", f"{P} ranks"),
         "list shape": _expect(lambda: comm.reduce_scatter(torch.ones(2), [torch.ones(2), torch.ones(3), torch.ones(2)]),
@@ -52,7 +54,7 @@ def _bad_arguments(rank: int) -> list[str]:
         "gather_list missing on dst": _expect(lambda: comm.gather(t, None, dst=rank), ConfigError, "gather_list",
                                               "required"),
         "p2p to self": _expect(lambda: comm.send(t, dst=rank), ConfigError, "itself"),
-        "p2p reserved tag": _expect(lambda: comm.send(t, dst=(rank + 1) % P, tag=1 << 25), ConfigError, "tag"),
+        "p2p reserved tag": _expect(lambda: comm.send(t, dst=(rank + 1) % P, tag=1 << 30), ConfigError, "tag"),
     }
     comm.barrier()  # nobody left a half-done collective behind: the group still works
     x = torch.full((2,), float(rank))

@@ -43,7 +43,7 @@ BLAME_GRACE_S = 2.0  # after the first failure, wait this long for the others to
 
 
 def _child(fn, rank: int, nprocs: int, port: int, args: tuple, backend: str, init_timeout: float,
-           threads: int, conn, env: dict[str, str]) -> None:
+           threads: int, conn, env: dict[str, str], init: bool = True) -> None:
     os.environ.update(env)
     lifeline.die_with_parent()  # reads DISTRAIN_PARENT_PID from env
     lifeline.quiet_interrupts()
@@ -57,7 +57,8 @@ def _child(fn, rank: int, nprocs: int, port: int, args: tuple, backend: str, ini
         conn.send_bytes(pickle.dumps(("hang", report, time.time(), False)))
 
     try:
-        runtime.init(backend, timeout=init_timeout, on_hang=on_hang)
+        if init:
+            runtime.init(backend, timeout=init_timeout, on_hang=on_hang)
         payload = pickle.dumps(("ok", fn(rank, *args), time.time()))
     except DistrainError as e:  # our errors say what to fix: the message is enough
         payload = pickle.dumps(("err", f"{type(e).__name__}: {e}", time.time(), is_secondary(e)))
@@ -162,7 +163,7 @@ def local_env() -> dict[str, str]:
 
 def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str = "auto",
           timeout: float | None = 600.0, init_timeout: float | None = None, start_method: str = "forkserver",
-          threads_per_rank: int | None = None, env: dict[str, str] | None = None) -> list[Any]:
+          threads_per_rank: int | None = None, env: dict[str, str] | None = None, init: bool = True) -> list[Any]:
     """Run ``fn(rank, *args)`` on ``nprocs`` local ranks with an initialized process group.
 
     ``fn`` must be importable by name (a module-level function). ``timeout`` bounds the whole
@@ -170,6 +171,9 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
     the rendezvous and each collective. ``threads_per_rank`` defaults to cpu_count // nprocs
     (at least 1) so ranks do not fight for cores. ``env`` adds environment variables in the
     children. The ranks die with this process, whatever kills it (see distrain.lifeline).
+    ``init=False`` leaves the process group to ``fn`` (torch.multiprocessing.spawn's contract):
+    the launcher environment is set, so ``init_process_group("gloo")`` (env://) joins the
+    parent's store.
     """
     _check_not_bootstrapping()
     if not isinstance(nprocs, int) or nprocs < 1:
@@ -189,7 +193,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
         recv_end, send_end = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_child, name=f"distrain-rank{r}", args=(
             fn, r, nprocs, store.port, tuple(args), backend, init_timeout, threads, send_end,
-            local_env() | dict(env or {})))
+            local_env() | dict(env or {}), init))
         p.start()
         send_end.close()
         procs.append(p)
@@ -335,6 +339,8 @@ def launch(nproc_per_node: int | None, script_args: Sequence[str], nnodes: int |
         raise ConfigError(f"--nnodes={nnodes} needs --rdzv-endpoint HOST:PORT (a host every node can reach)")
     else:
         argv.append("--standalone")
+        if "GLOO_SOCKET_IFNAME" not in os.environ and any(n == "lo" for _, n in socket.if_nameindex()):
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # one node: Gloo listens on the loopback only
     argv += _entrypoint(script_args, world)
     os.environ[lifeline.PARENT_ENV] = str(os.getpid())  # the ranks inherit it and watch us
     if max_restarts > 0:

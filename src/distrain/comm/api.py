@@ -29,6 +29,7 @@ run on the group's worker thread (see group.py), native ones on the backend's.
 from __future__ import annotations
 
 import contextlib
+import threading
 from concurrent.futures import Future
 from typing import Callable
 
@@ -38,14 +39,16 @@ import torch.distributed as dist
 from distrain.comm import ledger as _ledger
 from distrain.comm import registry, watchdog
 from distrain.comm.group import GroupState, resolve
-from distrain.comm.ops import OPS, check_dtype, resolve_op
+from distrain.comm.ops import COMPLEX_DTYPES, OPS, check_complex_op, check_dtype, resolve_op
 from distrain.comm.p2p import PeerComm
 from distrain.comm.registry import ALGORITHM_NAMES
+from distrain.comm.torchargs import torch_call
 from distrain.comm.util import DTYPE_CODE, dtype_name, nbytes
 from distrain.errors import CommError, ConfigError
 
 COLLECTIVES = ("broadcast", "reduce", "all_reduce", "scatter", "gather", "all_gather",
                "reduce_scatter", "barrier")
+_FP_NAMES = COLLECTIVES + ("all_to_all",)  # every collective a debug fingerprint can name
 
 _debug = False
 
@@ -65,15 +68,31 @@ def debug_enabled() -> bool:
 # ---------------------------------------------------------------------------------------
 
 class CommHandle:
-    """What async_op=True returns: ``wait()`` blocks until the result is in place."""
+    """What async_op=True returns, with torch's Work methods.
+
+    ``wait(timeout=None)`` blocks until the result is in place; ``is_completed()``;
+    ``get_future()`` a ``torch.futures.Future`` whose value is the output tensors;
+    ``result()`` the output tensors (after ``wait``); ``exception()`` the error or None.
+    """
 
     def __init__(self, desc: str, future: Future | None = None, work=None,
-                 after: Callable[[], None] | None = None):
+                 after: Callable[[], None] | None = None, outputs: list | None = None):
         self._desc = desc
         self._future = future
         self._work = work
         self._after = after
+        self._outputs = list(outputs or [])
         self._done = False
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def _finish(self) -> None:
+        """Run the copy-back once, whoever completes the handle first (wait or a future callback)."""
+        with self._lock:
+            if not self._done:
+                if self._after is not None:
+                    self._after()
+                self._done = True
 
     def wait(self, timeout: float | None = None) -> bool:
         if self._done:
@@ -84,15 +103,15 @@ class CommHandle:
                     self._future.result(timeout)
                 elif self._work is not None:
                     self._work.wait() if timeout is None else self._work.wait(_td(timeout))
-            if self._after is not None:
-                self._after()
-        except CommError:
+            self._finish()
+        except CommError as e:
+            self._error = e
             raise
         except TimeoutError as e:
             raise CommError(f"{self._desc}: not completed within {timeout}s") from e
         except Exception as e:
-            raise CommError(f"{self._desc} failed: {e}") from e
-        self._done = True
+            self._error = CommError(f"{self._desc} failed: {e}")
+            raise self._error from e
         return True
 
     def is_completed(self) -> bool:
@@ -101,6 +120,42 @@ class CommHandle:
         if self._future is not None:
             return self._future.done()
         return self._work is None or self._work.is_completed()
+
+    def result(self) -> list:
+        self.wait()
+        return self._outputs
+
+    def exception(self) -> BaseException | None:
+        """The error this operation ended with (None while running or after success)."""
+        if self._error is None and self.is_completed() and not self._done:
+            try:
+                self.wait()
+            except CommError:
+                pass
+        return self._error
+
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+
+        def settle(done=None) -> None:
+            # Runs on the thread that completed the operation: read the finished future, never
+            # wait on the work (Gloo calls this before the work counts as complete).
+            try:
+                if done is not None:
+                    done.result() if isinstance(done, Future) else done.value()
+                self._finish()
+                fut.set_result(self._outputs)
+            except Exception as e:  # noqa: BLE001 - delivered to whoever waits on the future
+                self._error = e if isinstance(e, CommError) else CommError(f"{self._desc} failed: {e}")
+                fut.set_exception(self._error)
+
+        if self._future is not None:
+            self._future.add_done_callback(settle)
+        elif self._work is not None:
+            self._work.get_future().add_done_callback(settle)
+        else:
+            settle()
+        return fut
 
 
 def _td(seconds: float):
@@ -112,11 +167,21 @@ def _td(seconds: float):
 # Validation helpers
 # ---------------------------------------------------------------------------------------
 
-def _tensor(t, what: str, collective: str) -> torch.Tensor:
+def _tensor(t, what: str, collective: str, op=None) -> torch.Tensor:
+    """The tensor the algorithms work on: detached (it shares t's storage, so results land in t,
+    but autograd never sees our in-place writes: a leaf Parameter works as with torch), and a
+    complex tensor as its real view (..., 2), which Gloo and our algorithms move and sum alike."""
     if not isinstance(t, torch.Tensor):
         raise ConfigError(f"{collective}: {what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ConfigError(f"{collective}: {what} is a {t.layout} tensor; only dense (strided) tensors are "
+                          f"supported: call .to_dense() first (all_reduce with algorithm='native' takes sparse COO)")
+    if t.dtype in COMPLEX_DTYPES:
+        if op is not None:
+            check_complex_op(op, t.dtype, collective)
+        return torch.view_as_real(t.detach())
     check_dtype(t.dtype, collective)
-    return t
+    return t.detach()
 
 
 def _tensor_list(lst, ref: torch.Tensor, size: int, what: str, collective: str, rank: int) -> list[torch.Tensor]:
@@ -127,14 +192,14 @@ def _tensor_list(lst, ref: torch.Tensor, size: int, what: str, collective: str, 
             f"{collective}: {what} on rank {rank} has {len(lst)} tensors but the group has {size} ranks; "
             f"pass exactly one tensor per rank"
         )
+    lst = [_tensor(t, f"{what}[{i}]", collective) for i, t in enumerate(lst)]
     for i, t in enumerate(lst):
-        _tensor(t, f"{what}[{i}]", collective)
         if t.shape != ref.shape or t.dtype != ref.dtype:
             raise ConfigError(
                 f"{collective}: {what}[{i}] on rank {rank} has shape {tuple(t.shape)} and dtype {t.dtype}, "
                 f"but the tensor argument has shape {tuple(ref.shape)} and dtype {ref.dtype}; they must match"
             )
-    return list(lst)
+    return lst
 
 
 def _root_list(st: GroupState, root: int, lst, ref: torch.Tensor, what: str, role: str, root_global: int,
@@ -173,7 +238,7 @@ _MAXD = 6
 def _fingerprint_check(st: GroupState, seq: int, collective: str, algorithm: str, op: str,
                        t: torch.Tensor | None, root: int) -> None:
     shape = tuple(t.shape) if t is not None else ()
-    fp = [seq, COLLECTIVES.index(collective), ALGORITHM_NAMES.index(algorithm),
+    fp = [seq, _FP_NAMES.index(collective), ALGORITHM_NAMES.index(algorithm),
           _OP_CODES[op] if op else -1,
           DTYPE_CODE.get(t.dtype, -2) if t is not None else -1, root,
           t.numel() if t is not None else -1, len(shape)]
@@ -187,7 +252,7 @@ def _fingerprint_check(st: GroupState, seq: int, collective: str, algorithm: str
         dt = next((dtype_name(d) for d, c in DTYPE_CODE.items() if c == r[4]), "none")
         shp = tuple(x for x in r[8:8 + min(r[7], _MAXD)])
         alg = ALGORITHM_NAMES[r[2]] if 0 <= r[2] < len(ALGORITHM_NAMES) else "?"
-        return (f"call #{r[0]} {COLLECTIVES[r[1]]}(algorithm={alg}) dtype={dt} shape={shp}"
+        return (f"call #{r[0]} {_FP_NAMES[r[1]]}(algorithm={alg}) dtype={dt} shape={shp}"
                 + (f" root={r[5]}" if r[5] >= 0 else ""))
 
     ref = rows[0]
@@ -211,17 +276,19 @@ _NO_WATCH = contextlib.nullcontext()
 
 def _run(st: GroupState, collective: str, algorithm: str, async_op: bool, payload: int, mod,
          ours: Callable[[object, PeerComm], None], native: Callable[[bool], object] | None,
-         after: Callable[[], None] | None, fp: tuple) -> CommHandle | None:
+         after: Callable[[], None] | None, fp: tuple, outputs: list | None = None) -> CommHandle | None:
     """Run one collective call: fingerprint, ledger, then ours (inline or on the worker) or native.
 
     ``mod`` is the registered algorithm, or None for "native": then the group's transport may
     provide its own (the direct shared-memory collectives), else torch.distributed's runs.
+    ``outputs``: what the handle's result() returns (default: the tensor of ``fp``).
     """
     seq = st.next_seq()
     if _debug:
         _fingerprint_check(st, seq, collective, algorithm, *fp)
     _ledger.record(collective, algorithm, calls=1, payload=payload)
     me = st.ranks[st.rank]
+    outs = outputs if outputs is not None else [t for t in fp[1:2] if t is not None]
     transport = st.transport
     desc = f"{collective}(algorithm={algorithm}, transport={transport.name}) on rank {me} " \
            f"(group rank {st.rank} of {st.size})"
@@ -230,7 +297,7 @@ def _run(st: GroupState, collective: str, algorithm: str, async_op: bool, payloa
         mod = transport.direct(collective) if st.size > 1 else None
         ordered = mod is not None
     if mod is None:
-        return _run_native(desc, native, async_op, after)
+        return _run_native(desc, native, async_op, after, outs)
 
     pc = PeerComm(st, collective, algorithm, st.tag(seq), transport)
     tensor = fp[1]  # an empty tensor moves nothing: every rank skips the algorithm alike
@@ -247,7 +314,7 @@ def _run(st: GroupState, collective: str, algorithm: str, async_op: bool, payloa
             after()
 
     if async_op:
-        return CommHandle(desc, future=st.submit(job))
+        return CommHandle(desc, future=st.submit(job), outputs=outs)
     try:
         with watchdog.blocking(desc):
             if ordered and st.pending:  # async calls before this one still run on the worker
@@ -261,7 +328,7 @@ def _run(st: GroupState, collective: str, algorithm: str, async_op: bool, payloa
     return None
 
 
-def _run_native(desc: str, native, async_op: bool, after) -> CommHandle | None:
+def _run_native(desc: str, native, async_op: bool, after, outs: list) -> CommHandle | None:
     try:
         with watchdog.blocking(desc) if not async_op else _NO_WATCH:
             work = native(async_op)
@@ -273,14 +340,15 @@ def _run_native(desc: str, native, async_op: bool, after) -> CommHandle | None:
         raise
     except Exception as e:
         raise CommError(f"{desc} failed: {e}") from e
-    return CommHandle(desc, work=work, after=after)
+    return CommHandle(desc, work=work, after=after, outputs=outs)
 
 
+@torch_call('src')
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False, algorithm: str = "native"):
     name = "broadcast"
     mod = registry.get(algorithm, name)
     st = resolve(group, name)
-    _tensor(tensor, "tensor", name)
+    tensor = _tensor(tensor, "tensor", name)
     root = st.group_rank(src, "src", name)
     flat = _flat(tensor)
     after = (lambda: _copy_back(tensor, flat)) if st.rank != root else None
@@ -290,11 +358,12 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
                 after=after, fp=("", tensor, root))
 
 
+@torch_call('dst')
 def reduce(tensor: torch.Tensor, dst: int, op="sum", group=None, async_op: bool = False, algorithm: str = "native"):
     name = "reduce"
     mod = registry.get(algorithm, name)
     st = resolve(group, name)
-    _tensor(tensor, "tensor", name)
+    tensor = _tensor(tensor, "tensor", name, op)
     o = resolve_op(op, tensor.dtype, name)
     root = st.group_rank(dst, "dst", name)
     flat = _flat(tensor)
@@ -310,11 +379,15 @@ def reduce(tensor: torch.Tensor, dst: int, op="sum", group=None, async_op: bool 
                 after=after, fp=(o.name, tensor, root))
 
 
+@torch_call()
 def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = False, algorithm: str = "native"):
     name = "all_reduce"
     mod = registry.get(algorithm, name)
     st = resolve(group, name)
-    _tensor(tensor, "tensor", name)
+    if mod is None and isinstance(tensor, torch.Tensor) and tensor.is_sparse:  # Gloo sums sparse COO itself
+        return dist.all_reduce(tensor, op=resolve_op(op, tensor.dtype, name).native, group=st.group,
+                               async_op=async_op)
+    tensor = _tensor(tensor, "tensor", name, op)
     o = resolve_op(op, tensor.dtype, name)
     flat = _flat(tensor)
 
@@ -328,12 +401,13 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = Fals
                 after=after, fp=(o.name, tensor, -1))
 
 
+@torch_call('src')
 def scatter(tensor: torch.Tensor, scatter_list=None, src: int = 0, group=None, async_op: bool = False,
             algorithm: str = "native"):
     name = "scatter"
     mod = registry.get(algorithm, name)
     st = resolve(group, name)
-    _tensor(tensor, "tensor", name)
+    tensor = _tensor(tensor, "tensor", name)
     root = st.group_rank(src, "src", name)
     lst = _root_list(st, root, scatter_list, tensor, "scatter_list", "source", src, name)
     full = torch.cat([t.reshape(-1) for t in lst]) if lst is not None else None
@@ -348,12 +422,13 @@ def scatter(tensor: torch.Tensor, scatter_list=None, src: int = 0, group=None, a
                 fp=("", tensor, root))
 
 
+@torch_call('dst')
 def gather(tensor: torch.Tensor, gather_list=None, dst: int = 0, group=None, async_op: bool = False,
            algorithm: str = "native"):
     name = "gather"
     mod = registry.get(algorithm, name)
     st = resolve(group, name)
-    _tensor(tensor, "tensor", name)
+    tensor = _tensor(tensor, "tensor", name)
     root = st.group_rank(dst, "dst", name)
     lst = _root_list(st, root, gather_list, tensor, "gather_list", "destination", dst, name)
     n = tensor.numel()
@@ -371,14 +446,15 @@ def gather(tensor: torch.Tensor, gather_list=None, dst: int = 0, group=None, asy
                 mod=mod, ours=lambda m, pc: m.gather(pc, inp, full, root),
                 native=lambda a: dist.gather(inp, list(full.view(st.size, n)) if lst is not None else None, dst,
                                              group=st.group, async_op=a),
-                after=after, fp=("", tensor, root))
+                after=after, fp=("", tensor, root), outputs=lst or [])
 
 
+@torch_call()
 def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = False, algorithm: str = "native"):
     name = "all_gather"
     mod = registry.get(algorithm, name)
     st = resolve(group, name)
-    _tensor(tensor, "tensor", name)
+    tensor = _tensor(tensor, "tensor", name)
     lst = _tensor_list(tensor_list, tensor, st.size, "tensor_list", name, st.ranks[st.rank])
     n = tensor.numel()
     full = _adjacent_views(lst, n)  # gather straight into the caller's buffer when the list allows it
@@ -398,7 +474,7 @@ def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = F
 
     return _run(st, name, algorithm, async_op, nbytes(tensor),
                 mod=mod, ours=lambda m, pc: m.all_gather(pc, full, n), native=native,
-                after=after, fp=("", tensor, -1))
+                after=after, fp=("", tensor, -1), outputs=lst)
 
 
 def _adjacent_views(lst: list[torch.Tensor], n: int) -> torch.Tensor | None:
@@ -413,12 +489,13 @@ def _adjacent_views(lst: list[torch.Tensor], n: int) -> torch.Tensor | None:
     return t0.as_strided((len(lst) * n,), (1,), off)
 
 
+@torch_call()
 def reduce_scatter(output: torch.Tensor, input_list, op="sum", group=None, async_op: bool = False,
                    algorithm: str = "native"):
     name = "reduce_scatter"
     mod = registry.get(algorithm, name)
     st = resolve(group, name)
-    _tensor(output, "output", name)
+    output = _tensor(output, "output", name, op)
     o = resolve_op(op, output.dtype, name)
     lst = _tensor_list(input_list, output, st.size, "input_list", name, st.ranks[st.rank])
     full = torch.cat([t.reshape(-1) for t in lst])  # a work copy: algorithms may overwrite it
@@ -436,17 +513,28 @@ def reduce_scatter(output: torch.Tensor, input_list, op="sum", group=None, async
                 after=after, fp=(o.name, output, -1))
 
 
-def barrier(group=None, async_op: bool = False, algorithm: str = "native"):
-    """Block until every rank of the group has entered. Ours: an all-reduce of one byte."""
+@torch_call()
+def barrier(group=None, async_op: bool = False, device_ids=None, algorithm: str = "native",
+            timeout: float | None = None):
+    """Block until every rank of the group has entered. Ours: an all-reduce of one byte.
+
+    ``timeout`` (seconds or a timedelta): raise CommError on this rank if the others have not
+    all entered by then (the barrier is left posted; the group should then be torn down).
+    ``device_ids`` is accepted for torch's signature (it only matters to NCCL).
+    """
     name = "barrier"
     mod = registry.get(algorithm, name)
     st = resolve(group, name)
     token = torch.zeros(1, dtype=torch.uint8)
     sum_op = resolve_op("sum", token.dtype, name)
-    return _run(st, name, algorithm, async_op, 0,
-                mod=mod, ours=lambda m, pc: m.all_reduce(pc, token, sum_op),
-                native=lambda a: dist.barrier(group=st.group, async_op=a),
-                after=None, fp=("", None, -1))
+    h = _run(st, name, algorithm, async_op or timeout is not None, 0,
+             mod=mod, ours=lambda m, pc: m.all_reduce(pc, token, sum_op),
+             native=lambda a: dist.barrier(group=st.group, async_op=a),
+             after=None, fp=("", None, -1))
+    if timeout is None or async_op:
+        return h
+    h.wait(timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout))
+    return None
 
 
 # torch renamed reduce_scatter_tensor to reduce_scatter_single; take whichever this torch has.

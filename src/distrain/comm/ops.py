@@ -93,13 +93,15 @@ _FROM_NATIVE = {
     _R.MAX: "max", _R.BAND: "band", _R.BOR: "bor", _R.BXOR: "bxor",
 }
 _ALIASES = {"product": "prod", "mean": "avg", "average": "avg"}
+# Gloo reduces bool tensors as bytes saturated to 0/1: sum is OR, product is AND. Same here.
+_BOOL_OPS = {"sum": Op("sum", _bor, _R.SUM), "prod": Op("prod", _band, _R.PRODUCT)}
+COMPLEX_DTYPES = (torch.complex64, torch.complex128)
 
 
-def resolve_op(op, dtype: torch.dtype, collective: str) -> Op:
-    """Turn ``op`` (a ReduceOp or a string) into an :class:`Op`, checking it makes sense for ``dtype``.
-
-    Raises ConfigError (a ValueError) naming the collective, the op and the dtype.
-    """
+def op_name(op, collective: str) -> str:
+    """The canonical name ("sum", "max", ...) of ``op``: a string, ReduceOp.X, or a ReduceOp object."""
+    if isinstance(op, dist.ReduceOp) and not isinstance(op, dist.ReduceOp.RedOpType):  # a ReduceOp object, as opposed to ReduceOp.SUM (a RedOpType)
+        op = op.op
     if isinstance(op, str):
         name = _ALIASES.get(op.lower(), op.lower())
     else:
@@ -111,6 +113,15 @@ def resolve_op(op, dtype: torch.dtype, collective: str) -> Op:
         raise ConfigError(
             f"{collective}: unknown reduce op {op!r}; use one of {sorted(OPS)} or a torch.distributed.ReduceOp"
         )
+    return name
+
+
+def resolve_op(op, dtype: torch.dtype, collective: str) -> Op:
+    """Turn ``op`` (a ReduceOp or a string) into an :class:`Op`, checking it makes sense for ``dtype``.
+
+    Raises ConfigError (a ValueError) naming the collective, the op and the dtype.
+    """
+    name = op_name(op, collective)
     check_dtype(dtype, collective)
     if name == "avg" and not dtype.is_floating_point:
         raise ConfigError(
@@ -122,9 +133,18 @@ def resolve_op(op, dtype: torch.dtype, collective: str) -> Op:
             f"{collective}: bitwise op {name!r} is not defined for floating dtype {dtype}; "
             f"use an integer or bool tensor"
         )
-    if dtype == torch.bool and name in ("sum", "prod"):
-        raise ConfigError(f"{collective}: op {name!r} is not defined for bool tensors; use 'max' (any) or 'min' (all)")
+    if dtype == torch.bool and name in _BOOL_OPS:
+        return _BOOL_OPS[name]
     return OPS[name]
+
+
+def check_complex_op(op, dtype: torch.dtype, collective: str) -> None:
+    """Complex tensors reduce as their real view, so only sum and avg are exact (torch's rule)."""
+    if dtype in COMPLEX_DTYPES and op_name(op, collective) not in ("sum", "avg"):
+        raise ConfigError(
+            f"{collective} does not support op {op_name(op, collective)!r} on complex tensors (dtype {dtype}); "
+            f"complex tensors support only 'sum' and 'avg' (as in torch.distributed)"
+        )
 
 
 def check_dtype(dtype: torch.dtype, collective: str) -> None:

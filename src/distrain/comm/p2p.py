@@ -20,6 +20,7 @@ import torch
 from distrain.comm import ledger as _ledger
 from distrain.comm import tags
 from distrain.comm.group import GroupState, resolve
+from distrain.comm.torchargs import torch_call
 from distrain.comm.transports import Transport, Work
 from distrain.comm.util import DTYPE_CODE, WIRE_DTYPES, check_int, dtype_name, nbytes
 from distrain.errors import CommError, ConfigError
@@ -112,14 +113,18 @@ def waitall(works) -> None:
 # Public point-to-point API (global ranks, like torch.distributed)
 # ---------------------------------------------------------------------------------------
 
-def _check(tensor, peer: int, what: str, name: str, group, tag: int) -> tuple[GroupState, int]:
+def _check(tensor, peer: int | None, what: str, name: str, group, tag: int) -> tuple[GroupState, int | None]:
     st = resolve(group, name)
     if not isinstance(tensor, torch.Tensor):
         raise ConfigError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise ConfigError(f"{name}: a {tensor.layout} tensor cannot be sent; call .to_dense() first")
     if not tensor.is_contiguous():
         raise ConfigError(f"{name}: tensor must be contiguous (call .contiguous() first)")
-    check_int(tag, "tag (tags from 2**20 up are reserved for collectives, see comm/tags.py)", name,
+    check_int(tag, "tag (tags from 2**30 up are reserved for collectives, see comm/tags.py)", name,
               tags.USER.start, tags.USER.stop)
+    if peer is None:  # any source (receives only)
+        return st, None
     peer_g = st.group_rank(peer, what, name)
     if peer_g == st.rank:
         raise ConfigError(f"{name}: rank {st.ranks[st.rank]} cannot {name} to/from itself ({what}={peer})")
@@ -129,9 +134,10 @@ def _check(tensor, peer: int, what: str, name: str, group, tag: int) -> tuple[Gr
 class _P2PWork:
     """Handle for isend/irecv: wait() re-raises transport errors as CommError naming the peer."""
 
-    def __init__(self, work, desc: str):
+    def __init__(self, work, desc: str, group=None):
         self._work = work
         self._desc = desc
+        self._group = group
 
     def wait(self, timeout=None) -> bool:
         try:
@@ -148,31 +154,63 @@ class _P2PWork:
     def is_completed(self) -> bool:
         return self._work.is_completed()
 
+    def source_rank(self) -> int:
+        """The global rank the message came from (after wait; what an any-source irecv needs)."""
+        self.wait()
+        r = self._work._source_rank()
+        return r if self._group is None else torch.distributed.get_global_rank(self._group, r)
 
-def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0, *, label: str = "p2p") -> _P2PWork:
+    def _source_rank(self) -> int:
+        """torch's Work._source_rank(): the sender's rank in the group (any-source receives)."""
+        return self._work._source_rank()
+
+    def get_future(self):
+        return self._work.get_future()
+
+
+def _p2p_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """What goes on the wire: detached (a Parameter receives in place like any tensor), complex as real."""
+    t = tensor.detach()
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+@torch_call("dst")
+def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0, *,
+          label: str = "p2p") -> _P2PWork:
     """Non-blocking send to global rank ``dst``. ``label`` names the traffic in the ledger."""
+    if dst is None:
+        raise ConfigError("isend: give dst= (a global rank) or group_dst= (a rank inside group)")
     st, peer = _check(tensor, dst, "dst", "isend", group, tag)
     _ledger.record(label, "p2p", sent=nbytes(tensor), msgs_sent=1)
-    w = st.transport.isend(tensor, st.ranks[peer], st.group, tag)
+    w = st.transport.isend(_p2p_tensor(tensor), st.ranks[peer], st.group, tag)
     return _P2PWork(w, f"isend from rank {st.ranks[st.rank]} to rank {dst} (tag {tag})")
 
 
-def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0, *, label: str = "p2p") -> _P2PWork:
-    """Non-blocking receive from global rank ``src`` into ``tensor`` (its shape must match)."""
+@torch_call("src")
+def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0, *,
+          label: str = "p2p") -> _P2PWork:
+    """Non-blocking receive from global rank ``src`` (None: from any rank) into ``tensor``."""
     st, peer = _check(tensor, src, "src", "irecv", group, tag)
     _ledger.record(label, "p2p", recv=nbytes(tensor), msgs_recv=1)
-    w = st.transport.irecv(tensor, st.ranks[peer], st.group, tag)
-    return _P2PWork(w, f"irecv on rank {st.ranks[st.rank]} from rank {src} (tag {tag})")
+    me = st.ranks[st.rank]
+    if peer is None:  # any source: Gloo's recv_anysource; Work._source_rank() tells who sent it
+        w = torch.distributed.irecv(_p2p_tensor(tensor), src=None, group=st.group, tag=tag)
+        return _P2PWork(w, f"irecv on rank {me} from any rank (tag {tag})", group=group)
+    w = st.transport.irecv(_p2p_tensor(tensor), st.ranks[peer], st.group, tag)
+    return _P2PWork(w, f"irecv on rank {me} from rank {src} (tag {tag})")
 
 
-def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0, *, label: str = "p2p") -> None:
+@torch_call("dst")
+def send(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0, *, label: str = "p2p") -> None:
     """Blocking send: returns once the tensor may be reused."""
     isend(tensor, dst, group, tag, label=label).wait()
 
 
-def recv(tensor: torch.Tensor, src: int, group=None, tag: int = 0, *, label: str = "p2p") -> None:
-    """Blocking receive into ``tensor``."""
-    irecv(tensor, src, group, tag, label=label).wait()
+@torch_call("src", nonmember_result=-1)
+def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0, *, label: str = "p2p") -> int:
+    """Blocking receive into ``tensor``; returns the sender's global rank (``src=None``: any rank)."""
+    w = irecv(tensor, src, group, tag, label=label)
+    return w.source_rank() if src is None else (w.wait() and src)
 
 
 # -- self-describing messages: header (dtype, shape) then payload -------------------------

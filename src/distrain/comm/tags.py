@@ -7,10 +7,10 @@ messages in flight. The ranges:
 ========================  =====================  =============================================
 range                     owner                  how tags inside are used
 ========================  =====================  =============================================
-[0, 2**20)                user point-to-point    ``send``/``recv``/``isend``/``irecv``; default 0
+[0, 2**30)                user point-to-point    ``send``/``recv``/``isend``/``irecv``; default 0
 [0xA000, 0xA100)          parameter server       one tag per message kind (parallel/parameter_server/ps.py)
 [2**19, 2**20)            pipeline (default)     ``tag_base + 2 + 2k (+1 for gradients)``
-[2**20, 2**30)            collectives            COLLECTIVE.start + call sequence number of
+[2**30, 2**31)            collectives            COLLECTIVE.start + call sequence number of
                                                  the group (wraps), see group.py
 ========================  =====================  =============================================
 
@@ -43,10 +43,10 @@ class TagRange:
         return tag
 
 
-USER = TagRange("user point-to-point", 0, 1 << 20)
+USER = TagRange("user point-to-point", 0, 1 << 30)  # torch allows [0, 2**31); the top half is ours
 PARAMETER_SERVER = TagRange("parameter server", 0xA000, 0xA100)
 PIPELINE = TagRange("pipeline", 1 << 19, 1 << 20)
-COLLECTIVE = TagRange("collectives", 1 << 20, 1 << 30)
+COLLECTIVE = TagRange("collectives", 1 << 30, 1 << 31)
 
 TABLE: tuple[TagRange, ...] = (USER, PARAMETER_SERVER, PIPELINE, COLLECTIVE)
 

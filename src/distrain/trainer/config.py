@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, fields
 from distrain.comm import ALGORITHM_NAMES, TRANSPORT_NAMES
 from distrain.errors import ConfigError
 
-STRATEGIES = ("single", "ddp", "torch-ddp", "ps-sync", "ps-async")
+STRATEGIES = ("single", "ddp", "torch-ddp", "ps-sync", "ps-async", "zero1", "zero2", "zero3")
 DATASETS = ("shakespeare", "fashion-mnist", "digits")
 OPTIMIZERS = ("adamw", "sgd")
 DTYPES = ("float32", "float64")
@@ -41,13 +41,14 @@ class TrainConfig:
                                    "PKG.MOD:FACTORY (your own: factory() -> (train, val))",
                     choices=DATASETS + ("PATH", "PKG.MOD:FACTORY"))
     # how to parallelize
-    strategy: str = opt("ddp", "way of training (ps-*: parameter servers)", choices=STRATEGIES)
+    strategy: str = opt("ddp", "way of training (ps-*: parameter servers; zero1-3: ZeRO stages)", choices=STRATEGIES)
     nproc: int = opt(2, "processes (ranks) in the job")
     device: str = opt("auto", "where each rank computes: auto = cuda:LOCAL_RANK when CUDA is visible (NCCL), "
                               "else cpu (Gloo)", choices=DEVICES)
     algorithm: str = opt("ring", "all-reduce algorithm of our DDP (and TP/PP collectives)", choices=ALGORITHM_NAMES)
-    transport: str = opt("torch", "how ranks' bytes travel: torch (Gloo/NCCL), shm (shared memory, one host), "
-                                  "auto (shm when every rank is on this host)", choices=TRANSPORT_NAMES)
+    transport: str = opt("torch", "how ranks' bytes travel: torch (Gloo/NCCL), shm (shared memory between the "
+                                  "ranks of one host), auto (shm inside a host, torch between hosts)",
+                         choices=TRANSPORT_NAMES)
     bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB")
     compression: str | None = opt(None, "DDP gradient compression on the wire", choices=("bf16", "fp16"), type=str)
     servers: int = opt(1, "parameter servers (ps-* strategies); the other ranks work")
