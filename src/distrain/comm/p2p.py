@@ -194,6 +194,9 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0
     _ledger.record(label, "p2p", recv=nbytes(tensor), msgs_recv=1)
     me = st.ranks[st.rank]
     if peer is None:  # any source: Gloo's recv_anysource; Work._source_rank() tells who sent it
+        if st.transport.name != "torch":
+            raise ConfigError(f"irecv on rank {me}: a receive from any source (src=None) needs transport 'torch'; "
+                              f"this group uses {st.transport.name!r}: give src=, or set_transport('torch', group)")
         w = torch.distributed.irecv(_p2p_tensor(tensor), src=None, group=st.group, tag=tag)
         return _P2PWork(w, f"irecv on rank {me} from any rank (tag {tag})", group=group)
     w = st.transport.irecv(_p2p_tensor(tensor), st.ranks[peer], st.group, tag)

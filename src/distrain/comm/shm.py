@@ -122,6 +122,7 @@ class ShmTransport:
         self._unlinked = False
         self._all_local: bool | None = None
         self._sleeping, self._sleep_lock = 0, threading.Lock()
+        self._open_lock = threading.RLock()
         if self.size == 1:
             self.unlink_when_mapped()
 
@@ -161,6 +162,13 @@ class ShmTransport:
         return None
 
     def seg(self, q: int) -> Segment:
+        s = self.peers.get(q)
+        if s is None:
+            with self._open_lock:  # the group's worker thread and the caller may both get here first
+                return self._open(q)
+        return s
+
+    def _open(self, q: int) -> Segment:
         s = self.peers.get(q)
         if s is None:
             name, total, host, _ = self._info(q)
@@ -231,7 +239,7 @@ class ShmTransport:
     def wake_peers(self, peers=None) -> None:
         """After publishing a flag: wake the peers that block waiting for one."""
         fence()
-        for q, s in self.peers.items():
+        for q, s in list(self.peers.items()):
             if q != self.rank and (peers is None or q in peers) and s.ctrl[SLEEPING * 8]:
                 s.wake()
 
@@ -280,8 +288,10 @@ class ShmTransport:
     # -- point-to-point ------------------------------------------------------------------
     def _channels(self):
         if self.p2p is None:
-            from distrain.comm.shm_p2p import Channels
-            self.p2p = Channels(self)
+            with self._open_lock:  # one Channels per group, whichever thread sends first
+                if self.p2p is None:
+                    from distrain.comm.shm_p2p import Channels
+                    self.p2p = Channels(self)
         return self.p2p
 
     def isend(self, tensor: torch.Tensor, dst: int, group, tag: int):
@@ -299,7 +309,7 @@ class ShmTransport:
         return self._channels().irecv(tensor, q, tag)
 
     def close(self) -> None:
-        for s in self.peers.values():
+        for s in list(self.peers.values()):
             s.close()
         self.peers = {}
         self.me = None
