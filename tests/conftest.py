@@ -21,8 +21,9 @@ import os
 import pytest
 
 SLOW_TIMEOUT_S = 120
-# long tests in files owned by other areas, named here so their files need no edit
-SLOW_TESTS = {"test_gpt_learns_tiny_repeated_text", "test_generate", "test_gpt_tp4_native_equals_one_process",
+# long tests in other areas' files, named here so their files need no edit
+SLOW_TESTS = {"test_gpt_learns_tiny_repeated_text", "test_generate",
+              "test_gpt_tp4_native_equals_one_process",
               "test_ledger_all_reduces_per_step_are_exactly_megatrons", "test_gpt_tp2_ring_tree_star_equals_one_process"}
 
 

@@ -155,3 +155,21 @@ def test_plan_command(capsys):
     assert "--link must be one of eth-100m, eth-1g" in capsys.readouterr().err
     assert main(["plan", "--params", "1000", "--nodes", "2"]) == 2
     assert "--params needs --compute-ms" in capsys.readouterr().err
+
+
+def test_prediction_table_from_bench_json(tmp_path):
+    from distrain.bench import comm_predict
+
+    recs = [{"P": 2, "op": "all_reduce", "algorithm": "ring", "size_bytes": 1 << 20, "time_us": 100000.0,
+             "predicted_us": 90000.0, "predicted_error_pct": -10.0},
+            {"P": 2, "op": "all_reduce", "algorithm": "native", "size_bytes": 1 << 20, "time_us": 80000.0,
+             "predicted_us": None, "predicted_error_pct": None}]
+    path = tmp_path / "comm_100mbit_2.json"
+    path.write_text(json.dumps({"meta": {}, "records": recs}))
+    md = comm_predict.markdown(comm_predict.load([str(path)]))
+    assert "| 100mbit | 2 | ring | 100.0 / 90.0 (-10%) |" in md
+    assert "| 100mbit | 2 | native | 80.0 / - |" in md
+    f = _fabric(2)
+    comm_predict.annotate(recs, f, 4)
+    assert recs[0]["predicted_us"] == pytest.approx((1 << 20) / B * 1e6, rel=1e-3)  # 2 steps of N/2 each way
+    assert recs[1]["predicted_us"] is None and recs[0]["placement"] == [0, 1]

@@ -30,7 +30,7 @@ def test_every_strategy_has_an_engine():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(100)
+@pytest.mark.timeout(240)
 def test_same_job_same_checkpoint_whichever_flags_spell_it(tmp_path):
     kw = dict(model="mlp-tiny", data="digits", steps=3, batch_size=8)
     by_strategy = trainer_config(tmp_path / "a", strategy="ddp", nproc=2, **kw)
@@ -39,7 +39,8 @@ def test_same_job_same_checkpoint_whichever_flags_spell_it(tmp_path):
     assert _files(by_strategy.out) == _files(by_grid.out) == ["checkpoint-00000003-tp0-pp0.pt", "checkpoint.json"]
     manifests = [json.loads((tmp_path / d / "checkpoint.json").read_text()) for d in "ab"]
     for m in manifests:
-        assert (m["step"], m["layout"], m["files"]) == (3, {"dp": 2, "tp": 1, "pp": 1}, ["checkpoint-00000003-tp0-pp0.pt"])
+        assert (m["step"], m["layout"], m["files"]) == (3, {"dp": 2, "tp": 1, "pp": 1},
+                                                        ["checkpoint-00000003-tp0-pp0.pt"])
     a, b = (checkpoint.load(tmp_path / d / "checkpoint-00000003-tp0-pp0.pt") for d in "ab")
     assert a["model"].keys() == b["model"].keys()
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])

@@ -334,7 +334,7 @@ def test_watchdog_names_the_hung_rank_and_the_flag(how, victim, what):
     with pytest.raises(CollectiveTimeoutError) as ei:
         distrain.spawn(_one_rank_hangs, 3, args=(victim, how), timeout=150, init_timeout=4)
     msg = str(ei.value)
-    assert msg.startswith("collective time-out: rank ") and "in all_reduce(algorithm=ring) on rank" in msg
+    assert msg.startswith("collective time-out: rank ") and "in all_reduce(algorithm=ring" in msg
     assert f"(its call #2); 1 rank(s) did not arrive: rank {victim} {what}" in msg
     assert msg.endswith("If a step legitimately takes longer, raise --collective-timeout (now 4s)")
     assert "\n" not in msg
@@ -471,7 +471,7 @@ def test_cli_cleans_temporaries_a_killed_save_left(trained, tmp_path, capsys):
     (["--lr", "inf"], "--lr must be a positive finite number, got inf"),
     (["--lr", "nan"], "--lr must be a positive finite number, got nan"),
     (["--momentum", "1.5"], "--momentum must be in [0, 1), got 1.5"),
-    (["--weight-decay", "-inf"], "--weight-decay must be a finite number >= 0, got -inf"),
+    (["--weight-decay=-inf"], "--weight-decay must be a finite number >= 0, got -inf"),
     (["--eval-every", "5", "--eval-batches", "0"],
      "--eval-batches must be >= 1 when evaluating, got 0 (use --eval-every 0 to skip evaluation)"),
 ])

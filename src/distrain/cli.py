@@ -77,7 +77,7 @@ def _run_train(args: argparse.Namespace) -> int:
     from distrain import runlock
     from distrain.trainer import TrainConfig, checkpoint, train
 
-    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k not in ("command", "func")})
+    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k not in ("command", "func", "config")})
     if cfg.resume is False and os.environ.get("DISTRAIN_RESUME") == "auto":  # set by launch --max-restarts
         cfg.resume = "auto"
     cfg.validate()
@@ -88,6 +88,43 @@ def _run_train(args: argparse.Namespace) -> int:
         checkpoint.clean_temporaries(cfg.out)  # left by a run killed mid-save; nobody else writes here now
         train(cfg)
     return 0
+
+
+def _apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """``train --config run.toml``: the file's settings become the defaults, so flags override them."""
+    import dataclasses
+
+    from distrain.errors import ConfigError
+    from distrain.trainer.config import TrainConfig
+
+    if not argv or argv[0] != "train":
+        return
+    path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if path is None and "--config" in argv[:-1]:
+        path = argv[argv.index("--config") + 1]
+    if path is None:
+        return
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        raise ConfigError("--config needs Python >= 3.11 (tomllib); give the settings as flags instead") from None
+    try:
+        with open(path, "rb") as f:
+            settings = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot read it ({e.strerror})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = {}
+    for key, value in settings.items():
+        name = key.replace("-", "_")
+        if name not in names:
+            raise ConfigError(f"--config {path}: unknown setting {key!r}; settings are the train flags' names "
+                              f"(e.g. batch-size or batch_size)")
+        values[name] = value
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    sub.choices["train"].set_defaults(**values)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a model: one process, DDP, torch DDP, dp x tp x pp or parameter servers",
                        description="Train a model on one or many processes; see docs/training.md.")
+    p.add_argument("--config", metavar="RUN.toml", default=None,
+                   help="read settings from a TOML file (keys: the flags' names); flags given here override it")
     _config_arguments(p, TrainConfig)
     p.set_defaults(func=_run_train)
 
@@ -147,6 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     from distrain import lifeline
 
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        _apply_config_file(parser, argv)
+    except DistrainError as e:
+        print(f"distrain: error: {e}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     # the top process: SIGTERM/SIGHUP end the ranks, then us
     previous = lifeline.stop_on_signals() if "RANK" not in os.environ else {}

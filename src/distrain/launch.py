@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from distrain import lifeline, runtime
 from distrain.blame import Failure, blame, is_secondary
-from distrain.errors import ConfigError, DistrainError, SpawnTimeoutError
+from distrain.errors import ConfigError, DistrainError, RankFailedError, SpawnTimeoutError
 
 BLAME_GRACE_S = 2.0  # after the first failure, wait this long for the others to pick the first
 
@@ -114,9 +114,9 @@ def _died(code: int | None) -> str:
     return msg
 
 
-def _early_death(fn, store, nprocs: int, code: int | None, message: str) -> str:
+def _early_death(fn, store, nprocs: int, code: int | None, message: str) -> str | None:
     """A rank failed: when it died without a result before any rank joined the process group,
-    say why it could not start; otherwise keep ``message``."""
+    say why it could not start (None otherwise)."""
     if code == 1 and message.startswith("process exited") and not runtime.joined_ranks(store, nprocs):
         hint = _startup_failure(fn, code)
         if hint is not None:
@@ -125,7 +125,7 @@ def _early_death(fn, store, nprocs: int, code: int | None, message: str) -> str:
                 f"traceback is on stderr above). Usual causes: {fn.__name__} is not importable by name (define it at "
                 f"module level, not inside a function or the `if __name__ == \"__main__\":` block), or an import "
                 f"of the script failed in the new process")
-    return message
+    return None
 
 
 def _end(procs) -> None:
@@ -204,8 +204,10 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
         try:
             _collect(procs, conns, results, store, timeout)
         except RankFailedError as e:
-            raise RankFailedError(e.rank, _early_death(fn, store, nprocs, procs[e.rank].exitcode,
-                                                       e.remote_message)) from None
+            hint = _early_death(fn, store, nprocs, procs[e.rank].exitcode, e.remote_message)
+            if hint is None:
+                raise
+            raise RankFailedError(e.rank, hint) from None
     finally:
         # On success the ranks are shutting down by themselves; on failure end them now.
         if len(results) == nprocs:
@@ -337,6 +339,8 @@ def launch(nproc_per_node: int | None, script_args: Sequence[str], nnodes: int |
         raise ConfigError(f"--nnodes={nnodes} needs --rdzv-endpoint HOST:PORT (a host every node can reach)")
     else:
         argv.append("--standalone")
+        if "GLOO_SOCKET_IFNAME" not in os.environ and any(n == "lo" for _, n in socket.if_nameindex()):
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # one node: Gloo listens on the loopback only
     argv += _entrypoint(script_args, world)
     os.environ[lifeline.PARENT_ENV] = str(os.getpid())  # the ranks inherit it and watch us
     if max_restarts > 0:

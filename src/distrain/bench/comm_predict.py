@@ -45,3 +45,71 @@ def table(records: list[dict]) -> str:
             for r in records if "predicted_us" in r]
     head = ["op", "algorithm", "P", "size", "measured_us", "predicted_us", "error"]
     return common.format_table([("cost model vs measured", head)], rows) if rows else ""
+
+
+def load(paths: list[str]) -> list[dict]:
+    """Records with a prediction from several ``bench comm --predict --json`` files; ``link`` from the file name."""
+    import json
+    import os
+
+    out = []
+    for p in paths:
+        with open(p) as f:
+            recs = json.load(f)["records"]
+        link = os.path.basename(p).split("_")[1] if "_" in os.path.basename(p) else "?"
+        out += [dict(r, link=link) for r in recs if "predicted_us" in r]
+    return out
+
+
+def markdown(records: list[dict]) -> str:
+    """One row per (link, P, algorithm): measured / predicted ms and error for each size."""
+    sizes = sorted({r["size_bytes"] for r in records})
+    keys = sorted({(r["link"], r["P"], r["algorithm"]) for r in records})
+    cell = {(r["link"], r["P"], r["algorithm"], r["size_bytes"]): r for r in records}
+    head = ["link", "P", "algorithm"] + [f"{common.format_size(s)}: meas / pred ms (err)" for s in sizes]
+    rows = []
+    for k in keys:
+        row = list(map(str, k))
+        for s in sizes:
+            r = cell.get((*k, s))
+            if r is None:
+                row.append("")
+            elif r["predicted_us"] is None:
+                row.append(f"{r['time_us'] / 1e3:.1f} / -")
+            else:
+                row.append(f"{r['time_us'] / 1e3:.1f} / {r['predicted_us'] / 1e3:.1f} ({r['predicted_error_pct']:+.0f}%)")
+        rows.append(row)
+    return common.markdown_table(head, rows)
+
+
+def plot_nodes(records: list[dict], size: int, path: str) -> None:
+    """Measured (solid) and predicted (dashed) all_reduce time against node count, per algorithm and link."""
+    plt = common.require_pyplot()
+    fig, axes = plt.subplots(1, len({r["link"] for r in records}), figsize=(11, 4), squeeze=False)
+    for ax, link in zip(axes[0], sorted({r["link"] for r in records})):
+        for i, alg in enumerate(sorted({r["algorithm"] for r in records})):
+            rs = sorted((r for r in records if r["link"] == link and r["algorithm"] == alg and r["size_bytes"] == size),
+                        key=lambda r: r["P"])
+            if not rs:
+                continue
+            c = f"C{i}"
+            ax.plot([r["P"] for r in rs], [r["time_us"] / 1e3 for r in rs], "o-", color=c, label=f"{alg} measured")
+            pr = [r for r in rs if r["predicted_us"] is not None]
+            if pr:
+                ax.plot([r["P"] for r in pr], [r["predicted_us"] / 1e3 for r in pr], "x--", color=c,
+                        label=f"{alg} predicted")
+        ax.set_title(f"all_reduce {common.format_size(size)} on {link} links")
+        ax.set_xlabel("nodes (1 rank each)")
+        ax.set_ylabel("ms")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":  # python -m distrain.bench.comm_predict OUT.md OUT.png SIZE A.json B.json ...
+    import sys
+
+    recs = load(sys.argv[4:])
+    with open(sys.argv[1], "w") as f:
+        f.write(markdown(recs) + "\n")
+    plot_nodes(recs, common.parse_size(sys.argv[3]), sys.argv[2])

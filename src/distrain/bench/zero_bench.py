@@ -12,11 +12,10 @@ Strategies (same model, same seed, same global batch, AdamW, ``--steps`` after `
 Each (P, strategy) is a fresh set of processes, so memory peaks do not mix. Measured per rank
 (max over ranks reported): the bytes of the distinct storages holding parameters, gradients
 and optimizer state after the last step (before zero_grad), our DDP's gradient buckets, and
-the peak resident set size during the timed steps above the RSS before the model was built
-(Linux VmHWM, reset through /proc/self/clear_refs after the warm-up steps; it includes the
-allocator's retained free memory and one-time library state, alike for every strategy; we
-do not force glibc to unmap freed blocks: that made every large allocation fault its pages
-in again and slowed the sharded strategies 2-4x). Beside them: the formulas of memory.py for
+the peak resident set size of one more step, after the timed ones, above the RSS before the
+model was built (Linux VmHWM, reset through /proc/self/clear_refs; for that step glibc unmaps
+every freed block above 128 KiB, so the peak follows live tensors rather than what the
+allocator keeps; it still includes one-time library state, alike for every strategy). Beside them: the formulas of memory.py for
 Psi = the model's parameter count (ours: fp32, no master copy; the paper's: mixed precision).
 Step time is rank 0's median after warm-up; ``--rounds`` repeats all jobs in rotated order
 and reports medians over rounds, so a loaded machine's noise hits every strategy alike.
@@ -95,40 +94,53 @@ def _wrap(strategy: str, model, args):
 
 
 def _job(rank: int, strategy: str, args) -> dict:
+    import ctypes
+
     import torch
     import torch.distributed as dist
 
     from distrain import comm
     from distrain.models import build_model, count_parameters, lm_loss
-    from distrain.parallel.zero.memory import PeakRSS, _status, resident_bytes
+    from distrain.parallel.zero.memory import PeakRSS, resident_bytes, rss_bytes
 
     P = dist.get_world_size()
-    base = _status("VmRSS")
+    base = rss_bytes()
     torch.manual_seed(0)
     model = build_model(args.model, n_embd=args.n_embd, n_layer=args.n_layer)
     psi = count_parameters(model)
     fwd, step, zero_grad, tensors = _wrap(strategy, model, args)
-    peak = PeakRSS()
     g = torch.Generator().manual_seed(1)
     T = model.layers[0].block_size
-    times, held = [], {}
+    rows = slice(rank * args.batch_size // P, (rank + 1) * args.batch_size // P)
+
+    def one_step(measure: bool = False) -> tuple[float, dict]:
+        idx = torch.randint(0, 256, (args.batch_size, T + 1), generator=g)
+        dist.barrier()
+        t0 = time.perf_counter()
+        lm_loss(fwd(idx[rows, :-1]), idx[rows, 1:]).backward()
+        step()
+        dt = time.perf_counter() - t0
+        held = {k: resident_bytes(v) for k, v in tensors().items()} if measure else {}
+        zero_grad()
+        return dt, held
+
     with comm.ledger() as led:
-        for s in range(args.warmup + args.steps):
-            idx = torch.randint(0, 256, (args.batch_size, T + 1), generator=g)
-            rows = slice(rank * args.batch_size // P, (rank + 1) * args.batch_size // P)
-            dist.barrier()
-            t0 = time.perf_counter()
-            lm_loss(fwd(idx[rows, :-1]), idx[rows, 1:]).backward()
-            step()
-            times.append(time.perf_counter() - t0)
-            if s == args.warmup + args.steps - 1:
-                held = {k: resident_bytes(v) for k, v in tensors().items()}
-            zero_grad()
-            if s == args.warmup - 1:  # steady state from here: high-water mark and ledger restart
-                led.reset()
-                peak.start()
-                peak.base = base
-    return {"psi": psi, "step_s": statistics.median(times[args.warmup:]), "peak": peak.peak(), **held,
+        for _ in range(args.warmup):
+            one_step()
+        led.reset()
+        timed = [one_step(measure=i == args.steps - 1) for i in range(args.steps)]
+    # Memory pass: glibc now unmaps every freed block above 128 KiB (M_MMAP_THRESHOLD = -3) and
+    # returns what it kept, so the RSS high-water mark follows the live tensors. (Not during the
+    # timed steps: fresh mappings fault their pages in again, which slowed sharded runs 2-4x.)
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 128 * 1024)
+    libc.malloc_trim(0)
+    one_step()
+    peak = PeakRSS()
+    peak.start()
+    peak.base = base
+    one_step()
+    return {"psi": psi, "step_s": statistics.median(t for t, _ in timed), "peak": peak.peak(), **timed[-1][1],
             "sent_per_step": led.bytes_sent() // args.steps}
 
 

@@ -4,9 +4,11 @@
     parameter_server/   data parallelism by parameter servers, sync and async, sharded
                         (ps.py: the protocol; ps_layout.py: roles, shards, exact bytes)
     tensor_parallel/    Megatron column/row split with f/g (layers.py) placed by a per-model
-                        plan (plan.py; the GPT's plan is distrain.models.gpt_plan)
+                        plan (plan.py; the GPT's plan is distrain.models.gpt_plan), and
+                        sequence parallelism (sequence.py)
     pipeline_parallel/  GPipe and 1F1B (schedule.py: pure planning; pipeline.py: the
-                        executor; timeline.py: bubble, traces)
+                        executor; timeline.py: bubble, traces), interleaved 1F1B
+                        (interleaved.py)
     zero/               ZeRO stages 1-3: optimizer state, gradients, parameters sharded
                         over the data-parallel group (engine.py: Zero; layout.py: flat shards)
     parallelize.py      tensor, then pipeline, then data parallel on one model

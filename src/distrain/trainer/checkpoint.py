@@ -135,7 +135,8 @@ def read_manifest(out: str | os.PathLike) -> dict:
     try:
         manifest = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--resume: {path} is corrupt ({e}); delete the run folder or start without --resume") from None
+        raise ConfigError(f"--resume: {path} is corrupt ({e}); delete the run folder or start without "
+                          f"--resume") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION or "step" not in manifest:
         raise ConfigError(f"--resume: {path} is not a distrain checkpoint manifest (format {FORMAT_VERSION})")
     missing = [f for f in manifest.get("files", []) if not (Path(out) / f).exists()]

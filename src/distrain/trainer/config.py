@@ -14,11 +14,14 @@ from dataclasses import asdict, dataclass, field, fields
 from distrain.comm import ALGORITHM_NAMES, TRANSPORT_NAMES
 from distrain.errors import ConfigError
 
-STRATEGIES = ("single", "ddp", "torch-ddp", "ps-sync", "ps-async")
+STRATEGIES = ("single", "ddp", "torch-ddp", "ps-sync", "ps-async", "zero1", "zero2", "zero3")
 DATASETS = ("shakespeare", "fashion-mnist", "digits")
 OPTIMIZERS = ("adamw", "sgd")
 DTYPES = ("float32", "float64")
 DEVICES = ("auto", "cpu", "cuda")
+LR_SCHEDULES = ("constant", "cosine")
+AUTOCASTS = ("none", "bf16")
+CUSTOM = "custom"  # model/data given as objects to distrain.train
 SCHEDULES = ("gpipe", "1f1b")
 # which data each model preset reads (input sizes must match)
 MODEL_DATA = {"gpt-tiny": "text", "gpt-small": "text", "mlp": "fashion-mnist", "mlp-tiny": "digits"}
@@ -32,17 +35,20 @@ def opt(default, help: str, choices=None, type=None):
 @dataclass
 class TrainConfig:
     # what to train
-    model: str = opt("gpt-small", "model preset", choices=tuple(MODEL_DATA))
-    data: str = opt("shakespeare", "data set name, or a path to a .txt file / folder of .txt files",
-                    choices=DATASETS + ("PATH",))
+    model: str = opt("gpt-small", "model preset, or PKG.MOD:FACTORY (your own: factory() -> nn.Module)",
+                     choices=tuple(MODEL_DATA) + ("PKG.MOD:FACTORY",))
+    data: str = opt("shakespeare", "data set name, a path to a .txt file / folder of .txt files, or "
+                                   "PKG.MOD:FACTORY (your own: factory() -> (train, val))",
+                    choices=DATASETS + ("PATH", "PKG.MOD:FACTORY"))
     # how to parallelize
-    strategy: str = opt("ddp", "way of training (ps-*: parameter servers)", choices=STRATEGIES)
+    strategy: str = opt("ddp", "way of training (ps-*: parameter servers; zero1-3: ZeRO stages)", choices=STRATEGIES)
     nproc: int = opt(2, "processes (ranks) in the job")
     device: str = opt("auto", "where each rank computes: auto = cuda:LOCAL_RANK when CUDA is visible (NCCL), "
                               "else cpu (Gloo)", choices=DEVICES)
     algorithm: str = opt("ring", "all-reduce algorithm of our DDP (and TP/PP collectives)", choices=ALGORITHM_NAMES)
-    transport: str = opt("torch", "how ranks' bytes travel: torch (Gloo/NCCL), shm (shared memory, one host), "
-                                  "auto (shm when every rank is on this host)", choices=TRANSPORT_NAMES)
+    transport: str = opt("torch", "how ranks' bytes travel: torch (Gloo/NCCL), shm (shared memory between the "
+                                  "ranks of one host), auto (shm inside a host, torch between hosts)",
+                         choices=TRANSPORT_NAMES)
     bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB")
     compression: str | None = opt(None, "DDP gradient compression on the wire", choices=("bf16", "fp16"), type=str)
     servers: int = opt(1, "parameter servers (ps-* strategies); the other ranks work")
@@ -53,6 +59,9 @@ class TrainConfig:
     pp: int = opt(1, "pipeline-parallel stages (GPT models)")
     microbatches: int = opt(1, "micro-batches per pipeline step; must divide the per-replica batch")
     schedule: str = opt("1f1b", "pipeline schedule", choices=SCHEDULES)
+    trace: str = opt("", "pipeline runs: write the last step's timeline as a Chrome trace (JSON for "
+                         "chrome://tracing or Perfetto) to this path")
+    gantt: str = opt("", "pipeline runs: draw the last step's timeline as a Gantt chart (PNG) to this path")
     # optimization
     steps: int = opt(1200, "optimizer steps")
     batch_size: int = opt(32, "global batch size (the same whatever nproc is, so runs compare)")
@@ -62,6 +71,17 @@ class TrainConfig:
     momentum: float = opt(0.9, "SGD momentum")
     seed: int = opt(0, "seed of the model's initialisation and of the batch order")
     dtype: str = opt("float32", "parameter and activation dtype", choices=DTYPES)
+    loss: str = opt("auto", "loss: auto (the data's: next-token cross-entropy for text, cross-entropy for "
+                            "classes), cross-entropy, mse, or PKG.MOD:FN (fn(output, target) -> scalar)",
+                    choices=("auto", "cross-entropy", "mse", "PKG.MOD:FN"))
+    lr_schedule: str = opt("constant", "learning rate after the warm-up: constant, or cosine decay to --min-lr "
+                                       "at the last step", choices=LR_SCHEDULES)
+    warmup_steps: int = opt(0, "steps of linear learning-rate warm-up from lr/warmup to lr")
+    min_lr: float = opt(0.0, "the learning rate the cosine schedule ends at")
+    grad_clip: float = opt(0.0, "clip gradients to this global L2 norm (over every shard; 0: off)")
+    accum_steps: int = opt(1, "gradient accumulation: micro-batches per rank and step (single, ddp, torch-ddp)")
+    autocast: str = opt("none", "mixed precision: run forward and loss under torch.autocast in bf16",
+                        choices=AUTOCASTS)
     # bookkeeping
     out: str = opt("runs/latest", "run folder: metrics.jsonl, loss.png, summary.json, checkpoints")
     overwrite: bool = opt(False, "replace the previous run's files in a non-empty --out")
@@ -96,7 +116,14 @@ class TrainConfig:
 
     @property
     def data_kind(self) -> str:
+        """text, fashion-mnist, digits, or custom (your own data: a spec or distrain.train's objects)."""
+        if self.data == CUSTOM or ":" in self.data:
+            return CUSTOM
         return "text" if self.data not in ("fashion-mnist", "digits") else self.data
+
+    @property
+    def custom_model(self) -> bool:
+        return self.model == CUSTOM or ":" in self.model
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -124,6 +151,28 @@ class TrainConfig:
              f"--microbatches {self.microbatches} does not divide the per-replica batch {self.batch_size} / "
              f"dp {self.dp_size} = {self.batch_size / self.dp_size:g}; pick a divisor of it")
 
+    def _validate_features(self, need) -> None:
+        """LR schedule, clipping, autocast, accumulation and device flags."""
+        need(self.lr_schedule in LR_SCHEDULES,
+             f"--lr-schedule {self.lr_schedule!r} is unknown; use one of {', '.join(LR_SCHEDULES)}")
+        need(self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        need(0 <= self.min_lr <= self.lr, f"--min-lr must be in [0, --lr], got {self.min_lr}")
+        need(math.isfinite(self.grad_clip) and self.grad_clip >= 0,
+             f"--grad-clip must be >= 0 (0: off), got {self.grad_clip}")
+        need(self.autocast in AUTOCASTS, f"--autocast {self.autocast!r} is unknown; use one of {', '.join(AUTOCASTS)}")
+        need(self.autocast == "none" or self.dtype == "float32",
+             f"--autocast {self.autocast} needs --dtype float32 (autocast lowers float32 compute), got {self.dtype}")
+        need(self.accum_steps >= 1, f"--accum-steps must be >= 1, got {self.accum_steps}")
+        need(not (self.trace or self.gantt) or self.pp > 1,
+             f"--trace/--gantt draw a pipeline's timeline: they need --pp >= 2, got --pp {self.pp}")
+        need(self.device in DEVICES, f"--device {self.device!r} is unknown; use one of {', '.join(DEVICES)}")
+        if self.device == "cuda":
+            import torch
+
+            need(torch.cuda.is_available(), "--device cuda: no CUDA device is visible (torch.cuda.is_available() is "
+                                            "False; install a CUDA build of torch, see docs/training.md, or use "
+                                            "--device cpu)")
+
     def validate(self) -> "TrainConfig":
         from distrain.models import list_models
 
@@ -131,15 +180,21 @@ class TrainConfig:
             if not cond:
                 raise ConfigError(msg)
 
-        need(self.strategy in STRATEGIES, f"--strategy {self.strategy!r} is unknown; use one of {', '.join(STRATEGIES)}")
-        need(self.model in list_models(), f"--model {self.model!r} is unknown; use one of {', '.join(list_models())}")
+        need(self.strategy in STRATEGIES,
+             f"--strategy {self.strategy!r} is unknown; use one of {', '.join(STRATEGIES)}")
+        need(self.model in list_models() or self.custom_model,
+             f"--model {self.model!r} is unknown; use one of {', '.join(list_models())}, or PKG.MOD:FACTORY")
+        need(self.loss in ("auto", "cross-entropy", "mse") or ":" in self.loss,
+             f"--loss {self.loss!r} is unknown; use auto, cross-entropy, mse or PKG.MOD:FN")
         need(self.algorithm in ALGORITHM_NAMES,
              f"--algorithm {self.algorithm!r} is unknown; use one of {', '.join(ALGORITHM_NAMES)}")
         need(self.transport in TRANSPORT_NAMES,
              f"--transport {self.transport!r} is unknown; use one of {', '.join(TRANSPORT_NAMES)}")
-        need(self.optimizer in OPTIMIZERS, f"--optimizer {self.optimizer!r} is unknown; use one of {', '.join(OPTIMIZERS)}")
+        need(self.optimizer in OPTIMIZERS,
+             f"--optimizer {self.optimizer!r} is unknown; use one of {', '.join(OPTIMIZERS)}")
         need(self.dtype in DTYPES, f"--dtype {self.dtype!r} is unknown; use one of {', '.join(DTYPES)}")
-        need(self.compression in (None, "bf16", "fp16"), f"--compression must be bf16 or fp16, got {self.compression!r}")
+        need(self.compression in (None, "bf16", "fp16"),
+             f"--compression must be bf16 or fp16, got {self.compression!r}")
         need(isinstance(self.nproc, int) and self.nproc >= 1, f"--nproc must be >= 1, got {self.nproc}")
         need(self.steps >= 1, f"--steps must be >= 1, got {self.steps}")
         need(math.isfinite(self.lr) and self.lr > 0, f"--lr must be a positive finite number, got {self.lr}")
@@ -171,13 +226,7 @@ class TrainConfig:
             need(self.strategy == "ps-async", "--max-staleness applies only to --strategy ps-async")
             need(self.max_staleness >= 0, f"--max-staleness must be >= 0, got {self.max_staleness}")
         need(self.schedule in SCHEDULES, f"--schedule must be gpipe or 1f1b, got {self.schedule!r}")
-        need(self.device in DEVICES, f"--device {self.device!r} is unknown; use one of {', '.join(DEVICES)}")
-        if self.device == "cuda":
-            import torch
-
-            need(torch.cuda.is_available(), "--device cuda: no CUDA device is visible (torch.cuda.is_available() is "
-                                            "False; install a CUDA build of torch, see docs/training.md, or use "
-                                            "--device cpu)")
+        self._validate_features(need)
         need(min(self.tp, self.pp, self.microbatches) >= 1 and self.dp >= 0,
              "--tp, --pp and --microbatches must be >= 1, --dp >= 0 (0: whatever is left of --nproc)")
         if self.model_parallel or self.dp:
@@ -185,15 +234,27 @@ class TrainConfig:
 
             need(self.strategy == "ddp", f"--dp/--tp/--pp compose with --strategy ddp only, got {self.strategy}")
             Topology(dp=self.dp_size, tp=self.tp, pp=self.pp, world_size=self.nproc)  # dp*tp*pp == nproc
-        if self.model_parallel:
+        if self.model_parallel and not self.custom_model:
             self._validate_model_parallel(need)
         need(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.accum_steps > 1:
+            need(self.strategy in ("single", "ddp", "torch-ddp") and not self.model_parallel,
+                 f"--accum-steps applies to single, ddp and torch-ddp (pipelines accumulate over --microbatches; "
+                 f"parameter servers push every batch); got --strategy {self.strategy}"
+                 + (f" with --tp {self.tp} --pp {self.pp}" if self.model_parallel else ""))
+            per_rank = self.batch_size // max(1, self.workers)
+            need(per_rank % self.accum_steps == 0,
+                 f"--accum-steps {self.accum_steps} does not divide the per-rank batch {self.batch_size} / "
+                 f"{self.workers} = {per_rank}; pick a divisor of it")
         need(self.batch_size % self.workers == 0,
              f"--batch-size {self.batch_size} does not divide among {self.workers} data-parallel worker(s); use a "
              f"multiple of {self.workers}, e.g. {self.workers * max(1, round(self.batch_size / self.workers))}")
-        # data and model must fit each other
-        wants = MODEL_DATA[self.model]
-        if wants == "text":
+        # data and model must fit each other (your own model or data: yours to match)
+        wants = "custom" if self.custom_model or self.data_kind == CUSTOM else MODEL_DATA[self.model]
+        if wants == "custom":
+            need(self.data_kind == CUSTOM or self.data in DATASETS,
+                 f"--data {self.data!r}: with your own model give PKG.MOD:FACTORY data or one of {', '.join(DATASETS)}")
+        elif wants == "text":
             need(self.data_kind == "text", f"--model {self.model} is a language model: use --data shakespeare or a "
                                            f"text path, not {self.data!r}")
             if self.data != "shakespeare":

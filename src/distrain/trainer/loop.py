@@ -14,6 +14,8 @@ uninterrupted run from step k on.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import time
 from pathlib import Path
@@ -31,11 +33,29 @@ from distrain.trainer.config import TrainConfig
 from distrain.trainer.engines import Engine, build_engine, engine_class
 from distrain.trainer.metrics import MetricsLog
 from distrain.trainer.report import finish, flush, progress_bar, rank_traffic, step_record
-from distrain.trainer.task import Task, build_optimizer, build_task
+from distrain.trainer.task import Task, build_optimizer, build_task, loss_function, lr_at
 
 
-def train(cfg: TrainConfig) -> dict:
-    """Run a training job described by ``cfg``; returns rank 0's summary."""
+def train(cfg: TrainConfig | None = None, *, model=None, train_data=None, val_data=None, loss_fn=None,
+          config: TrainConfig | None = None) -> dict:
+    """Run a training job; returns rank 0's summary.
+
+    ``cfg``/``config``: the TrainConfig. Your own parts (see trainer/custom.py): ``model`` (an
+    nn.Module; every rank starts from its weights), ``train_data``/``val_data`` (map-style data
+    sets of (x, y) or objects with get_batch), ``loss_fn(output, target)``. They are pickled to
+    the ranks, so their classes and functions must be importable (module level)."""
+    cfg = dataclasses.replace(cfg or config or TrainConfig())
+    parts = None
+    if any(v is not None for v in (model, train_data, val_data, loss_fn)):
+        from distrain.trainer.custom import UserParts, as_batches
+
+        parts = UserParts(model, as_batches(train_data, "train_data"), as_batches(val_data, "val_data"), loss_fn)
+        if model is not None:
+            cfg.model = "custom"
+        if train_data is not None:
+            cfg.data = "custom"
+        if val_data is None and train_data is not None:
+            cfg.eval_every = 0  # nothing to evaluate on
     cfg.validate()
     if cfg.resume == "auto":  # restarts under distrain launch: resume if there is a checkpoint, else start afresh
         cfg.resume = (Path(cfg.out) / checkpoint.MANIFEST).exists()
@@ -48,19 +68,20 @@ def train(cfg: TrainConfig) -> dict:
         runtime.init(BACKENDS[cfg.device], timeout=cfg.collective_timeout)
         if dist.get_world_size() != cfg.nproc:
             raise ConfigError(f"the launcher started {dist.get_world_size()} ranks but --nproc is {cfg.nproc}")
-        return run_rank(cfg)
+        return run_rank(cfg, parts)
     if not cfg.resume:
         check_out(cfg)
-    return spawn(_spawned, cfg.nproc, args=(cfg.to_dict(),), backend=BACKENDS[cfg.device], timeout=cfg.timeout or None,
-                 init_timeout=cfg.collective_timeout)[0]
+    return spawn(_spawned, cfg.nproc, args=(cfg.to_dict(), parts), backend=BACKENDS[cfg.device],
+                 timeout=cfg.timeout or None, init_timeout=cfg.collective_timeout)[0]
 
 
-def _spawned(rank: int, cfg_dict: dict) -> dict:
-    return run_rank(TrainConfig.from_dict(cfg_dict))
+def _spawned(rank: int, cfg_dict: dict, parts=None) -> dict:
+    return run_rank(TrainConfig.from_dict(cfg_dict), parts)
 
 
 # what a run writes into --out; --overwrite removes these and nothing else
-RUN_FILES = ("metrics.jsonl", "summary.json", "loss.png", checkpoint.MANIFEST, "checkpoint-*.pt", ".checkpoint*.tmp")
+RUN_FILES = ("metrics.jsonl", "summary.json", "loss.png", "config.json", "tensorboard/*", checkpoint.MANIFEST,
+             "checkpoint-*.pt", ".checkpoint*.tmp")
 BACKENDS = {"auto": "auto", "cpu": "gloo", "cuda": "nccl"}
 
 
@@ -112,18 +133,23 @@ def check_resume(cfg: TrainConfig) -> dict:
     return manifest
 
 
-def run_rank(cfg: TrainConfig) -> dict:
+def run_rank(cfg: TrainConfig, parts=None) -> dict:
+    from distrain.trainer.custom import UserParts
+
     comm.set_default_transport(cfg.transport, timeout=cfg.collective_timeout)  # every group this run creates
+
     out = Path(cfg.out)
+    parts = parts or UserParts.from_config(cfg)  # --model/--data/--loss PKG.MOD:NAME, built here
 
     # build model: the same seeded model on every rank (engines replicate, shard or serve it),
     # on this rank's device: cuda:LOCAL_RANK under NCCL, the CPU under Gloo
     device = runtime.info().device if cfg.device != "cpu" else torch.device("cpu")
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model).to(device=device, dtype=getattr(torch, cfg.dtype))
+    model = parts.model if parts.model is not None else build_model(cfg.model)
+    model = model.to(device=device, dtype=getattr(torch, cfg.dtype))
 
     # build engine: the way of training, with its communication and optimizer (engines/)
-    engine = build_engine(cfg, model, loss_function(cfg), lambda params: build_optimizer(cfg, params))
+    engine = build_engine(cfg, model, loss_function(cfg, parts), lambda params: build_optimizer(cfg, params))
 
     # resume: every rank loads the shard it holds from the committed checkpoint set
     start = 0
@@ -139,7 +165,7 @@ def run_rank(cfg: TrainConfig) -> dict:
         if engine.serves:
             engine.serve(cfg.steps - start)
         else:
-            task = build_task(cfg, getattr(getattr(model, "config", None), "block_size", None), device)
+            task = build_task(cfg, getattr(getattr(model, "config", None), "block_size", None), device, parts)
             wall = train_steps(cfg, engine, task, start)
 
     # checkpoint: the final set, written by every rank that owns a shard
@@ -151,36 +177,35 @@ def run_rank(cfg: TrainConfig) -> dict:
     return finish(cfg, engine, task, out, wall, start, traffic, extra) if engine.rank == 0 else {}
 
 
-def loss_function(cfg: TrainConfig):
-    from distrain.models import classification_loss, lm_loss
-
-    return lm_loss if cfg.data_kind == "text" else classification_loss
-
-
 def train_steps(cfg: TrainConfig, engine: Engine, task: Task, start: int) -> float:
     """Steps ``start .. cfg.steps - 1``; returns the wall time. Every training rank runs it."""
     is_logger = engine.rank == 0
     sampler = DistributedBatchSampler(len(task.train), cfg.batch_size, dp_rank=engine.dp_rank,
                                       dp_size=engine.dp_size, seed=cfg.seed)
-    log = MetricsLog(Path(cfg.out) / "metrics.jsonl", start) if is_logger else None
+    log = MetricsLog(Path(cfg.out) / "metrics.jsonl", start, tensorboard=True) if is_logger else None
+    if is_logger:  # the run's settings beside its results (what --resume and readers check)
+        (Path(cfg.out) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     bar = progress_bar(cfg, start, engine.label, is_logger)
     pending: list[dict] = []  # step records whose global loss is not summed yet
     t_run = time.perf_counter()
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         x, y = task.batch(task.train, sampler.batch(step))
+        lr = lr_at(cfg, step)
+        engine.set_lr(lr)
         loss = engine.train_step(x, y)
         pending.append(step_record(step, loss, time.perf_counter() - t0, engine.comm_wait_s, task.unit,
-                                   cfg.batch_size * task.units_per_sample))
+                                   cfg.batch_size * task.units_per_sample, lr))
         last = step == cfg.steps - 1
         if last:
             engine.end_training()
-        do_eval = cfg.eval_every and engine.can_evaluate and ((step + 1) % cfg.eval_every == 0 or last)
+        do_eval = (cfg.eval_every and task.val is not None and engine.can_evaluate
+                   and ((step + 1) % cfg.eval_every == 0 or last))
         do_ckpt = cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and not last  # the last: after the loop
         if do_eval:
             val = engine.evaluate(task.val_batches(cfg.batch_size, cfg.eval_batches))
             if val is not None:
-                pending[-1]["val_loss"] = val
+                pending[-1].update(val)
         if len(pending) >= cfg.log_every or do_eval or do_ckpt or last:
             flush(pending, log, bar, engine.loss_group, engine.loss_weight)
             pending = []
@@ -188,6 +213,8 @@ def train_steps(cfg: TrainConfig, engine: Engine, task: Task, start: int) -> flo
             save_checkpoint(cfg, engine, step + 1)
     if bar is not None:
         bar.close()
+    if log is not None and log.tensorboard is not None:
+        log.tensorboard.close()
     return time.perf_counter() - t_run
 
 

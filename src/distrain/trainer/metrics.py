@@ -14,18 +14,21 @@ class MetricsLog:
     that then died) are dropped, so the file reads as one uninterrupted run.
     """
 
-    def __init__(self, path: str | os.PathLike, start_step: int = 0):
+    def __init__(self, path: str | os.PathLike, start_step: int = 0, tensorboard: bool = False):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
         if start_step > 0 and self.path.exists():
             kept = [ln for ln in self.path.read_text().splitlines() if _step(ln) < start_step]
         self.path.write_text("".join(ln + "\n" for ln in kept))
+        self.tensorboard = TensorBoardLog(self.path.parent) if tensorboard else None
 
     def write(self, records: list[dict]) -> None:
         with self.path.open("a") as f:
             for r in records:
                 f.write(json.dumps(r) + "\n")
+        if self.tensorboard is not None:
+            self.tensorboard.write(records)
 
 
     def rewrite_last(self, **fields) -> None:
@@ -43,6 +46,32 @@ def _step(line: str) -> float:
         return json.loads(line).get("step", float("inf"))
     except ValueError:
         return float("inf")
+
+
+class TensorBoardLog:
+    """The same records as TensorBoard scalars in ``<out>/tensorboard`` (every numeric field but
+    ``step``, at x = step), when the optional ``tensorboard`` package is installed; else nothing."""
+
+    def __init__(self, out: str | os.PathLike):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # tensorboard is an optional extra: pip install 'distrain[tensorboard]'
+            self.writer = None
+            return
+        self.writer = SummaryWriter(log_dir=str(Path(out) / "tensorboard"))
+
+    def write(self, records: list[dict]) -> None:
+        if self.writer is None:
+            return
+        for r in records:
+            for k, v in r.items():
+                if k not in ("step", "time") and isinstance(v, (int, float)):
+                    self.writer.add_scalar(k, v, r["step"], walltime=r.get("time"))
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -25,11 +26,13 @@ from distrain.trainer.metrics import MetricsLog, format_table, plot_losses, read
 
 
 def step_record(step: int, loss: torch.Tensor | None, dt: float, comm_wait: float | None, unit: str,
-                units_per_step: int) -> dict:
+                units_per_step: int, lr: float) -> dict:
     """One metrics.jsonl line; ``loss`` stays a tensor until ``flush`` sums it over ranks
-    (None on ranks that compute no loss, which then contribute 0)."""
+    (None on ranks that compute no loss, which then contribute 0). ``time``: Unix seconds at
+    the end of the step (for tools that plot against wall-clock time)."""
     return {"step": step, "loss": (loss.detach() if loss is not None else torch.zeros(())).double(),
-            "time_s": dt, "comm_wait_s": comm_wait, f"{unit}_per_s": units_per_step / dt}
+            "time_s": dt, "comm_wait_s": comm_wait, f"{unit}_per_s": units_per_step / dt, "lr": lr,
+            "time": time.time()}
 
 
 def progress_bar(cfg: TrainConfig, start: int, label: str, on: bool):
@@ -86,6 +89,7 @@ def summarize(cfg: TrainConfig, label: str, unit: str, units_per_sample: int, ou
         "strategy": cfg.strategy, "label": label, "model": cfg.model, "data": cfg.data, "nproc": cfg.nproc,
         "algorithm": cfg.algorithm if cfg.strategy == "ddp" else None, "steps": cfg.steps,
         "first_loss": rows[0]["loss"], "final_loss": rows[-1]["loss"], "final_val_loss": vals[-1] if vals else None,
+        "final_val_accuracy": next((r["val_accuracy"] for r in reversed(rows) if "val_accuracy" in r), None),
         f"{unit}_per_s": rate, "comm_share": sum(waits) / sum(r["time_s"] for r in steady) if waits else None,
         "bytes_per_step": traffic, "bytes_sent_per_step_rank0": traffic[0]["sent"], "wall_s": wall, **extra,
     }
@@ -104,6 +108,8 @@ def table_rows(cfg: TrainConfig, s: dict, start: int, unit: str, extra_rows: lis
             ("steps", f"{start} -> {cfg.steps}"), ("loss", f"{s['first_loss']:.4f} -> {s['final_loss']:.4f}")]
     if s["final_val_loss"] is not None:
         rows.append(("validation loss", f"{s['final_val_loss']:.4f}"))
+    if s["final_val_accuracy"] is not None:
+        rows.append(("validation accuracy", f"{100 * s['final_val_accuracy']:.1f}%"))
     rows += [(f"{unit} per s", f"{s[f'{unit}_per_s']:,.0f}"),
              ("communication wait", f"{100 * share:.1f}% of step" if share is not None else "n/a"),
              ("bytes sent per step (rank 0)", f"{traffic[0]['sent']:,.0f}")]

@@ -11,13 +11,18 @@ overlap are :func:`split_microbatches` and the schedules of :func:`schedule_ops`
                  simulate() (the Kahn-network argument that the executor cannot deadlock)
     pipeline.py  PipelineStage (this rank's layers) and pipeline_step (runs the schedule
                  with isend / recv between neighbouring stages)
+    interleaved.py  interleaved 1F1B (v model chunks per rank, Megatron SC'21): its op order,
+                 simulation, InterleavedStage and interleaved_step; bubble (p-1)/(v*m)
     timeline.py  what ran when on each stage: bubble fraction, held activations, Chrome
                  trace and Gantt chart
 
-Imports go one way: pipeline -> schedule -> timeline. The bubble benchmark is
+Imports go one way: pipeline, interleaved -> schedule -> timeline. The bubble benchmark is
 ``distrain bench pipeline`` (distrain.bench.pipeline_bench).
 """
 
+from distrain.parallel.pipeline_parallel.interleaved import (
+    InterleavedStage, interleaved_bubble, interleaved_ops, interleaved_step, simulate_interleaved,
+)
 from distrain.parallel.pipeline_parallel.pipeline import DEFAULT_TAG_BASE, PipelineStage, pipeline_step
 from distrain.parallel.pipeline_parallel.schedule import (
     SCHEDULES, ScheduleDeadlock, check_schedule, ideal_bubble, layer_costs, partition, peak_in_flight,
@@ -26,7 +31,8 @@ from distrain.parallel.pipeline_parallel.schedule import (
 from distrain.parallel.pipeline_parallel.timeline import PipelineTimeline, StageTimeline, collect_timeline
 
 __all__ = [
-    "DEFAULT_TAG_BASE", "PipelineStage", "PipelineTimeline", "SCHEDULES", "ScheduleDeadlock", "StageTimeline",
+    "DEFAULT_TAG_BASE", "InterleavedStage", "PipelineStage", "PipelineTimeline", "SCHEDULES", "ScheduleDeadlock", "StageTimeline",
     "check_schedule", "collect_timeline", "ideal_bubble", "layer_costs", "partition", "peak_in_flight",
     "pipeline_step", "schedule_ops", "simulate", "split_microbatches", "stage_program", "warmup_forwards",
+    "interleaved_bubble", "interleaved_ops", "interleaved_step", "simulate_interleaved",
 ]

@@ -72,6 +72,11 @@ def _status(field: str) -> int:
     raise OSError(f"/proc/self/status has no {field}")
 
 
+def rss_bytes() -> int:
+    """This process's resident set size now (Linux)."""
+    return _status("VmRSS")
+
+
 class PeakRSS:
     """Peak resident memory of this process above the RSS at ``start()`` (Linux only)."""
 

@@ -4,6 +4,7 @@
     ddp.py             data parallel by all-reduce: ours (ddp) and torch's (torch-ddp)
     model_parallel.py  dp × tp × pp (``--tp``/``--pp`` > 1)
     ps.py              parameter server: workers train, servers serve (ps-sync, ps-async)
+    zero.py            ZeRO stages 1-3 (zero1, zero2, zero3)
 
 Adding a way of training is one file here plus one line in ``ENGINES``.
 """
@@ -21,6 +22,7 @@ ENGINES = {
     "torch-ddp": "distrain.trainer.engines.ddp:TorchDDPEngine",
     "ps-sync": "distrain.trainer.engines.ps:PSEngine",
     "ps-async": "distrain.trainer.engines.ps:PSEngine",
+    **{f"zero{s}": "distrain.trainer.engines.zero:ZeroEngine" for s in (1, 2, 3)},
 }
 # --tp > 1 or --pp > 1 (with --strategy ddp): the dp × tp × pp grid
 MODEL_PARALLEL = "distrain.trainer.engines.model_parallel:ModelParallelEngine"

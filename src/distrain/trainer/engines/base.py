@@ -57,8 +57,27 @@ class Engine(ABC):
         """One global step on this rank's slice; the loss where this rank computes one, else None."""
 
     @abstractmethod
-    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
-        """Mean validation loss (on rank 0 at least; None elsewhere). Every training rank calls it."""
+    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> dict | None:
+        """{"val_loss": mean loss, and "val_accuracy" for classifiers} on rank 0 at least (None
+        elsewhere). Every training rank calls it."""
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the coming step (the loop computes it from the step: task.lr_at)."""
+        for opt in self.optimizers():
+            for group in opt.param_groups:
+                group["lr"] = lr
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        opt = getattr(self, "optimizer", None)
+        return [opt] if opt is not None else []
+
+    def autocast(self):
+        """The forward/loss context: bf16 autocast with ``--autocast bf16`` (on this rank's device)."""
+        device = next(iter(self.model_params()), torch.empty(0)).device
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.cfg.autocast == "bf16")
+
+    def model_params(self):
+        return self.model.parameters()
 
     def end_training(self) -> None:
         """Called once right after the last step's ``train_step`` (e.g. a final pull of weights)."""
@@ -112,10 +131,25 @@ class Engine(ABC):
 
 
 @torch.no_grad()
-def mean_loss(net: nn.Module, loss_fn: LossFn, batches) -> float:
-    """Mean of ``loss_fn(net(x), y)`` over ``batches``, in eval mode."""
+def evaluate_batches(net: nn.Module, loss_fn: LossFn, batches, accuracy: bool) -> dict:
+    """Mean of ``loss_fn(net(x), y)`` over ``batches`` in eval mode; with ``accuracy``, also the
+    share of samples whose arg-max logit is the target (logits (B, classes), targets (B,))."""
     was = net.training
     net.eval()
-    losses = [loss_fn(net(x), y).item() for x, y in batches]
+    losses, right, seen = [], 0, 0
+    for x, y in batches:
+        logits = net(x)
+        losses.append(loss_fn(logits, y).item())
+        if accuracy and not y.is_floating_point() and logits.dim() == y.dim() + 1:  # class scores
+            right += int((logits.argmax(dim=-1) == y).sum())
+            seen += y.numel()
     net.train(was)
-    return sum(losses) / len(losses)
+    out = {"val_loss": sum(losses) / len(losses)}
+    if seen:
+        out["val_accuracy"] = right / seen
+    return out
+
+
+def clip_coefficient(total_sq: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6), at most 1."""
+    return (max_norm / (total_sq.sqrt() + 1e-6)).clamp(max=1.0)

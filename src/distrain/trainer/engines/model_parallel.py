@@ -14,8 +14,11 @@ sampling is not done (the model is sharded).
 
 from __future__ import annotations
 
+import torch
+
+from distrain import comm
 from distrain.topology import Topology
-from distrain.trainer.engines.base import Engine
+from distrain.trainer.engines.base import Engine, clip_coefficient, evaluate_batches
 
 
 class ModelParallelEngine(Engine):
@@ -36,21 +39,60 @@ class ModelParallelEngine(Engine):
         self.loss_weight = 1.0 / topo.dp if (self.pm.has_loss and topo.tp_rank == 0) else 0.0
         self.label = f"dp{topo.dp}×tp{topo.tp}×pp{topo.pp}"
 
+    def model_params(self):
+        return self.pm.parameters()
+
     def train_step(self, x, y):
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.pm.train_step(x, y)
+        with self.autocast():
+            loss = self.pm.train_step(x, y)
+        if self.cfg.grad_clip:
+            self._clip(self.cfg.grad_clip)
         self.optimizer.step()
         self.comm_wait_s = self.pm.comm_wait_s
         return loss
+
+    def end_training(self) -> None:
+        """--trace/--gantt: the last step's timeline of the pipeline that holds rank 0 (collective
+        over its pp group), written by rank 0."""
+        c = self.cfg
+        if not (c.trace or c.gantt) or self.pm.stage is None or self.topo.dp_rank or self.topo.tp_rank:
+            return
+        from distrain.parallel.pipeline_parallel import collect_timeline
+
+        timeline = collect_timeline(self.pm.stage.timeline, group=self.topo.pp_group, dst=0)
+        if timeline is None:
+            return
+        if c.trace:
+            timeline.to_chrome_trace(c.trace)
+        if c.gantt:
+            timeline.plot_gantt(c.gantt, title=f"{self.label}, {c.schedule}, {c.microbatches} micro-batches, "
+                                               f"last step")
+
+    @torch.no_grad()
+    def _clip(self, max_norm: float) -> None:
+        """Clip by the norm of the WHOLE model's gradient: sum of squares over this rank's shard
+        (a parameter replicated over the tp group, dim None, counted on tp rank 0 only), summed
+        over the world and divided by dp (the dp replicas hold the same averaged gradients)."""
+        from distrain.parallel.tensor_parallel import tp_shard_info
+
+        info = tp_shard_info(self.pm.module)
+        grads = [(name, p.grad) for name, p in self.pm.module.named_parameters() if p.grad is not None]
+        sq = torch.zeros((), dtype=torch.float64, device=grads[0][1].device if grads else None)
+        for name, g in grads:
+            if info[name].dim is not None or self.topo.tp_rank == 0:
+                sq += g.double().pow(2).sum()
+        comm.all_reduce(sq, op="sum", algorithm="native")
+        coef = clip_coefficient(sq / self.topo.dp, max_norm)
+        for _, g in grads:
+            g.mul_(coef.to(g.dtype))
 
     @property
     def can_evaluate(self) -> bool:
         return self.topo.pp == 1
 
     def evaluate(self, batches):
-        from distrain.trainer.engines.base import mean_loss
-
-        return mean_loss(self.pm.module, self.pm.loss_fn, batches)
+        return evaluate_batches(self.pm.module, self.pm.loss_fn, batches, accuracy=False)
 
     @classmethod
     def layout_of(cls, cfg) -> dict:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from distrain.trainer.engines.base import Engine, mean_loss
+from distrain.trainer.engines.base import Engine, evaluate_batches
 
 
 class PSEngine(Engine):
@@ -41,15 +41,27 @@ class PSEngine(Engine):
 
     # -- server -----------------------------------------------------------------------------
     def serve(self, steps: int) -> None:
+        from distrain.trainer.task import lr_at
+
+        # the learning rate of every update: sync applies one per step, async one per push (W per step)
+        start, per_step = self.cfg.steps - steps, (1 if self.mode == "sync" else self.ps_layout.num_workers)
+        self.server.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.server.optimizer, lambda k: lr_at(self.cfg, start + min(k // per_step, steps - 1)) / self.cfg.lr)
         self.stats = self.server.serve(steps)
+
+    def optimizers(self):
+        return []  # the servers' schedulers set the learning rate (serve)
 
     # -- worker -----------------------------------------------------------------------------
     def train_step(self, x, y):
         w = self.worker
         before = w.pull_s + w.push_s
         w.pull()
-        loss = self.loss_fn(self.model(x), y)
+        with self.autocast():
+            loss = self.loss_fn(self.model(x), y)
         loss.backward()
+        if self.cfg.grad_clip:  # each worker's own gradient, before the server averages them
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         w.push()
         self.comm_wait_s = w.pull_s + w.push_s - before
         return loss.detach()
@@ -59,7 +71,9 @@ class PSEngine(Engine):
         self._final = True
 
     def evaluate(self, batches):
-        return mean_loss(self.model, self.loss_fn, batches) if self.rank == 0 and self._final else None
+        if self.rank != 0 or not self._final:
+            return None
+        return evaluate_batches(self.model, self.loss_fn, batches, accuracy=self.cfg.data_kind != "text")
 
     def sample_model(self):
         return self.model

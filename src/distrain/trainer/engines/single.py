@@ -7,10 +7,12 @@ shard ``tp0-pp0`` (the replicas are identical), the same layout as ``--dp N --tp
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 
-from distrain.trainer.engines.base import Engine, mean_loss
+from distrain.trainer.engines.base import Engine, evaluate_batches
 
 
 class SingleEngine(Engine):
@@ -30,15 +32,28 @@ class SingleEngine(Engine):
         return "single"
 
     def train_step(self, x, y):
+        """Forward/backward of ``accum_steps`` equal micro-batches of this rank's slice (gradients
+        synchronised on the last one only: no_sync before), clipping, optimizer step."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.net(x), y)
-        loss.backward()
+        k = self.cfg.accum_steps
+        total = torch.zeros((), dtype=torch.float64, device=x.device)
+        for i, (xi, yi) in enumerate(zip(x.chunk(k), y.chunk(k))):
+            quiet = self.net.no_sync() if i < k - 1 and hasattr(self.net, "no_sync") else contextlib.nullcontext()
+            with quiet:
+                with self.autocast():
+                    loss = self.loss_fn(self.net(xi), yi) / k  # the mean over the slice: equal chunks
+                loss.backward()
+            total += loss.detach().double()
+        if self.cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.comm_wait_s = getattr(self.net, "comm_wait_s", None)
-        return loss.detach()
+        return total
 
     def evaluate(self, batches):
-        return mean_loss(self.model, self.loss_fn, batches) if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        return evaluate_batches(self.model, self.loss_fn, batches, accuracy=self.cfg.data_kind != "text")
 
     @classmethod
     def layout_of(cls, cfg) -> dict:

@@ -1,0 +1,118 @@
+"""Your own model, data and loss, from Python or from the command line.
+
+Python::
+
+    import distrain
+    from distrain.trainer import TrainConfig
+
+    if __name__ == "__main__":                 # every rank imports this file
+        distrain.train(model=MyNet(), train_data=my_train_set, val_data=my_val_set,
+                       loss_fn=torch.nn.functional.cross_entropy,
+                       config=TrainConfig(strategy="ddp", nproc=2, steps=100, out="runs/mine"))
+
+Command line (``package.module:name`` specs, imported in every rank)::
+
+    distrain train --model mypkg.nets:make_net --data mypkg.sets:make_data --loss cross-entropy
+
+A model factory takes no arguments and returns an ``nn.Module`` (every rank calls it after
+seeding with ``--seed``, so every rank builds the same weights); a data factory returns
+``(train, val)``. A data set is either map-style (``len(ds)``, ``ds[i] -> (x, y)``, like a
+``torch.utils.data.Dataset``; items are stacked into batches) or has
+``get_batch(indices) -> (x, y)``. Tensor parallelism needs ``model.tp_plan``; a pipeline
+needs ``model.layers`` (an ``nn.ModuleList`` run in order).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distrain.errors import ConfigError
+
+LOSSES = ("auto", "cross-entropy", "mse")
+
+
+def is_spec(value) -> bool:
+    """A ``package.module:name`` spec (the CLI's way to name your own model, data or loss)."""
+    return isinstance(value, str) and ":" in value and not value.startswith(("/", "."))
+
+
+def load_object(spec: str, flag: str):
+    """Import ``package.module:name``; a one-line ConfigError naming ``flag`` if that fails."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"{flag} {spec}: cannot import {module_name} ({e}); is it on PYTHONPATH?") from None
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{flag} {spec}: {module_name} has no {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+class MapDatasetBatches:
+    """``get_batch(idx)`` over a map-style data set: stacks ``ds[i] = (x, y)`` for i in idx."""
+
+    def __init__(self, ds):
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def get_batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        xs, ys = zip(*(self.ds[int(i)] for i in idx))
+        return torch.stack([torch.as_tensor(x) for x in xs]), torch.stack([torch.as_tensor(y) for y in ys])
+
+
+def as_batches(ds, what: str):
+    if ds is None or hasattr(ds, "get_batch"):
+        return ds
+    if not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__")):
+        raise ConfigError(f"{what}: {type(ds).__name__} is not a data set: give len() and ds[i] -> (x, y), "
+                          f"or get_batch(indices) -> (x, y)")
+    return MapDatasetBatches(ds)
+
+
+def builtin_loss(name: str) -> Callable:
+    return {"cross-entropy": _cross_entropy, "mse": F.mse_loss}[name]
+
+
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every position: logits (..., C), integer targets (...)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+@dataclass
+class UserParts:
+    """What the user brings instead of distrain's presets (None: the preset from the config)."""
+
+    model: nn.Module | None = None
+    train_data: object = None
+    val_data: object = None
+    loss_fn: Callable | None = None
+
+    @classmethod
+    def from_config(cls, cfg) -> "UserParts":
+        """The parts the config names by ``package.module:name`` spec (built in this rank)."""
+        parts = cls()
+        if is_spec(cfg.model):
+            parts.model = load_object(cfg.model, "--model")()
+            if not isinstance(parts.model, nn.Module):
+                raise ConfigError(f"--model {cfg.model} returned a {type(parts.model).__name__}, not an nn.Module")
+        if is_spec(cfg.data):
+            got = load_object(cfg.data, "--data")()
+            if not (isinstance(got, (tuple, list)) and len(got) == 2):
+                raise ConfigError(f"--data {cfg.data} must return (train, val) data sets, got {type(got).__name__}")
+            parts.train_data, parts.val_data = (as_batches(d, f"--data {cfg.data}") for d in got)
+        if is_spec(cfg.loss):
+            parts.loss_fn = load_object(cfg.loss, "--loss")
+        elif cfg.loss != "auto":
+            parts.loss_fn = builtin_loss(cfg.loss)
+        return parts
