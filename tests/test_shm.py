@@ -329,3 +329,23 @@ def test_stale_segments_of_dead_processes_are_swept():
 def test_transport_names_are_checked():
     with pytest.raises(ConfigError, match=r"set_default_transport: unknown transport 'tcp'; use one of auto, shm, torch"):
         comm.set_default_transport("tcp")
+
+
+@pytest.mark.timeout(300)
+def test_train_over_shared_memory_equals_single_process(tmp_path, tmp_path_factory):
+    from conftest import reference_losses, trainer_config
+
+    from distrain.trainer import train
+    from distrain.trainer.metrics import read_metrics
+
+    ref = reference_losses(tmp_path_factory, model="mlp-tiny", data="digits")
+    for nproc, alg in [(3, "native"), (2, "ring")]:  # direct shm all_reduce; our ring over shm P2P
+        cfg = trainer_config(tmp_path / f"shm{nproc}{alg}", strategy="ddp", nproc=nproc, algorithm=alg,
+                             model="mlp-tiny", data="digits", transport="shm")
+        train(cfg)
+        got = [r["loss"] for r in read_metrics(os.path.join(cfg.out, "metrics.jsonl"))]
+        assert len(got) == len(ref) == 5
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-11, atol=0,
+                                   msg=lambda m: f"ddp x{nproc} ({alg}) over shm vs single: {m}")
+    with pytest.raises(ConfigError, match=r"--transport 'tcp' is unknown; use one of auto, shm, torch"):
+        train(trainer_config(tmp_path / "bad", transport="tcp"))

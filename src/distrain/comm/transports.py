@@ -92,6 +92,8 @@ def set_default_transport(name: str, timeout: float | None = None) -> None:
     global _default, _timeout
     _default = check_name(name, "set_default_transport")
     if timeout is not None:
+        if not timeout > 0:
+            raise ConfigError(f"set_default_transport: timeout must be a positive number of seconds, got {timeout!r}")
         _timeout = float(timeout)
 
 

@@ -46,8 +46,9 @@ class TrainConfig:
     device: str = opt("auto", "where each rank computes: auto = cuda:LOCAL_RANK when CUDA is visible (NCCL), "
                               "else cpu (Gloo)", choices=DEVICES)
     algorithm: str = opt("ring", "all-reduce algorithm of our DDP (and TP/PP collectives)", choices=ALGORITHM_NAMES)
-    transport: str = opt("torch", "how ranks' bytes travel: torch (Gloo/NCCL), shm (shared memory, one host), "
-                                  "auto (shm when every rank is on this host)", choices=TRANSPORT_NAMES)
+    transport: str = opt("torch", "how ranks' bytes travel: torch (Gloo/NCCL), shm (shared memory between the "
+                                  "ranks of one host), auto (shm inside a host, torch between hosts)",
+                         choices=TRANSPORT_NAMES)
     bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB")
     compression: str | None = opt(None, "DDP gradient compression on the wire", choices=("bf16", "fp16"), type=str)
     servers: int = opt(1, "parameter servers (ps-* strategies); the other ranks work")
