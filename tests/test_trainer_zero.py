@@ -44,3 +44,12 @@ def test_zero3_resume_continues_exactly_and_layout_is_checked(tmp_path):
     other = trainer_config(tmp_path / "part", strategy="zero2", nproc=2, steps=8, dtype="float32", resume=True)
     with pytest.raises(ConfigError, match=r"layout \{'zero': 3, 'dp': 2\}, this run uses \{'zero': 2, 'dp': 2\}"):
         train(other)
+
+
+@pytest.mark.timeout(300)
+def test_zero3_with_gradient_clipping_equals_single_process(tmp_path, tmp_path_factory):
+    ref = reference_losses(tmp_path_factory, model="gpt-tiny", data="shakespeare", grad_clip=0.1)
+    assert ref[1:] != reference_losses(tmp_path_factory, model="gpt-tiny", data="shakespeare")[1:]  # clipping acts
+    cfg = trainer_config(tmp_path / "clip", strategy="zero3", nproc=3, grad_clip=0.1)
+    train(cfg)
+    torch.testing.assert_close(torch.tensor(_losses(cfg)), torch.tensor(ref), rtol=1e-11, atol=0)

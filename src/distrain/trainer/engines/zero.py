@@ -10,7 +10,9 @@ each layer for it) and rank 0 reports it; text samples are skipped (the model is
 
 from __future__ import annotations
 
-from distrain.trainer.engines.base import Engine, mean_loss
+import torch
+
+from distrain.trainer.engines.base import Engine, evaluate_batches
 
 
 class ZeroEngine(Engine):
@@ -27,15 +29,28 @@ class ZeroEngine(Engine):
         self.label = f"zero{self.stage} ({cfg.algorithm})"
 
     def train_step(self, x, y):
+        """Forward/backward of this rank's slice (in ``accum_steps`` chunks: the shards' gradients
+        accumulate), clipping by the global norm over every rank's shard, optimizer step."""
         self.zero.zero_grad()
-        loss = self.loss_fn(self.zero(x), y)
-        loss.backward()
+        k = self.cfg.accum_steps
+        total = torch.zeros((), dtype=torch.float64, device=x.device)
+        for xi, yi in zip(x.chunk(k), y.chunk(k)):
+            with self.autocast():
+                loss = self.loss_fn(self.zero(xi), yi) / k
+            loss.backward()
+            total += loss.detach().double()
+        if self.cfg.grad_clip:
+            self.zero.clip_grad_norm_(self.cfg.grad_clip)
         self.zero.step()
-        return loss.detach()
+        return total
+
+    def model_params(self):
+        return self.zero.parameters()
 
     def evaluate(self, batches):
-        loss = mean_loss(self.zero, self.loss_fn, batches)  # every rank: stage 3's forward is collective
-        return loss if self.rank == 0 else None
+        # every rank runs it (stage 3's forward gathers each layer: a collective); rank 0 reports
+        out = evaluate_batches(self.zero, self.loss_fn, batches, accuracy=self.cfg.data_kind != "text")
+        return out if self.rank == 0 else None
 
     @classmethod
     def layout_of(cls, cfg) -> dict:
