@@ -10,7 +10,7 @@ each layer for it) and rank 0 reports it; text samples are skipped (the model is
 
 from __future__ import annotations
 
-from distrain.trainer.engines.base import Engine, mean_loss
+from distrain.trainer.engines.base import Engine, evaluate_batches
 
 
 class ZeroEngine(Engine):
@@ -28,14 +28,18 @@ class ZeroEngine(Engine):
 
     def train_step(self, x, y):
         self.zero.zero_grad()
-        loss = self.loss_fn(self.zero(x), y)
+        with self.autocast():
+            loss = self.loss_fn(self.zero(x), y)
         loss.backward()
+        if self.cfg.grad_clip:  # the global norm over every rank's shard
+            self.zero.clip_grad_norm_(self.cfg.grad_clip)
         self.zero.step()
         return loss.detach()
 
     def evaluate(self, batches):
-        loss = mean_loss(self.zero, self.loss_fn, batches)  # every rank: stage 3's forward is collective
-        return loss if self.rank == 0 else None
+        # every rank: stage 3's forward is collective
+        val = evaluate_batches(self.zero, self.loss_fn, batches, accuracy=self.cfg.data_kind != "text")
+        return val if self.rank == 0 else None
 
     @classmethod
     def layout_of(cls, cfg) -> dict:
