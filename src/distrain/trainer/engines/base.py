@@ -49,6 +49,7 @@ class Engine(ABC):
         self.loss_fn = loss_fn
         self.optimizer_factory = optimizer_factory
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = next(model.parameters(), torch.empty(0)).device  # this rank's device (the loop put it there)
         self.comm_wait_s: float | None = None  # seconds the last step waited on communication (None: not measured)
 
     # -- training -------------------------------------------------------------------------
@@ -73,11 +74,7 @@ class Engine(ABC):
 
     def autocast(self):
         """The forward/loss context: bf16 autocast with ``--autocast bf16`` (on this rank's device)."""
-        device = next(iter(self.model_params()), torch.empty(0)).device
-        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.cfg.autocast == "bf16")
-
-    def model_params(self):
-        return self.model.parameters()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.autocast == "bf16")
 
     def end_training(self) -> None:
         """Called once right after the last step's ``train_step`` (e.g. a final pull of weights)."""

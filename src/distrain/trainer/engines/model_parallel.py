@@ -39,9 +39,6 @@ class ModelParallelEngine(Engine):
         self.loss_weight = 1.0 / topo.dp if (self.pm.has_loss and topo.tp_rank == 0) else 0.0
         self.label = f"dp{topo.dp}×tp{topo.tp}×pp{topo.pp}"
 
-    def model_params(self):
-        return self.pm.parameters()
-
     def train_step(self, x, y):
         self.optimizer.zero_grad(set_to_none=True)
         with self.autocast():
