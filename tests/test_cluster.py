@@ -27,7 +27,9 @@ JOB = textwrap.dedent("""
     info = distrain.runtime.init(timeout=60)
     t = torch.full((5,), float(info.rank))
     comm.all_reduce(t, algorithm="ring")
-    print("RESULT", info.rank, info.world_size, info.local_rank, os.environ["DISTRAIN_CLUSTER_NODE"], t[0].item())
+    # one write of one whole line (< PIPE_BUF: atomic), so two ranks sharing the node's pipe never interleave
+    line = f"RESULT {info.rank} {info.world_size} {info.local_rank} {os.environ['DISTRAIN_CLUSTER_NODE']} {t[0].item()}"
+    print(line, flush=True)
     distrain.runtime.shutdown()
 """)
 
