@@ -20,7 +20,8 @@ Layers, each depending only on those above it:
     hierarchy.py   all_reduce over several hosts: shm inside, torch between leaders
     registry.py    the algorithm registry and its interface (Protocol)
     cost.py        exact traffic per rank, from each algorithm's own closed form
-    api.py         the eight collectives: validation, dispatch, async handles, debug checks
+    dispatch.py    argument checks, the debug fingerprint, the dispatcher (ledger, ours, direct or native), async handles
+    api.py         the eight collectives with torch.distributed's signatures, on dispatch.py
     forms.py       *_into_tensor / *_tensor / coalesced forms, P2POp, batch_isend_irecv
     alltoall.py    all_to_all, all_to_all_single
     objects.py     the object collectives (pickled)
