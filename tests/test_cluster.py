@@ -105,7 +105,7 @@ def test_run_across_two_nodes_two_procs_each(emulated_cluster, tmp_path):
     spec = emulated_cluster(nodes=2, link="1gbit")
     job = tmp_path / "job.py"
     job.write_text(JOB)
-    res = runner.run(spec, ["python", str(job)], procs_per_node=2, timeout=150, echo=False)
+    res = runner.run(spec, ["python", str(job)], procs_per_node=2, max_restarts=1, timeout=150, echo=False)  # see below
     assert res.returncode == 0, "\n".join(res.output)
     got = sorted(line.split("RESULT ")[1] for line in res.output if "RESULT" in line)
     # rank, world, local rank, node, ring all-reduce of 0+1+2+3; ranks 0,1 on node 0 and 2,3 on node 1
@@ -137,7 +137,10 @@ def test_ddp_two_nodes_equals_one_node(emulated_cluster, tmp_path):
     ref = [r["loss"] for r in read_metrics(tmp_path / "one" / "metrics.jsonl")]
     spec = emulated_cluster(nodes=2, link="1gbit")
     cfg = _train_cfg(tmp_path / "two")
-    res = runner.run(spec, _cli(cfg), procs_per_node=2, timeout=300, echo=False)
+    # max_restarts=1: in 1 of 3 full-suite runs a rank aborted at start-up under torchrun ("terminate called
+    # without an active exception"), an open bug noted on issues 11/12; a restart resumes (--resume auto) and
+    # the losses must still equal the one-node run's
+    res = runner.run(spec, _cli(cfg), procs_per_node=2, max_restarts=1, timeout=300, echo=False)
     assert res.returncode == 0, "\n".join(res.output[-40:])
     got = [r["loss"] for r in read_metrics(tmp_path / "two" / "metrics.jsonl")]
     assert len(got) == len(ref) == 6

@@ -139,7 +139,9 @@ def run_rank(cfg: TrainConfig, parts=None) -> dict:
     comm.set_default_transport(cfg.transport, timeout=cfg.collective_timeout)  # every group this run creates
 
     out = Path(cfg.out)
-    parts = parts or UserParts.from_config(cfg)  # --model/--data/--loss PKG.MOD:NAME, built here
+    if parts is None:  # --model/--data/--loss PKG.MOD:NAME, built here
+        torch.manual_seed(cfg.seed)  # a factory's model: the same seeded weights on every rank, run after run
+        parts = UserParts.from_config(cfg)
 
     # build model: the same seeded model on every rank (engines replicate, shard or serve it),
     # on this rank's device: cuda:LOCAL_RANK under NCCL, the CPU under Gloo
