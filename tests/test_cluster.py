@@ -6,6 +6,7 @@ Tests that build a cluster need root and iproute2; without them they skip with t
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -22,14 +23,16 @@ from distrain.trainer import TrainConfig, train
 from distrain.trainer.metrics import read_metrics
 
 JOB = textwrap.dedent("""
-    import os, torch, distrain
+    import os, sys, torch, distrain
     from distrain import comm
     info = distrain.runtime.init(timeout=60)
     t = torch.full((5,), float(info.rank))
     comm.all_reduce(t, algorithm="ring")
-    # one write of one whole line (< PIPE_BUF: atomic), so two ranks sharing the node's pipe never interleave
+    # one write() of one whole line (< PIPE_BUF: atomic): print() makes two (text, then newline) when
+    # stdout is unbuffered (PYTHONUNBUFFERED), and two ranks sharing the node's pipe could interleave
     line = f"RESULT {info.rank} {info.world_size} {info.local_rank} {os.environ['DISTRAIN_CLUSTER_NODE']} {t[0].item()}"
-    print(line, flush=True)
+    sys.stdout.write(line + "\\n")
+    sys.stdout.flush()
     distrain.runtime.shutdown()
 """)
 
@@ -107,7 +110,7 @@ def test_run_across_two_nodes_two_procs_each(emulated_cluster, tmp_path):
     job.write_text(JOB)
     res = runner.run(spec, ["python", str(job)], procs_per_node=2, max_restarts=1, timeout=150, echo=False)  # see below
     assert res.returncode == 0, "\n".join(res.output)
-    got = sorted(line.split("RESULT ")[1] for line in res.output if "RESULT" in line)
+    got = sorted(re.findall(r"RESULT (\d+ \d+ \d+ \d+ [0-9.]+)", "\n".join(res.output)))
     # rank, world, local rank, node, ring all-reduce of 0+1+2+3; ranks 0,1 on node 0 and 2,3 on node 1
     assert got == ["0 4 0 0 6.0", "1 4 1 0 6.0", "2 4 0 1 6.0", "3 4 1 1 6.0"]
     assert all(not netns.pids(spec.netns(i)) for i in range(2))  # nothing left running
