@@ -45,6 +45,12 @@ Both have the same bubble -- with equal stages and free communication each stage
 -- but GPipe holds the activations of all m micro-batches at the end of its forwards, 1F1B
 at most min(p - s, m) on stage s: memory bounded by p instead of m.
 
+ZB-H1 (``schedule="zb-h1"``, Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024):
+the backward is split into B (input gradient, sent on at once) and W (weight gradients,
+:mod:`.weight_grad`), and W passes fill the cool-down; with T_F = T_B = T_W the bubble is
+(p - 1) / (3m + p - 1), a third of 1F1B's idle time, at 1F1B's peak memory (order and
+proof in :mod:`.zero_bubble`). W sends and receives nothing, so the argument below holds.
+
 Why it cannot deadlock
 ----------------------
 On Gloo a ``send`` is a rendezvous: it returns only once the receiver has posted the
@@ -84,6 +90,7 @@ parallelism: after ``pipeline_step`` all-reduce (average) the stage's gradients 
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -93,9 +100,10 @@ from distrain import comm
 from distrain.comm import tags
 from distrain.comm.util import check_int, nbytes
 from distrain.errors import ConfigError
-from distrain.parallel.pipeline_parallel.schedule import SCHEDULES, check_schedule, partition, schedule_ops, \
-    split_microbatches
+from distrain.parallel.pipeline_parallel.schedule import SCHEDULES, SPLIT_BACKWARD, check_schedule, partition, \
+    schedule_ops, split_microbatches
 from distrain.parallel.pipeline_parallel.timeline import StageTimeline
+from distrain.parallel.pipeline_parallel.weight_grad import WeightGradStore, check_no_autocast, defer_weight_grads
 
 __all__ = ["DEFAULT_TAG_BASE", "PipelineStage", "pipeline_step"]
 
@@ -229,16 +237,26 @@ def pipeline_step(stage: PipelineStage, micro_inputs=None, micro_targets=None, l
     if comm.debug_enabled():
         _check_agreement(stage, m, schedule)
 
+    split = schedule in SPLIT_BACKWARD  # ZB-H1: B leaves the linear layers' weight gradients to W
+    if split:
+        check_no_autocast()
+    store = WeightGradStore()  # stays empty unless split
+
     device = next((q.device for q in stage.parameters()), None)
     tl = stage.timeline = StageTimeline(stage=s, rank=_global_rank(), num_stages=p, schedule=schedule,
                                         num_microbatches=m)
     saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # k -> (stage input, output or scaled loss)
-    saved_bytes = 0
+    saved_bytes = in_flight = 0  # in flight: forwarded, not yet through B (split: through W)
     pending: list = []  # [(work, tensor)] of posted sends, kept alive until complete
     losses: list[torch.Tensor] = []
     clock = time.perf_counter
     for kind, k in schedule_ops(schedule, p, s, m):
-        if kind == "F":
+        if kind == "W":  # weight gradients of micro-batch k, deferred by its B
+            t0 = clock()
+            store.flush(k)
+            tl.add("W", k, t0, clock())
+            in_flight -= 1
+        elif kind == "F":
             if stage.is_first:
                 x = inputs[k]  # (B/m, ...) e.g. ids (B/m, T)
             else:
@@ -250,12 +268,14 @@ def pipeline_step(stage: PipelineStage, micro_inputs=None, micro_targets=None, l
                                       "may take non-floating inputs (move the cut after the embedding)")
                 x.requires_grad_()  # a leaf: its .grad is what goes back to stage s-1
             t0 = clock()
-            out = stage(x)  # e.g. hidden (B/m, T, C), or logits (B/m, T, V) on the last stage
-            if stage.is_last:
-                loss = loss_fn(out, targets[k])
-                losses.append(loss.detach())
-                out = loss / m  # scaled: the m backwards sum to the full batch's gradient
+            with defer_weight_grads(store, k) if split else contextlib.nullcontext():
+                out = stage(x)  # e.g. hidden (B/m, T, C), or logits (B/m, T, V) on the last stage
+                if stage.is_last:
+                    loss = loss_fn(out, targets[k])
+                    losses.append(loss.detach())
+                    out = loss / m  # scaled: the m backwards sum to the full batch's gradient
             tl.add("F", k, t0, clock())
+            in_flight += 1
             if not stage.is_last:
                 pending += _isend_tensor(out, stage.next_rank, stage.group, stage.tag(k, "act"))
             saved[k] = (x, out)
@@ -275,11 +295,14 @@ def pipeline_step(stage: PipelineStage, micro_inputs=None, micro_targets=None, l
                 gx = x.grad if x.grad is not None else torch.zeros_like(x)
                 pending += _isend_tensor(gx, stage.prev_rank, stage.group, stage.tag(k, "grad"))
             saved_bytes -= _nbytes(x) + _nbytes(out)
+            in_flight -= not split
             del x, out, grad
-        tl.note_held(len(saved), saved_bytes)
+        tl.note_held(in_flight, saved_bytes + store.held_bytes())
         pending = [(w, t) for w, t in pending if not w.is_completed()]
     for w, _ in pending:  # every matching receive is posted by now (module doc, point 1)
         w.wait()
+    if store.pending():  # the schedule runs one W per B; anything left would be a lost gradient
+        raise AssertionError(f"pipeline_step: weight gradients of micro-batches {store.pending()} never ran")
     return torch.stack(losses).mean() if stage.is_last else None
 
 
