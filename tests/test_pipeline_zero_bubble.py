@@ -249,3 +249,20 @@ def test_trainer_zb_h1_equals_single_process(tmp_path, tmp_path_factory):
 def test_trainer_refuses_bad_zb_config(tmp_path, kw, match):
     with pytest.raises(ConfigError, match=match):
         trainer_config(tmp_path / "bad", nproc=2, pp=2, microbatches=2, **kw).validate()
+
+
+@pytest.mark.timeout(120)
+def test_bench_rows_for_zb_h1():
+    from distrain.bench.pipeline_bench import format_bubble_table, measure_bubbles
+
+    rows = measure_bubbles((3,), (3, 6), schedules=("1f1b", "zb-h1"), f_ms=2.0, b_ms=4.0, repeats=1,
+                           workload="sleep", timeout=100)
+    assert [(r["schedule"], r["m"]) for r in rows] == [("1f1b", 3), ("1f1b", 6), ("zb-h1", 3), ("zb-h1", 6)]
+    zb = rows[2:]
+    assert [r["expected"] for r in zb] == pytest.approx([2 / 11, 2 / 20], abs=1e-15)  # (p-1)/(3m+p-1)
+    # F 2 ms, B = W = 2 ms: the ideal step is (3m + p - 1) ops of 2 ms
+    assert [r["ideal_makespan_ms"] for r in zb] == pytest.approx([22.0, 40.0])
+    assert [r["expected_over_ideal"] for r in zb] == pytest.approx([2 / 9, 2 / 18])
+    assert [r["peak_held"] for r in zb] == [[3, 3, 3]] * 2 and rows[1]["peak_held"] == [3, 2, 1]
+    assert all(0.0 <= r["bubble"] < 1.0 for r in rows)
+    assert format_bubble_table(rows).count("zb-h1") == 2
