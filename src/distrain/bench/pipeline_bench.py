@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -122,7 +123,7 @@ def _row(p, m, v, schedule, tls, f_ms, b_ms, workload) -> dict:
             "peak_held": tls[-1].peak_held(), "peak_saved_bytes": tls[-1].peak_saved_bytes(), "workload": workload}
 
 
-def _bubble_worker(rank: int, m_list, schedules, f_ms, b_ms, width, mb_rows, repeats, workload, virtual):
+def _bubble_worker(rank: int, m_list, schedules, f_ms, b_ms, width, mb_rows, repeats, workload, virtual, gantt):
     p = dist.get_world_size()
     topo = Topology.from_world(pp=p)
     torch.manual_seed(0)
@@ -156,12 +157,18 @@ def _bubble_worker(rank: int, m_list, schedules, f_ms, b_ms, width, mb_rows, rep
                     for m in m_list if m % p == 0]
     timed = _interleaved_rounds([c[3] for c in configs], topo.pp_group, repeats)
     rows = [_row(p, m, v, label, tls, f_ms, b_ms, workload) for (label, m, v, _), tls in zip(configs, timed)]
+    if gantt and rank == 0:  # the last timed step of each configuration
+        for (label, m, v, _), tls, row in zip(configs, timed, rows):
+            name = f"{label.split()[0]}{f'_v{v}' if v > 1 else ''}_p{p}_m{m}.png"
+            tls[-1].plot_gantt(os.path.join(gantt, name), title=f"{label}, p={p}, m={m}: bubble "
+                               f"{tls[-1].bubble_fraction():.3f}, formula {row['expected']:.3f} (last step)")
     return rows if rank == 0 else None
 
 
 def measure_bubbles(pp_list=(2, 4), m_list=(1, 2, 4, 8), schedules=("gpipe", "1f1b"), *, f_ms: float = 10.0,
                     b_ms: float = 20.0, width: int = 256, mb_rows: int = 16, repeats: int = 3,
-                    workload: str = "spin", timeout: float = 600.0, virtual: int = 0) -> list[dict]:
+                    workload: str = "spin", timeout: float = 600.0, virtual: int = 0,
+                    gantt: str | None = None) -> list[dict]:
     """Measured bubble fraction per (p, m, schedule) next to (p - 1) / (m + p - 1) (ZB-H1:
     :func:`~distrain.parallel.pipeline_parallel.zb_h1_bubble`), and the bubble over the ideal
     compute time next to (p - 1) / (v * m) (v = 1 but for interleaved 1F1B).
@@ -173,12 +180,16 @@ def measure_bubbles(pp_list=(2, 4), m_list=(1, 2, 4, 8), schedules=("gpipe", "1f
     once (interleaved, so load changes hit all alike); the row holds the median and
     the smallest bubble, the median makespan against the ideal ((m + p - 1)(f + b); ZB-H1: its
     simulated order with F = f, B = W = b / 2), and each
-    stage's peak held micro-batches and peak bytes of saved stage inputs + outputs.
+    stage's peak held micro-batches and peak bytes of saved stage inputs + outputs (ZB-H1: and
+    the layer inputs and output gradients kept for W). ``gantt``: a folder where rank 0 draws
+    each configuration's last step as ``<schedule>[_v<v>]_p<p>_m<m>.png``.
     """
     rows: list[dict] = []
+    if gantt:
+        os.makedirs(gantt, exist_ok=True)
     for p in pp_list:
         out = spawn(_bubble_worker, p, args=(tuple(m_list), tuple(schedules), f_ms, b_ms, width, mb_rows, repeats,
-                                              workload, virtual), timeout=timeout, threads_per_rank=1)
+                                              workload, virtual, gantt), timeout=timeout, threads_per_rank=1)
         rows += out[0]
     return rows
 
@@ -206,6 +217,7 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
                                                                    f"{', '.join(SCHEDULES)}")
     p.add_argument("--virtual", type=int, default=0,
                    help="also run interleaved 1F1B with this many chunks per rank (0 or 1: not)")
+    p.add_argument("--gantt", default=None, help="folder for a Gantt chart (PNG) of each configuration's last step")
     p.add_argument("--json", default=None)
 
 
@@ -215,7 +227,7 @@ def run_pipeline(args: argparse.Namespace) -> int:
         raise ConfigError(f"--virtual must be >= 0, got {args.virtual}")
     schedules = parse_choices(args.schedules, SCHEDULES, "--schedules")
     rows = measure_bubbles(parse_ints(args.pp, "--pp", 2), parse_ints(args.m, "--m"), schedules, repeats=args.repeats,
-                           workload=workload, virtual=args.virtual)
+                           workload=workload, virtual=args.virtual, gantt=args.gantt)
     print(format_bubble_table(rows))
     if args.json:
         with open(args.json, "w") as f:
