@@ -125,6 +125,7 @@ class ShmTransport:
         self._sleeping, self._sleep_lock = 0, threading.Lock()
         self._open_lock = threading.RLock()
         self._slots: dict[tuple, torch.Tensor] = {}  # (rank, buffer, dtype) -> view of a peer's slot
+        self._views: dict[tuple, list[torch.Tensor]] = {}  # (buffer, dtype, count) -> every rank's slot
         if self.size == 1:
             self.unlink_when_mapped()
 
@@ -281,6 +282,17 @@ class ShmTransport:
             v = self._slots[key] = self.peers[q].slot(step % 2).view(dtype)
         return v
 
+    def views(self, step: int, dtype: torch.dtype, count: int) -> list[torch.Tensor]:
+        """Every rank's slot for ``step`` as ``count`` elements of ``dtype`` (cached: small
+        collectives repeat the same few sizes, and each view costs a tensor op)."""
+        key = (step % 2, dtype, count)
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) >= 256:
+                self._views.clear()
+            v = self._views[key] = [self.slot(q, step, dtype)[:count] for q in range(self.size)]
+        return v
+
     def post(self, line: int, step: int, peers=None) -> None:
         self.me.set_line(line, step)
         self.wake_peers(peers)
@@ -288,9 +300,10 @@ class ShmTransport:
             self._unlink_if_all_opened()
 
     def wait_all(self, line: int, step: int, what: str, peers=None) -> None:
-        segs = [self.peers[q] for q in (range(self.size) if peers is None else peers)]
-        peer_ids = list(range(self.size)) if peers is None else list(peers)
-        self.wait(lambda: all(s.ctrl[line * 8] >= step for s in segs), peer_ids, what)
+        peer_ids = range(self.size) if peers is None else list(peers)
+        at = line * 8
+        ctrls = [self.peers[q].ctrl for q in peer_ids]
+        self.wait(lambda: all(c[at] >= step for c in ctrls), peer_ids, what)
         if not self._unlinked and line == ARRIVE and peers is None:
             self.unlink_when_mapped()
 
@@ -318,7 +331,7 @@ class ShmTransport:
         return self._channels().irecv(tensor, q, tag)
 
     def close(self) -> None:
-        self._slots = {}
+        self._slots, self._views = {}, {}
         for s in list(self.peers.values()):
             s.close()
         self.peers = {}

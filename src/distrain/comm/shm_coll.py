@@ -76,13 +76,13 @@ def all_reduce(pc, buf: torch.Tensor, op: Op) -> None:
         x = buf[a:a + m]
         c = x.numel()
         step = _step(sh, what)
-        mine = sh.slot(r, step, buf.dtype)[:c]
         if c * buf.element_size() < SMALL_BYTES:
-            mine.copy_(x)
+            slots = sh.views(step, buf.dtype, c)
+            slots[r].copy_(x)
             _arrive(sh, step, what)
-            op.fold(x, [sh.slot(q, step, buf.dtype)[:c] for q in range(P)])
+            op.fold(x, slots)
             continue
-        _reduce_parts(sh, x, mine, step, op, what)
+        _reduce_parts(sh, x, sh.slot(r, step, buf.dtype)[:c], step, op, what)
 
 
 def _reduce_parts(sh, x: torch.Tensor, mine: torch.Tensor, step: int, op: Op, what: str) -> None:
