@@ -137,6 +137,26 @@ def test_split_linear_keyword_arguments_and_accumulation():
     torch.testing.assert_close(b.grad, want[2], rtol=1e-14, atol=0)
 
 
+def test_split_under_saved_tensor_hooks():
+    """Hooks that repack saved tensors (offloading, sequence parallelism's re-gather) unpack other
+    objects than the parameters: W must still accumulate into the parameters' own .grad."""
+    torch.manual_seed(0)
+    ref = build_model("mlp-tiny").double()
+    torch.manual_seed(0)
+    model = build_model("mlp-tiny").double()
+    x, y = torch.randn(5, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(3)), torch.arange(5)
+    F.cross_entropy(ref(x), y).backward()
+    store = WeightGradStore()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):  # unpack: a copy
+        with defer_weight_grads(store, 0):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+    store.flush(0)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad is not None, n
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15, msg=n)
+
+
 def test_autocast_is_refused():
     store = WeightGradStore()
     with torch.autocast("cpu", dtype=torch.bfloat16):

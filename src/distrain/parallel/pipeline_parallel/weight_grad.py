@@ -103,19 +103,23 @@ def _linear_weight_grad(weight, bias, x, dy) -> None:
 
 
 class _SplitLinear(torch.autograd.Function):
-    """y = F.linear(x, weight, bias); backward returns dx and defers dA, db to the store."""
+    """y = F.linear(x, weight, bias); backward returns dx and defers dA, db to the store.
+
+    Only x goes through ``save_for_backward`` (so saved-tensor hooks, e.g. sequence parallelism's
+    re-gather, see it); weight and bias are kept as the parameter objects themselves: a tensor
+    unpacked from a hook may be another object, and W must accumulate into the parameter's ``.grad``."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, store, key):
-        ctx.save_for_backward(x, weight)
-        ctx.store, ctx.key, ctx.bias = store, key, bias
+        ctx.save_for_backward(x)
+        ctx.store, ctx.key, ctx.weight, ctx.bias = store, key, weight, bias
         return F.linear(x, weight, bias)          # (..., C) -> (..., O)
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None   # (..., O) @ (O, C) -> (..., C): B
-        w = weight if ctx.needs_input_grad[1] else None
+        (x,) = ctx.saved_tensors
+        dx = dy.matmul(ctx.weight) if ctx.needs_input_grad[0] else None   # (..., O) @ (O, C) -> (..., C): B
+        w = ctx.weight if ctx.needs_input_grad[1] else None
         b = ctx.bias if ctx.needs_input_grad[2] else None
         if w is not None or b is not None:
             ctx.store.defer(ctx.key, lambda: _linear_weight_grad(w, b, x, dy), x, dy)
