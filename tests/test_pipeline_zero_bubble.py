@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 import distrain
@@ -154,6 +155,30 @@ def test_split_under_saved_tensor_hooks():
     store.flush(0)
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         assert p.grad is not None, n
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15, msg=n)
+
+
+def test_split_with_checkpointing_and_computed_weights():
+    """A weight computed from parameters (weight norm) is left to autograd; a checkpointed region
+    recomputes the split linears when B runs in the block too. Both give autograd's gradients."""
+    from torch.nn.utils.parametrizations import weight_norm
+    from torch.utils.checkpoint import checkpoint
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(weight_norm(nn.Linear(6, 5)), nn.Tanh(), nn.Linear(5, 4)).double()
+
+    x = torch.randn(3, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    ref, model = build(), build()
+    checkpoint(ref, x, use_reentrant=False).pow(2).sum().backward()
+    store = WeightGradStore()
+    with defer_weight_grads(store, 0):
+        y = checkpoint(model, x, use_reentrant=False).pow(2).sum()
+    after_f = {n for n, p in model.named_parameters() if p.grad is not None}
+    with defer_weight_grads(store, 0):
+        y.backward()
+    assert after_f == set() and store.flush(0) == 1  # only the plain Linear (2.*) was deferred
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15, msg=n)
 
 

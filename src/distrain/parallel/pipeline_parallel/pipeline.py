@@ -299,7 +299,9 @@ class _StepRun:
         x, out = self.saved.pop(k)
         t0 = time.perf_counter()
         if out.requires_grad:  # False only for a first stage without parameters
-            torch.autograd.backward(out, grad)
+            # split: in the block too, so that activation checkpointing recomputes the split linears
+            with defer_weight_grads(self.store, k) if self.split else contextlib.nullcontext():
+                torch.autograd.backward(out, grad)
         self.tl.add("B", k, t0, time.perf_counter())
         if not stage.is_first:
             gx = x.grad if x.grad is not None else torch.zeros_like(x)

@@ -19,8 +19,11 @@ Contract (Megatron-LM's "weight-gradient store", here by interception, not by ne
   (the micro-batch); autograd gives the weight and bias no gradient then.
 * ``store.flush(key)`` runs those closures in the order they were pushed and accumulates
   into ``.grad`` (``grad = g`` when None, else ``grad += g``): the W op.
-* Every other parameter (LayerNorm, embeddings, a bias added outside ``F.linear``) gets its
-  gradient from autograd during B, as usual. Together the same sums as one backward.
+* Every other parameter (LayerNorm, embeddings, a bias added outside ``F.linear``, a weight
+  computed from parameters, e.g. by weight norm) gets its gradient from autograd during B, as
+  usual. Together the same sums as one backward.
+* Run the backward (B) inside the same block too: activation checkpointing then recomputes
+  the same split ops (its recomputation must save what the forward saved).
 * A custom autograd Function can defer its own weight-gradient work: :func:`deferral` returns
   the active ``(store, key)`` during the forward (or None), to save in ``ctx`` and use in backward.
 * Not under autocast (``torch.is_autocast_enabled``): the split would have to redo its casts;
@@ -126,6 +129,10 @@ class _SplitLinear(torch.autograd.Function):
         return dx, None, None, None, None
 
 
+def _leaf_param(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf
+
+
 class _InterceptLinear(TorchFunctionMode):
     def __init__(self, store: WeightGradStore, key: int):
         super().__init__()
@@ -136,7 +143,9 @@ class _InterceptLinear(TorchFunctionMode):
         if func is F.linear and torch.is_grad_enabled():
             x, weight, bias = list(args) + [None] * (3 - len(args))
             x, weight, bias = kwargs.get("input", x), kwargs.get("weight", weight), kwargs.get("bias", bias)
-            if isinstance(weight, torch.Tensor) and weight.requires_grad:
+            # only parameters (leaves): a weight computed from others (weight norm, a parametrization)
+            # must pass its gradient on through autograd, which a deferred .grad would not
+            if _leaf_param(weight) and (bias is None or _leaf_param(bias) or not bias.requires_grad):
                 return _SplitLinear.apply(x, weight, bias, self.store, self.key)
         return func(*args, **kwargs)
 
