@@ -13,7 +13,7 @@ the backward is three independent products::
 Contract (Megatron-LM's "weight-gradient store", here by interception, not by new layers):
 
 * Inside ``with defer_weight_grads(store, key):`` every ``F.linear(x, weight, bias)`` whose
-  ``weight`` requires grad runs as :class:`_SplitLinear` -- ``nn.Linear`` and the tensor-parallel
+  ``weight`` (and bias, if it requires grad) is a leaf parameter runs as :class:`_SplitLinear` -- ``nn.Linear`` and the tensor-parallel
   Column/RowParallelLinear all call ``F.linear``, so the model's code is untouched. Its
   backward returns dx and pushes a closure computing dA (and db) onto ``store`` under ``key``
   (the micro-batch); autograd gives the weight and bias no gradient then.
