@@ -38,6 +38,7 @@ from distrain.comm.shm import ARRIVE, DONE
 from distrain.comm.util import chunk_sizes
 
 SMALL_BYTES = 32 << 10
+READS_INPUT_ONLY = True  # reduce_scatter reads its input in place (api.reduce_scatter skips the work copy)
 
 
 def _sh(pc):
