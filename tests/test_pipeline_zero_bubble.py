@@ -311,3 +311,14 @@ def test_bench_rows_for_zb_h1():
     assert [r["peak_held"] for r in zb] == [[3, 3, 3]] * 2 and rows[1]["peak_held"] == [3, 2, 1]
     assert all(0.0 <= r["bubble"] < 1.0 for r in rows)
     assert format_bubble_table(rows).count("zb-h1") == 2
+
+
+def test_bench_refuses_an_unknown_schedule():
+    import argparse
+
+    from distrain.bench.pipeline_bench import add_pipeline_arguments, run_pipeline
+
+    parser = argparse.ArgumentParser()
+    add_pipeline_arguments(parser)
+    with pytest.raises(ConfigError, match=r"--schedules: unknown value\(s\) 'zb-v'; choose from gpipe, 1f1b, zb-h1"):
+        run_pipeline(parser.parse_args(["--schedules", "1f1b,zb-v"]))
