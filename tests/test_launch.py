@@ -110,3 +110,64 @@ def test_spawn_binds_each_rank_to_its_own_cores():
     assert all(cores == sorted(os.sched_getaffinity(0)) for cores, _ in free)
     with pytest.raises(ConfigError, match="bind_cores=True needs a core per rank"):
         distrain.spawn(_affinity, len(os.sched_getaffinity(0)) + 1, bind_cores=True)
+
+
+EXIT_SCRIPT = textwrap.dedent("""
+    import atexit, sys, threading, time, torch, torch.distributed as dist
+    from distrain import runtime
+
+    def after_runtime():  # registered before init, so it runs after init's exit hook (atexit: last in, first out)
+        alive = sorted(t.name for t in threading.enumerate() if t.name == "distrain-watchdog")
+        print(f"AT EXIT rank {rank}: initialized={dist.is_initialized()} watchdog={alive}", flush=True)
+
+    atexit.register(after_runtime)
+    runtime.init("gloo", timeout=30)
+    rank = dist.get_rank()
+    t = torch.full((5,), float(rank + 1))
+    dist.all_reduce(t)
+    # rank 0 leaves an async all_gather in flight and exits; the others join it 1 s later, while rank 0 exits
+    if rank > 0:
+        time.sleep(1.0)
+    outs = [torch.empty(2) for _ in range(dist.get_world_size())]
+    work = dist.all_gather(outs, torch.full((2,), float(rank)), async_op=True)
+    if rank > 0:
+        work.wait()
+        print(f"GATHERED rank {rank}: {[o[0].item() for o in outs]}", flush=True)
+    del outs, work  # Gloo's worker thread now holds the last references to the tensors
+    print(f"SUM rank {rank}: {t[0].item()}", flush=True)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_a_launched_rank_exits_with_its_process_group_destroyed_before_finalization(tmp_path):
+    """A rank started by a launcher ends through interpreter exit; runtime.init's exit hook must
+    destroy the group (joining Gloo's threads) and stop the watchdog before finalization, else a
+    C++ thread taking the GIL then aborts the rank (SIGABRT, "terminate called without an active
+    exception"), as it did under torchrun once per few suite runs."""
+    from distrain.launch import local_store
+
+    world = 3
+    store = local_store(world, 60)  # the test plays the launcher, which hosts the store (as torchrun's agent does)
+    script = tmp_path / "rank.py"
+    script.write_text(EXIT_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("DISTRAIN_PARENT_PID", "LOCAL_RANK")}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo",
+               TORCHELASTIC_USE_AGENT_STORE="True",
+               PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src") + os.pathsep + env.get("PYTHONPATH", ""))
+    procs = [subprocess.Popen([sys.executable, str(script)], env=env | {"RANK": str(r)}, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=90)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("a rank hung at exit")
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{out}"
+        assert f"SUM rank {r}: 6.0" in out, out
+        assert f"AT EXIT rank {r}: initialized=False watchdog=[]" in out, out
+        assert "terminate called" not in out, out
+        if r > 0:
+            assert f"GATHERED rank {r}: [0.0, 1.0, 2.0]" in out, out

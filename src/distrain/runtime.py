@@ -11,10 +11,23 @@ same for its children), so it is called once at the top of a script, never deep 
 models. Rendezvous goes through a TCPStore at MASTER_ADDR:MASTER_PORT. Before creating the
 process group every rank registers itself in the store and waits for the others, so a
 rank that never joins gives an error naming it instead of an anonymous time-out.
+
+``init`` also registers :func:`shutdown` to run at interpreter exit (atexit, i.e. *before*
+finalization starts). A rank started by a launcher ends through ordinary interpreter exit
+(``distrain.spawn``'s ranks leave through ``os._exit`` and never finalize). If the process
+group were still alive then, a C++ thread could need the GIL during finalization: a Gloo
+worker thread drops the last reference to a finished collective's work, whose tensors'
+Python objects it must release (seen in a core dump: ``~AsyncAllgatherWork`` ->
+``TensorImpl::decref_pyobject`` -> ``gil_scoped_acquire``), or the watchdog thread comes back
+from ``store.set``. CPython ends such a thread with ``pthread_exit``; the forced unwinding
+meets a noexcept C++ frame and libstdc++ aborts the rank ("terminate called without an
+active exception", exit -6). Destroying the group first joins Gloo's threads while the
+interpreter is whole, so no C++ thread is left to take the GIL during finalization.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import threading
@@ -106,6 +119,8 @@ def init(backend: str = "auto", timeout: float | timedelta = 300.0,
     dist.init_process_group(backend, store=dist.PrefixStore(prefix + "pg", store), rank=rank,
                             world_size=world, timeout=timedelta(seconds=secs + max(30.0, secs / 5)))
     watchdog.install(dist.PrefixStore(prefix, store), rank, world, secs, on_hang)
+    atexit.unregister(shutdown)  # once, however often init/shutdown alternate
+    atexit.register(shutdown)  # before finalization: see the module docstring
     # The one place the debug switch is read from the environment (never deep inside comm).
     comm.set_debug(os.environ.get("DISTRAIN_DEBUG", "0") not in ("", "0", "false", "False"))
     comm.set_default_transport(os.environ.get("DISTRAIN_TRANSPORT") or "torch", timeout=secs)  # the job's transport
@@ -204,7 +219,9 @@ def info() -> RuntimeInfo:
 
 
 def shutdown() -> None:
-    """Stop the collective watchdog and destroy the default process group if there is one."""
+    """Stop the collective watchdog (waiting for its thread) and destroy the default process
+    group if there is one (Gloo joins its worker threads once their collectives finished).
+    Idempotent; runs at interpreter exit after :func:`init`."""
     watchdog.uninstall()
     if dist.is_initialized():
         comm.close_all()  # shared-memory segments go with the groups

@@ -33,6 +33,7 @@ import time
 from typing import Callable, Iterator
 
 STALE = 2.5  # heartbeats older than this many intervals: the rank is not responding
+JOIN_S = 10.0  # uninstall waits this long for a heartbeat in flight (one store.set) to come back
 FLAG = "--collective-timeout"
 _active: "Watchdog | None" = None
 
@@ -105,8 +106,16 @@ class Watchdog:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, join_s: float = JOIN_S) -> None:
+        """Stop the thread and wait (at most ``join_s``) until it has ended.
+
+        Waiting matters at interpreter exit: a daemon thread that comes back from a C++ call
+        (store.set releases the GIL) after finalization began is ended by CPython with
+        pthread_exit, whose unwinding through pybind11's noexcept GIL guard calls
+        std::terminate ("terminate called without an active exception", SIGABRT)."""
         self._stop.set()
+        if self._thread.ident is not None and self._thread is not threading.current_thread():
+            self._thread.join(join_s)
 
 
 def to_stderr(message: str) -> None:
@@ -122,6 +131,7 @@ def install(store, rank: int, world: int, timeout: float, report: Callable[[str]
 
 
 def uninstall() -> None:
+    """Stop this process's watchdog and wait for its thread to end (see :meth:`Watchdog.stop`)."""
     global _active
     if _active is not None:
         _active.stop()
