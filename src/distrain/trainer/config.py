@@ -232,8 +232,14 @@ class TrainConfig:
         if self.model_parallel or self.dp:
             from distrain.topology import Topology
 
-            need(self.strategy == "ddp", f"--dp/--tp/--pp compose with --strategy ddp only, got {self.strategy}")
+            need(self.strategy == "ddp" or self.strategy.startswith("zero"),
+                 f"--dp/--tp/--pp compose with --strategy ddp only, or with zero1/zero2/zero3 (ZeRO over the dp "
+                 f"group); got {self.strategy}")
             Topology(dp=self.dp_size, tp=self.tp, pp=self.pp, world_size=self.nproc)  # dp*tp*pp == nproc
+            if self.strategy.startswith("zero") and self.model_parallel:
+                from distrain.parallel.parallelize import check_zero_layout
+
+                check_zero_layout(int(self.strategy[4:]), self.dp_size, self.pp)
         if self.model_parallel and not self.custom_model:
             self._validate_model_parallel(need)
         need(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
