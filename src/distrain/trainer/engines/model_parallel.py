@@ -124,10 +124,35 @@ class ModelParallelEngine(Engine):
     def writes_shard(self) -> bool:
         return self.topo.dp_rank == 0 or self.zero_stage > 0
 
+    def _names(self) -> dict[str, str]:
+        """{name in this rank's module: name in the whole model} for what its checkpoint holds."""
+        from distrain.trainer.reshard import stage_full_name
+
+        full = stage_full_name(self.pm.stage)
+        local = ([n for u in self.pm.zero.units for n in u.names] if self.pm.zero is not None
+                 else list(self.pm.module.state_dict()))
+        return {n: full(n) for n in local}
+
+    def _order(self) -> list[str]:
+        return [n for n, _ in self.pm.module.named_parameters()]
+
     def state_dict(self) -> dict:
+        from distrain.trainer.reshard import shard_meta
+
         if self.pm.zero is not None:
-            return {"zero": self.pm.zero.state_dict()}
-        return {"model": self.pm.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+            return {"zero": self.pm.zero.state_dict(), **shard_meta(self._names(), self.pm.tp_info)}
+        return {"model": self.pm.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                **shard_meta(self._names(), self.pm.tp_info, self._order())}
+
+    def load_full(self, full: dict) -> None:
+        from distrain.parallel.zero.consolidate import FULL_FORMAT
+        from distrain.trainer.reshard import load_plain, local_view
+
+        view = local_view(full, self._names(), self.pm.tp_info)
+        if self.pm.zero is not None:
+            self.pm.zero.load_full_state_dict({"format": FULL_FORMAT, **view})
+        else:
+            load_plain(self.pm.module, self.optimizer, self._order(), view)
 
     def load_state_dict(self, state: dict) -> None:
         if self.pm.zero is not None:
