@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn as nn
@@ -50,6 +50,9 @@ from distrain.parallel.pipeline_parallel import PipelineStage, partition, pipeli
 from distrain.parallel.tensor_parallel import TPGroup, apply_tensor_parallel, tp_shard_info
 from distrain.parallel.tensor_parallel.plan import TPPlan, as_plan
 from distrain.topology import Topology
+
+if TYPE_CHECKING:
+    from distrain.parallel.zero import Zero
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
