@@ -72,3 +72,17 @@ def test_bad_zero_layouts_are_refused_before_ranks_start(tmp_path, kw, message):
     with pytest.raises(ConfigError, match=message):
         train(trainer_config(tmp_path / "bad", **kw))
     assert not (tmp_path / "bad").exists()  # refused before any rank started or wrote anything
+
+
+def test_parallelize_checks_the_zero_arguments_first():
+    from distrain.models import build_model, lm_loss
+    from distrain.parallel.parallelize import parallelize
+    from distrain.topology import Topology
+
+    topo = Topology(dp=2, tp=1, pp=2, world_size=4)  # sizes only: the checks come before any group is used
+    with pytest.raises(ConfigError, match=r"zero_stage needs optimizer= \(a factory"):
+        parallelize(build_model("gpt-tiny"), topo, loss_fn=lm_loss, zero_stage=1)
+    with pytest.raises(ConfigError, match=r"zero_stage must be 0 \(DDP\), 1, 2 or 3, got 4"):
+        parallelize(build_model("gpt-tiny"), topo, loss_fn=lm_loss, zero_stage=4, optimizer=torch.optim.SGD)
+    with pytest.raises(ConfigError, match=r"ZeRO stage 3 \(--strategy zero3\) does not compose with pipeline"):
+        parallelize(build_model("gpt-tiny"), topo, loss_fn=lm_loss, zero_stage=3, optimizer=torch.optim.SGD)

@@ -166,7 +166,12 @@ class ModelParallelEngine(Engine):
 
     def report_rows(self, summary: dict) -> list[tuple[str, str]]:
         c = self.cfg
-        return [("micro-batches", f"{c.microbatches} ({c.schedule})")] if c.pp > 1 else []
+        rows = [("micro-batches", f"{c.microbatches} ({c.schedule})")] if c.pp > 1 else []
+        if self.pm.zero is not None:
+            m = self.pm.zero.memory()
+            rows.append(("held per rank (rank 0)", f"params {m['params'] / 1e6:.2f} MB, grads {m['grads'] / 1e6:.2f} "
+                                                   f"MB, optimizer {m['optimizer'] / 1e6:.2f} MB"))
+        return rows
 
 
 def zero_stage_of(cfg) -> int:
