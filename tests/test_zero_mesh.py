@@ -48,6 +48,14 @@ def test_zero_in_the_mesh_equals_single_process(tmp_path, tmp_path_factory, clip
 
 
 @pytest.mark.timeout(300)
+def test_zero_in_the_mesh_with_sgd_momentum_equals_single_process(tmp_path, tmp_path_factory):
+    ref = reference_losses(tmp_path_factory, model="gpt-tiny", data="shakespeare", optimizer="sgd", lr=0.1)
+    cfg = _mesh(tmp_path / "sgd", "zero2", 2, 2, 1, optimizer="sgd", lr=0.1)  # momentum 0.9: sharded state
+    train(cfg)
+    torch.testing.assert_close(torch.tensor(_losses(cfg)), torch.tensor(ref), rtol=1e-11, atol=0)
+
+
+@pytest.mark.timeout(300)
 def test_zero_mesh_resume_continues_exactly(tmp_path):
     full = _mesh(tmp_path / "full", "zero2", 2, 1, 2, steps=5)
     train(full)
