@@ -215,7 +215,6 @@ def plan_ps(m: ModelSpec, fabric: Fabric, c: Compute, batch: int, S: int) -> Pla
 
 def plan_3d(m: ModelSpec, fabric: Fabric, c: Compute, batch: int, dp: int, tp: int, pp: int, micro: int,
             alg: str) -> Plan:
-    P = dp * tp * pp
     rank = lambda d, p, t: (d * pp + p) * tp + t  # noqa: E731  (tp innermost, then pp, then dp)
     b = batch / dp / micro  # samples per micro-batch
     # a stage of a tp group does 1/(tp·pp) of a replica's work, stretched by the bubble
