@@ -236,3 +236,35 @@ def test_bench_ps_records_beside_predict_ps(tmp_path, capsys):
         capsys.readouterr().err
     assert main(["bench", "ps", "--nproc", "3", "--servers", "2", "--sizes", "100"]) == 2
     assert "--sizes: 100 bytes is not 8 equal float32 tensors; give a multiple of 32 bytes" in capsys.readouterr().err
+
+
+def test_step_prediction_row_from_a_run_folder(tmp_path):
+    from distrain.bench import step_predict
+    from distrain.costmodel import plan
+    from distrain.costmodel.links import calibrated_fabric
+
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"model": {"inter": {"alpha_us": 100, "bandwidth_GBps": 0.0125},
+                                         "gamma_ns_per_byte": 0.5}}))
+    run = tmp_path / "run"
+    run.mkdir()
+    seen = []
+
+    def fixed(model, ranks, local_batch, threads):
+        seen.append((model, ranks, local_batch))
+        return plan.Compute(lambda b: 0.2, 1e-8)
+
+    for strategy, ranks, local in (("ddp", 4, 8.0), ("ps-sync", 3, 32 / 3)):
+        (run / "config.json").write_text(json.dumps({"model": "mlp-tiny", "strategy": strategy, "nproc": 4,
+                                                     "servers": 1, "batch_size": 32, "algorithm": "ring"}))
+        # the first two steps (start-up) are left out: median of 0.5, 0.7, 0.6 = 0.6 s
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "time_s": t}) + "\n"
+                                                   for i, t in enumerate([9.0, 2.0, 0.5, 0.7, 0.6])))
+        row = step_predict.row(str(cal), "100mbit", run, compute=fixed)
+        f = calibrated_fabric(str(cal), [0, 1, 2, 3])
+        spec, c = plan.model_spec("mlp-tiny", None), plan.Compute(lambda b: 0.2, 1e-8)
+        want = (plan.plan_ddp(spec, f, c, 32, "ring") if strategy == "ddp" else plan.plan_ps(spec, f, c, 32, 1)).step_s
+        assert row[:6] == ["mlp-tiny", "ddp ring" if strategy == "ddp" else "ps-sync S=1", "100mbit", "4", "600",
+                           f"{want * 1e3:.0f}"]
+        assert row[7] == f"{100 * (want - 0.6) / 0.6:+.0f}%"
+        assert seen[-1] == ("mlp-tiny", ranks, pytest.approx(local))

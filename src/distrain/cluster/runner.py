@@ -10,6 +10,11 @@ run across the nodes unchanged. Per node the environment also carries:
 * ``GLOO_SOCKET_IFNAME=eth0``: Gloo's traffic between nodes takes the shaped link;
 * ``PET_LOCAL_ADDR`` = the node's address and ``PET_RDZV_CONF=is_host=1|0``: torchrun
   would otherwise look the node up by the host name, which all namespaces share;
+* ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: the ranks of every rendezvous round get a new
+  store, hosted by rank 0 (torch's default shares the agent's store across rounds and
+  tells attempts apart by the restart count, which is per node: a node restarted because
+  another failed does not count it, pytorch/pytorch#108158, so after a failure the nodes'
+  ranks looked for each other under different keys and the restarted job hung);
 * ``OMP_NUM_THREADS`` = this host's cores // all ranks of the cluster (at least 1), unless
   already set: the emulated nodes share the host's cores, and torch's default (one thread
   per core in every rank) oversubscribes them, which makes OpenMP regions wait on
@@ -85,6 +90,7 @@ def node_env(spec: netns.ClusterSpec, i: int, cmd: list[str], procs_per_node: in
     env.setdefault("OMP_NUM_THREADS", str(rank_threads(spec.nodes * procs_per_node)))
     env.update({"GLOO_SOCKET_IFNAME": "eth0", "PET_LOCAL_ADDR": spec.address(i),
                 "PET_RDZV_CONF": f"is_host={1 if i == 0 else 0}", "DISTRAIN_CLUSTER_NODE": str(i),
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
                 CMD_ENV: json.dumps(cmd)})
     return env
 
