@@ -122,6 +122,7 @@ def test_defaults_parse():
     ("nproc", "0", "--nproc"),
     ("dtype", "float128", "--dtype"),
     ("iters", "0", "--iters"),
+    ("burst", "0", "--burst"),
     ("warmup", "-1", "--warmup"),
     ("timeout", "0", "--timeout"),
 ])
@@ -143,7 +144,8 @@ def test_bad_flags_exit_2(capsys):
 def test_end_to_end_json(tmp_path, capsys):
     out = tmp_path / "r.json"
     rc = cli.main(["bench", "comm", "--nproc", "2", "--ops", "all_reduce", "--algorithms", "native,ring",
-                   "--sizes", "4K", "--iters", "3", "--warmup", "1", "--json", str(out), "--timeout", "90"])
+                   "--sizes", "4K", "--iters", "3", "--burst", "4", "--warmup", "1", "--json", str(out),
+                   "--timeout", "90"])
     assert rc == 0
     table = capsys.readouterr().out
     assert "all_reduce  P=2" in table and "ring/native" in table and "4096" in table
@@ -153,7 +155,7 @@ def test_end_to_end_json(tmp_path, capsys):
     assert [(r["P"], r["op"], r["algorithm"], r["size_bytes"]) for r in recs] == [
         (2, "all_reduce", "native", 4096), (2, "all_reduce", "ring", 4096)]
     for r in recs:
-        assert r["count"] == 1024 and r["iters"] == 3 and len(r["times_us"]) == 3
+        assert r["count"] == 1024 and r["iters"] == 3 and r["burst"] == 4 and len(r["times_us"]) == 3
         assert r["time_us"] > 0 and r["algbw_GBps"] > 0
         assert r["time_us"] == pytest.approx(common.median(r["times_us"]), rel=1e-12)
         assert r["algbw_GBps"] == pytest.approx(r["size_bytes"] / (r["time_us"] / 1e6) / 1e9, rel=1e-12)

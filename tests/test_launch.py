@@ -80,3 +80,33 @@ def test_launch_failing_rank_fails_the_job(tmp_path):
 def test_launch_needs_endpoint_for_many_nodes(tmp_path):
     code, out = _finish(_launch("--nnodes", "2", "--nproc-per-node", "1", "x.py"))
     assert code == 2 and "--nnodes=2 needs --rdzv-endpoint HOST:PORT" in out
+
+
+# -- core binding -------------------------------------------------------------------------
+
+def test_core_slices_are_disjoint_and_refuse_too_few_cores():
+    from distrain.launch import core_slices
+    assert core_slices(2, [0, 1, 2, 3, 4]) == [[0, 1], [2, 3]]  # 5 // 2 = 2 cores each, one left over
+    assert core_slices(3, [4, 0, 2]) == [[0], [2], [4]]
+    assert core_slices(3, [0, 1]) is None  # fewer cores than ranks: the kernel places them
+
+
+def _affinity(rank):
+    import torch
+    return sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+
+
+@pytest.mark.timeout(120)
+def test_spawn_binds_each_rank_to_its_own_cores():
+    import distrain
+    from distrain.errors import ConfigError
+    from distrain.launch import core_slices
+    slices = core_slices(2)
+    if slices is None:
+        pytest.skip("one core: ranks cannot be bound to cores of their own")
+    got = distrain.spawn(_affinity, 2, timeout=90)
+    assert got == [(s, len(s)) for s in slices]
+    free = distrain.spawn(_affinity, 2, timeout=90, bind_cores=False)
+    assert all(cores == sorted(os.sched_getaffinity(0)) for cores, _ in free)
+    with pytest.raises(ConfigError, match="bind_cores=True needs a core per rank"):
+        distrain.spawn(_affinity, len(os.sched_getaffinity(0)) + 1, bind_cores=True)

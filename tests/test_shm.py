@@ -77,6 +77,11 @@ def _vs_gloo(rank: int, sizes: list[int]) -> list[str]:
                 comm.reduce_scatter(a, [t.clone() for t in ins], op=op)
                 comm.reduce_scatter(b, [t.to(wide, copy=True) for t in ins], op=op, group=gloo)
                 same("reduce_scatter " + label, a, b)
+                whole = torch.stack(ins)  # one buffer: the direct path reads it in place, and must not write it
+                c = torch.empty(n, dtype=dtype)
+                comm.reduce_scatter_tensor(c, whole.view(-1), op=op)
+                same("reduce_scatter_tensor " + label, c, b)
+                same("reduce_scatter_tensor input intact " + label, whole, torch.stack(ins))
             case += 1
             x, root = _x(rank, case, n, dtype, "sum"), case % P
             for g in (None, gloo):

@@ -42,9 +42,22 @@ from distrain.errors import ConfigError, DistrainError, RankFailedError, SpawnTi
 BLAME_GRACE_S = 2.0  # after the first failure, wait this long for the others to pick the first
 
 
+def core_slices(nprocs: int, cores: Sequence[int] | None = None) -> list[list[int]] | None:
+    """Disjoint cores for each of ``nprocs`` local ranks (MPI's ``--bind-to core``), or None when
+    there are fewer cores than ranks. ``cores``: the CPUs this process may use (default: its
+    affinity). Rank r gets ``cores[r*k:(r+1)*k]`` with k = len(cores) // nprocs."""
+    cores = sorted(os.sched_getaffinity(0) if cores is None else cores)
+    k = len(cores) // nprocs
+    if k < 1:
+        return None
+    return [cores[r * k:(r + 1) * k] for r in range(nprocs)]
+
+
 def _child(fn, rank: int, nprocs: int, port: int, args: tuple, backend: str, init_timeout: float,
-           threads: int, conn, env: dict[str, str], init: bool = True) -> None:
+           threads: int, conn, env: dict[str, str], init: bool = True, cores: list[int] | None = None) -> None:
     os.environ.update(env)
+    if cores:  # before torch starts its thread pools, so every thread inherits the binding
+        os.sched_setaffinity(0, cores)
     lifeline.die_with_parent()  # reads DISTRAIN_PARENT_PID from env
     lifeline.quiet_interrupts()
     os.environ.update({
@@ -163,7 +176,8 @@ def local_env() -> dict[str, str]:
 
 def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str = "auto",
           timeout: float | None = 600.0, init_timeout: float | None = None, start_method: str = "forkserver",
-          threads_per_rank: int | None = None, env: dict[str, str] | None = None, init: bool = True) -> list[Any]:
+          threads_per_rank: int | None = None, env: dict[str, str] | None = None, init: bool = True,
+          bind_cores: bool | None = None) -> list[Any]:
     """Run ``fn(rank, *args)`` on ``nprocs`` local ranks with an initialized process group.
 
     ``fn`` must be importable by name (a module-level function). ``timeout`` bounds the whole
@@ -174,6 +188,12 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
     ``init=False`` leaves the process group to ``fn`` (torch.multiprocessing.spawn's contract):
     the launcher environment is set, so ``init_process_group("gloo")`` (env://) joins the
     parent's store.
+
+    ``bind_cores`` (default: when every rank can have a core of its own) pins each rank and
+    its threads to its own cores (:func:`core_slices`), as MPI does by default: two ranks
+    that poll shared memory must not share one core while another core idles (a 4 KiB
+    shared-memory all_reduce at P=2 measured 25 us pinned against 70-110 us unpinned on the
+    loaded 2-core machine). ``False`` leaves placement to the kernel.
     """
     _check_not_bootstrapping()
     if not isinstance(nprocs, int) or nprocs < 1:
@@ -182,7 +202,11 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
         raise ConfigError(f"spawn: timeout must be positive (or None for no limit), got {timeout}")
     runtime.resolve_backend(backend)
     init_timeout = init_timeout or timeout or 300.0
-    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nprocs)
+    slices = core_slices(nprocs) if bind_cores is not False else None
+    if bind_cores and slices is None:
+        raise ConfigError(f"spawn: bind_cores=True needs a core per rank, but {nprocs} ranks share "
+                          f"{len(os.sched_getaffinity(0))} core(s); pass bind_cores=None or False")
+    threads = threads_per_rank or (len(slices[0]) if slices else max(1, (os.cpu_count() or 1) // nprocs))
     store = local_store(nprocs, init_timeout)
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
@@ -193,7 +217,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
         recv_end, send_end = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_child, name=f"distrain-rank{r}", args=(
             fn, r, nprocs, store.port, tuple(args), backend, init_timeout, threads, send_end,
-            local_env() | dict(env or {}), init))
+            local_env() | dict(env or {}), init, slices[r] if slices else None))
         p.start()
         send_end.close()
         procs.append(p)

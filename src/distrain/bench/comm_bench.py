@@ -15,15 +15,22 @@ for each op, then each size:
    t = the slowest call (max over ranks and algorithms); iters = ceil(0.5 s / t) clamped
    to [5, 50], i.e. about half a second for the slowest algorithm of the cell, at least 5
    and at most 50 iterations. With ``--warmup 0`` one untimed probe round is run for it;
-4. time ``iters`` rounds. In round i the algorithms run back to back in an order rotated
+4. choose each algorithm's *burst* (unless ``--burst`` is given): ceil(BURST_S / its slowest
+   warm-up call), clamped to [1, MAX_BURST], the same on every rank. A timed sample is one
+   native ``torch.distributed.barrier()``, then ``burst`` blocking calls back to back
+   (``async_op=False``), timed on each rank with ``time.perf_counter``, divided by ``burst``:
+   nccl-tests' and the OSU benchmarks' method (many calls in a row, time over count). A lone
+   call after a barrier would also time the barrier's exit skew between ranks and the wake-up
+   of a rank that slept in it (hundreds of microseconds over Gloo), which hides a latency of a
+   few microseconds; ``--burst 1`` gives that per-call method back. Bursts last about
+   BURST_S, so at 1 MiB and above a burst is one call;
+5. time ``iters`` rounds. In round i the algorithms run back to back in an order rotated
    by i (native, star, ring, tree; then star, ring, tree, native; ...) so that machine noise
-   and cache state hit every algorithm alike. Every single call is preceded by a native
-   ``torch.distributed.barrier()`` and timed on each rank with ``time.perf_counter`` around
-   the blocking call (``async_op=False``);
-5. gather every rank's per-iteration times to every rank (a native all_gather of a float64
+   and cache state hit every algorithm alike;
+6. gather every rank's per-iteration times to every rank (a native all_gather of a float64
    tensor); per iteration take the max over ranks (the slowest rank's time: a collective is
    done when its last rank is), then the median over iterations -> ``time``;
-6. one extra, untimed call per algorithm inside a :func:`distrain.comm.ledger` records the
+7. one extra, untimed call per algorithm inside a :func:`distrain.comm.ledger` records the
    payload bytes each rank sent (max over ranks, and the total); Gloo's native calls are
    invisible to the ledger, so native has no byte count.
 
@@ -50,6 +57,7 @@ Roots (src/dst) are rank 0.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -72,6 +80,7 @@ DEFAULT_SIZES = "4K,256K,4M,16M"
 DEFAULT_TRANSPORTS = "torch"
 TARGET_S = 0.5  # adaptive iterations: about this long per cell ...
 MIN_ITERS, MAX_ITERS = 5, 50  # ... but at least / at most this many iterations
+BURST_S, MAX_BURST = 2e-3, 200  # calls back to back per timed sample: about 2 ms, at most 200
 ROOT = 0
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in SUPPORTED_DTYPES if d != torch.bool}
@@ -100,6 +109,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", default=None,
                    help=f"timed rounds per (op, size); default adaptive: ceil({TARGET_S} s / slowest warm-up call) "
                         f"clamped to [{MIN_ITERS}, {MAX_ITERS}]")
+    p.add_argument("--burst", default=None,
+                   help=f"calls back to back per timed sample (time / calls); default adaptive: about "
+                        f"{BURST_S * 1e3:g} ms, at most {MAX_BURST}; 1 = one call after each barrier")
     p.add_argument("--json", default=None, metavar="PATH", help="write every median and metadata as JSON")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a busbw-vs-size figure (PNG, matplotlib)")
     p.add_argument("--markdown", default=None, metavar="PATH", help="write the tables as Markdown (for docs)")
@@ -140,6 +152,7 @@ def parse_config(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": dtype,
         "warmup": _int(args.warmup, "--warmup", 0),
         "iters": None if args.iters in (None, "", "auto") else _int(args.iters, "--iters", 1),
+        "burst": None if getattr(args, "burst", None) in (None, "", "auto") else _int(args.burst, "--burst", 1),
         "timeout": timeout,
         "target_s": TARGET_S,
         "predict": getattr(args, "predict", None),
@@ -209,17 +222,35 @@ def _make_call_on(op: str, n: int, P: int, rank: int, z) -> Callable[[str, Any],
     raise ConfigError(f"unknown collective {op!r}")
 
 
-def _timed_round(call, algs: list[str], order_shift: int, dist) -> list[float]:
-    """One call of every algorithm (order rotated by order_shift); returns seconds per algorithm."""
+def _timed_round(call, algs: list[str], order_shift: int, dist, bursts: list[int]) -> list[float]:
+    """One sample of every algorithm (order rotated by order_shift): after a barrier, ``bursts[k]``
+    calls back to back; returns seconds per call for each algorithm."""
     A = len(algs)
     out = [0.0] * A
     for j in range(A):
         k = (j + order_shift) % A
         dist.barrier()
         t0 = time.perf_counter()
-        call(algs[k])
-        out[k] = time.perf_counter() - t0
+        for _ in range(bursts[k]):
+            call(algs[k])
+        out[k] = (time.perf_counter() - t0) / bursts[k]
     return out
+
+
+def _choose(last: list[float] | None, cfg: dict, call, algs: list[str], dist) -> tuple[int, list[int]]:
+    """Rounds and bursts, identical on every rank (from the slowest rank's warm-up calls)."""
+    A = len(algs)
+    if cfg["iters"] is not None and cfg["burst"] is not None:
+        return cfg["iters"], [cfg["burst"]] * A
+    if last is None:  # --warmup 0: one untimed probe round
+        last = _timed_round(call, algs, 0, dist, [1] * A)
+    probe = torch.tensor(last, dtype=torch.float64)
+    dist.all_reduce(probe, op=dist.ReduceOp.MAX)
+    t = probe.tolist()
+    bursts = [cfg["burst"] or min(MAX_BURST, max(1, math.ceil(BURST_S / max(x, 1e-9)))) for x in t]
+    round_s = max(sum(b * x for b, x in zip(bursts, t)) / A, 1e-9)  # per algorithm, like one call before
+    iters = cfg["iters"] or common.adaptive_iters(round_s, cfg["target_s"], MIN_ITERS, MAX_ITERS)
+    return iters, bursts
 
 
 def _case(rank: int, P: int, op: str, size: int, cfg: dict, dist, groups: dict) -> list[dict]:
@@ -235,18 +266,12 @@ def _case(rank: int, P: int, op: str, size: int, cfg: dict, dist, groups: dict) 
 
     last = None
     for w in range(cfg["warmup"]):
-        last = _timed_round(call, algs, w, dist)
-    iters = cfg["iters"]
-    if iters is None:
-        if last is None:  # --warmup 0: one untimed probe round
-            last = _timed_round(call, algs, 0, dist)
-        probe = torch.tensor([max(last)], dtype=torch.float64)
-        dist.all_reduce(probe, op=dist.ReduceOp.MAX)  # identical on every rank -> same iters
-        iters = common.adaptive_iters(probe.item(), cfg["target_s"], MIN_ITERS, MAX_ITERS)
+        last = _timed_round(call, algs, w, dist, [1] * A)
+    iters, bursts = _choose(last, cfg, call, algs, dist)
 
     times = torch.zeros(A, iters, dtype=torch.float64)
     for i in range(iters):
-        times[:, i] = torch.tensor(_timed_round(call, algs, i, dist), dtype=torch.float64)
+        times[:, i] = torch.tensor(_timed_round(call, algs, i, dist, bursts), dtype=torch.float64)
 
     # Traffic: one extra untimed call per algorithm under a ledger.
     traffic = torch.zeros(A, 2, dtype=torch.int64)
@@ -274,7 +299,7 @@ def _case(rank: int, P: int, op: str, size: int, cfg: dict, dist, groups: dict) 
         records.append({
             "P": P, "op": op, "algorithm": a, "dtype": cfg["dtype"], "transport": a.partition("@")[2] or "torch",
             "size_bytes": S, "requested_size_bytes": size if op != "barrier" else 0, "count": n,
-            "iters": iters, "warmup": cfg["warmup"],
+            "iters": iters, "burst": bursts[k], "warmup": cfg["warmup"],
             "time_us": sec * 1e6, "algbw_GBps": algbw, "busbw_GBps": busbw,
             "busbw_factor": busbw_factor(op, P),
             "bytes_sent_max_rank": None if native else max(sent),
@@ -377,8 +402,8 @@ def run(args: argparse.Namespace) -> int:
                                f"adaptive: ceil({TARGET_S}s / slowest warm-up call), clamped to [{MIN_ITERS}, {MAX_ITERS}]",
                                elapsed_s=round(elapsed, 1),
                                threads_per_rank={str(P): max(1, (os.cpu_count() or 1) // P) for P in cfg["nprocs"]},
-                               method="per call: native barrier, perf_counter around the blocking call; "
-                                      "per iteration max over ranks; median over iterations; "
+                               method="per sample: native barrier, then `burst` blocking calls back to back, "
+                                      "perf_counter / burst; per iteration max over ranks; median over iterations; "
                                       "algorithms interleaved in rotated order per round")
         common.write_json(args.json, meta, records)
         common.progress(f"wrote {args.json}")

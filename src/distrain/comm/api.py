@@ -207,18 +207,30 @@ def reduce_scatter(output: torch.Tensor, input_list, op="sum", group=None, async
     output = _tensor(output, "output", name, op)
     o = resolve_op(op, output.dtype, name)
     lst = _tensor_list(input_list, output, st.size, "input_list", name, st.ranks[st.rank])
-    full = torch.cat([t.reshape(-1) for t in lst])  # a work copy: algorithms may overwrite it
     out = _flat(output)
+    # The input as one flat (P*n) tensor. Most algorithms overwrite it, so they get a work copy;
+    # one that only reads it (READS_INPUT_ONLY: the direct shared-memory one) gets the caller's
+    # buffer itself when the list lies back to back in it (reduce_scatter_tensor's blocks): one
+    # full-size copy and allocation fewer.
+    view = _adjacent_views(lst, out.numel()) if out.numel() else None
+    copies: list[torch.Tensor] = []
+
+    def full(reader=None) -> torch.Tensor:
+        if view is not None and getattr(reader, "READS_INPUT_ONLY", False):
+            return view
+        if not copies:
+            copies.append(torch.cat([t.reshape(-1) for t in lst]))
+        return copies[0]
 
     def after() -> None:
         if st.size == 1:
-            out.copy_(full)
+            out.copy_(full())
         o.finish(out, st.size)
         _copy_back(output, out)
 
-    return _run(st, name, algorithm, async_op, nbytes(full),
-                mod=mod, ours=lambda m, pc: m.reduce_scatter(pc, out, full, o),
-                native=lambda a: _reduce_scatter_native(out, full, op=o.native, group=st.group, async_op=a),
+    return _run(st, name, algorithm, async_op, nbytes(output) * st.size,
+                mod=mod, ours=lambda m, pc: m.reduce_scatter(pc, out, full(m), o),
+                native=lambda a: _reduce_scatter_native(out, full(), op=o.native, group=st.group, async_op=a),
                 after=after, fp=(o.name, output, -1))
 
 

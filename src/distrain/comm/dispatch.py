@@ -271,8 +271,11 @@ def _run(st: GroupState, collective: str, algorithm: str, async_op: bool, payloa
     me = st.ranks[st.rank]
     outs = outputs if outputs is not None else [t for t in fp[1:2] if t is not None]
     transport = st.transport
-    desc = f"{collective}(algorithm={algorithm}, transport={transport.name}) on rank {me} " \
-           f"(group rank {st.rank} of {st.size})"
+    key = (collective, algorithm, transport.name)  # the description is made once per kind of call
+    desc = st.descs.get(key)
+    if desc is None:
+        desc = st.descs[key] = f"{collective}(algorithm={algorithm}, transport={transport.name}) on rank {me} " \
+                               f"(group rank {st.rank} of {st.size})"
     ordered = False  # the direct collectives share one slot per rank: calls run one at a time, in order
     if mod is None:
         mod = transport.direct(collective) if st.size > 1 else None
@@ -296,16 +299,21 @@ def _run(st: GroupState, collective: str, algorithm: str, async_op: bool, payloa
 
     if async_op:
         return CommHandle(desc, future=st.submit(job), outputs=outs)
+    wd = watchdog.current()  # entered and left inline: a context manager costs a microsecond here
+    if wd is not None:
+        wd.enter(desc)
     try:
-        with watchdog.blocking(desc):
-            if ordered and st.pending:  # async calls before this one still run on the worker
-                st.submit(job).result()
-            else:
-                job()
+        if ordered and st.pending:  # async calls before this one still run on the worker
+            st.submit(job).result()
+        else:
+            job()
     except CommError:
         raise
     except Exception as e:
         raise CommError(f"{desc} failed: {e}") from e
+    finally:
+        if wd is not None:
+            wd.leave()
     return None
 
 

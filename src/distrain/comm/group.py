@@ -57,6 +57,7 @@ class GroupState:
         self.size: int = len(self.ranks)
         self.seq: int = 0
         self.pending = 0  # async jobs submitted to the worker and not finished
+        self.descs: dict[tuple, str] = {}  # (collective, algorithm, transport) -> text for errors and the watchdog
         self._worker: _Worker | None = None
         self._lock = threading.Lock()
         self._transport_choice = None  # set_transport(); None = the job-wide default

@@ -57,6 +57,7 @@ ARRIVE, DONE, ABORT, PID, RESULT, SLEEPING = 0, 1, 2, 3, 4, 5
 SLOT_BYTES = 4 << 20
 RING_BYTES = 1 << 20  # per directed pair of ranks
 SPIN = 300  # polls (a few microseconds each) before blocking on the wake-up pipe
+SPIN_HOT = 20  # of which the first ones are plain polls; the later ones also yield the core
 MAX_BLOCK = 0.05  # seconds one block lasts at most (then the deadline and peers are checked)
 CHECK_EVERY = 0.05  # seconds between checks for dead peers and the deadline
 _fence_lock = threading.Lock()
@@ -123,6 +124,8 @@ class ShmTransport:
         self._all_local: bool | None = None
         self._sleeping, self._sleep_lock = 0, threading.Lock()
         self._open_lock = threading.RLock()
+        self._slots: dict[tuple, torch.Tensor] = {}  # (rank, buffer, dtype) -> view of a peer's slot
+        self._views: dict[tuple, list[torch.Tensor]] = {}  # (buffer, dtype, count) -> every rank's slot
         if self.size == 1:
             self.unlink_when_mapped()
 
@@ -205,9 +208,11 @@ class ShmTransport:
         Raises a CommError naming this rank, ``what`` and the peer, when a peer (group ranks
         ``peers``) aborted or died, or when the timeout passes.
         """
-        for _ in range(SPIN):
+        for i in range(SPIN):
             if ready():
                 return
+            if i >= SPIN_HOT:  # the peer may be waiting for this core: let it run (one syscall)
+                os.sched_yield()
         if not self._unlinked:
             self._unlink_if_all_opened()
         start = last = time.monotonic()
@@ -269,8 +274,24 @@ class ShmTransport:
         return self.step
 
     def slot(self, q: int, step: int, dtype: torch.dtype) -> torch.Tensor:
-        """Rank q's collective buffer for ``step`` (alternating two buffers), as ``dtype``."""
-        return self.peers[q].slot(step % 2).view(dtype)
+        """Rank q's collective buffer for ``step`` (alternating two buffers), as ``dtype``.
+        Views are cached: making one costs two tensor ops, a sizeable part of a 4 KiB all_reduce."""
+        key = (q, step % 2, dtype)
+        v = self._slots.get(key)
+        if v is None:
+            v = self._slots[key] = self.peers[q].slot(step % 2).view(dtype)
+        return v
+
+    def views(self, step: int, dtype: torch.dtype, count: int) -> list[torch.Tensor]:
+        """Every rank's slot for ``step`` as ``count`` elements of ``dtype`` (cached: small
+        collectives repeat the same few sizes, and each view costs a tensor op)."""
+        key = (step % 2, dtype, count)
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) >= 256:
+                self._views.clear()
+            v = self._views[key] = [self.slot(q, step, dtype)[:count] for q in range(self.size)]
+        return v
 
     def post(self, line: int, step: int, peers=None) -> None:
         self.me.set_line(line, step)
@@ -279,9 +300,10 @@ class ShmTransport:
             self._unlink_if_all_opened()
 
     def wait_all(self, line: int, step: int, what: str, peers=None) -> None:
-        segs = [self.peers[q] for q in (range(self.size) if peers is None else peers)]
-        peer_ids = list(range(self.size)) if peers is None else list(peers)
-        self.wait(lambda: all(s.ctrl[line * 8] >= step for s in segs), peer_ids, what)
+        peer_ids = range(self.size) if peers is None else list(peers)
+        at = line * 8
+        ctrls = [self.peers[q].ctrl for q in peer_ids]
+        self.wait(lambda: all(c[at] >= step for c in ctrls), peer_ids, what)
         if not self._unlinked and line == ARRIVE and peers is None:
             self.unlink_when_mapped()
 
@@ -309,6 +331,7 @@ class ShmTransport:
         return self._channels().irecv(tensor, q, tag)
 
     def close(self) -> None:
+        self._slots, self._views = {}, {}
         for s in list(self.peers.values()):
             s.close()
         self.peers = {}
