@@ -12,9 +12,9 @@ run across the nodes unchanged. Per node the environment also carries:
   would otherwise look the node up by the host name, which all namespaces share;
 * ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: the ranks of every rendezvous round get a new
   store, hosted by rank 0 (torch's default shares the agent's store across rounds and
-  tells attempts apart by the restart count, which is per node: a node restarted because
-  another failed does not count it, pytorch/pytorch#108158, so after a failure the nodes'
-  ranks looked for each other under different keys and the restarted job hung);
+  tells attempts apart by the restart count, which each node's agent keeps for itself
+  (pytorch/pytorch#108158): after a rank failed on one node, the restarted ranks waited for
+  each other until their time-out);
 * ``OMP_NUM_THREADS`` = this host's cores // all ranks of the cluster (at least 1), unless
   already set: the emulated nodes share the host's cores, and torch's default (one thread
   per core in every rank) oversubscribes them, which makes OpenMP regions wait on
