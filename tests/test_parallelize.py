@@ -83,6 +83,8 @@ def _composed(rank: int, dp: int, tp: int, pp: int, schedule: str, alg: str) -> 
     (2, 1, 2, "gpipe", "native"),
     (1, 2, 2, "1f1b", "native"),
     (1, 2, 2, "gpipe", "ring"),
+    (2, 1, 2, "zb-h1", "ring"),    # zero bubble: DDP all-reduces after the deferred W passes
+    (1, 2, 2, "zb-h1", "native"),  # zero bubble: the split linears sit between TP's f and g
 ])
 def test_composition_equals_single_process(dp, tp, pp, schedule, alg):
     res = distrain.spawn(_composed, dp * tp * pp, args=(dp, tp, pp, schedule, alg), timeout=200)

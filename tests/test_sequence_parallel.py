@@ -78,11 +78,11 @@ def test_sequence_parallel_equals_one_process(P, alg):
     assert not bad, "\n".join(bad[:20])
 
 
-def _sp_composed(rank: int) -> list[str]:
+def _sp_composed(rank: int, schedule: str) -> list[str]:
     steps, final = _reference()
     topo = Topology.from_world(dp=1, tp=2, pp=2)
     pm = parallelize(_full(), topo, loss_fn=lm_loss, tp_plan=gpt_tp_plan(sequence_parallel=True), algorithm="ring",
-                     microbatches=2)
+                     microbatches=2, schedule=schedule)
     info, start = tp_shard_info(pm.module), pm.stage.start
     opt = torch.optim.Adam(pm.parameters(), lr=1e-2)
     bad = []
@@ -105,12 +105,13 @@ def _sp_composed(rank: int) -> list[str]:
     for n, p in pm.module.named_parameters():
         if not torch.allclose(p, info[n].take(final[full_name(n)]), rtol=1e-9, atol=1e-12):
             bad.append(f"param {n} after {STEPS} steps differs")
-    return [f"rank {rank} tp=2 pp=2 sequence parallel: {b}" for b in bad]
+    return [f"rank {rank} tp=2 pp=2 sequence parallel {schedule}: {b}" for b in bad]
 
 
 @pytest.mark.timeout(240)
-def test_sequence_parallel_with_a_pipeline_equals_one_process():
-    bad = [b for r in distrain.spawn(_sp_composed, 4, timeout=200) for b in r]
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])  # zb-h1: the split linears re-gather the shards in B
+def test_sequence_parallel_with_a_pipeline_equals_one_process(schedule):
+    bad = [b for r in distrain.spawn(_sp_composed, 4, args=(schedule,), timeout=200) for b in r]
     assert not bad, "\n".join(bad[:20])
 
 

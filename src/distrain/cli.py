@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = bsub.add_parser("train", help="training throughput: our DDP vs torch DDP vs parameter servers")
     train_bench.add_arguments(p)
     p.set_defaults(func=train_bench.run)
-    p = bsub.add_parser("pipeline", help="pipeline bubble and activation peaks: GPipe vs 1F1B vs (p-1)/(m+p-1)")
+    p = bsub.add_parser("pipeline", help="pipeline bubble and activation peaks: GPipe, 1F1B, ZB-H1 against their formulas")
     pipeline_bench.add_pipeline_arguments(p)
     p.set_defaults(func=pipeline_bench.run_pipeline)
     p = bsub.add_parser("tp", help="tensor-parallel all-reduce bytes per block vs Megatron's count")

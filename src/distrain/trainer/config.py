@@ -22,7 +22,7 @@ DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("constant", "cosine")
 AUTOCASTS = ("none", "bf16")
 CUSTOM = "custom"  # model/data given as objects to distrain.train
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")  # zb-h1: zero bubble (B / W split), parallel/pipeline_parallel/zero_bubble.py
 # which data each model preset reads (input sizes must match)
 MODEL_DATA = {"gpt-tiny": "text", "gpt-small": "text", "mlp": "fashion-mnist", "mlp-tiny": "digits"}
 
@@ -58,7 +58,8 @@ class TrainConfig:
     tp: int = opt(1, "tensor-parallel size (GPT models)")
     pp: int = opt(1, "pipeline-parallel stages (GPT models)")
     microbatches: int = opt(1, "micro-batches per pipeline step; must divide the per-replica batch")
-    schedule: str = opt("1f1b", "pipeline schedule", choices=SCHEDULES)
+    schedule: str = opt("1f1b", "pipeline schedule (zb-h1: zero bubble, backward split into input- and "
+                                "weight-gradient passes)", choices=SCHEDULES)
     trace: str = opt("", "pipeline runs: write the last step's timeline as a Chrome trace (JSON for "
                          "chrome://tracing or Perfetto) to this path")
     gantt: str = opt("", "pipeline runs: draw the last step's timeline as a Gantt chart (PNG) to this path")
@@ -225,7 +226,11 @@ class TrainConfig:
         if self.max_staleness is not None:
             need(self.strategy == "ps-async", "--max-staleness applies only to --strategy ps-async")
             need(self.max_staleness >= 0, f"--max-staleness must be >= 0, got {self.max_staleness}")
-        need(self.schedule in SCHEDULES, f"--schedule must be gpipe or 1f1b, got {self.schedule!r}")
+        need(self.schedule in SCHEDULES,
+             f"--schedule must be gpipe or 1f1b, or zb-h1 (zero bubble); got {self.schedule!r}")
+        need(self.schedule != "zb-h1" or self.autocast == "none",
+             f"--schedule zb-h1 defers weight gradients outside autocast's casts: it runs without --autocast "
+             f"(got --autocast {self.autocast}); use --schedule 1f1b with autocast")
         self._validate_features(need)
         need(min(self.tp, self.pp, self.microbatches) >= 1 and self.dp >= 0,
              "--tp, --pp and --microbatches must be >= 1, --dp >= 0 (0: whatever is left of --nproc)")

@@ -45,6 +45,12 @@ Both have the same bubble -- with equal stages and free communication each stage
 -- but GPipe holds the activations of all m micro-batches at the end of its forwards, 1F1B
 at most min(p - s, m) on stage s: memory bounded by p instead of m.
 
+ZB-H1 (``schedule="zb-h1"``, Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024):
+the backward is split into B (input gradient, sent on at once) and W (weight gradients,
+:mod:`.weight_grad`), and W passes fill the cool-down; with T_F = T_B = T_W the bubble is
+(p - 1) / (3m + p - 1), a third of 1F1B's idle time, at 1F1B's peak memory (order and
+proof in :mod:`.zero_bubble`). W sends and receives nothing, so the argument below holds.
+
 Why it cannot deadlock
 ----------------------
 On Gloo a ``send`` is a rendezvous: it returns only once the receiver has posted the
@@ -84,6 +90,7 @@ parallelism: after ``pipeline_step`` all-reduce (average) the stage's gradients 
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -93,9 +100,10 @@ from distrain import comm
 from distrain.comm import tags
 from distrain.comm.util import check_int, nbytes
 from distrain.errors import ConfigError
-from distrain.parallel.pipeline_parallel.schedule import SCHEDULES, check_schedule, partition, schedule_ops, \
-    split_microbatches
+from distrain.parallel.pipeline_parallel.schedule import SCHEDULES, SPLIT_BACKWARD, check_schedule, partition, \
+    schedule_ops, split_microbatches
 from distrain.parallel.pipeline_parallel.timeline import StageTimeline
+from distrain.parallel.pipeline_parallel.weight_grad import WeightGradStore, check_no_autocast, defer_weight_grads
 
 __all__ = ["DEFAULT_TAG_BASE", "PipelineStage", "pipeline_step"]
 
@@ -229,58 +237,91 @@ def pipeline_step(stage: PipelineStage, micro_inputs=None, micro_targets=None, l
     if comm.debug_enabled():
         _check_agreement(stage, m, schedule)
 
-    device = next((q.device for q in stage.parameters()), None)
-    tl = stage.timeline = StageTimeline(stage=s, rank=_global_rank(), num_stages=p, schedule=schedule,
-                                        num_microbatches=m)
-    saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # k -> (stage input, output or scaled loss)
-    saved_bytes = 0
-    pending: list = []  # [(work, tensor)] of posted sends, kept alive until complete
-    losses: list[torch.Tensor] = []
-    clock = time.perf_counter
+    if schedule in SPLIT_BACKWARD:
+        check_no_autocast()
+    run = _StepRun(stage, schedule, m, inputs, targets, loss_fn)
     for kind, k in schedule_ops(schedule, p, s, m):
-        if kind == "F":
-            if stage.is_first:
-                x = inputs[k]  # (B/m, ...) e.g. ids (B/m, T)
-            else:
-                t0 = clock()
-                x = comm.recv_tensor(stage.prev_rank, stage.group, stage.tag(k, "act"), device=device, label=LABEL)
-                tl.add_wait("recv_act", k, t0, clock())
-                if not x.is_floating_point():
-                    raise ConfigError(f"pipeline stage {s} received a {x.dtype} activation; only the first stage "
-                                      "may take non-floating inputs (move the cut after the embedding)")
-                x.requires_grad_()  # a leaf: its .grad is what goes back to stage s-1
-            t0 = clock()
+        {"F": run.forward, "B": run.backward, "W": run.weight}[kind](k)
+        run.tl.note_held(run.in_flight, run.saved_bytes + run.store.held_bytes())
+        run.pending = [(w, t) for w, t in run.pending if not w.is_completed()]
+    return run.finish()
+
+
+class _StepRun:
+    """The state one ``pipeline_step`` shares between its F, B and W ops."""
+
+    def __init__(self, stage: PipelineStage, schedule: str, m: int, inputs, targets, loss_fn):
+        self.stage, self.m, self.inputs, self.targets, self.loss_fn = stage, m, inputs, targets, loss_fn
+        self.split = schedule in SPLIT_BACKWARD  # ZB-H1: B leaves the linear layers' weight gradients to W
+        self.store = WeightGradStore()  # stays empty unless split
+        self.device = next((q.device for q in stage.parameters()), None)
+        self.tl = stage.timeline = StageTimeline(stage=stage.stage_index, rank=_global_rank(),
+                                                 num_stages=stage.num_stages, schedule=schedule, num_microbatches=m)
+        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # k -> (stage input, output or scaled loss)
+        self.saved_bytes = self.in_flight = 0  # in flight: forwarded, not yet through B (split: through W)
+        self.pending: list = []  # [(work, tensor)] of posted sends, kept alive until complete
+        self.losses: list[torch.Tensor] = []
+
+    def _recv(self, peer: int, k: int, channel: str) -> torch.Tensor:
+        stage, t0 = self.stage, time.perf_counter()
+        x = comm.recv_tensor(peer, stage.group, stage.tag(k, channel), device=self.device, label=LABEL)
+        self.tl.add_wait("recv_" + channel, k, t0, time.perf_counter())
+        return x
+
+    def forward(self, k: int) -> None:
+        stage = self.stage
+        if stage.is_first:
+            x = self.inputs[k]  # (B/m, ...) e.g. ids (B/m, T)
+        else:
+            x = self._recv(stage.prev_rank, k, "act")
+            if not x.is_floating_point():
+                raise ConfigError(f"pipeline stage {stage.stage_index} received a {x.dtype} activation; only the "
+                                  "first stage may take non-floating inputs (move the cut after the embedding)")
+            x.requires_grad_()  # a leaf: its .grad is what goes back to stage s-1
+        t0 = time.perf_counter()
+        with defer_weight_grads(self.store, k) if self.split else contextlib.nullcontext():
             out = stage(x)  # e.g. hidden (B/m, T, C), or logits (B/m, T, V) on the last stage
             if stage.is_last:
-                loss = loss_fn(out, targets[k])
-                losses.append(loss.detach())
-                out = loss / m  # scaled: the m backwards sum to the full batch's gradient
-            tl.add("F", k, t0, clock())
-            if not stage.is_last:
-                pending += _isend_tensor(out, stage.next_rank, stage.group, stage.tag(k, "act"))
-            saved[k] = (x, out)
-            saved_bytes += _nbytes(x) + _nbytes(out)
-        else:
-            grad = None
-            if not stage.is_last:
-                t0 = clock()
-                grad = comm.recv_tensor(stage.next_rank, stage.group, stage.tag(k, "grad"), device=device, label=LABEL)
-                tl.add_wait("recv_grad", k, t0, clock())  # grad has the shape of out: (B/m, T, C)
-            x, out = saved.pop(k)
-            t0 = clock()
-            if out.requires_grad:  # False only for a first stage without parameters
+                loss = self.loss_fn(out, self.targets[k])
+                self.losses.append(loss.detach())
+                out = loss / self.m  # scaled: the m backwards sum to the full batch's gradient
+        self.tl.add("F", k, t0, time.perf_counter())
+        self.in_flight += 1
+        if not stage.is_last:
+            self.pending += _isend_tensor(out, stage.next_rank, stage.group, stage.tag(k, "act"))
+        self.saved[k] = (x, out)
+        self.saved_bytes += _nbytes(x) + _nbytes(out)
+
+    def backward(self, k: int) -> None:
+        """The whole backward of micro-batch k, or under ZB-H1 its input-gradient part B."""
+        stage = self.stage
+        grad = None if stage.is_last else self._recv(stage.next_rank, k, "grad")  # shape of out: (B/m, T, C)
+        x, out = self.saved.pop(k)
+        t0 = time.perf_counter()
+        if out.requires_grad:  # False only for a first stage without parameters
+            # split: in the block too, so that activation checkpointing recomputes the split linears
+            with defer_weight_grads(self.store, k) if self.split else contextlib.nullcontext():
                 torch.autograd.backward(out, grad)
-            tl.add("B", k, t0, clock())
-            if not stage.is_first:
-                gx = x.grad if x.grad is not None else torch.zeros_like(x)
-                pending += _isend_tensor(gx, stage.prev_rank, stage.group, stage.tag(k, "grad"))
-            saved_bytes -= _nbytes(x) + _nbytes(out)
-            del x, out, grad
-        tl.note_held(len(saved), saved_bytes)
-        pending = [(w, t) for w, t in pending if not w.is_completed()]
-    for w, _ in pending:  # every matching receive is posted by now (module doc, point 1)
-        w.wait()
-    return torch.stack(losses).mean() if stage.is_last else None
+        self.tl.add("B", k, t0, time.perf_counter())
+        if not stage.is_first:
+            gx = x.grad if x.grad is not None else torch.zeros_like(x)
+            self.pending += _isend_tensor(gx, stage.prev_rank, stage.group, stage.tag(k, "grad"))
+        self.saved_bytes -= _nbytes(x) + _nbytes(out)
+        self.in_flight -= not self.split
+
+    def weight(self, k: int) -> None:
+        """ZB-H1's W: the weight gradients of micro-batch k that its B deferred."""
+        t0 = time.perf_counter()
+        self.store.flush(k)
+        self.tl.add("W", k, t0, time.perf_counter())
+        self.in_flight -= 1
+
+    def finish(self) -> torch.Tensor | None:
+        for w, _ in self.pending:  # every matching receive is posted by now (module doc, point 1)
+            w.wait()
+        if self.store.pending():  # the schedule runs one W per B; anything left would be a lost gradient
+            raise AssertionError(f"pipeline_step: weight gradients of micro-batches {self.store.pending()} never ran")
+        return torch.stack(self.losses).mean() if self.stage.is_last else None
 
 
 def _global_rank() -> int:

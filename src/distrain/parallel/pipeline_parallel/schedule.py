@@ -7,7 +7,7 @@ runs what is planned here. Everything is deterministic and testable in one proce
   or by explicit layer counts);
 * :func:`split_microbatches` cuts a batch into ``m`` equal micro-batches;
 * :func:`schedule_ops` lists one stage's compute ops, ``[("F", 0), ("F", 1), ("B", 0), ...]``,
-  for GPipe or 1F1B;
+  for GPipe, 1F1B or zero-bubble ZB-H1 (which adds ("W", k), :mod:`.zero_bubble`);
 * :func:`simulate` plays every stage's program (receive, compute, send) with given op costs
   and either non-blocking sends (what the executor does) or blocking rendezvous sends (what a
   plain ``send`` does on Gloo), returning the ideal timeline or raising
@@ -23,8 +23,10 @@ import torch.nn as nn
 
 from distrain.errors import ConfigError, DistrainError
 from distrain.parallel.pipeline_parallel.timeline import PipelineTimeline, StageTimeline
+from distrain.parallel.pipeline_parallel.zero_bubble import zb_h1_bubble, zb_h1_ops
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+SPLIT_BACKWARD = ("zb-h1",)  # schedules whose backward is B (input gradient) + W (weight gradient)
 
 
 class ScheduleDeadlock(DistrainError):
@@ -185,15 +187,19 @@ def check_schedule(schedule: str) -> str:
 
 
 def warmup_forwards(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> int:
-    """Forwards a stage runs before its first backward: m for GPipe, min(p - s - 1, m) for 1F1B."""
+    """Forwards a stage runs before its first backward: m for GPipe, min(p - s - 1, m) for 1F1B,
+    min(p - s, m) for ZB-H1 (1F1B's warm-up and its first steady-state forward)."""
     check_schedule(schedule)
     if schedule == "gpipe":
         return num_microbatches
+    if schedule == "zb-h1":
+        return min(num_stages - stage, num_microbatches)
     return min(num_stages - stage - 1, num_microbatches)
 
 
 def schedule_ops(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> list[tuple[str, int]]:
-    """The compute ops of ``stage`` in execution order: ("F", k) forward, ("B", k) backward of micro-batch k.
+    """The compute ops of ``stage`` in execution order: ("F", k) forward, ("B", k) backward of micro-batch k
+    (under ZB-H1 its input-gradient part, and ("W", k) its weight-gradient part: :func:`zb_h1_ops`).
 
     GPipe: F0 .. F(m-1), then B(m-1) .. B0 (reverse order, as in the GPipe paper's figure).
     1F1B (PipeDream-Flush): w = min(p - s - 1, m) warm-up forwards, then m - w pairs
@@ -207,6 +213,8 @@ def schedule_ops(schedule: str, num_stages: int, stage: int, num_microbatches: i
         raise ConfigError(f"num_microbatches must be a positive int, got {m!r}")
     if check_schedule(schedule) == "gpipe":
         return [("F", k) for k in range(m)] + [("B", k) for k in reversed(range(m))]
+    if schedule == "zb-h1":
+        return zb_h1_ops(p, s, m)
     w = warmup_forwards(schedule, p, s, m)
     ops = [("F", k) for k in range(w)]
     for i in range(m - w):
@@ -216,10 +224,12 @@ def schedule_ops(schedule: str, num_stages: int, stage: int, num_microbatches: i
 
 
 def peak_in_flight(ops: Sequence[tuple[str, int]]) -> int:
-    """Most micro-batches forwarded but not yet backwarded at once, in an op list."""
+    """Most micro-batches forwarded but not yet backwarded at once, in an op list (with W ops:
+    not yet through their W, which still needs the layers' inputs)."""
+    done = "W" if any(kind == "W" for kind, _ in ops) else "B"
     held = peak = 0
     for kind, _ in ops:
-        held += 1 if kind == "F" else -1
+        held += 1 if kind == "F" else -1 if kind == done else 0
         peak = max(peak, held)
     return peak
 
@@ -228,12 +238,15 @@ def stage_program(schedule: str, num_stages: int, stage: int, num_microbatches: 
     """The primitive actions of one stage, exactly as the executor performs them.
 
     ("recv", peer, channel, k), ("compute", kind, k), ("send", peer, channel, k); channel "act"
-    carries a forward activation to stage s+1, "grad" a gradient back to stage s-1.
+    carries a forward activation to stage s+1, "grad" a gradient back to stage s-1; a W op
+    ("compute", "W", k) neither receives nor sends.
     """
     p, s = num_stages, stage
     prog: list[tuple] = []
     for kind, k in schedule_ops(schedule, p, s, num_microbatches):
-        if kind == "F":
+        if kind == "W":
+            prog.append(("compute", "W", k))
+        elif kind == "F":
             if s > 0:
                 prog.append(("recv", s - 1, "act", k))
             prog.append(("compute", "F", k))
@@ -249,8 +262,12 @@ def stage_program(schedule: str, num_stages: int, stage: int, num_microbatches: 
 
 
 def simulate(schedule: str, num_stages: int, num_microbatches: int, *, f_cost: float = 1.0,
-             b_cost: float = 2.0, comm_cost: float = 0.0, blocking_sends: bool = False):
+             b_cost: float = 2.0, comm_cost: float = 0.0, blocking_sends: bool = False,
+             w_cost: float | None = None):
     """Play every stage's program with fixed op costs; return the ideal :class:`PipelineTimeline`.
+
+    ``b_cost`` is a whole backward; a schedule that splits it (ZB-H1) runs W for ``w_cost``
+    (default ``b_cost / 2``) and B for the rest, so every schedule does the same work.
 
     Receives block until the matching message has been sent (and ``comm_cost`` has passed).
     With ``blocking_sends=False`` (the executor's way: ``isend`` posted, waited on only
@@ -269,6 +286,10 @@ def simulate(schedule: str, num_stages: int, num_microbatches: int, *, f_cost: f
     sent: dict[tuple, float] = {}  # (src, dst, channel, k) -> time the message is available
     tls = [StageTimeline(stage=s, rank=s, num_stages=p, schedule=schedule, num_microbatches=m) for s in range(p)]
     held = [0] * p
+    split = schedule in SPLIT_BACKWARD
+    w_cost = (b_cost / 2 if w_cost is None else w_cost) if split else 0.0
+    cost = {"F": f_cost, "B": b_cost - w_cost, "W": w_cost}
+    freed_by = "W" if split else "B"  # the op after which a micro-batch's activations are dropped
 
     def matching_recv_posted(s, action) -> bool:
         _, dst, ch, k = action
@@ -281,10 +302,9 @@ def simulate(schedule: str, num_stages: int, num_microbatches: int, *, f_cost: f
             while pc[s] < len(progs[s]):
                 a = progs[s][pc[s]]
                 if a[0] == "compute":
-                    cost = f_cost if a[1] == "F" else b_cost
-                    tls[s].add(a[1], a[2], clock[s], clock[s] + cost)
-                    clock[s] += cost
-                    held[s] += 1 if a[1] == "F" else -1
+                    tls[s].add(a[1], a[2], clock[s], clock[s] + cost[a[1]])
+                    clock[s] += cost[a[1]]
+                    held[s] += 1 if a[1] == "F" else -1 if a[1] == freed_by else 0
                     tls[s].note_held(held[s], 0)
                 elif a[0] == "recv":
                     key = (a[1], s, a[2], a[3])
@@ -315,6 +335,9 @@ def simulate(schedule: str, num_stages: int, num_microbatches: int, *, f_cost: f
     return PipelineTimeline(tls)
 
 
-def ideal_bubble(num_stages: int, num_microbatches: int) -> float:
-    """(p - 1) / (m + p - 1): the idle share of GPipe and 1F1B with equal stages and free communication."""
+def ideal_bubble(num_stages: int, num_microbatches: int, schedule: str = "1f1b") -> float:
+    """(p - 1) / (m + p - 1): the idle share of GPipe and 1F1B with equal stages and free communication;
+    for ``schedule="zb-h1"`` (T_F = T_B = T_W) :func:`~.zero_bubble.zb_h1_bubble`, (p - 1) / (3m + p - 1) for m >= p."""
+    if check_schedule(schedule) == "zb-h1":
+        return zb_h1_bubble(num_stages, num_microbatches)
     return (num_stages - 1) / (num_microbatches + num_stages - 1)

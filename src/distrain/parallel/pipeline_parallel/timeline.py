@@ -1,7 +1,7 @@
 """Per-stage timelines of a pipeline step: what ran when, the bubble, memory peaks, traces.
 
 Each rank records a :class:`StageTimeline` during ``pipeline_step`` (``stage.timeline``):
-its compute ops ``(kind "F"/"B", micro-batch, start, end)`` in ``time.perf_counter`` seconds,
+its compute ops ``(kind "F"/"B"/"W", micro-batch, start, end)`` in ``time.perf_counter`` seconds,
 the time it spent blocked in receives, and the peaks of what it held for backward.
 :func:`collect_timeline` gathers the stages' timelines (``all_gather_object`` or
 ``gather_object`` on the pipeline's group) into a :class:`PipelineTimeline`, which computes
@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass, field
 
 from distrain.errors import ConfigError
+from distrain.parallel.pipeline_parallel.zero_bubble import zb_h1_bubble
 
 
 @dataclass
@@ -96,9 +97,10 @@ class PipelineTimeline:
         return 0.0 if span <= 0 else 1.0 - self.compute_time() / (self.num_stages * span)
 
     def expected_bubble(self) -> float:
-        """(p - 1) / (m + p - 1), the bubble of equal stages with free communication."""
+        """(p - 1) / (m + p - 1), the bubble of equal stages with free communication; under ZB-H1
+        (T_F = T_B = T_W) (p - 1) / (3m + p - 1) for m >= p (:func:`.zero_bubble.zb_h1_bubble`)."""
         p, m = self.num_stages, self.num_microbatches
-        return (p - 1) / (m + p - 1)
+        return zb_h1_bubble(p, m) if self.schedule == "zb-h1" else (p - 1) / (m + p - 1)
 
     def orders(self) -> list[list[tuple[str, int]]]:
         return [t.order() for t in self.stages]
@@ -145,7 +147,8 @@ class PipelineTimeline:
         return trace
 
     def plot_gantt(self, path, title: str | None = None) -> None:
-        """Draw a PNG Gantt chart: one row per stage, forwards blue, backwards green, waits hatched."""
+        """Draw a PNG Gantt chart: one row per stage, forwards blue, backwards green (ZB-H1: input
+        gradients green, weight gradients orange), waits hatched."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -154,7 +157,7 @@ class PipelineTimeline:
         t0, p = self.t0, self.num_stages
         span_ms = max(self.makespan() * 1e3, 1e-9)
         fig, ax = plt.subplots(figsize=(max(6.0, 1.0 + 0.45 * 2 * self.num_microbatches), 0.6 * p + 1.4))
-        colors = {"F": "#4c72b0", "B": "#55a868"}
+        colors = {"F": "#4c72b0", "B": "#55a868", "W": "#dd8452"}
         for t in self.stages:
             y = p - 1 - t.stage
             for kind, mb, s, e in t.waits:
@@ -170,8 +173,10 @@ class PipelineTimeline:
         ax.set_yticklabels([f"stage {p - 1 - i}" for i in range(p)])
         ax.set_xlabel("time since the first forward (ms)")
         ax.set_xlim(0, span_ms)
+        formula = "(p-1)/(m+p-1)" if self.schedule != "zb-h1" else \
+            "(p-1)/(3m+p-1)" if self.num_microbatches >= p else "1-3m/(2m+2p-1)"
         ax.set_title(title or (f"{self.schedule}, p={p}, m={self.num_microbatches}: bubble "
-                               f"{self.bubble_fraction():.3f} (ideal (p-1)/(m+p-1) = {self.expected_bubble():.3f})"),
+                               f"{self.bubble_fraction():.3f} (ideal {formula} = {self.expected_bubble():.3f})"),
                      fontsize=9)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
