@@ -182,6 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = bsub.add_parser("zero", help="memory per rank and step time: DDP, ZeRO-1/2/3 vs torch ZeRO-1 and FSDP2")
     zero_bench.add_arguments(p)
     p.set_defaults(func=zero_bench.run)
+    from distrain.trainer import checkpoint_cli
+
+    p = sub.add_parser("checkpoint", help="a run's sharded checkpoint as one plain state_dict file, and back")
+    checkpoint_cli.add_arguments(p)
+    p.set_defaults(func=checkpoint_cli.run)
     return parser
 
 
