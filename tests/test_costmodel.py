@@ -173,3 +173,98 @@ def test_prediction_table_from_bench_json(tmp_path):
     comm_predict.annotate(recs, f, 4)
     assert recs[0]["predicted_us"] == pytest.approx((1 << 20) / B * 1e6, rel=1e-3)  # 2 steps of N/2 each way
     assert recs[1]["predicted_us"] is None and recs[0]["placement"] == [0, 1]
+
+
+def _ddp_bucket_sizes(rank: int, name: str) -> list[int]:
+    from distrain.models import build_model
+    from distrain.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(build_model(name)).bucket_sizes
+
+
+@pytest.mark.timeout(120)
+def test_plan_buckets_are_those_ddp_builds():
+    import distrain
+    from distrain.costmodel import plan
+
+    for name in ("mlp", "gpt-small"):
+        assert plan.ddp_buckets(plan.model_spec(name, None)) == distrain.spawn(_ddp_bucket_sizes, 1, args=(name,),
+                                                                                 timeout=100)[0]
+    # --params: 1 MiB tensors, so a 1 MiB first bucket, then 25 MiB ones
+    assert plan.ddp_buckets(plan.ModelSpec("n", 15 << 20)) == [1 << 20, 25 << 20, 25 << 20, 9 << 20]
+
+
+def test_plan_ddp_overlaps_buckets_with_backward():
+    from distrain.costmodel import plan
+
+    # two buckets of 1 MiB and 3 MiB (parameters of 3 MiB and 1 MiB, reversed); P = 2 ring, α = γ = 0:
+    # each all-reduce takes b / B (2 steps of b/2); fb = 0.09 s, backward the last 0.06 s
+    m = plan.ModelSpec("two", 1 << 20, param_bytes=(3 << 20, 1 << 20))
+    c = plan.Compute(lambda b: 0.09, opt=1e-8)
+    f = _fabric(2)
+    row = plan.plan_ddp(m, f, c, 32, "ring")
+    first_ready, second_ready = 0.03 + 0.06 * 0.25, 0.09
+    t1, t2 = (1 << 20) / B, (3 << 20) / B
+    end = max(first_ready + t1, second_ready) + t2
+    assert row.step_s == pytest.approx(0.09 + 1e-8 * (1 << 20) + end - 0.09, rel=1e-9)
+    assert row.comm_s == pytest.approx(t1 + t2, rel=1e-9)
+    # the PS tail: W adds (γ each) and the optimizer over the shard
+    ps = plan.plan_ps(m, _fabric(3, gamma=1e-10), c, 32, 1)
+    assert ps.comm_s == pytest.approx(2 * 2 * (4 << 20) / B + 1e-10 * (4 << 20) * 2 + 1e-8 * (1 << 20), rel=1e-9)
+
+
+def test_bench_ps_records_beside_predict_ps(tmp_path, capsys):
+    from distrain.cli import main
+    from distrain.costmodel.links import calibrated_fabric
+
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"model": {"intra": {"alpha_us": 30, "bandwidth_GBps": 1.0}, "gamma_ns_per_byte": 0.2}}))
+    out = tmp_path / "ps.json"
+    assert main(["bench", "ps", "--nproc", "3", "--servers", "1,2", "--sizes", "64K,96K", "--warmup", "0",
+                 "--iters", "2", "--predict", str(cal), "--json", str(out)]) == 0
+    recs = json.loads(out.read_text())["records"]
+    assert [(r["P"], r["S"], r["W"], r["size_bytes"], r["algorithm"]) for r in recs] == [
+        (3, 1, 2, 64 << 10, "ps S=1"), (3, 1, 2, 96 << 10, "ps S=1"),
+        (3, 2, 1, 64 << 10, "ps S=2"), (3, 2, 1, 96 << 10, "ps S=2")]
+    f = calibrated_fabric(str(cal), [0, 0, 0])
+    for r in recs:
+        assert len(r["times_us"]) == 2 and r["time_us"] > 0
+        assert r["predicted_us"] == pytest.approx(predict_ps(r["size_bytes"], r["S"], f).seconds * 1e6, rel=1e-12)
+        assert r["predicted_error_pct"] == pytest.approx(100 * (r["predicted_us"] - r["time_us"]) / r["time_us"])
+    assert main(["bench", "ps", "--nproc", "2", "--servers", "2"]) == 2
+    assert "--servers: 2 servers need at least 3 processes (S servers + at least 1 worker); this run has 2" in \
+        capsys.readouterr().err
+    assert main(["bench", "ps", "--nproc", "3", "--servers", "2", "--sizes", "100"]) == 2
+    assert "--sizes: 100 bytes is not 8 equal float32 tensors; give a multiple of 32 bytes" in capsys.readouterr().err
+
+
+def test_step_prediction_row_from_a_run_folder(tmp_path):
+    from distrain.bench import step_predict
+    from distrain.costmodel import plan
+    from distrain.costmodel.links import calibrated_fabric
+
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"model": {"inter": {"alpha_us": 100, "bandwidth_GBps": 0.0125},
+                                         "gamma_ns_per_byte": 0.5}}))
+    run = tmp_path / "run"
+    run.mkdir()
+    seen = []
+
+    def fixed(model, ranks, local_batch, threads):
+        seen.append((model, ranks, local_batch))
+        return plan.Compute(lambda b: 0.2, 1e-8)
+
+    for strategy, ranks, local in (("ddp", 4, 8.0), ("ps-sync", 3, 32 / 3)):
+        (run / "config.json").write_text(json.dumps({"model": "mlp-tiny", "strategy": strategy, "nproc": 4,
+                                                     "servers": 1, "batch_size": 32, "algorithm": "ring"}))
+        # the first two steps (start-up) are left out: median of 0.5, 0.7, 0.6 = 0.6 s
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "time_s": t}) + "\n"
+                                                   for i, t in enumerate([9.0, 2.0, 0.5, 0.7, 0.6])))
+        row = step_predict.row(str(cal), "100mbit", run, compute=fixed)
+        f = calibrated_fabric(str(cal), [0, 1, 2, 3])
+        spec, c = plan.model_spec("mlp-tiny", None), plan.Compute(lambda b: 0.2, 1e-8)
+        want = (plan.plan_ddp(spec, f, c, 32, "ring") if strategy == "ddp" else plan.plan_ps(spec, f, c, 32, 1)).step_s
+        assert row[:6] == ["mlp-tiny", "ddp ring" if strategy == "ddp" else "ps-sync S=1", "100mbit", "4", "600",
+                           f"{want * 1e3:.0f}"]
+        assert row[7] == f"{100 * (want - 0.6) / 0.6:+.0f}%"
+        assert seen[-1] == ("mlp-tiny", ranks, pytest.approx(local))

@@ -128,7 +128,7 @@ def _apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from distrain.bench import comm_bench, link_bench, pipeline_bench, tp_bench, train_bench, zero_bench
+    from distrain.bench import comm_bench, link_bench, pipeline_bench, ps_bench, tp_bench, train_bench, zero_bench
     from distrain.cluster import cli as cluster_cli
 
     from distrain import __version__
@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = bsub.add_parser("link", help="ping-pong calibration of alpha and beta per link (for the cost model)")
     link_bench.add_arguments(p)
     p.set_defaults(func=link_bench.run)
+    p = bsub.add_parser("ps", help="parameter-server round time (pull + push + update), beside the cost model")
+    ps_bench.add_arguments(p)
+    p.set_defaults(func=ps_bench.run)
     p = bsub.add_parser("train", help="training throughput: our DDP vs torch DDP vs parameter servers")
     train_bench.add_arguments(p)
     p.set_defaults(func=train_bench.run)
@@ -179,6 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = bsub.add_parser("zero", help="memory per rank and step time: DDP, ZeRO-1/2/3 vs torch ZeRO-1 and FSDP2")
     zero_bench.add_arguments(p)
     p.set_defaults(func=zero_bench.run)
+    from distrain.trainer import checkpoint_cli
+
+    p = sub.add_parser("checkpoint", help="a run's sharded checkpoint as one plain state_dict file, and back")
+    checkpoint_cli.add_arguments(p)
+    p.set_defaults(func=checkpoint_cli.run)
     return parser
 
 

@@ -113,8 +113,12 @@ def init(backend: str = "auto", timeout: float | timedelta = 300.0,
     # Under torchrun (and distrain.spawn) the launcher already hosts the store; else rank 0 does.
     hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     store = _connect_store(addr, port, world, rank, hosts_store, secs)
-    # A restarted job (torchrun --max-restarts) reuses the store: keep each attempt's keys apart.
-    prefix = f"distrain/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    # A restarted job (torchrun --max-restarts) reuses the agent's store: keep each attempt's keys apart. A store
+    # of our rank 0 is new for every attempt, and the restart count is per node (a node restarted for a membership
+    # change does not count it: pytorch/pytorch#108158), so across nodes only the constant prefix agrees.
+    agents = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if agents else "0"
+    prefix = f"distrain/{attempt}/"
     _wait_for_all(store, prefix, rank, world, secs, f"{addr}:{port}")
     dist.init_process_group(backend, store=dist.PrefixStore(prefix + "pg", store), rank=rank,
                             world_size=world, timeout=timedelta(seconds=secs + max(30.0, secs / 5)))

@@ -1,15 +1,22 @@
 """``distrain plan``: rank training strategies for a model on a cluster by predicted step time.
 
-Step-time model (per optimizer step on a global batch of B samples; T = forward+backward
-time of the whole batch on one process, measured once here or given with --compute-ms;
-backward = 2/3 of it, the usual 2:1 FLOP ratio):
+Step-time model (per optimizer step on a global batch of B samples). Compute is
+:class:`Compute`: forward+backward of a rank's local batch b, fb(b), measured here at
+that very batch for a preset (small batches do not scale linearly) or T·b/B from
+--compute-ms; backward = 2/3 of it, the usual 2:1 FLOP ratio; and the optimizer step,
+``opt`` seconds per parameter updated (measured: AdamW on the preset), 0 with --compute-ms.
 
-* DDP with dp = P ranks (ring/tree/star): compute T/P, plus the gradient all-reduce of
-  4·N_params bytes (simulated schedule). Buckets overlap with backward (Li et al., PyTorch
-  Distributed, VLDB 2020): only the part of the all-reduce that outlasts backward, plus the
-  last of k = ceil(grad/25 MiB) buckets, is exposed.
-* Parameter server, S shards on the last S ranks, W = P - S workers: compute T/W, plus
-  one pull + push round (simulated), not overlapped (pull before forward, push after).
+* DDP with dp = P ranks (ring/tree/star): fb(B/P) + the optimizer step over every
+  parameter, plus the exposed part of the gradient all-reduce. The gradients go in the
+  buckets distrain's DDP builds (reverse parameter order, the first at most 1 MiB, then
+  25 MiB: parallel/data_parallel/ddp.py); bucket i is ready when backward has produced its
+  gradients (backward time taken proportional to the parameter bytes behind it) and its
+  all-reduce (simulated schedule) starts once it is ready and the previous bucket's is done
+  (one communication thread runs them in order). Exposed = the last all-reduce's end minus
+  backward's end (Li et al., PyTorch Distributed, VLDB 2020).
+* Parameter server, S shards on the last S ranks, W = P - S workers: fb(B/W), plus one pull
+  + push round (simulated), not overlapped (pull before forward, push after), whose tail
+  is the server's W adds and its optimizer step over N/S parameters.
 * dp×tp×pp (Megatron layout, tp innermost and inside one node): compute T/(dp·tp·pp)
   stretched by the pipeline bubble to (m+p-1)/m (Huang et al., GPipe 2019); TP adds 4
   all-reduces per block of b·s·h·4 bytes per micro-batch (Shoeybi et al., Megatron-LM 2019,
@@ -27,16 +34,17 @@ The numbers are predictions from the α-β links (presets or a calibration), not
 from __future__ import annotations
 
 import argparse
-import math
+import functools
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from distrain.costmodel import schedules
 from distrain.costmodel.links import INTRA, LINKS, Fabric, block_placement, calibrated_fabric
 from distrain.costmodel.sim import Message, simulate
 from distrain.errors import ConfigError
 
-BUCKET = 25 << 20
+BUCKET, FIRST_BUCKET = 25 << 20, 1 << 20  # as distrain's DDP (and torch's): bucket_cap_mb 25, first 1 MiB
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,19 @@ class ModelSpec:
     hidden: int = 0
     heads: int = 0
     seq: int = 1
+    param_bytes: tuple[int, ...] = ()  # every parameter tensor's bytes, model order (presets)
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Seconds of forward+backward for a local batch (``fb(samples)``) and of the optimizer per parameter."""
+    fb: Callable[[float], float]
+    opt: float = 0.0
+
+    @classmethod
+    def linear(cls, T: float, batch: int) -> "Compute":
+        """--compute-ms: T for the global batch, proportional to the batch, no optimizer cost."""
+        return cls(lambda b: T * b / batch)
 
 
 @dataclass
@@ -69,10 +90,11 @@ def model_spec(name: str | None, params: int | None) -> ModelSpec:
         raise ConfigError(f"--model: unknown model {name!r}; choose from {', '.join(MODEL_PRESETS)} or give --params N")
     m = build_model(name)
     n = sum(p.numel() for p in m.parameters())
+    sizes = tuple(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad)
     kind, kw = MODEL_PRESETS[name]
     if kind == "gpt":
-        return ModelSpec(name, n, kw["n_layer"], kw["n_embd"], kw["n_head"], kw["block_size"])
-    return ModelSpec(name, n)
+        return ModelSpec(name, n, kw["n_layer"], kw["n_embd"], kw["n_head"], kw["block_size"], sizes)
+    return ModelSpec(name, n, param_bytes=sizes)
 
 
 def measure_compute(name: str, batch: int, reps: int = 3) -> float:
@@ -85,6 +107,7 @@ def measure_compute(name: str, batch: int, reps: int = 3) -> float:
     torch.manual_seed(0)
     m = build_model(name)
     kind, kw = MODEL_PRESETS[name]
+    batch = max(1, round(batch))
     x = (torch.randint(0, kw["vocab_size"], (batch, kw["block_size"])) if kind == "gpt"
          else torch.randn(batch, kw["in_features"]))
     ts = []
@@ -93,6 +116,47 @@ def measure_compute(name: str, batch: int, reps: int = 3) -> float:
         m(x).float().sum().backward()
         ts.append(time.perf_counter() - t0)
     return sorted(ts[1:])[len(ts[1:]) // 2]
+
+
+def measure_optimizer(name: str, reps: int = 5) -> float:
+    """Median seconds per parameter of one AdamW step (the trainer's default optimizer) on the preset."""
+    import torch
+
+    from distrain.models import build_model
+
+    m = build_model(name)
+    params = [p for p in m.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    ts = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        opt.step()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts[1:])[len(ts[1:]) // 2] / sum(p.numel() for p in params)
+
+
+def measured_compute(name: str) -> Compute:
+    """fb measured per local batch size (cached) and AdamW's step, on this process."""
+    return Compute(functools.lru_cache(maxsize=None)(lambda b: measure_compute(name, b)), measure_optimizer(name))
+
+
+def ddp_buckets(m: ModelSpec) -> list[int]:
+    """Bucket bytes in launch order, as distrain's DDP packs them: parameters in reverse model
+    order, the first bucket at most 1 MiB, the others 25 MiB, a parameter never split. With
+    --params (no tensor sizes) the parameters are taken as 1 MiB tensors."""
+    sizes = list(reversed(m.param_bytes)) if m.param_bytes else \
+        [min(FIRST_BUCKET, 4 * m.params - i) for i in range(0, 4 * m.params, FIRST_BUCKET)]
+    out: list[int] = []
+    cur = 0
+    for b in sizes:
+        cap = FIRST_BUCKET if not out else BUCKET
+        if cur and cur + b > cap:
+            out.append(cur)
+            cur = 0
+        cur += b
+    return out + [cur]
 
 
 def _together(parts: list[tuple[list[Message], float]], groups: list[list[int]]) -> tuple[list[Message], float]:
@@ -123,31 +187,38 @@ def _act_bytes(m: ModelSpec, samples: float) -> float:
     return m.seq * m.hidden * (34 + 5 * m.heads * m.seq / m.hidden) * 2 * samples
 
 
-def plan_ddp(m: ModelSpec, fabric: Fabric, T: float, batch: int, alg: str) -> Plan:
+def plan_ddp(m: ModelSpec, fabric: Fabric, c: Compute, batch: int, alg: str) -> Plan:
     P = fabric.size
-    comm, busy = _allreduce(fabric, [list(range(P))], 4 * m.params, alg)
-    bwd = T / P * 2 / 3
-    k = max(1, math.ceil(4 * m.params / BUCKET))
-    exposed = max(comm / k, comm - bwd * (k - 1) / k)
+    fb = c.fb(batch / P)
+    total = 4 * m.params
+    comm = busy = end = done = 0.0
+    for b in ddp_buckets(m):  # one communication thread: all-reduces in launch order
+        done += b
+        ready = fb / 3 + fb * 2 / 3 * done / total  # backward has produced this bucket's gradients
+        t, link = _allreduce(fabric, [list(range(P))], b, alg)
+        end = max(ready, end) + t
+        comm, busy = comm + t, busy + link
+    compute = fb + c.opt * m.params
     mem = 16 * m.params + m.layers * _act_bytes(m, batch / P)
-    return Plan(f"ddp {alg}", T / P + exposed, T / P, comm, mem, busy)
+    return Plan(f"ddp {alg}", compute + max(0.0, end - fb), compute, comm, mem, busy)
 
 
-def plan_ps(m: ModelSpec, fabric: Fabric, T: float, batch: int, S: int) -> Plan:
+def plan_ps(m: ModelSpec, fabric: Fabric, c: Compute, batch: int, S: int) -> Plan:
     P = fabric.size
     W = P - S
-    msgs, tail = schedules.parameter_server(P, S, 4 * m.params, fabric.gamma)
+    msgs, tail = schedules.parameter_server(P, S, 4 * m.params, fabric.gamma, update_s=c.opt * m.params / S or None)
     res = simulate(msgs, fabric, tail)
     mem = max(8 * m.params + m.layers * _act_bytes(m, batch / W), 16 * m.params / S)
-    return Plan(f"ps-sync S={S}", T / W + res.seconds, T / W, res.seconds, mem, res.busiest()[1])
+    fb = c.fb(batch / W)
+    return Plan(f"ps-sync S={S}", fb + res.seconds, fb, res.seconds, mem, res.busiest()[1])
 
 
-def plan_3d(m: ModelSpec, fabric: Fabric, T: float, batch: int, dp: int, tp: int, pp: int, micro: int,
+def plan_3d(m: ModelSpec, fabric: Fabric, c: Compute, batch: int, dp: int, tp: int, pp: int, micro: int,
             alg: str) -> Plan:
-    P = dp * tp * pp
     rank = lambda d, p, t: (d * pp + p) * tp + t  # noqa: E731  (tp innermost, then pp, then dp)
     b = batch / dp / micro  # samples per micro-batch
-    compute = T / P * (micro + pp - 1) / micro
+    # a stage of a tp group does 1/(tp·pp) of a replica's work, stretched by the bubble
+    compute = c.fb(batch / dp) / (tp * pp) * (micro + pp - 1) / micro + c.opt * m.params / (tp * pp)
     tp_s = 0.0
     if tp > 1:
         groups = [[rank(d, p, t) for t in range(tp)] for d in range(dp) for p in range(pp)]
@@ -166,16 +237,19 @@ def plan_3d(m: ModelSpec, fabric: Fabric, T: float, batch: int, dp: int, tp: int
                 mem, busy)
 
 
-def plans(m: ModelSpec, fabric: Fabric, T: float, batch: int, procs_per_node: int, micro: int) -> list[Plan]:
+def plans(m: ModelSpec, fabric: Fabric, T: float | Compute, batch: int, procs_per_node: int,
+          micro: int) -> list[Plan]:
+    """Every strategy, best first; ``T``: forward+backward seconds of the global batch (linear) or a Compute."""
     P = fabric.size
-    out = [plan_ddp(m, fabric, T, batch, a) for a in ("ring", "tree", "star")]
-    out += [plan_ps(m, fabric, T, batch, S) for S in sorted({1, 2, 4}) if S < P]
+    c = T if isinstance(T, Compute) else Compute.linear(T, batch)
+    out = [plan_ddp(m, fabric, c, batch, a) for a in ("ring", "tree", "star")]
+    out += [plan_ps(m, fabric, c, batch, S) for S in sorted({1, 2, 4}) if S < P]
     if m.layers:
         for tp in (t for t in (2, 4, 8) if procs_per_node % t == 0 and m.heads % t == 0 and P % t == 0):
             for pp in (p for p in (1, 2, 4, 8) if m.layers % p == 0 and P % (tp * p) == 0):
-                out.append(plan_3d(m, fabric, T, batch, P // (tp * pp), tp, pp, micro, "ring"))
+                out.append(plan_3d(m, fabric, c, batch, P // (tp * pp), tp, pp, micro, "ring"))
         for pp in (p for p in (2, 4, 8) if m.layers % p == 0 and P % p == 0):
-            out.append(plan_3d(m, fabric, T, batch, P // pp, 1, pp, micro, "ring"))
+            out.append(plan_3d(m, fabric, c, batch, P // pp, 1, pp, micro, "ring"))
     return sorted(out, key=lambda p: p.step_s)
 
 
@@ -209,14 +283,16 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--link must be one of {', '.join(LINKS)} and --intra one of {', '.join(INTRA)}")
         fabric = Fabric(placement, LINKS[args.link], INTRA[args.intra])
     if args.compute_ms is not None:
-        T = args.compute_ms / 1e3
+        c = Compute.linear(args.compute_ms / 1e3, args.batch_size)
     elif args.params:
         raise ConfigError("--params needs --compute-ms (forward+backward time of the global batch on one process)")
     else:
-        T = measure_compute(args.model, args.batch_size)
-    rows = plans(m, fabric, T, args.batch_size, args.procs_per_node, args.microbatches)
-    print(f"# {m.name}: {m.params:,} parameters, batch {args.batch_size}, compute {T * 1e3:.1f} ms/step on one "
-          f"process; {args.nodes} node(s) x {args.procs_per_node} = {P} ranks; link "
+        c = measured_compute(args.model)
+    rows = plans(m, fabric, c, args.batch_size, args.procs_per_node, args.microbatches)
+    how = "given" if args.compute_ms is not None else f"measured here, AdamW {c.opt * m.params * 1e3:.1f} ms"
+    print(f"# {m.name}: {m.params:,} parameters, batch {args.batch_size}, forward+backward "
+          f"{c.fb(args.batch_size) * 1e3:.1f} ms on one process ({how}); {args.nodes} node(s) x "
+          f"{args.procs_per_node} = {P} ranks; link "
           f"{args.calibration or args.link} (intra {args.intra})")
     print(f"{'rank':>4}  {'strategy':<28} {'step ms':>9} {'compute':>9} {'comm':>9} {'mem/rank MB':>11} {'busiest link MB':>15}")
     for i, r in enumerate(rows, 1):

@@ -144,8 +144,13 @@ def tree(collective: str, P: int, count: int, elem: int, gamma: float) -> tuple[
     return None
 
 
-def parameter_server(P: int, servers: int, nbytes: int, gamma: float) -> tuple[list[Message], float]:
-    """One synchronous PS round (pull + push) of a model of ``nbytes``, balanced over the shards."""
+def parameter_server(P: int, servers: int, nbytes: int, gamma: float,
+                     update_s: float | None = None) -> tuple[list[Message], float]:
+    """One synchronous PS round (pull + push) of a model of ``nbytes``, balanced over the shards.
+
+    The tail is the server's work after the last push arrives: adding W gradients (γ per
+    byte each) and the optimizer step, ``update_s`` seconds per shard (default: one more
+    pass, γ·N_s, as plain SGD)."""
     W = P - servers
     if W < 1 or servers < 1:
         raise ValueError(f"parameter server: need at least one worker and one server, got P={P}, S={servers}")
@@ -158,8 +163,8 @@ def parameter_server(P: int, servers: int, nbytes: int, gamma: float) -> tuple[l
     for w in range(W):
         for s in range(servers):
             sc.add(w, W + s, shard, pulls[w])
-    # each server adds W gradients and takes an SGD step (one more pass over the shard)
-    return sc.msgs, gamma * shard * (W + 1)
+    # each server adds W gradients and takes an optimizer step
+    return sc.msgs, gamma * shard * W + (gamma * shard if update_s is None else update_s)
 
 
 BUILDERS = {"star": star, "ring": ring, "tree": tree}

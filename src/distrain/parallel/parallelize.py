@@ -22,6 +22,14 @@ Why this order:
    now holds; the ranks of a dp group have the same tp and pp coordinates, so they hold
    the same shard, and rank 0 of the group broadcasts it. With a pipeline, the micro-batch
    backwards run under ``no_sync()`` and the gradients are averaged once per step.
+   ``zero_stage=1|2|3`` puts ZeRO (distrain.parallel.zero) over the dp group instead of
+   DDP: the dp ranks, which hold the same tp/pp shard, split its optimizer state (and
+   gradients, and parameters) among themselves; ``optimizer=`` is then the factory the
+   ZeRO engine builds over this rank's flat shards (``pm.optimizer``). With a pipeline,
+   stage 1 reduce-scatters once per step (micro-batches under ``no_sync``); stage 2
+   reduce-scatters after every micro-batch's backward, so no full-size gradient outlives
+   it (M x stage 1's reduce-scatter volume); stage 3 is refused (it would all-gather each
+   layer twice per micro-batch; DeepSpeed refuses ZeRO-2/3 with pipelines altogether).
 
 Contract: every rank of the world calls ``parallelize`` with the same topology sizes, and
 ``train_step`` once per step; first-stage ranks need ``x``, last-stage ranks ``y``.
@@ -31,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn as nn
@@ -39,9 +47,12 @@ import torch.nn as nn
 from distrain.errors import ConfigError
 from distrain.parallel.data_parallel import DistributedDataParallel
 from distrain.parallel.pipeline_parallel import PipelineStage, partition, pipeline_step
-from distrain.parallel.tensor_parallel import TPGroup, apply_tensor_parallel
+from distrain.parallel.tensor_parallel import TPGroup, apply_tensor_parallel, tp_shard_info
 from distrain.parallel.tensor_parallel.plan import TPPlan, as_plan
 from distrain.topology import Topology
+
+if TYPE_CHECKING:
+    from distrain.parallel.zero import Zero
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -57,9 +68,17 @@ class ParallelModel:
     schedule: str
     criterion: Loss                     # the user's loss on the full output
     tp_plan: TPPlan | None = None
+    zero: "Zero | None" = None          # ZeRO over the dp group (in place of ddp)
+    tp_info: dict | None = None         # {name in module: ShardInfo}, taken before ZeRO-3 removes the parameters
 
     def parameters(self):
-        return self.module.parameters()
+        """What the optimizer updates: the module's parameters, or ZeRO's flat shards."""
+        return self.zero.parameters() if self.zero is not None else self.module.parameters()
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """With ZeRO, the optimizer it built over this rank's shards (else the caller builds one)."""
+        return self.zero.optimizer if self.zero is not None else None
 
     def loss_fn(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss of this rank's output: the plan's loss on shards when tp > 1 and the plan
@@ -79,12 +98,16 @@ class ParallelModel:
             loss = self.loss_fn(net(x), y)
             loss.backward()
             return loss.detach()
-        sync = self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
+        once = self.zero is not None and self.zero.stage == 1  # stage 2: reduce-scatter per micro-batch
+        sync = (self.ddp.no_sync() if self.ddp is not None else self.zero.no_sync() if once
+                else contextlib.nullcontext())
         with sync:
             loss = pipeline_step(self.stage, x if self.stage.is_first else None, y if self.stage.is_last else None,
                                  self.loss_fn, schedule=self.schedule, num_microbatches=self.microbatches)
         if self.ddp is not None:
             self.ddp.allreduce_gradients()
+        if once:
+            self.zero.reduce_gradients()
         return loss
 
     @property
@@ -93,12 +116,18 @@ class ParallelModel:
 
 
 def parallelize(model: nn.Module, topo: Topology, *, loss_fn: Loss, tp_plan=None, algorithm: str = "native",
-                microbatches: int = 1, schedule: str = "1f1b", bucket_cap_mb: float = 25.0) -> ParallelModel:
+                microbatches: int = 1, schedule: str = "1f1b", bucket_cap_mb: float = 25.0,
+                zero_stage: int = 0, optimizer=None) -> ParallelModel:
     """Apply ``tp_plan`` on ``topo.tp_group``, cut the pipeline stage of ``topo.pp_rank``, wrap it
-    in DDP over ``topo.dp_group``. ``loss_fn(output, target)``: the loss on the model's full
-    output (a plan that keeps the output sharded brings its own loss on shards, used when tp > 1)."""
+    in DDP over ``topo.dp_group`` (or ZeRO ``zero_stage`` with the ``optimizer`` factory).
+    ``loss_fn(output, target)``: the loss on the model's full output (a plan that keeps the
+    output sharded brings its own loss on shards, used when tp > 1)."""
     if not callable(loss_fn):
         raise ConfigError(f"parallelize: loss_fn must be a callable (output, target) -> loss, got {loss_fn!r}")
+    check_zero_layout(zero_stage, topo.dp, topo.pp)
+    if zero_stage and not callable(optimizer):
+        raise ConfigError("parallelize: zero_stage needs optimizer= (a factory: lambda params: "
+                          "torch.optim.AdamW(params, lr=1e-3)); ZeRO builds it over this rank's shards")
     if topo.tp > 1 and tp_plan is None:
         raise ConfigError(f"parallelize: tp={topo.tp} needs tp_plan= (module name -> 'colwise' / 'rowwise' / "
                           f"'vocab'); the GPT's is distrain.models.gpt_plan.gpt_tp_plan()")
@@ -113,7 +142,27 @@ def parallelize(model: nn.Module, topo: Topology, *, loss_fn: Loss, tp_plan=None
     stage = PipelineStage.from_topology(model, topo, balance=cut) if topo.pp > 1 else None
     module = stage if stage is not None else model
     # 3. data parallel: average the gradients of identical shards over the dp group
-    ddp = None
-    if topo.dp > 1:
+    ddp = zero = None
+    tp_info = tp_shard_info(module)
+    if zero_stage:
+        from distrain.parallel.zero import Zero
+
+        zero = Zero(module, optimizer, stage=zero_stage, group=topo.dp_group, algorithm=algorithm,
+                    bucket_cap_mb=bucket_cap_mb)
+    elif topo.dp > 1:
         ddp = DistributedDataParallel(module, group=topo.dp_group, algorithm=algorithm, bucket_cap_mb=bucket_cap_mb)
-    return ParallelModel(topo, module, stage, ddp, algorithm, microbatches, schedule, loss_fn, plan)
+    return ParallelModel(topo, module, stage, ddp, algorithm, microbatches, schedule, loss_fn, plan, zero, tp_info)
+
+
+def check_zero_layout(zero_stage: int, dp: int, pp: int) -> None:
+    """The rules for ZeRO inside the dp x tp x pp grid (the trainer's config checks them too,
+    before any rank starts): a stage of 0-3; at least 2 dp ranks to shard over; no stage 3 with
+    a pipeline."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"parallelize: zero_stage must be 0 (DDP), 1, 2 or 3, got {zero_stage!r}")
+    if zero_stage and dp < 2:
+        raise ConfigError(f"ZeRO stage {zero_stage} (--strategy zero{zero_stage}) shards over the dp group, but dp "
+                          f"is {dp}: it needs dp >= 2 (or use --strategy ddp, which with dp 1 does nothing)")
+    if zero_stage == 3 and pp > 1:
+        raise ConfigError(f"ZeRO stage 3 (--strategy zero3) does not compose with pipeline parallelism (--pp {pp}): "
+                          f"it would all-gather every layer twice per micro-batch; use zero1 or zero2 with --pp > 1")

@@ -120,11 +120,16 @@ def save_set(out: str | os.PathLike, step: int, layout: dict, shard: str | None,
         files = sorted(sums)
         manifest = {"format": FORMAT_VERSION, "step": step, "layout": layout, "files": files, "sha256": sums,
                     **(meta or {})}
-        _atomic_write(out / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
+        write_manifest(out, manifest)
         for old in out.glob("checkpoint-*.pt"):  # the previous sets, now superseded
             if old.name not in files:
                 old.unlink(missing_ok=True)
     dist.barrier()  # nobody goes on (or exits) before the set is committed
+
+
+def write_manifest(out: str | os.PathLike, manifest: dict) -> Path:
+    """Commit a set: write ``out/checkpoint.json`` atomically (after every file it names is on disk)."""
+    return _atomic_write(Path(out) / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
 
 
 def read_manifest(out: str | os.PathLike) -> dict:

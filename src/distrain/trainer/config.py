@@ -93,6 +93,8 @@ class TrainConfig:
     resume: bool | str = opt(False, "continue the run in --out from its newest checkpoint; `auto`: only if there "
                                     "is one (the default under `distrain launch --max-restarts`)",
                              choices=("auto", "yes", "no"))
+    reshard: bool = opt(False, "with --resume: load a checkpoint written with another layout (--nproc, --dp/--tp/"
+                               "--pp, --strategy among single, ddp, torch-ddp, zero1-3) into this run's layout")
     sample_chars: int = opt(300, "characters of generated text at the end (text models; 0: none)")
     progress: bool = opt(True, "show a progress bar")
     report: bool = opt(True, "print the summary table (and sample) at the end")
@@ -205,6 +207,8 @@ class TrainConfig:
         need(math.isfinite(self.bucket_cap_mb) and self.bucket_cap_mb > 0,
              f"--bucket-cap-mb must be a positive finite number, got {self.bucket_cap_mb}")
         need(self.resume in (True, False, "auto"), f"--resume takes no value, or auto; got {self.resume!r}")
+        need(not self.reshard or self.resume, "--reshard loads a checkpoint into another layout: it needs --resume "
+                                              "(or --resume auto)")
         need(math.isfinite(self.timeout) and self.timeout >= 0,
              f"--timeout must be a number of seconds >= 0 (0: no limit), got {self.timeout}")
         need(math.isfinite(self.collective_timeout) and self.collective_timeout > 0,
@@ -237,8 +241,14 @@ class TrainConfig:
         if self.model_parallel or self.dp:
             from distrain.topology import Topology
 
-            need(self.strategy == "ddp", f"--dp/--tp/--pp compose with --strategy ddp only, got {self.strategy}")
+            need(self.strategy == "ddp" or self.strategy.startswith("zero"),
+                 f"--dp/--tp/--pp compose with --strategy ddp only, or with zero1/zero2/zero3 (ZeRO over the dp "
+                 f"group); got {self.strategy}")
             Topology(dp=self.dp_size, tp=self.tp, pp=self.pp, world_size=self.nproc)  # dp*tp*pp == nproc
+            if self.strategy.startswith("zero") and self.model_parallel:
+                from distrain.parallel.parallelize import check_zero_layout
+
+                check_zero_layout(int(self.strategy[4:]), self.dp_size, self.pp)
         if self.model_parallel and not self.custom_model:
             self._validate_model_parallel(need)
         need(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")

@@ -71,8 +71,10 @@ def train(cfg: TrainConfig | None = None, *, model=None, train_data=None, val_da
         return run_rank(cfg, parts)
     if not cfg.resume:
         check_out(cfg)
+    # ranks that poll shared memory get cores of their own (spawn's bind_cores); Gloo's are left free
     return spawn(_spawned, cfg.nproc, args=(cfg.to_dict(), parts), backend=BACKENDS[cfg.device],
-                 timeout=cfg.timeout or None, init_timeout=cfg.collective_timeout)[0]
+                 timeout=cfg.timeout or None, init_timeout=cfg.collective_timeout,
+                 bind_cores=None if cfg.transport in ("shm", "auto") else False)[0]
 
 
 def _spawned(rank: int, cfg_dict: dict, parts=None) -> dict:
@@ -118,11 +120,23 @@ def check_resume(cfg: TrainConfig) -> dict:
         raise ConfigError(f"--resume: checkpoint {where} holds model {manifest.get('model')!r}, this run trains "
                           f"--model {cfg.model}; resume with the same --model or choose another --out")
     layout = engine_class(cfg).layout_of(cfg)
-    if manifest["layout"] != layout:
+    if manifest["layout"] != layout and not cfg.reshard:
         raise ConfigError(f"--resume: checkpoint {where} was written with layout {manifest['layout']}, this run uses "
-                          f"{layout}; resume with the same --dp/--tp/--pp (and --strategy, --nproc, --servers)")
+                          f"{layout}; resume with the same --dp/--tp/--pp (and --strategy, --nproc, --servers), or "
+                          f"add --reshard to load it into this layout")
+    if cfg.reshard:
+        ps = [s for s in (manifest.get("strategy"), cfg.strategy) if str(s).startswith("ps-")]
+        if ps:
+            raise ConfigError(f"--reshard: --strategy {ps[0]} keeps its state on parameter servers, which cannot be "
+                              f"resharded; resume it without --reshard and with the same layout")
+        first = checkpoint.load(Path(cfg.out) / manifest["files"][0])
+        if manifest["layout"] != layout and "names" not in first and first.get("kind") is None:
+            raise ConfigError(f"--reshard: {Path(cfg.out) / manifest['files'][0]} records no parameter names (written "
+                              f"before distrain could reshard); resume it with its layout {manifest['layout']}")
     saved = manifest.get("config", {})
-    changed = [f for f in CONTINUATION_FIELDS if f in saved and saved[f] != getattr(cfg, f)]
+    # the pipeline's micro-batches and schedule belong to the layout: --reshard may change them
+    fields = [f for f in CONTINUATION_FIELDS if not (cfg.reshard and f in ("microbatches", "schedule"))]
+    changed = [f for f in fields if f in saved and saved[f] != getattr(cfg, f)]
     if changed:
         f = changed[0]
         raise ConfigError(f"--resume: --{f.replace('_', '-')} is {getattr(cfg, f)!r} but the checkpoint {where} was "
@@ -158,7 +172,11 @@ def run_rank(cfg: TrainConfig, parts=None) -> dict:
     if cfg.resume:
         manifest = checkpoint.read_manifest(out)
         start = int(manifest["step"])
-        if engine.shard is not None:
+        if manifest["layout"] != engine.layout:  # --reshard (check_resume allowed it): via the whole model
+            from distrain.trainer.reshard import consolidate
+
+            engine.load_full(consolidate(out, manifest))
+        elif engine.shard is not None:
             engine.load_state_dict(checkpoint.load_shard(out, manifest, engine.shard))
 
     # train (servers serve), counting every rank's traffic

@@ -20,6 +20,7 @@ part, into a plain module).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable
 
@@ -97,24 +98,66 @@ class Zero:
         self.optimizer.zero_grad(set_to_none=True)
         self.impl.zero_grad()
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Stages 1-2: backward passes inside only accumulate the full-size gradients (no
+        communication); ``reduce_gradients()`` afterwards reduce-scatters them once (e.g. after
+        a pipeline's micro-batches). Stage 3 holds no full-size gradient to accumulate into."""
+        if self.stage == 3:
+            raise ConfigError("Zero.no_sync: stage 3 reduce-scatters each unit's gradient as backward produces it "
+                              "(it keeps no full-size gradient); use stage 1 or 2")
+        self.impl.sync = False
+        try:
+            yield
+        finally:
+            self.impl.sync = True
+
+    def reduce_gradients(self) -> None:
+        """After backward passes under ``no_sync()``: reduce-scatter every bucket into the shards' grads."""
+        if self.stage == 3:
+            raise ConfigError("Zero.reduce_gradients: stage 3 reduces during backward; there is nothing to reduce")
+        self.impl.finish_backward()
+
+    def _count_masks(self, count: Callable[[str], bool]) -> list[torch.Tensor | None]:
+        """Per unit, this rank's shard of a 0/1 mask of the elements whose parameter ``count``s
+        (None where all do); cached, as ``count`` is fixed for a run."""
+        if getattr(self, "_masks", None) is None:
+            masks = []
+            for u, s in zip(self.units, self.impl.shards):
+                keep = [count(n) for n in u.names]
+                if all(keep):
+                    masks.append(None)
+                    continue
+                like = torch.empty(0, dtype=torch.float64, device=s.device)
+                flat = u.flatten([torch.full(sh, float(k), dtype=torch.float64) for k, sh in zip(keep, u.shapes)], like)
+                lo, hi = u.shard_range(self.rank)
+                masks.append(flat[lo:hi].clone())
+            self._masks = masks
+        return self._masks
+
+    def clip_grad_norm_(self, max_norm: float, count: Callable[[str], bool] | None = None,
+                        whole_world: bool = False) -> float:
         """Scale every shard's gradient so that the global L2 norm is at most max_norm; return the norm.
 
         Each rank sums the squares of its shard (padding is zero), one all-reduce adds them;
         the scale is min(1, max_norm / (norm + 1e-6)), as in torch.nn.utils.clip_grad_norm_.
+        Inside a dp x tp x pp mesh the norm covers the whole model: ``whole_world`` sums over
+        every rank (each tp and pp shard, each dp shard) and ``count(name)`` is False for the parameters this rank holds
+        a copy of that another rank counts (a tp-replicated LayerNorm counted on tp rank 0 only).
         """
         if not max_norm > 0:
             raise ConfigError(f"Zero.clip_grad_norm_: max_norm must be positive, got {max_norm}")
-        grads = [s.grad for s in self.impl.shards if s.grad is not None]
+        masks = self._count_masks(count) if count is not None else [None] * len(self.units)
+        pairs = [(s.grad, m) for s, m in zip(self.impl.shards, masks) if s.grad is not None]
         sq = torch.zeros(1, dtype=torch.float64)
-        for g in grads:
-            sq += g.double().pow(2).sum()
-        comm.all_reduce(sq, op="sum", group=self.group, algorithm=self.algorithm)
+        for g, m in pairs:
+            sq += (g.double().pow(2) if m is None else g.double().pow(2) * m).sum()
+        comm.all_reduce(sq, op="sum", group=None if whole_world else self.group, algorithm=self.algorithm)
         norm = math.sqrt(sq.item())
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
             with torch.no_grad():
-                for g in grads:
+                for g, _ in pairs:
                     g.mul_(coef)
         return norm
 

@@ -48,6 +48,7 @@ class Stage12:
             for b in module.buffers():
                 comm.broadcast(b, src=src, group=group, algorithm=algorithm)
         self._unit_of = {id(p): i for i, ps in enumerate(self.params) for p in ps}
+        self.sync = True  # False under Zero.no_sync(): backward only accumulates full-size gradients
         for ps in self.params:
             for p in ps:
                 p.register_post_accumulate_grad_hook(self._on_grad)
@@ -61,6 +62,8 @@ class Stage12:
         self._queued = False
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        if not self.sync:
+            return
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)

@@ -113,6 +113,14 @@ class Engine(ABC):
     @abstractmethod
     def load_state_dict(self, state: dict) -> None: ...
 
+    def load_full(self, full: dict) -> None:
+        """Load this rank's part of a consolidated checkpoint (trainer/reshard.py), whatever layout
+        wrote it (``--resume --reshard``). Every rank calls it."""
+        from distrain.errors import ConfigError
+
+        raise ConfigError(f"--reshard: {self.label or type(self).__name__} cannot load a checkpoint written with "
+                          f"another layout; resume with the layout it was written with")
+
     # -- report ---------------------------------------------------------------------------
     def report(self, ledger, steps: int) -> dict:
         """Extra summary fields (collective: every rank calls it; rank 0's result is used)."""

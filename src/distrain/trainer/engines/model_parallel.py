@@ -7,7 +7,12 @@ the inputs, last-stage ranks the targets.
 
 The loss exists on the last stage (identical on its tp ranks): those ranks of tp rank 0
 contribute loss / dp, which sums over the world to the global batch's loss. Every (tp, pp)
-coordinate holds a different shard: dp rank 0 of each writes ``tp{t}-pp{p}``. Validation
+coordinate holds a different shard: dp rank 0 of each writes ``tp{t}-pp{p}``.
+
+``--strategy zero1|zero2|zero3`` with --dp/--tp/--pp puts ZeRO over the dp group in place of
+DDP (parallelize's ``zero_stage``): each dp rank then holds its own part of the (tp, pp)
+shard's optimizer state (and gradients, and parameters), so every rank writes
+``tp{t}-pp{p}-dp{d}``; clipping takes the whole model's norm over every rank's shards. Validation
 runs when pp == 1 (every rank takes part: the tp all-reduces need all of them); text
 sampling is not done (the model is sharded).
 """
@@ -27,25 +32,39 @@ class ModelParallelEngine(Engine):
         from distrain.parallel import parallelize
 
         super().__init__(cfg, model, loss_fn, optimizer_factory)
-        self.topo = topo = Topology.from_world(**self.layout_of(cfg))
+        self.zero_stage = zero_stage_of(cfg)
+        self.topo = topo = Topology.from_world(dp=cfg.dp_size, tp=cfg.tp, pp=cfg.pp)
         # the plan lives beside the model (models/gpt_plan.py, models/mlp_plan.py); a user's model
         # brings its own as ``model.tp_plan`` when tp > 1
         plan = getattr(model, "tp_plan", None) or tp_plan_for(model)
         self.pm = parallelize(model, topo, loss_fn=loss_fn, tp_plan=plan, algorithm=cfg.algorithm,
                               microbatches=cfg.microbatches, schedule=cfg.schedule,
-                              bucket_cap_mb=cfg.bucket_cap_mb)
-        self.optimizer = optimizer_factory(self.pm.parameters())
+                              bucket_cap_mb=cfg.bucket_cap_mb, zero_stage=self.zero_stage,
+                              optimizer=optimizer_factory)
+        self.optimizer = self.pm.optimizer or optimizer_factory(self.pm.parameters())
         self.dp_rank, self.dp_size = topo.dp_rank, topo.dp
         self.loss_weight = 1.0 / topo.dp if (self.pm.has_loss and topo.tp_rank == 0) else 0.0
-        self.label = f"dp{topo.dp}×tp{topo.tp}×pp{topo.pp}"
+        self.label = f"dp{topo.dp}×tp{topo.tp}×pp{topo.pp}" + (f" zero{self.zero_stage}" if self.zero_stage else "")
 
     def train_step(self, x, y):
-        self.optimizer.zero_grad(set_to_none=True)
+        zero = self.pm.zero
+        if zero is not None:
+            zero.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
         with self.autocast():
             loss = self.pm.train_step(x, y)
-        if self.cfg.grad_clip:
+        if self.cfg.grad_clip and zero is not None:
+            # the whole model's norm: every rank's dp shard of its (tp, pp) shard, a tp-replicated
+            # parameter counted on tp rank 0 only
+            info, tp0 = self.pm.tp_info, self.topo.tp_rank == 0
+            zero.clip_grad_norm_(self.cfg.grad_clip, count=lambda n: tp0 or info[n].dim is not None, whole_world=True)
+        elif self.cfg.grad_clip:
             self._clip(self.cfg.grad_clip)
-        self.optimizer.step()
+        if zero is not None:
+            zero.step()  # the optimizer on this rank's shards, then (stages 1-2) the all-gather
+        else:
+            self.optimizer.step()
         self.comm_wait_s = self.pm.comm_wait_s
         return loss
 
@@ -93,20 +112,52 @@ class ModelParallelEngine(Engine):
 
     @classmethod
     def layout_of(cls, cfg) -> dict:
-        return {"dp": cfg.dp_size, "tp": cfg.tp, "pp": cfg.pp}
+        z = zero_stage_of(cfg)
+        return {"dp": cfg.dp_size, "tp": cfg.tp, "pp": cfg.pp, **({"zero": z} if z else {})}
 
     @property
     def shard(self):
-        return f"tp{self.topo.tp_rank}-pp{self.topo.pp_rank}"
+        t = self.topo
+        return f"tp{t.tp_rank}-pp{t.pp_rank}" + (f"-dp{t.dp_rank}" if self.zero_stage else "")
 
     @property
     def writes_shard(self) -> bool:
-        return self.topo.dp_rank == 0
+        return self.topo.dp_rank == 0 or self.zero_stage > 0
+
+    def _names(self) -> dict[str, str]:
+        """{name in this rank's module: name in the whole model} for what its checkpoint holds."""
+        from distrain.trainer.reshard import stage_full_name
+
+        full = stage_full_name(self.pm.stage)
+        local = ([n for u in self.pm.zero.units for n in u.names] if self.pm.zero is not None
+                 else list(self.pm.module.state_dict()))
+        return {n: full(n) for n in local}
+
+    def _order(self) -> list[str]:
+        return [n for n, _ in self.pm.module.named_parameters()]
 
     def state_dict(self) -> dict:
-        return {"model": self.pm.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+        from distrain.trainer.reshard import shard_meta
+
+        if self.pm.zero is not None:
+            return {"zero": self.pm.zero.state_dict(), **shard_meta(self._names(), self.pm.tp_info)}
+        return {"model": self.pm.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                **shard_meta(self._names(), self.pm.tp_info, self._order())}
+
+    def load_full(self, full: dict) -> None:
+        from distrain.parallel.zero.consolidate import FULL_FORMAT
+        from distrain.trainer.reshard import load_plain, local_view
+
+        view = local_view(full, self._names(), self.pm.tp_info)
+        if self.pm.zero is not None:
+            self.pm.zero.load_full_state_dict({"format": FULL_FORMAT, **view})
+        else:
+            load_plain(self.pm.module, self.optimizer, self._order(), view)
 
     def load_state_dict(self, state: dict) -> None:
+        if self.pm.zero is not None:
+            self.pm.zero.load_state_dict(state["zero"])
+            return
         self.pm.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
 
@@ -115,4 +166,14 @@ class ModelParallelEngine(Engine):
 
     def report_rows(self, summary: dict) -> list[tuple[str, str]]:
         c = self.cfg
-        return [("micro-batches", f"{c.microbatches} ({c.schedule})")] if c.pp > 1 else []
+        rows = [("micro-batches", f"{c.microbatches} ({c.schedule})")] if c.pp > 1 else []
+        if self.pm.zero is not None:
+            m = self.pm.zero.memory()
+            rows.append(("held per rank (rank 0)", f"params {m['params'] / 1e6:.2f} MB, grads {m['grads'] / 1e6:.2f} "
+                                                   f"MB, optimizer {m['optimizer'] / 1e6:.2f} MB"))
+        return rows
+
+
+def zero_stage_of(cfg) -> int:
+    """--strategy zeroN -> N (ZeRO over the dp group), ddp -> 0."""
+    return int(cfg.strategy.removeprefix("zero")) if cfg.strategy.startswith("zero") else 0

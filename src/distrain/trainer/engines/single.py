@@ -67,8 +67,20 @@ class SingleEngine(Engine):
     def writes_shard(self) -> bool:
         return self.rank == 0
 
+    def _names(self) -> dict[str, str]:
+        return {n: n for n in self.model.state_dict()}
+
     def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        from distrain.trainer.reshard import shard_meta
+
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                **shard_meta(self._names(), order=[n for n, _ in self.model.named_parameters()])}
+
+    def load_full(self, full: dict) -> None:
+        from distrain.trainer.reshard import load_plain, local_view
+
+        load_plain(self.model, self.optimizer, [n for n, _ in self.model.named_parameters()],
+                   local_view(full, self._names()))
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])

@@ -61,7 +61,17 @@ class ZeroEngine(Engine):
         return f"zero-rank{self.rank}"
 
     def state_dict(self) -> dict:
-        return {"zero": self.zero.state_dict()}  # (the trainer's file has its own "format" key)
+        from distrain.trainer.reshard import shard_meta
+
+        names = {n: n for u in self.zero.units for n in u.names}
+        return {"zero": self.zero.state_dict(), **shard_meta(names)}  # (the trainer's file has its own "format" key)
+
+    def load_full(self, full: dict) -> None:
+        from distrain.parallel.zero.consolidate import FULL_FORMAT
+        from distrain.trainer.reshard import local_view
+
+        names = {n: n for u in self.zero.units for n in u.names}
+        self.zero.load_full_state_dict({"format": FULL_FORMAT, **local_view(full, names)})
 
     def load_state_dict(self, state: dict) -> None:
         self.zero.load_state_dict(state["zero"])

@@ -1,0 +1,227 @@
+"""Checkpoints that change layout: any committed set <-> one consolidated form by parameter name.
+
+A checkpoint set holds one file per shard (checkpoint.py): a replica (``tp0-pp0``), a
+tensor/pipeline shard (``tp{t}-pp{p}``), a ZeRO rank's flat shards (``zero-rank{r}``,
+``tp{t}-pp{p}-dp{d}``). Each file also records, for every tensor it holds, its name in the
+whole model and, under tensor parallelism, where it sits in the whole tensor
+(``"names"``: {local name: full name}, ``"tp"``: {local name: [dim, start, stop]}, dim None =
+replicated; ``"order"``: the optimizer's parameters by local name). From that alone,
+without any process group, :func:`consolidate` rebuilds the whole model and optimizer:
+
+1. per (tp, pp) shard, ZeRO files are joined: unit u's flat tensor is the concatenation of
+   the dp ranks' (S_u,) shards, cut into parameters at the unit's offsets (its padding is
+   dropped); shard-shaped optimizer state (exp_avg, exp_avg_sq, momentum) is joined the same way;
+2. the local tensors are renamed to full names (a pipeline stage's ``layers.i`` is the model's
+   ``layers.{start + i}``) and tensor-parallel slices are concatenated along their dim in
+   order of ``start`` (a replicated tensor is taken from tp rank 0).
+
+The result, the *consolidated form* (loads with ``torch.load(weights_only=True)``)::
+
+    {"kind": "distrain.full/1", "step": k,
+     "model": {name: tensor},                           # model.load_state_dict(form["model"])
+     "optimizer": {"state": {name: {key: value}}, "param_groups": [{hyperparameters}]},
+     "run": {"model": preset, "strategy": ..., "layout": {...}, "config": {...}}}
+
+:func:`local_view` cuts it for one rank of any layout (rename, ``narrow`` to the tp slice);
+each engine's ``load_full`` loads that, ZeRO via ``Zero.load_full_state_dict``. Every
+optimizer here is elementwise, so its state cut like the parameters continues exactly.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from distrain.errors import ConfigError
+from distrain.trainer import checkpoint
+
+FULL = "distrain.full/1"
+
+
+# -- what each shard file records ---------------------------------------------------------------
+def shard_meta(names: dict[str, str], tp_info: dict | None = None, order: list[str] | None = None) -> dict:
+    """The naming record a shard file carries: ``names`` {local: full}; ``tp_info`` {local:
+    ShardInfo} (tp > 1); ``order``: the optimizer's parameters (plain optimizers)."""
+    meta = {"names": dict(names)}
+    if tp_info is not None:
+        meta["tp"] = {n: [i.dim, i.start, i.stop] for n, i in tp_info.items() if n in names}
+    if order is not None:
+        meta["order"] = list(order)
+    return meta
+
+
+def stage_full_name(stage):
+    """local name -> the model's name: a pipeline stage's ``layers.i.x`` is ``layers.{start+i}.x``."""
+    if stage is None:
+        return lambda n: n
+
+    def full(n: str) -> str:
+        head, i, rest = n.split(".", 2)
+        return f"{head}.{int(i) + stage.start}.{rest}"
+    return full
+
+
+# -- files -> consolidated form -------------------------------------------------------------------
+def _zero_local(files: list[dict]) -> tuple[dict, dict, list]:
+    """The dp ranks' ZeRO states of one shard -> ({local: tensor}, {local: state}, param_groups)."""
+    zs = sorted((f["zero"] for f in files), key=lambda z: z["rank"])
+    world = zs[0]["layout"]["world"]
+    if [z["rank"] for z in zs] != list(range(world)):
+        raise ConfigError(f"checkpoint: the ZeRO shards of ranks {[z['rank'] for z in zs]} are there, but it was "
+                          f"saved on {world} ranks; the set is incomplete")
+    params, state = {}, {}
+    opt = [z["optimizer"] for z in zs]
+    for i, unit in enumerate(zs[0]["layout"]["units"]):
+        sizes = [int(torch.Size(s).numel()) for s in unit["shapes"]]
+
+        def cut(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+            flat = torch.cat(pieces)
+            return [v.view(s) for v, s in zip(flat[:sum(sizes)].split(sizes), unit["shapes"])]
+
+        for n, v in zip(unit["names"], cut([z["shards"][i] for z in zs])):
+            params[n] = v
+        st = opt[0]["state"].get(i, {})
+        per = {n: {} for n in unit["names"]}
+        for k, v0 in st.items():
+            if torch.is_tensor(v0) and v0.shape == zs[0]["shards"][i].shape:
+                for n, v in zip(unit["names"], cut([o["state"][i][k] for o in opt])):
+                    per[n][k] = v
+            else:  # e.g. Adam's step: a copy per parameter (a shared tensor would be stepped once per parameter)
+                for n in unit["names"]:
+                    per[n][k] = v0.clone() if torch.is_tensor(v0) else v0
+        state.update({n: s for n, s in per.items() if s})
+    return params, state, opt[0]["param_groups"]
+
+
+def _plain_local(f: dict) -> tuple[dict, dict, list]:
+    order = f["order"]
+    state = {order[int(i)]: s for i, s in f["optimizer"]["state"].items()}
+    return dict(f["model"]), state, f["optimizer"]["param_groups"]
+
+
+def _files(out: Path, manifest: dict) -> list[dict]:
+    states = []
+    for name in manifest["files"]:
+        s = checkpoint.load(out / name)
+        if "names" not in s and s.get("kind") != FULL:
+            raise ConfigError(f"checkpoint {out / name} records no parameter names (written by --strategy "
+                              f"{manifest.get('strategy')}, or before distrain could reshard); it can only be "
+                              f"resumed with the layout it was written with")
+        states.append(s)
+    return states
+
+
+def consolidate(out: str | Path, manifest: dict | None = None) -> dict:
+    """The committed set of run folder ``out`` as one consolidated form (no process group needed)."""
+    out = Path(out)
+    manifest = manifest or checkpoint.read_manifest(out)
+    checkpoint.verify(out, manifest)
+    files = _files(out, manifest)
+    if len(files) == 1 and files[0].get("kind") == FULL:  # a set made by `distrain checkpoint import`
+        return {k: v for k, v in files[0].items() if k not in ("format", "shard")}
+    groups: dict[str, list[dict]] = {}
+    for f in files:  # one group per (tp, pp) shard: its dp ranks' ZeRO files, or one plain file
+        groups.setdefault(re.sub(r"(-dp\d+|^zero-rank\d+)$", "", f["shard"]) or "zero", []).append(f)
+    pieces: dict[str, list] = {}  # full name -> [(tp info, tensor, optimizer state)]
+    param_groups = None
+    for fs in groups.values():
+        params, state, param_groups = _zero_local(fs) if "zero" in fs[0] else _plain_local(fs[0])
+        names, tp = fs[0]["names"], fs[0].get("tp", {})
+        for n, t in params.items():
+            pieces.setdefault(names[n], []).append((tp.get(n), t, state.get(n, {})))
+    model, opt_state = {}, {}
+    for full, ps in pieces.items():
+        model[full], st = _join(full, ps)
+        if st:
+            opt_state[full] = st
+    groups_out = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
+    return {"kind": FULL, "step": int(manifest["step"]), "model": model,
+            "optimizer": {"state": opt_state, "param_groups": groups_out},
+            "run": {"model": manifest.get("model"), "strategy": manifest.get("strategy"),
+                    "layout": manifest["layout"], "config": manifest.get("config", {})}}
+
+
+def _join(full: str, ps: list) -> tuple[torch.Tensor, dict]:
+    """A whole tensor (and its optimizer state) from its tensor-parallel slices."""
+    info, t, st = ps[0]
+    if info is None or info[0] is None:  # whole, or replicated over tp: every copy is the same
+        return t.clone(), {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+    dim = info[0]
+    ps = sorted(ps, key=lambda p: p[0][1])
+    if [p[0][1] for p in ps][1:] != [p[0][2] for p in ps][:-1] or ps[0][0][1] != 0:
+        raise ConfigError(f"checkpoint: the tensor-parallel slices of {full} do not tile it "
+                          f"({[tuple(p[0][1:]) for p in ps]}); the set is incomplete")
+    state = {}
+    for k, v in st.items():
+        sliced = torch.is_tensor(v) and v.shape == t.shape and v.dim() > 0
+        state[k] = torch.cat([p[2][k] for p in ps], dim) if sliced else _copy(v)
+    return torch.cat([p[1] for p in ps], dim), state
+
+
+# -- consolidated form -> one rank of a layout -----------------------------------------------------
+def _copy(v):
+    """A tensor's own copy: optimizers step scalar state (Adam's ``step``) in place."""
+    return v.clone() if torch.is_tensor(v) else v
+
+
+def local_view(full: dict, names: dict[str, str], tp_info: dict | None = None) -> dict:
+    """This rank's part of a consolidated form: {"model": {local: tensor}, "optimizer": {"state":
+    {local: state}, "param_groups"}}; tensors cut to this rank's tp slice (``ShardInfo.take``)."""
+    model, state = {}, {}
+    whole, saved = full["model"], full["optimizer"]["state"]
+    for local, name in names.items():
+        if name not in whole:
+            raise ConfigError(f"--reshard: the checkpoint has no tensor {name!r}; it was saved from another model")
+        info = (tp_info or {}).get(local)
+        t = whole[name]
+        model[local] = (info.take(t) if info is not None else t).clone()
+        st = {}
+        for k, v in saved.get(name, {}).items():
+            cut = torch.is_tensor(v) and v.shape == t.shape and v.dim() > 0
+            st[k] = (info.take(v) if info is not None else v).clone() if cut else _copy(v)
+        if st:
+            state[local] = st
+    return {"model": model, "optimizer": {"state": state, "param_groups": full["optimizer"]["param_groups"]}}
+
+
+def load_plain(module, optimizer, order: list[str], view: dict) -> None:
+    """Load a local view into a module and a plain optimizer over ``order`` (its parameters by name)."""
+    module.load_state_dict(view["model"])
+    cur = optimizer.state_dict()["param_groups"]
+    if len(cur) != len(view["optimizer"]["param_groups"]):
+        raise ConfigError(f"--reshard: the checkpoint has {len(view['optimizer']['param_groups'])} optimizer "
+                          f"parameter group(s), this optimizer has {len(cur)}")
+    state = {i: view["optimizer"]["state"][n] for i, n in enumerate(order) if n in view["optimizer"]["state"]}
+    groups = [dict(s, params=c["params"]) for s, c in zip(view["optimizer"]["param_groups"], cur)]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+# -- the consolidated file, and back into a run folder ----------------------------------------------
+def save_consolidated(run: str | Path, path: str | Path) -> dict:
+    """Write run folder ``run``'s committed set as one consolidated file (atomic); returns the form."""
+    form = consolidate(run)
+    checkpoint.save(path, form)  # + "format": 1; torch.load(path, weights_only=True) reads it
+    return form
+
+
+def import_consolidated(path: str | Path, out: str | Path) -> dict:
+    """Make ``out`` a run folder whose committed checkpoint is the consolidated file ``path``:
+    ``distrain train --out OUT --resume --reshard`` then continues it in any layout (and its
+    next checkpoint is sharded in that layout). Returns the manifest."""
+    form = checkpoint.load(path)
+    if form.get("kind") != FULL:
+        raise ConfigError(f"{path} is not a consolidated distrain checkpoint (kind {FULL!r}); make one with "
+                          f"`distrain checkpoint consolidate RUN_DIR -o FILE`")
+    out = Path(out)
+    if out.exists() and any(p.name != ".distrain.lock" for p in out.iterdir()):
+        raise ConfigError(f"--out {out} is not empty; import into a new folder")
+    step, run = int(form["step"]), form["run"]
+    name = checkpoint.shard_file(step, "full")
+    target = checkpoint.save(out / name, {k: v for k, v in form.items() if k != "format"} | {"shard": "full"})
+    manifest = {"format": checkpoint.FORMAT_VERSION, "step": step, "layout": {"consolidated": True},
+                "files": [name], "sha256": {name: checkpoint.sha256(target)}, "model": run.get("model"),
+                "strategy": run.get("strategy"), "config": run.get("config", {})}
+    checkpoint.write_manifest(out, manifest)
+    return manifest
