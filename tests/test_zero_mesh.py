@@ -55,6 +55,18 @@ def test_zero_in_the_mesh_with_sgd_momentum_equals_single_process(tmp_path, tmp_
     torch.testing.assert_close(torch.tensor(_losses(cfg)), torch.tensor(ref), rtol=1e-11, atol=0)
 
 
+@pytest.mark.timeout(400)
+def test_zero_with_the_zero_bubble_schedule_equals_single_process(tmp_path, tmp_path_factory):
+    # zb-h1's deferred W passes write weight gradients outside autograd (no hook fires): stage 2
+    # must then reduce once per step, after them (before, its loss was off by 1.0 at step 1)
+    ref = reference_losses(tmp_path_factory, model="gpt-tiny", data="shakespeare")
+    for strategy in ("zero2", "zero1"):
+        cfg = _mesh(tmp_path / strategy, strategy, 2, 1, 2, schedule="zb-h1")
+        train(cfg)
+        torch.testing.assert_close(torch.tensor(_losses(cfg)), torch.tensor(ref), rtol=1e-11, atol=0,
+                                   msg=lambda m: f"{strategy} dp2 pp2 zb-h1 vs single: {m}")
+
+
 @pytest.mark.timeout(300)
 def test_zero_mesh_resume_continues_exactly(tmp_path):
     full = _mesh(tmp_path / "full", "zero2", 2, 1, 2, steps=5)
