@@ -153,6 +153,11 @@ def parallelize(model: nn.Module, topo: Topology, *, loss_fn: Loss, tp_plan=None
     if zero_stage:
         from distrain.parallel.zero import Zero
 
+        if zero_stage == 3 and any(getattr(p, "_tp_sequence_parallel", False) for p in module.parameters()):
+            raise ConfigError("parallelize: ZeRO stage 3 does not compose with sequence parallelism: the hooks that sum "
+                              "the sequence-parallel parameters' gradients over tp sit on the parameters stage 3 "
+                              "replaces by gathered views; use zero_stage 1 or 2, or a plan without "
+                              "sequence_parallel")
         zero = Zero(module, optimizer, stage=zero_stage, group=topo.dp_group, algorithm=algorithm,
                     bucket_cap_mb=bucket_cap_mb)
     elif topo.dp > 1:
