@@ -104,9 +104,11 @@ def test_spawn_binds_each_rank_to_its_own_cores():
     slices = core_slices(2)
     if slices is None:
         pytest.skip("one core: ranks cannot be bound to cores of their own")
-    got = distrain.spawn(_affinity, 2, timeout=90)
-    assert got == [(s, len(s)) for s in slices]
-    free = distrain.spawn(_affinity, 2, timeout=90, bind_cores=False)
+    assert distrain.spawn(_affinity, 2, timeout=90, bind_cores=True) == [(s, len(s)) for s in slices]
+    # by default only a job whose transport polls shared memory is bound; Gloo's is left free
+    shm_job = distrain.spawn(_affinity, 2, timeout=90, env={"DISTRAIN_TRANSPORT": "shm"})
+    assert shm_job == [(s, len(s)) for s in slices]
+    free = distrain.spawn(_affinity, 2, timeout=90, env={"DISTRAIN_TRANSPORT": "torch"})
     assert all(cores == sorted(os.sched_getaffinity(0)) for cores, _ in free)
     with pytest.raises(ConfigError, match="bind_cores=True needs a core per rank"):
         distrain.spawn(_affinity, len(os.sched_getaffinity(0)) + 1, bind_cores=True)

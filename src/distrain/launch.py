@@ -189,11 +189,14 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
     the launcher environment is set, so ``init_process_group("gloo")`` (env://) joins the
     parent's store.
 
-    ``bind_cores`` (default: when every rank can have a core of its own) pins each rank and
-    its threads to its own cores (:func:`core_slices`), as MPI does by default: two ranks
-    that poll shared memory must not share one core while another core idles (a 4 KiB
-    shared-memory all_reduce at P=2 measured 25 us pinned against 70-110 us unpinned on the
-    loaded 2-core machine). ``False`` leaves placement to the kernel.
+    ``bind_cores`` pins each rank and its threads to cores of its own (:func:`core_slices`),
+    as MPI does by default. ``None`` (the default) binds when the job's transport polls shared
+    memory (``DISTRAIN_TRANSPORT`` shm or auto, in ``env`` or this environment) and every
+    rank can have a core: two ranks that poll must not share one core while another idles
+    (4 KiB shm all_reduce at P=2 on the loaded 2-core machine: 12-22 us bound, 88-101 us
+    not). Gloo is left unbound: with one core per rank its I/O threads then compete with the
+    rank's own thread (4 KiB Gloo all_reduce: 1800-2400 us bound, 270-510 us not).
+    ``True`` / ``False`` force it.
     """
     _check_not_bootstrapping()
     if not isinstance(nprocs, int) or nprocs < 1:
@@ -202,6 +205,9 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
         raise ConfigError(f"spawn: timeout must be positive (or None for no limit), got {timeout}")
     runtime.resolve_backend(backend)
     init_timeout = init_timeout or timeout or 300.0
+    if bind_cores is None:
+        transport = (env or {}).get("DISTRAIN_TRANSPORT") or os.environ.get("DISTRAIN_TRANSPORT") or "torch"
+        bind_cores = None if transport in ("shm", "auto") else False
     slices = core_slices(nprocs) if bind_cores is not False else None
     if bind_cores and slices is None:
         raise ConfigError(f"spawn: bind_cores=True needs a core per rank, but {nprocs} ranks share "

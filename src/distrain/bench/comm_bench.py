@@ -112,6 +112,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burst", default=None,
                    help=f"calls back to back per timed sample (time / calls); default adaptive: about "
                         f"{BURST_S * 1e3:g} ms, at most {MAX_BURST}; 1 = one call after each barrier")
+    p.add_argument("--bind-cores", default="auto", choices=["auto", "on", "off"],
+                   help="pin each rank to cores of its own (distrain.spawn's bind_cores); auto: when a measured "
+                        "transport polls shared memory (shm, auto). Gloo is faster unbound with one core per rank")
     p.add_argument("--json", default=None, metavar="PATH", help="write every median and metadata as JSON")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a busbw-vs-size figure (PNG, matplotlib)")
     p.add_argument("--markdown", default=None, metavar="PATH", help="write the tables as Markdown (for docs)")
@@ -154,9 +157,12 @@ def parse_config(args: argparse.Namespace) -> dict[str, Any]:
         "iters": None if args.iters in (None, "", "auto") else _int(args.iters, "--iters", 1),
         "burst": None if getattr(args, "burst", None) in (None, "", "auto") else _int(args.burst, "--burst", 1),
         "timeout": timeout,
+        "bind_cores": None,
         "target_s": TARGET_S,
         "predict": getattr(args, "predict", None),
     }
+    bind = getattr(args, "bind_cores", "auto")
+    cfg["bind_cores"] = (bind == "on") if bind != "auto" else any(t in ("shm", "auto") for t in cfg["transports"])
     if cfg["predict"] not in (None, "auto") and not os.path.isfile(cfg["predict"]):
         raise ConfigError(f"--predict: no calibration file {cfg['predict']!r}; write one with "
                           f"`distrain bench link --json {cfg['predict']}` or give --predict alone to calibrate now")
@@ -366,7 +372,8 @@ def measure(cfg: dict) -> list[dict]:
         common.progress(f"[P={P}] spawning {P} ranks: ops {','.join(cfg['ops'])}; algorithms "
                         f"{','.join(cfg['algorithms'])}; sizes {','.join(map(common.format_size, cfg['sizes']))}")
         t0 = time.perf_counter()
-        results = distrain.spawn(_worker, P, args=(cfg,), timeout=cfg["timeout"])
+        bind = bool(cfg["bind_cores"]) and len(os.sched_getaffinity(0)) >= P  # P=4 on 2 cores: unbound
+        results = distrain.spawn(_worker, P, args=(cfg,), timeout=cfg["timeout"], bind_cores=bind)
         records += results[0]
         common.progress(f"[P={P}] done in {time.perf_counter() - t0:.1f}s")
     return records
@@ -402,6 +409,8 @@ def run(args: argparse.Namespace) -> int:
                                f"adaptive: ceil({TARGET_S}s / slowest warm-up call), clamped to [{MIN_ITERS}, {MAX_ITERS}]",
                                elapsed_s=round(elapsed, 1),
                                threads_per_rank={str(P): max(1, (os.cpu_count() or 1) // P) for P in cfg["nprocs"]},
+                               bind_cores={str(P): bool(cfg["bind_cores"]) and len(os.sched_getaffinity(0)) >= P
+                                           for P in cfg["nprocs"]},
                                method="per sample: native barrier, then `burst` blocking calls back to back, "
                                       "perf_counter / burst; per iteration max over ranks; median over iterations; "
                                       "algorithms interleaved in rotated order per round")

@@ -71,8 +71,10 @@ def train(cfg: TrainConfig | None = None, *, model=None, train_data=None, val_da
         return run_rank(cfg, parts)
     if not cfg.resume:
         check_out(cfg)
+    # ranks that poll shared memory get cores of their own (spawn's bind_cores); Gloo's are left free
     return spawn(_spawned, cfg.nproc, args=(cfg.to_dict(), parts), backend=BACKENDS[cfg.device],
-                 timeout=cfg.timeout or None, init_timeout=cfg.collective_timeout)[0]
+                 timeout=cfg.timeout or None, init_timeout=cfg.collective_timeout,
+                 bind_cores=None if cfg.transport in ("shm", "auto") else False)[0]
 
 
 def _spawned(rank: int, cfg_dict: dict, parts=None) -> dict:
