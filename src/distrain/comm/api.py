@@ -47,9 +47,13 @@ from distrain.comm.dispatch import (  # noqa: F401  (the public names, and helpe
 )
 from distrain.comm.group import resolve
 from distrain.comm.ops import resolve_op
+from distrain.comm.p2p import scratch
 from distrain.comm.registry import ALGORITHM_NAMES  # noqa: F401  (re-exported)
 from distrain.comm.torchargs import torch_call
 from distrain.comm.util import nbytes
+
+
+API_SLOT = -1  # scratch() slot of this module's temporaries (the algorithms use slots 0..P)
 
 
 @torch_call('src')
@@ -168,8 +172,9 @@ def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = F
     n = tensor.numel()
     full = _adjacent_views(lst, n)  # gather straight into the caller's buffer when the list allows it
     direct = full is not None
-    if not direct:
-        full = torch.empty(st.size * n, dtype=tensor.dtype, device=tensor.device)
+    if not direct:  # a blocking call reuses a cached temporary (no page faults on a fresh 64 MiB)
+        full = torch.empty(st.size * n, dtype=tensor.dtype, device=tensor.device) if async_op else \
+            scratch(st.size * n, tensor.dtype, tensor.device, slot=API_SLOT)
     full[st.rank * n:(st.rank + 1) * n].copy_(tensor.reshape(-1))
 
     def after() -> None:
@@ -219,7 +224,9 @@ def reduce_scatter(output: torch.Tensor, input_list, op="sum", group=None, async
         if view is not None and getattr(reader, "READS_INPUT_ONLY", False):
             return view
         if not copies:
-            copies.append(torch.cat([t.reshape(-1) for t in lst]))
+            flat = [t.reshape(-1) for t in lst]
+            copies.append(torch.cat(flat) if async_op else  # blocking: into a cached temporary, as all_gather
+                          torch.cat(flat, out=scratch(out.numel() * st.size, out.dtype, out.device, slot=API_SLOT)))
         return copies[0]
 
     def after() -> None:
