@@ -31,6 +31,12 @@ def test_bench_train_bad_flags():
     assert main(["bench", "train", "--model", "resnet"]) == 2
 
 
+def test_bench_train_sends_sharded_strategies_to_bench_zero(capsys):
+    assert main(["bench", "train", "--strategies", "ddp,zero3,torch-fsdp"]) == 2
+    err = capsys.readouterr().err
+    assert "--strategies zero3,torch-fsdp" in err and "distrain bench zero --strategies ddp,zero3,torch-fsdp" in err
+
+
 @pytest.mark.timeout(120)
 def test_bench_tp_ledger_equals_megatron_count(capsys):
     # exit status 0 only if the ledger equals the expected all-reduce calls and bytes exactly

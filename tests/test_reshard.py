@@ -9,11 +9,15 @@ import os
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
 
+import distrain
 from distrain.cli import main as cli_main
 from distrain.errors import ConfigError
 from distrain.models import build_model
-from distrain.trainer import train
+from distrain.trainer import TrainConfig, train
 from distrain.trainer.metrics import read_metrics
 
 from conftest import reference_losses, trainer_config
@@ -98,3 +102,42 @@ def test_consolidate_to_one_file_and_back(tmp_path, tmp_path_factory, capsys):
     torch.testing.assert_close(torch.tensor(_losses(back)), torch.tensor(ref[K:]), rtol=1e-11, atol=0)
     assert cli_main(["checkpoint", "consolidate", str(tmp_path / "none"), "-o", str(tmp_path / "x.pt")]) == 2
     assert "is not a run folder" in capsys.readouterr().err
+
+
+class Counting(nn.Module):
+    """Your own model with a persistent buffer that changes every training step and scales the
+    output: a resume that lost the buffer (ZeRO shards parameters only) would change the losses."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.layers = nn.ModuleList([nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)])
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+        for layer in self.layers:
+            x = layer(x)
+        return x * (1 + 0.1 * self.calls)
+
+
+@pytest.mark.timeout(400)
+def test_zero_checkpoints_keep_the_buffers(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(96, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (96,), generator=g))
+
+    def run(out, **kw):
+        cfg = TrainConfig(**{**dict(steps=STEPS, batch_size=12, lr=0.05, dtype="float64", eval_every=0,
+                                    progress=False, report=False, log_every=1, out=str(out), timeout=120), **kw})
+        distrain.train(model=Counting(), train_data=data, loss_fn=F.cross_entropy, config=cfg)
+        return _losses(out)
+
+    ref = run(tmp_path / "single", strategy="single", nproc=1)
+    run(tmp_path / "same", strategy="zero2", nproc=2, steps=K)
+    same = run(tmp_path / "same", strategy="zero2", nproc=2, resume=True)  # the same layout
+    run(tmp_path / "other", strategy="zero3", nproc=3, steps=K)
+    other = run(tmp_path / "other", strategy="single", nproc=1, resume=True, reshard=True)
+    for name, got in (("zero2 -> zero2", same), ("zero3 x3 -> single", other)):
+        torch.testing.assert_close(torch.tensor(got[K:]), torch.tensor(ref[K:]), rtol=1e-10, atol=0,
+                                   msg=lambda m: f"{name}: {m}")

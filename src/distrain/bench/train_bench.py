@@ -106,6 +106,12 @@ def _measure(cfg: TrainConfig, args, batch: int) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     nprocs = parse_ints(args.nproc, "--nproc")
+    from distrain.bench import zero_bench
+    memory = [x for x in str(args.strategies).split(",") if x in zero_bench.STRATEGIES and x not in STRATEGIES]
+    if memory:  # sharded strategies are measured where peak memory is too, one fresh spawn per strategy
+        raise ConfigError(f"--strategies {','.join(memory)}: ZeRO and torch's sharded strategies are measured by "
+                          f"`distrain bench zero --strategies {args.strategies}` (step time, bytes held and peak "
+                          f"memory per rank, side by side with ddp and torch-ddp)")
     strategies = parse_choices(args.strategies, STRATEGIES, "--strategies")
     if args.model not in MODEL_DATA:
         raise ConfigError(f"--model {args.model!r} is unknown; use one of {', '.join(MODEL_DATA)}")

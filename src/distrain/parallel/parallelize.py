@@ -28,7 +28,9 @@ Why this order:
    ZeRO engine builds over this rank's flat shards (``pm.optimizer``). With a pipeline,
    stage 1 reduce-scatters once per step (micro-batches under ``no_sync``); stage 2
    reduce-scatters after every micro-batch's backward, so no full-size gradient outlives
-   it (M x stage 1's reduce-scatter volume); stage 3 is refused (it would all-gather each
+   it (M x stage 1's reduce-scatter volume), except under a split-backward schedule
+   (zb-h1: the deferred W passes write ``.grad`` outside autograd's hooks), where it too
+   reduces once per step and holds full-size gradients until then; stage 3 is refused (it would all-gather each
    layer twice per micro-batch; DeepSpeed refuses ZeRO-2/3 with pipelines altogether).
 
 Contract: every rank of the world calls ``parallelize`` with the same topology sizes, and
@@ -47,6 +49,7 @@ import torch.nn as nn
 from distrain.errors import ConfigError
 from distrain.parallel.data_parallel import DistributedDataParallel
 from distrain.parallel.pipeline_parallel import PipelineStage, partition, pipeline_step
+from distrain.parallel.pipeline_parallel.schedule import SPLIT_BACKWARD
 from distrain.parallel.tensor_parallel import TPGroup, apply_tensor_parallel, tp_shard_info
 from distrain.parallel.tensor_parallel.plan import TPPlan, as_plan
 from distrain.topology import Topology
@@ -98,7 +101,10 @@ class ParallelModel:
             loss = self.loss_fn(net(x), y)
             loss.backward()
             return loss.detach()
-        once = self.zero is not None and self.zero.stage == 1  # stage 2: reduce-scatter per micro-batch
+        # ZeRO reduces once per step for stage 1, and for stage 2 when the schedule splits the
+        # backward (zb-h1's W passes accumulate weight gradients outside autograd, where no
+        # hook sees them); else stage 2 reduce-scatters per micro-batch, from the hooks
+        once = self.zero is not None and (self.zero.stage == 1 or self.schedule in SPLIT_BACKWARD)
         sync = (self.ddp.no_sync() if self.ddp is not None else self.zero.no_sync() if once
                 else contextlib.nullcontext())
         with sync:
@@ -147,6 +153,11 @@ def parallelize(model: nn.Module, topo: Topology, *, loss_fn: Loss, tp_plan=None
     if zero_stage:
         from distrain.parallel.zero import Zero
 
+        if zero_stage == 3 and any(getattr(p, "_tp_sequence_parallel", False) for p in module.parameters()):
+            raise ConfigError("parallelize: ZeRO stage 3 does not compose with sequence parallelism: the hooks that sum "
+                              "the sequence-parallel parameters' gradients over tp sit on the parameters stage 3 "
+                              "replaces by gathered views; use zero_stage 1 or 2, or a plan without "
+                              "sequence_parallel")
         zero = Zero(module, optimizer, stage=zero_stage, group=topo.dp_group, algorithm=algorithm,
                     bucket_cap_mb=bucket_cap_mb)
     elif topo.dp > 1:

@@ -52,6 +52,33 @@ def shard_meta(names: dict[str, str], tp_info: dict | None = None, order: list[s
     return meta
 
 
+def zero_shard_state(zero, full_name=lambda n: n, tp_info: dict | None = None) -> dict:
+    """A ZeRO rank's checkpoint shard: its flat shards and optimizer state (``Zero.state_dict``),
+    the module's persistent buffers (ZeRO shards parameters only) and the naming record."""
+    return {"zero": zero.state_dict(), "buffers": _buffers(zero.module),
+            **shard_meta(zero_names(zero, full_name), tp_info)}
+
+
+def zero_names(zero, full_name=lambda n: n) -> dict[str, str]:
+    """{local: full} for what a ZeRO shard holds: its units' parameters and the module's buffers."""
+    return {n: full_name(n) for n in [n for u in zero.units for n in u.names] + list(_buffers(zero.module))}
+
+
+def load_zero_shard(zero, state: dict) -> None:
+    """The inverse of :func:`zero_shard_state` (the same layout)."""
+    zero.load_state_dict(state["zero"])
+    saved = state.get("buffers", {})
+    with torch.no_grad():
+        for n, b in zero.module.named_buffers():
+            if n in saved:
+                b.copy_(saved[n])
+
+
+def _buffers(module) -> dict[str, torch.Tensor]:
+    keep = set(module.state_dict())  # persistent buffers only, as a state_dict holds them
+    return {n: b.detach().clone() for n, b in module.named_buffers() if n in keep}
+
+
 def stage_full_name(stage):
     """local name -> the model's name: a pipeline stage's ``layers.i.x`` is ``layers.{start+i}.x``."""
     if stage is None:
@@ -92,6 +119,7 @@ def _zero_local(files: list[dict]) -> tuple[dict, dict, list]:
                 for n in unit["names"]:
                     per[n][k] = v0.clone() if torch.is_tensor(v0) else v0
         state.update({n: s for n, s in per.items() if s})
+    params.update(files[0].get("buffers", {}))  # the module's buffers: the same on every dp rank
     return params, state, opt[0]["param_groups"]
 
 

@@ -128,19 +128,21 @@ class ModelParallelEngine(Engine):
         """{name in this rank's module: name in the whole model} for what its checkpoint holds."""
         from distrain.trainer.reshard import stage_full_name
 
+        from distrain.trainer.reshard import zero_names
+
         full = stage_full_name(self.pm.stage)
-        local = ([n for u in self.pm.zero.units for n in u.names] if self.pm.zero is not None
-                 else list(self.pm.module.state_dict()))
-        return {n: full(n) for n in local}
+        if self.pm.zero is not None:
+            return zero_names(self.pm.zero, full)
+        return {n: full(n) for n in self.pm.module.state_dict()}
 
     def _order(self) -> list[str]:
         return [n for n, _ in self.pm.module.named_parameters()]
 
     def state_dict(self) -> dict:
-        from distrain.trainer.reshard import shard_meta
+        from distrain.trainer.reshard import shard_meta, stage_full_name, zero_shard_state
 
         if self.pm.zero is not None:
-            return {"zero": self.pm.zero.state_dict(), **shard_meta(self._names(), self.pm.tp_info)}
+            return zero_shard_state(self.pm.zero, stage_full_name(self.pm.stage), self.pm.tp_info)
         return {"model": self.pm.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                 **shard_meta(self._names(), self.pm.tp_info, self._order())}
 
@@ -156,7 +158,9 @@ class ModelParallelEngine(Engine):
 
     def load_state_dict(self, state: dict) -> None:
         if self.pm.zero is not None:
-            self.pm.zero.load_state_dict(state["zero"])
+            from distrain.trainer.reshard import load_zero_shard
+
+            load_zero_shard(self.pm.zero, state)
             return
         self.pm.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])

@@ -61,20 +61,21 @@ class ZeroEngine(Engine):
         return f"zero-rank{self.rank}"
 
     def state_dict(self) -> dict:
-        from distrain.trainer.reshard import shard_meta
+        from distrain.trainer.reshard import zero_shard_state
 
-        names = {n: n for u in self.zero.units for n in u.names}
-        return {"zero": self.zero.state_dict(), **shard_meta(names)}  # (the trainer's file has its own "format" key)
+        return zero_shard_state(self.zero)  # (the trainer's file has its own "format" key)
+
+    def load_state_dict(self, state: dict) -> None:
+        from distrain.trainer.reshard import load_zero_shard
+
+        load_zero_shard(self.zero, state)
 
     def load_full(self, full: dict) -> None:
         from distrain.parallel.zero.consolidate import FULL_FORMAT
-        from distrain.trainer.reshard import local_view
+        from distrain.trainer.reshard import local_view, zero_names
 
-        names = {n: n for u in self.zero.units for n in u.names}
-        self.zero.load_full_state_dict({"format": FULL_FORMAT, **local_view(full, names)})
+        self.zero.load_full_state_dict({"format": FULL_FORMAT, **local_view(full, zero_names(self.zero))})
 
-    def load_state_dict(self, state: dict) -> None:
-        self.zero.load_state_dict(state["zero"])
 
     def report_rows(self, summary: dict) -> list[tuple[str, str]]:
         m = self.zero.memory()
