@@ -173,3 +173,42 @@ def test_a_launched_rank_exits_with_its_process_group_destroyed_before_finalizat
         assert "terminate called" not in out, out
         if r > 0:
             assert f"GATHERED rank {r}: [0.0, 1.0, 2.0]" in out, out
+
+
+@pytest.mark.timeout(150)
+def test_launched_train_ranks_leave_through_runtime_leave_with_complete_outputs(tmp_path):
+    """`python -m distrain.cli train` as launched ranks ends through runtime.leave (atexit callbacks, flushed
+    stdio, os._exit: no interpreter finalization); the run's files are complete and the status is 0."""
+    from distrain.launch import local_store
+    from distrain.trainer.metrics import read_metrics
+
+    world = 3
+    store = local_store(world, 60)
+    env = {k: v for k, v in os.environ.items() if k not in ("DISTRAIN_PARENT_PID", "LOCAL_RANK", "DISTRAIN_RESUME")}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo",
+               TORCHELASTIC_USE_AGENT_STORE="True",
+               PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src") + os.pathsep + env.get("PYTHONPATH", ""))
+    args = ["train", "--nproc", str(world), "--model", "mlp-tiny", "--data", "digits", "--steps", "5", "--batch-size",
+            "15", "--eval-every", "0", "--no-progress", "--no-report", "--out", str(tmp_path / "run")]
+    procs = [subprocess.Popen([sys.executable, "-m", "distrain.cli", *args], env=env | {"RANK": str(r)}, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
+    outs = [_finish(p, 120)[1] for p in procs]
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{out}"
+        assert "terminate called" not in out, out
+    assert [m["step"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2, 3, 4]
+    assert (tmp_path / "run" / "summary.json").exists()
+
+
+def test_exit_status_is_the_interpreters():
+    from distrain.cli import exit_status
+
+    assert exit_status(lambda: 3) == 3
+    assert exit_status(lambda: None) == 0
+    assert exit_status(lambda: sys.exit(2)) == 2
+    assert exit_status(lambda: sys.exit()) == 0
+
+    def boom():
+        raise RuntimeError("x")
+
+    assert exit_status(boom) == 1

@@ -1,7 +1,5 @@
 """``python -m distrain ...``: the same as the ``distrain`` command."""
 
-import sys
+from distrain.cli import run_command
 
-from distrain.cli import main
-
-sys.exit(main())
+run_command()

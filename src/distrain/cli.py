@@ -218,5 +218,33 @@ def main(argv: list[str] | None = None) -> int:
         lifeline.restore(previous)
 
 
+def run_command(argv: list[str] | None = None) -> None:
+    """``python -m distrain(.cli) ARGS``: :func:`main`, then exit with its status. A launched rank
+    (RANK set) leaves through :func:`distrain.runtime.leave`, skipping interpreter finalization."""
+    code = exit_status(main, argv)
+    if "RANK" in os.environ:
+        from distrain import runtime
+
+        runtime.leave(code)
+    sys.exit(code)
+
+
+def exit_status(fn, *args) -> int:
+    """``fn(*args)``'s exit status as the interpreter would compute it (SystemExit, uncaught exception)."""
+    import traceback
+
+    try:
+        code = fn(*args)
+    except SystemExit as e:
+        code = e.code
+    except BaseException:  # noqa: BLE001 - printed as the interpreter would, then status 1
+        traceback.print_exc()
+        return 1
+    if code is None or isinstance(code, int):
+        return code or 0
+    print(code, file=sys.stderr)
+    return 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command()

@@ -21,8 +21,10 @@ Python objects it must release (seen in a core dump: ``~AsyncAllgatherWork`` ->
 ``TensorImpl::decref_pyobject`` -> ``gil_scoped_acquire``), or the watchdog thread comes back
 from ``store.set``. CPython ends such a thread with ``pthread_exit``; the forced unwinding
 meets a noexcept C++ frame and libstdc++ aborts the rank ("terminate called without an
-active exception", exit -6). Destroying the group first joins Gloo's threads while the
-interpreter is whole, so no C++ thread is left to take the GIL during finalization.
+active exception", exit -6). Destroying the group joins Gloo's threads only once nothing
+else references it (a DDP module, a model-parallel engine may), so the command-line entry
+points end a launched rank with :func:`leave` instead: atexit callbacks, flushed stdio, then
+``os._exit``, as multiprocessing's children do; finalization never runs.
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ from __future__ import annotations
 import atexit
 import os
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -230,3 +233,19 @@ def shutdown() -> None:
     if dist.is_initialized():
         comm.close_all()  # shared-memory segments go with the groups
         dist.destroy_process_group()
+
+
+def leave(code: int) -> NoReturn:
+    """End this process with exit status ``code`` without interpreter finalization.
+
+    Runs the atexit callbacks (:func:`shutdown` among them, and logging's), flushes stdout and
+    stderr, then ``os._exit``: what multiprocessing does at the end of a child, so a C++
+    thread that still holds a finished collective's tensors can never ask for the GIL during
+    finalization (see the module docstring). For the command-line entry points of launched ranks."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):  # closed or replaced: nothing left to flush
+            pass
+    os._exit(code)

@@ -40,5 +40,8 @@ def main() -> int:
     return 127  # not reached
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # a launched rank: leave without interpreter finalization (runtime.leave)
+    from distrain import runtime
+    from distrain.cli import exit_status
+
+    runtime.leave(exit_status(main))
