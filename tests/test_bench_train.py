@@ -50,6 +50,7 @@ def test_bench_tp_ledger_equals_megatron_count(capsys):
 def test_bench_pipeline_table(tmp_path, capsys):
     assert main(["bench", "pipeline", "--pp", "2", "--m", "2", "--repeats", "1", "--json", str(tmp_path / "p.json")]) == 0
     rows = json.loads((tmp_path / "p.json").read_text())
-    assert {(r["p"], r["m"], r["schedule"]) for r in rows} == {(2, 2, "gpipe"), (2, 2, "1f1b")}
-    assert all(r["expected"] == pytest.approx(1 / 3) for r in rows)
+    assert {(r["p"], r["m"], r["schedule"]) for r in rows} == {(2, 2, "gpipe"), (2, 2, "1f1b"), (2, 2, "zb-h1")}
+    # (p-1)/(m+p-1) for GPipe and 1F1B; (p-1)/(3m+p-1) for ZB-H1 (W passes fill the bubble)
+    assert {r["schedule"]: r["expected"] for r in rows} == pytest.approx({"gpipe": 1 / 3, "1f1b": 1 / 3, "zb-h1": 1 / 7})
     assert [r["peak_held"] for r in rows if r["schedule"] == "1f1b"] == [[2, 1]]
