@@ -44,6 +44,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+def expect_error(fn, exc, *fragments) -> str:
+    """Run fn, return '' if it raised exc with every fragment in the message, else a complaint.
+    (Ranks collect complaints and the test asserts the list is empty, so one run reports all.)"""
+    try:
+        fn()
+    except exc as e:
+        missing = [f for f in fragments if f not in str(e)]
+        return f"message lacks {missing}: {e}" if missing else ""
+    except Exception as e:  # noqa: BLE001
+        return f"raised {type(e).__name__} instead of {exc.__name__}: {e}"
+    return f"did not raise {exc.__name__}"
+
+
 def run_ranks(fn, nprocs: int, *args, timeout: float = 90) -> list:
     """Run ``fn(rank, *args)`` on ``nprocs`` ranks; each returns a list of problems (strings).
 

@@ -12,49 +12,40 @@ import torch
 
 import distrain
 from distrain import comm
+from conftest import expect_error
 from distrain.errors import CommError, ConfigError, RankFailedError, SpawnTimeoutError
-
-
-def _expect(fn, exc, *fragments) -> str:
-    """Run fn, return '' if it raised exc with every fragment in the message, else a complaint."""
-    try:
-        fn()
-    except exc as e:
-        missing = [f for f in fragments if f not in str(e)]
-        return f"message lacks {missing}: {e}" if missing else ""
-    except Exception as e:  # noqa: BLE001
-        return f"raised {type(e).__name__} instead of {exc.__name__}: {e}"
-    return f"did not raise {exc.__name__}"
 
 
 def _bad_arguments(rank: int) -> list[str]:
     P = 3
     t = torch.ones(4)
     checks = {
-        "src outside group": _expect(lambda: comm.broadcast(t, src=7, algorithm="ring"), ConfigError,
-                                     "broadcast", "src=7", "not a member", "[0, 1, 2]"),
-        "dst outside group": _expect(lambda: comm.reduce(t, dst=-1), ConfigError, "reduce", "dst=-1"),
-        "unknown algorithm": _expect(lambda: comm.all_reduce(t, algorithm="butterfly"), ConfigError,
-                                     "all_reduce", "'butterfly'", "native, star, ring, tree"),
-        "unknown op": _expect(lambda: comm.all_reduce(t, op="median"), ConfigError, "all_reduce", "'median'"),
-        "avg on ints": _expect(lambda: comm.all_reduce(torch.ones(3, dtype=torch.int64), op="avg", algorithm="tree"),
-                               ConfigError, "all_reduce", "avg", "int64"),
-        "bitwise on floats": _expect(lambda: comm.all_reduce(t, op="bxor"), ConfigError, "bxor", "float32"),
-        "unsupported dtype": _expect(lambda: comm.all_reduce(torch.ones(2, dtype=torch.uint16)), ConfigError,
-                                     "uint16"),
-        "complex max": _expect(lambda: comm.all_reduce(torch.ones(2, dtype=torch.complex64), op="max"), ConfigError,
-                               "complex64"),
-        "list too short": _expect(lambda: comm.all_gather([torch.ones(4)] * 2, t, algorithm="ring"), ConfigError,
-                                  "all_gather", "2 tensors", f"{P} ranks"),
-        "list shape": _expect(lambda: comm.reduce_scatter(torch.ones(2), [torch.ones(2), torch.ones(3), torch.ones(2)]),
-                              ConfigError, "reduce_scatter", "input_list[1]", "(3,)", "(2,)"),
-        "not a tensor": _expect(lambda: comm.broadcast([1, 2], src=0), ConfigError, "broadcast", "list"),
-        "scatter_list on non-src": _expect(
+        "src outside group": expect_error(lambda: comm.broadcast(t, src=7, algorithm="ring"), ConfigError,
+                                          "broadcast", "src=7", "not a member", "[0, 1, 2]"),
+        "dst outside group": expect_error(lambda: comm.reduce(t, dst=-1), ConfigError, "reduce", "dst=-1"),
+        "unknown algorithm": expect_error(lambda: comm.all_reduce(t, algorithm="butterfly"), ConfigError,
+                                          "all_reduce", "'butterfly'", "native, star, ring, tree"),
+        "unknown op": expect_error(lambda: comm.all_reduce(t, op="median"), ConfigError, "all_reduce", "'median'"),
+        "avg on ints": expect_error(
+            lambda: comm.all_reduce(torch.ones(3, dtype=torch.int64), op="avg", algorithm="tree"),
+            ConfigError, "all_reduce", "avg", "int64"),
+        "bitwise on floats": expect_error(lambda: comm.all_reduce(t, op="bxor"), ConfigError, "bxor", "float32"),
+        "unsupported dtype": expect_error(lambda: comm.all_reduce(torch.ones(2, dtype=torch.uint16)), ConfigError,
+                                          "uint16"),
+        "complex max": expect_error(lambda: comm.all_reduce(torch.ones(2, dtype=torch.complex64), op="max"),
+                                    ConfigError, "complex64"),
+        "list too short": expect_error(lambda: comm.all_gather([torch.ones(4)] * 2, t, algorithm="ring"),
+                                       ConfigError, "all_gather", "2 tensors", f"{P} ranks"),
+        "list shape": expect_error(
+            lambda: comm.reduce_scatter(torch.ones(2), [torch.ones(2), torch.ones(3), torch.ones(2)]),
+            ConfigError, "reduce_scatter", "input_list[1]", "(3,)", "(2,)"),
+        "not a tensor": expect_error(lambda: comm.broadcast([1, 2], src=0), ConfigError, "broadcast", "list"),
+        "scatter_list on non-src": expect_error(
             lambda: comm.scatter(t, [t, t, t] if rank != 0 else None, src=0), ConfigError, "must be None") if rank else "",
-        "gather_list missing on dst": _expect(lambda: comm.gather(t, None, dst=rank), ConfigError, "gather_list",
-                                              "required"),
-        "p2p to self": _expect(lambda: comm.send(t, dst=rank), ConfigError, "itself"),
-        "p2p reserved tag": _expect(lambda: comm.send(t, dst=(rank + 1) % P, tag=1 << 30), ConfigError, "tag"),
+        "gather_list missing on dst": expect_error(lambda: comm.gather(t, None, dst=rank), ConfigError, "gather_list",
+                                                   "required"),
+        "p2p to self": expect_error(lambda: comm.send(t, dst=rank), ConfigError, "itself"),
+        "p2p reserved tag": expect_error(lambda: comm.send(t, dst=(rank + 1) % P, tag=1 << 30), ConfigError, "tag"),
     }
     comm.barrier()  # nobody left a half-done collective behind: the group still works
     x = torch.full((2,), float(rank))

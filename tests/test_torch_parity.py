@@ -17,20 +17,10 @@ import torch
 
 import distrain
 from distrain import comm
+from conftest import expect_error
 from distrain.errors import CommError, ConfigError
 
 ALGS = ["native", "star", "ring", "tree"]
-
-
-def _fails(fn, exc, *fragments) -> str:
-    try:
-        fn()
-    except exc as e:
-        missing = [f for f in fragments if f not in str(e)]
-        return f"message lacks {missing}: {e}" if missing else ""
-    except Exception as e:  # noqa: BLE001
-        return f"raised {type(e).__name__} instead of {exc.__name__}: {e}"
-    return f"did not raise {exc.__name__}"
 
 
 def _leaf_and_grad(rank: int) -> list[str]:
@@ -89,8 +79,8 @@ def _dtypes_and_ops(rank: int) -> list[str]:
             if not (torch.equal(b, zr[1]) and all(torch.equal(o, w) for o, w in zip(outs, zr))
                     and torch.equal(sc, z.to(dtype) * (rank + 1) if rank == 0 else zr[0] * (rank + 1))):
                 bad.append(f"{alg} {dtype}: broadcast/all_gather/scatter of complex differ")
-            err = _fails(lambda: comm.all_reduce(z.to(dtype).clone(), op="max", algorithm=alg), ConfigError,
-                         "all_reduce does not support", "'max'", str(dtype), "'sum' and 'avg'")
+            err = expect_error(lambda: comm.all_reduce(z.to(dtype).clone(), op="max", algorithm=alg), ConfigError,
+                               "all_reduce does not support", "'max'", str(dtype), "'sum' and 'avg'")
             if err:
                 bad.append(f"{alg} complex max: {err}")
         for op, native in (("sum", dist.ReduceOp.SUM), ("prod", dist.ReduceOp.PRODUCT)):
@@ -105,8 +95,8 @@ def _dtypes_and_ops(rank: int) -> list[str]:
         if not torch.equal(t, torch.full((3,), P - 1.0)):
             bad.append(f"{alg}: ReduceOp(MAX) object gave {t.tolist()}")
     for alg in ALGS[1:]:
-        err = _fails(lambda: comm.all_reduce(torch.ones(3, 3).to_sparse(), algorithm=alg), ConfigError,
-                     "all_reduce", "sparse", ".to_dense()")
+        err = expect_error(lambda: comm.all_reduce(torch.ones(3, 3).to_sparse(), algorithm=alg), ConfigError,
+                           "all_reduce", "sparse", ".to_dense()")
         if err:
             bad.append(f"sparse {alg}: {err}")
     sp = (torch.eye(3) * (rank + 1)).to_sparse()
@@ -140,7 +130,7 @@ def _groups_and_p2p(rank: int) -> list[str]:
         comm.reduce(out.add_(rank), dst=None, group_dst=0, algorithm=alg)  # world group rank 0
         if rank == 0 and out[0].item() != P * (P - 1) / 2:
             bad.append(f"{alg}: reduce(group_dst=0) gave {out.tolist()}")
-    err = _fails(lambda: comm.broadcast(torch.ones(1), src=0, group_src=0), ConfigError, "not both")
+    err = expect_error(lambda: comm.broadcast(torch.ones(1), src=0, group_src=0), ConfigError, "not both")
     if err:
         bad.append(f"src and group_src: {err}")
     # any-source recv returns the sender; the largest user tag works; the collective range is refused
@@ -161,7 +151,7 @@ def _groups_and_p2p(rank: int) -> list[str]:
         comm.send(torch.full((3,), float(rank)), dst=0, tag=big)
         if rank == 1:
             comm.send(torch.ones(3), dst=0)
-    err = _fails(lambda: comm.send(torch.ones(1), dst=(rank + 1) % P, tag=1 << 30), ConfigError, "tag", "2**30")
+    err = expect_error(lambda: comm.send(torch.ones(1), dst=(rank + 1) % P, tag=1 << 30), ConfigError, "tag", "2**30")
     if err:
         bad.append(f"collective tag range: {err}")
     comm.barrier(timeout=60)
