@@ -350,6 +350,11 @@ def _worker(rank: int, cfg: dict) -> list[dict] | None:
 # Entry point
 # ---------------------------------------------------------------------------------------
 
+def _bound(cfg: dict, P: int) -> bool:
+    """Whether P ranks are bound to cores: as asked, and only with a core per rank (P=4 on 2 cores: not)."""
+    return bool(cfg["bind_cores"]) and len(os.sched_getaffinity(0)) >= P
+
+
 def measure(cfg: dict) -> list[dict]:
     """Run every world size of cfg (one spawn each) and return all records.
 
@@ -372,8 +377,7 @@ def measure(cfg: dict) -> list[dict]:
         common.progress(f"[P={P}] spawning {P} ranks: ops {','.join(cfg['ops'])}; algorithms "
                         f"{','.join(cfg['algorithms'])}; sizes {','.join(map(common.format_size, cfg['sizes']))}")
         t0 = time.perf_counter()
-        bind = bool(cfg["bind_cores"]) and len(os.sched_getaffinity(0)) >= P  # P=4 on 2 cores: unbound
-        results = distrain.spawn(_worker, P, args=(cfg,), timeout=cfg["timeout"], bind_cores=bind)
+        results = distrain.spawn(_worker, P, args=(cfg,), timeout=cfg["timeout"], bind_cores=_bound(cfg, P))
         records += results[0]
         common.progress(f"[P={P}] done in {time.perf_counter() - t0:.1f}s")
     return records
@@ -409,8 +413,7 @@ def run(args: argparse.Namespace) -> int:
                                f"adaptive: ceil({TARGET_S}s / slowest warm-up call), clamped to [{MIN_ITERS}, {MAX_ITERS}]",
                                elapsed_s=round(elapsed, 1),
                                threads_per_rank={str(P): max(1, (os.cpu_count() or 1) // P) for P in cfg["nprocs"]},
-                               bind_cores={str(P): bool(cfg["bind_cores"]) and len(os.sched_getaffinity(0)) >= P
-                                           for P in cfg["nprocs"]},
+                               bind_cores={str(P): _bound(cfg, P) for P in cfg["nprocs"]},
                                method="per sample: native barrier, then `burst` blocking calls back to back, "
                                       "perf_counter / burst; per iteration max over ranks; median over iterations; "
                                       "algorithms interleaved in rotated order per round")

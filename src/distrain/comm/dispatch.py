@@ -268,13 +268,12 @@ def _run(st: GroupState, collective: str, algorithm: str, async_op: bool, payloa
     if _debug:
         _fingerprint_check(st, seq, collective, algorithm, *fp)
     _ledger.record(collective, algorithm, calls=1, payload=payload)
-    me = st.ranks[st.rank]
     outs = outputs if outputs is not None else [t for t in fp[1:2] if t is not None]
     transport = st.transport
     key = (collective, algorithm, transport.name)  # the description is made once per kind of call
     desc = st.descs.get(key)
     if desc is None:
-        desc = st.descs[key] = f"{collective}(algorithm={algorithm}, transport={transport.name}) on rank {me} " \
+        desc = st.descs[key] = f"{collective}(algorithm={algorithm}, transport={transport.name}) on rank {st.ranks[st.rank]} " \
                                f"(group rank {st.rank} of {st.size})"
     ordered = False  # the direct collectives share one slot per rank: calls run one at a time, in order
     if mod is None:
