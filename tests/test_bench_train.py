@@ -12,18 +12,24 @@ from distrain.cli import main
 @pytest.mark.timeout(300)
 def test_bench_train_end_to_end(tmp_path, capsys):
     out = tmp_path / "b.json"
-    code = main(["bench", "train", "--nproc", "2", "--strategies", "ddp,torch-ddp", "--model", "mlp-tiny",
+    code = main(["bench", "train", "--nproc", "2", "--strategies", "ddp,torch-ddp,local", "--model", "mlp-tiny",
                  "--steps", "3", "--warmup", "1", "--batch-size", "16", "--json", str(out)])
     assert code == 0
     records = {(r["nproc"], r["strategy"]): r for r in json.loads(out.read_text())["records"]}
-    assert set(records) == {(1, "single"), (2, "ddp"), (2, "torch-ddp")}
+    assert set(records) == {(1, "single"), (2, "ddp"), (2, "torch-ddp"), (2, "local")}
+    # local: the same two ranks without any gradient exchange, the floor each strategy is measured against
+    local = records[(2, "local")]
+    assert [t["sent"] for t in local["bytes_per_rank"]] == [0, 0] and local["over_local"] is None
+    for s in ("ddp", "torch-ddp"):
+        assert records[(2, s)]["over_local"] == pytest.approx(1 - local["step_ms"] / records[(2, s)]["step_ms"])
     single, ddp, peer = records[(1, "single")], records[(2, "ddp")], records[(2, "torch-ddp")]
     assert single["speedup"] == 1.0 and single["efficiency"] == 1.0
     assert ddp["vs_torch_ddp"] == pytest.approx(ddp["throughput"] / peer["throughput"])
     assert ddp["efficiency"] == pytest.approx(ddp["throughput"] / single["throughput"] / 2)
     # ring all-reduce of mlp-tiny's 6,570 fp32 gradients on 2 ranks: each rank sends N/2 twice
     assert [t["sent"] for t in ddp["bytes_per_rank"]] == [6570 * 4, 6570 * 4]
-    assert "vs torch-ddp" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "vs torch-ddp" in table and "over local" in table
 
 
 def test_bench_train_bad_flags():

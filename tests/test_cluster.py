@@ -56,6 +56,9 @@ def test_spec_parses_rates_and_refuses_bad_input():
         netns.ClusterSpec.build("Bad-Name", 2, "1gbit")
     with pytest.raises(ConfigError, match="--nodes"):
         netns.ClusterSpec.build("c1", 0, "1gbit")
+    assert spec.mtu == 9000 and netns.ClusterSpec.build("c1", 2, "1gbit", mtu=1500).mtu == 1500
+    with pytest.raises(ConfigError, match=r"--mtu: must be an integer in \[576, 65535\] bytes .*got 100"):
+        netns.ClusterSpec.build("c1", 2, "1gbit", mtu=100)
 
 
 def test_command_is_checked():
@@ -80,7 +83,7 @@ def test_up_status_down_leaves_nothing(emulated_cluster):
     spec = emulated_cluster(nodes=3, link="1gbit,100mbit,200mbit")
     assert {spec.netns(i) for i in range(3)} | {spec.switch} <= _netns_names()
     back = netns.status(spec.name)
-    assert back == spec  # rates read back from tc
+    assert back == spec  # rates read back from tc, the MTU (9000) from the links
     # the switch port (downlink) is shaped like the node's uplink
     assert netns._rate_of(spec.switch, "p1") == 1e8
     # node 1 reaches node 2 over the bridge, the host's own namespace never sees the subnet

@@ -107,3 +107,30 @@ def test_resume_that_cannot_work_is_refused_before_any_rank_starts(tmp_path, mon
     (tmp_path / "run" / "checkpoint-00000002-tp0-pp0.pt").unlink()
     with pytest.raises(ConfigError, match=r"names checkpoint-00000002-tp0-pp0\.pt, which do not exist"):
         train(trainer_config(tmp_path / "run", strategy="single", nproc=1, resume=True, **{**kw, "steps": 4}))
+
+
+@pytest.mark.timeout(120)
+def test_local_trains_unsynchronized_replicas_and_refuses_to_resume(tmp_path):
+    """``local`` (bench train's floor) exchanges nothing: the replicas' weights differ after
+    training on different slices; there is no one state to resume."""
+    with pytest.raises(ConfigError, match=r"--strategy local trains P unsynchronized replicas .*drop "
+                                          r"--resume/--ckpt-every, or use --strategy ddp"):
+        trainer_config(tmp_path / "x", strategy="local", resume=True).validate()
+    summary = train(trainer_config(tmp_path / "run", strategy="local", nproc=2, steps=2))
+    assert [t["sent"] for t in summary["bytes_per_step"]] == [0, 0]
+    import distrain
+
+    w = distrain.spawn(_local_weights, 2, args=(str(tmp_path / "w"),), timeout=90)
+    assert not torch.equal(w[0], w[1])
+
+
+def _local_weights(rank, out):
+    from distrain.trainer.engines.ddp import LocalEngine
+
+    torch.manual_seed(0)  # the same initial weights on both ranks
+    model = torch.nn.Linear(4, 1, dtype=torch.float64)
+    cfg = trainer_config(out, strategy="local", nproc=2, model="mlp-tiny", data="digits")
+    eng = LocalEngine(cfg, model, torch.nn.functional.mse_loss, lambda p: torch.optim.SGD(p, lr=0.1))
+    x = torch.full((2, 4), float(rank + 1), dtype=torch.float64)  # each rank its own slice
+    eng.train_step(x, torch.zeros(2, 1, dtype=torch.float64))
+    return model.weight.detach().clone()

@@ -10,7 +10,12 @@ does the same work per step; only the way the gradient is shared differs:
 * ``ddp``: our DistributedDataParallel (``--algorithm``, default ring);
 * ``torch-ddp``: torch.nn.parallel.DistributedDataParallel, our peer;
 * ``ps-sync`` / ``ps-async``: our parameter server with ``--servers`` server ranks (the
-  other P - S ranks are workers, so a PS job at P computes on fewer ranks).
+  other P - S ranks are workers, so a PS job at P computes on fewer ranks);
+* ``local``: the same P ranks with no gradient exchange (each steps its own replica): the
+  floor of every data-parallel step at P. ``over local`` = 1 - local / step is the share of
+  a strategy's step that communication and its bookkeeping cost, measured the same way for
+  torch's DDP (whose own wait is invisible) as for ours; 1 / (1 - that share of torch-ddp)
+  is the most any DDP can gain over torch's on this machine.
 
 ``--transport torch,shm`` runs each of our strategies once per transport (labelled
 ``ddp`` on torch, ``ddp@shm`` on shared memory); torch-ddp always runs on Gloo.
@@ -36,7 +41,7 @@ from distrain.errors import ConfigError
 from distrain.trainer.config import MODEL_DATA, TrainConfig
 from distrain.trainer.metrics import read_metrics
 
-STRATEGIES = ("ddp", "torch-ddp", "ps-sync", "ps-async")
+STRATEGIES = ("ddp", "torch-ddp", "ps-sync", "ps-async", "local")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,7 +69,7 @@ def _jobs(nprocs: list[int], strategies: list[str], servers: int,
         for s in strategies:
             if P == 1 or (s.startswith("ps-") and P < servers + 1):
                 continue
-            for t in (transports if s != "torch-ddp" else ("torch",)):
+            for t in (transports if s not in ("torch-ddp", "local") else ("torch",)):
                 jobs.append((P, s, t))
     return jobs
 
@@ -135,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
         r["efficiency"] = r["speedup"] / r["nproc"]
         peer = next((q for q in records if q["nproc"] == r["nproc"] and q["strategy"] == "torch-ddp"), None)
         r["vs_torch_ddp"] = r["throughput"] / peer["throughput"] if peer else None
+        floor = next((q for q in records if q["nproc"] == r["nproc"] and q["strategy"] == "local"), None)
+        r["over_local"] = 1 - floor["step_ms"] / r["step_ms"] if floor and r is not floor else None
     print(_table(records, args, batch))
     if args.json:
         write_json(args.json, metadata(model=args.model, batch_size=batch, steps=args.steps, warmup=args.warmup,
@@ -158,9 +165,15 @@ def _table(records: list[dict], args, batch: int) -> str:
         rows.append([str(r["nproc"]), r["strategy"], f"{r['step_ms']:.1f}", f"{r['throughput']:,.0f}",
                      f"{r['speedup']:.2f}", f"{r['efficiency']:.2f}",
                      f"{100 * r['comm_share']:.0f}%" if r["comm_share"] is not None else "n/a",
-                     f"{r['bytes_sent_max_rank'] / 1e6:.2f}" if r["strategy"] != "torch-ddp" else "n/a",
-                     f"{r['vs_torch_ddp']:.2f}" if r["vs_torch_ddp"] is not None else ""])
+                     f"{100 * r['over_local']:.0f}%" if r["over_local"] is not None else "",
+                     _sent(r, args), f"{r['vs_torch_ddp']:.2f}" if r["vs_torch_ddp"] is not None else ""])
     head = f"{args.model}, global batch {batch}, {args.steps} timed steps after {args.warmup} warm-up"
     return head + "\n" + format_table(
         [("", ["P", "strategy"]), ("step", ["ms", f"{unit}/s", "speedup", "effic."]),
-         ("comm", ["wait", "MB sent/rank/step", "vs torch-ddp"])], rows)
+         ("comm", ["wait", "over local", "MB sent/rank/step", "vs torch-ddp"])], rows)
+
+
+def _sent(r: dict, args) -> str:
+    """The ledger's bytes; n/a where the traffic is not ours to count (Gloo's own collectives)."""
+    invisible = r["strategy"] == "torch-ddp" or (r["strategy"].startswith("ddp") and args.algorithm == "native")
+    return "n/a" if invisible else f"{r['bytes_sent_max_rank'] / 1e6:.2f}"

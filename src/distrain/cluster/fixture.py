@@ -44,10 +44,10 @@ def emulated_cluster():
     remove_stale()
     made: list[str] = []
 
-    def make(nodes: int = 2, link: str | None = "1gbit") -> netns.ClusterSpec:
+    def make(nodes: int = 2, link: str | None = "1gbit", mtu: int = 9000) -> netns.ClusterSpec:
         name = f"dtt{os.getpid()}k{len(made)}"
         made.append(name)
-        return netns.up(netns.ClusterSpec.build(name, nodes, link))
+        return netns.up(netns.ClusterSpec.build(name, nodes, link, mtu))
 
     yield make
     for name in made:

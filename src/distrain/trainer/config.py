@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, fields
 from distrain.comm import ALGORITHM_NAMES, TRANSPORT_NAMES
 from distrain.errors import ConfigError
 
-STRATEGIES = ("single", "ddp", "torch-ddp", "ps-sync", "ps-async", "zero1", "zero2", "zero3")
+STRATEGIES = ("single", "ddp", "torch-ddp", "ps-sync", "ps-async", "zero1", "zero2", "zero3", "local")
 DATASETS = ("shakespeare", "fashion-mnist", "digits")
 OPTIMIZERS = ("adamw", "sgd")
 DTYPES = ("float32", "float64")
@@ -41,7 +41,8 @@ class TrainConfig:
                                    "PKG.MOD:FACTORY (your own: factory() -> (train, val))",
                     choices=DATASETS + ("PATH", "PKG.MOD:FACTORY"))
     # how to parallelize
-    strategy: str = opt("ddp", "way of training (ps-*: parameter servers; zero1-3: ZeRO stages)", choices=STRATEGIES)
+    strategy: str = opt("ddp", "way of training (ps-*: parameter servers; zero1-3: ZeRO stages; local: no gradient "
+                                     "exchange, a benchmark floor, not training)", choices=STRATEGIES)
     nproc: int = opt(2, "processes (ranks) in the job")
     device: str = opt("auto", "where each rank computes: auto = cuda:LOCAL_RANK when CUDA is visible (NCCL), "
                               "else cpu (Gloo)", choices=DEVICES)
@@ -227,6 +228,10 @@ class TrainConfig:
                  f"at least {self.servers + 1} processes ({self.servers} server(s) + at least 1 worker)")
             need(self.ckpt_every == 0, "--ckpt-every is not supported with parameter servers: their checkpoint is "
                                        "written at the end of the run (servers hold the state mid-run); drop the flag")
+        if self.strategy == "local":
+            need(not self.resume and self.ckpt_every == 0,
+                 "--strategy local trains P unsynchronized replicas (a benchmark floor); there is no one state to "
+                 "resume or checkpoint mid-run: drop --resume/--ckpt-every, or use --strategy ddp")
         if self.max_staleness is not None:
             need(self.strategy == "ps-async", "--max-staleness applies only to --strategy ps-async")
             need(self.max_staleness >= 0, f"--max-staleness must be >= 0, got {self.max_staleness}")
@@ -253,7 +258,7 @@ class TrainConfig:
             self._validate_model_parallel(need)
         need(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
         if self.accum_steps > 1:
-            need(self.strategy in ("single", "ddp", "torch-ddp") and not self.model_parallel,
+            need(self.strategy in ("single", "ddp", "torch-ddp", "local") and not self.model_parallel,
                  f"--accum-steps applies to single, ddp and torch-ddp (pipelines accumulate over --microbatches; "
                  f"parameter servers push every batch); got --strategy {self.strategy}"
                  + (f" with --tp {self.tp} --pp {self.pp}" if self.model_parallel else ""))

@@ -223,6 +223,10 @@ class DistributedDataParallel(nn.Module):
             self._next_launch += 1
 
     def _launch(self, b: _Bucket) -> None:
+        # Pre-divide, then sum: the average without a final pass, and no fp16 overflow. As in
+        # torch's reducer, a gradient that is not yet the bucket's view is multiplied by 1/P
+        # while it is copied in (one pass over it, not two: the same bits as torch DDP's
+        # at every P); one that already is the view (gradient_as_bucket_view) is divided.
         with torch.no_grad():
             dst, src = [], []
             for p, v in zip(b.params, b.views):
@@ -231,13 +235,15 @@ class DistributedDataParallel(nn.Module):
                 elif p.grad.data_ptr() != v.data_ptr():  # not already the bucket view
                     dst.append(v)
                     src.append(p.grad.reshape(-1))
+                else:
+                    v.div_(self.world)
             if self.batched_grad_copy and dst:
-                torch._foreach_copy_(dst, src)  # one fused copy per bucket
+                torch._foreach_copy_(dst, src)  # fused per bucket: a copy, then the scale
+                torch._foreach_mul_(dst, 1.0 / self.world)
             else:
+                inv = 1.0 / self.world
                 for v, g in zip(dst, src):
-                    v.copy_(g)
-            # Pre-divide, then sum: the average without a final pass, and no fp16 overflow.
-            b.buffer.div_(self.world)
+                    torch.mul(g, inv, out=v)
             b.wire = b.buffer if self.wire_dtype is None else b.buffer.to(self.wire_dtype)
             b.handle = comm.all_reduce(b.wire, op="sum", group=self.group, async_op=True, algorithm=self.algorithm)
 

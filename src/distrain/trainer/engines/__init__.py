@@ -1,7 +1,8 @@
 """Engines: one small class per way of training, chosen by name (see base.py for the contract).
 
     single.py          one process
-    ddp.py             data parallel by all-reduce: ours (ddp) and torch's (torch-ddp)
+    ddp.py             data parallel by all-reduce: ours (ddp) and torch's (torch-ddp); local,
+                       the same ranks with no gradient exchange (a benchmark's floor)
     model_parallel.py  dp × tp × pp (``--tp``/``--pp`` > 1)
     ps.py              parameter server: workers train, servers serve (ps-sync, ps-async)
     zero.py            ZeRO stages 1-3 (zero1, zero2, zero3)
@@ -20,6 +21,7 @@ ENGINES = {
     "single": "distrain.trainer.engines.single:SingleEngine",
     "ddp": "distrain.trainer.engines.ddp:DDPEngine",
     "torch-ddp": "distrain.trainer.engines.ddp:TorchDDPEngine",
+    "local": "distrain.trainer.engines.ddp:LocalEngine",
     "ps-sync": "distrain.trainer.engines.ps:PSEngine",
     "ps-async": "distrain.trainer.engines.ps:PSEngine",
     **{f"zero{s}": "distrain.trainer.engines.zero:ZeroEngine" for s in (1, 2, 3)},

@@ -3,6 +3,12 @@
 The model is replicated; the wrapper averages gradients over all ranks during backward
 (reverse-order buckets, distrain.parallel's DDP), so the optimizer steps are identical on
 every rank. Everything else is SingleEngine's.
+
+``local`` is the same job with no gradient exchange at all: every rank steps its own replica
+on its own slice (so the replicas drift apart). It is a baseline for benchmarks, not a way
+to train: its step time is the floor of every data-parallel step on the same ranks, so
+1 - local / step is the share of a step that communication and its bookkeeping cost
+(``distrain bench train`` reports it for torch DDP too, whose wait is not visible).
 """
 
 from __future__ import annotations
@@ -32,3 +38,10 @@ class TorchDDPEngine(SingleEngine):
 
     def describe(self) -> str:
         return "torch-ddp"
+
+
+class LocalEngine(SingleEngine):
+    """P ranks, each on its slice of the global batch, with no communication (a benchmark floor)."""
+
+    def describe(self) -> str:
+        return "local (no gradient exchange)"
