@@ -189,9 +189,13 @@ def test_bench_link_and_comm_across_nodes_with_prediction(emulated_cluster, tmp_
                      timeout=300, echo=False)
     assert res.returncode == 0, "\n".join(res.output[-30:])
     model = json.loads(cal.read_text())["model"]
-    assert set(model) == {"inter", "gamma_ns_per_byte"}  # one rank per node: only the shaped link
+    assert set(model) == {"inter", "gamma_ns_per_byte", "shift"}  # one rank per node: only the shaped link
     # the shaped link: below 200 Mbit/s = 0.025 GB/s, and far above nothing
     assert 0.005 < model["inter"]["bandwidth_GBps"] <= 0.025
+    # the shift: 1 MiB each way over the one link at once; in all, at most the link's two directions
+    shift = model["shift"]
+    assert shift["bytes"] == 1 << 20 and shift["aggregate_GBps"] == pytest.approx(2 * shift["per_link_GBps"])
+    assert 0.002 < shift["per_link_GBps"] <= 0.025 and 0 <= shift["host_softirq"] <= shift["host_busy"] <= 1
     out = tmp_path / "comm.json"
     res = runner.run(spec, ["distrain", "bench", "comm", "--sizes", "1M", "--algorithms", "ring,star,native",
                             "--warmup", "1", "--iters", "3", "--predict", str(cal), "--json", str(out)],

@@ -125,6 +125,28 @@ def test_link_fit_and_calibration_file(tmp_path):
         calibrated_fabric(str(tmp_path / "missing.json"), [0, 1])
 
 
+def test_a_host_bound_shift_makes_a_shared_host_capacity():
+    """All links busy at once (a ring) share the emulating host; one busy link (a star's root) does not."""
+    from distrain.costmodel.links import fabric_from_model
+
+    P, n = 4, 4 << 20
+    cal = {"inter": {"alpha_us": 0, "bandwidth_GBps": B / 1e9}, "gamma_ns_per_byte": 0}
+
+    def fabric(per_link: float) -> Fabric:  # a calibration whose shift gave each link per_link bytes/s
+        shift = {"per_link_GBps": per_link / 1e9, "aggregate_GBps": P * per_link / 1e9}
+        return fabric_from_model(dict(cal, shift=shift), list(range(P)))
+
+    bound, free = fabric(0.5 * B), fabric(0.95 * B)
+    assert bound.host == pytest.approx(2 * B) and free.host is None  # under HOST_BOUND = 0.9: host-bound
+    ring, ring_free = predict("all_reduce", "ring", n, bound), predict("all_reduce", "ring", n, free)
+    # every ring step has P = 4 flows at once: each gets host / 4 = B / 2, so the ring takes twice as long
+    assert ring.seconds == pytest.approx(2 * ring_free.seconds)
+    assert ring.link_bytes == ring_free.link_bytes  # the host is a capacity, not a link with bytes of its own
+    # a star's root sends its 3 pieces on its one uplink (B in all, under the host's 2·B): no slower
+    star, star_free = predict("broadcast", "star", n, bound), predict("broadcast", "star", n, free)
+    assert star.seconds == pytest.approx(star_free.seconds)
+
+
 def test_plan_ranks_strategies_with_the_seeds_link_loads():
     from distrain.costmodel import plan
 

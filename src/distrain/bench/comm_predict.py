@@ -106,9 +106,32 @@ def plot_nodes(records: list[dict], size: int, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-if __name__ == "__main__":  # python -m distrain.bench.comm_predict OUT.md OUT.png SIZE A.json B.json ...
+def repredict(calibration: str, paths: list[str]) -> None:
+    """Recompute every record's ``predicted_us`` in ``bench comm --predict --json`` files from
+    ``calibration`` with this version of the model (the measured times are kept as they are)."""
+    import json
+
+    import torch
+
+    for p in paths:
+        with open(p) as f:
+            data = json.load(f)
+        recs = [r for r in data["records"] if "predicted_us" in r]
+        for r in recs:
+            annotate([r], calibrated_fabric(calibration, r["placement"]), torch.empty(0, dtype=getattr(torch, r["dtype"])).element_size())
+        data["meta"]["repredicted_from"] = calibration
+        with open(p, "w") as f:
+            json.dump(data, f, indent=1)
+
+
+if __name__ == "__main__":
+    # python -m distrain.bench.comm_predict OUT.md OUT.png SIZE A.json B.json ...   (table and figure)
+    # python -m distrain.bench.comm_predict --repredict LINK.json A.json ...          (predictions again)
     import sys
 
+    if sys.argv[1] == "--repredict":
+        repredict(sys.argv[2], sys.argv[3:])
+        sys.exit(0)
     recs = load(sys.argv[4:])
     with open(sys.argv[1], "w") as f:
         f.write(markdown(recs) + "\n")

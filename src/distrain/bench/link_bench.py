@@ -17,6 +17,13 @@ collectives) is timed on rank 0 on a 16 MiB buffer. ``--json`` writes the record
 ``model`` = {inter, intra: {alpha_us, bandwidth_GBps}, gamma_ns_per_byte}, which
 ``distrain bench comm --predict PATH`` and the cost model read.
 
+Then a *shift*: every rank at once sends the largest size to rank r+1 and receives from
+r-1 (mod P), ``--iters`` times; time = the slowest rank's, median. Its per-link rate against
+the ping-pong's bandwidth says whether the links still give their rate when all are busy;
+where they do not, something they share is the limit. In an emulated cluster that is this
+host's cores, which process every node's packets (``model["shift"]`` also records how busy
+rank 0's host was, from /proc/stat; docs/cost_model.md).
+
 Run it under a launcher (``distrain cluster run -- distrain bench link``) to measure a
 cluster; without one it spawns ``--nproc`` local ranks (loopback: the "intra" link).
 """
@@ -102,6 +109,41 @@ def _pingpong(rank: int, peer: int, sizes: list[int], warmup: int, iters: int) -
     return out
 
 
+def _cpu_times() -> list[int] | None:
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:8]]  # user nice system idle iowait irq softirq
+    except OSError:
+        return None
+
+
+def _shift(rank: int, P: int, n: int, iters: int) -> dict:
+    """Every rank sends n bytes to rank+1 and receives n from rank-1 at once (module docstring)."""
+    import torch.distributed as dist
+
+    from distrain import comm
+
+    out, back = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    ts, cpu0 = [], _cpu_times()
+    for i in range(iters + 1):  # the first is a warm-up
+        dist.barrier()
+        t0 = time.perf_counter()
+        works = [comm.irecv(back, (rank - 1) % P, tag=8), comm.isend(out, (rank + 1) % P, tag=8)]
+        for w in works:
+            w.wait()
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if i:
+            ts.append(t.item())
+    cpu1, t = _cpu_times(), common.median(ts)
+    res = {"bytes": n, "time_us": t * 1e6, "per_link_GBps": n / t / 1e9, "aggregate_GBps": P * n / t / 1e9}
+    if cpu0 and cpu1:
+        d = [b - a for a, b in zip(cpu0, cpu1)]
+        res["host_busy"] = 1 - (d[3] + d[4]) / max(1, sum(d))
+        res["host_softirq"] = d[6] / max(1, sum(d))
+    return res
+
+
 def _worker(rank: int, cfg: dict) -> dict | None:
     import torch.distributed as dist
 
@@ -121,9 +163,10 @@ def _worker(rank: int, cfg: dict) -> dict | None:
                 common.progress(f"[link] 0 <-> {peer} ({kind}): alpha {alpha * 1e6:.1f} us, "
                                 f"{1 / beta / 1e9:.4f} GB/s ({8 / beta / 1e6:.0f} Mbit/s)")
     dist.barrier()
+    shift = _shift(rank, P, max(cfg["sizes"]), cfg["iters"])
     if rank != 0:
         return None
-    model: dict = {"gamma_ns_per_byte": gamma_add() * 1e9}
+    model: dict = {"gamma_ns_per_byte": gamma_add() * 1e9, "shift": shift}
     for kind in ("inter", "intra"):
         rs = [r for r in records if r["kind"] == kind]
         if rs:
@@ -164,6 +207,10 @@ def run(args: argparse.Namespace) -> int:
         if m:
             print(f"{kind}: alpha = {m['alpha_us']:.1f} us, bandwidth = {m['bandwidth_GBps']:.4f} GB/s")
     print(f"gamma (float32 add) = {res['model']['gamma_ns_per_byte']:.3f} ns/byte")
+    sh = res["model"]["shift"]
+    busy = f"; rank 0's host CPU {sh['host_busy']:.0%} busy ({sh['host_softirq']:.0%} softirq)" if "host_busy" in sh else ""
+    print(f"shift (every rank sends {sh['bytes'] >> 10} KiB to the next at once): {sh['per_link_GBps']:.4f} GB/s per "
+          f"link, {sh['aggregate_GBps']:.4f} GB/s in all{busy}")
     if args.json:
         meta = common.metadata(benchmark="link", sizes=cfg["sizes"], warmup=cfg["warmup"], iters=cfg["iters"],
                                placement=res["placement"])

@@ -5,6 +5,12 @@ are: every node has a full-duplex link to a non-blocking switch (an uplink and a
 each ``inter`` or the node's own entry of ``node_links``), and ranks of one node share the
 node's ``intra`` link (loopback, shared memory, PCIe or NVLink). ``gamma`` is the time to
 reduce one byte (an element-wise add), which the schedules charge where the code adds.
+``host``, when set, is one more resource that every message between nodes crosses: the
+bytes per second that all nodes' traffic can share, because one machine's cores process the
+packets of every node (an emulated cluster). It is measured, not fitted: ``distrain bench
+link``'s shift sends on every link at once, and where each link then gets less than
+``HOST_BOUND`` of its ping-pong bandwidth, the shift's total is that shared capacity
+(:func:`fabric_from_model`). A real cluster's shift gives every link its rate: no host.
 
 Presets (``LINKS``/``INTRA``): bandwidth is the data rate of the standard or the vendor's
 data sheet, as payload bytes per second per direction; α is a typical one-way small-message
@@ -48,6 +54,8 @@ INTRA = {
     "nvlink3": Link(3e-6, 300e9, "NVIDIA A100 data sheet: NVLink 600 GB/s bidirectional = 300 GB/s per direction"),
 }
 DEFAULT_GAMMA = 1.0 / 4e9  # s per byte added (float32 add ~ 4 GB/s of one operand on one core)
+HOST = ("host", 0)  # the resource every message between nodes crosses when Fabric.host is set
+HOST_BOUND = 0.9  # a shift giving each link less than this share of its ping-pong rate is host-bound
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,7 @@ class Fabric:
     intra: Link
     gamma: float = DEFAULT_GAMMA
     node_links: tuple[Link, ...] | None = None  # per-node inter links (e.g. a slow server link)
+    host: float | None = None  # bytes/s shared by all traffic between nodes (one emulating machine)
     notes: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -72,7 +81,7 @@ class Fabric:
             return ()
         if a == b:
             return (("intra", a),)
-        return (("up", a), ("down", b))
+        return (("up", a), ("down", b)) + ((HOST,) if self.host else ())
 
     def alpha(self, src: int, dst: int) -> float:
         a, b = self.placement[src], self.placement[dst]
@@ -82,6 +91,8 @@ class Fabric:
 
     def bandwidth(self, link: tuple) -> float:
         kind, node = link
+        if kind == "host":
+            return self.host
         return self.intra.bandwidth if kind == "intra" else self.link_of(node).bandwidth
 
     def with_placement(self, placement) -> "Fabric":
@@ -128,4 +139,8 @@ def fabric_from_model(model: dict, placement) -> Fabric:
     intra = _link(model["intra"], "intra") if model.get("intra") else INTRA["shm"]
     if inter is None:
         inter = intra  # one node: every message stays inside it
-    return Fabric(tuple(placement), inter, intra, float(model.get("gamma_ns_per_byte", DEFAULT_GAMMA * 1e9)) * 1e-9)
+    host, shift = None, model.get("shift")
+    if shift and model.get("inter") and shift["per_link_GBps"] * 1e9 < HOST_BOUND * inter.bandwidth:
+        host = float(shift["aggregate_GBps"]) * 1e9  # all links busy at once got only this much in all
+    return Fabric(tuple(placement), inter, intra, float(model.get("gamma_ns_per_byte", DEFAULT_GAMMA * 1e9)) * 1e-9,
+                  host=host)

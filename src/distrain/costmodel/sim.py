@@ -13,7 +13,8 @@ here replays the schedule itself:
   previous message on the same (src, dst) pair to finish: Gloo sends one pair's messages
   in order over one TCP connection, which is what makes a ring's pieces pipeline;
 * its bytes cross the links of its path (``Fabric.path``: the sender node's uplink and the
-  receiver node's downlink between nodes, the node's shared loopback within one) at a rate
+  receiver node's downlink between nodes, the node's shared loopback within one; and, in an
+  emulated cluster, the host that carries every node's packets) at a rate
   given by max-min fair sharing among all flows active at that moment (progressive
   filling; TCP flows sharing a bottleneck converge to about this share);
 * the collective ends when its last message arrives, plus ``tail`` seconds of compute.
@@ -156,7 +157,8 @@ def simulate(messages: Sequence[Message], fabric: Fabric, tail: float = 0.0) -> 
             m = messages[i]
             links = fabric.path(m.src, m.dst)
             for link in links:
-                link_bytes[link] = link_bytes.get(link, 0.0) + m.nbytes
+                if link[0] != "host":  # a shared capacity (Fabric.host), not a link: not counted as one
+                    link_bytes[link] = link_bytes.get(link, 0.0) + m.nbytes
             if m.nbytes <= 0 or not links:
                 arrive(i, now)
             else:
