@@ -116,6 +116,51 @@ def test_direct_collectives_equal_gloo(P):
     assert not bad, f"{len(bad)} mismatches:\n" + "\n".join(bad[:20])
 
 
+def _list_all_reduce(rank: int) -> list[str]:
+    """all_reduce_list (DDP's gradients straight through the slots) equals all_reduce of the
+    concatenation scaled first, bit for bit; pieces straddle slot chunks; DDP takes that path."""
+    import torch.distributed as dist
+
+    from distrain.parallel import DistributedDataParallel
+
+    P = dist.get_world_size()
+    gloo = dist.new_group(list(range(P)))
+    shm.SLOT_BYTES = SMALL_SLOT
+    comm.set_transport("shm")
+    comm.set_transport("torch", gloo)
+    bad = []
+    for dtype, scale in ((torch.float32, 1.0 / P), (torch.float64, None)):
+        g = torch.Generator().manual_seed(rank)
+        # 5 + 20000 + 0 + 777 + 3x4001 elements: 11 chunks of 16 KiB floats, most straddling two tensors
+        ts = [torch.randn(*shape, generator=g, dtype=dtype) for shape in ((5,), (20000,), (0,), (777,), (3, 4001))]
+        ref = torch.cat([t.reshape(-1) for t in ts])
+        if scale is not None:
+            ref = ref * scale
+        comm.all_reduce(ref)
+        comm.all_reduce_list(ts, scale=scale, async_op=True).wait()
+        if not torch.equal(torch.cat([t.reshape(-1) for t in ts]), ref):
+            bad.append(f"P={P} rank {rank} {dtype}: all_reduce_list differs from all_reduce of the concatenation")
+    if not comm.has_list_all_reduce() or comm.has_list_all_reduce(gloo) or comm.has_list_all_reduce(algorithm="ring"):
+        bad.append("has_list_all_reduce: wrong answer")
+    try:
+        comm.all_reduce_list([torch.ones(3)], group=gloo)
+        bad.append("all_reduce_list on a Gloo group was not refused")
+    except ConfigError as e:
+        if "needs a group on the shared-memory transport" not in str(e):
+            bad.append(f"unclear refusal: {e}")
+    model = DistributedDataParallel(torch.nn.Linear(4, 2), algorithm="native")
+    if not model._in_place or DistributedDataParallel(torch.nn.Linear(4, 2), algorithm="ring")._in_place:
+        bad.append("DDP over shm with algorithm native must all-reduce the gradients in place (and only then)")
+    return bad
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("P", [2, 3])
+def test_list_all_reduce_equals_flat_all_reduce(P):
+    bad = [x for r in distrain.spawn(_list_all_reduce, P, timeout=150) for x in r]
+    assert not bad, "\n".join(bad)
+
+
 def _p2p(rank: int) -> list:
     """Ordered per pair and tag, other tags overtaking, messages larger than the ring."""
     import torch.distributed as dist

@@ -51,6 +51,7 @@ from distrain.comm.p2p import scratch
 from distrain.comm.registry import ALGORITHM_NAMES  # noqa: F401  (re-exported)
 from distrain.comm.torchargs import torch_call
 from distrain.comm.util import nbytes
+from distrain.errors import ConfigError
 
 
 API_SLOT = -1  # scratch() slot of this module's temporaries (the algorithms use slots 0..P)
@@ -112,6 +113,40 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = Fals
                 mod=mod, ours=lambda m, pc: m.all_reduce(pc, flat, o),
                 native=lambda a: dist.all_reduce(flat, op=o.native, group=st.group, async_op=a),
                 after=after, fp=(o.name, tensor, -1))
+
+
+def has_list_all_reduce(group=None, algorithm: str = "native") -> bool:
+    """Whether :func:`all_reduce_list` can run on ``group`` with ``algorithm``: the group's
+    transport has direct collectives (shared memory, every rank on this host) and the
+    algorithm is ``native``. Every rank of the group gets the same answer."""
+    if algorithm != "native":
+        return False
+    st = resolve(group, "all_reduce")
+    mod = st.transport.direct("all_reduce") if st.size > 1 else None
+    return hasattr(mod, "all_reduce_list")
+
+
+def all_reduce_list(tensors: list[torch.Tensor], *, scale: float | None = None, group=None, async_op: bool = False):
+    """Sum a list of contiguous same-dtype tensors over the group in place, as one collective,
+    each multiplied by ``scale`` first (e.g. 1/P for an average): the tensors go straight into
+    the shared-memory slots and the sums straight back (no flat buffer, no copies to and from
+    one). Needs :func:`has_list_all_reduce`; every rank passes tensors of the same sizes."""
+    name = "all_reduce"
+    if not has_list_all_reduce(group):
+        raise ConfigError(f"{name}: all_reduce_list needs a group on the shared-memory transport with every rank on "
+                          f"this host (transport='shm' or 'auto'); use all_reduce_coalesced elsewhere")
+    st = resolve(group, name)
+    tensors = [_tensor(t, f"tensors[{i}]", name, "sum") for i, t in enumerate(tensors)]
+    bad = [i for i, t in enumerate(tensors) if t.dtype != tensors[0].dtype or not t.is_contiguous()]
+    if not tensors or bad:
+        raise ConfigError(f"{name}: all_reduce_list takes a non-empty list of contiguous tensors of one dtype; "
+                          f"tensors{bad} differ from tensors[0] ({tensors[0].dtype if tensors else None})")
+    o = resolve_op("sum", tensors[0].dtype, name)
+    total = sum(t.numel() for t in tensors)
+    shape = torch.empty(total, dtype=tensors[0].dtype, device="meta")  # what the call moves, for the fingerprint
+    return _run(st, name, "native", async_op, total * tensors[0].element_size(), mod=None,
+                ours=lambda m, pc: m.all_reduce_list(pc, tensors, o, scale), native=None,
+                after=None, fp=(o.name, shape, -1), outputs=list(tensors))
 
 
 @torch_call('src')

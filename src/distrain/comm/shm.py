@@ -51,10 +51,12 @@ from distrain.comm.shm_segment import Layout, Segment
 from distrain.errors import CommError
 
 ARRIVE, DONE, ABORT, PID, RESULT, SLEEPING = 0, 1, 2, 3, 4, 5
-# A collective step moves at most this much per rank. 4 MiB: at P=2 each rank reduces 2 MiB
-# per step (its L2 and the shared L3 hold it); 1 MiB measured 1.7x slower at 4-64 MiB on the
-# loaded 2-core machine, where every step's synchronisation may cost a context switch.
-SLOT_BYTES = 4 << 20
+# A collective step moves at most this much per rank. 1 MiB: a rank's slot fits its L2, so
+# the fold reads both slots from cache. Quiet machine, ranks bound to cores, P=2 all_reduce,
+# three alternations: 9.0-9.6 GB/s busbw at 16-64 MiB against 7.5-8.6 with 4 MiB slots, the
+# same at 256 KiB-4 MiB. (Earlier, on a heavily loaded machine before ranks were bound to
+# cores, 1 MiB was 1.7x slower than 4 MiB: each step's synchronisation could cost a context switch.)
+SLOT_BYTES = 1 << 20
 RING_BYTES = 1 << 20  # per directed pair of ranks
 SPIN = 300  # polls (a few microseconds each) before blocking on the wake-up pipe
 SPIN_HOT = 20  # of which the first ones are plain polls; the later ones also yield the core

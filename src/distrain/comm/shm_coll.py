@@ -88,6 +88,51 @@ def all_reduce(pc, buf: torch.Tensor, op: Op) -> None:
         _reduce_parts(sh, x, sh.slot(r, step, buf.dtype)[:c], step, op, what)
 
 
+def _runs(tensors: list[torch.Tensor], a: int, c: int):
+    """The pieces of elements [a, a + c) of the tensors' concatenation: (flat tensor, its offset,
+    offset in the chunk, length), in order, without building the concatenation."""
+    lo = 0
+    for t in tensors:
+        n = t.numel()
+        s, e = max(a, lo), min(a + c, lo + n)
+        if s < e:
+            yield t.view(-1), s - lo, s - a, e - s
+        lo += n
+        if lo >= a + c:
+            return
+
+
+def all_reduce_list(pc, tensors: list[torch.Tensor], op: Op, scale: float | None) -> None:
+    """all_reduce of the tensors' concatenation, in place, without a flat copy (DDP's buckets).
+
+    Each step packs the next slot-sized run of elements, across tensor boundaries, into this
+    rank's slot, multiplied by ``scale`` on the way in when one is given (DDP's pre-division:
+    the same bits as scaling into a flat bucket first), then folds every rank's slot straight
+    back into the tensors, in rank order. One phase at every P: every rank folds the whole
+    chunk (the same terms in the same order everywhere, so every rank gets the same bits).
+    Per rank per element: one read and one slot write in, P slot reads and one write out,
+    against the flat path's extra copy into the bucket and back out of it.
+    """
+    sh, what = _sh(pc), f"{pc.op}(transport=shm)"
+    r, dtype = sh.rank, tensors[0].dtype
+    total = sum(t.numel() for t in tensors)
+    m = _chunk(sh, tensors[0])
+    for a in range(0, total, m):
+        c = min(m, total - a)
+        step = _step(sh, what)
+        slots = sh.views(step, dtype, c)
+        mine = slots[r]
+        pieces = list(_runs(tensors, a, c))
+        for t, off, at, n in pieces:
+            if scale is None:
+                mine[at:at + n].copy_(t[off:off + n])
+            else:
+                torch.mul(t[off:off + n], scale, out=mine[at:at + n])
+        _arrive(sh, step, what)
+        for t, off, at, n in pieces:
+            op.fold(t[off:off + n], [q[at:at + n] for q in slots])
+
+
 def _reduce_parts(sh, x: torch.Tensor, mine: torch.Tensor, step: int, op: Op, what: str) -> None:
     """The two-phase all_reduce of one large chunk x (c elements) on rank r.
 

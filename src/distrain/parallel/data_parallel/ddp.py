@@ -23,6 +23,11 @@ group's first rank, as torch DDP does (``broadcast_buffers`` / ``forward_sync_bu
 every replica normalizes evaluation batches alike. ``gradient_as_bucket_view=True`` leaves
 ``.grad`` as views into the buckets (no copy back, one buffer less).
 
+On the shared-memory transport (``algorithm="native"``, every rank on this host, no
+compression) step 3 skips the flat buffer: the bucket's gradients themselves are
+all-reduced in place (``comm.all_reduce_list``), scaled by 1/P on their way into the slots,
+so the copy into the bucket and the copy back to ``.grad`` are gone; the bits are the same.
+
 ``no_sync()`` skips 3-4 (gradients accumulate locally; the next synchronized backward
 all-reduces the sum). A parameter that got no gradient raises an error naming it, unless
 ``find_unused_parameters=True``, which all-reduces zeros for it instead. ``compression=
@@ -61,6 +66,7 @@ class _Bucket:
     pending: int = 0
     handle: object | None = None
     wire: torch.Tensor | None = None  # what is all-reduced (buffer, or its compressed copy)
+    in_place: bool = False  # the gradients themselves were all-reduced (no copy into buffer and back)
 
 
 class DistributedDataParallel(nn.Module):
@@ -123,6 +129,9 @@ class DistributedDataParallel(nn.Module):
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._ready: set[int] = set()
         self._next_launch = 0
+        # the gradients straight through the shared-memory slots (the module docstring)
+        self._in_place = (self.wire_dtype is None and not gradient_as_bucket_view
+                          and comm.has_list_all_reduce(self.group, algorithm))
 
     @property
     def broadcast_buffers(self) -> bool:
@@ -223,6 +232,12 @@ class DistributedDataParallel(nn.Module):
             self._next_launch += 1
 
     def _launch(self, b: _Bucket) -> None:
+        grads = [p.grad for p in b.params]
+        b.in_place = self._in_place and all(g is not None and g.is_contiguous() and g.dtype == b.buffer.dtype
+                                            for g in grads)
+        if b.in_place:  # no bucket copy: the gradients go to the slots, scaled by 1/P on the way in
+            b.handle = comm.all_reduce_list(grads, scale=1.0 / self.world, group=self.group, async_op=True)
+            return
         # Pre-divide, then sum: the average without a final pass, and no fp16 overflow. As in
         # torch's reducer, a gradient that is not yet the bucket's view is multiplied by 1/P
         # while it is copied in (one pass over it, not two: the same bits as torch DDP's
@@ -277,6 +292,8 @@ class DistributedDataParallel(nn.Module):
         self.comm_wait_s = time.perf_counter() - t0
         with torch.no_grad():
             for b in self._buckets:
+                if b.in_place:
+                    continue  # the averaged gradients are already in .grad
                 if b.wire is not b.buffer:
                     b.buffer.copy_(b.wire)
                 for p, v in zip(b.params, b.views):
