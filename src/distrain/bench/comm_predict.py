@@ -118,7 +118,8 @@ def repredict(calibration: str, paths: list[str]) -> None:
             data = json.load(f)
         recs = [r for r in data["records"] if "predicted_us" in r]
         for r in recs:
-            annotate([r], calibrated_fabric(calibration, r["placement"]), torch.empty(0, dtype=getattr(torch, r["dtype"])).element_size())
+            elem = torch.empty(0, dtype=getattr(torch, r["dtype"])).element_size()
+            annotate([r], calibrated_fabric(calibration, r["placement"]), elem)
         data["meta"]["repredicted_from"] = calibration
         with open(p, "w") as f:
             json.dump(data, f, indent=1)

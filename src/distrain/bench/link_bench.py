@@ -208,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{kind}: alpha = {m['alpha_us']:.1f} us, bandwidth = {m['bandwidth_GBps']:.4f} GB/s")
     print(f"gamma (float32 add) = {res['model']['gamma_ns_per_byte']:.3f} ns/byte")
     sh = res["model"]["shift"]
-    busy = f"; rank 0's host CPU {sh['host_busy']:.0%} busy ({sh['host_softirq']:.0%} softirq)" if "host_busy" in sh else ""
+    busy = (f"; rank 0's host CPU {sh['host_busy']:.0%} busy ({sh['host_softirq']:.0%} softirq)"
+            if "host_busy" in sh else "")
     print(f"shift (every rank sends {sh['bytes'] >> 10} KiB to the next at once): {sh['per_link_GBps']:.4f} GB/s per "
           f"link, {sh['aggregate_GBps']:.4f} GB/s in all{busy}")
     if args.json:

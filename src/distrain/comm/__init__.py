@@ -86,9 +86,10 @@ def __getattr__(name: str):
 __all__ = [
     "ALGORITHM_NAMES", "COLLECTIVES", "CommHandle", "Counts", "Ledger", "P2POp", "TRANSPORT_NAMES", "Transport",
     "all_gather", "all_gather_coalesced", "all_gather_into_tensor", "all_gather_object", "all_reduce",
-    "all_reduce_coalesced", "all_reduce_list", "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv", "broadcast",
-    "broadcast_object_list", "close_all", "close_group", "debug_enabled", "destroy_process_group", "gather",
-    "gather_object", "has_list_all_reduce", "init_process_group", "irecv", "isend", "isend_tensor", "ledger", "recv", "recv_object_list",
-    "recv_tensor", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send",
-    "send_object_list", "send_tensor", "set_debug", "set_default_transport", "set_transport", "transport_of",
+    "all_reduce_coalesced", "all_reduce_list", "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv",
+    "broadcast", "broadcast_object_list", "close_all", "close_group", "debug_enabled", "destroy_process_group",
+    "gather", "gather_object", "has_list_all_reduce", "init_process_group", "irecv", "isend", "isend_tensor",
+    "ledger", "recv", "recv_object_list", "recv_tensor", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+    "scatter", "scatter_object_list", "send", "send_object_list", "send_tensor", "set_debug",
+    "set_default_transport", "set_transport", "transport_of",
 ] + [n for n in PASSTHROUGH if hasattr(_torch_dist, n)]
