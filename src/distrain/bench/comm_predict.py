@@ -113,13 +113,14 @@ def repredict(calibration: str, paths: list[str]) -> None:
 
     import torch
 
+    fabric = calibrated_fabric(calibration, [0])  # read once; each record gets its own placement
     for p in paths:
         with open(p) as f:
             data = json.load(f)
         recs = [r for r in data["records"] if "predicted_us" in r]
         for r in recs:
             elem = torch.empty(0, dtype=getattr(torch, r["dtype"])).element_size()
-            annotate([r], calibrated_fabric(calibration, r["placement"]), elem)
+            annotate([r], fabric.with_placement(r["placement"]), elem)
         data["meta"]["repredicted_from"] = calibration
         with open(p, "w") as f:
             json.dump(data, f, indent=1)

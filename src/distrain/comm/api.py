@@ -115,15 +115,16 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = Fals
                 after=after, fp=(o.name, tensor, -1))
 
 
+def _has_list(st) -> bool:
+    """The group's transport runs all_reduce_list itself (its direct collectives have one)."""
+    return st.size > 1 and hasattr(st.transport.direct("all_reduce"), "all_reduce_list")
+
+
 def has_list_all_reduce(group=None, algorithm: str = "native") -> bool:
     """Whether :func:`all_reduce_list` can run on ``group`` with ``algorithm``: the group's
     transport has direct collectives (shared memory, every rank on this host) and the
     algorithm is ``native``. Every rank of the group gets the same answer."""
-    if algorithm != "native":
-        return False
-    st = resolve(group, "all_reduce")
-    mod = st.transport.direct("all_reduce") if st.size > 1 else None
-    return hasattr(mod, "all_reduce_list")
+    return algorithm == "native" and _has_list(resolve(group, "all_reduce"))
 
 
 def all_reduce_list(tensors: list[torch.Tensor], *, scale: float | None = None, group=None, async_op: bool = False):
@@ -132,10 +133,10 @@ def all_reduce_list(tensors: list[torch.Tensor], *, scale: float | None = None, 
     the shared-memory slots and the sums straight back (no flat buffer, no copies to and from
     one). Needs :func:`has_list_all_reduce`; every rank passes tensors of the same sizes."""
     name = "all_reduce"
-    if not has_list_all_reduce(group):
+    st = resolve(group, name)
+    if not _has_list(st):
         raise ConfigError(f"{name}: all_reduce_list needs a group on the shared-memory transport with every rank on "
                           f"this host (transport='shm' or 'auto'); use all_reduce_coalesced elsewhere")
-    st = resolve(group, name)
     tensors = [_tensor(t, f"tensors[{i}]", name, "sum") for i, t in enumerate(tensors)]
     bad = [i for i, t in enumerate(tensors) if t.dtype != tensors[0].dtype or not t.is_contiguous()]
     if not tensors or bad:
