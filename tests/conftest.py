@@ -69,6 +69,19 @@ def run_ranks(fn, nprocs: int, *args, timeout: float = 90) -> list:
     return results
 
 
+def one_process_losses(model, opt, loss_fn, batches) -> list[float]:
+    """The single-process reference: per (x, y) of ``batches``, zero_grad, forward, loss,
+    backward, optimizer step; returns the losses."""
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def train_losses(cfg) -> list[float]:
     """Train ``cfg`` (a TrainConfig) and return the logged losses, one per step."""
     from distrain.trainer import train

@@ -12,6 +12,8 @@ from distrain.errors import CommError, ConfigError
 from distrain.models import build_model, classification_loss, lm_loss
 from distrain.parallel.data_parallel import DistributedDataParallel
 
+from conftest import one_process_losses
+
 ALGS = ["native", "star", "ring", "tree"]
 STEPS = 4
 LOCAL_B = 3
@@ -48,15 +50,8 @@ def _optimizer(params, name):
 def _reference(P: int, kind: str, opt_name: str) -> tuple[list[float], list[torch.Tensor]]:
     torch.manual_seed(0)
     m = build_model("gpt-tiny" if kind == "gpt" else "mlp-tiny").double()
-    opt = _optimizer(m.parameters(), opt_name)
-    losses = []
-    for s in range(STEPS):
-        x, y = _data(P * LOCAL_B, kind, s)
-        opt.zero_grad()
-        loss = _loss(kind, m(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = one_process_losses(m, _optimizer(m.parameters(), opt_name), lambda out, y: _loss(kind, out, y),
+                                (_data(P * LOCAL_B, kind, s) for s in range(STEPS)))
     return losses, [p.detach().clone() for p in m.parameters()]
 
 

@@ -14,6 +14,8 @@ from distrain.parallel.pipeline_parallel import (
     InterleavedStage, interleaved_bubble, interleaved_ops, interleaved_step, simulate_interleaved,
 )
 
+from conftest import one_process_losses
+
 B, T, STEPS = 12, 8, 3
 
 
@@ -41,16 +43,7 @@ def test_interleaved_needs_m_multiple_of_p():
 def _reference():
     torch.manual_seed(0)
     m = build_model("gpt-tiny").double()
-    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
-    losses = []
-    for s in range(STEPS):
-        x, y = _batch(s)
-        opt.zero_grad()
-        loss = lm_loss(m(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, m
+    return one_process_losses(m, torch.optim.Adam(m.parameters(), lr=1e-2), lm_loss, map(_batch, range(STEPS))), m
 
 
 def _batch(step: int):

@@ -16,6 +16,8 @@ from distrain.errors import CommError, ConfigError, RankFailedError
 from distrain.models import build_model, classification_loss
 from distrain.parallel.parameter_server import ParameterServer, PSLayout, PSWorker, expected_ps_bytes
 
+from conftest import one_process_losses
+
 G = 12      # global batch of the sync tests
 SEED = 0
 OPTS = {
@@ -150,15 +152,8 @@ def _reference(opt: str, batches: list[torch.Tensor]) -> tuple[list[float], dict
     train = _digits()
     torch.manual_seed(SEED)
     model = build_model("mlp-tiny").double()
-    o = OPTS[opt](list(model.parameters()))
-    losses = []
-    for idx in batches:
-        x, y = train.get_batch(idx)
-        o.zero_grad()
-        loss = classification_loss(model(x), y)
-        loss.backward()
-        o.step()
-        losses.append(loss.item())
+    losses = one_process_losses(model, OPTS[opt](list(model.parameters())), classification_loss,
+                                map(train.get_batch, batches))
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 

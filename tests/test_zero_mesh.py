@@ -14,7 +14,7 @@ from distrain.errors import ConfigError
 from distrain.trainer import train
 from distrain.trainer.metrics import read_metrics
 
-from conftest import reference_losses, trainer_config
+from conftest import one_process_losses, reference_losses, trainer_config
 
 
 def _losses(cfg) -> list[float]:
@@ -125,15 +125,8 @@ def _sp_zero(rank: int, stage: int) -> list[str]:
         ids = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(700 + step))
         return ids[:, :-1], ids[:, 1:]
 
-    ref, losses = full(), []
-    opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
-    for s in range(3):
-        x, y = batch(s)
-        opt.zero_grad()
-        loss = lm_loss(ref(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    ref = full()
+    losses = one_process_losses(ref, torch.optim.Adam(ref.parameters(), lr=1e-2), lm_loss, map(batch, range(3)))
     topo = Topology.from_world(dp=2, tp=2, pp=1)
     plan = gpt_tp_plan(sequence_parallel=True)
     try:
