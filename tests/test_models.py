@@ -211,14 +211,15 @@ def test_mlp_shapes_and_layout():
 
 
 def test_registry_and_param_counts():
-    assert list_models() == ["gpt-small", "gpt-tiny", "mlp", "mlp-tiny"]
+    assert list_models() == ["gpt-small", "gpt-tiny", "llama-3-8b", "llama-3.2-1b", "llama-small", "llama-tiny", "mlp",
+                             "mlp-tiny", "smollm2-135m"]
     counts = {"gpt-tiny": 67_776, "gpt-small": 867_072, "mlp": 4_754_698, "mlp-tiny": 6_570}
     for name, n in counts.items():
         assert count_parameters(build_model(name)) == n, name
     m = build_model("gpt-tiny", n_layer=2)
     assert isinstance(m, GPT) and len(m.layers) == 4
     assert preset_config("gpt-tiny")["n_layer"] == 4  # overrides do not leak into the preset
-    with pytest.raises(ConfigError, match="unknown model 'gpt-huge'; valid names: gpt-small, gpt-tiny, mlp, mlp-tiny"):
+    with pytest.raises(ConfigError, match="unknown model 'gpt-huge'; valid names: gpt-small, gpt-tiny, llama-3-8b, .*mlp-tiny"):
         build_model("gpt-huge")
     with pytest.raises(ConfigError, match="no option.*n_layers.*valid options"):
         build_model("gpt-tiny", n_layers=3)

@@ -197,6 +197,14 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
     not). Gloo is left unbound: with one core per rank its I/O threads then compete with the
     rank's own thread (4 KiB Gloo all_reduce: 1800-2400 us bound, 270-510 us not).
     ``True`` / ``False`` force it.
+
+    Ownership of ``args``: they reach the ranks through multiprocessing's pickling, which
+    (torch's reducers) moves every CPU tensor in them, a module's parameters included, into
+    shared memory: every rank and the caller then see the same storage, as with
+    torch.multiprocessing.spawn. That is right for read-only inputs (a data set: no copy per
+    rank). A rank that writes to such a tensor, or trains such a module, must copy it first
+    (``copy.deepcopy``), or receive bytes (``torch.save`` to a buffer) and load its own;
+    ``distrain.train(model=...)`` does the latter for you.
     """
     _check_not_bootstrapping()
     if not isinstance(nprocs, int) or nprocs < 1:

@@ -88,11 +88,14 @@ def model_spec(name: str | None, params: int | None) -> ModelSpec:
 
     if name not in MODEL_PRESETS:
         raise ConfigError(f"--model: unknown model {name!r}; choose from {', '.join(MODEL_PRESETS)} or give --params N")
-    m = build_model(name)
+    import torch
+
+    with torch.device("meta"):  # shapes only: no memory, so an 8B preset costs nothing to count
+        m = build_model(name)
     n = sum(p.numel() for p in m.parameters())
     sizes = tuple(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad)
     kind, kw = MODEL_PRESETS[name]
-    if kind == "gpt":
+    if kind in ("gpt", "llama"):  # same field names (models/llama/model.py LlamaConfig)
         return ModelSpec(name, n, kw["n_layer"], kw["n_embd"], kw["n_head"], kw["block_size"], sizes)
     return ModelSpec(name, n, param_bytes=sizes)
 
@@ -108,7 +111,7 @@ def measure_compute(name: str, batch: int, reps: int = 3) -> float:
     m = build_model(name)
     kind, kw = MODEL_PRESETS[name]
     batch = max(1, round(batch))
-    x = (torch.randint(0, kw["vocab_size"], (batch, kw["block_size"])) if kind == "gpt"
+    x = (torch.randint(0, kw["vocab_size"], (batch, kw["block_size"])) if kind in ("gpt", "llama")
          else torch.randn(batch, kw["in_features"]))
     ts = []
     for _ in range(reps + 1):
@@ -139,6 +142,12 @@ def measure_optimizer(name: str, reps: int = 5) -> float:
 
 def measured_compute(name: str) -> Compute:
     """fb measured per local batch size (cached) and AdamW's step, on this process."""
+    from distrain.models.registry import SHAPE_ONLY_PRESETS
+
+    if name in SHAPE_ONLY_PRESETS:
+        raise ConfigError(f"--model {name} has its published sizes only (no weights are built here, and one step "
+                          f"would not fit this process): give --compute-ms, the forward+backward time of the "
+                          f"global batch on one device")
     return Compute(functools.lru_cache(maxsize=None)(lambda b: measure_compute(name, b)), measure_optimizer(name))
 
 

@@ -1,9 +1,9 @@
 """Message schedules of distrain's algorithms, message by message, for the simulator.
 
 Each builder writes down what the code in ``distrain.comm.{star,ring,tree}`` and
-``distrain.parallel.ps`` sends: who sends how many bytes to whom, after which arrivals,
-and after how much reduction work (γ per byte added). Messages are created in the order a
-rank posts them, so one pair's messages keep Gloo's per-connection order.
+``distrain.parallel.parameter_server`` sends: who sends how many bytes to whom, after which
+arrivals, and after how much reduction work (γ per byte added). Messages are created in the
+order a rank posts them, so one pair's messages keep Gloo's per-connection order.
 
 Notation: P ranks; N elements of ``elem`` bytes (all_reduce, broadcast, reduce); n elements
 per rank (all_gather, reduce_scatter); roots are rank 0 (the benchmark's and the composed

@@ -13,7 +13,9 @@ from distrain.models.gpt import (
     generate,
     lm_loss,
 )
+from distrain.models.llama import Llama, LlamaConfig
 from distrain.models.mlp import MLP, classification_loss
+from distrain.models.outputs import logits_of
 from distrain.models.registry import (
     MODEL_PRESETS,
     build_model,
@@ -30,6 +32,8 @@ __all__ = [
     "Embedding",
     "GPTConfig",
     "Head",
+    "Llama",
+    "LlamaConfig",
     "MLP",
     "MLPBlock",
     "MODEL_PRESETS",
@@ -39,6 +43,7 @@ __all__ = [
     "generate",
     "list_models",
     "lm_loss",
+    "logits_of",
     "model_kind",
     "preset_config",
 ]

@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distrain.errors import ConfigError
+from distrain.models.outputs import logits_of
 
 
 @dataclass
@@ -123,6 +124,8 @@ class MLPBlock(nn.Module):
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x))."""
 
+    checkpointable = True  # --activation-checkpointing recomputes this block in backward (activation_checkpointing.py)
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd)
@@ -188,8 +191,9 @@ class GPT(nn.Module):
         return x
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross entropy of logits (..., V) against int targets (...)."""
+def lm_loss(output, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy of the logits (..., V) in ``output`` (models/outputs.py) against int targets (...)."""
+    logits = logits_of(output)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
@@ -213,7 +217,7 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
     model.eval()
     try:
         for _ in range(max_new_tokens):
-            logits = model(idx[:, -block_size:])[:, -1, :].float()
+            logits = logits_of(model(idx[:, -block_size:]))[:, -1, :].float()
             if temperature == 0:
                 nxt = logits.argmax(dim=-1, keepdim=True)
             else:

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distrain.errors import ConfigError
+from distrain.models.outputs import logits_of
 
 
 class MLP(nn.Module):
@@ -40,5 +41,6 @@ class MLP(nn.Module):
         return x
 
 
-def classification_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits, targets)
+def classification_loss(output, targets: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of the class scores (B, classes) in ``output`` (models/outputs.py) against targets (B,)."""
+    return F.cross_entropy(logits_of(output), targets)

@@ -7,6 +7,10 @@ Parameter counts (from :func:`count_parameters`):
   (85-115 ms for forward+backward of a (32, 64) batch on 2 shared CPU cores, fp32)
 * ``mlp``       (784 -> 1536 -> 1536 -> 768 -> 10):         4,754,698
 * ``mlp-tiny``  (64 -> 64 -> 32 -> 10, for 8x8 digits):          6,570
+* ``llama-tiny``  (block 32, 2 layers, 4 heads / 2 KV heads, C=64, F=192, V=256):   131,392
+* ``llama-small`` (block 64, 4 layers, 4 heads / 2 KV heads, C=128, F=384, V=256):  853,120
+* shape-only (published sizes; build them on the meta device): ``smollm2-135m`` (134,515,008),
+  ``llama-3.2-1b`` (1,235,814,400), ``llama-3-8b`` (8,030,261,248)
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch.nn as nn
 
 from distrain.errors import ConfigError
 from distrain.models.gpt import GPT, GPTConfig
+from distrain.models.llama.model import Llama, LlamaConfig
 from distrain.models.mlp import MLP
 
 # name -> (kind, keyword arguments)
@@ -26,15 +31,32 @@ MODEL_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt-small": ("gpt", dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)),
     "mlp": ("mlp", dict(in_features=784, hidden=(1536, 1536, 768), num_classes=10)),
     "mlp-tiny": ("mlp", dict(in_features=64, hidden=(64, 32), num_classes=10)),
+    "llama-tiny": ("llama", dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=64,
+                                 intermediate_size=192)),
+    "llama-small": ("llama", dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_kv_head=2, n_embd=128,
+                                  intermediate_size=384)),
+    # published sizes (HF config.json of each); block_size: the pretraining context
+    "smollm2-135m": ("llama", dict(vocab_size=49152, block_size=8192, n_layer=30, n_head=9, n_kv_head=3, n_embd=576,
+                                   intermediate_size=1536, rope_theta=100000.0, tie_word_embeddings=True)),
+    "llama-3.2-1b": ("llama", dict(vocab_size=128256, block_size=8192, n_layer=16, n_head=32, n_kv_head=8,
+                                   n_embd=2048, intermediate_size=8192, rope_theta=500000.0, tie_word_embeddings=True,
+                                   rope_scaling=dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                     original_max_position_embeddings=8192))),
+    "llama-3-8b": ("llama", dict(vocab_size=128256, block_size=8192, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096,
+                                 intermediate_size=14336, rope_theta=500000.0)),
 }
+# presets with published sizes only: too big to measure or train here (distrain plan needs --compute-ms)
+SHAPE_ONLY_PRESETS = frozenset({"smollm2-135m", "llama-3.2-1b", "llama-3-8b"})
 
 _VALID_KEYS: dict[str, list[str]] = {
     "gpt": GPTConfig.field_names(),
     "mlp": ["in_features", "hidden", "num_classes"],
+    "llama": LlamaConfig.field_names(),
 }
 _BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "gpt": lambda **kw: GPT(GPTConfig(**kw)),
     "mlp": lambda **kw: MLP(**kw),
+    "llama": lambda **kw: Llama(LlamaConfig(**kw)),
 }
 
 
@@ -82,10 +104,13 @@ def tp_plan_for(model: nn.Module):
     """The tensor-parallel plan kept beside ``model``'s class (GPT: Megatron's; MLP: column/row
     pairs), or ``None`` for a model that brings none (pass ``tp_plan=`` yourself)."""
     from distrain.models.gpt_plan import gpt_tp_plan
+    from distrain.models.llama.plan import llama_tp_plan
     from distrain.models.mlp_plan import mlp_tp_plan
 
     if isinstance(model, GPT):
         return gpt_tp_plan()
     if isinstance(model, MLP):
         return mlp_tp_plan(model)
+    if isinstance(model, Llama):
+        return llama_tp_plan()
     return None

@@ -127,7 +127,12 @@ def parallelize(model: nn.Module, topo: Topology, *, loss_fn: Loss, tp_plan=None
     """Apply ``tp_plan`` on ``topo.tp_group``, cut the pipeline stage of ``topo.pp_rank``, wrap it
     in DDP over ``topo.dp_group`` (or ZeRO ``zero_stage`` with the ``optimizer`` factory).
     ``loss_fn(output, target)``: the loss on the model's full output (a plan that keeps the
-    output sharded brings its own loss on shards, used when tp > 1)."""
+    output sharded brings its own loss on shards, used when tp > 1).
+
+    Ownership: call it inside a rank, on that rank's own model (built there, or a copy).
+    ``model`` is changed in place (its layers are replaced by this rank's shards, like torch's
+    ``parallelize_module``), so a model shared between processes (one passed through
+    multiprocessing lives in shared memory) must be copied first: ``copy.deepcopy(model)``."""
     if not callable(loss_fn):
         raise ConfigError(f"parallelize: loss_fn must be a callable (output, target) -> loss, got {loss_fn!r}")
     check_zero_layout(zero_stage, topo.dp, topo.pp)

@@ -24,7 +24,8 @@ AUTOCASTS = ("none", "bf16")
 CUSTOM = "custom"  # model/data given as objects to distrain.train
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")  # zb-h1: zero bubble (B / W split), parallel/pipeline_parallel/zero_bubble.py
 # which data each model preset reads (input sizes must match)
-MODEL_DATA = {"gpt-tiny": "text", "gpt-small": "text", "mlp": "fashion-mnist", "mlp-tiny": "digits"}
+MODEL_DATA = {"gpt-tiny": "text", "gpt-small": "text", "mlp": "fashion-mnist", "mlp-tiny": "digits",
+              "llama-tiny": "text", "llama-small": "text"}
 
 
 def opt(default, help: str, choices=None, type=None):
@@ -37,8 +38,9 @@ class TrainConfig:
     # what to train
     model: str = opt("gpt-small", "model preset, or PKG.MOD:FACTORY (your own: factory() -> nn.Module)",
                      choices=tuple(MODEL_DATA) + ("PKG.MOD:FACTORY",))
-    data: str = opt("shakespeare", "data set name, a path to a .txt file / folder of .txt files, or "
-                                   "PKG.MOD:FACTORY (your own: factory() -> (train, val))",
+    data: str = opt("shakespeare", "data set name, a path to a .txt file / folder of .txt files, a token shard "
+                                   "folder (`distrain data prepare`), or PKG.MOD:FACTORY (your own: factory() -> "
+                                   "(train, val))",
                     choices=DATASETS + ("PATH", "PKG.MOD:FACTORY"))
     # how to parallelize
     strategy: str = opt("ddp", "way of training (ps-*: parameter servers; zero1-3: ZeRO stages; local: no gradient "
@@ -82,6 +84,9 @@ class TrainConfig:
     min_lr: float = opt(0.0, "the learning rate the cosine schedule ends at")
     grad_clip: float = opt(0.0, "clip gradients to this global L2 norm (over every shard; 0: off)")
     accum_steps: int = opt(1, "gradient accumulation: micro-batches per rank and step (single, ddp, torch-ddp)")
+    activation_checkpointing: bool = opt(False, "recompute each transformer block's activations in backward instead "
+                                                "of keeping them (less memory, about one more forward; bitwise the "
+                                                "same results)")
     autocast: str = opt("none", "mixed precision: run forward and loss under torch.autocast in bf16",
                         choices=AUTOCASTS)
     # bookkeeping
@@ -141,12 +146,15 @@ class TrainConfig:
     def _validate_model_parallel(self, need) -> None:
         from distrain.models import preset_config
 
-        need(MODEL_DATA[self.model] == "text", f"--tp/--pp split the GPT models; --model {self.model} is not one")
+        need(MODEL_DATA[self.model] == "text", f"--tp/--pp split the GPT and Llama models; --model {self.model} is "
+                                               f"not one")
         c = preset_config(self.model)
         n_layers = c["n_layer"] + 2  # embedding, blocks, head
         need(self.pp <= n_layers, f"--pp {self.pp}: {self.model} has {n_layers} layers (embedding, {c['n_layer']} "
                                   f"blocks, head) but {self.pp} stages were asked for; use at most {n_layers}")
-        for what, n in (("n_head", c["n_head"]), ("n_embd", c["n_embd"]), ("vocab_size", c["vocab_size"])):
+        # a Llama's grouped-query attention splits its KV heads too, and its SwiGLU hidden size
+        sizes = [(k, c[k]) for k in ("n_head", "n_kv_head", "n_embd", "intermediate_size", "vocab_size") if c.get(k)]
+        for what, n in sizes:
             divisors = [d for d in range(1, n + 1) if n % d == 0]
             need(n % self.tp == 0, f"--tp {self.tp}: {self.model} has {what}={n}, not divisible by {self.tp}; "
                                    f"choose --tp among {divisors[:8]}")
@@ -154,6 +162,27 @@ class TrainConfig:
         need(self.batch_size % self.dp_size == 0 and local % self.microbatches == 0,
              f"--microbatches {self.microbatches} does not divide the per-replica batch {self.batch_size} / "
              f"dp {self.dp_size} = {self.batch_size / self.dp_size:g}; pick a divisor of it")
+
+    def _validate_shards(self, need) -> None:
+        """--data DIR holding meta.json (token shards): every shard file there, the preset's vocabulary
+        (it takes the data's when > 256) holding every id, tensor parallelism dividing it."""
+        from distrain.trainer.task import model_overrides, shard_folder, vocab_error
+
+        if shard_folder(self) is None:
+            return
+        from distrain.data.shards import read_meta
+        from distrain.models import preset_config
+
+        meta = read_meta(self.data)  # missing or truncated shard files: a one-line error naming the file
+        if self.custom_model:
+            return  # your model's vocabulary is checked once it is built, before the first step
+        c = preset_config(self.model, **model_overrides(self))
+        vocab = c.get("vocab_size")
+        need(vocab is None or vocab >= int(meta["vocab_size"]), vocab_error(self, vocab, meta))
+        need(vocab is None or self.tp == 1 or vocab % self.tp == 0,
+             f"--tp {self.tp}: the data's vocabulary of {vocab} ({self.data}) does not divide among {self.tp} "
+             f"tensor-parallel ranks; choose a --tp that divides {vocab}, or prepare the data with bpe:VOCAB a "
+             f"multiple of {self.tp}")
 
     def _validate_features(self, need) -> None:
         """LR schedule, clipping, autocast, accumulation and device flags."""
@@ -167,6 +196,12 @@ class TrainConfig:
         need(self.autocast == "none" or self.dtype == "float32",
              f"--autocast {self.autocast} needs --dtype float32 (autocast lowers float32 compute), got {self.dtype}")
         need(self.accum_steps >= 1, f"--accum-steps must be >= 1, got {self.accum_steps}")
+        # ZeRO-3 frees each unit's gathered parameters after its forward and stands saved-tensor
+        # hooks in for them; a checkpointed block's re-run forward in backward bypasses both
+        need(not (self.activation_checkpointing and self.strategy == "zero3"),
+             "--activation-checkpointing does not combine with --strategy zero3 (ZeRO-3 gathers each block's "
+             "parameters only for its own forward and backward, not for a re-run of the forward); use zero2, "
+             "or zero3 without it")
         need(not (self.trace or self.gantt) or self.pp > 1,
              f"--trace/--gantt draw a pipeline's timeline: they need --pp >= 2, got --pp {self.pp}")
         need(self.device in DEVICES, f"--device {self.device!r} is unknown; use one of {', '.join(DEVICES)}")
@@ -272,14 +307,20 @@ class TrainConfig:
         # data and model must fit each other (your own model or data: yours to match)
         wants = "custom" if self.custom_model or self.data_kind == CUSTOM else MODEL_DATA[self.model]
         if wants == "custom":
-            need(self.data_kind == CUSTOM or self.data in DATASETS,
-                 f"--data {self.data!r}: with your own model give PKG.MOD:FACTORY data or one of {', '.join(DATASETS)}")
+            shards = self.data_kind == "text" and os.path.isfile(os.path.join(self.data, "meta.json"))
+            need(self.data_kind == CUSTOM or self.data in DATASETS or shards,
+                 f"--data {self.data!r}: with your own model give PKG.MOD:FACTORY data, a token shard folder "
+                 f"(`distrain data prepare`) or one of {', '.join(DATASETS)}")
+            if shards:
+                self._validate_shards(need)
         elif wants == "text":
             need(self.data_kind == "text", f"--model {self.model} is a language model: use --data shakespeare or a "
                                            f"text path, not {self.data!r}")
             if self.data != "shakespeare":
                 need(os.path.exists(self.data), f"--data {self.data!r}: no such file or folder (give a .txt file, a "
-                                                f"folder of .txt files, or one of {', '.join(DATASETS)})")
+                                                f"folder of .txt files, a shard folder from `distrain data prepare`, "
+                                                f"or one of {', '.join(DATASETS)})")
+                self._validate_shards(need)
         else:
             need(self.data == wants, f"--model {self.model} reads {wants} images: use --data {wants}")
         # the data must be installed: say how before any process starts

@@ -24,7 +24,9 @@ needs ``model.layers`` (an ``nn.ModuleList`` run in order).
 
 from __future__ import annotations
 
+import copy
 import importlib
+import io
 from dataclasses import dataclass
 from typing import Callable
 
@@ -33,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distrain.errors import ConfigError
+from distrain.models.outputs import logits_of
 
 LOSSES = ("auto", "cross-entropy", "mse")
 
@@ -81,22 +84,69 @@ def as_batches(ds, what: str):
 
 
 def builtin_loss(name: str) -> Callable:
-    return {"cross-entropy": _cross_entropy, "mse": F.mse_loss}[name]
+    """``--loss cross-entropy|mse``; both read the model's output through models.logits_of (a
+    tensor, ``.logits``, or a tuple's first element)."""
+    return {"cross-entropy": _cross_entropy, "mse": _mse}[name]
 
 
-def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _cross_entropy(output, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over every position: logits (..., C), integer targets (...)."""
+    logits = logits_of(output)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _mse(output, targets: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(logits_of(output), targets)
+
+
+class ModelBytes:
+    """A model passed from Python, serialized once in the caller (``torch.save`` of the module).
+
+    Why: handing an ``nn.Module`` to spawned ranks through multiprocessing pickles it with
+    torch's reducers, which move every tensor into shared memory: every rank's optimizer would
+    then update one storage, shared with the caller's model (P updates per step, with races).
+    Bytes carry no storage, so each rank builds its own copy from them (:meth:`load`)."""
+
+    def __init__(self, model: nn.Module):
+        buf = io.BytesIO()
+        try:
+            torch.save(model, buf)
+        except Exception as e:  # noqa: BLE001 -- pickling errors come in many types
+            raise ConfigError(f"model: cannot serialize your {type(model).__name__} to hand it to the ranks ({e}); "
+                              f"define its class at module level (each rank imports it), or pass a factory "
+                              f"with --model PKG.MOD:FACTORY") from None
+        self.data = buf.getvalue()
+        self.type_name = type(model).__name__
+
+    def load(self) -> nn.Module:
+        # weights_only=False: a whole module is a pickled object graph (the caller's own, not foreign data)
+        return torch.load(io.BytesIO(self.data), map_location="cpu", weights_only=False)
+
+
+def own_model(model: "nn.Module | ModelBytes") -> nn.Module:
+    """This rank's own copy of a model passed from Python: nothing its optimizer updates is
+    shared with another rank or with the caller (whose model stays as it was)."""
+    return model.load() if isinstance(model, ModelBytes) else copy.deepcopy(model)
 
 
 @dataclass
 class UserParts:
-    """What the user brings instead of distrain's presets (None: the preset from the config)."""
+    """What the user brings instead of distrain's presets (None: the preset from the config).
 
-    model: nn.Module | None = None
+    Ownership: ``model`` is copied, once per rank (:func:`own_model`); the data sets and the
+    loss function are shared read-only (spawned ranks map the caller's tensors from shared
+    memory, no copy per rank): the trainer only reads them (batches are gathered into new
+    tensors), so a rank never writes to the caller's data."""
+
+    model: "nn.Module | ModelBytes | None" = None
     train_data: object = None
     val_data: object = None
     loss_fn: Callable | None = None
+
+    def for_ranks(self) -> "UserParts":
+        """These parts as spawned ranks receive them: the model as bytes (see ModelBytes)."""
+        model = ModelBytes(self.model) if isinstance(self.model, nn.Module) else self.model
+        return UserParts(model, self.train_data, self.val_data, self.loss_fn)
 
     @classmethod
     def from_config(cls, cfg) -> "UserParts":

@@ -32,7 +32,7 @@ from distrain.trainer import checkpoint
 from distrain.trainer.config import TrainConfig
 from distrain.trainer.engines import Engine, build_engine, engine_class
 from distrain.trainer.metrics import MetricsLog
-from distrain.trainer.report import finish, flush, progress_bar, rank_traffic, step_record
+from distrain.trainer.report import finish, progress_bar, rank_traffic, step_record, sum_losses, write_records
 from distrain.trainer.task import Task, build_optimizer, build_task, loss_function, lr_at
 
 
@@ -41,9 +41,14 @@ def train(cfg: TrainConfig | None = None, *, model=None, train_data=None, val_da
     """Run a training job; returns rank 0's summary.
 
     ``cfg``/``config``: the TrainConfig. Your own parts (see trainer/custom.py): ``model`` (an
-    nn.Module; every rank starts from its weights), ``train_data``/``val_data`` (map-style data
-    sets of (x, y) or objects with get_batch), ``loss_fn(output, target)``. They are pickled to
-    the ranks, so their classes and functions must be importable (module level)."""
+    nn.Module; every rank trains its own copy, starting from its weights), ``train_data``/
+    ``val_data`` (map-style data sets of (x, y) or objects with get_batch; shared read-only),
+    ``loss_fn(output, target)`` (it receives the model's output as the model returns it). They
+    are pickled to the ranks, so their classes and functions must be importable (module level).
+
+    Your ``model`` is left as it was, whatever its dtype or device: the trained weights are in
+    the final checkpoint of ``cfg.out`` (``distrain checkpoint consolidate OUT -o model.pt``
+    gives one plain state_dict, whatever the layout; docs/training.md)."""
     cfg = dataclasses.replace(cfg or config or TrainConfig())
     parts = None
     if any(v is not None for v in (model, train_data, val_data, loss_fn)):
@@ -72,6 +77,7 @@ def train(cfg: TrainConfig | None = None, *, model=None, train_data=None, val_da
     if not cfg.resume:
         check_out(cfg)
     # ranks that poll shared memory get cores of their own (spawn's bind_cores); Gloo's are left free
+    parts = parts.for_ranks() if parts is not None else None  # the model as bytes: no storage shared with the ranks
     return spawn(_spawned, cfg.nproc, args=(cfg.to_dict(), parts), backend=BACKENDS[cfg.device],
                  timeout=cfg.timeout or None, init_timeout=cfg.collective_timeout,
                  bind_cores=None if cfg.transport in ("shm", "auto") else False)[0]
@@ -144,11 +150,15 @@ def check_resume(cfg: TrainConfig) -> dict:
                           f"with the same value or choose another --out")
     if int(manifest["step"]) > cfg.steps:
         raise ConfigError(f"--resume: checkpoint {where} is at step {manifest['step']}, past --steps {cfg.steps}")
+    from distrain.trainer.task import check_resume_data
+
+    check_resume_data(cfg)  # --data DIR of token shards: the same tokenizer as the run's (data.json)
     return manifest
 
 
 def run_rank(cfg: TrainConfig, parts=None) -> dict:
-    from distrain.trainer.custom import UserParts
+    from distrain.trainer.custom import UserParts, own_model
+    from distrain.trainer.task import check_model_vocab, model_overrides
 
     comm.set_default_transport(cfg.transport, timeout=cfg.collective_timeout)  # every group this run creates
 
@@ -161,8 +171,13 @@ def run_rank(cfg: TrainConfig, parts=None) -> dict:
     # on this rank's device: cuda:LOCAL_RANK under NCCL, the CPU under Gloo
     device = runtime.info().device if cfg.device != "cpu" else torch.device("cpu")
     torch.manual_seed(cfg.seed)
-    model = parts.model if parts.model is not None else build_model(cfg.model)
+    model = own_model(parts.model) if parts.model is not None else build_model(cfg.model, **model_overrides(cfg))
+    check_model_vocab(cfg, model)  # --data DIR of token shards: its ids must fit the embedding
     model = model.to(device=device, dtype=getattr(torch, cfg.dtype))
+    if cfg.activation_checkpointing:
+        from distrain.models.activation_checkpointing import checkpoint_blocks
+
+        checkpoint_blocks(model)
 
     # build engine: the way of training, with its communication and optimizer (engines/)
     engine = build_engine(cfg, model, loss_function(cfg, parts), lambda params: build_optimizer(cfg, params))
@@ -179,7 +194,8 @@ def run_rank(cfg: TrainConfig, parts=None) -> dict:
         elif engine.shard is not None:
             engine.load_state_dict(checkpoint.load_shard(out, manifest, engine.shard))
 
-    # train (servers serve), counting every rank's traffic
+    # train (servers serve), counting every rank's traffic; the final checkpoint set is written
+    # right after the last step, before evaluation, so that nothing after training can lose the run
     task, wall = None, 0.0
     with comm.ledger() as led:
         if engine.serves:
@@ -187,9 +203,8 @@ def run_rank(cfg: TrainConfig, parts=None) -> dict:
         else:
             task = build_task(cfg, getattr(getattr(model, "config", None), "block_size", None), device, parts)
             wall = train_steps(cfg, engine, task, start)
-
-    # checkpoint: the final set, written by every rank that owns a shard
-    save_checkpoint(cfg, engine, cfg.steps)
+    if engine.serves or start >= cfg.steps:  # a server's final shard, or a resume with no step left to run
+        save_checkpoint(cfg, engine, cfg.steps)
 
     # report: traffic and the engine's extras from every rank; rank 0 writes the summary
     traffic = rank_traffic(led, cfg.steps - start)
@@ -221,16 +236,17 @@ def train_steps(cfg: TrainConfig, engine: Engine, task: Task, start: int) -> flo
             engine.end_training()
         do_eval = (cfg.eval_every and task.val is not None and engine.can_evaluate
                    and ((step + 1) % cfg.eval_every == 0 or last))
-        do_ckpt = cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and not last  # the last: after the loop
-        if do_eval:
-            val = engine.evaluate(task.val_batches(cfg.batch_size, cfg.eval_batches))
-            if val is not None:
-                pending[-1].update(val)
-        if len(pending) >= cfg.log_every or do_eval or do_ckpt or last:
-            flush(pending, log, bar, engine.loss_group, engine.loss_weight)
+        do_ckpt = bool(cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0) or last
+        if len(pending) >= cfg.log_every or do_eval or do_ckpt:
+            sum_losses(pending, engine.loss_group, engine.loss_weight)  # stops every rank on a non-finite loss
+            if do_ckpt:  # only finite losses reach a checkpoint; the last one comes before evaluation
+                save_checkpoint(cfg, engine, step + 1)
+            if do_eval:
+                val = engine.evaluate(task.val_batches(cfg.batch_size, cfg.eval_batches))
+                if val is not None:
+                    pending[-1].update(val)
+            write_records(pending, log, bar)
             pending = []
-        if do_ckpt:
-            save_checkpoint(cfg, engine, step + 1)
     if bar is not None:
         bar.close()
     if log is not None and log.tensorboard is not None:

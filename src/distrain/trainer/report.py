@@ -1,8 +1,8 @@
 """What a run shows and leaves behind: the progress bar, metrics lines, the summary.
 
-``step_record`` makes one metrics.jsonl line per step; ``flush`` turns the pending steps'
-losses into the global batch's loss (one small all-reduce of ``loss * weight`` over the
-engine's loss group) and writes them; ``finish`` (rank 0, after training) writes
+``step_record`` makes one metrics.jsonl line per step; ``sum_losses`` turns the pending
+steps' losses into the global batch's loss (one small all-reduce of ``loss * weight`` over
+the engine's loss group) and ``write_records`` writes them; ``finish`` (rank 0, after training) writes
 summary.json and loss.png, generates a text sample when the whole model is on rank 0, and
 prints the table.
 """
@@ -27,7 +27,7 @@ from distrain.trainer.metrics import MetricsLog, format_table, plot_losses, read
 
 def step_record(step: int, loss: torch.Tensor | None, dt: float, comm_wait: float | None, unit: str,
                 units_per_step: int, lr: float) -> dict:
-    """One metrics.jsonl line; ``loss`` stays a tensor until ``flush`` sums it over ranks
+    """One metrics.jsonl line; ``loss`` stays a tensor until ``sum_losses`` sums it over ranks
     (None on ranks that compute no loss, which then contribute 0). ``time``: Unix seconds at
     the end of the step (for tools that plot against wall-clock time)."""
     return {"step": step, "loss": (loss.detach() if loss is not None else torch.zeros(())).double(),
@@ -43,8 +43,9 @@ def progress_bar(cfg: TrainConfig, start: int, label: str, on: bool):
     return tqdm(total=cfg.steps, initial=start, desc=f"{label}/{cfg.model}", dynamic_ncols=True)
 
 
-def flush(pending: list[dict], log: MetricsLog | None, bar, group, weight: float) -> None:
-    """Replace each pending loss by sum over ``group`` of loss * weight, log, update the bar."""
+def sum_losses(pending: list[dict], group, weight: float) -> None:
+    """Collective over ``group``: each pending loss becomes the sum of loss * weight (the global
+    batch's mean loss); a TrainingError on every rank if one is not finite."""
     losses = torch.stack([r["loss"] for r in pending]).mul_(weight)
     comm.all_reduce(losses, op="sum", group=group, algorithm="native")
     for r, v in zip(pending, losses.tolist()):
@@ -54,6 +55,10 @@ def flush(pending: list[dict], log: MetricsLog | None, bar, group, weight: float
         raise TrainingError(f"step {bad['step']}: the loss is {bad['loss']}; the run stops before writing it or a "
                             f"checkpoint (the last good checkpoint stays in --out): lower --lr, use --dtype float64, "
                             f"or check the data")
+
+
+def write_records(pending: list[dict], log: MetricsLog | None, bar) -> None:
+    """Log the summed step records and update the progress bar (rank 0; no-ops elsewhere)."""
     if log is not None:
         log.write(pending)
     if bar is not None:

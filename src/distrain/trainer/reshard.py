@@ -228,28 +228,40 @@ def load_plain(module, optimizer, order: list[str], view: dict) -> None:
 
 # -- the consolidated file, and back into a run folder ----------------------------------------------
 def save_consolidated(run: str | Path, path: str | Path) -> dict:
-    """Write run folder ``run``'s committed set as one consolidated file (atomic); returns the form."""
-    form = consolidate(run)
+    """Write run folder ``run``'s committed set as one consolidated file (atomic); returns the form.
+    Its errors name ``checkpoint consolidate``, not ``--resume`` (whose checks it shares)."""
+    try:
+        form = consolidate(run)
+    except ConfigError as e:
+        raise ConfigError(as_command(str(e), "checkpoint consolidate")) from None
     checkpoint.save(path, form)  # + "format": 1; torch.load(path, weights_only=True) reads it
     return form
 
 
-def import_consolidated(path: str | Path, out: str | Path) -> dict:
-    """Make ``out`` a run folder whose committed checkpoint is the consolidated file ``path``:
-    ``distrain train --out OUT --resume --reshard`` then continues it in any layout (and its
-    next checkpoint is sharded in that layout). Returns the manifest."""
-    form = checkpoint.load(path)
-    if form.get("kind") != FULL:
-        raise ConfigError(f"{path} is not a consolidated distrain checkpoint (kind {FULL!r}); make one with "
-                          f"`distrain checkpoint consolidate RUN_DIR -o FILE`")
-    out = Path(out)
-    if out.exists() and any(p.name != ".distrain.lock" for p in out.iterdir()):
-        raise ConfigError(f"--out {out} is not empty; import into a new folder")
-    step, run = int(form["step"]), form["run"]
-    name = checkpoint.shard_file(step, "full")
-    target = checkpoint.save(out / name, {k: v for k, v in form.items() if k != "format"} | {"shard": "full"})
-    manifest = {"format": checkpoint.FORMAT_VERSION, "step": step, "layout": {"consolidated": True},
-                "files": [name], "sha256": {name: checkpoint.sha256(target)}, "model": run.get("model"),
-                "strategy": run.get("strategy"), "config": run.get("config", {})}
-    checkpoint.write_manifest(out, manifest)
-    return manifest
+# the advice of the checks --resume shares (checkpoint.read_manifest/verify/load, _files, runlock), and
+# what it means when another command reads the run folder
+_RESUME_ADVICE = (
+    ("run without --resume to start afresh", "give the --out of a run that has saved a checkpoint"),
+    ("delete the run folder or start without --resume", "the run folder holds no readable checkpoint"),
+    ("the checkpoint set is incomplete; start afresh", "the checkpoint set is incomplete"),
+    ("restore it or start afresh", "restore it from a copy"),
+    ("delete it to start afresh", "restore it from a copy"),
+    ("it can only be resumed with the layout it was written with",
+     "it cannot be consolidated, only resumed with the layout it was written with"),
+    ("wait for it to end, stop it, or choose another --out", "wait for it to end or stop it"),
+)
+
+
+def as_command(message: str, command: str) -> str:
+    """A one-line error of the shared checkpoint checks, as ``command``'s: ``"{command}: ..."``
+    instead of ``"--resume: ..."``, with advice for that command (idempotent)."""
+    if message.startswith(f"{command}: "):
+        return message
+    for prefix in ("--resume: ", "--reshard: ", "checkpoint: ", "--out "):
+        if message.startswith(prefix):
+            message = message[len(prefix):]
+            break
+    for old, new in _RESUME_ADVICE:
+        message = message.replace(old, new)
+    return f"{command}: {message}"
+

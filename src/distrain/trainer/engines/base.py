@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from distrain.models.outputs import logits_of
 from distrain.trainer.config import TrainConfig
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -138,13 +139,15 @@ class Engine(ABC):
 @torch.no_grad()
 def evaluate_batches(net: nn.Module, loss_fn: LossFn, batches, accuracy: bool) -> dict:
     """Mean of ``loss_fn(net(x), y)`` over ``batches`` in eval mode; with ``accuracy``, also the
-    share of samples whose arg-max logit is the target (logits (B, classes), targets (B,))."""
+    share of samples whose arg-max logit is the target (logits (B, classes), targets (B,)).
+    The loss gets the output as the model returns it; accuracy reads its logits (models.logits_of)."""
     was = net.training
     net.eval()
     losses, right, seen = [], 0, 0
     for x, y in batches:
-        logits = net(x)
-        losses.append(loss_fn(logits, y).item())
+        output = net(x)
+        losses.append(loss_fn(output, y).item())
+        logits = logits_of(output) if accuracy else None
         if accuracy and not y.is_floating_point() and logits.dim() == y.dim() + 1:  # class scores
             right += int((logits.argmax(dim=-1) == y).sum())
             seen += y.numel()
