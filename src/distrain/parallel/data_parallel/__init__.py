@@ -6,11 +6,24 @@ gradients), ``002`` "torch.nn.DistributedDataParallel (DDP)", and ``003`` "All-R
 Architecture" (the ring and tree all-reduce diagrams: which algorithm a bucket uses is the
 ``algorithm=`` argument, implemented in :mod:`distrain.comm`).
 
-    ddp.py   DistributedDataParallel: parameters broadcast from the group's first rank (DP
-             step 2, once), gradient buckets all-reduced during backward (DDP's overlap),
-             ``no_sync()`` for gradient accumulation.
+    ddp.py         DistributedDataParallel: parameters broadcast from the group's first rank (DP
+                   step 2, once), gradient buckets all-reduced during backward (DDP's overlap),
+                   ``no_sync()`` for gradient accumulation.
+    comm_hooks.py  ``register_comm_hook``'s bucket and our hooks on distrain.comm: allreduce,
+                   fp16/bf16 compression, PowerSGD (Vogels et al. 2019).
+    join.py        ``join()``: ranks with fewer batches answer the others' all-reduces with zeros.
 """
 
+from distrain.parallel.data_parallel.comm_hooks import (
+    GradBucket,
+    PowerSGDState,
+    allreduce_hook,
+    bf16_compress_hook,
+    fp16_compress_hook,
+    powersgd_hook,
+)
 from distrain.parallel.data_parallel.ddp import DistributedDataParallel
+from distrain.parallel.data_parallel.join import Join
 
-__all__ = ["DistributedDataParallel"]
+__all__ = ["DistributedDataParallel", "GradBucket", "Join", "PowerSGDState", "allreduce_hook",
+           "bf16_compress_hook", "fp16_compress_hook", "powersgd_hook"]

@@ -32,6 +32,8 @@ so the copy into the bucket and the copy back to ``.grad`` are gone; the bits ar
 all-reduces the sum). A parameter that got no gradient raises an error naming it, unless
 ``find_unused_parameters=True``, which all-reduces zeros for it instead. ``compression=
 "bf16"|"fp16"`` all-reduces the buckets in that dtype (half the bytes, lower precision).
+``register_comm_hook(state, hook)``: a hook reduces each bucket instead (comm_hooks.py: torch's
+contract; allreduce, fp16, bf16, PowerSGD); ``join()``: uneven numbers of batches (join.py).
 
 Contract: every rank wraps the same model (same parameter shapes and order) and runs the
 same number of synchronized backward passes.
@@ -52,6 +54,8 @@ from torch.utils._pytree import tree_map
 from distrain import comm
 from distrain.comm.util import nbytes
 from distrain.errors import CommError, ConfigError
+from distrain.parallel.data_parallel import comm_hooks
+from distrain.parallel.data_parallel.join import Join
 
 FIRST_BUCKET_BYTES = 1 << 20
 _COMPRESSION = {None: None, "none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -67,6 +71,7 @@ class _Bucket:
     handle: object | None = None
     wire: torch.Tensor | None = None  # what is all-reduced (buffer, or its compressed copy)
     in_place: bool = False  # the gradients themselves were all-reduced (no copy into buffer and back)
+    index: int = 0  # position in launch order
 
 
 class DistributedDataParallel(nn.Module):
@@ -118,6 +123,8 @@ class DistributedDataParallel(nn.Module):
         self._step_sync = True
         self._queued = False
         self._require_forward_buffer_sync = True  # torch's require_forward_param_sync
+        self._hook, self._hook_state, self._join, self._backward_seen = None, None, None, False  # comm hook, join()
+        self._div = self.world  # gradients are averaged over this many ranks (join() may lower it)
 
         if init_sync:
             self._broadcast_state(buffers=opts.init_sync_buffers)
@@ -139,16 +146,13 @@ class DistributedDataParallel(nn.Module):
         return self.forward_sync_buffers
 
     # -- set-up ------------------------------------------------------------------------------
-    def _broadcast_state(self, buffers: bool = True) -> None:
+    def _broadcast_state(self, params: bool = True, buffers: bool = True, src: int | None = None) -> None:
+        """Parameters and/or buffers (BatchNorm running stats, ...) from global rank ``src``
+        (default: the group's first) to every rank."""
+        tensors = (list(self.module.parameters()) if params else []) + (list(self.module.buffers()) if buffers else [])
         with torch.no_grad():
-            for t in list(self.module.parameters()) + (list(self.module.buffers()) if buffers else []):
-                comm.broadcast(t.data, src=self.src, group=self.group, algorithm=self.algorithm)
-
-    def _broadcast_buffers(self) -> None:
-        """The group's first rank's buffers (BatchNorm running stats, ...) to every rank."""
-        with torch.no_grad():
-            for t in self.module.buffers():
-                comm.broadcast(t.data, src=self.src, group=self.group, algorithm=self.algorithm)
+            for t in tensors:
+                comm.broadcast(t.data, src=self.src if src is None else src, group=self.group, algorithm=self.algorithm)
 
     def _build_buckets(self, cap_bytes: float) -> list[_Bucket]:
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
@@ -174,7 +178,7 @@ class DistributedDataParallel(nn.Module):
             for p in params:
                 views.append(buf[off:off + p.numel()])
                 off += p.numel()
-            out.append(_Bucket(params=params, names=[n for n, _ in group], buffer=buf, views=views))
+            out.append(_Bucket(params=params, names=[n for n, _ in group], buffer=buf, views=views, index=len(out)))
         return out
 
     @property
@@ -186,8 +190,10 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         # As torch DDP: buffers come from the first rank before the forward, unless the previous
         # forward ran under no_sync() or without grad (torch's require_forward_param_sync).
-        if self.forward_sync_buffers and self._require_forward_buffer_sync:
-            self._broadcast_buffers()
+        sync_buffers = self.forward_sync_buffers and self._require_forward_buffer_sync
+        src = self._join.notify(self._sync and torch.is_grad_enabled(), sync_buffers) if self._join else self.src
+        if sync_buffers:
+            self._broadcast_state(params=False, src=src)
         if self.device_ids:  # a single-device accelerator module: inputs go to device_ids[0]
             dev = self._input_device
             args, kwargs = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, (args, kwargs))
@@ -203,6 +209,16 @@ class DistributedDataParallel(nn.Module):
         self._require_forward_buffer_sync = torch.is_grad_enabled() and self._sync
         return out
 
+    def register_comm_hook(self, state, hook) -> None:
+        """torch DDP's: ``hook(state, bucket) -> Future[Tensor]`` reduces each bucket (comm_hooks.py)."""
+        comm_hooks.check_registration(self, hook)
+        self._hook, self._hook_state, self._in_place = hook, state, False
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """torch DDP's: a rank out of data answers the others' all-reduces with zeros (join.py)."""
+        return Join(self, divide_by_initial_world_size, enable, throw_on_early_termination)
+
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally; the first backward after the block all-reduces the sum."""
@@ -216,6 +232,7 @@ class DistributedDataParallel(nn.Module):
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         # Skipped under no_sync(), whether the forward ran through this wrapper or not (a
         # pipeline stage calls its layers directly and syncs with allreduce_gradients()).
+        self._backward_seen = True
         if not (self._step_sync and self._sync) or id(p) in self._ready:
             return
         if not self._queued:
@@ -236,12 +253,14 @@ class DistributedDataParallel(nn.Module):
         b.in_place = self._in_place and all(g is not None and g.is_contiguous() and g.dtype == b.buffer.dtype
                                             for g in grads)
         if b.in_place:  # no bucket copy: the gradients go to the slots, scaled by 1/P on the way in
-            b.handle = comm.all_reduce_list(grads, scale=1.0 / self.world, group=self.group, async_op=True)
+            b.handle = comm.all_reduce_list(grads, scale=1.0 / self._div, group=self.group, async_op=True)
             return
         # Pre-divide, then sum: the average without a final pass, and no fp16 overflow. As in
         # torch's reducer, a gradient that is not yet the bucket's view is multiplied by 1/P
         # while it is copied in (one pass over it, not two: the same bits as torch DDP's
-        # at every P); one that already is the view (gradient_as_bucket_view) is divided.
+        # at every P); one that already is the view (gradient_as_bucket_view) is divided. A comm
+        # hook gets the plain gradients (it averages them itself): then the factor is 1.
+        div = self._div if self._hook is None else 1
         with torch.no_grad():
             dst, src = [], []
             for p, v in zip(b.params, b.views):
@@ -250,17 +269,18 @@ class DistributedDataParallel(nn.Module):
                 elif p.grad.data_ptr() != v.data_ptr():  # not already the bucket view
                     dst.append(v)
                     src.append(p.grad.reshape(-1))
-                else:
-                    v.div_(self.world)
+                elif div != 1:
+                    v.div_(div)
             if self.batched_grad_copy and dst:
                 torch._foreach_copy_(dst, src)  # fused per bucket: a copy, then the scale
-                torch._foreach_mul_(dst, 1.0 / self.world)
+                torch._foreach_mul_(dst, 1.0 / div)
             else:
-                inv = 1.0 / self.world
+                inv = 1.0 / div
                 for v, g in zip(dst, src):
                     torch.mul(g, inv, out=v)
-            b.wire = b.buffer if self.wire_dtype is None else b.buffer.to(self.wire_dtype)
-            b.handle = comm.all_reduce(b.wire, op="sum", group=self.group, async_op=True, algorithm=self.algorithm)
+            b.wire = b.buffer if self.wire_dtype is None else b.buffer.to(self.wire_dtype)  # (None with a hook)
+            b.handle = comm_hooks.run_hook(self, b.index, b.buffer) if self._hook is not None else \
+                comm.all_reduce(b.wire, op="sum", group=self.group, async_op=True, algorithm=self.algorithm)
 
     def _finish_backward(self) -> None:
         missing = [n for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in self._ready]
