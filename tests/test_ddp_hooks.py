@@ -33,7 +33,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 import distrain
 from distrain.errors import CommError, ConfigError
 from distrain.parallel.data_parallel import DistributedDataParallel, GradBucket, comm_hooks
-from distrain.parallel.data_parallel.comm_hooks import PowerSGDState, powersgd_hook
+from distrain.parallel.data_parallel.powersgd import PowerSGDState, powersgd_hook
 
 from conftest import expect_error, run_ranks
 

@@ -10,20 +10,19 @@ Architecture" (the ring and tree all-reduce diagrams: which algorithm a bucket u
                    step 2, once), gradient buckets all-reduced during backward (DDP's overlap),
                    ``no_sync()`` for gradient accumulation.
     comm_hooks.py  ``register_comm_hook``'s bucket and our hooks on distrain.comm: allreduce,
-                   fp16/bf16 compression, PowerSGD (Vogels et al. 2019).
+                   fp16/bf16 compression; powersgd.py: PowerSGD (Vogels et al. 2019).
     join.py        ``join()``: ranks with fewer batches answer the others' all-reduces with zeros.
 """
 
 from distrain.parallel.data_parallel.comm_hooks import (
     GradBucket,
-    PowerSGDState,
     allreduce_hook,
     bf16_compress_hook,
     fp16_compress_hook,
-    powersgd_hook,
 )
 from distrain.parallel.data_parallel.ddp import DistributedDataParallel
 from distrain.parallel.data_parallel.join import Join
+from distrain.parallel.data_parallel.powersgd import PowerSGDState, powersgd_hook
 
 __all__ = ["DistributedDataParallel", "GradBucket", "Join", "PowerSGDState", "allreduce_hook",
            "bf16_compress_hook", "fp16_compress_hook", "powersgd_hook"]
