@@ -3,6 +3,8 @@
     distrain launch --nproc-per-node N [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT] script.py ARGS
     distrain train --nproc 2 --strategy ddp --algorithm ring --model gpt-small --data shakespeare
     distrain bench comm --nproc 4 --ops all_reduce --algorithms native,ring --sizes 4K,4M
+    distrain data prepare shakespeare --tokenizer bpe:2048 --out data/bpe   # then train --data data/bpe
+    distrain generate runs/latest --prompt "ROMEO:" --max-new-tokens 200
 
 Each subcommand module registers its own flags (``add_arguments(parser)``) and runs with
 ``run(args) -> int``; this file only wires them together.
@@ -65,6 +67,9 @@ def _config_arguments(p: argparse.ArgumentParser, cls) -> None:
                            help=help_text)
             p.add_argument("--no-resume", dest="resume", action="store_false", default=default,
                            help="start afresh (the default)")
+        elif f.name == "model" and cls.__name__ == "TrainConfig":  # left out: None, resolved by trainer/init_from.py
+            p.add_argument(flag, default=None, metavar="MODEL", help=help_text.replace(
+                "%(default)s", f"{default}; with --init-from or --resume: the checkpoint's model"))
         elif isinstance(default, bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         else:
@@ -75,12 +80,15 @@ def _config_arguments(p: argparse.ArgumentParser, cls) -> None:
 
 def _run_train(args: argparse.Namespace) -> int:
     from distrain import runlock
-    from distrain.trainer import TrainConfig, checkpoint, train
+    from distrain.trainer import TrainConfig, checkpoint, init_from, train
 
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k not in ("command", "func", "config")})
     if cfg.resume is False and os.environ.get("DISTRAIN_RESUME") == "auto":  # set by launch --max-restarts
         cfg.resume = "auto"
+    init_from.resolve(cfg)  # a left-out --model: the default, or --init-from's / --resume's checkpoint's
     cfg.validate()
+    if not cfg.resume:
+        init_from.check(cfg)  # --init-from's weights fit the model: refused before --out is made
     if "RANK" in os.environ and os.environ["RANK"] != "0":  # one rank of a launched job: rank 0 holds the lock
         train(cfg)
         return 0
@@ -182,11 +190,27 @@ def build_parser() -> argparse.ArgumentParser:
     p = bsub.add_parser("zero", help="memory per rank and step time: DDP, ZeRO-1/2/3 vs torch ZeRO-1 and FSDP2")
     zero_bench.add_arguments(p)
     p.set_defaults(func=zero_bench.run)
+    from distrain.bench import layout_bench
+
+    p = bsub.add_parser("layouts", help="every layout (ddp, zero3, tp, pp, dp x tp x pp) on one model: samples/s "
+                                        "and peak memory per rank")
+    layout_bench.add_arguments(p)
+    p.set_defaults(func=layout_bench.run)
     from distrain.trainer import checkpoint_cli
 
-    p = sub.add_parser("checkpoint", help="a run's sharded checkpoint as one plain state_dict file, and back")
+    p = sub.add_parser("checkpoint", help="a run's sharded checkpoint as one plain state_dict file, and back; "
+                                          "Hugging Face Llama folders in and out (--hf)")
     checkpoint_cli.add_arguments(p)
     p.set_defaults(func=checkpoint_cli.run)
+    from distrain import generate_cli
+    from distrain.data import prepare as data_prepare
+
+    p = sub.add_parser("data", help="tokenize text into token shards for `train --data DIR` (docs/data.md)")
+    data_prepare.add_arguments(p)
+    p.set_defaults(func=data_prepare.run)
+    p = sub.add_parser("generate", help="sample text from a run's final checkpoint with its tokenizer")
+    generate_cli.add_arguments(p)
+    p.set_defaults(func=generate_cli.run)
     return parser
 
 

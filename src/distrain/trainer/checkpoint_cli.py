@@ -2,6 +2,8 @@
 
     distrain checkpoint consolidate RUN_DIR -o model.pt        # any layout -> one file by parameter name
     distrain checkpoint import FILE --out RUN_DIR [--model M]  # a file -> a run folder to --resume --reshard
+    distrain checkpoint import --hf HF_DIR -o RUN_DIR          # a Hugging Face Llama folder -> a run folder
+    distrain checkpoint export RUN_DIR --hf HF_DIR             # a Llama run -> config.json + model.safetensors
 
 ``consolidate`` writes the *consolidated form* (trainer/reshard.py), one file that loads with
 ``torch.load(path, weights_only=True)``: ``"model"`` is the whole model's ``state_dict``,
@@ -18,13 +20,14 @@ tensors' names and shapes are checked against the model the run trains (``--mode
 mismatch, or a file that is no checkpoint, is a one-line error naming the file, the tensor
 and the fix, and leaves ``--out`` as it was. The shard file and then the manifest are written
 atomically (trainer/checkpoint.py); if the manifest cannot be written, the shard goes too.
+
+``--hf`` (both ways) is trainer/hf_io.py: an imported HF model that is no preset is the model
+``hf:DIR``, whose config the manifest records (``model_config``; trainer/init_from.py builds it).
 """
 
 from __future__ import annotations
 
 import argparse
-import pickle
-import struct
 from pathlib import Path
 
 import torch
@@ -45,14 +48,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c = sub.add_parser("consolidate", help="a run's committed checkpoint (any layout) as one plain state_dict file")
     c.add_argument("run", metavar="RUN_DIR", help="the run folder (its checkpoint.json names the set)")
     c.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write the consolidated file")
-    i = sub.add_parser("import", help="a consolidated file, or model weights alone, as a run folder's checkpoint "
-                                      "(resume it with --resume --reshard)",
-                       description="Make a run folder whose checkpoint is FILE; continue it with `distrain train "
-                                   "--out RUN_DIR --resume --reshard ...` in any layout. See docs/training.md.")
-    i.add_argument("file", metavar="FILE",
+    i = sub.add_parser("import", help="a consolidated file, model weights alone, or a Hugging Face Llama folder "
+                                      "(--hf) as a run folder's checkpoint (train from it with --init-from)",
+                       description="Make a run folder whose checkpoint is FILE (or HF_DIR's weights); continue it "
+                                   "with `distrain train --out RUN_DIR --resume --reshard ...` in any layout, or start "
+                                   "new runs from it with --init-from. See docs/training.md, docs/llama.md.")
+    i.add_argument("file", metavar="FILE", nargs="?",
                    help="a file written by `distrain checkpoint consolidate`, a torch.save(model.state_dict()) file, "
                         "or a .safetensors file")
-    i.add_argument("--out", required=True, metavar="RUN_DIR", help="a new (or empty) run folder")
+    i.add_argument("-o", "--out", required=True, metavar="RUN_DIR", help="a new (or empty) run folder")
     i.add_argument("--model", default=None, metavar="MODEL",
                    help="the model the run trains (a preset or PKG.MOD:FACTORY, as for `distrain train`); the "
                         "file's tensors are checked against it. Needed for weights alone (default: the one a "
@@ -64,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weights alone: the fresh optimizer (default: the train default, adamw)")
     i.add_argument("--weight-decay", type=float, default=None, help="weights alone: its weight decay (default: 0.0)")
     i.add_argument("--momentum", type=float, default=None, help="weights alone: SGD's momentum (default: 0.9)")
+    from distrain.trainer import hf_io
+
+    hf_io.add_arguments(sub, i)  # import --hf, export
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,8 +89,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.output}: step {form['step']}, {len(form['model'])} tensors ({n:,} elements), from layout "
               f"{form['run']['layout']}")
         return 0
-    settings = _settings(args)
-    manifest = import_file(args.file, args.out, **settings)
+    if args.action == "export" or args.hf is not None:
+        from distrain.trainer import hf_io
+
+        return hf_io.run(args, _settings(args) if args.action == "import" else {})
+    if args.file is None:
+        raise ConfigError(f"{IMPORT}: give FILE, or --hf HF_DIR for a Hugging Face model folder")
+    manifest = import_file(args.file, args.out, **_settings(args))
     opt = manifest["config"]
     fresh = "" if not manifest.get("fresh_optimizer") else (
         f"; the optimizer starts fresh: {opt['optimizer']}, weight decay {opt['weight_decay']}"
@@ -113,86 +125,13 @@ def _settings(args: argparse.Namespace) -> dict:
     return {k: v if v is not None else toml.get(k) for k, v in given.items()}
 
 
-# -- reading FILE ------------------------------------------------------------------------------------
-def _is_safetensors(path: Path) -> bool:
-    """A .safetensors name, or the format's header: 8 bytes of little-endian JSON length, then '{'."""
-    if path.suffix == ".safetensors":
-        return True
-    with open(path, "rb") as f:
-        head = f.read(9)
-    if len(head) < 9:
-        return False
-    (n,) = struct.unpack("<Q", head[:8])
-    return head[8:9] == b"{" and 2 <= n <= path.stat().st_size - 8
-
-
-def read_file(path: str | Path) -> tuple[str, dict]:
+# -- reading FILE (trainer/hf_io.py) ------------------------------------------------------------------
+def read_file(path: str | Path, who: str = IMPORT, what: str = WHAT_IMPORT_READS) -> tuple[str, dict]:
     """FILE as ``("full", consolidated form)`` or ``("weights", {name: tensor})``; anything else
-    is a one-line ConfigError saying what the file is and what import reads."""
-    from distrain.trainer.reshard import FULL
+    is a one-line ConfigError (``who: ...``) saying what the file is and what is read (``what``)."""
+    from distrain.trainer.hf_io import read_file as read
 
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{IMPORT}: {path} does not exist" + (" (it is a folder)" if path.is_dir() else "")
-                          + f"; {WHAT_IMPORT_READS}")
-    if path.stat().st_size == 0:
-        raise ConfigError(f"{IMPORT}: {path} is empty (0 bytes): it was never written completely; {WHAT_IMPORT_READS}")
-    if _is_safetensors(path):
-        try:
-            from safetensors.torch import load_file
-        except ImportError:
-            raise ConfigError(f"{IMPORT}: reading {path} needs the safetensors package (pip install "
-                              f"safetensors)") from None
-        try:
-            return "weights", dict(load_file(str(path), device="cpu"))
-        except Exception as e:  # noqa: BLE001 -- SafetensorError, OSError, a bad header...
-            raise ConfigError(f"{IMPORT}: {path} is not a readable .safetensors file ({_first_line(e)}); "
-                              f"{WHAT_IMPORT_READS}") from None
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"PK\x03\x04" and magic[:1] != b"\x80":  # neither torch.save's zip nor its legacy pickle
-        raise ConfigError(f"{IMPORT}: {path} is not a checkpoint (neither torch.save's format nor safetensors); "
-                          f"{WHAT_IMPORT_READS}")
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        if "Weights only load failed" in str(e):  # a pickled object: torch.save(model), a custom class...
-            raise ConfigError(f"{IMPORT}: {path} holds pickled Python objects, not only tensors (e.g. a whole "
-                              f"module saved with torch.save(model)); save the weights alone: "
-                              f"torch.save(model.state_dict(), path)") from None
-        raise ConfigError(f"{IMPORT}: {path} is not a checkpoint ({type(e).__name__}: {_first_line(e)}); "
-                          f"{WHAT_IMPORT_READS}") from None
-    except Exception as e:  # noqa: BLE001 -- a truncated zip, a text file, ...
-        raise ConfigError(f"{IMPORT}: {path} is not a checkpoint ({type(e).__name__}: {_first_line(e)}); "
-                          f"{WHAT_IMPORT_READS}") from None
-    if not isinstance(obj, dict):
-        raise ConfigError(f"{IMPORT}: {path} holds an object of type {type(obj).__name__}, not a state_dict; save "
-                          f"torch.save(model.state_dict(), path)")
-    if "kind" in obj and not all(torch.is_tensor(v) for v in obj.values()):
-        if obj["kind"] != FULL:
-            raise ConfigError(f"{IMPORT}: {path} is a {obj['kind']!r} file; this distrain reads {FULL!r} (what "
-                              f"`distrain checkpoint consolidate` writes); consolidate the run again with it")
-        missing = [k for k in ("step", "model", "optimizer", "run") if k not in obj]
-        if missing:
-            raise ConfigError(f"{IMPORT}: {path} is a consolidated checkpoint without {', '.join(map(repr, missing))}"
-                              f"; write it with `distrain checkpoint consolidate RUN_DIR -o FILE`, or import the "
-                              f"weights alone (torch.save(ckpt['model'], path))")
-        return "full", obj
-    bad = [k for k, v in obj.items() if not (isinstance(k, str) and torch.is_tensor(v))]
-    if bad:
-        k = bad[0]
-        inner = [n for n, v in obj.items() if isinstance(v, dict) and v and all(torch.is_tensor(t) for t in v.values())]
-        hint = (f"it looks like a training checkpoint whose {inner[0]!r} is the state_dict: save that alone "
-                f"(torch.save(ckpt[{inner[0]!r}], path))" if inner else "save torch.save(model.state_dict(), path)")
-        raise ConfigError(f"{IMPORT}: {path} is not a state_dict: its entry {k!r} is of type {type(obj[k]).__name__}, "
-                          f"not a tensor ({len(bad)} of {len(obj)} entries are not tensors); {hint}")
-    if not obj:
-        raise ConfigError(f"{IMPORT}: {path} holds no tensors; {WHAT_IMPORT_READS}")
-    return "weights", dict(obj)
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [""])[0][:200]
+    return read(path, who, what)
 
 
 # -- checking the tensors against the model the run trains ------------------------------------------
@@ -214,6 +153,11 @@ def model_state(spec: str) -> tuple[dict[str, torch.Size], dict[str, list[str]]]
         else:
             with torch.device("meta"):  # shapes only: no memory for the weights
                 model = build_model(spec)
+    return module_state(model)
+
+
+def module_state(model: torch.nn.Module) -> tuple[dict[str, torch.Size], dict[str, list[str]]]:
+    """(state_dict shapes, tied names) of a built model (see :func:`model_state`)."""
     shapes = {n: t.shape for n, t in model.state_dict().items()}
     by_param: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
@@ -222,14 +166,16 @@ def model_state(spec: str) -> tuple[dict[str, torch.Size], dict[str, list[str]]]
     return shapes, tied
 
 
-def check_weights(path, weights: dict[str, torch.Tensor], spec: str) -> dict[str, torch.Tensor]:
-    """``weights`` with exactly the names and shapes of model ``spec``'s state_dict, in its order (a tied
-    parameter saved under one of its names, as safetensors does, is filled in under the others),
-    or a one-line ConfigError naming the file, the tensor and the fix."""
+def check_weights(path, weights: dict[str, torch.Tensor], spec: str, who: str = IMPORT, fix: str | None = None,
+                  state=None) -> dict[str, torch.Tensor]:
+    """``weights`` with exactly the names and shapes of model ``spec``'s state_dict (or ``state``: what
+    :func:`module_state` gives), in its order (a tied parameter saved under one of its names, as
+    safetensors does, is filled in under the others), or a one-line ConfigError naming the file, the
+    tensor and the fix (``who: ...``)."""
     try:
-        got = model_state(spec)
+        got = state if state is not None else model_state(spec)
     except ConfigError as e:  # an unknown preset, a factory that does not import...
-        raise ConfigError(f"{IMPORT}: {e}") from None
+        raise ConfigError(f"{who}: {e}") from None
     if got is None:
         return dict(weights)
     shapes, tied = got
@@ -241,17 +187,17 @@ def check_weights(path, weights: dict[str, torch.Tensor], spec: str) -> dict[str
                 weights[n] = weights[twin]
     missing = [n for n in shapes if n not in weights]
     extra = [n for n in weights if n not in shapes]
-    fix = f"import the file with the --model it was saved from, or a file saved from --model {spec}"
+    fix = fix or f"import the file with the --model it was saved from, or a file saved from --model {spec}"
     if extra or missing:
         hint = _prefix_hint(list(weights), list(shapes))
         if extra:
-            raise ConfigError(f"{IMPORT}: {path} holds tensor {extra[0]!r}, which --model {spec} does not have "
+            raise ConfigError(f"{who}: {path} holds tensor {extra[0]!r}, which --model {spec} does not have "
                               f"({len(extra)} such, {len(missing)} of the model's missing); {hint or fix}")
-        raise ConfigError(f"{IMPORT}: {path} has no tensor {missing[0]!r}, which --model {spec} has ({len(missing)} of "
+        raise ConfigError(f"{who}: {path} has no tensor {missing[0]!r}, which --model {spec} has ({len(missing)} of "
                           f"its {len(shapes)} missing); {hint or fix}")
     for n, want in shapes.items():
         if tuple(weights[n].shape) != tuple(want):
-            raise ConfigError(f"{IMPORT}: tensor {n!r} of {path} has shape {tuple(weights[n].shape)}, --model {spec} "
+            raise ConfigError(f"{who}: tensor {n!r} of {path} has shape {tuple(weights[n].shape)}, --model {spec} "
                               f"has {tuple(want)}; {fix}")
     return {n: weights[n] for n in shapes}  # in the model's order (a .safetensors file sorts its names)
 
@@ -306,13 +252,10 @@ def import_file(path: str | Path, out: str | Path, model: str | None = None, opt
     docstring for what it accepts); ``distrain train --out OUT --resume --reshard`` continues it
     in any layout. Everything is checked before ``out`` is touched. Returns the manifest (with
     ``"fresh_optimizer"``: whether the optimizer starts fresh)."""
-    from distrain import runlock
-    from distrain.trainer import checkpoint
-    from distrain.trainer.config import OPTIMIZERS, TrainConfig
+    from distrain.trainer.init_from import hf_record, hf_state, is_hf_name
     from distrain.trainer.reshard import FULL
 
     kind, obj = read_file(path)
-    given = {"optimizer": optimizer, "weight_decay": weight_decay, "momentum": momentum}
     if kind == "weights":
         if model is None:
             raise ConfigError(f"{IMPORT}: {path} holds model weights alone; name the model the run will train with "
@@ -325,7 +268,21 @@ def import_file(path: str | Path, out: str | Path, model: str | None = None, opt
         if model is None:
             raise ConfigError(f"{IMPORT}: {path} does not name its model; name the model the run will train with "
                               f"--model")
-    form["model"] = check_weights(path, form["model"], model)
+    hf = is_hf_name(model)  # hf:DIR (a consolidated file of such a run): its config from DIR
+    form["run"] = dict(form["run"], model=model)
+    form["model"] = check_weights(path, form["model"], model, state=hf_state(model, IMPORT) if hf else None)
+    return import_form(path, form, out, kind == "weights", hf_record(model, IMPORT) if hf else {},
+                       optimizer=optimizer, weight_decay=weight_decay, momentum=momentum)
+
+
+def import_form(path, form: dict, out: str | Path, fresh: bool, extra: dict, **given) -> dict:
+    """Write ``form`` (checked weights of model ``form["run"]["model"]``) as run folder ``out``'s checkpoint;
+    ``fresh``: weights alone; ``extra``: more manifest entries; ``given``: the optimizer flags."""
+    from distrain import runlock
+    from distrain.trainer import checkpoint
+    from distrain.trainer.config import OPTIMIZERS, TrainConfig
+
+    model, given = form["run"]["model"], {k: given.get(k) for k in OPTIMIZER_FLAGS}
 
     saved = dict(form["run"].get("config") or {})
     default = TrainConfig()
@@ -336,7 +293,7 @@ def import_file(path: str | Path, out: str | Path, model: str | None = None, opt
         if isinstance(hp[k], bool) or not isinstance(hp[k], (int, float)):
             raise ConfigError(f"{IMPORT}: --{k.replace('_', '-')} must be a number, got {hp[k]!r}")
         hp[k] = float(hp[k])
-    fresh = kind == "weights" or not _complete((form["optimizer"] or {}).get("param_groups"), hp["optimizer"])
+    fresh = fresh or not _complete((form["optimizer"] or {}).get("param_groups"), hp["optimizer"])
     if fresh:  # the optimizer starts fresh, with the config's hyperparameters (recorded: --resume checks them)
         groups = fresh_param_groups(hp["optimizer"], hp["weight_decay"], hp["momentum"],
                                     float(saved.get("lr", default.lr)))
@@ -346,10 +303,10 @@ def import_file(path: str | Path, out: str | Path, model: str | None = None, opt
         first = form["optimizer"]["param_groups"][0]
         kept = {"optimizer": saved.get("optimizer"), "weight_decay": first.get("weight_decay"),
                 "momentum": first.get("momentum")}
-        extra = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None and v != kept[k]]
-        if extra:
+        flags = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None and v != kept[k]]
+        if flags:
             raise ConfigError(f"{IMPORT}: {path} carries its optimizer's state and hyperparameters "
-                              f"({saved.get('optimizer', 'its optimizer')}); {extra[0]} applies to a fresh optimizer "
+                              f"({saved.get('optimizer', 'its optimizer')}); {flags[0]} applies to a fresh optimizer "
                               f"(model weights alone): leave it out, or import torch.save(ckpt['model'], path)")
     form["run"] = dict(form["run"], model=model, config=saved)
 
@@ -365,7 +322,7 @@ def import_file(path: str | Path, out: str | Path, model: str | None = None, opt
         try:
             manifest = {"format": checkpoint.FORMAT_VERSION, "step": step, "layout": {"consolidated": True},
                         "files": [name], "sha256": {name: checkpoint.sha256(target)}, "model": model,
-                        "strategy": form["run"].get("strategy"), "config": saved}
+                        "strategy": form["run"].get("strategy"), "config": saved, **extra}
             checkpoint.write_manifest(out, manifest)  # atomic, and last: it commits the set
         except BaseException:
             target.unlink(missing_ok=True)  # no shard without its manifest

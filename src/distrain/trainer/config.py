@@ -28,6 +28,18 @@ MODEL_DATA = {"gpt-tiny": "text", "gpt-small": "text", "mlp": "fashion-mnist", "
               "llama-tiny": "text", "llama-small": "text"}
 
 
+# --seed: torch.manual_seed took up to 2**64-1 (beyond, the ranks died with "Overflow when unpacking long long"), an
+# int64 tensor up to 2**63-1, and the batch sampler (numpy) refuses negative seeds: 0..2**63-1 fits all of them
+SEED_MAX = 2**63 - 1
+LOCAL_RANKS_PER_CORE = 16  # a spawned (one-machine) job: 64 ranks on 2 cores trained, slowly; 1000 did not start
+
+
+def local_rank_limit() -> tuple[int, int]:
+    """(the most ranks a local job may spawn, the cores this process may use)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return LOCAL_RANKS_PER_CORE * cores, cores
+
+
 def opt(default, help: str, choices=None, type=None):
     """A config field with its flag's help text and allowed values (the CLI reads these)."""
     return field(default=default, metadata={"help": help, "choices": choices, "type": type})
@@ -42,6 +54,9 @@ class TrainConfig:
                                    "folder (`distrain data prepare`), or PKG.MOD:FACTORY (your own: factory() -> "
                                    "(train, val))",
                     choices=DATASETS + ("PATH", "PKG.MOD:FACTORY"))
+    init_from: str = opt("", "start a new run (step 0, a fresh optimizer, this run's --data and --lr) from these "
+                             "weights: a Hugging Face model folder, a run folder or a checkpoint file; the model is "
+                             "the checkpoint's (docs/llama.md)", choices=("HF_DIR", "RUN_DIR", "FILE"))
     # how to parallelize
     strategy: str = opt("ddp", "way of training (ps-*: parameter servers; zero1-3: ZeRO stages; local: no gradient "
                                      "exchange, a benchmark floor, not training)", choices=STRATEGIES)
@@ -179,6 +194,11 @@ class TrainConfig:
         c = preset_config(self.model, **model_overrides(self))
         vocab = c.get("vocab_size")
         need(vocab is None or vocab >= int(meta["vocab_size"]), vocab_error(self, vocab, meta))
+        block, n = c.get("block_size"), int(meta["splits"]["train"]["tokens"])
+        windows = (n - block - 1) // block + 1 if block and n > block else 0
+        need(not block or windows >= self.batch_size,
+             f"--data {self.data}: its train split has {n:,} tokens, {windows} windows of {block} for --model "
+             f"{self.model}, fewer than --batch-size {self.batch_size}; use a smaller --batch-size or more text")
         need(vocab is None or self.tp == 1 or vocab % self.tp == 0,
              f"--tp {self.tp}: the data's vocabulary of {vocab} ({self.data}) does not divide among {self.tp} "
              f"tensor-parallel ranks; choose a --tp that divides {vocab}, or prepare the data with bpe:VOCAB a "
@@ -221,6 +241,15 @@ class TrainConfig:
 
         need(self.strategy in STRATEGIES,
              f"--strategy {self.strategy!r} is unknown; use one of {', '.join(STRATEGIES)}")
+        if self.init_from or self.model is None:  # --init-from (trainer/init_from.py resolves the model first)
+            need(self.resume is not True, "--init-from starts a new run from a checkpoint's weights (step 0, a fresh "
+                                          "optimizer); --resume continues --out's own run exactly: give one of them "
+                                          "(--resume auto continues a restarted job's own run once it has a checkpoint)")
+            need(not self.init_from or os.path.exists(self.init_from),
+                 f"--init-from {self.init_from}: no such file or folder; give a Hugging Face model folder, a run "
+                 f"folder or a checkpoint file")
+            need(self.model is not None, "--model: none given; name the model, or give --init-from a checkpoint "
+                                         "that records it")
         need(self.model in list_models() or self.custom_model,
              f"--model {self.model!r} is unknown; use one of {', '.join(list_models())}, or PKG.MOD:FACTORY")
         need(self.loss in ("auto", "cross-entropy", "mse") or ":" in self.loss,
@@ -235,6 +264,17 @@ class TrainConfig:
         need(self.compression in (None, "bf16", "fp16"),
              f"--compression must be bf16 or fp16, got {self.compression!r}")
         need(isinstance(self.nproc, int) and self.nproc >= 1, f"--nproc must be >= 1, got {self.nproc}")
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:  # a local job: this process spawns the ranks
+            limit, cores = local_rank_limit()
+            need(self.nproc <= limit,
+                 f"--nproc {self.nproc}: a local job runs at most {limit} ranks here ({LOCAL_RANKS_PER_CORE} per core, "
+                 f"{cores} usable core(s)). Each rank is a whole process (interpreter, model, threads) that must share "
+                 f"the cores: beyond that they start so slowly that the rendezvous times out (1000 ranks on 2 cores "
+                 f"ended after 2 minutes with a store time-out) and train no faster. Use --nproc {limit} or fewer, or "
+                 f"spread the ranks over machines: `distrain launch --nnodes M --node-rank R --nproc-per-node N "
+                 f"--rdzv-endpoint HOST:PORT train ...` on each")
+        need(isinstance(self.seed, int) and not isinstance(self.seed, bool) and 0 <= self.seed <= SEED_MAX,
+             f"--seed must be an integer in 0..2**63-1 (0..{SEED_MAX}), got {self.seed!r}")
         need(self.steps >= 1, f"--steps must be >= 1, got {self.steps}")
         need(math.isfinite(self.lr) and self.lr > 0, f"--lr must be a positive finite number, got {self.lr}")
         need(math.isfinite(self.weight_decay) and self.weight_decay >= 0,

@@ -27,8 +27,7 @@ from distrain import comm, runtime
 from distrain.data import DistributedBatchSampler
 from distrain.errors import ConfigError
 from distrain.launch import spawn
-from distrain.models import build_model
-from distrain.trainer import checkpoint
+from distrain.trainer import checkpoint, init_from
 from distrain.trainer.config import TrainConfig
 from distrain.trainer.engines import Engine, build_engine, engine_class
 from distrain.trainer.metrics import MetricsLog
@@ -61,12 +60,18 @@ def train(cfg: TrainConfig | None = None, *, model=None, train_data=None, val_da
             cfg.data = "custom"
         if val_data is None and train_data is not None:
             cfg.eval_every = 0  # nothing to evaluate on
+    init_from.resolve(cfg)  # the model this run builds: --init-from's, --model hf:DIR, or a left-out --model
     cfg.validate()
+    if model is not None and cfg.tp > 1:  # your model's heads, sizes and vocabulary against --tp, before any rank
+        from distrain.models.hf.checks import check_tp_fits
+
+        check_tp_fits(model, cfg.tp)
     if cfg.resume == "auto":  # restarts under distrain launch: resume if there is a checkpoint, else start afresh
         cfg.resume = (Path(cfg.out) / checkpoint.MANIFEST).exists()
         cfg.overwrite = cfg.overwrite or not cfg.resume
     if cfg.resume:
         check_resume(cfg)
+    init_from.check(cfg, parts)  # --init-from's tensors fit the model; an hf:DIR Llama fits --tp/--pp
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by a launcher: we are one rank
         if not cfg.resume:
             check_out(cfg, remove=int(os.environ["RANK"]) == 0)
@@ -88,8 +93,8 @@ def _spawned(rank: int, cfg_dict: dict, parts=None) -> dict:
 
 
 # what a run writes into --out; --overwrite removes these and nothing else
-RUN_FILES = ("metrics.jsonl", "summary.json", "loss.png", "config.json", "tensorboard/*", checkpoint.MANIFEST,
-             "checkpoint-*.pt", ".checkpoint*.tmp")
+RUN_FILES = ("metrics.jsonl", "summary.json", "loss.png", "config.json", "data.json", "tokenizer.json", "tensorboard/*",
+             checkpoint.MANIFEST, "checkpoint-*.pt", ".checkpoint*.tmp")
 BACKENDS = {"auto": "auto", "cpu": "gloo", "cuda": "nccl"}
 
 
@@ -157,21 +162,23 @@ def check_resume(cfg: TrainConfig) -> dict:
 
 
 def run_rank(cfg: TrainConfig, parts=None) -> dict:
-    from distrain.trainer.custom import UserParts, own_model
-    from distrain.trainer.task import check_model_vocab, model_overrides
+    from distrain.trainer.custom import own_model
+    from distrain.trainer.task import check_model_vocab
 
     comm.set_default_transport(cfg.transport, timeout=cfg.collective_timeout)  # every group this run creates
 
     out = Path(cfg.out)
     if parts is None:  # --model/--data/--loss PKG.MOD:NAME, built here
         torch.manual_seed(cfg.seed)  # a factory's model: the same seeded weights on every rank, run after run
-        parts = UserParts.from_config(cfg)
+        parts = init_from.user_parts(cfg)
 
     # build model: the same seeded model on every rank (engines replicate, shard or serve it),
     # on this rank's device: cuda:LOCAL_RANK under NCCL, the CPU under Gloo
     device = runtime.info().device if cfg.device != "cpu" else torch.device("cpu")
     torch.manual_seed(cfg.seed)
-    model = own_model(parts.model) if parts.model is not None else build_model(cfg.model, **model_overrides(cfg))
+    model = own_model(parts.model) if parts.model is not None else init_from.build_model(cfg)
+    if cfg.init_from:  # a new run from those weights: the whole state dict, on every rank, before the engine shards it
+        init_from.load_into(model, cfg)
     check_model_vocab(cfg, model)  # --data DIR of token shards: its ids must fit the embedding
     model = model.to(device=device, dtype=getattr(torch, cfg.dtype))
     if cfg.activation_checkpointing:
@@ -258,4 +265,5 @@ def save_checkpoint(cfg: TrainConfig, engine: Engine, step: int) -> None:
     """Collective: write this rank's shard (if it writes one); rank 0 commits the set."""
     state = engine.state_dict() if engine.writes_shard else None
     checkpoint.save_set(cfg.out, step, engine.layout, engine.shard if engine.writes_shard else None, state,
-                        meta={"model": cfg.model, "strategy": cfg.strategy, "config": cfg.to_dict()})
+                        meta={"model": cfg.model, "strategy": cfg.strategy, "config": cfg.to_dict(),
+                              **init_from.run_meta(cfg)})  # an hf:DIR model's config
