@@ -28,15 +28,16 @@ from distrain.trainer.engines.base import Engine, clip_coefficient, evaluate_bat
 
 class ModelParallelEngine(Engine):
     def __init__(self, cfg, model, loss_fn, optimizer_factory):
-        from distrain.models.registry import tp_plan_for
+        from distrain.models.registry import model_tp_plan
         from distrain.parallel import parallelize
 
         super().__init__(cfg, model, loss_fn, optimizer_factory)
         self.zero_stage = zero_stage_of(cfg)
         self.topo = topo = Topology.from_world(dp=cfg.dp_size, tp=cfg.tp, pp=cfg.pp)
-        # the plan lives beside the model (models/gpt_plan.py, models/mlp_plan.py); a user's model
-        # brings its own as ``model.tp_plan`` when tp > 1
-        plan = getattr(model, "tp_plan", None) or tp_plan_for(model)
+        # the plan lives beside the model (models/gpt_plan.py, models/mlp_plan.py, models/hf/plan.py);
+        # a user's model brings its own as ``model.tp_plan`` when tp > 1 (a Hugging Face model's
+        # ``tp_plan`` is HF's, in HF's styles: model_tp_plan gives distrain's plan for it instead)
+        plan = model_tp_plan(model)
         self.pm = parallelize(model, topo, loss_fn=loss_fn, tp_plan=plan, algorithm=cfg.algorithm,
                               microbatches=cfg.microbatches, schedule=cfg.schedule,
                               bucket_cap_mb=cfg.bucket_cap_mb, zero_stage=self.zero_stage,
