@@ -374,3 +374,23 @@ def test_tp_that_does_not_fit_the_kv_heads_is_refused():
         check_llama_tp(m, 4)
     with pytest.raises(ConfigError, match="gather_logits=True.*tied"):
         check_llama_tp(build_model("llama-tiny", tie_word_embeddings=True), 2, gather_logits=True)
+
+
+def test_plan_seq_len_for_shape_only_presets(capsys):
+    """`distrain plan --seq-len` overrides the preset's 8192-token context in the activation estimate."""
+    from distrain.cli import main
+
+    args = ["plan", "--model", "smollm2-135m", "--nodes", "2", "--procs-per-node", "2", "--link", "ib-hdr",
+            "--intra", "nvlink3", "--batch-size", "16", "--compute-ms", "1000"]
+    assert main(args + ["--seq-len", "1024"]) == 0
+    short = capsys.readouterr().out
+    assert main(args) == 0
+    full = capsys.readouterr().out
+
+    def ddp_mem(out):
+        row = next(line for line in out.splitlines() if "ddp ring" in line)
+        return float(row.split()[-2])
+
+    assert ddp_mem(short) < ddp_mem(full) / 10  # the s^2 attention term shrinks 64x, the s term 8x
+    assert main(args + ["--seq-len", "0"]) != 0
+    assert "--seq-len 0: give a positive length, for a transformer preset" in capsys.readouterr().err

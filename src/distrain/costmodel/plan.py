@@ -34,6 +34,7 @@ The numbers are predictions from the α-β links (presets or a calibration), not
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass
@@ -273,6 +274,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibration", default=None, help="use a `distrain bench link --json` file for the links instead")
     p.add_argument("--batch-size", type=int, default=32, help="global batch (default 32)")
     p.add_argument("--microbatches", type=int, default=8, help="pipeline micro-batches (default 8)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per sample (default: the preset's block size; the shape-only Llama presets' is "
+                        "their 8192-token context, whose s^2 attention term dominates the activation estimate)")
     p.add_argument("--compute-ms", type=float, default=None,
                    help="forward+backward of the global batch on one process; default: measured here (presets)")
 
@@ -281,6 +285,10 @@ def run(args: argparse.Namespace) -> int:
     if args.nodes < 1 or args.procs_per_node < 1 or args.batch_size < 1 or args.microbatches < 1:
         raise ConfigError("--nodes, --procs-per-node, --batch-size and --microbatches must be >= 1")
     m = model_spec(None if args.params else args.model, args.params)
+    if args.seq_len is not None:
+        if args.seq_len < 1 or not m.hidden:
+            raise ConfigError(f"--seq-len {args.seq_len}: give a positive length, for a transformer preset")
+        m = dataclasses.replace(m, seq=args.seq_len)
     P = args.nodes * args.procs_per_node
     if P < 2:
         raise ConfigError("plan: give at least 2 ranks (--nodes x --procs-per-node)")
