@@ -52,6 +52,7 @@ LAUNCH_HINT = (
     "start the script with `distrain launch --nproc-per-node N script.py` (or `torchrun "
     "--nproc-per-node N script.py`), or run a function on N local ranks with distrain.spawn(fn, N)"
 )
+REACH_HINT = "check that rank 0 / the launcher is running and that every rank has the same MASTER_ADDR and MASTER_PORT"
 
 
 @dataclass(frozen=True)
@@ -137,11 +138,17 @@ def init(backend: str = "auto", timeout: float | timedelta = 300.0,
 def _connect_store(addr: str, port: int, world: int, rank: int, hosts_store: bool, secs: float):
     """The rendezvous store client (or server, for rank 0 without a launcher).
 
-    TCPStore's client retries a refused connection until ``secs`` (the store may start
-    later), but waits forever for the answer of a port that accepts and stays silent. So the
-    client is built on a helper thread while we probe the port: once a plain TCP connect
-    succeeds, the store has HANDSHAKE_S to answer, else MASTER_PORT points at another service."""
+    A client first waits, in this thread, until the port accepts a TCP connection (the store may
+    start later), for at most ``secs``: TCPStore's own client retries a refused port with a
+    randomized back-off that ran to twice ``secs`` (41 s for 20 s), and a thread of ours still
+    inside that C++ call when the process ends aborts it (:func:`_abandon`). Then the client is
+    built on a helper thread while we watch, because it waits forever for the answer of a port
+    that accepts and stays silent: the store has HANDSHAKE_S to answer, else MASTER_PORT points
+    at another service."""
     where = f"{addr}:{port}"
+    deadline = time.monotonic() + secs
+    if not hosts_store:
+        _wait_until_accepting(addr, port, rank, secs, deadline)
     result: dict = {}
 
     def make() -> None:
@@ -155,26 +162,76 @@ def _connect_store(addr: str, port: int, world: int, rank: int, hosts_store: boo
 
     helper = threading.Thread(target=make, name="distrain-store-connect", daemon=True)
     helper.start()
-    deadline, answer_by = time.monotonic() + secs, None
+    answer_by = None if hosts_store else time.monotonic() + min(HANDSHAKE_S, secs)
     while helper.is_alive():
         helper.join(0.2)
         now = time.monotonic()
-        if helper.is_alive() and answer_by is None and not hosts_store and _accepts(addr, port):
-            answer_by = now + min(HANDSHAKE_S, secs)
         if helper.is_alive() and answer_by is not None and now > answer_by:
+            _abandon(helper)
             raise CommError(f"rank {rank}: MASTER_ADDR:MASTER_PORT {where} accepts connections but does not answer "
                             f"as a torch.distributed store (no reply in {min(HANDSHAKE_S, secs):g}s); MASTER_PORT "
                             f"points at another service: give the port of the launcher's or rank 0's store")
         if helper.is_alive() and now > deadline + 5:
+            _abandon(helper)
             break
     if "store" not in result:
         e = result.get("error", f"no answer in {secs:g}s")
         raise CommError(
             f"rank {rank}: cannot reach the rendezvous store at {where} within {secs:g}s "
-            f"({str(e).splitlines()[0][:200]}); check that rank 0 / the launcher is running and that every rank has "
-            f"the same MASTER_ADDR and MASTER_PORT"
+            f"({str(e).splitlines()[0][:200]}); {REACH_HINT}"
         ) from (e if isinstance(e, BaseException) else None)
     return result["store"]
+
+
+def _wait_until_accepting(addr: str, port: int, rank: int, secs: float, deadline: float) -> None:
+    """Return once ``addr:port`` accepts a TCP connection; CommError saying why not after ``secs``."""
+    delay, error = 0.05, None
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+                return
+        except OSError as e:
+            error = e
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        time.sleep(min(delay, left))
+        delay = min(2 * delay, 0.5)
+    if isinstance(error, ConnectionRefusedError):
+        why = "connection refused: nothing listens on that port"
+    elif isinstance(error, socket.gaierror):
+        why = f"cannot resolve the host name {addr!r}: {error.strerror}"
+    elif isinstance(error, (TimeoutError, socket.timeout)):
+        why = "a TCP connect gets no answer: the host is down or a firewall drops the packets"
+    else:
+        why = (getattr(error, "strerror", None) or str(error))[:200]
+    raise CommError(f"rank {rank}: cannot reach the rendezvous store at {addr}:{port} within {secs:g}s ({why}); "
+                    f"{REACH_HINT}")
+
+
+_abandoned: list[threading.Thread] = []
+
+
+def _abandon(helper: threading.Thread) -> None:
+    """``helper`` is still inside torch's C++ store client and cannot be stopped. Should it return
+    while the interpreter finalizes, it asks for the GIL, CPython ends it with ``pthread_exit`` and
+    libstdc++ aborts the process ("terminate called without an active exception", exit 134; see
+    the module docstring). So from now on an uncaught exception in the main thread (the usual end
+    of a script whose ``init`` raised) is printed as usual and the process ends through
+    :func:`leave` with status 1, the interpreter's, skipping finalization. (The CLI's launched ranks
+    always leave that way: distrain.cli.run_command.)"""
+    _abandoned.append(helper)
+    if getattr(sys.excepthook, "_distrain_leaves", False):
+        return
+    previous = sys.excepthook
+
+    def leave_after_printing(kind, value, tb) -> None:
+        previous(kind, value, tb)
+        if any(t.is_alive() for t in _abandoned):
+            leave(1)
+
+    leave_after_printing._distrain_leaves = True  # type: ignore[attr-defined]
+    sys.excepthook = leave_after_printing
 
 
 def _loopback_listener(port: int) -> int:
@@ -183,14 +240,6 @@ def _loopback_listener(port: int) -> int:
     sock.bind(("127.0.0.1", port))
     sock.listen(128)
     return sock.detach()
-
-
-def _accepts(addr: str, port: int) -> bool:
-    try:
-        with socket.create_connection((addr, port), timeout=1.0):
-            return True
-    except OSError:
-        return False
 
 
 def _wait_for_all(store, prefix: str, rank: int, world: int, secs: float, where: str) -> None:

@@ -3,8 +3,8 @@
 ``step_record`` makes one metrics.jsonl line per step; ``sum_losses`` turns the pending
 steps' losses into the global batch's loss (one small all-reduce of ``loss * weight`` over
 the engine's loss group) and ``write_records`` writes them; ``finish`` (rank 0, after training) writes
-summary.json and loss.png, generates a text sample when the whole model is on rank 0, and
-prints the table.
+summary.json (with the device rank 0 ran on and the process group's backend) and loss.png,
+generates a text sample when the whole model is on rank 0, and prints the table.
 """
 
 from __future__ import annotations
@@ -100,6 +100,14 @@ def summarize(cfg: TrainConfig, label: str, unit: str, units_per_sample: int, ou
     }
 
 
+def device_name(device: torch.device) -> str:
+    """"cpu", or "cuda:0 (NVIDIA H100 80GB HBM3)": the device and, for a GPU, its model."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+    return str(device)
+
+
 def text_sample(model, cfg: TrainConfig) -> str:
     prompt = encode("\n").unsqueeze(0).to(next(model.parameters()).device)
     g = torch.Generator(device=prompt.device).manual_seed(cfg.seed)
@@ -110,6 +118,7 @@ def text_sample(model, cfg: TrainConfig) -> str:
 def table_rows(cfg: TrainConfig, s: dict, start: int, unit: str, extra_rows: list) -> list[tuple[str, str]]:
     traffic, share = s["bytes_per_step"], s["comm_share"]
     rows = [("strategy", s["label"]), ("model / data", f"{cfg.model} / {cfg.data}"), ("processes", str(cfg.nproc)),
+            ("device / backend", f"{s.get('device')} / {s.get('backend')}"),
             ("steps", f"{start} -> {cfg.steps}"), ("loss", f"{s['first_loss']:.4f} -> {s['final_loss']:.4f}")]
     if s["final_val_loss"] is not None:
         rows.append(("validation loss", f"{s['final_val_loss']:.4f}"))
@@ -129,6 +138,8 @@ def finish(cfg: TrainConfig, engine, task, out: Path, wall: float, start: int, t
            extra: dict) -> dict:
     """Rank 0: summary.json, loss.png, a text sample if possible, and the printed table."""
     summary = summarize(cfg, engine.label, task.unit, task.units_per_sample, out, wall, start, traffic, extra)
+    summary["device"] = device_name(getattr(engine, "device", None) or torch.device("cpu"))  # rank 0's
+    summary["backend"] = dist.get_backend() if dist.is_initialized() else None
     plot_losses(out / "metrics.jsonl", out / "loss.png", f"{cfg.model} on {cfg.data}, {engine.label}, "
                                                          f"{cfg.nproc} proc")
     model = engine.sample_model()
