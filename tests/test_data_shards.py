@@ -206,7 +206,9 @@ def test_generate_prints_a_continuation(tmp_path, bpe_dir, capsys):
 
     data, run = tmp_path / "shards", tmp_path / "run"
     shutil.copytree(bpe_dir, data)
-    train(trainer_config(run, data=str(data), strategy="single", nproc=1, steps=2))
+    summary = train(trainer_config(run, data=str(data), strategy="single", nproc=1, steps=2, sample_chars=12))
+    tok = load_tokenizer(str(data))  # the run's own sample decodes with the data's tokenizer: ids up to 299
+    assert tok.decode(tok.encode(summary["sample"])) == summary["sample"] and summary["sample"].startswith("\n")
     capsys.readouterr()
     argv = ["generate", str(run), "--prompt", "the king", "--max-new-tokens", "12", "--seed", "3"]
     assert main(argv) == 0

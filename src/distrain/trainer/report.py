@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from distrain import comm
-from distrain.data import decode, encode
 from distrain.errors import TrainingError
 from distrain.models import generate
 from distrain.trainer.config import TrainConfig
@@ -108,11 +107,13 @@ def device_name(device: torch.device) -> str:
     return str(device)
 
 
-def text_sample(model, cfg: TrainConfig) -> str:
-    prompt = encode("\n").unsqueeze(0).to(next(model.parameters()).device)
+def text_sample(model, cfg: TrainConfig, tokenizer) -> str:
+    """``cfg.sample_chars`` tokens (bytes, for byte-level data) generated after a newline, decoded
+    with the data's own tokenizer (a BPE run's ids are not bytes)."""
+    prompt = torch.tensor([tokenizer.encode("\n")], device=next(model.parameters()).device)
     g = torch.Generator(device=prompt.device).manual_seed(cfg.seed)
     ids = generate(model, prompt, cfg.sample_chars, temperature=0.8, top_k=40, generator=g)
-    return decode(ids[0].cpu())
+    return tokenizer.decode(ids[0].cpu().tolist())
 
 
 def table_rows(cfg: TrainConfig, s: dict, start: int, unit: str, extra_rows: list) -> list[tuple[str, str]]:
@@ -144,7 +145,7 @@ def finish(cfg: TrainConfig, engine, task, out: Path, wall: float, start: int, t
                                                          f"{cfg.nproc} proc")
     model = engine.sample_model()
     if task.unit == "tokens" and cfg.sample_chars > 0 and model is not None:
-        summary["sample"] = text_sample(model, cfg)
+        summary["sample"] = text_sample(model, cfg, task.tokenizer)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     if cfg.report:
         print("\n" + format_table(table_rows(cfg, summary, start, task.unit, engine.report_rows(summary))))
