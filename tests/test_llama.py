@@ -394,3 +394,26 @@ def test_plan_seq_len_for_shape_only_presets(capsys):
     assert ddp_mem(short) < ddp_mem(full) / 10  # the s^2 attention term shrinks 64x, the s term 8x
     assert main(args + ["--seq-len", "0"]) != 0
     assert "--seq-len 0: give a positive length, for a transformer preset" in capsys.readouterr().err
+
+
+# every way of training, on the Llama preset, through the trainer: equal to one process (fp64)
+LLAMA_LAYOUTS = {
+    "ddp": dict(strategy="ddp", nproc=2), "torch-ddp": dict(strategy="torch-ddp", nproc=2),
+    "zero1": dict(strategy="zero1", nproc=2), "zero2": dict(strategy="zero2", nproc=3),
+    "zero3": dict(strategy="zero3", nproc=2), "ps-sync": dict(strategy="ps-sync", nproc=3),
+    "pp2-gpipe": dict(strategy="ddp", nproc=2, pp=2, microbatches=2, schedule="gpipe"),
+    "pp2-zb-h1": dict(strategy="ddp", nproc=2, pp=2, microbatches=2, schedule="zb-h1"),
+    "dp1xtp2xpp2": dict(strategy="ddp", nproc=4, tp=2, pp=2, microbatches=2),
+    "zero1-dp2xpp2": dict(strategy="zero1", nproc=4, dp=2, pp=2, microbatches=2),
+}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name", list(LLAMA_LAYOUTS))
+def test_llama_tiny_every_strategy_equals_one_process(tmp_path, tmp_path_factory, name):
+    from conftest import reference_losses, train_losses, trainer_config
+
+    ref = reference_losses(tmp_path_factory, model="llama-tiny")
+    got = train_losses(trainer_config(tmp_path / name, model="llama-tiny", **LLAMA_LAYOUTS[name]))
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-10, atol=0,
+                               msg=lambda m: f"{name}: {got} vs one process {ref}: {m}")
