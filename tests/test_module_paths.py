@@ -19,8 +19,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "distrain"
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-# a dotted path starting at the package (not `.distrain.lock`, not a name such as "distrain.full/1")
-PATH = re.compile(r"(?<![\w./-])distrain(?:\.[A-Za-z_]\w*)+(?![\w/])")
+# a dotted path starting at the package (not `.distrain.lock`, not a name such as "distrain.full/1",
+# not a quoted string value such as the byte tokenizer's {"type": "distrain.byte"})
+PATH = re.compile(r"(?<![\w./\"-])distrain(?:\.[A-Za-z_]\w*)+(?![\w/\"])")
 
 # old public module -> its new module (git log --diff-filter=DR -- src/distrain: the parallel/
 # redesign in 8aa7d25, the transports of b6058dd); each has a shim at the old path
