@@ -173,3 +173,28 @@ def _table(names) -> None:  # pragma: no cover - a report for the issue, not a t
 
 if __name__ == "__main__":
     _table(sys.argv[1:] or list(RUNS))
+
+
+class FailsInEval(nn.Module):
+    """Trains; its forward raises in eval mode (an error that only evaluation meets)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(5, 3)
+
+    def forward(self, x):
+        if not self.training:
+            raise RuntimeError("broken in eval mode")
+        return self.net(x)
+
+
+@pytest.mark.timeout(120)
+def test_an_error_in_the_final_evaluation_keeps_the_final_checkpoint(tmp_path):
+    from distrain.errors import RankFailedError
+    from distrain.trainer import checkpoint
+
+    cfg = _config(tmp_path / "run", strategy="ddp", nproc=2, eval_every=4, eval_batches=1)
+    with pytest.raises(RankFailedError, match="broken in eval mode"):
+        distrain.train(model=FailsInEval(), train_data=_classes(48, 0), val_data=_classes(12, 1), config=cfg)
+    manifest = checkpoint.read_manifest(tmp_path / "run")
+    assert manifest["step"] == 4  # the run's last step was committed before evaluation started
