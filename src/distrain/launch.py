@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from distrain import lifeline, runtime
+from distrain import lifeline, rendezvous, runtime
 from distrain.blame import Failure, blame, is_secondary
 from distrain.errors import ConfigError, DistrainError, RankFailedError, SpawnTimeoutError
 
@@ -198,13 +198,10 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
     rank's own thread (4 KiB Gloo all_reduce: 1800-2400 us bound, 270-510 us not).
     ``True`` / ``False`` force it.
 
-    Ownership of ``args``: they reach the ranks through multiprocessing's pickling, which
-    (torch's reducers) moves every CPU tensor in them, a module's parameters included, into
-    shared memory: every rank and the caller then see the same storage, as with
-    torch.multiprocessing.spawn. That is right for read-only inputs (a data set: no copy per
-    rank). A rank that writes to such a tensor, or trains such a module, must copy it first
-    (``copy.deepcopy``), or receive bytes (``torch.save`` to a buffer) and load its own;
-    ``distrain.train(model=...)`` does the latter for you.
+    ``args`` are shared, as with torch.multiprocessing.spawn: torch's pickling moves their CPU
+    tensors (a module's parameters too) into shared memory, one storage for every rank and the
+    caller. Right for read-only data; a rank that writes one or trains a module copies it first
+    (``copy.deepcopy``, or bytes from ``torch.save``, as ``distrain.train(model=...)`` does).
     """
     _check_not_bootstrapping()
     if not isinstance(nprocs, int) or nprocs < 1:
@@ -346,106 +343,6 @@ def _nproc_of(script_args: Sequence[str]) -> int | None:
     return None
 
 
-RDZV_BACKEND = "distrain-c10d"  # torchrun's c10d rendezvous, its stores on one address (below)
-
-
-def _listener(host: str, port: int) -> socket.socket | None:
-    """A socket listening on ``host``'s address only (IPv4 first), or None when ``host`` is no
-    address of this machine or the port is taken there (another process hosts it)."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror:
-        return None
-    for family, kind, proto, _, addr in sorted(infos, key=lambda i: i[0] != socket.AF_INET):
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(addr)
-            sock.listen(128)
-            return sock
-        except OSError:
-            sock.close()
-    return None
-
-
-def _store_server(host: str, port: int, timeout: timedelta) -> dist.TCPStore | None:
-    """A TCPStore server listening on ``host``'s address only (TCPStore alone binds every
-    interface), or None where :func:`_listener` finds none."""
-    sock = _listener(host, port)
-    if sock is None:
-        return None
-    return dist.TCPStore(host, sock.getsockname()[1], is_master=True, multi_tenant=True, timeout=timeout,
-                         wait_for_workers=False, master_listen_fd=sock.detach())
-
-
-def _address_toward(endpoint: str) -> str | None:
-    """This machine's address on the route to the rendezvous endpoint's host (the host's own
-    address on that machine), or None if it cannot be found (torchrun then uses the node's
-    fully qualified name)."""
-    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-
-    try:
-        host, port = parse_rendezvous_endpoint(endpoint, default_port=29400)
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
-        family, _, _, _, addr = sorted(infos, key=lambda i: i[0] != socket.AF_INET)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect(addr)  # UDP: picks the route and source address, sends nothing
-            return probe.getsockname()[0]
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _rendezvous_handler(params):
-    """torchrun's c10d rendezvous handler (the same protocol and store keys) with its two
-    TCPStores listening on one address instead of every interface. torch 2.13 has no option
-    for that: c10d_rendezvous_backend._create_tcp_store (rendezvous options: is_host,
-    read_timeout) and DynamicRendezvousHandler._create_tcp_store_server both construct
-    ``TCPStore(host, port, is_master=True)``, which binds ``*:port``; --standalone is the
-    same with the endpoint localhost:0. A registered backend (torch's extension point) is
-    how torchrun takes another handler.
-
-    * the rendezvous store, at the endpoint HOST:PORT: the launcher on the machine that has
-      HOST's address hosts it on that address (127.0.0.1 for one node); any other node, or a
-      second launcher on that machine (port taken), connects to it;
-    * the workers' store (MASTER_ADDR:MASTER_PORT, hosted by the launcher of group rank 0)
-      listens on the address it advertises, torchrun's ``--local-addr`` (127.0.0.1 for one
-      node; else this machine's address toward the endpoint, :func:`_address_toward`: on the
-      endpoint's machine, the endpoint's address). Should that be no address of this machine,
-      it falls back to torch's every-interface store, saying so.
-    """
-    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as c10d
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
-    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-
-    class Backend(c10d.C10dRendezvousBackend):
-        @property
-        def name(self) -> str:  # the registry checks that the handler's backend has the name asked for
-            return RDZV_BACKEND
-
-    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=c10d.DEFAULT_PORT)
-    timeout = timedelta(seconds=params.get_as_int("read_timeout", 60))
-    store = _store_server(host, port, timeout) or dist.TCPStore(host, port, is_master=False, multi_tenant=True,
-                                                                timeout=timeout)
-    handler = create_handler(store, Backend(store, params.run_id), params)
-
-    def workers_store(master_addr: str, master_port: int) -> dist.TCPStore:
-        server = _store_server(master_addr, master_port, timedelta(seconds=300))
-        if server is None:
-            print(f"distrain launch: {master_addr} (this node's address for the ranks) is no address of this machine; "
-                  f"the ranks' store listens on every interface", file=sys.stderr)
-            server = dist.TCPStore(master_addr, master_port, is_master=True, multi_tenant=True)
-        return server
-
-    handler._create_tcp_store_server = workers_store  # torch's hook for that store (dynamic_rendezvous.py)
-    return handler
-
-
-def _register_rendezvous() -> None:
-    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
-
-    rendezvous_handler_registry.register(RDZV_BACKEND, _rendezvous_handler)  # idempotent for the same creator
-
-
 def launch(nproc_per_node: int | None, script_args: Sequence[str], nnodes: int | str = 1, node_rank: int = 0,
            rdzv_endpoint: str | None = None, max_restarts: int = 0, rdzv_id: str = "distrain") -> int:
     """Run a script (or ``train ...``) on every rank through torch's elastic launcher (torchrun).
@@ -472,17 +369,17 @@ def launch(nproc_per_node: int | None, script_args: Sequence[str], nnodes: int |
         raise ConfigError(f"--max-restarts must be >= 0, got {max_restarts}")
     world = nproc_per_node * int(nnodes) if str(nnodes).isdigit() else None
     argv = [f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}"]
-    _register_rendezvous()
+    rendezvous.register()
     if rdzv_endpoint:
-        argv += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--rdzv-backend={RDZV_BACKEND}",
+        argv += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--rdzv-backend={rendezvous.RDZV_BACKEND}",
                  f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
-        local = _address_toward(rdzv_endpoint)
+        local = rendezvous.address_toward(rdzv_endpoint)
         if local:  # the ranks' store (if this node hosts it) then listens where the endpoint's host is reached
             argv.append(f"--local-addr={local}")
     elif str(nnodes) != "1":
         raise ConfigError(f"--nnodes={nnodes} needs --rdzv-endpoint HOST:PORT (a host every node can reach)")
     else:  # the ranks find the workers' store at MASTER_ADDR = --local-addr
-        argv += ["--nnodes=1", f"--rdzv-backend={RDZV_BACKEND}", "--rdzv-endpoint=127.0.0.1:0",
+        argv += ["--nnodes=1", f"--rdzv-backend={rendezvous.RDZV_BACKEND}", "--rdzv-endpoint=127.0.0.1:0",
                  f"--rdzv-id={rdzv_id}", "--local-addr=127.0.0.1"]
         if "GLOO_SOCKET_IFNAME" not in os.environ and any(n == "lo" for _, n in socket.if_nameindex()):
             os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # one node: Gloo listens on the loopback only
