@@ -71,10 +71,12 @@ class TrainConfig:
     compression: str | None = opt(None, "DDP gradient compression on the wire", choices=("bf16", "fp16"), type=str)
     servers: int = opt(1, "parameter servers (ps-* strategies); the other ranks work")
     max_staleness: int | None = opt(None, "ps-async: bound on gradient staleness (none: unbounded)", type=int)
-    # model parallelism (GPT models, strategy ddp): dp * tp * pp = nproc; dp = 0 means nproc // (tp * pp)
+    # model parallelism (GPT and Llama presets, your model with .layers / a tp_plan, Hugging Face decoders):
+    # dp * tp * pp = nproc; dp = 0 means nproc // (tp * pp)
     dp: int = opt(0, "data-parallel size of the dp x tp x pp grid (0: nproc / (tp * pp))")
-    tp: int = opt(1, "tensor-parallel size (GPT models)")
-    pp: int = opt(1, "pipeline-parallel stages (GPT models)")
+    tp: int = opt(1, "tensor-parallel size (GPT and Llama presets, Hugging Face Llama-family models, or a model with "
+                     "a tp_plan)")
+    pp: int = opt(1, "pipeline-parallel stages (GPT and Llama presets, or a model with .layers run in order)")
     microbatches: int = opt(1, "micro-batches per pipeline step; must divide the per-replica batch")
     schedule: str = opt("1f1b", "pipeline schedule (zb-h1: zero bubble, backward split into input- and "
                                 "weight-gradient passes)", choices=SCHEDULES)
