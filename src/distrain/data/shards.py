@@ -24,6 +24,7 @@ from typing import Sequence, Union
 import numpy as np
 import torch
 
+from distrain.data.text import window_index
 from distrain.errors import ConfigError
 
 META_FILE = "meta.json"
@@ -184,12 +185,7 @@ class ShardDataset:
         return (self.tokens - self.block_size - 1) // self.stride + 1
 
     def __getitem__(self, i) -> tuple[torch.Tensor, torch.Tensor]:
-        i = int(i)
-        n = len(self)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"window index {i} out of range for {n} windows")
+        i = window_index(i, len(self))
         x, y = self.get_batch([i])
         return x[0], y[0]
 

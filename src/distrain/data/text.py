@@ -142,6 +142,17 @@ def _as_index_tensor(indices: Indices) -> torch.Tensor:
     return torch.as_tensor(np.asarray(indices, dtype=np.int64)).reshape(-1)
 
 
+
+def window_index(i, n: int) -> int:
+    """Window ``i`` of ``n`` as a sequence index: negative counts from the end; an IndexError
+    outside [-n, n) (the map-style contract of both text data sets)."""
+    i = int(i)
+    if i < 0:
+        i += n
+    if not 0 <= i < n:
+        raise IndexError(f"window index {i} out of range for {n} windows")
+    return i
+
 class ByteTextDataset(torch.utils.data.Dataset):
     """Windows of ``block_size`` bytes over a byte stream; item ``i`` is ``(x, y)``,
     two int64 tensors of shape ``(block_size,)`` with ``y = x`` shifted by one.
@@ -182,12 +193,7 @@ class ByteTextDataset(torch.utils.data.Dataset):
         return (len(self.data) - self.block_size - 1) // self.stride + 1
 
     def __getitem__(self, i) -> tuple[torch.Tensor, torch.Tensor]:
-        i = int(i)
-        n = len(self)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"window index {i} out of range for {n} windows")
+        i = window_index(i, len(self))
         s = i * self.stride
         w = self.data[s: s + self.block_size + 1].long()
         return w[:-1], w[1:]
