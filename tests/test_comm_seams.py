@@ -8,9 +8,11 @@ import torch
 
 import distrain
 from distrain import comm
-from distrain.comm import cost, registry, tags
-from distrain.comm.transports import TorchTransport
-from distrain.comm.util import check_int, nbytes
+from distrain.comm.algorithms import cost
+from distrain.comm.core import registry
+from distrain.comm.core import tags
+from distrain.comm.core.transport import TorchTransport
+from distrain.comm.core.util import check_int, nbytes
 from distrain.errors import ConfigError
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from distrain.bench import link_bench
-from distrain.comm.cost import traffic
+from distrain.comm.algorithms.cost import traffic
 from distrain.costmodel import Fabric, Link, Message, predict, predict_ps, simulate
 from distrain.costmodel.links import calibrated_fabric
 from distrain.errors import ConfigError

@@ -1,7 +1,7 @@
 """The traffic ledger equals the documented byte counts exactly.
 
 Two independent checks: the seeds' formulas for all-reduce written out here by hand, and
-the closed forms of distrain.comm.cost for every collective, algorithm, rank and root.
+the closed forms of distrain.comm.algorithms.cost for every collective, algorithm, rank and root.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 import distrain
 from distrain import comm
-from distrain.comm import cost
+from distrain.comm.algorithms import cost
 
 COLLS = ["broadcast", "reduce", "all_reduce", "scatter", "gather", "all_gather", "reduce_scatter", "barrier"]
 COUNTS = [60, 7]  # 60 is divisible by 2, 3, 4, 5; 7 is not

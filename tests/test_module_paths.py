@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from distrain.comm import _moved
+
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "distrain"
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -34,8 +36,10 @@ DEPRECATED = {
     "distrain.parallel.pipeline_timeline": "distrain.parallel.pipeline_parallel.timeline",
     "distrain.parallel.tensor": "distrain.parallel.tensor_parallel",
     "distrain.parallel.tensor_layers": "distrain.parallel.tensor_parallel",
-    "distrain.comm.transport": "distrain.comm.transports",
 }
+# the flat comm/ modules before core/, algorithms/, shm/: answered by a finder (comm/_moved.py), not files
+COMM_MOVED = {f"distrain.comm.{old}": new for old, new in _moved.MOVED.items()}
+ALL_OLD = {**DEPRECATED, **COMM_MOVED}
 
 
 def documented_paths() -> dict[str, list[str]]:
@@ -50,7 +54,7 @@ def documented_paths() -> dict[str, list[str]]:
 
 
 def _deprecated_module(path: str) -> str | None:
-    return next((old for old in DEPRECATED if path == old or path.startswith(old + ".")), None)
+    return next((old for old in ALL_OLD if path == old or path.startswith(old + ".")), None)
 
 
 # run in a fresh interpreter: each path's first import, with every warning it raises recorded
@@ -88,7 +92,7 @@ print(json.dumps(result))
 @pytest.fixture(scope="module")
 def resolved() -> dict:
     paths = sorted(documented_paths())
-    proc = subprocess.run([sys.executable, "-c", RESOLVE, json.dumps(sorted(DEPRECATED)), json.dumps(paths)],
+    proc = subprocess.run([sys.executable, "-c", RESOLVE, json.dumps(sorted(ALL_OLD)), json.dumps(paths)],
                           capture_output=True, text=True, timeout=90, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -114,19 +118,19 @@ def test_documented_path_resolves(resolved, path):
     if old is None:
         assert got["warnings"] == [], f"{path} (named in {docs}) warns on import: {got['warnings']}"
     else:  # documents should name the new path; if one names an old one, the old one must still warn
-        assert any(w.startswith("DeprecationWarning: ") and DEPRECATED[old] in w for w in got["warnings"]), \
+        assert any(w.startswith("DeprecationWarning: ") and ALL_OLD[old] in w for w in got["warnings"]), \
             f"{path} (named in {docs}) is deprecated but its import did not warn: {got['warnings']}"
 
 
-@pytest.mark.parametrize("old", sorted(DEPRECATED))
+@pytest.mark.parametrize("old", sorted(ALL_OLD))
 def test_old_path_warns_and_is_the_new_module(old):
-    new = importlib.import_module(DEPRECATED[old])
+    new = importlib.import_module(ALL_OLD[old])
     sys.modules.pop(old, None)  # its first import warns (an earlier test may have imported it)
     with pytest.warns(DeprecationWarning) as record:
         __import__(old)  # an import statement's own call (importlib.import_module would be the importer)
     shim = sys.modules[old]
     messages = [str(w.message) for w in record if issubclass(w.category, DeprecationWarning)]
-    assert messages == [f"{old} is deprecated and will be removed in the next release; import {DEPRECATED[old]} "
+    assert messages == [f"{old} is deprecated and will be removed in the next release; import {ALL_OLD[old]} "
                         f"instead"]
     assert record[0].filename == __file__  # the importing line's (so a script's own import shows it by default)
     assert shim.__all__, old
@@ -177,6 +181,6 @@ def test_every_shim_is_listed():
         if doc.startswith("Deprecated"):
             shims.add(".".join(("distrain", *f.relative_to(SRC).with_suffix("").parts)))
     assert shims == set(DEPRECATED)
-    users = [f"{f.relative_to(ROOT)} imports {old}" for f in SRC.rglob("*.py") for old in DEPRECATED
+    users = [f"{f.relative_to(ROOT)} imports {old}" for f in SRC.rglob("*.py") for old in ALL_OLD
              if re.search(rf"^\s*(from|import) {re.escape(old)}\b(?!\.)", f.read_text(), re.M)]
     assert users == []

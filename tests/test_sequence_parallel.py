@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import distrain
 from distrain import Topology, comm
-from distrain.comm.cost import traffic
+from distrain.comm.algorithms.cost import traffic
 from distrain.errors import ConfigError
 from distrain.models import build_model, lm_loss
 from distrain.models.gpt_plan import gpt_tp_plan

@@ -16,8 +16,9 @@ import torch
 
 import distrain
 from distrain import comm
-from distrain.comm import shm, shm_segment
-from distrain.comm.ops import SUPPORTED_DTYPES
+from distrain.comm.shm import transport as shm
+from distrain.comm.shm import segment as shm_segment
+from distrain.comm.core.ops import SUPPORTED_DTYPES
 from distrain.errors import CommError, ConfigError
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory transport needs x86-64 and /dev/shm")
@@ -200,7 +201,7 @@ def _p2p(rank: int) -> list:
             t = torch.full((1000,), float(rank))
             comm.all_reduce(t, algorithm=alg)
             out.append(bool(torch.all(t == sum(range(P)))))
-    from distrain.comm import cost  # the ledger counts the shm messages exactly as Gloo's
+    from distrain.comm.algorithms import cost  # the ledger counts the shm messages exactly as Gloo's
 
     out.append(led.bytes_sent("all_reduce", "ring") == cost.traffic("all_reduce", "ring", P, rank, 1000)[0])
     # every peer has mapped this rank's segment: its files are gone from /dev/shm already

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 import distrain
 from distrain import comm
-from distrain.comm.cost import traffic
+from distrain.comm.algorithms.cost import traffic
 from distrain.errors import ConfigError
 from distrain.models import build_model, classification_loss, lm_loss
 from distrain.parallel.zero import Zero

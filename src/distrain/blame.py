@@ -11,7 +11,7 @@ The rules (applied by ``distrain.spawn`` to every failure seen within a short gr
 2. the culprit is the primary failure with the earliest time (rank-side timestamp for
    reported errors, the parent's observation time for deaths); only if every failure is
    secondary is the earliest secondary one blamed;
-3. a collective time-out reported by the watchdog (distrain.comm.watchdog) is blamed only
+3. a collective time-out reported by the watchdog (distrain.comm.core.watchdog) is blamed only
    if no rank failed outright: the ranks it names are hung, not dead.
 """
 

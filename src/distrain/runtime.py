@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from distrain import comm, lifeline
-from distrain.comm import watchdog
+from distrain.comm.core import watchdog
 from distrain.errors import CommError, ConfigError
 
 REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -92,7 +92,7 @@ def init(backend: str = "auto", timeout: float | timedelta = 300.0,
 
     ``timeout`` (seconds) bounds the rendezvous and every later collective of the group: a
     rank blocked longer in one call is stopped by the collective watchdog
-    (distrain.comm.watchdog), which names the ranks that did not arrive and hands that report
+    (distrain.comm.core.watchdog), which names the ranks that did not arrive and hands that report
     to ``on_hang`` (default: stderr) before exiting. The backend's own time-out is set a little
     longer so that the watchdog's report comes first.
     """

@@ -30,7 +30,7 @@ for each op, then each size:
 6. gather every rank's per-iteration times to every rank (a native all_gather of a float64
    tensor); per iteration take the max over ranks (the slowest rank's time: a collective is
    done when its last rank is), then the median over iterations -> ``time``;
-7. one extra, untimed call per algorithm inside a :func:`distrain.comm.ledger` records the
+7. one extra, untimed call per algorithm inside a :func:`distrain.comm.core.ledger` records the
    payload bytes each rank sent (max over ranks, and the total); Gloo's native calls are
    invisible to the ledger, so native has no byte count.
 
@@ -69,8 +69,8 @@ from distrain.bench import common, comm_predict
 from distrain.bench.comm_report import (  # noqa: F401  (re-exported: the conventions are part of this API)
     bandwidths, busbw_factor, format_markdown, format_tables, full_size, per_rank_count, plot)
 from distrain.comm.api import ALGORITHM_NAMES, COLLECTIVES
-from distrain.comm.transports import TRANSPORT_NAMES
-from distrain.comm.ops import SUPPORTED_DTYPES
+from distrain.comm.core.transport import TRANSPORT_NAMES
+from distrain.comm.core.ops import SUPPORTED_DTYPES
 from distrain.errors import ConfigError
 
 DEFAULT_NPROC = "2,4"

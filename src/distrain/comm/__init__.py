@@ -4,31 +4,32 @@
 function has torch's signature (plus ``algorithm=``), and the process-group functions are
 torch's own or thin wrappers (compat.py); any other name falls through to torch.distributed.
 
-Layers, each depending only on those above it:
+Four layers, each a folder; imports run downward only (tests/test_import_graph.py checks):
 
-    util.py        shared helpers: dtype codes, byte counts, int checks
-    tags.py        the one map of P2P tag ranges (user, parameter server, pipeline, collectives)
-    transports.py  the one place bytes leave the process; chosen per group, injectable
-    group.py       per-group rank maps, sequence numbers (= tags), transport, async worker
-    torchargs.py   torch's calling rules: non-member no-op, group_src/group_dst
-    p2p.py         send/recv/isend/irecv (+ header variants) and PeerComm for algorithms
-    ops.py         reduce ops and dtype rules
-    ledger.py      traffic accounting
-    star.py ring.py tree.py   our algorithms, written only on PeerComm
-    shm_segment.py shm.py shm_p2p.py   the shared-memory transport (segments, waits, P2P rings)
-    shm_coll.py    direct shared-memory collectives ("native" on the shm transport)
-    hierarchy.py   all_reduce over several hosts: shm inside, torch between leaders
-    registry.py    the algorithm registry and its interface (Protocol)
-    cost.py        exact traffic per rank, from each algorithm's own closed form
-    dispatch.py    argument checks, the debug fingerprint, the dispatcher (ledger, ours, direct or native), async handles
-    api.py         the eight collectives with torch.distributed's signatures, on dispatch.py
-    forms.py       *_into_tensor / *_tensor / coalesced forms, P2POp, batch_isend_irecv
-    alltoall.py    all_to_all, all_to_all_single
-    objects.py     the object collectives (pickled)
-    compat.py      init/destroy_process_group and the pass-through group helpers
+    core/         groups, tags, ops, P2P, ledger, watchdog, the Transport interface (torch's
+                  P2P is built in) and the algorithm registry; imports nothing above it
+    algorithms/   star, ring, tree (+ cost.py, their exact traffic); each registers itself;
+                  imports core only
+    shm/          the shared-memory transport and its direct collectives; registers itself
+                  with the core; imports core only (asks the registry for the ring by name)
+    (top)         the torch.distributed-shaped surface, which may import all three:
+                  dispatch.py  argument checks, debug fingerprint, the dispatcher (ledger,
+                               ours, direct or native), async handles
+                  api.py       the eight collectives with torch.distributed's signatures
+                  forms.py     *_into_tensor / *_tensor / coalesced forms, P2POp, batch_isend_irecv
+                  alltoall.py  all_to_all, all_to_all_single
+                  objects.py   the object collectives (pickled)
+                  compat.py    init/destroy_process_group and the pass-through group helpers
+
+Old flat paths (``distrain.comm.ring``, ``distrain.comm.shm_coll``, ...) still import, with
+a DeprecationWarning naming the new one (_moved.py), until the next release.
 """
 
 import torch.distributed as _torch_dist
+
+from distrain.comm import algorithms as _algorithms  # noqa: F401  (registers star, ring, tree)
+from distrain.comm import shm as _shm  # noqa: F401  (registers the shared-memory transport)
+from distrain.comm import _moved
 
 from distrain.comm.alltoall import all_to_all, all_to_all_single
 from distrain.comm.api import (
@@ -59,8 +60,8 @@ from distrain.comm.forms import (
     batch_isend_irecv,
     reduce_scatter_tensor,
 )
-from distrain.comm.group import close_all, close_group
-from distrain.comm.ledger import Counts, Ledger, ledger
+from distrain.comm.core.group import close_all, close_group
+from distrain.comm.core.ledger import Counts, Ledger, ledger
 from distrain.comm.objects import (
     all_gather_object,
     broadcast_object_list,
@@ -69,9 +70,10 @@ from distrain.comm.objects import (
     scatter_object_list,
     send_object_list,
 )
-from distrain.comm.transports import TRANSPORT_NAMES, Transport, set_default_transport
-from distrain.comm.p2p import irecv, isend, isend_tensor, recv, recv_tensor, send, send_tensor
+from distrain.comm.core.transport import TRANSPORT_NAMES, Transport, set_default_transport
+from distrain.comm.core.p2p import irecv, isend, isend_tensor, recv, recv_tensor, send, send_tensor
 
+_moved.install()
 globals().update({_n: getattr(_torch_dist, _n) for _n in PASSTHROUGH if hasattr(_torch_dist, _n)})
 
 

@@ -25,11 +25,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from distrain.comm import api, registry
-from distrain.comm.group import resolve
-from distrain.comm.p2p import PeerComm
-from distrain.comm.torchargs import torch_call
-from distrain.comm.util import nbytes
+from distrain.comm import api
+from distrain.comm.core import registry
+from distrain.comm.core.group import resolve
+from distrain.comm.core.p2p import PeerComm
+from distrain.comm.core.torchargs import torch_call
+from distrain.comm.core.util import nbytes
 from distrain.errors import CommError, ConfigError
 
 NAME = "all_to_all"

@@ -9,7 +9,7 @@ Every one also takes ``group=None`` (a torch.distributed ProcessGroup; None = wo
 ``async_op=False`` and ``algorithm=`` one of:
 
 * ``"native"``: torch.distributed's own call (Gloo/NCCL implement it);
-* ``"star"``, ``"ring"``, ``"tree"``: ours, written on the P2P layer (star.py, ring.py, tree.py).
+* ``"star"``, ``"ring"``, ``"tree"``: ours, written on the P2P layer (algorithms/star.py, ring.py, tree.py).
 
 Semantics follow torch.distributed: results are written in place; ``src``/``dst`` are
 *global* ranks; only ``dst`` gets the result of reduce/gather; ``op`` is a ReduceOp or one
@@ -23,7 +23,7 @@ fingerprint (sequence number, collective, algorithm, op, dtype, shape, root) wit
 all-gather, and a mismatch raises on every rank, naming the rank that differs.
 
 async_op=True returns a handle with ``wait()`` and ``is_completed()``; our algorithms then
-run on the group's worker thread (see group.py), native ones on the backend's. Argument
+run on the group's worker thread (see core/group.py), native ones on the backend's. Argument
 checks, the debug fingerprint and the dispatcher itself are in dispatch.py.
 """
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from distrain.comm import registry
+from distrain.comm.core import registry
 from distrain.comm.dispatch import (  # noqa: F401  (the public names, and helpers forms/alltoall/objects reuse)
     COLLECTIVES,
     CommHandle,
@@ -45,12 +45,12 @@ from distrain.comm.dispatch import (  # noqa: F401  (the public names, and helpe
     debug_enabled,
     set_debug,
 )
-from distrain.comm.group import resolve
-from distrain.comm.ops import resolve_op
-from distrain.comm.p2p import scratch
-from distrain.comm.registry import ALGORITHM_NAMES  # noqa: F401  (re-exported)
-from distrain.comm.torchargs import torch_call
-from distrain.comm.util import nbytes
+from distrain.comm.core.group import resolve
+from distrain.comm.core.ops import resolve_op
+from distrain.comm.core.p2p import scratch
+from distrain.comm.algorithms import ALGORITHM_NAMES  # noqa: F401  (re-exported)
+from distrain.comm.core.torchargs import torch_call
+from distrain.comm.core.util import nbytes
 from distrain.errors import ConfigError
 
 

@@ -20,8 +20,8 @@ import os
 import torch.distributed as dist
 
 from distrain.comm import api
-from distrain.comm.group import close_all, close_group
-from distrain.comm.transports import set_default_transport
+from distrain.comm.core.group import close_all, close_group
+from distrain.comm.core.transport import set_default_transport
 
 PASSTHROUGH = (
     "is_available", "is_initialized", "is_gloo_available", "is_nccl_available", "is_mpi_available",

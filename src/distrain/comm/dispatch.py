@@ -3,10 +3,10 @@
 thread), the transport's direct collectives, or torch.distributed's; and the async handle.
 
 Contract: every rank of the group calls ``_run`` for the same collectives in the same order
-(the call's sequence number is the P2P tag, see tags.py); with debug checks on, each call first
+(the call's sequence number is the P2P tag, see core/tags.py); with debug checks on, each call first
 all-gathers a fingerprint of (call number, collective, algorithm, op, dtype, root, shape) and a
 mismatch raises on every rank naming the rank that differs. Waits run under the collective
-watchdog (watchdog.py), so a hung call names the ranks that did not arrive.
+watchdog (core/watchdog.py), so a hung call names the ranks that did not arrive.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from distrain.comm import ledger as _ledger
-from distrain.comm import watchdog
-from distrain.comm.group import GroupState
-from distrain.comm.ops import COMPLEX_DTYPES, OPS, check_complex_op, check_dtype
-from distrain.comm.p2p import PeerComm
-from distrain.comm.registry import ALGORITHM_NAMES
-from distrain.comm.util import DTYPE_CODE, dtype_name
+from distrain.comm.core import ledger as _ledger
+from distrain.comm.core import watchdog
+from distrain.comm.core.group import GroupState
+from distrain.comm.core.ops import COMPLEX_DTYPES, OPS, check_complex_op, check_dtype
+from distrain.comm.core.p2p import PeerComm
+from distrain.comm.algorithms import ALGORITHM_NAMES
+from distrain.comm.core.util import DTYPE_CODE, dtype_name
 from distrain.errors import CommError, ConfigError
 COLLECTIVES = ("broadcast", "reduce", "all_reduce", "scatter", "gather", "all_gather",
                "reduce_scatter", "barrier")

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from distrain.comm import api
-from distrain.comm.p2p import irecv, isend
-from distrain.comm.torchargs import not_member, torch_call, warn_not_member
+from distrain.comm.core.p2p import irecv, isend
+from distrain.comm.core.torchargs import not_member, torch_call, warn_not_member
 from distrain.errors import ConfigError
 
 

@@ -17,8 +17,9 @@ import pickle
 import torch
 import torch.distributed as dist
 
-from distrain.comm import api, p2p
-from distrain.comm.torchargs import torch_call
+from distrain.comm import api
+from distrain.comm.core import p2p
+from distrain.comm.core.torchargs import torch_call
 from distrain.errors import ConfigError
 
 

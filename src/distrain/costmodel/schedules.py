@@ -23,11 +23,11 @@ collectives' root). Schedules, as in the code:
 
 from __future__ import annotations
 
-from distrain.comm import tree as _tree
-from distrain.comm.cost import chunk_sizes
+from distrain.comm.algorithms import tree as _tree
+from distrain.comm.algorithms.cost import chunk_sizes
 from distrain.costmodel.sim import Message
 
-PIECE_BYTES, MAX_PIECES = 1 << 20, 16  # as distrain.comm.ring
+PIECE_BYTES, MAX_PIECES = 1 << 20, 16  # as distrain.comm.algorithms.ring
 
 
 class _Sched:

@@ -52,7 +52,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from distrain import comm
-from distrain.comm.util import nbytes
+from distrain.comm.core.util import nbytes
 from distrain.errors import CommError, ConfigError
 from distrain.parallel.data_parallel import comm_hooks
 from distrain.parallel.data_parallel.join import Join

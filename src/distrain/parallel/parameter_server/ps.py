@@ -76,15 +76,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distrain import comm
-from distrain.comm import tags
-from distrain.comm.util import check_int
+from distrain.comm.core import tags
+from distrain.comm.core.util import check_int
 from distrain.errors import CommError, ConfigError
 from distrain.parallel.parameter_server.ps_layout import PSLayout, expected_ps_bytes
 
 __all__ = ["PSLayout", "ParameterServer", "PSWorker", "expected_ps_bytes", "MODES"]
 
 MODES = ("sync", "async")
-# one tag per message kind, in the parameter server's range of distrain.comm.tags
+# one tag per message kind, in the parameter server's range of distrain.comm.core.tags
 TAG_HELLO, TAG_REQ, TAG_VERSION, TAG_PULL, TAG_PUSH_HDR, TAG_PUSH = (tags.PARAMETER_SERVER.at(i) for i in range(6))
 _MAGIC = 0x5053  # "PS"
 _I64 = torch.int64

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch.nn as nn
 
-from distrain.comm.util import check_int
+from distrain.comm.core.util import check_int
 from distrain.errors import ConfigError
 
 

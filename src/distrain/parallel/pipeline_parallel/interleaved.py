@@ -27,8 +27,8 @@ import torch
 import torch.nn as nn
 
 from distrain import comm
-from distrain.comm import tags
-from distrain.comm.util import check_int
+from distrain.comm.core import tags
+from distrain.comm.core.util import check_int
 from distrain.errors import ConfigError
 from distrain.parallel.pipeline_parallel.schedule import ScheduleDeadlock, partition, split_microbatches
 from distrain.parallel.pipeline_parallel.timeline import PipelineTimeline, StageTimeline

@@ -97,8 +97,8 @@ import torch
 import torch.nn as nn
 
 from distrain import comm
-from distrain.comm import tags
-from distrain.comm.util import check_int, nbytes
+from distrain.comm.core import tags
+from distrain.comm.core.util import check_int, nbytes
 from distrain.errors import ConfigError
 from distrain.parallel.pipeline_parallel.schedule import SCHEDULES, SPLIT_BACKWARD, check_schedule, partition, \
     schedule_ops, split_microbatches
@@ -107,7 +107,7 @@ from distrain.parallel.pipeline_parallel.weight_grad import WeightGradStore, che
 
 __all__ = ["DEFAULT_TAG_BASE", "PipelineStage", "pipeline_step"]
 
-DEFAULT_TAG_BASE = tags.PIPELINE.start  # pipeline tags: [tag_base, PIPELINE.stop), see distrain.comm.tags
+DEFAULT_TAG_BASE = tags.PIPELINE.start  # pipeline tags: [tag_base, PIPELINE.stop), see distrain.comm.core.tags
 LABEL = "pp"
 
 

@@ -48,7 +48,7 @@ executor cannot deadlock (W has no communication, so it never blocks).
 
 from __future__ import annotations
 
-from distrain.comm.util import check_int
+from distrain.comm.core.util import check_int
 from distrain.errors import ConfigError
 
 __all__ = ["zb_h1_bubble", "zb_h1_makespan", "zb_h1_ops"]

@@ -347,6 +347,6 @@ def megatron_bytes_per_block(b: int, s: int, h: int, elem_size: int = 4) -> Bloc
     """All-reduce payload of one transformer block for one step (micro-batch b, sequence s,
     hidden h): 2 forward (the g of attention and of the MLP) + 2 backward (their f), each of
     b*s*h elements, independent of the tp size (Megatron-LM, section 3). The bytes each rank
-    puts on the wire are the algorithm's: ring 2*(P-1)/P of each payload (distrain.comm.cost)."""
+    puts on the wire are the algorithm's: ring 2*(P-1)/P of each payload (distrain.comm.algorithms.cost)."""
     one = b * s * h * elem_size
     return BlockAllReduceBytes(forward=2 * one, backward=2 * one)

@@ -16,8 +16,8 @@ have one extra element); tree children/span as in tree.py. Only payload bytes co
 
 from __future__ import annotations
 
-from distrain.comm.registry import REGISTRY
-from distrain.comm.util import chunk_sizes
+from distrain.comm.core.registry import REGISTRY
+from distrain.comm.core.util import chunk_sizes
 
 __all__ = ["chunk_sizes", "traffic"]
 

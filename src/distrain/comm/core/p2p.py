@@ -17,12 +17,12 @@ import threading
 
 import torch
 
-from distrain.comm import ledger as _ledger
-from distrain.comm import tags
-from distrain.comm.group import GroupState, resolve
-from distrain.comm.torchargs import torch_call
-from distrain.comm.transports import Transport, Work
-from distrain.comm.util import DTYPE_CODE, WIRE_DTYPES, check_int, dtype_name, nbytes
+from distrain.comm.core import ledger as _ledger
+from distrain.comm.core import tags
+from distrain.comm.core.group import GroupState, resolve
+from distrain.comm.core.torchargs import torch_call
+from distrain.comm.core.transport import Transport, Work
+from distrain.comm.core.util import DTYPE_CODE, WIRE_DTYPES, check_int, dtype_name, nbytes
 from distrain.errors import CommError, ConfigError
 
 

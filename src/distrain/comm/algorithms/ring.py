@@ -28,11 +28,14 @@ Buffer conventions are those of star.py.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
-from distrain.comm.ops import Op
-from distrain.comm.p2p import PeerComm, scratch, waitall
-from distrain.comm.util import chunk_sizes
+from distrain.comm.core import registry
+from distrain.comm.core.ops import Op
+from distrain.comm.core.p2p import PeerComm, scratch, waitall
+from distrain.comm.core.util import chunk_sizes
 
 # Broadcast pipelines pieces of this many bytes (more pieces = more overlap, more messages).
 PIPELINE_BYTES = 1 << 20
@@ -198,3 +201,6 @@ def traffic(coll: str, P: int, rank: int, count: int, root: int) -> tuple[int, i
     if coll == "gather":
         return (0, (P - 1) * n) if v == 0 else ((P - v) * n, (P - v - 1) * n)
     raise ValueError(f"ring.traffic: no model for {coll!r}")
+
+
+registry.register("ring", sys.modules[__name__])

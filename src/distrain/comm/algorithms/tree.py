@@ -24,11 +24,14 @@ Buffer conventions are those of star.py.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
-from distrain.comm.ops import Op
-from distrain.comm.p2p import PeerComm, scratch, waitall
-from distrain.comm.util import COMPOSED_AT_ROOT
+from distrain.comm.core import registry
+from distrain.comm.core.ops import Op
+from distrain.comm.core.p2p import PeerComm, scratch, waitall
+from distrain.comm.core.util import COMPOSED_AT_ROOT
 
 ROOT = 0
 
@@ -163,3 +166,6 @@ def traffic(coll: str, P: int, rank: int, count: int, root: int) -> tuple[int, i
         "reduce_scatter": (P * n * nonroot + (span - 1) * n, P * n * kids + span * n * nonroot),
     }
     return table[coll]
+
+
+registry.register("tree", sys.modules[__name__])

@@ -44,6 +44,8 @@ SHM_DIR = "/dev/shm"
 PREFIX = "distrain-"
 LINE = 64  # bytes per cache line: every flag sits alone on its line (no false sharing)
 _I64_PER_LINE = LINE // 8
+# ctrl lines of a segment (see Layout): which line each flag lives on
+ARRIVE, DONE, ABORT, PID, RESULT, SLEEPING = 0, 1, 2, 3, 4, 5
 _NAME_RE = re.compile(r"^distrain-(\d+)-[0-9a-f]{8}-")
 
 

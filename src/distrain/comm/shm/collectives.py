@@ -25,7 +25,7 @@ reduce_scatter: step with the P pieces destined to each rank; rank r folds piece
 slots. all_gather / gather: each copies its piece in; readers copy all. broadcast / scatter:
 the root copies in, the others copy out. reduce: all copy in, the root folds.
 
-Why a slot is never overwritten while a peer reads it: see shm.py (double buffering and
+Why a slot is never overwritten while a peer reads it: see transport.py (double buffering and
 the wait for every peer at each step).
 """
 
@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import torch
 
-from distrain.comm.ops import Op
-from distrain.comm.shm import ARRIVE, DONE
-from distrain.comm.util import chunk_sizes
+from distrain.comm.core.ops import Op
+from distrain.comm.shm.segment import ARRIVE, DONE
+from distrain.comm.core.util import chunk_sizes
 
 SMALL_BYTES = 32 << 10
 READS_INPUT_ONLY = True  # reduce_scatter reads its input in place (api.reduce_scatter skips the work copy)

@@ -21,7 +21,7 @@ import warnings
 
 import torch.distributed as dist
 
-from distrain.comm.group import _states as _member_of
+from distrain.comm.core.group import _states as _member_of
 from distrain.errors import ConfigError
 
 

@@ -2,7 +2,7 @@
 
 Usage::
 
-    with distrain.comm.ledger() as led:
+    with distrain.comm.core.ledger() as led:
         comm.all_reduce(t, algorithm="ring")
     led.bytes_sent("all_reduce", "ring")   # exact payload bytes this rank sent
 

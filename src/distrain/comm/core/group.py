@@ -18,8 +18,9 @@ from concurrent.futures import Future
 
 import torch.distributed as dist
 
-from distrain.comm import tags, transports
-from distrain.comm.util import check_int
+from distrain.comm.core import tags
+from distrain.comm.core import transport as transports
+from distrain.comm.core.util import check_int
 from distrain.errors import CommError, ConfigError
 
 
@@ -65,7 +66,7 @@ class GroupState:
 
     @property
     def transport(self) -> transports.Transport:
-        """This group's transport, built on first use (see transports.py for the choice)."""
+        """This group's transport, built on first use (see transport.py for the choice)."""
         if self._transport is None:
             choice = self._transport_choice or transports.default_transport()
             self._transport = transports.build(choice, self)

@@ -14,13 +14,16 @@ Names:
 
 * ``"torch"``: torch.distributed's point-to-point (Gloo over TCP on CPU, NCCL on GPU), and
   its native collectives;
-* ``"shm"``: shared memory between the ranks of this host (shm.py); every rank of the group
-  must be on this host; native collectives are the direct shared-memory ones (shm_coll.py);
+* ``"shm"``: shared memory between the ranks of this host (comm/shm/); every rank of the
+  group must be on this host; native collectives are the direct shared-memory ones;
 * ``"auto"``: shared memory with the peers on this host and torch with the others (decided
   per peer through the store); native all_reduce of a group spread over several hosts is
-  hierarchical (hierarchy.py), other native collectives of such a group are torch's.
+  hierarchical (shm/hierarchy.py), other native collectives of such a group are torch's.
   On a machine where shared memory is not supported (not x86-64, no /dev/shm), ``auto``
   is ``torch``.
+
+The core does not import the shared-memory transport: comm/shm/ registers a factory here
+(:func:`register_shm`), so the dependency runs from shm to the core only.
 
 Contract: ``isend``/``irecv`` take *global* ranks, a contiguous tensor and a tag, and return
 a handle with ``wait()``. Messages between one pair of ranks with the same tag on the same
@@ -80,6 +83,16 @@ _default = "torch"
 _timeout = 300.0  # seconds a shared-memory wait may take (the process group's timeout)
 
 
+_shm_factory = None  # set by comm/shm/__init__.py: (supported() -> str | None, make(state, timeout, strict, fallback))
+
+
+def register_shm(unsupported, make) -> None:
+    """Called once by the shared-memory package: ``unsupported()`` gives None when this host
+    can use shared memory, else the reason; ``make(...)`` builds a group's transport."""
+    global _shm_factory
+    _shm_factory = (unsupported, make)
+
+
 def check_name(name, where: str) -> str:
     if name not in TRANSPORT_NAMES:
         raise ConfigError(f"{where}: unknown transport {name!r}; use one of {', '.join(TRANSPORT_NAMES)}")
@@ -111,10 +124,9 @@ def build(choice, state) -> Transport:
     check_name(choice, "set_transport")
     if choice == "torch":
         return TORCH
-    from distrain.comm import shm
-    if not shm.supported():
+    why = "distrain.comm.shm is not loaded" if _shm_factory is None else _shm_factory[0]()
+    if why is not None:
         if choice == "auto":
             return TORCH
-        raise ConfigError(f"transport 'shm' needs x86-64 and {shm.seg_mod.SHM_DIR} (this machine: "
-                          f"{shm.platform.machine()}); use transport 'torch' or 'auto'")
-    return shm.ShmTransport(state, _timeout, strict=choice == "shm", fallback=TORCH)
+        raise ConfigError(f"transport 'shm' cannot be used here: {why}; use transport 'torch' or 'auto'")
+    return _shm_factory[1](state, _timeout, strict=choice == "shm", fallback=TORCH)

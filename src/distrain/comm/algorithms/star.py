@@ -22,11 +22,14 @@ P*n buffer; reduce_scatter = reduce of the P*n buffer to 0 + scatter from 0.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
-from distrain.comm.ops import Op
-from distrain.comm.p2p import PeerComm, scratch, waitall
-from distrain.comm.util import COMPOSED_AT_ROOT
+from distrain.comm.core import registry
+from distrain.comm.core.ops import Op
+from distrain.comm.core.p2p import PeerComm, scratch, waitall
+from distrain.comm.core.util import COMPOSED_AT_ROOT
 
 ROOT = 0  # the master of the composed collectives
 
@@ -117,3 +120,6 @@ def traffic(coll: str, P: int, rank: int, count: int, root: int) -> tuple[int, i
         "reduce_scatter": ((P - 1) * n, (P - 1) * P * n) if v == 0 else (P * n, n),
     }
     return table[coll]
+
+
+registry.register("star", sys.modules[__name__])

@@ -13,7 +13,7 @@ copied aside (``stash``) and handed to the next matching ``irecv``, so other tag
 block it. There is no background thread: whichever thread waits on any handle drives
 progress for all channels of the group (both directions), so two ranks sending to each
 other before receiving cannot deadlock. Visibility: data is written before the head that
-covers it, read after the head that covers it (see shm.py).
+covers it, read after the head that covers it (see transport.py).
 """
 
 from __future__ import annotations

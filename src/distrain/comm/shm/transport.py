@@ -1,16 +1,16 @@
 """The shared-memory transport: ranks of one host exchange bytes through /dev/shm.
 
 One :class:`ShmTransport` per process group. On first use it creates this rank's segment
-(shm_segment.py), publishes ``name size host pid`` in the process group's store under
+(segment.py), publishes ``name size host pid`` in the process group's store under
 ``distrain-shm/<group name>/<group rank>``, and later opens a peer's segment by reading
 that key (blocking until the peer has published it). Lazy, per peer: a point-to-point
 pair never waits for ranks it does not talk to.
 
 * Collectives (``algorithm="native"`` on this transport) are the direct ones of
-  shm_coll.py: each rank copies its contribution into its slot once, publishes a step
+  collectives.py: each rank copies its contribution into its slot once, publishes a step
   number in its control line, and reads or reduces straight from its peers' slots.
 * Point-to-point (``isend``/``irecv``, what star/ring/tree use) goes through byte rings in
-  the sender's segment (shm_p2p.py), ordered per pair and tag.
+  the sender's segment (p2p.py), ordered per pair and tag.
 
 Visibility between processes (why a reader never sees stale data): a writer stores the
 data first and the step number (a single aligned 8-byte store) afterwards; a reader loads
@@ -25,7 +25,7 @@ supported (other architectures would need explicit fences): ``auto`` falls back 
 
 Waiting never starves the other ranks of a 2-core machine: spin briefly (the peer may be
 running on the other core and about to publish), then block in the kernel on this rank's
-wake-up pipe (shm_segment.py) until a peer writes to it, as a socket read would: a rank
+wake-up pipe (segment.py) until a peer writes to it, as a socket read would: a rank
 announces that it blocks (its SLEEPING line), re-checks, and blocks; a rank that publishes a
 flag then writes a byte to every peer that announced it blocks. A full fence between the
 store and the load on each side (:func:`fence`) rules out the lost wake-up (x86-64 may
@@ -46,11 +46,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from distrain.comm import shm_segment as seg_mod
-from distrain.comm.shm_segment import Layout, Segment
+from distrain.comm.shm import segment as seg_mod
+from distrain.comm.shm import collectives, hierarchy
+from distrain.comm.shm.p2p import Channels
+from distrain.comm.shm.segment import ABORT, ARRIVE, DONE, PID, RESULT, SLEEPING, Layout, Segment
 from distrain.errors import CommError
 
-ARRIVE, DONE, ABORT, PID, RESULT, SLEEPING = 0, 1, 2, 3, 4, 5
 # A collective step moves at most this much per rank. 1 MiB: a rank's slot fits its L2, so
 # the fold reads both slots from cache. Quiet machine, ranks bound to cores, P=2 all_reduce,
 # three alternations: 9.0-9.6 GB/s busbw at 16-64 MiB against 7.5-8.6 with 4 MiB slots, the
@@ -92,8 +93,19 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def unsupported() -> str | None:
+    """None when this host can use the transport, else why not (in words for an error)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"it needs x86-64 (its ordering of memory accesses), this machine is {platform.machine()}"
+    if not os.path.isdir(seg_mod.SHM_DIR):
+        return f"{seg_mod.SHM_DIR} does not exist"
+    if not os.access(seg_mod.SHM_DIR, os.W_OK):
+        return f"{seg_mod.SHM_DIR} is not writable by this user"
+    return None
+
+
 def supported() -> bool:
-    return platform.machine() in ("x86_64", "AMD64") and os.path.isdir(seg_mod.SHM_DIR)
+    return unsupported() is None
 
 
 class ShmTransport:
@@ -121,7 +133,7 @@ class ShmTransport:
         self._names: dict[int, tuple[str, int]] = {self.rank: (self.me.name, self.layout.total)}
         self.step = 0  # collective steps done; identical on every rank (same calls, same order)
         self.coll = "collective"  # what the current wait is for, for error messages
-        self.p2p = None  # built on the first point-to-point message (shm_p2p.Channels)
+        self.p2p = None  # built on the first point-to-point message (p2p.Channels)
         self._unlinked = False
         self._all_local: bool | None = None
         self._sleeping, self._sleep_lock = 0, threading.Lock()
@@ -159,10 +171,8 @@ class ShmTransport:
         group is on this host; for a group over several hosts (auto) a hierarchical all_reduce,
         and torch's native collectives otherwise."""
         if self.strict or self.all_local():
-            from distrain.comm import shm_coll
-            return shm_coll
+            return collectives
         if collective == "all_reduce":
-            from distrain.comm import hierarchy
             return hierarchy
         return None
 
@@ -314,7 +324,6 @@ class ShmTransport:
         if self.p2p is None:
             with self._open_lock:  # one Channels per group, whichever thread sends first
                 if self.p2p is None:
-                    from distrain.comm.shm_p2p import Channels
                     self.p2p = Channels(self)
         return self.p2p
 

@@ -1,14 +1,15 @@
 """The one registry of collective algorithms, and the interface each one implements.
 
-The dispatcher (api.py), the traffic model (cost.py), the CLI/config validation and the
-tests all read :data:`REGISTRY`; adding an algorithm is one module implementing
-:class:`Algorithm` plus one line in ``REGISTRY``. ``"native"`` is not in the registry: it
+The dispatcher (api.py), the traffic model (algorithms/cost.py), the CLI/config validation
+and the tests all read :data:`REGISTRY`. An algorithm is one module in ``comm/algorithms/``
+implementing :class:`Algorithm` that calls :func:`register` on itself; the core never
+imports an algorithm (the shared-memory transport asks for one by name, :func:`get`). ``"native"`` is not in the registry: it
 means "the transport's own collective" (Gloo/NCCL for the torch transport, the direct
 shared-memory collectives for the shm transport) and is handled by the dispatcher.
 
 Buffer conventions every algorithm follows (the dispatcher prepares them):
 
-* ranks are *group* ranks 0..P-1 of ``pc`` (a :class:`~distrain.comm.p2p.PeerComm`), and
+* ranks are *group* ranks 0..P-1 of ``pc`` (a :class:`~distrain.comm.core.p2p.PeerComm`), and
   ``root`` is a group rank;
 * ``buf``/``inp``/``out`` are flat contiguous 1-D tensors of n elements;
 * ``full`` is a flat buffer of P*n elements, slot i = full[i*n:(i+1)*n] belongs to rank i
@@ -23,9 +24,8 @@ from typing import Protocol
 
 import torch
 
-from distrain.comm import ring, star, tree
-from distrain.comm.ops import Op
-from distrain.comm.p2p import PeerComm
+from distrain.comm.core.ops import Op
+from distrain.comm.core.p2p import PeerComm
 from distrain.errors import ConfigError
 
 OPERATIONS = ("broadcast", "reduce", "all_reduce", "scatter", "gather", "all_gather", "reduce_scatter")
@@ -54,14 +54,23 @@ class Algorithm(Protocol):
         ...
 
 
-REGISTRY: dict[str, Algorithm] = {
-    "star": star,
-    "ring": ring,
-    "tree": tree,
-}
-
+REGISTRY: dict[str, Algorithm] = {}  # filled by comm/algorithms/*.py as they are imported
 NATIVE = "native"
-ALGORITHM_NAMES: tuple[str, ...] = (NATIVE, *REGISTRY)
+
+
+def register(name: str, module) -> None:
+    """Make ``module`` (implementing :class:`Algorithm`) the algorithm called ``name``."""
+    missing = missing_functions(module)
+    if missing:
+        raise ConfigError(f"algorithm {name!r} ({module.__name__}) lacks {', '.join(missing)}")
+    if name == NATIVE or (name in REGISTRY and REGISTRY[name] is not module):
+        raise ConfigError(f"algorithm name {name!r} is taken")
+    REGISTRY[name] = module
+
+
+def names() -> tuple[str, ...]:
+    """"native" then every registered algorithm, in registration order."""
+    return (NATIVE, *REGISTRY)
 
 
 def missing_functions(module) -> list[str]:
@@ -75,5 +84,5 @@ def get(name: str, collective: str) -> Algorithm | None:
         return None
     alg = REGISTRY.get(name) if isinstance(name, str) else None
     if alg is None:
-        raise ConfigError(f"{collective}: unknown algorithm {name!r}; use one of {', '.join(ALGORITHM_NAMES)}")
+        raise ConfigError(f"{collective}: unknown algorithm {name!r}; use one of {', '.join(names())}")
     return alg

@@ -25,12 +25,12 @@ from types import SimpleNamespace
 
 import torch
 
-from distrain.comm import ring
-from distrain.comm.ops import Op
-from distrain.comm.p2p import PeerComm
-from distrain.comm.shm import ARRIVE, DONE, RESULT
-from distrain.comm.transports import TORCH
-from distrain.comm.util import chunk_sizes
+from distrain.comm.core import registry
+from distrain.comm.core.ops import Op
+from distrain.comm.core.p2p import PeerComm
+from distrain.comm.shm.segment import ARRIVE, DONE, RESULT
+from distrain.comm.core.transport import TORCH
+from distrain.comm.core.util import chunk_sizes
 
 
 def _plan(sh) -> SimpleNamespace:
@@ -84,7 +84,7 @@ def all_reduce(pc: PeerComm, buf: torch.Tensor, op: Op) -> None:
                 if k != i:
                     x[lo:hi].copy_(slots[k][lo:hi])
             if len(plan.leaders) > 1:
-                ring.all_reduce(_leaders_comm(pc, sh, plan), x, op)
+                registry.get("ring", "all_reduce").all_reduce(_leaders_comm(pc, sh, plan), x, op)
             slots[i].copy_(x)
             sh.post(RESULT, step)
         else:

@@ -1,0 +1,19 @@
+"""The shared-memory transport between the ranks of one host (as NCCL's and MPI's shm paths).
+
+    segment.py      one rank's /dev/shm segment: control lines, slots, byte rings, wake-up pipe
+    transport.py    ShmTransport: segments per group, adaptive waits, abort, dead-peer checks
+    p2p.py          isend/irecv through per-pair byte rings (what star/ring/tree run on)
+    collectives.py  direct collectives ("native" on this transport): read peers' slots in place
+    hierarchy.py    all_reduce of a group over several hosts: shm inside, torch between leaders
+
+Imports the core only. It registers itself with :mod:`distrain.comm.core.transport` on
+import, and asks :mod:`distrain.comm.core.registry` for an algorithm by name (the ring between
+host leaders) instead of importing one.
+"""
+
+from distrain.comm.core import transport as _core_transport
+from distrain.comm.shm.transport import ShmTransport, host_id, set_host_id, supported, unsupported
+
+_core_transport.register_shm(unsupported, ShmTransport)
+
+__all__ = ["ShmTransport", "host_id", "set_host_id", "supported", "unsupported"]
