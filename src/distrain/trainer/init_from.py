@@ -3,10 +3,10 @@
 SOURCE is one of
 
 * a Hugging Face model folder: ``config.json`` and ``model.safetensors`` or a sharded
-  ``model.safetensors.index.json`` of a ``LlamaForCausalLM`` (read by trainer/hf_io.py);
+  ``model.safetensors.index.json`` of a ``LlamaForCausalLM`` (read by trainer/checkpoint_read.py);
 * a run folder: its committed checkpoint set, any layout, consolidated (trainer/reshard.py);
 * a checkpoint file: what ``distrain checkpoint consolidate`` writes, a
-  ``torch.save(model.state_dict())`` file or a ``.safetensors`` file (checkpoint_cli.read_file).
+  ``torch.save(model.state_dict())`` file or a ``.safetensors`` file (checkpoint_read.read_file).
 
 The run is new: step 0, a fresh optimizer built from this run's ``--optimizer``/``--lr``/...,
 this run's ``--data``; only the weights come from SOURCE. ``--resume`` is the other thing: it
@@ -45,66 +45,23 @@ from pathlib import Path
 import torch
 
 from distrain.errors import ConfigError
+from distrain.trainer import checkpoint, reshard
+from distrain.trainer.checkpoint_models import (HF, check_weights, hf_llama_config, hf_record, is_hf_name,
+                                                llama_model_name, model_state, module_state)
+from distrain.trainer.checkpoint_read import is_hf_folder, load_llama, read_file
+from distrain.trainer.config import CUSTOM, TrainConfig
+from distrain.trainer.custom import UserParts, is_spec
+from distrain.trainer.data_vocab import model_overrides, shard_folder, vocab_error
 
 WHO = "--init-from"
-HF = "hf:"
 WHAT = ("give a Hugging Face model folder (config.json with model.safetensors or model.safetensors.index.json), a "
         "run folder (with checkpoint.json), or a checkpoint file (`distrain checkpoint consolidate`'s, a "
         "torch.save(model.state_dict()) file or a .safetensors file)")
 HF_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-def is_hf_name(name) -> bool:
-    """``hf:DIR``: the Llama that DIR/config.json describes."""
-    return isinstance(name, str) and name.startswith(HF)
-
-
 def _default_model() -> str:
-    from distrain.trainer.config import TrainConfig
-
     return TrainConfig.__dataclass_fields__["model"].default
-
-
-def llama_model_name(cfg, folder) -> str:
-    """The trainer's name for Llama config ``cfg`` read from HF folder ``folder``: the trainable preset it
-    equals, else ``hf:`` + the folder's absolute path."""
-    from distrain.models import preset_config
-    from distrain.models.llama import LlamaConfig
-    from distrain.trainer.hf_io import EXPORTABLE
-
-    for name in EXPORTABLE:
-        if LlamaConfig(**preset_config(name)) == cfg:
-            return name
-    return HF + str(Path(folder).resolve())
-
-
-def hf_record(name: str, who: str) -> dict:
-    """{"model_config": our LlamaConfig fields, "hf_config": config.json} of model ``hf:DIR``, from DIR."""
-    from distrain.models.llama import config_from_hf
-    from distrain.trainer.hf_io import CONFIG, read_config
-
-    folder = Path(name[len(HF):])
-    config = read_config(folder, who)
-    try:
-        cfg = config_from_hf(config)
-    except ConfigError as e:
-        raise ConfigError(f"{who}: {folder / CONFIG}: {str(e).removeprefix('from_hf: ')}") from None
-    return {"model_config": dataclasses.asdict(cfg), "hf_config": config}
-
-
-def hf_state(name: str, who: str):
-    """(shapes, tied names) of model ``hf:DIR``, built on the meta device (checkpoint_cli.check_weights)."""
-    from distrain.models.llama import Llama
-    from distrain.trainer.checkpoint_cli import module_state
-
-    with torch.device("meta"):
-        return module_state(Llama(hf_llama_config(name, who)))
-
-
-def hf_llama_config(name: str, who: str):
-    from distrain.models.llama import LlamaConfig
-
-    return LlamaConfig(**hf_record(name, who)["model_config"])
 
 
 # -- what SOURCE is ----------------------------------------------------------------------------------------
@@ -127,9 +84,6 @@ def describe(path) -> Source:
 
 @functools.lru_cache(maxsize=8)
 def _describe(key: str, stamp: tuple, path: str) -> Source:
-    from distrain.trainer import checkpoint, hf_io, reshard
-    from distrain.trainer.checkpoint_cli import read_file
-
     p = Path(path)
     if p.is_dir() and (p / checkpoint.MANIFEST).exists():
         try:
@@ -139,7 +93,7 @@ def _describe(key: str, stamp: tuple, path: str) -> Source:
         model, record = manifest.get("model"), {k: manifest.get(k) for k in ("model_config", "hf_config")}
         kind = "run"
     elif p.is_dir():
-        if not hf_io.is_hf_folder(p):
+        if not is_hf_folder(p):
             raise ConfigError(f"{WHO} {p}: the folder holds neither checkpoint.json (a run) nor config.json (a Hugging "
                               f"Face model); {WHAT}")
         record = hf_record(HF + str(p), WHO)
@@ -178,9 +132,6 @@ def _llama_of(name: str):
 def resolve(cfg) -> None:
     """Set ``cfg.model`` (None: left out) to the model this run builds: SOURCE's under --init-from, the
     run's own under --resume, else the default; ``hf:DIR`` with DIR absolute. Call before ``cfg.validate()``."""
-    from distrain.trainer import checkpoint
-    from distrain.trainer.config import CUSTOM
-
     manifest = Path(cfg.out) / checkpoint.MANIFEST
     if cfg.init_from and cfg.resume == "auto" and manifest.exists():
         cfg.init_from = ""  # a restarted job (launch --max-restarts) continues its own run
@@ -228,8 +179,6 @@ def run_meta(cfg) -> dict:
 
 
 def _hf_run_record(model: str, init_from: str, out: str, resume: bool) -> dict:
-    from distrain.trainer import checkpoint
-
     if init_from:  # resolve() made cfg.model SOURCE's model, or one of the same config
         src = describe(init_from)
         if src.model_config:
@@ -249,28 +198,21 @@ def build_model(cfg):
 
         return Llama(_llama(model_config(cfg)))
     from distrain.models import build_model as build_preset
-    from distrain.trainer.task import model_overrides
 
     return build_preset(cfg.model, **model_overrides(cfg))
 
 
 def user_parts(cfg):
     """``UserParts.from_config`` for this run (an ``hf:`` model is no PKG.MOD:FACTORY)."""
-    from distrain.trainer.config import CUSTOM
-    from distrain.trainer.custom import UserParts
-
     return UserParts.from_config(dataclasses.replace(cfg, model=CUSTOM) if is_hf_name(cfg.model) else cfg)
 
 
 # -- the weights -------------------------------------------------------------------------------------------
 def state_dict(path) -> dict[str, torch.Tensor]:
     """SOURCE's whole state dict by our parameter names."""
-    from distrain.trainer import hf_io, reshard
-    from distrain.trainer.checkpoint_cli import read_file
-
     src = describe(path)
     if src.kind == "hf":
-        return hf_io.load_llama(path, WHO)[1]
+        return load_llama(path, WHO)[1]
     if src.kind == "run":
         try:
             return reshard.consolidate(path)["model"]
@@ -281,8 +223,6 @@ def state_dict(path) -> dict[str, torch.Tensor]:
 
 
 def _match(cfg, weights: dict, state) -> dict:
-    from distrain.trainer.checkpoint_cli import check_weights
-
     fix = (f"give --init-from a checkpoint of --model {cfg.model}, or leave --model out to train the checkpoint's "
            f"own model")
     if any(n in weights for n in HF_NAMES):
@@ -293,8 +233,6 @@ def _match(cfg, weights: dict, state) -> dict:
 
 def load_into(model: torch.nn.Module, cfg) -> None:
     """Every rank: SOURCE's whole state dict into the whole model (strict), before the engine shards it."""
-    from distrain.trainer.checkpoint_cli import module_state
-
     weights = _match(cfg, state_dict(cfg.init_from), module_state(model))
     with torch.no_grad():
         model.load_state_dict(weights, strict=True)
@@ -321,10 +259,8 @@ def check(cfg, parts=None) -> None:
 
 
 def _check_weights(cfg, parts) -> None:
-    from distrain.trainer import hf_io
-
     if describe(cfg.init_from).kind == "hf":
-        weights = hf_io.load_llama(cfg.init_from, WHO, shapes_only=True)[1]  # the headers: no tensor is read
+        weights = load_llama(cfg.init_from, WHO, shapes_only=True)[1]  # the headers: no tensor is read
     else:
         weights = state_dict(cfg.init_from)
     _match(cfg, weights, _expected(cfg, parts))
@@ -332,9 +268,6 @@ def _check_weights(cfg, parts) -> None:
 
 def _expected(cfg, parts):
     """(shapes, tied names) of the model this run builds: yours, your factory's, or built on the meta device."""
-    from distrain.trainer.checkpoint_cli import model_state, module_state
-    from distrain.trainer.custom import is_spec
-
     if parts is not None and isinstance(getattr(parts, "model", None), torch.nn.Module):
         return module_state(parts.model)
     if is_spec(cfg.model) and not is_hf_name(cfg.model):
@@ -345,7 +278,6 @@ def _expected(cfg, parts):
 
 def _check_hf_layout(cfg) -> None:
     from distrain.models.llama import check_llama_tp_sizes
-    from distrain.trainer.task import shard_folder, vocab_error
 
     c = _llama(model_config(cfg))
     if cfg.tp > 1:

@@ -22,6 +22,7 @@ from distrain.data import load_digits, load_fashion_mnist, load_text_datasets
 from distrain.errors import ConfigError
 from distrain.models import classification_loss, lm_loss
 from distrain.trainer.config import TrainConfig
+from distrain.trainer.data_vocab import model_overrides, shard_folder, vocab_error  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -81,26 +82,6 @@ def build_task(cfg: TrainConfig, block_size: int | None, device: torch.device = 
 DATA_RECORD = "data.json"  # in --out: the shard folder and its tokenizer's fingerprint (checked on --resume)
 
 
-def shard_folder(cfg: TrainConfig) -> str | None:
-    """``--data`` when it is a shard folder (a folder holding meta.json), else None."""
-    from distrain.data.shards import is_shard_folder
-
-    return cfg.data if cfg.data_kind == "text" and cfg.data != "shakespeare" and is_shard_folder(cfg.data) else None
-
-
-def model_overrides(cfg: TrainConfig) -> dict:
-    """What a preset takes from the data: a shard folder's vocabulary when it exceeds 256 bytes
-    (``build_model(cfg.model, **model_overrides(cfg))``); nothing otherwise."""
-    from distrain.data.shards import read_meta
-    from distrain.models import preset_config
-
-    folder = shard_folder(cfg)
-    if folder is None or cfg.custom_model:
-        return {}
-    vocab = int(read_meta(folder, check_files=False)["vocab_size"])
-    return {"vocab_size": vocab} if vocab > 256 and "vocab_size" in preset_config(cfg.model) else {}
-
-
 def model_vocab_size(model) -> int | None:
     """The number of token ids ``model`` embeds: ``model.config.vocab_size``, else its first nn.Embedding's rows."""
     n = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -108,14 +89,6 @@ def model_vocab_size(model) -> int | None:
         emb = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
         n = emb.num_embeddings if emb is not None else None
     return None if n is None else int(n)
-
-
-def vocab_error(cfg: TrainConfig, model_vocab: int, meta: dict) -> str:
-    folder = shard_folder(cfg)
-    return (f"--data {folder}: its tokenizer ({meta['tokenizer']['spec']}, {Path(folder) / 'meta.json'}) has "
-            f"vocab_size {meta['vocab_size']} but --model {cfg.model} has vocab_size {model_vocab}: token ids would "
-            f"fall outside the embedding; build the model with vocab_size >= {meta['vocab_size']} (a preset takes "
-            f"the data's vocabulary by itself), or prepare the data with a tokenizer of at most {model_vocab} tokens")
 
 
 def check_model_vocab(cfg: TrainConfig, model) -> None:
