@@ -32,6 +32,33 @@ def test_bench_train_end_to_end(tmp_path, capsys):
     assert "vs torch-ddp" in table and "over local" in table
 
 
+@pytest.mark.timeout(120)
+def test_bench_train_single_threads(tmp_path, capsys):
+    import os
+
+    out = tmp_path / "s.json"
+    assert main(["bench", "train", "--nproc", "2", "--strategies", "single-threads", "--model", "mlp-tiny",
+                 "--steps", "2", "--warmup", "1", "--batch-size", "16", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    records = {(r["nproc"], r["strategy"]): r for r in data["records"]}
+    assert set(records) == {(1, "single"), (1, "single-threads")}  # one process, whatever --nproc is
+    st = records[(1, "single-threads")]
+    assert st["threads"] == len(os.sched_getaffinity(0)) and st["throughput"] > 0 and st["unit"] == "samples"
+    assert st["speedup"] == pytest.approx(st["throughput"] / records[(1, "single")]["throughput"])
+    assert data["meta"]["background_load"] == 0
+    assert sorted(w["strategy"] for w in data["meta"]["loadavg_per_measurement"]) == ["single", "single-threads"]
+    assert "single-threads" in capsys.readouterr().out
+
+
+def test_bench_train_single_threads_in_every_round():
+    from distrain.bench import train_bench
+
+    # beside single, once whatever --nproc is; rotated with the others in every round like local
+    assert train_bench._jobs([1, 2, 4], ["ddp", "local", "single-threads"], 1) == [
+        (1, "single", "torch"), (1, "single-threads", "torch"), (2, "ddp", "torch"), (2, "local", "torch"),
+        (4, "ddp", "torch"), (4, "local", "torch")]
+
+
 def test_bench_train_bad_flags():
     assert main(["bench", "train", "--strategies", "allreduce"]) == 2
     assert main(["bench", "train", "--model", "resnet"]) == 2

@@ -52,25 +52,27 @@ the reported size is the exact P*n*elem). ``algbw = S / time`` and ``busbw = alg
 with factor 2(P-1)/P for all_reduce, (P-1)/P for all_gather, reduce_scatter, scatter and
 gather, 1 for broadcast and reduce. GB/s = 1e9 bytes/s. barrier has no size: time only.
 Roots (src/dst) are rank 0.
+
+``--background-load N`` starts N busy processes (:mod:`distrain.bench.background`) before the
+first spawn and stops them after the last; every cell records the load average at its start
+and end. The per-rank side (steps 1-7) lives in :mod:`distrain.bench.comm_timing`.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
 
-import torch
-
-from distrain.bench import common, comm_predict
+from distrain.bench import background, common, comm_predict
 from distrain.bench.comm_report import (  # noqa: F401  (re-exported: the conventions are part of this API)
     bandwidths, busbw_factor, format_markdown, format_tables, full_size, per_rank_count, plot)
+from distrain.bench.comm_timing import (  # noqa: F401  (re-exported: the per-rank side, see comm_timing)
+    _DTYPES, BURST_S, MAX_BURST, MAX_ITERS, MIN_ITERS, ROOT, TARGET_S, _case, _worker, labels)
 from distrain.comm.api import ALGORITHM_NAMES, COLLECTIVES
 from distrain.comm.core.transport import TRANSPORT_NAMES
-from distrain.comm.core.ops import SUPPORTED_DTYPES
 from distrain.errors import ConfigError
 
 DEFAULT_NPROC = "2,4"
@@ -78,12 +80,6 @@ DEFAULT_OPS = "all_reduce"
 DEFAULT_ALGORITHMS = ",".join(ALGORITHM_NAMES)
 DEFAULT_SIZES = "4K,256K,4M,16M"
 DEFAULT_TRANSPORTS = "torch"
-TARGET_S = 0.5  # adaptive iterations: about this long per cell ...
-MIN_ITERS, MAX_ITERS = 5, 50  # ... but at least / at most this many iterations
-BURST_S, MAX_BURST = 2e-3, 200  # calls back to back per timed sample: about 2 ms, at most 200
-ROOT = 0
-
-_DTYPES = {str(d).removeprefix("torch."): d for d in SUPPORTED_DTYPES if d != torch.bool}
 
 
 # ---------------------------------------------------------------------------------------
@@ -122,6 +118,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="add the cost model's predicted_us to every record, with links from a `distrain bench link "
                         "--json` file, or (no value) from a short ping-pong at the start (docs/cost_model.md)")
     p.add_argument("--timeout", default="3600", help="seconds allowed for each world size's spawn (default 3600)")
+    background.add_argument(p)
 
 
 def _int(text, flag: str, minimum: int) -> int:
@@ -160,6 +157,7 @@ def parse_config(args: argparse.Namespace) -> dict[str, Any]:
         "bind_cores": None,
         "target_s": TARGET_S,
         "predict": getattr(args, "predict", None),
+        "background_load": background.parse(getattr(args, "background_load", 0)),
     }
     bind = getattr(args, "bind_cores", "auto")
     cfg["bind_cores"] = (bind == "on") if bind != "auto" else any(t in ("shm", "auto") for t in cfg["transports"])
@@ -170,180 +168,6 @@ def parse_config(args: argparse.Namespace) -> dict[str, Any]:
         common.require_pyplot()  # fail before the (long) measurement, not after
     return cfg
 
-
-# ---------------------------------------------------------------------------------------
-# One (op, size) case on one rank
-# ---------------------------------------------------------------------------------------
-
-def labels(algorithms: list[str], transports: list[str]) -> list[str]:
-    """Column labels: the algorithm on torch, ``alg@transport`` on the others."""
-    return [a if t == "torch" else f"{a}@{t}" for t in transports for a in algorithms]
-
-
-def _split(label: str, groups: dict) -> tuple[str, Any]:
-    alg, _, t = label.partition("@")
-    return alg, groups[t or "torch"]
-
-
-def _make_call(op: str, n: int, P: int, rank: int, dtype: torch.dtype, groups: dict) -> Callable[[str], None]:
-    """Allocate op's buffers once; return call(label) doing one blocking collective."""
-    from distrain import comm
-
-    z = lambda k: torch.zeros(k, dtype=dtype)  # noqa: E731
-    inner = _make_call_on(op, n, P, rank, z)
-
-    def call(label: str) -> None:
-        alg, group = _split(label, groups)
-        inner(alg, group)
-
-    return call
-
-
-def _make_call_on(op: str, n: int, P: int, rank: int, z) -> Callable[[str, Any], None]:
-    from distrain import comm
-
-    if op == "all_reduce":
-        t = z(n)
-        return lambda a, g: comm.all_reduce(t, algorithm=a, group=g)
-    if op == "broadcast":
-        t = z(n)
-        return lambda a, g: comm.broadcast(t, src=ROOT, algorithm=a, group=g)
-    if op == "reduce":
-        t = z(n)
-        return lambda a, g: comm.reduce(t, dst=ROOT, algorithm=a, group=g)
-    if op == "all_gather":
-        t, lst = z(n), [z(n) for _ in range(P)]
-        return lambda a, g: comm.all_gather(lst, t, algorithm=a, group=g)
-    if op == "reduce_scatter":
-        out, lst = z(n), [z(n) for _ in range(P)]
-        return lambda a, g: comm.reduce_scatter(out, lst, algorithm=a, group=g)
-    if op == "scatter":
-        out, lst = z(n), ([z(n) for _ in range(P)] if rank == ROOT else None)
-        return lambda a, g: comm.scatter(out, lst, src=ROOT, algorithm=a, group=g)
-    if op == "gather":
-        t, lst = z(n), ([z(n) for _ in range(P)] if rank == ROOT else None)
-        return lambda a, g: comm.gather(t, lst, dst=ROOT, algorithm=a, group=g)
-    if op == "barrier":
-        return lambda a, g: comm.barrier(algorithm=a, group=g)
-    raise ConfigError(f"unknown collective {op!r}")
-
-
-def _timed_round(call, algs: list[str], order_shift: int, dist, bursts: list[int]) -> list[float]:
-    """One sample of every algorithm (order rotated by order_shift): after a barrier, ``bursts[k]``
-    calls back to back; returns seconds per call for each algorithm."""
-    A = len(algs)
-    out = [0.0] * A
-    for j in range(A):
-        k = (j + order_shift) % A
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(bursts[k]):
-            call(algs[k])
-        out[k] = (time.perf_counter() - t0) / bursts[k]
-    return out
-
-
-def _choose(last: list[float] | None, cfg: dict, call, algs: list[str], dist) -> tuple[int, list[int]]:
-    """Rounds and bursts, identical on every rank (from the slowest rank's warm-up calls)."""
-    A = len(algs)
-    if cfg["iters"] is not None and cfg["burst"] is not None:
-        return cfg["iters"], [cfg["burst"]] * A
-    if last is None:  # --warmup 0: one untimed probe round
-        last = _timed_round(call, algs, 0, dist, [1] * A)
-    probe = torch.tensor(last, dtype=torch.float64)
-    dist.all_reduce(probe, op=dist.ReduceOp.MAX)
-    t = probe.tolist()
-    bursts = [cfg["burst"] or min(MAX_BURST, max(1, math.ceil(BURST_S / max(x, 1e-9)))) for x in t]
-    round_s = max(sum(b * x for b, x in zip(bursts, t)) / A, 1e-9)  # per algorithm, like one call before
-    iters = cfg["iters"] or common.adaptive_iters(round_s, cfg["target_s"], MIN_ITERS, MAX_ITERS)
-    return iters, bursts
-
-
-def _case(rank: int, P: int, op: str, size: int, cfg: dict, dist, groups: dict) -> list[dict]:
-    from distrain import comm
-
-    dtype = _DTYPES[cfg["dtype"]]
-    elem = torch.tensor([], dtype=dtype).element_size()
-    algs = labels(cfg["algorithms"], cfg["transports"])
-    A = len(algs)
-    n = per_rank_count(op, size, P, elem)
-    S = full_size(op, n, P, elem)
-    call = _make_call(op, n, P, rank, dtype, groups)
-
-    last = None
-    for w in range(cfg["warmup"]):
-        last = _timed_round(call, algs, w, dist, [1] * A)
-    iters, bursts = _choose(last, cfg, call, algs, dist)
-
-    times = torch.zeros(A, iters, dtype=torch.float64)
-    for i in range(iters):
-        times[:, i] = torch.tensor(_timed_round(call, algs, i, dist, bursts), dtype=torch.float64)
-
-    # Traffic: one extra untimed call per algorithm under a ledger.
-    traffic = torch.zeros(A, 2, dtype=torch.int64)
-    for k, a in enumerate(algs):
-        dist.barrier()
-        with comm.ledger() as led:
-            call(a)
-        traffic[k, 0] = led.bytes_sent(op, a.partition("@")[0])
-        traffic[k, 1] = led.bytes_recv(op, a.partition("@")[0])
-
-    all_times = [torch.empty_like(times) for _ in range(P)]
-    dist.all_gather(all_times, times)
-    all_traffic = [torch.empty_like(traffic) for _ in range(P)]
-    dist.all_gather(all_traffic, traffic)
-
-    records = []
-    for k, a in enumerate(algs):
-        per_rank = [t[k].tolist() for t in all_times]  # [rank][iteration]
-        slowest = common.slowest_rank_times(per_rank)
-        sec = common.median(slowest)
-        algbw, busbw = bandwidths(op, S, P, sec)
-        sent = [int(t[k, 0]) for t in all_traffic]
-        recv = [int(t[k, 1]) for t in all_traffic]
-        native = a.startswith("native")
-        records.append({
-            "P": P, "op": op, "algorithm": a, "dtype": cfg["dtype"], "transport": a.partition("@")[2] or "torch",
-            "size_bytes": S, "requested_size_bytes": size if op != "barrier" else 0, "count": n,
-            "iters": iters, "burst": bursts[k], "warmup": cfg["warmup"],
-            "time_us": sec * 1e6, "algbw_GBps": algbw, "busbw_GBps": busbw,
-            "busbw_factor": busbw_factor(op, P),
-            "bytes_sent_max_rank": None if native else max(sent),
-            "bytes_recv_max_rank": None if native else max(recv),
-            "bytes_sent_total": None if native else sum(sent),
-            "times_us": [t * 1e6 for t in slowest],  # per iteration, slowest rank
-        })
-    return records
-
-
-def _worker(rank: int, cfg: dict) -> list[dict] | None:
-    """Runs on every rank of one spawn; rank 0 returns the records."""
-    import torch.distributed as dist
-
-    from distrain import comm
-
-    P = dist.get_world_size()
-    groups: dict[str, Any] = {}
-    for i, t in enumerate(cfg["transports"]):  # one group of all ranks per transport
-        g = None if i == 0 else dist.new_group(list(range(P)))
-        comm.set_transport(t, g)
-        groups[t] = g
-    records: list[dict] = []
-    fabric = comm_predict.setup(cfg["predict"], rank) if cfg.get("predict") else None
-    sizes = cfg["sizes"]
-    t_start = time.perf_counter()
-    for op in cfg["ops"]:
-        for size in (sizes if op != "barrier" else [0]):
-            t0 = time.perf_counter()
-            recs = _case(rank, P, op, size, cfg, dist, groups)
-            if fabric is not None:
-                comm_predict.annotate(recs, fabric, torch.tensor([], dtype=_DTYPES[cfg["dtype"]]).element_size())
-            records += recs
-            if rank == 0:
-                cells = "  ".join(f"{r['algorithm']} {r['time_us']:.0f}us" for r in recs)
-                common.progress(f"[P={P}] {op} {common.format_size(size) if size else '-'}: iters={recs[0]['iters']}  "
-                                f"{cells}  ({time.perf_counter() - t0:.1f}s, total {time.perf_counter() - t_start:.0f}s)")
-    return records if rank == 0 else None
 
 
 # ---------------------------------------------------------------------------------------
@@ -383,26 +207,41 @@ def measure(cfg: dict) -> list[dict]:
     return records
 
 
+def _load_windows(records: list[dict]) -> list[dict]:
+    """One entry per measured cell (P, op, size): the load average at its start and end."""
+    out: dict[tuple, dict] = {}
+    for r in records:
+        key = (r["P"], r["op"], r["size_bytes"])
+        out.setdefault(key, background.window({"P": r["P"], "op": r["op"], "size_bytes": r["size_bytes"]},
+                                              r.get("loadavg_start"), r.get("loadavg_end")))
+    return list(out.values())
+
+
 def command_line(args: argparse.Namespace) -> str:
     """The equivalent ``distrain bench comm ...`` command, every flag spelled out."""
     parts = ["distrain", "bench", "comm"]
     for flag in ("nproc", "ops", "algorithms", "transport", "sizes", "dtype", "warmup", "iters", "json", "plot",
-                 "timeout", "predict"):
+                 "timeout", "predict", "background_load"):
         v = getattr(args, flag, None)
         if v is not None:
-            parts += [f"--{flag}", str(v)]
+            parts += [f"--{flag.replace('_', '-')}", str(v)]
     return " ".join(parts)
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = parse_config(args)
+    # launched: one set of busy processes per host (local rank 0's); spawned: ours, around every spawn
+    starts_load = os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0"
     t0 = time.perf_counter()
-    records = measure(cfg)
+    with background.BackgroundLoad(cfg["background_load"] if starts_load else 0):
+        records = measure(cfg)
     elapsed = time.perf_counter() - t0
     if not records and "RANK" in os.environ:  # launched, not rank 0: rank 0 reports
         return 0
     columns = labels(cfg["algorithms"], cfg["transports"])
+    windows = _load_windows(records)
     print(format_tables(records, columns, cfg["dtype"]))
+    print(background.summary(cfg["background_load"], windows))
     if cfg["predict"]:
         print(comm_predict.table(records))
     sys.stdout.flush()
@@ -416,7 +255,8 @@ def run(args: argparse.Namespace) -> int:
                                bind_cores={str(P): _bound(cfg, P) for P in cfg["nprocs"]},
                                method="per sample: native barrier, then `burst` blocking calls back to back, "
                                       "perf_counter / burst; per iteration max over ranks; median over iterations; "
-                                      "algorithms interleaved in rotated order per round")
+                                      "algorithms interleaved in rotated order per round",
+                               **background.meta(cfg["background_load"], windows))
         common.write_json(args.json, meta, records)
         common.progress(f"wrote {args.json}")
     if args.plot:

@@ -15,7 +15,11 @@ does the same work per step; only the way the gradient is shared differs:
   floor of every data-parallel step at P. ``over local`` = 1 - local / step is the share of
   a strategy's step that communication and its bookkeeping cost, measured the same way for
   torch's DDP (whose own wait is invisible) as for ours; 1 / (1 - that share of torch-ddp)
-  is the most any DDP can gain over torch's on this machine.
+  is the most any DDP can gain over torch's on this machine;
+* ``single-threads``: one process that gives every usable core (``os.sched_getaffinity``) to
+  torch's intra-op threads (``torch.set_num_threads(cores)``), the same model, global batch and
+  steps: the answer to "is P ranks faster than one process on the same cores?". Like
+  ``single`` it is one job whatever ``--nproc`` is, and it runs in every round with the others.
 
 ``--transport torch,shm`` runs each of our strategies once per transport (labelled
 ``ddp`` on torch, ``ddp@shm`` on shared memory); torch-ddp always runs on Gloo.
@@ -27,6 +31,10 @@ communication (our DDP and PS report it; torch's DDP does not expose it), and th
 each rank sent and received per step according to its ledger (torch's DDP traffic is inside
 Gloo and invisible to it). ``--rounds`` repeats everything with the strategy order rotated,
 and the median over rounds is reported, so machine noise hits all strategies alike.
+
+``--background-load N`` starts N busy processes (:mod:`distrain.bench.background`) before the
+first job and stops them after the last; every job records the load average at its start and
+end (the JSON's metadata), and the table's last line summarises it.
 """
 
 from __future__ import annotations
@@ -36,12 +44,14 @@ import os
 import statistics
 import tempfile
 
+from distrain.bench import background
 from distrain.bench.common import format_table, metadata, parse_choices, parse_ints, progress, write_json
 from distrain.errors import ConfigError
 from distrain.trainer.config import MODEL_DATA, TrainConfig
 from distrain.trainer.metrics import read_metrics
 
-STRATEGIES = ("ddp", "torch-ddp", "ps-sync", "ps-async", "local")
+STRATEGIES = ("ddp", "torch-ddp", "ps-sync", "ps-async", "local", "single-threads")
+ONE_PROCESS = ("single-threads",)  # one job at P = 1 whatever --nproc is, like the single baseline
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,14 +70,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-staleness", type=int, default=2, help="staleness bound for ps-async")
     p.add_argument("--rounds", type=int, default=1, help="repeat the whole set, strategy order rotated")
     p.add_argument("--json", default=None, help="write every record here")
+    background.add_argument(p)
 
 
 def _jobs(nprocs: list[int], strategies: list[str], servers: int,
           transports: tuple[str, ...] = ("torch",)) -> list[tuple[int, str, str]]:
     jobs = [(1, "single", "torch")]  # the baseline of speedup and efficiency, always measured
+    jobs += [(1, s, "torch") for s in strategies if s in ONE_PROCESS]
     for P in nprocs:
         for s in strategies:
-            if P == 1 or (s.startswith("ps-") and P < servers + 1):
+            if P == 1 or s in ONE_PROCESS or (s.startswith("ps-") and P < servers + 1):
                 continue
             for t in (transports if s not in ("torch-ddp", "local") else ("torch",)):
                 jobs.append((P, s, t))
@@ -80,8 +92,8 @@ def _label(strategy: str, transport: str) -> str:
 
 def _config(P: int, strategy: str, transport: str, args, batch: int, root: str) -> TrainConfig:
     return TrainConfig(model=args.model, data=MODEL_DATA[args.model] if MODEL_DATA[args.model] != "text" else "shakespeare",
-                      strategy=strategy, nproc=P, algorithm=args.algorithm, servers=args.servers,
-                      transport=transport,
+                      strategy="single" if strategy in ONE_PROCESS else strategy,  # single-threads: single's job
+                      nproc=P, algorithm=args.algorithm, servers=args.servers, transport=transport,
                       bucket_cap_mb=args.bucket_cap_mb,
                       max_staleness=args.max_staleness if strategy == "ps-async" else None,
                       steps=args.warmup + args.steps, batch_size=batch, eval_every=0, sample_chars=0,
@@ -89,18 +101,40 @@ def _config(P: int, strategy: str, transport: str, args, batch: int, root: str) 
                       out=os.path.join(root, f"{_label(strategy, transport)}-{P}"))
 
 
-def _measure(cfg: TrainConfig, args, batch: int) -> dict:
+def _single_threads_rank(rank: int, cfg_dict: dict, cores: int) -> dict:
+    import torch
+
+    from distrain.trainer.loop import run_rank
+
+    torch.set_num_threads(cores)  # spawn set it too (threads_per_rank); said here, where it matters
+    return run_rank(TrainConfig.from_dict(cfg_dict))
+
+
+def _train_single_threads(cfg: TrainConfig, cores: int) -> dict:
+    """``train(cfg)`` for strategy single, but with ``cores`` torch threads in its one process."""
+    from distrain import spawn
+    from distrain.trainer.loop import BACKENDS, check_out
+
+    check_out(cfg)
+    return spawn(_single_threads_rank, 1, args=(cfg.to_dict(), cores), backend=BACKENDS[cfg.device],
+                 timeout=cfg.timeout or None, init_timeout=cfg.collective_timeout, threads_per_rank=cores,
+                 bind_cores=False)[0]
+
+
+def _measure(cfg: TrainConfig, args, batch: int, strategy: str) -> dict:
     from distrain.trainer import train
 
-    P, strategy, out = cfg.nproc, cfg.strategy, cfg.out
-    summary = train(cfg)
+    P, out = cfg.nproc, cfg.out
+    threads = background.usable_cores() if strategy in ONE_PROCESS else None
+    summary = _train_single_threads(cfg, threads) if threads else train(cfg)
     rows = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if r["step"] >= args.warmup]
     step_s = statistics.median(r["time_s"] for r in rows)
     units = next(k for k in rows[0] if k.endswith("_per_s")).removesuffix("_per_s")
     per_sample = rows[0][f"{units}_per_s"] * rows[0]["time_s"] / batch
     waits = [r["comm_wait_s"] / r["time_s"] for r in rows if r.get("comm_wait_s") is not None]
     traffic = summary["bytes_per_step"]
-    return {"nproc": P, "strategy": _label(strategy, cfg.transport), "transport": cfg.transport, "step_ms": 1e3 * step_s, "unit": units,
+    return {"nproc": P, "strategy": _label(strategy, cfg.transport), "transport": cfg.transport, "threads": threads,
+            "step_ms": 1e3 * step_s, "unit": units,
             "throughput": batch * per_sample / step_s, "comm_share": statistics.median(waits) if waits else None,
             "bytes_sent_max_rank": max(t["sent"] for t in traffic), "bytes_recv_max_rank": max(t["recv"] for t in traffic),
             "bytes_per_rank": traffic, "final_loss": summary["final_loss"],
@@ -122,17 +156,23 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--model {args.model!r} is unknown; use one of {', '.join(MODEL_DATA)}")
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         raise ConfigError("--steps and --rounds must be >= 1 and --warmup >= 0")
+    load = background.parse(getattr(args, "background_load", 0))
     batch = args.batch_size or (24 if MODEL_DATA[args.model] == "text" else 240)
     transports = tuple(parse_choices(args.transport, ("torch", "shm", "auto"), "--transport"))
     jobs = _jobs(nprocs, strategies, args.servers, transports)
     results: dict[tuple[int, str, str], list[dict]] = {}
+    windows: list[dict] = []  # every job's load average at its start and end
     with tempfile.TemporaryDirectory(prefix="distrain-bench-train-") as root:
         configs = {j: _config(*j, args, batch, root).validate() for j in jobs}  # all, before any runs
-        for rnd in range(args.rounds):
-            k = rnd % len(jobs)
-            for j in jobs[k:] + jobs[:k]:
-                progress(f"round {rnd + 1}/{args.rounds}: {_label(j[1], j[2])} on {j[0]} process(es)")
-                results.setdefault(j, []).append(_measure(configs[j], args, batch))
+        with background.BackgroundLoad(load):
+            for rnd in range(args.rounds):
+                k = rnd % len(jobs)
+                for j in jobs[k:] + jobs[:k]:
+                    progress(f"round {rnd + 1}/{args.rounds}: {_label(j[1], j[2])} on {j[0]} process(es)")
+                    start = background.loadavg()
+                    results.setdefault(j, []).append(_measure(configs[j], args, batch, j[1]))
+                    windows.append(background.window({"round": rnd + 1, "nproc": j[0], "strategy": _label(j[1], j[2])},
+                                                     start, background.loadavg()))
     records = [_median_record(v) for v in results.values()]
     base = next(r["throughput"] for r in records if r["strategy"] == "single")
     for r in records:
@@ -143,10 +183,12 @@ def run(args: argparse.Namespace) -> int:
         floor = next((q for q in records if q["nproc"] == r["nproc"] and q["strategy"] == "local"), None)
         r["over_local"] = 1 - floor["step_ms"] / r["step_ms"] if floor and r is not floor else None
     print(_table(records, args, batch))
+    print(background.summary(load, windows))
     if args.json:
         write_json(args.json, metadata(model=args.model, batch_size=batch, steps=args.steps, warmup=args.warmup,
                                        rounds=args.rounds, algorithm=args.algorithm, servers=args.servers,
-                                       transports=list(transports)), records)
+                                       transports=list(transports),
+                                       **background.meta(load, windows)), records)
     return 0
 
 
