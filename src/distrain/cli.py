@@ -17,6 +17,7 @@ import os
 import sys
 
 from distrain.errors import DistrainError
+from distrain.launch.rank_exit import exit_status
 
 
 def _launch_arguments(p: argparse.ArgumentParser) -> None:
@@ -251,23 +252,6 @@ def run_command(argv: list[str] | None = None) -> None:
 
         runtime.leave(code)
     sys.exit(code)
-
-
-def exit_status(fn, *args) -> int:
-    """``fn(*args)``'s exit status as the interpreter would compute it (SystemExit, uncaught exception)."""
-    import traceback
-
-    try:
-        code = fn(*args)
-    except SystemExit as e:
-        code = e.code
-    except BaseException:  # noqa: BLE001 - printed as the interpreter would, then status 1
-        traceback.print_exc()
-        return 1
-    if code is None or isinstance(code, int):
-        return code or 0
-    print(code, file=sys.stderr)
-    return 1
 
 
 if __name__ == "__main__":

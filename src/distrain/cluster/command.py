@@ -4,8 +4,9 @@ torchrun parses every argument after its own with abbreviations allowed, so a sc
 such as ``--nproc`` would be taken for torchrun's ``--nproc-per-node``. The command
 therefore travels in ``DISTRAIN_CLUSTER_CMD`` (a JSON list) and torchrun only sees
 ``-m distrain.cluster.command``. Here the command is run in this process:
-``distrain ARGS`` -> :func:`distrain.cli.main`; ``[python] script.py ARGS`` and
-``python -m mod ARGS`` -> runpy; any other program -> exec.
+``distrain ARGS`` -> ``python -m distrain ARGS`` (runpy: the CLI's own entry point,
+distrain/__main__.py, with ``sys.argv`` the command as given; this layer does not import the
+CLI); ``[python] script.py ARGS`` and ``python -m mod ARGS`` -> runpy; any other program -> exec.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from distrain.cluster.runner import CMD_ENV as ENV
 def main() -> int:
     cmd = json.loads(os.environ[ENV])
     head = os.path.basename(cmd[0])
-    if head == "distrain":
-        from distrain.cli import main as cli_main
-
-        return cli_main(cmd[1:])
+    if head == "distrain":  # what the `distrain` script runs: distrain.__main__, which ends a rank itself
+        sys.argv = list(cmd)
+        runpy.run_module("distrain", run_name="__main__", alter_sys=False)
+        return 0
     if head.startswith("python"):
         cmd = cmd[1:]
         if cmd[:1] == ["-m"]:
@@ -42,6 +43,6 @@ def main() -> int:
 
 if __name__ == "__main__":  # a launched rank: leave without interpreter finalization (runtime.leave)
     from distrain import runtime
-    from distrain.cli import exit_status
+    from distrain.launch.rank_exit import exit_status
 
     runtime.leave(exit_status(main))

@@ -5,6 +5,7 @@
     pipeline.py  pipeline_layers(hf_model): the same modules laid out as ``.layers`` for the pipeline,
                  names mapping back to Hugging Face's
     checks.py    check_tp_fits: a model's sizes against tp, before any rank starts
+    sizes.py     check_tp_sizes, config_tp_sizes: the pure size rules plan.py and checks.py share
 
 Nothing here imports transformers until a wrapper runs (the models bring it). See
 docs/tensor_parallel.md and docs/pipeline_parallel.md ("A Hugging Face model").

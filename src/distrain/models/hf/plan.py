@@ -56,7 +56,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distrain.errors import ConfigError
-from distrain.models.hf.checks import check_tp_sizes
+from distrain.models.hf.sizes import check_tp_sizes
 from distrain.models.outputs import logits_of
 
 __all__ = ["HF_STYLES", "TiedHead", "hf_split_sizes", "hf_tp_plan", "hf_tp_plan_for", "hf_vocab_parallel_loss",

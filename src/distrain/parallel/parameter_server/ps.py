@@ -62,6 +62,9 @@ carries 2*W*N, W times a worker's (the seeds' bottleneck); S balanced servers cu
 2*W*N/S. Ring all-reduce: 2*(P-1)*N/P each way on every rank (Patarasuk & Yuan 2009).
 See docs/parameter_server.md. Failures: every transport error becomes a CommError naming
 both roles ("parameter server rank 3: worker rank 1 disconnected during push of step 7: ...").
+
+Modules: the server here; the worker in ps_worker.py (:class:`PSWorker`, re-exported here); the
+tags and what both sides share in ps_protocol.py.
 """
 from __future__ import annotations
 
@@ -72,59 +75,30 @@ import time
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from distrain import comm
-from distrain.comm.core import tags
 from distrain.comm.core.util import check_int
 from distrain.errors import CommError, ConfigError
 from distrain.parallel.parameter_server.ps_layout import PSLayout, expected_ps_bytes
+from distrain.parallel.parameter_server.ps_protocol import (
+    _I64,
+    _MAGIC,
+    MODES,
+    TAG_HELLO,
+    TAG_PULL,
+    TAG_PUSH,
+    TAG_PUSH_HDR,
+    TAG_REQ,
+    TAG_VERSION,
+    _ProtocolError,
+    _run,
+    _setup,
+    _step_name,
+)
+from distrain.parallel.parameter_server.ps_worker import PSWorker
 
 __all__ = ["PSLayout", "ParameterServer", "PSWorker", "expected_ps_bytes", "MODES"]
-
-MODES = ("sync", "async")
-# one tag per message kind, in the parameter server's range of distrain.comm.core.tags
-TAG_HELLO, TAG_REQ, TAG_VERSION, TAG_PULL, TAG_PUSH_HDR, TAG_PUSH = (tags.PARAMETER_SERVER.at(i) for i in range(6))
-_MAGIC = 0x5053  # "PS"
-_I64 = torch.int64
-
-
-def _setup(who: str, model: nn.Module, layout: PSLayout, mode: str, want_server: bool) -> tuple[int, list]:
-    """This rank and the model's parameters, after checking the arguments against the job."""
-    if not isinstance(layout, PSLayout):
-        raise ConfigError(f"{who}: layout must be a PSLayout, got {type(layout).__name__}")
-    if mode not in MODES:
-        raise ConfigError(f"{who}: mode must be 'sync' or 'async', got {mode!r}")
-    if not dist.is_initialized():
-        raise ConfigError(f"{who}: no process group; call distrain.runtime.init() or use distrain.spawn")
-    if dist.get_backend() != "gloo":
-        raise ConfigError(f"{who}: the parameter server runs on Gloo (CPU tensors); this job uses {dist.get_backend()}")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world != layout.world_size:
-        raise ConfigError(f"{who}: the layout is for {layout.world_size} ranks but the job has {world}")
-    if layout.is_server(rank) != want_server:
-        raise ConfigError(f"{who}: rank {rank} is a {layout.role(rank)} in this layout (servers are ranks "
-                          f"{layout.servers}); build a {'ParameterServer' if want_server else 'PSWorker'} there")
-    return rank, layout.check_model(model, who)
-
-
-class _ProtocolError(CommError):
-    """The peer sent something the protocol does not allow (not a transport failure)."""
-
-
-def _run(me: str, peer: str, what: str, fn):
-    """Run a transport action; any failure becomes a CommError naming both roles."""
-    try:
-        return fn()
-    except ConfigError:
-        raise
-    except Exception as e:  # noqa: BLE001  (Gloo raises RuntimeError; comm wraps it in CommError)
-        raise CommError(f"{me}: {peer} disconnected during {what}: {e}") from e
-
-
-def _step_name(step: int, num_steps: int) -> str:
-    return "the final pull" if step >= num_steps else f"step {step}"
 
 
 class ParameterServer:
@@ -305,114 +279,3 @@ class ParameterServer:
                 self._send_weights(finals, num_steps, num_steps)
                 finals_done += len(finals)
                 finals = []
-
-
-class PSWorker:
-    """One worker rank: ``pull()`` weights into the local model, ``push()`` its gradients."""
-
-    def __init__(self, model: nn.Module, layout: PSLayout, mode: str = "sync"):
-        self.rank, self.params = _setup("PSWorker", model, layout, mode, want_server=False)
-        self.layout, self.mode = layout, mode
-        S = layout.num_servers
-        self._slices = [layout.slices(s) for s in range(S)]
-        p0 = self.params[0]
-        self._wbuf = [torch.empty(layout.shard_numel(s), dtype=p0.dtype, device=p0.device) for s in range(S)]
-        self._gbuf = [torch.empty_like(b) for b in self._wbuf]
-        self._src = [layout.server_rank(s) for s in range(S)]
-        self.versions = [0] * S  # per server: the version of the last pull
-        self.step = 0  # pushes done
-        self.bounded: bool | None = None  # some server bounds staleness (learnt from the hellos)
-        self._pulled = False
-        self.pull_s = self.push_s = 0.0
-        self._me = f"worker rank {self.rank}"
-
-    def _peer(self, s: int) -> str:
-        return f"parameter server rank {self._src[s]}"
-
-    def _hello(self) -> None:
-        L, self.bounded = self.layout, False
-        for s in range(L.num_servers):
-            h = torch.empty(7, dtype=_I64)
-            _run(self._me, self._peer(s), "the hello",
-                 lambda: comm.recv(h, self._src[s], tag=TAG_HELLO, label="ps_ctrl"))
-            got, want = h.tolist(), [_MAGIC, MODES.index(self.mode), L.num_servers, L.num_workers, s, L.shard_numel(s)]
-            if got[:6] != want:
-                mode = MODES[got[1]] if 0 <= got[1] < len(MODES) else got[1]
-                raise ConfigError(
-                    f"{self._me}: {self._peer(s)} disagrees on the set-up: it serves mode {mode!r}, {got[2]} servers, "
-                    f"{got[3]} workers, shard {got[4]} of {got[5]} elements; this worker expects mode {self.mode!r}, "
-                    f"{want[2]} servers, {want[3]} workers, shard {s} of {want[5]} elements")
-            self.bounded = self.bounded or got[6] >= 0
-
-    def pull(self) -> None:
-        """Receive the current weights of every parameter (one message per server) into the model."""
-        if self._pulled:
-            raise ConfigError(f"PSWorker.pull: rank {self.rank} pulled twice without push(); each step is "
-                              f"pull(), forward/backward, push() (and one final pull())")
-        t0 = time.perf_counter()
-        if self.bounded is None:
-            self._hello()
-        what, S = f"pull of step {self.step}", self.layout.num_servers
-        pending = []
-        for s in range(S):
-            pending.append(self._ask(s, what))
-            if self.bounded:  # a bounded server may hold the answer back: one server at a time, in order
-                self._wait(*pending.pop(), what)
-        for p in pending:
-            self._wait(*p, what)
-        with torch.no_grad():
-            for s in range(S):
-                for i, a, b in self._slices[s]:
-                    self.params[i].copy_(self._wbuf[s][a:b].view_as(self.params[i]))
-        self._pulled = True
-        self.pull_s += time.perf_counter() - t0
-
-    def _ask(self, s: int, what: str) -> tuple:
-        """Post the receives of server s's answer (async: [version] first) and, async, send the request."""
-        src, ver = self._src[s], torch.zeros(1, dtype=_I64)
-        msgs = [(comm.irecv, self._wbuf[s], TAG_PULL, "ps_pull")]
-        if self.mode == "async":
-            msgs = [(comm.irecv, ver, TAG_VERSION, "ps_ctrl"), *msgs,
-                    (comm.isend, torch.tensor([self.step], dtype=_I64), TAG_REQ, "ps_ctrl")]
-        hs = [_run(self._me, self._peer(s), what, lambda: op(t, src, tag=tag, label=label))
-              for op, t, tag, label in msgs]
-        return s, hs, ver
-
-    def _wait(self, s: int, handles: list, ver: torch.Tensor, what: str) -> None:
-        for h in handles:
-            _run(self._me, self._peer(s), what, h.wait)
-        self.versions[s] = int(ver[0])
-
-    def push(self, zero_grad: bool = True) -> None:
-        """Send this step's gradients (one message per server; a parameter without one sends zeros),
-        then set them to None if ``zero_grad``."""
-        if not self._pulled:
-            raise ConfigError(f"PSWorker.push: rank {self.rank} pushed without a pull(); each step is "
-                              f"pull(), forward/backward, push()")
-        t0, what, hs = time.perf_counter(), f"push of step {self.step}", []
-        with torch.no_grad():
-            for s in range(self.layout.num_servers):
-                for i, a, b in self._slices[s]:
-                    g = self.params[i].grad
-                    if g is None:
-                        self._gbuf[s][a:b].zero_()
-                    else:
-                        self._gbuf[s][a:b].copy_(g.reshape(-1))
-        for s, dst in enumerate(self._src):
-            msgs = [(self._gbuf[s], TAG_PUSH, "ps_push")]
-            if self.mode == "async":
-                msgs.insert(0, (torch.tensor([self.step, self.versions[s]], dtype=_I64), TAG_PUSH_HDR, "ps_ctrl"))
-            hs += [(s, _run(self._me, self._peer(s), what, lambda: comm.isend(t, dst, tag=tag, label=label)))
-                   for t, tag, label in msgs]
-        for s, h in hs:
-            _run(self._me, self._peer(s), what, h.wait)
-        if zero_grad:
-            for p in self.params:
-                p.grad = None
-        self.step += 1
-        self._pulled = False
-        self.push_s += time.perf_counter() - t0
-
-    def stats(self) -> dict:
-        return {"role": "worker", "rank": self.rank, "mode": self.mode, "pushes": self.step,
-                "versions": list(self.versions), "pull_s": self.pull_s, "push_s": self.push_s}
