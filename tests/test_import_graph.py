@@ -27,7 +27,7 @@ LAYERS: dict[str, int] = {
     "distrain.comm": 4,  # the torch.distributed-shaped surface: dispatch, api, forms, ...
     "distrain.runtime": 5,
     "distrain.launch": 6,
-    "distrain.parallel": 7,
+    "distrain.parallel": 7, "distrain.elastic": 7,  # elastic: the top process and the ranks' quorum, on launch
     "distrain.models": 8, "distrain.data": 8,
     "distrain.costmodel": 9,
     "distrain.trainer": 10,

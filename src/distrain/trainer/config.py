@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from distrain.comm import ALGORITHM_NAMES, TRANSPORT_NAMES
 from distrain.errors import ConfigError
+from distrain.trainer.data_vocab import model_overrides, shard_folder, vocab_error
 
 STRATEGIES = ("single", "ddp", "torch-ddp", "ps-sync", "ps-async", "zero1", "zero2", "zero3", "local")
 DATASETS = ("shakespeare", "fashion-mnist", "digits")
@@ -123,6 +124,10 @@ class TrainConfig:
     report: bool = opt(True, "print the summary table (and sample) at the end")
     timeout: float = opt(0.0, "whole-run limit in seconds (local spawn); 0: no limit")
     collective_timeout: float = opt(300.0, "a collective not completed in this many seconds stops the job")
+    elastic: str = opt("", "MIN:MAX: survive the loss of ranks without a restart, going on while at least MIN remain "
+                           "(--strategy ddp; docs/fault_tolerance.md)", choices=("MIN:MAX",))
+    elastic_replace: int = opt(0, "--elastic: replacement ranks the top process may start, each while the job is "
+                                  "below MAX; they join at a step boundary, healed from a live peer")
 
     # -- derived ---------------------------------------------------------------------------
     @property
@@ -183,8 +188,6 @@ class TrainConfig:
     def _validate_shards(self, need) -> None:
         """--data DIR holding meta.json (token shards): every shard file there, the preset's vocabulary
         (it takes the data's when > 256) holding every id, tensor parallelism dividing it."""
-        from distrain.trainer.task import model_overrides, shard_folder, vocab_error
-
         if shard_folder(self) is None:
             return
         from distrain.data.shards import read_meta
@@ -243,6 +246,9 @@ class TrainConfig:
 
         need(self.strategy in STRATEGIES,
              f"--strategy {self.strategy!r} is unknown; use one of {', '.join(STRATEGIES)}")
+        from distrain.elastic import check as check_elastic
+
+        check_elastic(self)  # --elastic MIN:MAX: its strategy, MIN <= MAX, MIN <= --nproc
         if self.init_from or self.model is None:  # --init-from (trainer/init_from.py resolves the model first)
             need(self.resume is not True, "--init-from starts a new run from a checkpoint's weights (step 0, a fresh "
                                           "optimizer); --resume continues --out's own run exactly: give one of them "
@@ -343,7 +349,7 @@ class TrainConfig:
             need(per_rank % self.accum_steps == 0,
                  f"--accum-steps {self.accum_steps} does not divide the per-rank batch {self.batch_size} / "
                  f"{self.workers} = {per_rank}; pick a divisor of it")
-        need(self.batch_size % self.workers == 0,
+        need(self.batch_size % self.workers == 0 or self.elastic,  # elastic: uneven parts, exact (trainer/elastic_loop.py)
              f"--batch-size {self.batch_size} does not divide among {self.workers} data-parallel worker(s); use a "
              f"multiple of {self.workers}, e.g. {self.workers * max(1, round(self.batch_size / self.workers))}")
         # data and model must fit each other (your own model or data: yours to match)

@@ -81,6 +81,10 @@ def train(cfg: TrainConfig | None = None, *, model=None, train_data=None, val_da
         return run_rank(cfg, parts)
     if not cfg.resume:
         check_out(cfg)
+    if cfg.elastic:  # the elastic agent starts and watches the ranks (distrain/elastic/agent.py)
+        from distrain.trainer.elastic_loop import run_elastic
+
+        return run_elastic(cfg, parts.for_ranks() if parts is not None else None, _spawned)
     # ranks that poll shared memory get cores of their own (spawn's bind_cores); Gloo's are left free
     parts = parts.for_ranks() if parts is not None else None  # the model as bytes: no storage shared with the ranks
     return spawn(_spawned, cfg.nproc, args=(cfg.to_dict(), parts), backend=BACKENDS[cfg.device],
@@ -162,9 +166,10 @@ def check_resume(cfg: TrainConfig) -> dict:
 
 
 def run_rank(cfg: TrainConfig, parts=None) -> dict:
-    from distrain.trainer.custom import own_model
-    from distrain.trainer.task import check_model_vocab
+    if cfg.elastic:  # one rank of an elastic job (trainer/elastic_loop.py)
+        from distrain.trainer.elastic_loop import run_elastic_rank
 
+        return run_elastic_rank(cfg, parts, new_model, save_checkpoint)
     comm.set_default_transport(cfg.transport, timeout=cfg.collective_timeout)  # every group this run creates
 
     out = Path(cfg.out)
@@ -175,16 +180,7 @@ def run_rank(cfg: TrainConfig, parts=None) -> dict:
     # build model: the same seeded model on every rank (engines replicate, shard or serve it),
     # on this rank's device: cuda:LOCAL_RANK under NCCL, the CPU under Gloo
     device = runtime.info().device if cfg.device != "cpu" else torch.device("cpu")
-    torch.manual_seed(cfg.seed)
-    model = own_model(parts.model) if parts.model is not None else init_from.build_model(cfg)
-    if cfg.init_from:  # a new run from those weights: the whole state dict, on every rank, before the engine shards it
-        init_from.load_into(model, cfg)
-    check_model_vocab(cfg, model)  # --data DIR of token shards: its ids must fit the embedding
-    model = model.to(device=device, dtype=getattr(torch, cfg.dtype))
-    if cfg.activation_checkpointing:
-        from distrain.models.activation_checkpointing import checkpoint_blocks
-
-        checkpoint_blocks(model)
+    model = new_model(cfg, parts, device)
 
     # build engine: the way of training, with its communication and optimizer (engines/)
     engine = build_engine(cfg, model, loss_function(cfg, parts), lambda params: build_optimizer(cfg, params))
@@ -217,6 +213,24 @@ def run_rank(cfg: TrainConfig, parts=None) -> dict:
     traffic = rank_traffic(led, cfg.steps - start)
     extra = engine.report(led, cfg.steps - start)
     return finish(cfg, engine, task, out, wall, start, traffic, extra) if engine.rank == 0 else {}
+
+
+def new_model(cfg: TrainConfig, parts, device: torch.device) -> torch.nn.Module:
+    """The run's model, seeded from ``cfg.seed`` (the same on every rank), on ``device`` in the run's dtype."""
+    from distrain.trainer.custom import own_model
+    from distrain.trainer.task import check_model_vocab
+
+    torch.manual_seed(cfg.seed)
+    model = own_model(parts.model) if parts.model is not None else init_from.build_model(cfg)
+    if cfg.init_from:  # a new run from those weights: the whole state dict, on every rank, before the engine shards it
+        init_from.load_into(model, cfg)
+    check_model_vocab(cfg, model)  # --data DIR of token shards: its ids must fit the embedding
+    model = model.to(device=device, dtype=getattr(torch, cfg.dtype))
+    if cfg.activation_checkpointing:
+        from distrain.models.activation_checkpointing import checkpoint_blocks
+
+        checkpoint_blocks(model)
+    return model
 
 
 def train_steps(cfg: TrainConfig, engine: Engine, task: Task, start: int) -> float:

@@ -75,7 +75,9 @@ class TensorBoardLog:
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
-    return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
+    """The step lines (an elastic job's membership lines, those with "event", are left out)."""
+    rows = [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
+    return [r for r in rows if "event" not in r]
 
 
 def plot_losses(metrics_path: str | os.PathLike, png_path: str | os.PathLike, title: str) -> Path:

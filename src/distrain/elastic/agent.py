@@ -1,0 +1,240 @@
+"""The top process of an elastic job: it starts the ranks, hosts the store, and decides membership.
+
+Contract of :func:`run` (``distrain train --elastic MIN:MAX`` calls it in place of distrain.spawn):
+``fn(ident, *args)`` runs in every rank process after :func:`distrain.elastic.member.current` is set
+up (the process group is opened by the rank itself, through ``Member.join``); ids are 0..nproc-1 for
+the first ranks and count on for newcomers. It returns ``{ident: fn's value}`` for the ranks of the
+last membership, or raises: RankFailedError when a rank fails in its own code, TrainingError when
+no rank with the state is left, SpawnTimeoutError past ``timeout``.
+
+The agent is the quorum's coordinator (torchft's lighthouse, in the process that outlives every
+rank): the store lives here, so a new membership never depends on a rank that may be gone. It
+watches every rank's process (a SIGKILLed rank is seen at once through its sentinel) and the store:
+
+1. a change is wanted when a member dies, when a member arrives for the next epoch on its own (it saw
+   its group break: a time-out, a reset connection), or when a newcomer is ready: ``change/E`` is set,
+   which every member sees at its next step boundary (rank 0 reads it, the step's all-reduce spreads it);
+2. it waits for every live member to arrive (``arrive/E+1/ID`` with the steps it can offer); a member
+   still silent ``collective_timeout`` after the change began is SIGKILLed and counted as lost;
+3. it decides: the step to go on from is the smallest any survivor offers (each can offer its live
+   state or its start-of-step copy), the members are the survivors in their old order then the
+   newcomers (up to MAX), written to ``members/E+1``; below MIN the survivors get ``stop`` and the
+   job ends cleanly (they write a checkpoint first).
+
+With ``replace`` > 0 it starts that many replacement ranks over the run, each while the job is below
+MAX; a replacement joins at a step boundary and is healed from a live peer (member.py).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+import torch
+
+from distrain import lifeline, runtime
+from distrain.blame import Failure, blame, is_secondary
+from distrain.elastic import member as m
+from distrain.errors import DistrainError, SpawnTimeoutError, TrainingError
+from distrain.launch import local_env, local_store
+
+POLL_S = 0.01
+
+
+def _child(fn, ident: int, args: tuple, env: dict, conn, threads: int, backend: str, timeout: float) -> None:
+    os.environ.update(env)
+    lifeline.die_with_parent()
+    lifeline.quiet_interrupts()
+    torch.set_num_threads(threads)
+    try:
+        m.install(m.Member.from_env(backend, timeout))
+        payload = pickle.dumps(("ok", fn(ident, *args), time.time(), False))
+    except DistrainError as e:
+        payload = pickle.dumps(("err", f"{type(e).__name__}: {e}", time.time(), is_secondary(e)))
+    except BaseException as e:  # noqa: BLE001 - reported to the agent
+        payload = pickle.dumps(("err", traceback.format_exc(), time.time(), is_secondary(e)))
+    try:
+        conn.send_bytes(payload)
+    finally:
+        conn.close()
+    runtime.shutdown()
+
+
+class Agent:
+    def __init__(self, fn, args: Sequence, nproc: int, lo: int, hi: int, replace: int, backend: str,
+                 timeout: float | None, collective_timeout: float, preload: Sequence[str] = ()):
+        self.fn, self.args, self.nproc, self.lo, self.hi, self.replace = fn, tuple(args), nproc, lo, hi, replace
+        self.backend, self.timeout, self.ctimeout = backend, timeout, collective_timeout
+        self.ctx = mp.get_context("forkserver")
+        self.ctx.set_forkserver_preload(["distrain.comm", "distrain.launch", "distrain.elastic.member", *preload])
+        self.procs: dict[int, Any] = {}
+        self.conns: dict[int, Any] = {}
+        self.started: dict[int, float] = {}
+        self.results: dict[int, Any] = {}
+        self.failures: dict[int, Failure] = {}
+        self.gone: set[int] = set()  # processes that ended (result, error or death)
+        self.epoch, self.members, self.lost = 0, list(range(nproc)), {}
+        self.waiting: dict[int, float] = {}  # newcomers started, not yet members: id -> start time
+        self.want: float | None = None  # when the current change began (None: the group is whole)
+        self.stop: str | None = None
+        self.next_id = nproc
+        self.events: list[dict] = []
+
+    # -- processes ----------------------------------------------------------------------------
+    def _start(self, ident: int, newcomer: bool) -> None:
+        env = local_env() | {m.ENV_PORT: str(self.store.port), m.ENV_ID: str(ident), m.ENV_NEW: str(int(newcomer)),
+                             m.ENV_FAULTS: os.environ.get(m.ENV_FAULTS, "")}
+        recv, send = self.ctx.Pipe(duplex=False)
+        threads = max(1, (os.cpu_count() or 1) // self.hi)
+        p = self.ctx.Process(target=_child, name=f"distrain-elastic{ident}", args=(
+            self.fn, ident, self.args, env, send, threads, self.backend, self.ctimeout))
+        p.start()
+        send.close()
+        self.procs[ident], self.conns[ident], self.started[ident] = p, recv, time.time()
+
+    def _kill(self, ident: int) -> None:
+        p = self.procs[ident]
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+    def _poll(self) -> None:
+        live = [i for i in self.procs if i not in self.gone]
+        waitables = {self.conns[i]: i for i in live} | {self.procs[i].sentinel: i for i in live}
+        for w in mp.connection.wait(list(waitables), timeout=POLL_S):
+            i = waitables[w]
+            if i in self.gone:
+                continue
+            self.gone.add(i)
+            msg = None
+            if w is self.conns[i] or self.conns[i].poll():
+                try:
+                    msg = pickle.loads(self.conns[i].recv_bytes())
+                except EOFError:
+                    msg = None
+            if msg is not None and msg[0] == "ok":
+                self.results[i] = msg[1]
+            elif msg is not None:
+                self.failures[i] = Failure(i, msg[2], msg[1], secondary=msg[3])
+            else:  # died without a word: SIGKILL, os._exit, a crash
+                self.procs[i].join(1)
+                if i in self.members and i not in self.lost:
+                    self.lost[i] = time.time()
+                    self._want()
+                self.waiting.pop(i, None)
+
+    # -- membership ---------------------------------------------------------------------------
+    def _want(self) -> None:
+        if self.want is None:
+            self.want = time.time()
+            self.store.set(m.key("change", self.epoch), "1")
+
+    def _step_membership(self) -> None:
+        if any(i in self.results for i in self.members):
+            return  # the job is ending: no more changes
+        nxt = self.epoch + 1
+        survivors = [i for i in self.members if i not in self.lost]
+        ready = [i for i in self.waiting if self.store.check([m.key("ready", i)])]
+        arrived = {i: json.loads(self.store.get(m.key("arrive", nxt, i)))
+                   for i in survivors if self.store.check([m.key("arrive", nxt, i)])}
+        if arrived or (ready and not self.stop and self.store.check([m.key("up", self.epoch, i) for i in survivors])):
+            self._want()  # (a newcomer waits until the current group is open: its barrier must not be cut)
+        if self.want is None:
+            return
+        late = [i for i in survivors if i not in arrived]
+        if late and time.time() - self.want < self.ctimeout:
+            return
+        for i in late:  # alive but silent (stopped, frozen): it cannot come back with a stale state
+            self._kill(i)
+            self.lost[i] = time.time()
+        stateless = [i for i, r in arrived.items() if r["live"] is None and r["snap"] is None]  # a failed heal
+        offers = {i: r for i, r in arrived.items() if i not in stateless}
+        if not offers:
+            raise TrainingError(f"elastic: no rank with the training state is left (lost: {sorted(self.lost)})")
+        target = min(r["live"] if r["live"] is not None else r["snap"] for r in offers.values())
+        keep = [i for i in survivors if i in offers and target in (offers[i]["live"], offers[i]["snap"])]
+        joiners = (stateless + ready)[:max(0, self.hi - len(keep))]
+        starting = [i for i in self.waiting if i not in ready]
+        if len(keep) + len(joiners) < self.lo and starting and time.time() - self.want < self.ctimeout + 120:
+            return  # below MIN, but a replacement is on its way: wait for it
+        left = [i for i in self.members if i not in keep and i not in stateless]
+        for i in left:
+            self._kill(i)
+        info = {"ids": keep + joiners, "step": target, "old": len(self.members), "left": left, "joined": joiners,
+                "rolled_back": target if any(offers[i]["live"] != target for i in keep) else None,
+                "t0": min([self.want, *(self.lost.get(i, self.want) for i in left)]),
+                "spawned": {str(i): self.started[i] for i in joiners}}
+        if len(keep) + len(joiners) < self.lo:
+            why = f"rank id(s) {', '.join(map(str, left))} lost" if left else "ranks lost"
+            self.stop = info["stop"] = (f"elastic: stopped at step {target}: {len(keep)} rank(s) left ({why}), fewer "
+                                        f"than MIN {self.lo} of --elastic {self.lo}:{self.hi}")
+            info.update(ids=keep, joined=[])
+            joiners = []
+        self.epoch, self.members, self.want = nxt, info["ids"], None
+        self.store.set(m.key("members", nxt), json.dumps(info))
+        for i in joiners:
+            self.waiting.pop(i, None)
+            self.store.set(m.key("invite", i), str(nxt))
+            self.store.add(m.key("joins"), 1)
+        self.events.append(info)
+
+    def _replace(self) -> None:
+        alive = [i for i in self.members if i not in self.lost]
+        if self.stop or self.replace <= 0 or len(alive) + len(self.waiting) >= self.hi:
+            return
+        self.replace -= 1
+        ident, self.next_id = self.next_id, self.next_id + 1
+        self.waiting[ident] = time.time()
+        self._start(ident, newcomer=True)
+
+    # -- the whole job ------------------------------------------------------------------------
+    def run(self) -> dict[int, Any]:
+        self.store = local_store(self.hi + 1, self.ctimeout)
+        self.store.set(m.key("members", 0), json.dumps({"ids": self.members, "step": None, "old": self.nproc,
+                                                          "left": [], "joined": [], "t0": time.time()}))
+        for i in self.members:
+            self._start(i, newcomer=False)
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        try:
+            while True:
+                self._poll()
+                if self.failures:
+                    self._grace()
+                    raise blame(self.failures)
+                if all(i in self.results for i in self.members):
+                    return {i: self.results[i] for i in self.members}
+                if any(i in self.gone and i not in self.results and i not in self.lost for i in self.members):
+                    raise TrainingError("elastic: a member ended without a result")
+                self._replace()
+                self._step_membership()
+                if deadline is not None and time.monotonic() > deadline:
+                    running = [i for i in self.procs if i not in self.gone]
+                    raise SpawnTimeoutError(f"elastic: timed out after {self.timeout:g}s (the whole-run limit); "
+                                            f"rank id(s) {running} still running (raise --timeout)")
+        finally:
+            for i in self.procs:
+                self._kill(i)
+            for c in self.conns.values():
+                c.close()
+
+    def _grace(self) -> None:
+        """After a rank failed in its own code, listen a moment so the first failure is blamed."""
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end and len(self.gone) < len(self.procs):
+            self._poll()
+
+
+def run(fn: Callable[..., Any], nproc: int, lo: int, hi: int, args: Sequence = (), replace: int = 0,
+        backend: str = "gloo", timeout: float | None = None, collective_timeout: float = 300.0,
+        preload: Sequence[str] = ()) -> tuple[dict[int, Any], str | None, list[dict]]:
+    """Run an elastic job (see the module docstring); returns (results by id, the stop reason or
+    None, the membership decisions)."""
+    agent = Agent(fn, args, nproc, lo, hi, replace, backend, timeout, collective_timeout, preload)
+    results = agent.run()
+    return results, agent.stop, agent.events

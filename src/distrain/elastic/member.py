@@ -1,0 +1,338 @@
+"""One rank of an elastic job: its process group per membership epoch, the per-step quorum, healing.
+
+The training loop talks to a :class:`Member` only (torchft's quorum, on plain torch.distributed):
+
+    state = m.join()                    # enter the job (a newcomer gets the state from a live peer)
+    m.begin(step, engine.state_dict)    # a copy of the state at the start of the step (for a roll-back)
+    ... engine.train_step(...) ...
+    loss, change = m.end(step, loss, weight)   # "is the group still whole?" (one all-reduce)
+    if change or the step raised and m.failed(e):
+        c = m.reform(engine.state_dict) # a new group of the live ranks; c.step: where to go on, c.state: what to load
+
+Engines never see a dead rank: ``reform`` destroys the default process group and opens a new one
+(contiguous ranks, a fresh store prefix ``elastic/pg/<epoch>/``); the loop then builds a new engine
+on it and loads ``c.state``. The store is the agent's (the top process, agent.py), so it outlives any
+rank. Keys (under ``elastic/``): ``members/E`` (the agent's decision: ids in rank order, the step to go
+on from, who left and joined), ``change/E`` (the agent wants epoch E to end), ``arrive/E/ID`` (a rank
+asks into epoch E with the steps it can offer), ``ready/ID`` and ``invite/ID`` (a newcomer), ``up/E/ID``
+(the barrier before the group opens), ``wd/E/`` (the watchdog's heartbeats).
+
+Every wait is bounded: the group's collectives by its time-out (``--collective-timeout``; Gloo raises
+at once on a connection reset), the store waits by a deadline; the watchdog of each epoch is set
+past the group's time-out, so a hung peer surfaces as an exception here rather than ending the rank.
+
+Steps: ``live`` is the step boundary the live state is at (None while a step is under way), ``snap``
+the boundary of the copy taken by ``begin``. After a failure the agent picks the smallest boundary
+every survivor can offer; a rank whose step was cut in half (or that finished a step some peer did
+not) goes back to its copy.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from distrain import comm
+from distrain.blame import is_secondary
+from distrain.comm.core import watchdog
+from distrain.errors import CommError
+
+PREFIX = "elastic/"
+ENV_PORT, ENV_ID, ENV_NEW, ENV_FAULTS = ("DISTRAIN_ELASTIC_PORT", "DISTRAIN_ELASTIC_ID", "DISTRAIN_ELASTIC_NEW",
+                                         "DISTRAIN_ELASTIC_FAULTS")
+POLL_S = 0.005
+_TRANSIENT = ("timed out", "timeout", "connection", "gloo", "broken pipe", "peer", "aborted")
+
+
+def key(*parts) -> str:
+    return PREFIX + "/".join(str(p) for p in parts)
+
+
+def clone_tree(obj):
+    """A deep copy of a state dict: tensors cloned, containers rebuilt, other values shared."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: clone_tree(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(clone_tree(v) for v in obj)
+    return obj
+
+
+def part_bounds(batch: int, world: int, rank: int) -> tuple[int, int]:
+    """[lo, hi) of ``rank``'s contiguous part of a global batch of ``batch`` among ``world`` ranks:
+    sizes differ by at most one, the first ``batch % world`` ranks take one more; for a world that
+    divides the batch these are DistributedBatchSampler's slices."""
+    q, m = divmod(batch, world)
+    lo = rank * q + min(rank, m)
+    return lo, lo + q + (rank < m)
+
+
+def parse_faults(text: str) -> dict[tuple[int, int], str]:
+    """``"1@3,2@5:stop,0@4:hold"`` -> {(1, 3): "kill", (2, 5): "stop", (0, 4): "hold"}: process ID at
+    the start of STEP SIGKILLs (SIGSTOPs) itself, or holds the step until a newcomer is ready (the
+    agent asks for a change, or has invited one already). For tests and measurements (DISTRAIN_ELASTIC_FAULTS)."""
+    out = {}
+    for item in filter(None, (s.strip() for s in (text or "").split(","))):
+        what, _, action = item.partition(":")
+        ident, _, step = what.partition("@")
+        out[(int(ident), int(step))] = action or "kill"
+    return out
+
+
+def sever(keep_port: int) -> int:
+    """Shut down every TCP socket of this process but the store's (port ``keep_port``): Gloo's
+    connections of a broken group. Gloo has no abort; a peer blocked in a receive from a rank that
+    left would wait for the group's time-out, and destroying the group would wait for our own
+    worker threads blocked the same way. A shut-down socket wakes both ends at once (the peer reads
+    "connection closed" and leaves too), so a loss spreads through the group in milliseconds.
+    Returns how many sockets were shut down. (Linux: /proc/self/fd and /proc/net/tcp{,6}.)"""
+    ports = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if f[3] != "01":  # established connections only: Gloo's listener aborts the process if shut down
+                continue
+            ports[f[9]] = (int(f[1].rsplit(":", 1)[1], 16), int(f[2].rsplit(":", 1)[1], 16))
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        pair = ports.get(link[8:-1]) if link.startswith("socket:[") else None
+        if pair is None or keep_port in pair:
+            continue
+        try:
+            s = socket.socket(fileno=os.dup(int(fd)))
+        except OSError:
+            continue
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+            n += 1
+        except OSError:
+            pass
+        finally:
+            s.close()  # the duplicate only; Gloo closes its own descriptor with the group
+    return n
+
+
+@dataclass
+class Change:
+    """What ``reform`` (or a newcomer's ``join``) decided; ``stop``: the job ends (below MIN)."""
+    epoch: int
+    step: int
+    state: dict | None
+    old_world: int
+    new_world: int
+    left: list = field(default_factory=list)
+    joined: list = field(default_factory=list)
+    rolled_back: int | None = None
+    t0: float = 0.0
+    stop: str | None = None
+    spawned: dict = field(default_factory=dict)  # newcomer id -> when the agent started it (Unix s)
+    t_left: float = 0.0  # when this rank left its old group (Unix s; a newcomer: when it was invited)
+
+    def event(self) -> dict:
+        """The metrics.jsonl record (recover_s is added when the first step at the new size completes)."""
+        return {"event": "membership", "time": time.time(), "step": self.step, "old_world": self.old_world,
+                "new_world": self.new_world, "left": self.left, "joined": self.joined,
+                "rolled_back": self.rolled_back, "epoch": self.epoch}
+
+
+class Member:
+    def __init__(self, store, ident: int, backend: str, timeout: float, newcomer: bool = False,
+                 faults: dict | None = None):
+        self.store, self.ident, self.backend, self.timeout = store, ident, backend, timeout
+        self.newcomer, self.faults = newcomer, faults or {}
+        self.epoch, self.ids, self.rank, self.world = -1, [], -1, 0
+        self.live: int | None = None  # boundary of the live state (None: a step under way)
+        self.snap: dict | None = None
+        self.snap_step: int | None = None
+        self.changes: list[dict] = []  # every membership event this rank went through
+
+    @classmethod
+    def from_env(cls, backend: str, timeout: float) -> "Member":
+        port = int(os.environ[ENV_PORT])
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout))
+        return cls(store, int(os.environ[ENV_ID]), backend, timeout, os.environ.get(ENV_NEW) == "1",
+                   parse_faults(os.environ.get(ENV_FAULTS, "")))
+
+    # -- store helpers ----------------------------------------------------------------------
+    def _put(self, k: str, obj) -> None:
+        self.store.set(k, json.dumps(obj))
+
+    def _get(self, k: str):
+        return json.loads(self.store.get(k))
+
+    def _wait(self, keys: list[str], what: str, abort: str | None = None) -> bool:
+        """Wait until every key exists (True), or ``abort`` exists (False); CommError past the deadline."""
+        deadline = time.monotonic() + 2 * self.timeout + 60
+        while not self.store.check(keys):
+            if abort is not None and self.store.check([abort]):
+                return False
+            if time.monotonic() > deadline:
+                raise CommError(f"elastic: rank id {self.ident} waited {2 * self.timeout + 60:g}s for {what}")
+            time.sleep(POLL_S)
+        return True
+
+    # -- entering and leaving groups ---------------------------------------------------------
+    def join(self, start: int) -> Change | None:
+        """Enter the job: a starting rank opens epoch 0 with its state at step ``start`` (returns
+        None); a newcomer announces itself, waits to be invited at a step boundary and returns the
+        Change with the state a live peer sent."""
+        if not self.newcomer:
+            self._wait([key("members", 0)], "the first membership")
+            self._open(0, self._get(key("members", 0)))
+            self.live = start
+            return None
+        self._put(key("ready", self.ident), {"t": time.time()})
+        while True:
+            self._wait([key("invite", self.ident)], "an invitation into the group")
+            epoch = int(self.store.get(key("invite", self.ident)))
+            info = self._get(key("members", epoch))
+            try:
+                self._open(epoch, info)
+                return self._heal(info, None)
+            except Exception as e:  # noqa: BLE001 - a peer died during the heal: ask again
+                if not self.failed(e):
+                    raise
+                self._close(broken=True)
+                self._put(key("arrive", epoch + 1, self.ident), {"live": None, "snap": None, "t": time.time()})
+                self.store.delete_key(key("invite", self.ident))
+
+    def _open(self, epoch: int, info: dict) -> None:
+        """Join epoch ``epoch``'s process group (a barrier first: abort if the epoch is already over)."""
+        self.epoch, self.ids = epoch, list(info["ids"])
+        self.rank, self.world = self.ids.index(self.ident), len(self.ids)
+        self.store.set(key("up", epoch, self.ident), "1")
+        if not self._wait([key("up", epoch, i) for i in self.ids], f"the ranks of epoch {epoch}",
+                          abort=key("change", epoch)):
+            raise CommError(f"elastic: epoch {epoch} ended before its group opened (a peer was lost)")
+        dist.init_process_group(self.backend, store=dist.PrefixStore(key("pg", epoch) + "/", self.store),
+                                rank=self.rank, world_size=self.world, timeout=timedelta(seconds=self.timeout))
+        # past the group's own time-out: a hung peer surfaces as the backend's exception, handled here
+        watchdog.install(dist.PrefixStore(key("wd", epoch) + "/", self.store), self.rank, self.world,
+                         2 * self.timeout + 30)
+
+    def _close(self, broken: bool = False) -> None:
+        watchdog.uninstall()
+        if broken and dist.is_initialized():
+            sever(self.store.port)
+            gc.collect()  # the broken group's pending work, held by engine objects already dropped
+        if dist.is_initialized():
+            comm.close_all()
+            dist.destroy_process_group()
+
+    def close(self) -> None:
+        """Leave for good (the end of the run)."""
+        self._close()
+
+    # -- once per step ---------------------------------------------------------------------
+    def begin(self, step: int, state_fn) -> None:
+        """The start of ``step``: keep a copy of the state (model, optimizer, RNG) to roll back to."""
+        action = self.faults.get((self.ident, step))
+        if action == "hold":  # tests: wait (at most 120 s) until a newcomer was invited (now or before)
+            deadline = time.monotonic() + 120
+            while not (self.store.check([key("change", self.epoch)]) or self.store.check([key("joins")])) \
+                    and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+        elif action is not None:  # fault injection (tests, measurements): a real signal to this process
+            print(f"distrain elastic: id {self.ident} {action} at step {step} t={time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP if action == "stop" else signal.SIGKILL)
+        self.snap = {"engine": clone_tree(state_fn()), "rng": torch.get_rng_state()}
+        self.snap_step, self.live = step, None
+
+    def end(self, step: int, loss, weight: float) -> tuple[float, bool]:
+        """The end of ``step``: the global batch's loss (sum over ranks of loss * weight) and whether
+        the group must change (the agent asked: a rank was lost or a newcomer waits). Collective."""
+        flag = 1.0 if self.rank == 0 and self.store.check([key("change", self.epoch)]) else 0.0
+        t = torch.tensor([float(loss) * weight if loss is not None else 0.0, flag], dtype=torch.float64)
+        dist.all_reduce(t)
+        self.live = step + 1
+        return t[0].item(), t[1].item() > 0
+
+    def failed(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is the group breaking (a peer gone or silent) rather than a bug of ours."""
+        if is_secondary(exc) or (self.epoch >= 0 and self.store.check([key("change", self.epoch)])):
+            return True
+        seen = set()
+        while exc is not None and id(exc) not in seen:
+            seen.add(id(exc))
+            if any(p in str(exc).lower() for p in _TRANSIENT):
+                return True
+            exc = exc.__cause__ or exc.__context__
+        return False
+
+    # -- a membership change ---------------------------------------------------------------
+    def reform(self, state_fn) -> Change:
+        """Leave the current group, agree with the others (through the agent) on the new members and
+        the step, open the new group, send the state to newcomers. Returns the Change (``state``:
+        what to load, at ``step``). Retries while peers keep failing during the change."""
+        t_left = time.time()
+        while True:
+            nxt = self.epoch + 1
+            self._close(broken=True)
+            self._put(key("arrive", nxt, self.ident), {"live": self.live, "snap": self.snap_step, "t": time.time()})
+            self._wait([key("members", nxt)], f"the members of epoch {nxt}")
+            info = self._get(key("members", nxt))
+            if self.ident not in info["ids"]:
+                raise CommError(f"elastic: rank id {self.ident} was left out of epoch {nxt}: {info.get('why', '')}")
+            target = info["step"]
+            if self.live == target:
+                state = {"engine": state_fn(), "rng": torch.get_rng_state()}
+            elif self.snap_step == target:
+                state = self.snap
+            else:
+                raise CommError(f"elastic: rank id {self.ident} holds steps {self.live}/{self.snap_step}, the group "
+                                f"goes on from {target}")
+            self.snap, self.snap_step, self.live = state, target, None  # what we can offer if this change fails too
+            try:
+                self._open(nxt, info)
+                change = self._heal(info, state)
+                change.t_left = t_left
+                return change
+            except Exception as e:  # noqa: BLE001 - a peer died during the change: once more
+                if not self.failed(e):
+                    raise
+
+    def _heal(self, info: dict, state: dict | None) -> Change:
+        """Newcomers get the state from rank 0 (a survivor) over the new group; RNG restored."""
+        if info["joined"]:
+            box = [state if self.rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            state = state if state is not None else box[0]
+        torch.set_rng_state(state["rng"])
+        self.snap, self.snap_step, self.live = state, info["step"], None  # the loop loads it into a new engine
+        return Change(self.epoch, info["step"], state, info["old"], len(info["ids"]), info["left"], info["joined"],
+                      info.get("rolled_back"), info["t0"], info.get("stop"), info.get("spawned", {}))
+
+
+_current: Member | None = None
+
+
+def install(member: Member) -> Member:
+    """Make ``member`` this process's (the agent's child does it before running the rank's function)."""
+    global _current
+    _current = member
+    return member
+
+
+def current() -> Member:
+    """This process's Member (an elastic rank), or CommError outside an elastic job."""
+    if _current is None:
+        raise CommError("elastic: this process is not a rank of an elastic job (distrain train --elastic)")
+    return _current

@@ -1,0 +1,74 @@
+"""``--elastic MIN:MAX``: parsing and the rules a job must meet, checked before any rank starts.
+
+Contract: :func:`parse` turns ``"MIN:MAX"`` into two ints or raises ConfigError with the rule;
+:func:`check` takes a TrainConfig-like object (duck-typed: ``elastic``, ``elastic_replace``,
+``strategy``, ``nproc``, ...) and raises ConfigError naming the flag and the fix for the first
+rule it breaks. Nothing here starts a process or touches torch.distributed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from distrain.errors import ConfigError
+
+# the strategies whose whole state is on every rank (a lost rank loses nothing the others lack)
+SUPPORTED = ("ddp",)
+_FORM = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
+
+
+def parse(text: str) -> tuple[int, int]:
+    """``"2:4"`` -> (2, 4); ConfigError for anything else, or for MIN > MAX or MIN < 1."""
+    m = _FORM.match(str(text))
+    if m is None:
+        raise ConfigError(f"--elastic {text!r} is malformed: give MIN:MAX, the fewest and the most ranks the job "
+                          f"may run with, two whole numbers (e.g. --elastic 2:4)")
+    lo, hi = int(m.group(1)), int(m.group(2))
+    if lo < 1:
+        raise ConfigError(f"--elastic {lo}:{hi}: MIN must be at least 1 rank, got {lo}")
+    if lo > hi:
+        raise ConfigError(f"--elastic {lo}:{hi}: MIN {lo} is larger than MAX {hi}; the job keeps between MIN and MAX "
+                          f"ranks, so MIN <= MAX")
+    return lo, hi
+
+
+def check(cfg) -> tuple[int, int] | None:
+    """The (MIN, MAX) of an elastic job, None for a fixed one; ConfigError on a broken rule."""
+    replace = getattr(cfg, "elastic_replace", 0)
+    if not cfg.elastic:
+        if replace:
+            raise ConfigError(f"--elastic-replace {replace} starts replacement ranks of an elastic job: it needs "
+                              f"--elastic MIN:MAX")
+        return None
+    lo, hi = parse(cfg.elastic)
+    tag = f"--elastic {lo}:{hi}"
+    if cfg.strategy not in SUPPORTED:
+        raise ConfigError(f"{tag}: --strategy {cfg.strategy} is not supported; elastic training needs the whole "
+                          f"state on every rank, so that losing one loses nothing: use --strategy "
+                          f"{' or '.join(SUPPORTED)}")
+    if getattr(cfg, "tp", 1) > 1 or getattr(cfg, "pp", 1) > 1 or getattr(cfg, "dp", 0):
+        raise ConfigError(f"{tag}: --dp/--tp/--pp are not supported (a lost rank would take part of a model replica "
+                          f"with it); use plain --strategy ddp")
+    if lo > cfg.nproc:
+        raise ConfigError(f"{tag}: MIN {lo} is larger than --nproc {cfg.nproc}; the job would start below its "
+                          f"minimum: use --nproc >= {lo} or a smaller MIN")
+    if cfg.nproc > hi:
+        raise ConfigError(f"{tag}: --nproc {cfg.nproc} is larger than MAX {hi}; use --nproc <= {hi} or a larger MAX")
+    if not (isinstance(replace, int) and replace >= 0):
+        raise ConfigError(f"--elastic-replace must be a whole number >= 0, got {replace!r}")
+    if cfg.batch_size < hi:
+        raise ConfigError(f"{tag}: --batch-size {cfg.batch_size} is smaller than MAX {hi}; every rank needs at least "
+                          f"one sample of the global batch")
+    if getattr(cfg, "accum_steps", 1) != 1:
+        raise ConfigError(f"{tag}: --accum-steps {cfg.accum_steps} is not supported (a rank's part of the batch may "
+                          f"not divide into equal micro-batches after a change); use --accum-steps 1")
+    if getattr(cfg, "transport", "torch") != "torch":
+        raise ConfigError(f"{tag}: --transport {cfg.transport} is not supported; elastic jobs leave a broken group "
+                          f"through the backend's own errors: use --transport torch")
+    if getattr(cfg, "device", "cpu") == "cuda":
+        raise ConfigError(f"{tag}: --device cuda is not supported yet (NCCL); use --device cpu (Gloo)")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        raise ConfigError(f"{tag}: runs under `distrain train` (its top process watches the ranks and hosts the "
+                          f"store); under `distrain launch`/torchrun it is not supported yet")
+    return lo, hi

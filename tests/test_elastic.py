@@ -1,0 +1,172 @@
+"""Elastic training (--elastic MIN:MAX, distrain/elastic): ranks lost and gained without a restart.
+
+Faults are real signals: DISTRAIN_ELASTIC_FAULTS="ID@STEP" makes the process with that id SIGKILL
+itself at the start of STEP (its peers are then mid-step: the step is cut in half and redone);
+"ID@STEP:hold" holds that step until a newcomer is ready, so that it joins at a known step.
+Losses are compared with the single-process run of the same job (fp64: equal to rounding), the
+exact form of "equal to a run started from the same state at the new world size" for a data-
+parallel job (the slow test checks that form literally, resuming a world-3 run from a checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from conftest import reference_losses, trainer_config
+
+RTOL = 1e-12
+
+
+def run(tmp_path, monkeypatch, faults: str, **kw):
+    """An elastic gpt-tiny job; returns (step losses, membership/stop lines, summary or the error)."""
+    from distrain.trainer import train
+    from distrain.trainer.elastic_loop import read_events
+    from distrain.trainer.metrics import read_metrics
+
+    monkeypatch.setenv("DISTRAIN_ELASTIC_FAULTS", faults)
+    cfg = trainer_config(tmp_path / "run", strategy="ddp", collective_timeout=30, report=False, **kw)
+    try:
+        result = train(cfg)
+    except Exception as e:  # noqa: BLE001 - the test looks at it
+        result = e
+    path = tmp_path / "run" / "metrics.jsonl"
+    return [r["loss"] for r in read_metrics(path)], read_events(path), result
+
+
+def close(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= RTOL * abs(y) for x, y in zip(a, b))
+
+
+@pytest.mark.timeout(100)
+def test_sigkill_one_of_four_finishes_at_three_with_the_same_losses(tmp_path, tmp_path_factory, monkeypatch):
+    losses, events, summary = run(tmp_path, monkeypatch, "1@2", nproc=4, elastic="3:4", steps=5)
+    assert isinstance(summary, dict), summary
+    assert close(losses, reference_losses(tmp_path_factory)), (losses, reference_losses(tmp_path_factory))
+    (e,) = events
+    assert (e["event"], e["old_world"], e["new_world"], e["left"], e["joined"], e["step"], e["rolled_back"]) == \
+           ("membership", 4, 3, [1], [], 2, 2)
+    assert 0 < e["recover_s"] < 30
+    assert summary["membership_changes"] == 1 and summary["world_final"] == 3 and summary["ranks_left"] == 1
+    rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("world") for r in rows if "event" not in r] == [4, 4, 3, 3, 3]
+
+
+@pytest.mark.timeout(100)
+def test_below_min_stops_cleanly_with_a_checkpoint_and_one_line(tmp_path, monkeypatch):
+    from distrain.errors import TrainingError
+    from distrain.trainer import checkpoint
+
+    losses, events, err = run(tmp_path, monkeypatch, "1@2", nproc=3, elastic="3:3", steps=5, batch_size=12)
+    assert isinstance(err, TrainingError), err
+    msg = str(err)
+    assert "\n" not in msg
+    assert msg.startswith("elastic: stopped at step 2: 2 rank(s) left (rank id(s) 1 lost), fewer than MIN 3 of "
+                          "--elastic 3:3; the checkpoint of step 2 is in "), msg
+    assert checkpoint.read_manifest(tmp_path / "run")["step"] == 2
+    assert len(losses) == 2
+    assert [e["event"] for e in events] == ["stop"] and events[0]["new_world"] == 2
+
+
+@pytest.mark.timeout(100)
+def test_newcomer_joins_healed_from_a_peer_3_to_4(tmp_path, tmp_path_factory, monkeypatch):
+    # rank id 0 holds step 2 until the replacement is ready: it joins at step 1, 2 or 3
+    losses, events, summary = run(tmp_path, monkeypatch, "0@2:hold", nproc=3, elastic="3:4", elastic_replace=1,
+                                  steps=5)
+    assert isinstance(summary, dict), summary
+    assert close(losses, reference_losses(tmp_path_factory)), (losses, reference_losses(tmp_path_factory))
+    (e,) = events
+    assert (e["old_world"], e["new_world"], e["left"], e["joined"], e["rolled_back"]) == (3, 4, [], [3], None)
+    assert 1 <= e["step"] <= 3
+    assert e["join_s"] > 0 and summary["world_final"] == 4 and summary["ranks_joined"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_kill_twice_in_a_row_uneven_parts(tmp_path, tmp_path_factory, monkeypatch):
+    # batch 8: 4 ranks take 2 each, 3 ranks take 3, 3 and 2 (scaled losses), 2 ranks 4 each
+    losses, events, summary = run(tmp_path, monkeypatch, "1@2,2@3", nproc=4, elastic="2:4", steps=5, batch_size=8)
+    assert isinstance(summary, dict), summary
+    ref = reference_losses(tmp_path_factory, batch_size=8)
+    assert close(losses, ref), (losses, ref)
+    assert [(e["old_world"], e["new_world"], e["left"], e["step"]) for e in events] == [(4, 3, [1], 2), (3, 2, [2], 3)]
+    assert summary["membership_changes"] == 2 and summary["world_final"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_losses_after_the_change_equal_a_world_3_run_from_the_same_state(tmp_path, monkeypatch):
+    """The literal form: a 4-rank DDP run to step 2 (its checkpoint), resumed at world size 3."""
+    from conftest import train_losses
+
+    losses, _, summary = run(tmp_path, monkeypatch, "3@2", nproc=4, elastic="3:4", steps=5)
+    assert isinstance(summary, dict), summary
+    out = tmp_path / "ref"
+    before = train_losses(trainer_config(out, strategy="ddp", nproc=4, steps=2))
+    after = train_losses(trainer_config(out, strategy="ddp", nproc=3, steps=5, resume=True, reshard=True))
+    assert close(losses[:2], before) and close(losses[2:], after[2:]), (losses, before, after)
+
+
+def test_part_bounds_cover_the_batch_and_match_the_sampler():
+    from distrain.data import DistributedBatchSampler
+    from distrain.elastic.member import part_bounds, parse_faults
+
+    for batch in (8, 12, 13):
+        for world in range(1, 6):
+            parts = [part_bounds(batch, world, r) for r in range(world)]
+            assert parts[0][0] == 0 and parts[-1][1] == batch
+            assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+            assert max(h - lo for lo, h in parts) - min(h - lo for lo, h in parts) <= 1
+            if batch % world == 0:
+                s = [DistributedBatchSampler(100, batch, dp_rank=r, dp_size=world) for r in range(world)]
+                g = s[0].global_batch(3)
+                assert all(g[lo:hi].tolist() == s[r].batch(3).tolist() for r, (lo, hi) in enumerate(parts))
+    assert parse_faults("1@3, 2@5:stop,0@4:hold") == {(1, 3): "kill", (2, 5): "stop", (0, 4): "hold"}
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(elastic="2:4", strategy="zero1"),
+     "--elastic 2:4: --strategy zero1 is not supported; elastic training needs the whole state on every rank, so "
+     "that losing one loses nothing: use --strategy ddp"),
+    (dict(elastic="2:4", strategy="ps-sync"),
+     "--elastic 2:4: --strategy ps-sync is not supported; elastic training needs the whole state on every rank, so "
+     "that losing one loses nothing: use --strategy ddp"),
+    (dict(elastic="3:2"),
+     "--elastic 3:2: MIN 3 is larger than MAX 2; the job keeps between MIN and MAX ranks, so MIN <= MAX"),
+    (dict(elastic="3:4", nproc=2),
+     "--elastic 3:4: MIN 3 is larger than --nproc 2; the job would start below its minimum: use --nproc >= 3 or a "
+     "smaller MIN"),
+    (dict(elastic="2-4"),
+     "--elastic '2-4' is malformed: give MIN:MAX, the fewest and the most ranks the job may run with, two whole "
+     "numbers (e.g. --elastic 2:4)"),
+    (dict(elastic="2:"),
+     "--elastic '2:' is malformed: give MIN:MAX, the fewest and the most ranks the job may run with, two whole "
+     "numbers (e.g. --elastic 2:4)"),
+    (dict(elastic="0:2"), "--elastic 0:2: MIN must be at least 1 rank, got 0"),
+    (dict(elastic="2:3", nproc=4), "--elastic 2:3: --nproc 4 is larger than MAX 3; use --nproc <= 3 or a larger MAX"),
+    (dict(elastic_replace=1), "--elastic-replace 1 starts replacement ranks of an elastic job: it needs --elastic "
+                              "MIN:MAX"),
+])
+def test_bad_input_is_refused_before_start_with_the_rule(tmp_path, kw, message):
+    from distrain.errors import ConfigError
+
+    cfg = trainer_config(tmp_path / "never", **{"strategy": "ddp", "nproc": 2, **kw})
+    with pytest.raises(ConfigError) as info:
+        cfg.validate()
+    assert str(info.value) == message
+    assert not (tmp_path / "never").exists()
+
+
+def test_the_cli_refuses_before_start(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "never"
+    p = subprocess.run([sys.executable, "-m", "distrain", "train", "--elastic", "3:2", "--nproc", "2", "--model",
+                        "gpt-tiny", "--out", str(out)], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "DISTRAIN_ELASTIC_FAULTS": ""})
+    assert p.returncode != 0
+    assert "--elastic 3:2: MIN 3 is larger than MAX 2" in p.stderr
+    assert not out.exists()
