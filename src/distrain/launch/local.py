@@ -215,7 +215,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
     store = local_store(nprocs, init_timeout)
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["distrain.comm", "distrain.launch"])
+        ctx.set_forkserver_preload(["distrain.comm", "distrain.launch", "distrain.launch.warm"])
 
     procs, conns = [], []
     for r in range(nprocs):
