@@ -209,6 +209,54 @@ def _p2p(rank: int) -> list:
     return out
 
 
+def _pipelined_with_a_late_rank(rank: int) -> list[str]:
+    """The pipelined all_reduce (up to SLOTS - 1 chunks in flight) when one rank runs late: the
+    others fill the window and wait for it to read (CONSUMED) before reusing a slot. Interleaved
+    with lock-step collectives, whose first write reuses a slot at once. Every result equals Gloo's."""
+    import time
+
+    import torch.distributed as dist
+
+    P = dist.get_world_size()
+    gloo = dist.new_group(list(range(P)))
+    shm.SLOT_BYTES = SMALL_SLOT
+    comm.set_transport("shm")
+    comm.set_transport("torch", gloo)
+    bad = []
+    for it in range(6):
+        late = it % P  # a different rank runs late each time, by 30 ms: the others fill their window
+        n = (SMALL_SLOT // 4) * (3 + 2 * it) + 5  # 3..13 chunks of SMALL_SLOT, plus a piece
+        x = _x(rank, 100 + it, n, torch.float32, "sum")
+        if rank == late:
+            time.sleep(0.03)
+        a, b = x.clone(), x.to(torch.float64, copy=True)
+        comm.all_reduce(a)
+        comm.all_reduce(b, group=gloo)
+        if not torch.equal(a, b.to(torch.float32)):
+            bad.append(f"P={P} rank {rank} iteration {it}: pipelined all_reduce differs from Gloo's")
+        ts = [x[:7].clone(), x[7:].clone()]
+        ref = x.to(torch.float64, copy=True)
+        comm.all_reduce(ref, group=gloo)
+        if rank == (late + 1) % P:
+            time.sleep(0.03)
+        comm.all_reduce_list(ts)
+        if not torch.equal(torch.cat(ts), ref.to(torch.float32)):
+            bad.append(f"P={P} rank {rank} iteration {it}: pipelined all_reduce_list differs from Gloo's")
+        c = _x(it % P, 200 + it, 4099, torch.float32, "sum")  # lock-step: writes its slot at once
+        got = c.clone() if rank == it % P else torch.zeros(4099)
+        comm.broadcast(got, src=it % P)
+        if not torch.equal(got, c):
+            bad.append(f"P={P} rank {rank} iteration {it}: broadcast after a pipelined all_reduce differs")
+    return bad
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("P", [2, 3])
+def test_pipelined_all_reduce_with_a_late_rank_equals_gloo(P):
+    bad = [x for r in distrain.spawn(_pipelined_with_a_late_rank, P, timeout=100) for x in r]
+    assert not bad, "\n".join(bad)
+
+
 @pytest.mark.timeout(180)
 def test_p2p_over_shared_memory():
     r0, r1, r2 = distrain.spawn(_p2p, 3, timeout=150)

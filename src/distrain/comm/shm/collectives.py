@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from distrain.comm.core.ops import Op
-from distrain.comm.shm.segment import ARRIVE, DONE
+from distrain.comm.shm.segment import ARRIVE, CONSUMED, DONE
 from distrain.comm.core.util import chunk_sizes
 
 SMALL_BYTES = 32 << 10
@@ -71,15 +71,66 @@ def _chunk(sh, t: torch.Tensor, per: int = 1) -> int:
     return max(1, sh.layout.slot_bytes // (t.element_size() * per))
 
 
+def _pipelined(sh, what: str, chunks: int, copy_in, fold) -> None:
+    """One-phase steps for ``chunks`` chunks with up to ``slots - 1`` of them in flight.
+
+    Chunk i is step s = base + 1 + i, in slot s % K (K = slots). A rank copies chunk i in
+    (``copy_in(i, step)``, then ARRIVE = s) as soon as every peer has read the slot's previous
+    use (their CONSUMED >= s - K) and it is fewer than K - 1 chunks ahead of its own folds;
+    it folds chunk i (``fold(i, step)``, then CONSUMED = s) once every peer's ARRIVE >= s.
+    Lock-step (K = 2) needs both ranks running at every chunk; on a machine with more runnable
+    threads than cores the peer often is not, and then each chunk costs a wake-up. Here a rank
+    runs ahead by K - 1 chunks, so a time slice does K - 1 chunks of work.
+
+    Why the K - 1 bound: a rank's ARRIVE = s then implies its CONSUMED >= s - K + 1, so after
+    the last chunk (every peer's ARRIVE >= last) every peer has read the slot that the next
+    lock-step collective writes at once, as lock-step collectives assume.
+    """
+    K = sh.layout.slots
+    base = sh.step
+    sh.me.set_line(CONSUMED, base)  # every earlier step is read (steps run in order on a rank)
+    posted = folded = 0
+    while folded < chunks:
+        while posted < chunks and posted - folded < K - 1:
+            s = base + 1 + posted
+            if not sh.all_at_least(CONSUMED, s - K):
+                if posted > folded:
+                    break  # fold what is here first: the peer may be waiting for that
+                sh.wait_all(CONSUMED, s - K, what)
+            copy_in(posted, s)
+            sh.step = s
+            sh.post(ARRIVE, s)
+            posted += 1
+        s = base + 1 + folded
+        sh.wait_all(ARRIVE, s, what)
+        fold(folded, s)
+        folded += 1
+        sh.post(CONSUMED, s)
+
+
 def all_reduce(pc, buf: torch.Tensor, op: Op) -> None:
     sh, what = _sh(pc), f"{pc.op}(transport=shm)"
     P, r, n = sh.size, sh.rank, buf.numel()
     m = _chunk(sh, buf)
+    if len(sh.peers) < sh.size:
+        sh.coll = what
+        sh.open_all()
+    if P == 2 or n * buf.element_size() < SMALL_BYTES:  # one phase for every chunk: pipelined
+        def copy_in(i, step):
+            x = buf[i * m:(i + 1) * m]
+            sh.views(step, buf.dtype, x.numel())[r].copy_(x)
+
+        def fold(i, step):
+            x = buf[i * m:(i + 1) * m]
+            op.fold(x, sh.views(step, buf.dtype, x.numel()))
+
+        _pipelined(sh, what, -(-n // m), copy_in, fold)
+        return
     for a in range(0, n, m):
         x = buf[a:a + m]
         c = x.numel()
         step = _step(sh, what)
-        if P == 2 or c * buf.element_size() < SMALL_BYTES:
+        if c * buf.element_size() < SMALL_BYTES:
             slots = sh.views(step, buf.dtype, c)
             slots[r].copy_(x)
             _arrive(sh, step, what)
@@ -117,20 +168,30 @@ def all_reduce_list(pc, tensors: list[torch.Tensor], op: Op, scale: float | None
     r, dtype = sh.rank, tensors[0].dtype
     total = sum(t.numel() for t in tensors)
     m = _chunk(sh, tensors[0])
-    for a in range(0, total, m):
-        c = min(m, total - a)
-        step = _step(sh, what)
-        slots = sh.views(step, dtype, c)
-        mine = slots[r]
-        pieces = list(_runs(tensors, a, c))
-        for t, off, at, n in pieces:
+    if len(sh.peers) < sh.size:
+        sh.coll = what
+        sh.open_all()
+
+    def pieces(i):
+        a = i * m
+        return min(m, total - a), list(_runs(tensors, a, min(m, total - a)))
+
+    def copy_in(i, step):
+        c, runs = pieces(i)
+        mine = sh.views(step, dtype, c)[r]
+        for t, off, at, n in runs:
             if scale is None:
                 mine[at:at + n].copy_(t[off:off + n])
             else:
                 torch.mul(t[off:off + n], scale, out=mine[at:at + n])
-        _arrive(sh, step, what)
-        for t, off, at, n in pieces:
+
+    def fold(i, step):
+        c, runs = pieces(i)
+        slots = sh.views(step, dtype, c)
+        for t, off, at, n in runs:
             op.fold(t[off:off + n], [q[at:at + n] for q in slots])
+
+    _pipelined(sh, what, -(-total // m), copy_in, fold)
 
 
 def _reduce_parts(sh, x: torch.Tensor, mine: torch.Tensor, step: int, op: Op, what: str) -> None:

@@ -45,7 +45,7 @@ PREFIX = "distrain-"
 LINE = 64  # bytes per cache line: every flag sits alone on its line (no false sharing)
 _I64_PER_LINE = LINE // 8
 # ctrl lines of a segment (see Layout): which line each flag lives on
-ARRIVE, DONE, ABORT, PID, RESULT, SLEEPING = 0, 1, 2, 3, 4, 5
+ARRIVE, DONE, ABORT, PID, RESULT, SLEEPING, CONSUMED = 0, 1, 2, 3, 4, 5, 6
 _NAME_RE = re.compile(r"^distrain-(\d+)-[0-9a-f]{8}-")
 
 
@@ -60,10 +60,12 @@ class Layout:
       3 pid of the owner
       4 result: step number whose result a host leader has written (hierarchy.py)
       5 sleeping: how many of the owner's threads block on its wake-up pipe
-      6 + 2q:   head of the channel to rank q (bytes written so far by the owner)
-      7 + 2q:   tail of that channel (bytes read so far; written by rank q, the reader)
-      6 + 2P + q: 1 once rank q has mapped this segment (written by rank q)
-    coll: ``slots`` buffers of ``slot_bytes`` for the direct collectives (double buffering)
+      6 consumed: step number up to which this rank has finished reading every peer's slots
+      7 + 2q:   head of the channel to rank q (bytes written so far by the owner)
+      8 + 2q:   tail of that channel (bytes read so far; written by rank q, the reader)
+      7 + 2P + q: 1 once rank q has mapped this segment (written by rank q)
+    coll: ``slots`` buffers of ``slot_bytes`` for the direct collectives, used round robin
+      (step s in slot s % slots): at least double buffering, more for pipelined all_reduce
     chan: ``size`` rings of ``ring_bytes``, ring q carries the owner's messages to rank q
     """
 
@@ -74,18 +76,18 @@ class Layout:
 
     @property
     def ctrl_lines(self) -> int:
-        return 6 + 3 * self.size
+        return 7 + 3 * self.size
 
     def opened_line(self, q: int) -> int:
-        return 6 + 2 * self.size + q
+        return 7 + 2 * self.size + q
 
     @staticmethod
     def head_line(q: int) -> int:
-        return 6 + 2 * q
+        return 7 + 2 * q
 
     @staticmethod
     def tail_line(q: int) -> int:
-        return 7 + 2 * q
+        return 8 + 2 * q
 
     @property
     def coll_offset(self) -> int:

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from distrain.comm.shm import segment as seg_mod
 from distrain.comm.shm import collectives, hierarchy
 from distrain.comm.shm.p2p import Channels
-from distrain.comm.shm.segment import ABORT, ARRIVE, DONE, PID, RESULT, SLEEPING, Layout, Segment
+from distrain.comm.shm.segment import ABORT, ARRIVE, CONSUMED, SLEEPING, Layout, Segment
 from distrain.errors import CommError
 
 # A collective step moves at most this much per rank. 1 MiB: a rank's slot fits its L2, so
@@ -59,7 +59,16 @@ from distrain.errors import CommError
 # cores, 1 MiB was 1.7x slower than 4 MiB: each step's synchronisation could cost a context switch.)
 SLOT_BYTES = 1 << 20
 RING_BYTES = 1 << 20  # per directed pair of ranks
-SPIN = 300  # polls (a few microseconds each) before blocking on the wake-up pipe
+# Slots per rank, used round robin. Two suffice for lock-step collectives; the pipelined
+# all_reduce (collectives.py) keeps up to SLOTS - 1 chunks in flight, so when the peer is not
+# running (more runnable threads than cores) a rank still gets SLOTS - 1 MiB done per time slice
+# instead of one. More slots spread the slots over more memory than the cache keeps: P=2
+# all_reduce on the 2-core machine, configurations interleaved in one run each (GB/s busbw):
+#   quiet, 4 MiB:   2 slots 5.2-6.2, 4 slots 4.8-6.0, 8 slots 2.7-5.7
+#   2 busy processes, 64 MiB: 2 slots 0.34-0.56, 4 slots 0.72-1.55, 8 slots 1.60-1.64
+# Four keep the quiet speed and most of the gain under load.
+SLOTS = 4
+SPIN = 300  # polls (a few microseconds each) before blocking on the wake-up pipe, at most
 SPIN_HOT = 20  # of which the first ones are plain polls; the later ones also yield the core
 MAX_BLOCK = 0.05  # seconds one block lasts at most (then the deadline and peers are checked)
 CHECK_EVERY = 0.05  # seconds between checks for dead peers and the deadline
@@ -121,7 +130,7 @@ class ShmTransport:
         self.strict, self.fallback, self.timeout = strict, fallback, timeout
         self.rank, self.size, self.ranks = state.rank, state.size, state.ranks
         self.me_global = self.ranks[self.rank]
-        self.layout = Layout(self.size, SLOT_BYTES, RING_BYTES)
+        self.layout = Layout(self.size, SLOT_BYTES, RING_BYTES, SLOTS)
         self.store = dist.PrefixStore(f"distrain-shm/{state.group.group_name}/",
                                       dist.distributed_c10d._get_default_store())
         self.host = host_id()
@@ -132,6 +141,7 @@ class ShmTransport:
         self.hosts: dict[int, str] = {self.rank: self.host}
         self._names: dict[int, tuple[str, int]] = {self.rank: (self.me.name, self.layout.total)}
         self.step = 0  # collective steps done; identical on every rank (same calls, same order)
+        self.spin = SPIN  # polls before blocking, adapted to how often spinning paid off (wait())
         self.coll = "collective"  # what the current wait is for, for error messages
         self.p2p = None  # built on the first point-to-point message (p2p.Channels)
         self._unlinked = False
@@ -220,11 +230,20 @@ class ShmTransport:
         Raises a CommError naming this rank, ``what`` and the peer, when a peer (group ranks
         ``peers``) aborted or died, or when the timeout passes.
         """
-        for i in range(SPIN):
+        # Spin only as long as spinning pays off. On a machine with more runnable threads than
+        # cores the peer is often not running: every sched_yield then hands the core to another
+        # process for a whole time slice, and blocking (a peer's write wakes us, and the
+        # scheduler favours a task that slept) is faster. A wait that ends while spinning
+        # lengthens the next spin, one that has to block halves it, down to the plain polls.
+        spin = self.spin
+        for i in range(spin):
             if ready():
+                if spin < SPIN:
+                    self.spin = min(SPIN, spin + 16)
                 return
             if i >= SPIN_HOT:  # the peer may be waiting for this core: let it run (one syscall)
                 os.sched_yield()
+        self.spin = max(SPIN_HOT, spin // 2)
         if not self._unlinked:
             self._unlink_if_all_opened()
         start = last = time.monotonic()
@@ -282,22 +301,26 @@ class ShmTransport:
 
     # -- collective steps ----------------------------------------------------------------
     def begin(self) -> int:
+        """A new lock-step collective step. Collectives run one after another on a rank, so
+        every earlier step's reads are over: say so (CONSUMED) for a pipelined peer."""
+        self.me.set_line(CONSUMED, self.step)
         self.step += 1
         return self.step
 
     def slot(self, q: int, step: int, dtype: torch.dtype) -> torch.Tensor:
         """Rank q's collective buffer for ``step`` (alternating two buffers), as ``dtype``.
         Views are cached: making one costs two tensor ops, a sizeable part of a 4 KiB all_reduce."""
-        key = (q, step % 2, dtype)
+        k = step % self.layout.slots
+        key = (q, k, dtype)
         v = self._slots.get(key)
         if v is None:
-            v = self._slots[key] = self.peers[q].slot(step % 2).view(dtype)
+            v = self._slots[key] = self.peers[q].slot(k).view(dtype)
         return v
 
     def views(self, step: int, dtype: torch.dtype, count: int) -> list[torch.Tensor]:
         """Every rank's slot for ``step`` as ``count`` elements of ``dtype`` (cached: small
         collectives repeat the same few sizes, and each view costs a tensor op)."""
-        key = (step % 2, dtype, count)
+        key = (step % self.layout.slots, dtype, count)
         v = self._views.get(key)
         if v is None:
             if len(self._views) >= 256:
@@ -310,6 +333,11 @@ class ShmTransport:
         self.wake_peers(peers)
         if not self._unlinked:
             self._unlink_if_all_opened()
+
+    def all_at_least(self, line: int, step: int) -> bool:
+        """Whether every rank's ``line`` has reached ``step`` (no waiting)."""
+        at = line * 8
+        return all(s.ctrl[at] >= step for s in self.peers.values())
 
     def wait_all(self, line: int, step: int, what: str, peers=None) -> None:
         peer_ids = range(self.size) if peers is None else list(peers)
