@@ -204,8 +204,11 @@ def test_bench_link_and_comm_across_nodes_with_prediction(emulated_cluster, tmp_
     recs = {r["algorithm"]: r for r in json.loads(out.read_text())["records"]}
     assert {r["P"] for r in recs.values()} == {2} and recs["ring"]["placement"] == [0, 1]
     assert recs["native"]["predicted_us"] is None
-    # P=2 over one link: the star moves N each way in turn, the ring N/2 twice each way at once
-    assert recs["star"]["predicted_us"] > 1.8 * recs["ring"]["predicted_us"]
+    # P=2 over one link: the star moves N each way in turn, the ring N/2 twice each way at once, so
+    # star/ring = 2 x (the per-link rate with both directions busy / the one-direction rate). That
+    # rate ratio is calibrated on the host (the shift): 0.86-1.0 measured on the shared 2-core machine,
+    # so the ratio is 1.7-2.0; a model that ran the ring's two directions one after the other gives 1.
+    assert recs["star"]["predicted_us"] > 1.5 * recs["ring"]["predicted_us"]
     assert recs["ring"]["bytes_sent_max_rank"] == 1 << 20  # 2 * (P-1)/P * N
 
 
