@@ -99,15 +99,42 @@ def _affinity(rank):
 @pytest.mark.timeout(120)
 def test_spawn_binds_each_rank_to_its_own_cores():
     import distrain
-    from distrain.errors import ConfigError
     from distrain.launch import core_slices
     slices = core_slices(2)
     if slices is None:
         pytest.skip("one core: ranks cannot be bound to cores of their own")
     assert distrain.spawn(_affinity, 2, timeout=90, bind_cores=True) == [(s, len(s)) for s in slices]
-    # by default only a job whose transport polls shared memory is bound; Gloo's is left free
-    shm_job = distrain.spawn(_affinity, 2, timeout=90, env={"DISTRAIN_TRANSPORT": "shm"})
-    assert shm_job == [(s, len(s)) for s in slices]
+    assert distrain.spawn(_affinity, 2, timeout=90, bind_cores=False)[0][0] == sorted(os.sched_getaffinity(0))
+
+
+@pytest.mark.timeout(120)
+def test_shm_jobs_are_bound_only_to_free_cores(monkeypatch):
+    """The default binds a job whose transport polls shared memory when P cores are free, to the
+    freest; with the cores busy it leaves the ranks to the scheduler (launch/cores.py)."""
+    import distrain
+    from distrain.launch import cores, local
+
+    assert cores.free_core_slices(2, {0: 0.9, 1: 0.2, 2: 0.8, 3: 0.95}) == [[0], [3]]
+    assert cores.free_core_slices(2, {0: 0.9, 1: 0.2, 2: 0.4, 3: 0.3}) is None  # one free core for two ranks
+    assert cores.free_core_slices(1, {0: 0.6, 1: 0.2, 2: 0.99}) == [[0, 2]]  # one rank: every free core
+    assert cores.free_core_slices(2, {}) is None  # no /proc/stat: unbound
+    idle = cores.idle_fractions(0.02)
+    assert set(idle) == set(os.sched_getaffinity(0)) and all(0.0 <= f <= 1.0 for f in idle.values())
+    usable = sorted(os.sched_getaffinity(0))
+    if len(usable) < 2:
+        pytest.skip("one core: ranks cannot be bound to cores of their own")
+    monkeypatch.setattr(local, "free_core_slices", lambda n: cores.free_core_slices(n, dict.fromkeys(usable, 1.0)))
+    assert distrain.spawn(_affinity, 2, timeout=90, env={"DISTRAIN_TRANSPORT": "shm"}) == \
+        [(s, len(s)) for s in cores.core_slices(2)]
+    monkeypatch.setattr(local, "free_core_slices", lambda n: cores.free_core_slices(n, dict.fromkeys(usable, 0.1)))
+    busy = distrain.spawn(_affinity, 2, timeout=90, env={"DISTRAIN_TRANSPORT": "shm"})
+    assert all(c == usable for c, _ in busy)
+
+
+@pytest.mark.timeout(120)
+def test_gloo_jobs_are_left_unbound():
+    import distrain
+    from distrain.errors import ConfigError
     free = distrain.spawn(_affinity, 2, timeout=90, env={"DISTRAIN_TRANSPORT": "torch"})
     assert all(cores == sorted(os.sched_getaffinity(0)) for cores, _ in free)
     with pytest.raises(ConfigError, match="bind_cores=True needs a core per rank"):

@@ -74,6 +74,7 @@ from distrain.bench.comm_timing import (  # noqa: F401  (re-exported: the per-ra
 from distrain.comm.api import ALGORITHM_NAMES, COLLECTIVES
 from distrain.comm.core.transport import TRANSPORT_NAMES
 from distrain.errors import ConfigError
+from distrain.launch.cores import free_core_slices
 
 DEFAULT_NPROC = "2,4"
 DEFAULT_OPS = "all_reduce"
@@ -110,7 +111,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{BURST_S * 1e3:g} ms, at most {MAX_BURST}; 1 = one call after each barrier")
     p.add_argument("--bind-cores", default="auto", choices=["auto", "on", "off"],
                    help="pin each rank to cores of its own (distrain.spawn's bind_cores); auto: when a measured "
-                        "transport polls shared memory (shm, auto). Gloo is faster unbound with one core per rank")
+                        "transport polls shared memory (shm, auto) and P cores are free at the start (not under "
+                        "load: a bound rank cannot leave a busy core). Gloo is faster unbound with one core per rank")
     p.add_argument("--json", default=None, metavar="PATH", help="write every median and metadata as JSON")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a busbw-vs-size figure (PNG, matplotlib)")
     p.add_argument("--markdown", default=None, metavar="PATH", help="write the tables as Markdown (for docs)")
@@ -160,7 +162,9 @@ def parse_config(args: argparse.Namespace) -> dict[str, Any]:
         "background_load": background.parse(getattr(args, "background_load", 0)),
     }
     bind = getattr(args, "bind_cores", "auto")
-    cfg["bind_cores"] = (bind == "on") if bind != "auto" else any(t in ("shm", "auto") for t in cfg["transports"])
+    # auto: ranks polling shared memory are bound when P cores are free at the start (launch/cores.py)
+    cfg["bind_cores"] = (bind == "on") if bind != "auto" else \
+        (None if any(t in ("shm", "auto") for t in cfg["transports"]) else False)
     if cfg["predict"] not in (None, "auto") and not os.path.isfile(cfg["predict"]):
         raise ConfigError(f"--predict: no calibration file {cfg['predict']!r}; write one with "
                           f"`distrain bench link --json {cfg['predict']}` or give --predict alone to calibrate now")
@@ -175,7 +179,10 @@ def parse_config(args: argparse.Namespace) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------
 
 def _bound(cfg: dict, P: int) -> bool:
-    """Whether P ranks are bound to cores: as asked, and only with a core per rank (P=4 on 2 cores: not)."""
+    """Whether P ranks are bound to cores: as asked, and only with a core per rank (P=4 on 2 cores: not);
+    auto (None): when P cores are free now (the background load, if any, is already running)."""
+    if cfg["bind_cores"] is None:
+        return free_core_slices(P) is not None
     return bool(cfg["bind_cores"]) and len(os.sched_getaffinity(0)) >= P
 
 
@@ -201,7 +208,8 @@ def measure(cfg: dict) -> list[dict]:
         common.progress(f"[P={P}] spawning {P} ranks: ops {','.join(cfg['ops'])}; algorithms "
                         f"{','.join(cfg['algorithms'])}; sizes {','.join(map(common.format_size, cfg['sizes']))}")
         t0 = time.perf_counter()
-        results = distrain.spawn(_worker, P, args=(cfg,), timeout=cfg["timeout"], bind_cores=_bound(cfg, P))
+        bound = cfg.setdefault("bound", {})[str(P)] = _bound(cfg, P)  # decided once, recorded as decided
+        results = distrain.spawn(_worker, P, args=(cfg,), timeout=cfg["timeout"], bind_cores=bound)
         records += results[0]
         common.progress(f"[P={P}] done in {time.perf_counter() - t0:.1f}s")
     return records
@@ -252,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
                                f"adaptive: ceil({TARGET_S}s / slowest warm-up call), clamped to [{MIN_ITERS}, {MAX_ITERS}]",
                                elapsed_s=round(elapsed, 1),
                                threads_per_rank={str(P): max(1, (os.cpu_count() or 1) // P) for P in cfg["nprocs"]},
-                               bind_cores={str(P): _bound(cfg, P) for P in cfg["nprocs"]},
+                               bind_cores=cfg.get("bound") or {str(P): _bound(cfg, P) for P in cfg["nprocs"]},
                                method="per sample: native barrier, then `burst` blocking calls back to back, "
                                       "perf_counter / burst; per iteration max over ranks; median over iterations; "
                                       "algorithms interleaved in rotated order per round",

@@ -32,19 +32,9 @@ import torch.distributed as dist
 from distrain import lifeline, runtime
 from distrain.blame import Failure, blame, is_secondary
 from distrain.errors import ConfigError, DistrainError, RankFailedError, SpawnTimeoutError
+from distrain.launch.cores import core_slices, free_core_slices
 
 BLAME_GRACE_S = 2.0  # after the first failure, wait this long for the others to pick the first
-
-
-def core_slices(nprocs: int, cores: Sequence[int] | None = None) -> list[list[int]] | None:
-    """Disjoint cores for each of ``nprocs`` local ranks (MPI's ``--bind-to core``), or None when
-    there are fewer cores than ranks. ``cores``: the CPUs this process may use (default: its
-    affinity). Rank r gets ``cores[r*k:(r+1)*k]`` with k = len(cores) // nprocs."""
-    cores = sorted(os.sched_getaffinity(0) if cores is None else cores)
-    k = len(cores) // nprocs
-    if k < 1:
-        return None
-    return [cores[r * k:(r + 1) * k] for r in range(nprocs)]
 
 
 def _child(fn, rank: int, nprocs: int, port: int, args: tuple, backend: str, init_timeout: float,
@@ -185,10 +175,11 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
 
     ``bind_cores`` pins each rank and its threads to cores of its own (:func:`core_slices`),
     as MPI does by default. ``None`` (the default) binds when the job's transport polls shared
-    memory (``DISTRAIN_TRANSPORT`` shm or auto, in ``env`` or this environment) and every
-    rank can have a core: two ranks that poll must not share one core while another idles
-    (4 KiB shm all_reduce at P=2 on the loaded 2-core machine: 12-22 us bound, 88-101 us
-    not). Gloo is left unbound: with one core per rank its I/O threads then compete with the
+    memory (``DISTRAIN_TRANSPORT`` shm or auto, in ``env`` or this environment) and P cores
+    are free at the start (idle half of a 50 ms sample), to the freest ones (launch/cores.py):
+    two ranks that poll must not share one core while another idles (4 KiB shm all_reduce at
+    P=2: 12-22 us bound, 88-101 us not), but a rank bound to a core that other processes load
+    cannot move away. Gloo is left unbound: with one core per rank its I/O threads then compete with the
     rank's own thread (4 KiB Gloo all_reduce: 1800-2400 us bound, 270-510 us not).
     ``True`` / ``False`` force it.
 
@@ -207,7 +198,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
     if bind_cores is None:
         transport = (env or {}).get("DISTRAIN_TRANSPORT") or os.environ.get("DISTRAIN_TRANSPORT") or "torch"
         bind_cores = None if transport in ("shm", "auto") else False
-    slices = core_slices(nprocs) if bind_cores is not False else None
+    # None: bind when the transport polls shared memory and P cores are free right now (cores.py)
+    slices = core_slices(nprocs) if bind_cores else free_core_slices(nprocs) if bind_cores is None else None
     if bind_cores and slices is None:
         raise ConfigError(f"spawn: bind_cores=True needs a core per rank, but {nprocs} ranks share "
                           f"{len(os.sched_getaffinity(0))} core(s); pass bind_cores=None or False")
