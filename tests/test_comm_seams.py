@@ -114,3 +114,23 @@ def test_injected_transport_carries_every_algorithm():
         assert rows[-2] == ("totals", msgs, sum(x[3] for x in rows[:-2]), "counting")
         assert rows[-1] == ("set_transport: the group of global ranks [0, 1, 2] already uses transport "
                             "'counting'; choose the transport before the group's first message")
+
+
+def test_a_host_without_shared_memory_refuses_shm_and_auto_says_it_falls_back(monkeypatch, caplog):
+    """transport 'shm' where it cannot work: one line saying why and what to use; 'auto': torch's P2P,
+    said once in the log (not silently)."""
+    import logging
+
+    from distrain.comm.core import transport
+
+    monkeypatch.setattr(transport, "_shm_factory", (lambda: "/dev/shm does not exist", None))
+    monkeypatch.setattr(transport, "_fallbacks_said", set())
+    with pytest.raises(ConfigError, match=r"^transport 'shm' cannot be used here: /dev/shm does not exist; use "
+                                          r"transport 'torch' or 'auto'$"):
+        transport.build("shm", None)
+    with caplog.at_level(logging.WARNING, logger="distrain.comm"):
+        assert transport.build("auto", None) is transport.TORCH
+        assert transport.build("auto", None) is transport.TORCH
+    said = [r.getMessage() for r in caplog.records if r.name == "distrain.comm"]
+    assert said == ["transport 'auto' uses torch's point-to-point here: shared memory cannot be used "
+                    "(/dev/shm does not exist)"]

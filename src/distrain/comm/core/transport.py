@@ -32,6 +32,7 @@ group are delivered in the order they were posted (true of Gloo and NCCL).
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -83,6 +84,8 @@ _default = "torch"
 _timeout = 300.0  # seconds a shared-memory wait may take (the process group's timeout)
 
 
+log = logging.getLogger("distrain.comm")
+_fallbacks_said: set[str] = set()
 _shm_factory = None  # set by comm/shm/__init__.py: (supported() -> str | None, make(state, timeout, strict, fallback))
 
 
@@ -127,6 +130,10 @@ def build(choice, state) -> Transport:
     why = "distrain.comm.shm is not loaded" if _shm_factory is None else _shm_factory[0]()
     if why is not None:
         if choice == "auto":
+            if why not in _fallbacks_said:  # once per reason and process
+                _fallbacks_said.add(why)
+                log.warning("transport 'auto' uses torch's point-to-point here: shared memory cannot be used (%s)",
+                            why)
             return TORCH
         raise ConfigError(f"transport 'shm' cannot be used here: {why}; use transport 'torch' or 'auto'")
     return _shm_factory[1](state, _timeout, strict=choice == "shm", fallback=TORCH)
