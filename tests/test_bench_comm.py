@@ -152,6 +152,9 @@ def test_end_to_end_json(tmp_path, capsys):
     data = json.loads(out.read_text())
     meta, recs = data["meta"], data["records"]
     assert meta["torch"] and meta["cpu_count"] and meta["date"] and "bench comm" in meta["command"]
+    assert 0.1 < meta["memcpy_GBps"] < 1000  # this machine's memory copy rate, beside every bandwidth
+    assert f"# memcpy on this machine just after (64 MiB, one thread, median of 10): {meta['memcpy_GBps']:.1f} GB/s" \
+        in table
     assert [(r["P"], r["op"], r["algorithm"], r["size_bytes"]) for r in recs] == [
         (2, "all_reduce", "native", 4096), (2, "all_reduce", "ring", 4096)]
     for r in recs:

@@ -243,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with background.BackgroundLoad(cfg["background_load"] if starts_load else 0):
         records = measure(cfg)
+        memcpy = round(common.memcpy_GBps(), 2) if records else None  # under the same load, right after
     elapsed = time.perf_counter() - t0
     if not records and "RANK" in os.environ:  # launched, not rank 0: rank 0 reports
         return 0
@@ -250,6 +251,8 @@ def run(args: argparse.Namespace) -> int:
     windows = _load_windows(records)
     print(format_tables(records, columns, cfg["dtype"]))
     print(background.summary(cfg["background_load"], windows))
+    if memcpy is not None:
+        print(f"# memcpy on this machine just after (64 MiB, one thread, median of 10): {memcpy:.1f} GB/s")
     if cfg["predict"]:
         print(comm_predict.table(records))
     sys.stdout.flush()
@@ -258,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
                                algorithms=cfg["algorithms"], transports=cfg["transports"], sizes=cfg["sizes"], dtype=cfg["dtype"],
                                warmup=cfg["warmup"], iters=cfg["iters"] if cfg["iters"] else
                                f"adaptive: ceil({TARGET_S}s / slowest warm-up call), clamped to [{MIN_ITERS}, {MAX_ITERS}]",
-                               elapsed_s=round(elapsed, 1),
+                               elapsed_s=round(elapsed, 1), memcpy_GBps=memcpy,
                                threads_per_rank={str(P): max(1, (os.cpu_count() or 1) // P) for P in cfg["nprocs"]},
                                bind_cores=cfg.get("bound") or {str(P): _bound(cfg, P) for P in cfg["nprocs"]},
                                method="per sample: native barrier, then `burst` blocking calls back to back, "

@@ -155,6 +155,22 @@ def bandwidth_GBps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / GB if seconds > 0 else float("nan")
 
 
+def memcpy_GBps(nbytes: int = 64 << 20, reps: int = 10) -> float:
+    """This machine's memory copy rate now, in GB/s: the median of ``reps`` copies of ``nbytes``
+    on one thread (torch's copy_). Printed beside bandwidths so that results taken on machines
+    of different memory speed (or in another memory state of one VM) can be read side by side."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+        dst.copy_(src)  # touch every page once
+        return bandwidth_GBps(nbytes, median([time_call(lambda: dst.copy_(src)) for _ in range(reps)]))
+    finally:
+        torch.set_num_threads(threads)
+
+
 # ---------------------------------------------------------------------------------------
 # Metadata and JSON
 # ---------------------------------------------------------------------------------------
