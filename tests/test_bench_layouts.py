@@ -86,3 +86,24 @@ def test_layout_grids_and_skips():
     assert notes == ["dp2xtp2 needs exactly dp*tp*pp = 4 processes; skipped at P=2",
                      "tp2xpp2: tp*pp = 4 does not divide P=2; skipped at P=2",
                      "dp2xtp2 at P=4 is the same job as tp2 (dp2×tp2×pp1): measured once"]
+
+
+@pytest.mark.timeout(180)
+def test_bench_layouts_transport_reaches_every_job(tmp_path, capsys):
+    out = tmp_path / "layouts_shm.json"
+    rc = main(["bench", "layouts", "--model", "llama-tiny", "--nproc", "2", "--layouts", "ddp", "--transport", "shm",
+               "--steps", "1", "--warmup", "0", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["transport"] == "shm"
+    assert [(r["layout"], r["transport"]) for r in data["records"]] == [("single", "shm"), ("ddp", "shm")]
+    ddp = data["records"][1]
+    assert ddp["bytes_sent_per_step_max_rank"] > 0  # the ring's bytes, now over shared memory
+    assert ddp["final_loss"] == pytest.approx(data["records"][0]["final_loss"], rel=1e-3)
+    assert "transport shm" in capsys.readouterr().out  # the table's header
+
+
+def test_bench_layouts_bad_transport(capsys):
+    assert main(["bench", "layouts", "--transport", "udp"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == \
+        ["distrain: error: --transport 'udp': choose one of torch, shm, auto"]

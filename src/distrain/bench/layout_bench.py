@@ -2,6 +2,7 @@
 
     distrain bench layouts --model llama-small --nproc 2,4 --layouts ddp,zero3,tp2,pp2,dp2xtp2,tp2xpp2 --json F
 
+The layouts and the jobs planned from them are in ``layout_plan.py``.
 A layout is ``ddp``, ``zero1``/``zero2``/``zero3`` (ZeRO over all P ranks), or a grid
 ``dpAxtpBxppC`` (any of the three parts, any order, e.g. ``tp2``, ``pp2``, ``dp2xtp2``,
 ``tp2xpp2``), optionally after a strategy (``zero1xpp2``: ZeRO over the grid's dp group).
@@ -42,139 +43,30 @@ changing the trainer. Reported per job:
 Each rank runs ``--threads`` torch threads (default: spawn's cpu_count // P, as ``distrain
 train``; so single runs 2 threads on 2 cores: on a loaded machine such a process can step
 several times slower than with 1 thread, which inflates every speedup over it; compare with
-``--threads 1``). ``--rounds`` repeats every job with the order rotated; medians over rounds
-are reported.
+``--threads 1``). ``--transport torch|shm|auto`` (default torch: Gloo) is every job's
+``TrainConfig.transport`` (``distrain train --transport``); ranks polling shared memory may be
+bound to free cores, as ``distrain train`` does. ``--rounds`` repeats every job with the order
+rotated; medians over rounds are reported.
 The machine's load average (``os.getloadavg``) is recorded at the start and the end.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
-import re
 import statistics
 import tempfile
 
-from distrain.bench.common import format_table, metadata, parse_ints, progress, split_csv, write_json
+from distrain.bench.common import format_table, metadata, parse_ints, progress, write_json
+from distrain.bench.layout_plan import Job, Layout, parse_layout, parse_layouts, plan_jobs  # noqa: F401 (API)
 from distrain.errors import ConfigError
 from distrain.trainer.config import MODEL_DATA, TrainConfig
 from distrain.trainer.metrics import read_metrics
 
 DEFAULT_LAYOUTS = "ddp,zero3,tp2,pp2,dp2xtp2,tp2xpp2"
-STRATEGY_WORDS = ("ddp", "zero1", "zero2", "zero3")
 MMAP_THRESHOLD = 64 * 1024  # bytes: glibc M_MMAP_THRESHOLD during the memory steps
 MEMORY_STEPS = 2  # after the timed steps: one to settle the allocator, one measured
-_PART = re.compile(r"^(dp|tp|pp)(\d+)$")
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """A parsed ``--layouts`` item: a strategy and the grid degrees it names (dp None: fill P)."""
-
-    name: str
-    strategy: str = "ddp"
-    dp: int | None = None
-    tp: int = 1
-    pp: int = 1
-
-    def grid(self, nproc: int) -> tuple[int, int, int] | None:
-        """(dp, tp, pp) at ``nproc`` ranks, or None when the layout does not fit."""
-        if self.dp is not None:
-            return (self.dp, self.tp, self.pp) if self.dp * self.tp * self.pp == nproc else None
-        mp = self.tp * self.pp
-        return (nproc // mp, self.tp, self.pp) if nproc % mp == 0 else None
-
-    def misfit(self, nproc: int) -> str:
-        """Why the layout does not fit ``nproc`` ranks (one line)."""
-        if self.dp is not None:
-            need = self.dp * self.tp * self.pp
-            return f"{self.name} needs exactly dp*tp*pp = {need} processes; skipped at P={nproc}"
-        return (f"{self.name}: tp*pp = {self.tp * self.pp} does not divide P={nproc}; skipped at P={nproc}")
-
-
-def parse_layout(text: str) -> Layout:
-    """``ddp``, ``zero3``, ``tp2``, ``dp2xtp2``, ``zero1xpp2``, ... -> Layout; else a ConfigError saying why."""
-    name = text.strip().lower()
-    hint = ("a layout is ddp, zero1, zero2, zero3, or dpAxtpBxppC parts joined by 'x' (e.g. tp2, pp2, dp2xtp2, "
-            "tp2xpp2), optionally after a strategy (zero1xpp2)")
-    if not name:
-        raise ConfigError(f"--layouts: empty layout name; {hint}")
-    parts = name.split("x")
-    if any(not p for p in parts):
-        where = "at the end" if not parts[-1] else "at the start" if not parts[0] else "between two 'x'"
-        raise ConfigError(f"--layouts: {text!r} has an empty part {where}; {hint}")
-    strategy = "ddp"
-    if parts[0] in STRATEGY_WORDS:
-        strategy, parts = parts[0], parts[1:]
-    degrees: dict[str, int] = {}
-    for p in parts:
-        m = _PART.match(p)
-        if not m:
-            bad = "a strategy must come first" if p in STRATEGY_WORDS else "not dpN, tpN or ppN"
-            raise ConfigError(f"--layouts: {text!r}: part {p!r} is {bad}; {hint}")
-        kind, n = m.group(1), int(m.group(2))
-        if n < 1:
-            raise ConfigError(f"--layouts: {text!r}: {kind} must be >= 1, got {kind}{n}")
-        if kind in degrees:
-            raise ConfigError(f"--layouts: {text!r} gives {kind} twice; {hint}")
-        degrees[kind] = n
-    return Layout(name, strategy, degrees.get("dp"), degrees.get("tp", 1), degrees.get("pp", 1))
-
-
-def parse_layouts(text: str) -> list[Layout]:
-    out, seen = [], set()
-    for item in split_csv(text, "--layouts"):
-        if item.lower() == "single":  # the baseline runs anyway, at P=1
-            continue
-        lay = parse_layout(item)
-        if lay.name not in seen:
-            seen.add(lay.name)
-            out.append(lay)
-    return out
-
-
-@dataclasses.dataclass
-class Job:
-    nproc: int
-    layout: str
-    strategy: str
-    dp: int
-    tp: int
-    pp: int
-    aliases: tuple[str, ...] = ()
-
-    @property
-    def grid(self) -> str:
-        return f"dp{self.dp}×tp{self.tp}×pp{self.pp}"
-
-    @property
-    def key(self) -> tuple:
-        return (self.nproc, self.strategy, self.dp, self.tp, self.pp)
-
-
-def plan_jobs(nprocs: list[int], layouts: list[Layout]) -> tuple[list[Job], list[str]]:
-    """single at P=1, then every (P, layout) that fits; -> (jobs, notes on what was skipped or merged)."""
-    jobs, notes = [Job(1, "single", "single", 1, 1, 1)], []
-    for P in nprocs:
-        if P == 1:
-            notes.append("P=1 runs single only (the baseline)")
-            continue
-        by_key: dict[tuple, Job] = {}
-        for lay in layouts:
-            g = lay.grid(P)
-            if g is None:
-                notes.append(lay.misfit(P))
-                continue
-            job = Job(P, lay.name, lay.strategy, *g)
-            if job.key in by_key:
-                first = by_key[job.key]
-                first.aliases += (lay.name,)
-                notes.append(f"{lay.name} at P={P} is the same job as {first.layout} ({job.grid}): measured once")
-                continue
-            by_key[job.key] = job
-            jobs.append(job)
-    return jobs, notes
+TRANSPORTS = ("torch", "shm", "auto")  # --transport: how every job's ranks exchange bytes (TrainConfig.transport)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -190,6 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per job, before the timed ones")
     p.add_argument("--seed", type=int, default=0, help="model and data seed (the same for every job)")
     p.add_argument("--rounds", type=int, default=1, help="repeat every job, order rotated; medians over rounds")
+    p.add_argument("--transport", default="torch",
+                   help="how every job's ranks exchange bytes: torch (Gloo), shm (shared memory), auto (default torch)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per rank (0: spawn's default, cpu_count // P, as distrain train)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one job may take")
@@ -199,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _config(job: Job, args, root: str) -> TrainConfig:
     pp = job.pp > 1
     return TrainConfig(model=args.model, data="shakespeare", strategy=job.strategy, nproc=job.nproc, device="cpu",
-                       algorithm=args.algorithm, tp=job.tp, pp=job.pp,
+                       algorithm=args.algorithm, transport=args.transport, tp=job.tp, pp=job.pp,
                        microbatches=args.microbatches if pp else 1, schedule=args.schedule,
                        steps=args.warmup + args.steps + MEMORY_STEPS, batch_size=args.batch_size, seed=args.seed,
                        dtype="float32", eval_every=0, sample_chars=0, progress=False, report=False,
@@ -294,7 +188,8 @@ def _measure(job: Job, cfg: TrainConfig, args) -> dict:
     loop.check_out(cfg)
     per_rank = distrain.spawn(_rank, cfg.nproc, args=(cfg.to_dict(), args.warmup + args.steps),
                               backend=loop.BACKENDS[cfg.device], timeout=args.timeout,
-                              init_timeout=cfg.collective_timeout, bind_cores=False,
+                              init_timeout=cfg.collective_timeout,
+                              bind_cores=None if cfg.transport in ("shm", "auto") else False,  # as distrain train
                               threads_per_rank=args.threads or None)
     summary = per_rank[0]["summary"]
     rows = [r for r in read_metrics(os.path.join(cfg.out, "metrics.jsonl"))
@@ -303,7 +198,8 @@ def _measure(job: Job, cfg: TrainConfig, args) -> dict:
     block = next(r["tokens_per_s"] * r["time_s"] for r in rows) / args.batch_size  # tokens per sample
     peaks = [r["peak"] for r in per_rank]
     return {"nproc": job.nproc, "layout": job.layout, "aliases": list(job.aliases), "strategy": job.strategy,
-            "dp": job.dp, "tp": job.tp, "pp": job.pp, "grid": job.grid, "microbatches": cfg.microbatches,
+            "transport": cfg.transport, "dp": job.dp, "tp": job.tp, "pp": job.pp, "grid": job.grid,
+            "microbatches": cfg.microbatches,
             "threads_per_rank": args.threads or max(1, (os.cpu_count() or 1) // job.nproc),
             "step_ms": 1e3 * step_s, "samples_per_s": args.batch_size / step_s,
             "tokens_per_s": args.batch_size * round(block) / step_s,
@@ -337,6 +233,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--model {args.model!r}: bench layouts trains a text preset ({text})")
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1 or args.threads < 0:
         raise ConfigError("--steps and --rounds must be >= 1, --warmup and --threads >= 0")
+    if args.transport not in TRANSPORTS:
+        raise ConfigError(f"--transport {args.transport!r}: choose one of {', '.join(TRANSPORTS)}")
     nprocs = parse_ints(args.nproc, "--nproc")
     jobs, notes = plan_jobs(nprocs, parse_layouts(args.layouts))
     load_start = _load()
@@ -364,7 +262,8 @@ def run(args: argparse.Namespace) -> int:
     print(_table(records, args, notes, load_start, load_end))
     if args.json:
         write_json(args.json, metadata(model=args.model, batch_size=args.batch_size, microbatches=args.microbatches,
-                                       schedule=args.schedule, algorithm=args.algorithm, steps=args.steps,
+                                       schedule=args.schedule, algorithm=args.algorithm,
+                                       transport=args.transport, steps=args.steps,
                                        warmup=args.warmup, memory_steps=MEMORY_STEPS, rounds=args.rounds,
                                        seed=args.seed, dtype="float32", layouts=args.layouts, nprocs=nprocs,
                                        threads_per_rank=args.threads or "cpu_count // P",
@@ -390,8 +289,8 @@ HEADERS = [("", ["P", "layout", "grid"]), ("step", ["ms", "samples/s", "tokens/s
 
 
 def _table(records: list[dict], args, notes: list[str], load_start, load_end) -> str:
-    head = (f"{args.model}, fp32 AdamW, global batch {args.batch_size}, {args.steps} timed steps after "
-            f"{args.warmup} warm-up, medians over {args.rounds} round(s), "
+    head = (f"{args.model}, fp32 AdamW, global batch {args.batch_size}, transport {args.transport}, {args.steps} timed "
+            f"steps after {args.warmup} warm-up, medians over {args.rounds} round(s), "
             f"{args.threads or 'cpu_count // P'} torch thread(s) per rank; pipelines: {args.microbatches} "
             f"micro-batches, {args.schedule}; peak RSS above the RSS before the model, MB = 1e6 bytes\n"
             f"load average (1, 5, 15 min) at start {load_start}, at end {load_end}, on {os.cpu_count()} CPUs")
