@@ -2,7 +2,8 @@
 
 Faults are real signals: DISTRAIN_ELASTIC_FAULTS="ID@STEP" makes the process with that id SIGKILL
 itself at the start of STEP (its peers are then mid-step: the step is cut in half and redone);
-"ID@STEP:hold" holds that step until a newcomer is ready, so that it joins at a known step.
+"ID@STEP:hold" holds that step until a newcomer is ready, so that it joins at a known step;
+"ID@STEP:heal" SIGKILLs it in a newcomer's heal; "ID@STEP:stale" freezes it until the group went on.
 Losses are compared with the single-process run of the same job (fp64: equal to rounding), the
 exact form of "equal to a run started from the same state at the new world size" for a data-
 parallel job (the slow test checks that form literally, resuming a world-3 run from a checkpoint).
@@ -27,7 +28,7 @@ def run(tmp_path, monkeypatch, faults: str, **kw):
     from distrain.trainer.metrics import read_metrics
 
     monkeypatch.setenv("DISTRAIN_ELASTIC_FAULTS", faults)
-    cfg = trainer_config(tmp_path / "run", strategy="ddp", collective_timeout=30, report=False, **kw)
+    cfg = trainer_config(tmp_path / "run", **{"strategy": "ddp", "collective_timeout": 30, "report": False, **kw})
     try:
         result = train(cfg)
     except Exception as e:  # noqa: BLE001 - the test looks at it
@@ -81,6 +82,50 @@ def test_newcomer_joins_healed_from_a_peer_3_to_4(tmp_path, tmp_path_factory, mo
     assert (e["old_world"], e["new_world"], e["left"], e["joined"], e["rolled_back"]) == (3, 4, [], [3], None)
     assert 1 <= e["step"] <= 3
     assert e["join_s"] > 0 and summary["world_final"] == 4 and summary["ranks_joined"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_kill_during_a_heal_finishes_with_the_survivors_and_the_same_losses(tmp_path, tmp_path_factory, monkeypatch):
+    # a replacement joins 3 -> 4 (id 0 holds step 2 until it is ready); id 1 SIGKILLs itself in that heal, just
+    # before rank 0 sends the state: the change is retried and the job ends at 3 (0, 2 and the newcomer 3)
+    losses, events, summary = run(tmp_path, monkeypatch, "0@2:hold,1@0:heal", nproc=3, elastic="2:4",
+                                  elastic_replace=1, steps=5)
+    assert isinstance(summary, dict), summary
+    assert close(losses, reference_losses(tmp_path_factory)), (losses, reference_losses(tmp_path_factory))
+    (e,) = events  # the heal that failed never completed a step: one line, for the change that did
+    assert (e["event"], e["old_world"], e["new_world"], e["left"]) == ("membership", 4, 3, [1])
+    assert 1 <= e["step"] <= 3
+    assert summary["world_final"] == 3 and summary["ranks_left"] == 1
+    rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["world"] for r in rows if "event" not in r][-1] == 3
+
+
+@pytest.mark.timeout(60)
+def test_a_stale_rank_coming_back_is_refused_naming_its_step_and_the_groups(tmp_path, tmp_path_factory, monkeypatch,
+                                                                            capfd):
+    # id 1 goes silent at step 2; past --collective-timeout the others drop it and go on from step 2 at world 2;
+    # id 0 holds step 4 until id 1, back with its state of step 2, has been refused
+    losses, events, summary = run(tmp_path, monkeypatch, "1@2:stale,0@4:hold", nproc=3, elastic="2:3", steps=5,
+                                  collective_timeout=2)
+    assert isinstance(summary, dict), summary
+    line = ("elastic: rank id 1 refused: its state is at step 2, the group's at step 4; it was dropped (silent past "
+            "--collective-timeout) and cannot rejoin with a stale state")
+    # the agent's log (the rank raises the same line and prints it as `distrain: error: ...` to its own stderr,
+    # which capfd sees only when the forkserver was started in this test)
+    out = capfd.readouterr().out
+    assert f"distrain: {line}" in out.splitlines(), out
+    assert close(losses, reference_losses(tmp_path_factory)), (losses, reference_losses(tmp_path_factory))
+    assert [(e["old_world"], e["new_world"], e["left"], e["step"]) for e in events] == [(3, 2, [1], 2)]
+
+
+def test_the_refusal_of_another_runs_state_names_both_runs():
+    from distrain.elastic.agent import refusal
+
+    assert refusal(2, {"live": 7, "snap": 6, "run": "aaaa"}, "bbbb", 3) == (
+        "elastic: rank id 2 refused: its state is of run aaaa, the group's of run bbbb; a rank cannot join another run")
+    assert refusal(2, {"live": None, "snap": 1, "run": "bbbb"}, "bbbb", 3) == (
+        "elastic: rank id 2 refused: its state is at step 1, the group's at step 3; it was dropped (silent past "
+        "--collective-timeout) and cannot rejoin with a stale state")
 
 
 @pytest.mark.slow

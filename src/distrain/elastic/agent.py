@@ -15,7 +15,10 @@ watches every rank's process (a SIGKILLed rank is seen at once through its senti
    its group break: a time-out, a reset connection), or when a newcomer is ready: ``change/E`` is set,
    which every member sees at its next step boundary (rank 0 reads it, the step's all-reduce spreads it);
 2. it waits for every live member to arrive (``arrive/E+1/ID`` with the steps it can offer); a member
-   still silent ``collective_timeout`` after the change began is SIGKILLed and counted as lost;
+   still silent ``collective_timeout`` after the change began is dropped (counted as lost). If it comes
+   back later (it was frozen), or a rank arrives with another run's id, it is refused: ``refuse/ID``
+   holds one line naming its step and the group's (or the two run ids), which the rank raises as its
+   error; a refused rank does not fail the job;
 3. it decides: the step to go on from is the smallest any survivor offers (each can offer its live
    state or its start-of-step copy), the members are the survivors in their old order then the
    newcomers (up to MAX), written to ``members/E+1``; below MIN the survivors get ``stop`` and the
@@ -34,6 +37,7 @@ import os
 import pickle
 import time
 import traceback
+import uuid
 from typing import Any, Callable, Sequence
 
 import torch
@@ -85,11 +89,14 @@ class Agent:
         self.stop: str | None = None
         self.next_id = nproc
         self.events: list[dict] = []
+        self.run_id = uuid.uuid4().hex[:12]  # a rank of another run (another store, same port) is refused
+        self.dropped: dict[int, int] = {}  # members dropped while alive (silent): id -> the epoch they would arrive at
+        self.refused: dict[int, str] = {}  # id -> the one-line refusal it was given
 
     # -- processes ----------------------------------------------------------------------------
     def _start(self, ident: int, newcomer: bool) -> None:
         env = local_env() | {m.ENV_PORT: str(self.store.port), m.ENV_ID: str(ident), m.ENV_NEW: str(int(newcomer)),
-                             m.ENV_FAULTS: os.environ.get(m.ENV_FAULTS, "")}
+                             m.ENV_FAULTS: os.environ.get(m.ENV_FAULTS, ""), m.ENV_RUN: self.run_id}
         recv, send = self.ctx.Pipe(duplex=False)
         threads = max(1, (os.cpu_count() or 1) // self.hi)
         p = self.ctx.Process(target=_child, name=f"distrain-elastic{ident}", args=(
@@ -120,6 +127,8 @@ class Agent:
                     msg = None
             if msg is not None and msg[0] == "ok":
                 self.results[i] = msg[1]
+            elif msg is not None and i in self.dropped:
+                pass  # out of the job already (refused, or gave up waiting): not the job's failure
             elif msg is not None:
                 self.failures[i] = Failure(i, msg[2], msg[1], secondary=msg[3])
             else:  # died without a word: SIGKILL, os._exit, a crash
@@ -143,6 +152,11 @@ class Agent:
         ready = [i for i in self.waiting if self.store.check([m.key("ready", i)])]
         arrived = {i: json.loads(self.store.get(m.key("arrive", nxt, i)))
                    for i in survivors if self.store.check([m.key("arrive", nxt, i)])}
+        for i, r in [(i, r) for i, r in arrived.items() if r.get("run", self.run_id) != self.run_id]:
+            del arrived[i]  # another run's state: refused, left out like a lost rank
+            survivors.remove(i)
+            self._refuse(i, r, nxt)
+            self.lost[i] = time.time()
         if arrived or (ready and not self.stop and self.store.check([m.key("up", self.epoch, i) for i in survivors])):
             self._want()  # (a newcomer waits until the current group is open: its barrier must not be cut)
         if self.want is None:
@@ -150,9 +164,8 @@ class Agent:
         late = [i for i in survivors if i not in arrived]
         if late and time.time() - self.want < self.ctimeout:
             return
-        for i in late:  # alive but silent (stopped, frozen): it cannot come back with a stale state
-            self._kill(i)
-            self.lost[i] = time.time()
+        for i in late:  # alive but silent (stopped, frozen): dropped; if it comes back, it is refused (_admit)
+            self.lost[i], self.dropped[i] = time.time(), nxt
         stateless = [i for i, r in arrived.items() if r["live"] is None and r["snap"] is None]  # a failed heal
         offers = {i: r for i, r in arrived.items() if i not in stateless}
         if not offers:
@@ -165,7 +178,8 @@ class Agent:
             return  # below MIN, but a replacement is on its way: wait for it
         left = [i for i in self.members if i not in keep and i not in stateless]
         for i in left:
-            self._kill(i)
+            if i not in self.dropped:  # (a dropped one is refused if it comes back)
+                self._kill(i)
         info = {"ids": keep + joiners, "step": target, "old": len(self.members), "left": left, "joined": joiners,
                 "rolled_back": target if any(offers[i]["live"] != target for i in keep) else None,
                 "t0": min([self.want, *(self.lost.get(i, self.want) for i in left)]),
@@ -183,6 +197,24 @@ class Agent:
             self.store.set(m.key("invite", i), str(nxt))
             self.store.add(m.key("joins"), 1)
         self.events.append(info)
+
+    def _group_step(self) -> int | None:
+        """The group's step: the last one rank 0 completed (``step``), else the last membership's."""
+        if self.store.check([m.key("step")]):
+            return int(self.store.get(m.key("step")))
+        return json.loads(self.store.get(m.key("members", self.epoch)))["step"]
+
+    def _refuse(self, ident: int, offer: dict, epoch: int) -> None:
+        self.dropped.setdefault(ident, epoch)
+        why = self.refused[ident] = refusal(ident, offer, self.run_id, self._group_step())
+        self.store.set(m.key("refuse", ident), why)
+        print(f"distrain: {why}", flush=True)
+
+    def _admit(self) -> None:
+        """A dropped member that comes back (it arrives for the epoch it was left out of) is refused."""
+        for i, epoch in self.dropped.items():
+            if i not in self.refused and i not in self.gone and self.store.check([m.key("arrive", epoch, i)]):
+                self._refuse(i, json.loads(self.store.get(m.key("arrive", epoch, i))), epoch)
 
     def _replace(self) -> None:
         alive = [i for i in self.members if i not in self.lost]
@@ -212,6 +244,7 @@ class Agent:
                 if any(i in self.gone and i not in self.results and i not in self.lost for i in self.members):
                     raise TrainingError("elastic: a member ended without a result")
                 self._replace()
+                self._admit()
                 self._step_membership()
                 if deadline is not None and time.monotonic() > deadline:
                     running = [i for i in self.procs if i not in self.gone]
@@ -228,6 +261,16 @@ class Agent:
         end = time.monotonic() + 1.0
         while time.monotonic() < end and len(self.gone) < len(self.procs):
             self._poll()
+
+
+def refusal(ident: int, offer: dict, run_id: str, group_step: int | None) -> str:
+    """The one line a rank coming back with a stale state gets: another run's, or an older step."""
+    if offer.get("run", run_id) != run_id:
+        return (f"elastic: rank id {ident} refused: its state is of run {offer.get('run')}, the group's of run "
+                f"{run_id}; a rank cannot join another run")
+    step = offer["live"] if offer.get("live") is not None else offer.get("snap")
+    return (f"elastic: rank id {ident} refused: its state is at step {step}, the group's at step {group_step}; "
+            f"it was dropped (silent past --collective-timeout) and cannot rejoin with a stale state")
 
 
 def run(fn: Callable[..., Any], nproc: int, lo: int, hi: int, args: Sequence = (), replace: int = 0,

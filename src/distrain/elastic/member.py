@@ -15,7 +15,8 @@ on it and loads ``c.state``. The store is the agent's (the top process, agent.py
 rank. Keys (under ``elastic/``): ``members/E`` (the agent's decision: ids in rank order, the step to go
 on from, who left and joined), ``change/E`` (the agent wants epoch E to end), ``arrive/E/ID`` (a rank
 asks into epoch E with the steps it can offer), ``ready/ID`` and ``invite/ID`` (a newcomer), ``up/E/ID``
-(the barrier before the group opens), ``wd/E/`` (the watchdog's heartbeats).
+(the barrier before the group opens), ``wd/E/`` (the watchdog's heartbeats), ``step`` (the group's
+step, written by rank 0 at each step's end), ``refuse/ID`` (the agent's one-line refusal of a stale rank).
 
 Every wait is bounded: the group's collectives by its time-out (``--collective-timeout``; Gloo raises
 at once on a connection reset), the store waits by a deadline; the watchdog of each epoch is set
@@ -34,6 +35,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -47,8 +49,8 @@ from distrain.comm.core import watchdog
 from distrain.errors import CommError
 
 PREFIX = "elastic/"
-ENV_PORT, ENV_ID, ENV_NEW, ENV_FAULTS = ("DISTRAIN_ELASTIC_PORT", "DISTRAIN_ELASTIC_ID", "DISTRAIN_ELASTIC_NEW",
-                                         "DISTRAIN_ELASTIC_FAULTS")
+ENV_PORT, ENV_ID, ENV_NEW, ENV_FAULTS, ENV_RUN = ("DISTRAIN_ELASTIC_PORT", "DISTRAIN_ELASTIC_ID", "DISTRAIN_ELASTIC_NEW",
+                                                  "DISTRAIN_ELASTIC_FAULTS", "DISTRAIN_ELASTIC_RUN")
 POLL_S = 0.005
 _TRANSIENT = ("timed out", "timeout", "connection", "gloo", "broken pipe", "peer", "aborted")
 
@@ -80,7 +82,11 @@ def part_bounds(batch: int, world: int, rank: int) -> tuple[int, int]:
 def parse_faults(text: str) -> dict[tuple[int, int], str]:
     """``"1@3,2@5:stop,0@4:hold"`` -> {(1, 3): "kill", (2, 5): "stop", (0, 4): "hold"}: process ID at
     the start of STEP SIGKILLs (SIGSTOPs) itself, or holds the step until a newcomer is ready (the
-    agent asks for a change, or has invited one already). For tests and measurements (DISTRAIN_ELASTIC_FAULTS)."""
+    agent asks for a change, or has invited one already, or has refused a stale rank); ``:heal``: it
+    SIGKILLs itself in the first heal of a newcomer at step STEP or later, just before the state is
+    sent; ``:stale``: it stops answering at the start of STEP until the group has gone on to STEP + 2
+    without it, then carries on (a frozen rank coming back). For tests and measurements
+    (DISTRAIN_ELASTIC_FAULTS)."""
     out = {}
     for item in filter(None, (s.strip() for s in (text or "").split(","))):
         what, _, action = item.partition(":")
@@ -155,9 +161,9 @@ class Change:
 
 class Member:
     def __init__(self, store, ident: int, backend: str, timeout: float, newcomer: bool = False,
-                 faults: dict | None = None):
+                 faults: dict | None = None, run: str = ""):
         self.store, self.ident, self.backend, self.timeout = store, ident, backend, timeout
-        self.newcomer, self.faults = newcomer, faults or {}
+        self.newcomer, self.faults, self.run = newcomer, faults or {}, run
         self.epoch, self.ids, self.rank, self.world = -1, [], -1, 0
         self.live: int | None = None  # boundary of the live state (None: a step under way)
         self.snap: dict | None = None
@@ -169,7 +175,7 @@ class Member:
         port = int(os.environ[ENV_PORT])
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout))
         return cls(store, int(os.environ[ENV_ID]), backend, timeout, os.environ.get(ENV_NEW) == "1",
-                   parse_faults(os.environ.get(ENV_FAULTS, "")))
+                   parse_faults(os.environ.get(ENV_FAULTS, "")), os.environ.get(ENV_RUN, ""))
 
     # -- store helpers ----------------------------------------------------------------------
     def _put(self, k: str, obj) -> None:
@@ -247,10 +253,15 @@ class Member:
         action = self.faults.get((self.ident, step))
         if action == "hold":  # tests: wait (at most 120 s) until a newcomer was invited (now or before)
             deadline = time.monotonic() + 120
-            while not (self.store.check([key("change", self.epoch)]) or self.store.check([key("joins")])) \
+            while not any(self.store.check([k]) for k in (key("change", self.epoch), key("joins"), key("refused"))) \
                     and time.monotonic() < deadline:
                 time.sleep(POLL_S)
-        elif action is not None:  # fault injection (tests, measurements): a real signal to this process
+        elif action == "stale":  # tests: silent (at most 120 s) until the group has gone on without us
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not (self.store.check([key("step")]) and
+                                                       int(self.store.get(key("step"))) >= step + 2):
+                time.sleep(POLL_S)
+        elif action in ("kill", "stop"):  # fault injection (tests, measurements): a real signal to this process
             print(f"distrain elastic: id {self.ident} {action} at step {step} t={time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGSTOP if action == "stop" else signal.SIGKILL)
         self.snap = {"engine": clone_tree(state_fn()), "rng": torch.get_rng_state()}
@@ -260,6 +271,8 @@ class Member:
         """The end of ``step``: the global batch's loss (sum over ranks of loss * weight) and whether
         the group must change (the agent asked: a rank was lost or a newcomer waits). Collective."""
         flag = 1.0 if self.rank == 0 and self.store.check([key("change", self.epoch)]) else 0.0
+        if self.rank == 0:  # the group's step, for the refusal of a stale rank
+            self.store.set(key("step"), str(step + 1))
         t = torch.tensor([float(loss) * weight if loss is not None else 0.0, flag], dtype=torch.float64)
         dist.all_reduce(t)
         self.live = step + 1
@@ -286,11 +299,17 @@ class Member:
         while True:
             nxt = self.epoch + 1
             self._close(broken=True)
-            self._put(key("arrive", nxt, self.ident), {"live": self.live, "snap": self.snap_step, "t": time.time()})
-            self._wait([key("members", nxt)], f"the members of epoch {nxt}")
-            info = self._get(key("members", nxt))
-            if self.ident not in info["ids"]:
-                raise CommError(f"elastic: rank id {self.ident} was left out of epoch {nxt}: {info.get('why', '')}")
+            self._put(key("arrive", nxt, self.ident), {"live": self.live, "snap": self.snap_step, "t": time.time(),
+                                                        "run": self.run})
+            refused = key("refuse", self.ident)
+            ok = self._wait([key("members", nxt)], f"the members of epoch {nxt}", abort=refused)
+            info = self._get(key("members", nxt)) if ok else {"ids": []}
+            if self.ident not in info["ids"]:  # left out (too late, or stale): the agent says why, in one line
+                self._wait([refused], f"the agent's word on epoch {nxt}")
+                why = self.store.get(refused).decode()
+                print(f"distrain: error: {why}", file=sys.stderr, flush=True)
+                self.store.set(key("refused"), str(self.ident))  # (tests: a ``hold`` ends here)
+                raise CommError(why)
             target = info["step"]
             if self.live == target:
                 state = {"engine": state_fn(), "rng": torch.get_rng_state()}
@@ -312,6 +331,9 @@ class Member:
     def _heal(self, info: dict, state: dict | None) -> Change:
         """Newcomers get the state from rank 0 (a survivor) over the new group; RNG restored."""
         if info["joined"]:
+            if any(a == "heal" and i == self.ident and s <= info["step"] for (i, s), a in self.faults.items()):
+                print(f"distrain elastic: id {self.ident} kill in the heal at step {info['step']}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)  # tests: a peer lost while the state is on its way
             box = [state if self.rank == 0 else None]
             dist.broadcast_object_list(box, src=0)
             state = state if state is not None else box[0]

@@ -102,7 +102,12 @@ def run_elastic_rank(cfg: TrainConfig, parts, new_model, save_checkpoint) -> dic
         manifest = checkpoint.read_manifest(cfg.out)
         start = int(manifest["step"])
     change = q.join(start)  # a newcomer waits here for a step boundary, then gets the state
-    engine = make_engine(model)
+    try:
+        engine = make_engine(model)
+    except Exception as e:  # noqa: BLE001 - a newcomer: a peer lost while its first engine was built
+        if change is None or not q.failed(e):
+            raise
+        engine, change = _rebuild(q, make_engine, lambda: None)  # it offers the state it was sent
     if change is not None:
         engine.load_state_dict(change.state["engine"])
         torch.set_rng_state(change.state["rng"])
