@@ -126,6 +126,9 @@ def test_the_refusal_of_another_runs_state_names_both_runs():
     assert refusal(2, {"live": None, "snap": 1, "run": "bbbb"}, "bbbb", 3) == (
         "elastic: rank id 2 refused: its state is at step 1, the group's at step 3; it was dropped (silent past "
         "--collective-timeout) and cannot rejoin with a stale state")
+    assert refusal(1, {"live": None, "snap": 0, "run": "bbbb"}, "bbbb", None) == (
+        "elastic: rank id 1 refused: its state is at step 0, the group's before its first completed step; it was "
+        "dropped (silent past --collective-timeout) and cannot rejoin with a stale state")
 
 
 @pytest.mark.slow

@@ -269,7 +269,8 @@ def refusal(ident: int, offer: dict, run_id: str, group_step: int | None) -> str
         return (f"elastic: rank id {ident} refused: its state is of run {offer.get('run')}, the group's of run "
                 f"{run_id}; a rank cannot join another run")
     step = offer["live"] if offer.get("live") is not None else offer.get("snap")
-    return (f"elastic: rank id {ident} refused: its state is at step {step}, the group's at step {group_step}; "
+    group = f"at step {group_step}" if group_step is not None else "before its first completed step"
+    return (f"elastic: rank id {ident} refused: its state is at step {step}, the group's {group}; "
             f"it was dropped (silent past --collective-timeout) and cannot rejoin with a stale state")
 
 
