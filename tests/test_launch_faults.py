@@ -162,7 +162,8 @@ WAIT_SCRIPT = textwrap.dedent("""
         time.sleep(0.1)
     t = torch.ones(2)
     comm.all_reduce(t)
-    print(f"rank {info.rank} sum {t[0].item()} master {os.environ['MASTER_ADDR']}", flush=True)
+    # one write per line: two ranks share the launcher's stdout, and print writes text and newline apart
+    os.write(1, f"rank {info.rank} sum {t[0].item()} master {os.environ['MASTER_ADDR']}\\n".encode())
     distrain.runtime.shutdown()
 """)
 
