@@ -36,17 +36,17 @@ import multiprocessing.connection
 import os
 import pickle
 import time
-import traceback
 import uuid
 from typing import Any, Callable, Sequence
 
 import torch
 
-from distrain import lifeline, runtime
-from distrain.blame import Failure, blame, is_secondary
+from distrain import lifeline
+from distrain.blame import Failure, blame
 from distrain.elastic import member as m
-from distrain.errors import DistrainError, SpawnTimeoutError, TrainingError
+from distrain.errors import SpawnTimeoutError, TrainingError
 from distrain.launch import local_env, local_store
+from distrain.launch.local import send_outcome
 
 POLL_S = 0.01
 
@@ -56,18 +56,11 @@ def _child(fn, ident: int, args: tuple, env: dict, conn, threads: int, backend: 
     lifeline.die_with_parent()
     lifeline.quiet_interrupts()
     torch.set_num_threads(threads)
-    try:
+    def work():
         m.install(m.Member.from_env(backend, timeout))
-        payload = pickle.dumps(("ok", fn(ident, *args), time.time(), False))
-    except DistrainError as e:
-        payload = pickle.dumps(("err", f"{type(e).__name__}: {e}", time.time(), is_secondary(e)))
-    except BaseException as e:  # noqa: BLE001 - reported to the agent
-        payload = pickle.dumps(("err", traceback.format_exc(), time.time(), is_secondary(e)))
-    try:
-        conn.send_bytes(payload)
-    finally:
-        conn.close()
-    runtime.shutdown()
+        return fn(ident, *args)
+
+    send_outcome(conn, work, ok_extra=(False,))  # the agent reads a 4th field (secondary) on every message
 
 
 class Agent:

@@ -53,13 +53,23 @@ def _child(fn, rank: int, nprocs: int, port: int, args: tuple, backend: str, ini
     def on_hang(report: str) -> None:  # from the watchdog thread, just before it ends this rank
         conn.send_bytes(pickle.dumps(("hang", report, time.time(), False)))
 
-    try:
+    def work():
         if init:
             runtime.init(backend, timeout=init_timeout, on_hang=on_hang)
-        payload = pickle.dumps(("ok", fn(rank, *args), time.time()))
-    except DistrainError as e:  # our errors say what to fix: the message is enough
+        return fn(rank, *args)
+
+    send_outcome(conn, work)
+
+
+def send_outcome(conn, work: Callable[[], Any], ok_extra: tuple = ()) -> None:
+    """Run ``work()`` in a rank and send its outcome to the parent over ``conn``: ("ok", value,
+    time, *ok_extra), or ("err", message, time, secondary) where our errors (which say what to
+    fix) send their message and any other exception its traceback; then leave the process group."""
+    try:
+        payload = pickle.dumps(("ok", work(), time.time(), *ok_extra))
+    except DistrainError as e:
         payload = pickle.dumps(("err", f"{type(e).__name__}: {e}", time.time(), is_secondary(e)))
-    except BaseException as e:
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
         payload = pickle.dumps(("err", traceback.format_exc(), time.time(), is_secondary(e)))
     try:
         conn.send_bytes(payload)
