@@ -47,10 +47,15 @@ def _sh(pc):
 
 def _step(sh, what: str) -> int:
     """Start a step: peers' segments open, the step number for this chunk."""
+    _open(sh, what)
+    return sh.begin()
+
+
+def _open(sh, what: str) -> None:
+    """Every peer's segment mapped (the first collective of a group opens them)."""
     if len(sh.peers) < sh.size:
         sh.coll = what
         sh.open_all()
-    return sh.begin()
 
 
 def _arrive(sh, step: int, what: str) -> None:
@@ -86,6 +91,7 @@ def _pipelined(sh, what: str, chunks: int, copy_in, fold) -> None:
     the last chunk (every peer's ARRIVE >= last) every peer has read the slot that the next
     lock-step collective writes at once, as lock-step collectives assume.
     """
+    _open(sh, what)
     K = sh.layout.slots
     base = sh.step
     sh.me.set_line(CONSUMED, base)  # every earlier step is read (steps run in order on a rank)
@@ -112,9 +118,6 @@ def all_reduce(pc, buf: torch.Tensor, op: Op) -> None:
     sh, what = _sh(pc), f"{pc.op}(transport=shm)"
     P, r, n = sh.size, sh.rank, buf.numel()
     m = _chunk(sh, buf)
-    if len(sh.peers) < sh.size:
-        sh.coll = what
-        sh.open_all()
     if P == 2 or n * buf.element_size() < SMALL_BYTES:  # one phase for every chunk: pipelined
         def copy_in(i, step):
             x = buf[i * m:(i + 1) * m]
@@ -168,9 +171,6 @@ def all_reduce_list(pc, tensors: list[torch.Tensor], op: Op, scale: float | None
     r, dtype = sh.rank, tensors[0].dtype
     total = sum(t.numel() for t in tensors)
     m = _chunk(sh, tensors[0])
-    if len(sh.peers) < sh.size:
-        sh.coll = what
-        sh.open_all()
 
     def pieces(i):
         a = i * m
