@@ -190,8 +190,11 @@ def test_bench_link_and_comm_across_nodes_with_prediction(emulated_cluster, tmp_
     assert res.returncode == 0, "\n".join(res.output[-30:])
     model = json.loads(cal.read_text())["model"]
     assert set(model) == {"inter", "gamma_ns_per_byte", "shift"}  # one rank per node: only the shaped link
-    # the shaped link: below 200 Mbit/s = 0.025 GB/s, and far above nothing
-    assert 0.005 < model["inter"]["bandwidth_GBps"] <= 0.025
+    # the shaped link: 200 Mbit/s = 0.025 GB/s, and far above nothing. The rate is a least-squares
+    # slope through medians of 3 timings at 8 B, 256K and 1M: a 256K point that ran late flattens
+    # the slope, and CI once read 0.0258 (3 % over). 10 % over the shaped rate is noise; a transport
+    # that bypassed tbf (the veth runs at GB/s) would read 40x over.
+    assert 0.005 < model["inter"]["bandwidth_GBps"] <= 1.1 * 0.025
     # the shift: 1 MiB each way over the one link at once; in all, at most the link's two directions
     shift = model["shift"]
     assert shift["bytes"] == 1 << 20 and shift["aggregate_GBps"] == pytest.approx(2 * shift["per_link_GBps"])
