@@ -224,3 +224,51 @@ def test_model_parallel_resume_continues_exactly(tmp_path):
 def test_bad_model_parallel_config(tmp_path, kw, match):
     with pytest.raises(ConfigError, match=match):
         train(_cfg(tmp_path, "bad", **kw))
+
+
+class _CountingEngine:
+    """The surface train_steps uses, without a model: loss = step, no evaluation."""
+
+    rank, dp_rank, dp_size, label = 0, 0, 1, "fake"
+    comm_wait_s, loss_group, loss_weight, can_evaluate = 0.0, None, 1.0, False
+
+    def __init__(self):
+        self.step = 0
+
+    def set_lr(self, lr):
+        pass
+
+    def train_step(self, x, y):
+        self.step += 1
+        return torch.tensor(float(self.step - 1))
+
+    def end_training(self):
+        pass
+
+
+class _Task:
+    train, val, unit, units_per_sample = list(range(100)), None, "samples", 1
+
+    def batch(self, data, idx):
+        return None, None
+
+
+def test_metrics_lines_are_on_disk_before_a_checkpoint_names_their_step(tmp_path, monkeypatch):
+    """A rank killed right after a checkpoint commit resumes at that step and drops the lines from it on;
+    every line before it must already be written (CI once lost steps 50-59 of a killed cluster run)."""
+    from distrain.trainer import loop
+
+    seen: dict[int, list[int]] = {}
+
+    def commit(cfg, engine, step):  # what a resume at ``step`` would keep of metrics.jsonl
+        seen[step] = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")]
+
+    def summed(pending, group, weight):
+        for r in pending:
+            r["loss"] = float(r["loss"])
+
+    monkeypatch.setattr(loop, "save_checkpoint", commit)
+    monkeypatch.setattr(loop, "sum_losses", summed)
+    cfg = trainer_config(tmp_path, steps=60, ckpt_every=20, log_every=10)
+    loop.train_steps(cfg, _CountingEngine(), _Task(), 0)
+    assert seen == {s: list(range(s)) for s in (20, 40, 60)}

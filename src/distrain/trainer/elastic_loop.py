@@ -177,8 +177,6 @@ def elastic_steps(cfg: TrainConfig, q, make_engine, engine, task, step: int, cha
             if cfg.eval_every and task.val is not None and (step % cfg.eval_every == 0 or last):
                 val = engine.evaluate(task.val_batches(cfg.batch_size, cfg.eval_batches))
                 rec.update(val or {})
-            if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or last:
-                save_checkpoint(cfg, engine, step)
             if event is not None:  # the first step at the new size is done: the change is complete
                 now = time.time()
                 done = {k: v for k, v in event.items() if k not in ("t0", "spawned", "t_left")}
@@ -193,6 +191,8 @@ def elastic_steps(cfg: TrainConfig, q, make_engine, engine, task, step: int, cha
             if bar is not None:
                 bar.set_postfix(loss=f"{total:.4f}", world=q.world)
                 bar.update(1)
+            if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or last:  # after the lines of the steps it names
+                save_checkpoint(cfg, engine, step)
         except Exception as e:  # noqa: BLE001 - a peer gone (reset, closed, timed out)? else it is ours
             if not q.failed(e):
                 raise

@@ -31,7 +31,7 @@ from distrain.trainer import checkpoint, init_from
 from distrain.trainer.config import TrainConfig
 from distrain.trainer.engines import Engine, build_engine, engine_class
 from distrain.trainer.metrics import MetricsLog
-from distrain.trainer.report import finish, progress_bar, rank_traffic, step_record, sum_losses, write_records
+from distrain.trainer.report import add_eval, finish, progress_bar, rank_traffic, step_record, sum_losses, write_records
 from distrain.trainer.task import Task, build_optimizer, build_task, loss_function, lr_at
 
 
@@ -260,13 +260,15 @@ def train_steps(cfg: TrainConfig, engine: Engine, task: Task, start: int) -> flo
         do_ckpt = bool(cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0) or last
         if len(pending) >= cfg.log_every or do_eval or do_ckpt:
             sum_losses(pending, engine.loss_group, engine.loss_weight)  # stops every rank on a non-finite loss
-            if do_ckpt:  # only finite losses reach a checkpoint; the last one comes before evaluation
-                save_checkpoint(cfg, engine, step + 1)
-            if do_eval:
-                val = engine.evaluate(task.val_batches(cfg.batch_size, cfg.eval_batches))
-                if val is not None:
-                    pending[-1].update(val)
+            if do_eval and not last:
+                add_eval(pending[-1], engine.evaluate(task.val_batches(cfg.batch_size, cfg.eval_batches)), None, bar)
+            # the lines are on disk before a checkpoint names their step: a rank killed between the two would
+            # otherwise resume past steps that metrics.jsonl never got (a resume drops lines >= its step)
             write_records(pending, log, bar)
+            if do_ckpt:  # only finite losses reach a checkpoint
+                save_checkpoint(cfg, engine, step + 1)
+            if do_eval and last:  # after the final checkpoint, so a failing evaluation leaves it committed
+                add_eval(pending[-1], engine.evaluate(task.val_batches(cfg.batch_size, cfg.eval_batches)), log, bar)
             pending = []
     if bar is not None:
         bar.close()

@@ -56,6 +56,20 @@ def sum_losses(pending: list[dict], group, weight: float) -> None:
                             f"or check the data")
 
 
+def add_eval(rec: dict, val: dict | None, log: MetricsLog | None, bar) -> None:
+    """Put a validation result into the step record ``rec``; with ``log``, ``rec`` is already written (the
+    final step's evaluation runs after the last checkpoint), so its line is rewritten and the bar told."""
+    if val is None:
+        return
+    rec.update(val)
+    if log is not None:
+        log.rewrite_last(**val)
+        if log.tensorboard is not None:
+            log.tensorboard.write([{"step": rec["step"], **val}])
+    if log is not None and bar is not None and "val_loss" in val:
+        bar.write(f"step {rec['step'] + 1}: validation loss {val['val_loss']:.4f}")
+
+
 def write_records(pending: list[dict], log: MetricsLog | None, bar) -> None:
     """Log the summed step records and update the progress bar (rank 0; no-ops elsewhere)."""
     if log is not None:
