@@ -175,12 +175,12 @@ def test_part_bounds_cover_the_batch_and_match_the_sampler():
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(elastic="2:4", strategy="zero1"),
-     "--elastic 2:4: --strategy zero1 is not supported; elastic training needs the whole state on every rank, so "
-     "that losing one loses nothing: use --strategy ddp"),
+    (dict(elastic="2:4", strategy="torch-ddp"),
+     "--elastic 2:4: --strategy torch-ddp is not supported; elastic training needs every piece of the state on more "
+     "than one rank, so that losing one loses nothing: use --strategy ddp or zero1 or zero2 or zero3"),
     (dict(elastic="2:4", strategy="ps-sync"),
-     "--elastic 2:4: --strategy ps-sync is not supported; elastic training needs the whole state on every rank, so "
-     "that losing one loses nothing: use --strategy ddp"),
+     "--elastic 2:4: --strategy ps-sync is not supported; elastic training needs every piece of the state on more "
+     "than one rank, so that losing one loses nothing: use --strategy ddp or zero1 or zero2 or zero3"),
     (dict(elastic="3:2"),
      "--elastic 3:2: MIN 3 is larger than MAX 2; the job keeps between MIN and MAX ranks, so MIN <= MAX"),
     (dict(elastic="3:4", nproc=2),
@@ -218,3 +218,80 @@ def test_the_cli_refuses_before_start(tmp_path):
     assert p.returncode != 0
     assert "--elastic 3:2: MIN 3 is larger than MAX 2" in p.stderr
     assert not out.exists()
+
+
+# -- sharded state (ZeRO): each rank's piece and a replica of its predecessor's ---------------------------------------
+
+@pytest.mark.timeout(100)
+def test_zero2_sigkill_one_of_four_goes_on_from_the_lost_ranks_replica(tmp_path, tmp_path_factory, monkeypatch):
+    # id 1 dies at the start of step 2: its piece of step 2 is gone, its copy of step 1 is on id 2 (the replica),
+    # so the group rolls back to step 1, gathers the four pieces of step 1 and cuts them for three ranks
+    losses, events, summary = run(tmp_path, monkeypatch, "1@2", nproc=4, elastic="3:4", strategy="zero2")
+    assert isinstance(summary, dict), summary
+    assert close(losses, reference_losses(tmp_path_factory)), (losses, reference_losses(tmp_path_factory))
+    (e,) = events
+    assert (e["old_world"], e["new_world"], e["left"], e["step"], e["rolled_back"], e["state_from"]) == \
+           (4, 3, [1], 1, 1, "replicas")
+    assert summary["world_final"] == 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_zero3_newcomer_gets_its_piece_cut_from_the_others_3_to_4(tmp_path, tmp_path_factory, monkeypatch):
+    losses, events, summary = run(tmp_path, monkeypatch, "0@2:hold", nproc=3, elastic="3:4", elastic_replace=1,
+                                  strategy="zero3")
+    assert isinstance(summary, dict), summary
+    assert close(losses, reference_losses(tmp_path_factory)), (losses, reference_losses(tmp_path_factory))
+    (e,) = events
+    assert (e["old_world"], e["new_world"], e["joined"], e["rolled_back"], e["state_from"]) == \
+           (3, 4, [3], None, "peers")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_zero1_a_rank_and_its_successor_lost_at_once_fall_back_to_the_checkpoint(tmp_path, tmp_path_factory,
+                                                                                 monkeypatch):
+    # ids 1 and 2 die at step 3 (a "node" of two neighbours): id 1's piece and its only copy (on id 2) are gone,
+    # so the group goes on from the checkpoint of step 2; without a checkpoint the job stops, naming the piece
+    losses, events, summary = run(tmp_path, monkeypatch, "1@3,2@3", nproc=4, elastic="2:4", strategy="zero1",
+                                  ckpt_every=2)
+    assert isinstance(summary, dict), summary
+    assert close(losses, reference_losses(tmp_path_factory)), (losses, reference_losses(tmp_path_factory))
+    (e,) = events
+    assert (e["old_world"], e["new_world"], e["left"], e["step"], e["state_from"]) == (4, 2, [1, 2], 2, "checkpoint")
+    _, _, err = run(tmp_path / "none", monkeypatch, "1@3,2@3", nproc=4, elastic="2:4", strategy="zero1", ckpt_every=0)
+    assert str(err).startswith("elastic: the piece(s) of ZeRO rank(s) [1] of 4 were lost with their replicas (a rank "
+                               "and its successor at once) and no checkpoint was written yet; the job cannot go on: "
+                               "set --ckpt-every"), err
+
+
+def _offer(live, snap, pieces, ckpt=None):
+    return {"live": live, "snap": snap, "pieces": [list(p) for p in pieces], "ckpt": ckpt}
+
+
+def test_the_sharded_target_is_the_latest_step_whose_pieces_make_a_whole():
+    from distrain.elastic.agent import sharded_target
+    from distrain.errors import TrainingError
+
+    # 4 ranks, id 1 lost after every rank finished step 4 (live 5): its piece of 5 is gone, of 4 on rank 2
+    offers = {i: _offer(5, 4, [(5, 4, i, "own"), (4, 4, i, "own"), (4, 4, (i - 1) % 4, "replica")]) for i in (0, 2, 3)}
+    assert sharded_target(offers) == (4, "replicas")
+    # a newcomer joins (nobody lost): the live pieces of 5 are whole
+    offers[1] = _offer(5, 4, [(5, 4, 1, "own"), (4, 4, 1, "own"), (4, 4, 0, "replica")])
+    assert sharded_target(offers) == (5, "peers")
+    # ids 1 and 2 lost at once: the piece of 1 is nowhere; the last checkpoint every survivor knows
+    offers = {i: _offer(5, 4, [(5, 4, i, "own"), (4, 4, i, "own"), (4, 4, (i - 1) % 4, "replica")], ckpt=2)
+              for i in (0, 3)}
+    assert sharded_target(offers) == (2, "checkpoint")
+    offers[3]["ckpt"] = None
+    with pytest.raises(TrainingError, match=r"the piece\(s\) of ZeRO rank\(s\) \[1\] of 4 were lost"):
+        sharded_target(offers)
+
+
+def test_pieces_that_do_not_make_a_whole_are_named_by_layout():
+    from distrain.errors import ConfigError
+    from distrain.trainer.reshard import consolidate_pieces
+
+    # (joining whole sets is checked by the elastic ZeRO runs above, equal to one process in fp64)
+    with pytest.raises(ConfigError, match=r"do not make a whole \(held, by world size: \{4: \[0, 2, 3\]\}\)"):
+        consolidate_pieces([(4, r, {}) for r in (3, 0, 2)], 7)

@@ -92,6 +92,25 @@ def test_python_api_float32_equals_one_process(tmp_path, tmp_path_factory, name)
     assert not any(p.is_shared() for p in model.parameters()), f"{name}: the caller's parameters were moved to shm"
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_elastic_float32_through_the_python_api_survives_a_kill(tmp_path, tmp_path_factory, monkeypatch, strategy):
+    """--elastic the way a user runs it: float32, a model object, a rank SIGKILLed at step 2 of 4 (4 -> 3
+    ranks, the step redone; zero2 from the lost rank's replica). Equal to one process within float32."""
+    ref = _reference(tmp_path_factory)
+    model = _model()
+    before = _state(model)
+    monkeypatch.setenv("DISTRAIN_ELASTIC_FAULTS", "1@2")
+    summary = distrain.train(model=model, config=_config(tmp_path / "run", strategy=strategy, nproc=4,
+                                                         elastic="3:4", collective_timeout=30))
+    got = _losses(tmp_path / "run")
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=RTOL, atol=0,
+                               msg=lambda m: f"elastic {strategy}: losses {got} vs one process {ref}: {m}")
+    assert summary["membership_changes"] == 1 and summary["world_final"] == 3
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "train() changed the caller's model"
+
+
 class Regressor(nn.Module):
     """Returns an output object, as Hugging Face models do (``.logits``)."""
 

@@ -164,7 +164,10 @@ class Agent:
         if not offers:
             raise TrainingError(f"elastic: no rank with the training state is left (lost: {sorted(self.lost)})")
         target = min(r["live"] if r["live"] is not None else r["snap"] for r in offers.values())
-        keep = [i for i in survivors if i in offers and target in (offers[i]["live"], offers[i]["snap"])]
+        source, sharded = "peers", any("pieces" in r for r in offers.values())
+        if sharded:  # every piece must be at hand, from its holder or a replica; every survivor stays
+            target, source = sharded_target(offers)
+        keep = [i for i in survivors if i in offers and (sharded or target in (offers[i]["live"], offers[i]["snap"]))]
         joiners = (stateless + ready)[:max(0, self.hi - len(keep))]
         starting = [i for i in self.waiting if i not in ready]
         if len(keep) + len(joiners) < self.lo and starting and time.time() - self.want < self.ctimeout + 120:
@@ -174,7 +177,7 @@ class Agent:
             if i not in self.dropped:  # (a dropped one is refused if it comes back)
                 self._kill(i)
         info = {"ids": keep + joiners, "step": target, "old": len(self.members), "left": left, "joined": joiners,
-                "rolled_back": target if any(offers[i]["live"] != target for i in keep) else None,
+                "rolled_back": target if any(offers[i]["live"] != target for i in keep) else None, "source": source,
                 "t0": min([self.want, *(self.lost.get(i, self.want) for i in left)]),
                 "spawned": {str(i): self.started[i] for i in joiners}}
         if len(keep) + len(joiners) < self.lo:
@@ -254,6 +257,36 @@ class Agent:
         end = time.monotonic() + 1.0
         while time.monotonic() < end and len(self.gone) < len(self.procs):
             self._poll()
+
+
+def sharded_target(offers: dict[int, dict]) -> tuple[int, str]:
+    """The step a job with sharded state (ZeRO) goes on from, and where its state comes from.
+
+    Each survivor offers pieces ``[step, world, rank, kind]``: its own piece of a layout of
+    ``world`` ranks (kind "own", at its live boundary and at its start-of-step copy), and its
+    predecessor's (kind "replica"). A step is possible when the pieces at it cover ranks
+    0..world-1 of one layout (the survivors then gather them: none needs its own state at that
+    step); the latest possible step is taken ("peers", or "replicas" when a piece comes from a
+    replica only). None possible (a rank and its successor lost at once): the last checkpoint
+    every survivor knows ("checkpoint"); none written yet: TrainingError."""
+    steps = sorted({p[0] for r in offers.values() for p in r["pieces"]}, reverse=True)
+    for t in steps:
+        own, held = set(), set()
+        for r in offers.values():
+            for step, world, rank, kind in r["pieces"]:
+                if step == t:
+                    (own if kind == "own" else held).add((world, rank))
+        for world in {w for w, _ in own | held}:
+            if all((world, k) in own | held for k in range(world)):
+                return t, "peers" if all((world, k) in own for k in range(world)) else "replicas"
+    ckpts = [r.get("ckpt") for r in offers.values()]
+    if any(c is None for c in ckpts):
+        world = max(p[1] for r in offers.values() for p in r["pieces"]) if steps else 0
+        gone = sorted(set(range(world)) - {p[2] for r in offers.values() for p in r["pieces"] if p[1] == world})
+        raise TrainingError(f"elastic: the piece(s) of ZeRO rank(s) {gone} of {world} were lost with their "
+                            f"replicas (a rank and its successor at once) and no checkpoint was written yet; the job "
+                            f"cannot go on: set --ckpt-every to have a checkpoint to fall back on")
+    return min(ckpts), "checkpoint"
 
 
 def refusal(ident: int, offer: dict, run_id: str, group_step: int | None) -> str:

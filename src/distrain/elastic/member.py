@@ -26,6 +26,13 @@ Steps: ``live`` is the step boundary the live state is at (None while a step is 
 the boundary of the copy taken by ``begin``. After a failure the agent picks the smallest boundary
 every survivor can offer; a rank whose step was cut in half (or that finished a step some peer did
 not) goes back to its copy.
+
+Sharded state (ZeRO, ``sharded``): a rank holds one piece, so ``begin`` also sends its copy to the
+next rank and keeps the previous rank's (pieces.exchange; both copies are replaced together, only
+when the exchange is whole). A rank's arrive record lists the pieces it holds, ``[step, world, rank,
+"own"|"replica"]``; the agent takes the latest step whose pieces make a whole (agent.sharded_target),
+or the last checkpoint when a rank and its successor were lost at once, and the loop gathers the
+pieces and cuts them for the new group (elastic_loop.load_change).
 """
 
 from __future__ import annotations
@@ -34,7 +41,6 @@ import gc
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -47,6 +53,8 @@ from distrain import comm
 from distrain.blame import is_secondary
 from distrain.comm.core import watchdog
 from distrain.errors import CommError
+from distrain.elastic.pieces import clone_tree, exchange
+from distrain.elastic.sockets import sever
 
 PREFIX = "elastic/"
 ENV_PORT, ENV_ID, ENV_NEW, ENV_FAULTS, ENV_RUN = ("DISTRAIN_ELASTIC_PORT", "DISTRAIN_ELASTIC_ID", "DISTRAIN_ELASTIC_NEW",
@@ -57,17 +65,6 @@ _TRANSIENT = ("timed out", "timeout", "connection", "gloo", "broken pipe", "peer
 
 def key(*parts) -> str:
     return PREFIX + "/".join(str(p) for p in parts)
-
-
-def clone_tree(obj):
-    """A deep copy of a state dict: tensors cloned, containers rebuilt, other values shared."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: clone_tree(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(clone_tree(v) for v in obj)
-    return obj
 
 
 def part_bounds(batch: int, world: int, rank: int) -> tuple[int, int]:
@@ -95,47 +92,6 @@ def parse_faults(text: str) -> dict[tuple[int, int], str]:
     return out
 
 
-def sever(keep_port: int) -> int:
-    """Shut down every TCP socket of this process but the store's (port ``keep_port``): Gloo's
-    connections of a broken group. Gloo has no abort; a peer blocked in a receive from a rank that
-    left would wait for the group's time-out, and destroying the group would wait for our own
-    worker threads blocked the same way. A shut-down socket wakes both ends at once (the peer reads
-    "connection closed" and leaves too), so a loss spreads through the group in milliseconds.
-    Returns how many sockets were shut down. (Linux: /proc/self/fd and /proc/net/tcp{,6}.)"""
-    ports = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            rows = open(table).read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            f = row.split()
-            if f[3] != "01":  # established connections only: Gloo's listener aborts the process if shut down
-                continue
-            ports[f[9]] = (int(f[1].rsplit(":", 1)[1], 16), int(f[2].rsplit(":", 1)[1], 16))
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        pair = ports.get(link[8:-1]) if link.startswith("socket:[") else None
-        if pair is None or keep_port in pair:
-            continue
-        try:
-            s = socket.socket(fileno=os.dup(int(fd)))
-        except OSError:
-            continue
-        try:
-            s.shutdown(socket.SHUT_RDWR)
-            n += 1
-        except OSError:
-            pass
-        finally:
-            s.close()  # the duplicate only; Gloo closes its own descriptor with the group
-    return n
-
-
 @dataclass
 class Change:
     """What ``reform`` (or a newcomer's ``join``) decided; ``stop``: the job ends (below MIN)."""
@@ -151,12 +107,13 @@ class Change:
     stop: str | None = None
     spawned: dict = field(default_factory=dict)  # newcomer id -> when the agent started it (Unix s)
     t_left: float = 0.0  # when this rank left its old group (Unix s; a newcomer: when it was invited)
+    source: str = "peers"  # where the state comes from: "peers", "replicas" (a lost shard), "checkpoint"
 
     def event(self) -> dict:
         """The metrics.jsonl record (recover_s is added when the first step at the new size completes)."""
         return {"event": "membership", "time": time.time(), "step": self.step, "old_world": self.old_world,
                 "new_world": self.new_world, "left": self.left, "joined": self.joined,
-                "rolled_back": self.rolled_back, "epoch": self.epoch}
+                "rolled_back": self.rolled_back, "epoch": self.epoch, "state_from": self.source}
 
 
 class Member:
@@ -169,6 +126,15 @@ class Member:
         self.snap: dict | None = None
         self.snap_step: int | None = None
         self.changes: list[dict] = []  # every membership event this rank went through
+        # sharded state (ZeRO): each rank holds one piece, (world, rank) of the layout it was cut for; at
+        # every step start it also keeps a copy of the previous rank's piece (the replica), so one lost
+        # rank's piece survives on its successor. ``ckpt_step``: the last checkpoint (the fallback).
+        self.sharded = False
+        self.snap_piece: tuple[int, int] | None = None
+        self.replica: dict | None = None
+        self.replica_step: int | None = None
+        self.replica_piece: tuple[int, int] | None = None
+        self.ckpt_step: int | None = None
 
     @classmethod
     def from_env(cls, backend: str, timeout: float) -> "Member":
@@ -264,8 +230,27 @@ class Member:
         elif action in ("kill", "stop"):  # fault injection (tests, measurements): a real signal to this process
             print(f"distrain elastic: id {self.ident} {action} at step {step} t={time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGSTOP if action == "stop" else signal.SIGKILL)
-        self.snap = {"engine": clone_tree(state_fn()), "rng": torch.get_rng_state()}
-        self.snap_step, self.live = step, None
+        snap = {"engine": clone_tree(state_fn()), "rng": torch.get_rng_state()}
+        if self.sharded and self.world > 1:  # the new copies replace the old ones only once both are whole
+            replica = exchange(snap["engine"], self.rank, self.world)
+            self.replica, self.replica_step = replica, step
+            self.replica_piece = (self.world, (self.rank - 1) % self.world)
+        self.snap, self.snap_step, self.live = snap, step, None
+        self.snap_piece = (self.world, self.rank)
+
+    def offers(self) -> dict:
+        """What this rank can offer a new group (its arrive record): boundaries, pieces, checkpoint."""
+        out = {"live": self.live, "snap": self.snap_step, "t": time.time(), "run": self.run}
+        if self.sharded:
+            pieces = []
+            if self.live is not None:
+                pieces.append([self.live, self.world, self.rank, "own"])
+            if self.snap is not None and self.snap.get("engine") is not None and self.snap_piece is not None:
+                pieces.append([self.snap_step, *self.snap_piece, "own"])
+            if self.replica is not None:
+                pieces.append([self.replica_step, *self.replica_piece, "replica"])
+            out.update(pieces=pieces, ckpt=self.ckpt_step)
+        return out
 
     def end(self, step: int, loss, weight: float) -> tuple[float, bool]:
         """The end of ``step``: the global batch's loss (sum over ranks of loss * weight) and whether
@@ -298,9 +283,9 @@ class Member:
         t_left = time.time()
         while True:
             nxt = self.epoch + 1
+            offer = self.offers()  # (before leaving: the live piece is this group's)
             self._close(broken=True)
-            self._put(key("arrive", nxt, self.ident), {"live": self.live, "snap": self.snap_step, "t": time.time(),
-                                                        "run": self.run})
+            self._put(key("arrive", nxt, self.ident), offer)
             refused = key("refuse", self.ident)
             ok = self._wait([key("members", nxt)], f"the members of epoch {nxt}", abort=refused)
             info = self._get(key("members", nxt)) if ok else {"ids": []}
@@ -310,15 +295,23 @@ class Member:
                 print(f"distrain: error: {why}", file=sys.stderr, flush=True)
                 self.store.set(key("refused"), str(self.ident))  # (tests: a ``hold`` ends here)
                 raise CommError(why)
-            target = info["step"]
+            target, source = info["step"], info.get("source", "peers")
             if self.live == target:
-                state = {"engine": state_fn(), "rng": torch.get_rng_state()}
-            elif self.snap_step == target:
-                state = self.snap
+                state, piece = {"engine": state_fn(), "rng": torch.get_rng_state()}, (self.world, self.rank)
+            elif self.snap_step == target or source == "checkpoint":
+                state, piece = self.snap, self.snap_piece
+            elif self.sharded:  # our piece at the target is a peer's replica: we bring what we hold of it
+                state, piece = {"engine": None, "rng": None}, None
             else:
                 raise CommError(f"elastic: rank id {self.ident} holds steps {self.live}/{self.snap_step}, the group "
                                 f"goes on from {target}")
-            self.snap, self.snap_step, self.live = state, target, None  # what we can offer if this change fails too
+            if self.sharded:  # the pieces at the target: ours and, if it is of that step, our replica
+                own = [(*piece, state["engine"])] if state.get("engine") is not None and piece else []
+                rep = [(*self.replica_piece, self.replica)] if self.replica is not None and \
+                    self.replica_step == target else []
+                state = dict(state, pieces=own + rep)
+            # what we can offer if this change fails too (the replica stays: it is of the same step and layout)
+            self.snap, self.snap_step, self.snap_piece, self.live = state, target, piece, None
             try:
                 self._open(nxt, info)
                 change = self._heal(info, state)
@@ -334,13 +327,20 @@ class Member:
             if any(a == "heal" and i == self.ident and s <= info["step"] for (i, s), a in self.faults.items()):
                 print(f"distrain elastic: id {self.ident} kill in the heal at step {info['step']}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)  # tests: a peer lost while the state is on its way
-            box = [state if self.rank == 0 else None]
+            # replicated state: rank 0 sends all of it; sharded: only the RNG (the loop gathers the pieces)
+            sent = None if self.rank != 0 else state if not self.sharded else {"rng": state["rng"], "engine": None}
+            box = [sent]
             dist.broadcast_object_list(box, src=0)
-            state = state if state is not None else box[0]
-        torch.set_rng_state(state["rng"])
+            if state is None:
+                state = box[0] if not self.sharded else dict(box[0], pieces=[])
+        if state["rng"] is not None:  # (sharded, no state of ours at the step: the loop takes a peer's)
+            torch.set_rng_state(state["rng"])
+        if state.get("engine") is None:
+            self.snap_piece = None  # a newcomer holds no piece until its first step start
         self.snap, self.snap_step, self.live = state, info["step"], None  # the loop loads it into a new engine
         return Change(self.epoch, info["step"], state, info["old"], len(info["ids"]), info["left"], info["joined"],
-                      info.get("rolled_back"), info["t0"], info.get("stop"), info.get("spawned", {}))
+                      info.get("rolled_back"), info["t0"], info.get("stop"), info.get("spawned", {}),
+                      source=info.get("source", "peers"))
 
 
 _current: Member | None = None

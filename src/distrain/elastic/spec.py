@@ -13,8 +13,9 @@ import re
 
 from distrain.errors import ConfigError
 
-# the strategies whose whole state is on every rank (a lost rank loses nothing the others lack)
-SUPPORTED = ("ddp",)
+# ddp: the whole state on every rank (a lost rank loses nothing the others lack); zero1/2/3: each rank
+# holds one piece and a replica of its predecessor's (member.py), so one lost rank loses nothing either
+SUPPORTED = ("ddp", "zero1", "zero2", "zero3")
 _FORM = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
 
 
@@ -44,12 +45,12 @@ def check(cfg) -> tuple[int, int] | None:
     lo, hi = parse(cfg.elastic)
     tag = f"--elastic {lo}:{hi}"
     if cfg.strategy not in SUPPORTED:
-        raise ConfigError(f"{tag}: --strategy {cfg.strategy} is not supported; elastic training needs the whole "
-                          f"state on every rank, so that losing one loses nothing: use --strategy "
+        raise ConfigError(f"{tag}: --strategy {cfg.strategy} is not supported; elastic training needs every piece of "
+                          f"the state on more than one rank, so that losing one loses nothing: use --strategy "
                           f"{' or '.join(SUPPORTED)}")
     if getattr(cfg, "tp", 1) > 1 or getattr(cfg, "pp", 1) > 1 or getattr(cfg, "dp", 0):
         raise ConfigError(f"{tag}: --dp/--tp/--pp are not supported (a lost rank would take part of a model replica "
-                          f"with it); use plain --strategy ddp")
+                          f"with it); use --strategy ddp or zero1/2/3 without them")
     if lo > cfg.nproc:
         raise ConfigError(f"{tag}: MIN {lo} is larger than --nproc {cfg.nproc}; the job would start below its "
                           f"minimum: use --nproc >= {lo} or a smaller MIN")

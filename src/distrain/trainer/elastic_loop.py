@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from distrain import comm
 from distrain.data import DistributedBatchSampler
@@ -100,17 +101,18 @@ def run_elastic_rank(cfg: TrainConfig, parts, new_model, save_checkpoint) -> dic
     start, manifest = 0, None
     if cfg.resume:
         manifest = checkpoint.read_manifest(cfg.out)
-        start = int(manifest["step"])
+        start = q.ckpt_step = int(manifest["step"])
+    q.sharded = cfg.strategy.startswith("zero")  # each rank holds a piece of the state (ZeRO), not all of it
     change = q.join(start)  # a newcomer waits here for a step boundary, then gets the state
     try:
         engine = make_engine(model)
-    except Exception as e:  # noqa: BLE001 - a newcomer: a peer lost while its first engine was built
+        if change is not None:
+            load_change(cfg, q, engine, change)
+    except Exception as e:  # noqa: BLE001 - a newcomer: a peer lost while its first engine was built or loaded
         if change is None or not q.failed(e):
             raise
-        engine, change = _rebuild(q, make_engine, lambda: None)  # it offers the state it was sent
+        engine, change = _rebuild(cfg, q, make_engine, lambda: None)  # it offers the state it was sent
     if change is not None:
-        engine.load_state_dict(change.state["engine"])
-        torch.set_rng_state(change.state["rng"])
         start = change.step
     elif manifest is not None:
         engine.load_state_dict(checkpoint.load_shard(cfg.out, manifest, engine.shard))
@@ -128,23 +130,48 @@ def run_elastic_rank(cfg: TrainConfig, parts, new_model, save_checkpoint) -> dic
     return finish(cfg, engine, task, Path(cfg.out), wall, start, traffic, extra)
 
 
-def _rebuild(q, make_engine, state_fn):
+def _rebuild(cfg: TrainConfig, q, make_engine, state_fn):
     """A new group and a new engine holding the agreed state; again while peers fail meanwhile."""
     while True:
         c = q.reform(state_fn)
         try:
             engine = make_engine()
-            engine.load_state_dict(c.state["engine"])
-            torch.set_rng_state(c.state["rng"])
+            load_change(cfg, q, engine, c)
             return engine, c
         except Exception as e:  # noqa: BLE001 - a peer lost while the engine was built (DDP's broadcast)
             if not q.failed(e):
                 raise
 
 
+def load_change(cfg: TrainConfig, q, engine, c) -> None:
+    """Load the state a membership change agreed on into ``engine`` (built on the new group).
+
+    Replicated state (ddp): the copy this rank holds or was sent. Sharded state (ZeRO): every rank
+    brings the pieces it holds at the step (its own, and its replica of its predecessor's), all are
+    gathered (a collective), the pieces of one layout are joined into the whole model and optimizer
+    (reshard.consolidate_pieces) and this rank takes its part of the new layout (``load_full``, as
+    ``--reshard`` does). ``source == "checkpoint"``: the last committed checkpoint, read from disk."""
+    if c.source == "checkpoint":
+        from distrain.trainer.reshard import consolidate
+
+        engine.load_full(consolidate(cfg.out))
+    elif q.sharded:
+        from distrain.trainer.reshard import consolidate_pieces
+
+        held = [None] * q.world
+        dist.all_gather_object(held, (c.state["pieces"], c.state["rng"]))
+        engine.load_full(consolidate_pieces([p for ps, _ in held for p in ps], c.step))
+        if c.state["rng"] is None:  # no state of ours at that step: the first rank's generator that has one
+            c.state["rng"] = next(rng for _, rng in held if rng is not None)
+    else:
+        engine.load_state_dict(c.state["engine"])
+    torch.set_rng_state(c.state["rng"])
+
+
 def elastic_steps(cfg: TrainConfig, q, make_engine, engine, task, step: int, change, save_checkpoint):
     """Steps ``step .. cfg.steps - 1`` through membership changes; returns (engine, wall time, stop reason)."""
-    from distrain.elastic.member import clone_tree, part_bounds
+    from distrain.elastic.member import part_bounds
+    from distrain.elastic.pieces import clone_tree
 
     sampler = DistributedBatchSampler(len(task.train), cfg.batch_size, seed=cfg.seed)  # global batches
     path = Path(cfg.out) / "metrics.jsonl"
@@ -193,6 +220,7 @@ def elastic_steps(cfg: TrainConfig, q, make_engine, engine, task, step: int, cha
                 bar.update(1)
             if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or last:  # after the lines of the steps it names
                 save_checkpoint(cfg, engine, step)
+                q.ckpt_step = step  # (sharded state: the fallback when a piece is lost with its replica)
         except Exception as e:  # noqa: BLE001 - a peer gone (reset, closed, timed out)? else it is ours
             if not q.failed(e):
                 raise
@@ -202,7 +230,7 @@ def elastic_steps(cfg: TrainConfig, q, make_engine, engine, task, step: int, cha
         # the live state may be the one to go on from: keep a copy, drop the engine (and its hold on the old group)
         live = clone_tree(engine.state_dict()) if q.live is not None else None
         engine = None
-        engine, c = _rebuild(q, make_engine, lambda: live)
+        engine, c = _rebuild(cfg, q, make_engine, lambda: live)
         live = None
         step = c.step
         if q.rank == 0:

@@ -171,6 +171,28 @@ def consolidate(out: str | Path, manifest: dict | None = None) -> dict:
                     "layout": manifest["layout"], "config": manifest.get("config", {})}}
 
 
+def consolidate_pieces(pieces: list[tuple[int, int, dict]], step: int) -> dict:
+    """In-memory ZeRO pieces -> the consolidated form (an elastic job's change, no files).
+
+    ``pieces``: (world, rank, state) with ``state`` a ZeroEngine.state_dict() of rank ``rank`` of a
+    layout of ``world`` ranks (a copy may carry another rank's number: the rank given wins); the
+    first layout whose ranks 0..world-1 are all there is joined (duplicates are equal copies)."""
+    by_layout: dict[int, dict[int, dict]] = {}
+    for world, rank, state in pieces:
+        by_layout.setdefault(world, {}).setdefault(rank, state)
+    world = next((w for w, got in by_layout.items() if set(got) >= set(range(w))), None)
+    if world is None:
+        have = {w: sorted(got) for w, got in by_layout.items()}
+        raise ConfigError(f"elastic: the pieces of the sharded state do not make a whole (held, by world size: "
+                          f"{have})")
+    files = [dict(by_layout[world][r], zero=dict(by_layout[world][r]["zero"], rank=r)) for r in range(world)]
+    params, state, groups = _zero_local(files)
+    names = files[0]["names"]
+    return {"kind": FULL, "step": int(step), "model": {names[n]: t for n, t in params.items()},
+            "optimizer": {"state": {names[n]: v for n, v in state.items()},
+                          "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups]}}
+
+
 def _join(full: str, ps: list) -> tuple[torch.Tensor, dict]:
     """A whole tensor (and its optimizer state) from its tensor-parallel slices."""
     info, t, st = ps[0]
