@@ -128,12 +128,11 @@ class Member:
         self.changes: list[dict] = []  # every membership event this rank went through
         # sharded state (ZeRO): each rank holds one piece, (world, rank) of the layout it was cut for; at
         # every step start it also keeps a copy of the previous rank's piece (the replica), so one lost
-        # rank's piece survives on its successor. ``ckpt_step``: the last checkpoint (the fallback).
+        # rank's piece survives on its successor. ``kept``: {step, world, rank, kind, tree} of the copies
+        # held, the previous step's too until the step's end proves that every rank made its new ones.
+        # ``ckpt_step``: the last checkpoint (the fallback when a piece is lost with its replica).
         self.sharded = False
-        self.snap_piece: tuple[int, int] | None = None
-        self.replica: dict | None = None
-        self.replica_step: int | None = None
-        self.replica_piece: tuple[int, int] | None = None
+        self.kept: list[dict] = []
         self.ckpt_step: int | None = None
 
     @classmethod
@@ -231,24 +230,21 @@ class Member:
             print(f"distrain elastic: id {self.ident} {action} at step {step} t={time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGSTOP if action == "stop" else signal.SIGKILL)
         snap = {"engine": clone_tree(state_fn()), "rng": torch.get_rng_state()}
-        if self.sharded and self.world > 1:  # the new copies replace the old ones only once both are whole
-            replica = exchange(snap["engine"], self.rank, self.world)
-            self.replica, self.replica_step = replica, step
-            self.replica_piece = (self.world, (self.rank - 1) % self.world)
+        if self.sharded:  # (a rank may die mid-exchange: the copies of step - 1 stay until ``end``)
+            new = [dict(step=step, world=self.world, rank=self.rank, kind="own", tree=snap["engine"])]
+            if self.world > 1:
+                new.append(dict(step=step, world=self.world, rank=(self.rank - 1) % self.world, kind="replica",
+                                tree=exchange(snap["engine"], self.rank, self.world)))
+            # (a piece is named by (step, world, rank) alone: the same whole state cuts to the same pieces)
+            self.kept = new + [p for p in self.kept if p["step"] in (step - 1, step)]
         self.snap, self.snap_step, self.live = snap, step, None
-        self.snap_piece = (self.world, self.rank)
 
     def offers(self) -> dict:
         """What this rank can offer a new group (its arrive record): boundaries, pieces, checkpoint."""
         out = {"live": self.live, "snap": self.snap_step, "t": time.time(), "run": self.run}
         if self.sharded:
-            pieces = []
-            if self.live is not None:
-                pieces.append([self.live, self.world, self.rank, "own"])
-            if self.snap is not None and self.snap.get("engine") is not None and self.snap_piece is not None:
-                pieces.append([self.snap_step, *self.snap_piece, "own"])
-            if self.replica is not None:
-                pieces.append([self.replica_step, *self.replica_piece, "replica"])
+            pieces = [[self.live, self.world, self.rank, "own"]] if self.live is not None else []
+            pieces += [[p["step"], p["world"], p["rank"], p["kind"]] for p in self.kept]
             out.update(pieces=pieces, ckpt=self.ckpt_step)
         return out
 
@@ -261,6 +257,8 @@ class Member:
         t = torch.tensor([float(loss) * weight if loss is not None else 0.0, flag], dtype=torch.float64)
         dist.all_reduce(t)
         self.live = step + 1
+        # every rank reached this all-reduce, so every rank finished begin(step): its copies are whole
+        self.kept = [p for p in self.kept if p["step"] == step]
         return t[0].item(), t[1].item() > 0
 
     def failed(self, exc: BaseException) -> bool:
@@ -297,21 +295,22 @@ class Member:
                 raise CommError(why)
             target, source = info["step"], info.get("source", "peers")
             if self.live == target:
-                state, piece = {"engine": state_fn(), "rng": torch.get_rng_state()}, (self.world, self.rank)
+                state = {"engine": state_fn(), "rng": torch.get_rng_state()}
+                if self.sharded:
+                    self.kept.append(dict(step=target, world=self.world, rank=self.rank, kind="own",
+                                          tree=state["engine"]))
             elif self.snap_step == target or source == "checkpoint":
-                state, piece = self.snap, self.snap_piece
-            elif self.sharded:  # our piece at the target is a peer's replica: we bring what we hold of it
-                state, piece = {"engine": None, "rng": None}, None
+                state = self.snap
+            elif self.sharded:  # our own state of that step is gone; what we hold of it is in ``kept``
+                state = {"engine": None, "rng": None}
             else:
                 raise CommError(f"elastic: rank id {self.ident} holds steps {self.live}/{self.snap_step}, the group "
                                 f"goes on from {target}")
-            if self.sharded:  # the pieces at the target: ours and, if it is of that step, our replica
-                own = [(*piece, state["engine"])] if state.get("engine") is not None and piece else []
-                rep = [(*self.replica_piece, self.replica)] if self.replica is not None and \
-                    self.replica_step == target else []
-                state = dict(state, pieces=own + rep)
-            # what we can offer if this change fails too (the replica stays: it is of the same step and layout)
-            self.snap, self.snap_step, self.snap_piece, self.live = state, target, piece, None
+            if self.sharded:  # the pieces we hold at the target (the loop gathers everyone's)
+                self.kept = [p for p in self.kept if p["step"] == target]
+                state = dict(state, pieces=[(p["world"], p["rank"], p["tree"]) for p in self.kept])
+            # what we can offer if this change fails too
+            self.snap, self.snap_step, self.live = state, target, None
             try:
                 self._open(nxt, info)
                 change = self._heal(info, state)
@@ -335,8 +334,6 @@ class Member:
                 state = box[0] if not self.sharded else dict(box[0], pieces=[])
         if state["rng"] is not None:  # (sharded, no state of ours at the step: the loop takes a peer's)
             torch.set_rng_state(state["rng"])
-        if state.get("engine") is None:
-            self.snap_piece = None  # a newcomer holds no piece until its first step start
         self.snap, self.snap_step, self.live = state, info["step"], None  # the loop loads it into a new engine
         return Change(self.epoch, info["step"], state, info["old"], len(info["ids"]), info["left"], info["joined"],
                       info.get("rolled_back"), info["t0"], info.get("stop"), info.get("spawned", {}),
