@@ -28,11 +28,12 @@ every survivor can offer; a rank whose step was cut in half (or that finished a 
 not) goes back to its copy.
 
 Sharded state (ZeRO, ``sharded``): a rank holds one piece, so ``begin`` also sends its copy to the
-next rank and keeps the previous rank's (pieces.exchange; both copies are replaced together, only
-when the exchange is whole). A rank's arrive record lists the pieces it holds, ``[step, world, rank,
-"own"|"replica"]``; the agent takes the latest step whose pieces make a whole (agent.sharded_target),
-or the last checkpoint when a rank and its successor were lost at once, and the loop gathers the
-pieces and cuts them for the new group (elastic_loop.load_change).
+next rank during the step and keeps the previous rank's (pieces.Exchange, waited for in ``end``;
+the copies of the step before stay until every rank has reached the step's end). A rank's arrive
+record lists the pieces it holds, ``[step, world, rank, "own"|"replica"]``; the agent takes the
+latest step whose pieces make a whole (agent.sharded_target), or the last checkpoint when a rank
+and its successor were lost at once, and the loop gathers the pieces and cuts them for the new
+group (elastic_loop.load_change).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from distrain import comm
 from distrain.blame import is_secondary
 from distrain.comm.core import watchdog
 from distrain.errors import CommError
-from distrain.elastic.pieces import clone_tree, exchange
+from distrain.elastic.pieces import Exchange, clone_tree, pack
 from distrain.elastic.sockets import sever
 
 PREFIX = "elastic/"
@@ -133,6 +134,7 @@ class Member:
         # ``ckpt_step``: the last checkpoint (the fallback when a piece is lost with its replica).
         self.sharded = False
         self.kept: list[dict] = []
+        self.pending = None  # (step, pieces.Exchange) in flight from ``begin`` to ``end``
         self.ckpt_step: int | None = None
 
     @classmethod
@@ -200,6 +202,7 @@ class Member:
                          2 * self.timeout + 30)
 
     def _close(self, broken: bool = False) -> None:
+        self.pending = None  # an exchange cut off with the group: its copy never counts
         watchdog.uninstall()
         if broken and dist.is_initialized():
             sever(self.store.port)
@@ -229,14 +232,16 @@ class Member:
         elif action in ("kill", "stop"):  # fault injection (tests, measurements): a real signal to this process
             print(f"distrain elastic: id {self.ident} {action} at step {step} t={time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGSTOP if action == "stop" else signal.SIGKILL)
-        snap = {"engine": clone_tree(state_fn()), "rng": torch.get_rng_state()}
-        if self.sharded:  # (a rank may die mid-exchange: the copies of step - 1 stay until ``end``)
-            new = [dict(step=step, world=self.world, rank=self.rank, kind="own", tree=snap["engine"])]
-            if self.world > 1:
-                new.append(dict(step=step, world=self.world, rank=(self.rank - 1) % self.world, kind="replica",
-                                tree=exchange(snap["engine"], self.rank, self.world)))
-            # (a piece is named by (step, world, rank) alone: the same whole state cuts to the same pieces)
-            self.kept = new + [p for p in self.kept if p["step"] in (step - 1, step)]
+        if not self.sharded:
+            snap = {"engine": clone_tree(state_fn()), "rng": torch.get_rng_state()}
+        else:  # our piece, copied once into the buffer that goes to the next rank during the step
+            buf, tree = pack(state_fn())
+            snap = {"engine": tree, "rng": torch.get_rng_state()}
+            # the copies of step - 1 stay until ``end`` (a rank may die mid-exchange); a piece is named by
+            # (step, world, rank) alone: the same whole state cuts to the same pieces
+            mine = dict(step=step, world=self.world, rank=self.rank, kind="own", tree=tree, rng=snap["rng"])
+            self.kept = [mine] + [p for p in self.kept if p["step"] in (step - 1, step)]
+            self.pending = (step, Exchange(buf, tree, self.rank, self.world)) if self.world > 1 else None
         self.snap, self.snap_step, self.live = snap, step, None
 
     def offers(self) -> dict:
@@ -251,6 +256,11 @@ class Member:
     def end(self, step: int, loss, weight: float) -> tuple[float, bool]:
         """The end of ``step``: the global batch's loss (sum over ranks of loss * weight) and whether
         the group must change (the agent asked: a rank was lost or a newcomer waits). Collective."""
+        if self.pending is not None:  # the predecessor's piece of this step, received while we computed
+            at, ex = self.pending
+            self.pending = None
+            self.kept.append(dict(step=at, world=self.world, rank=(self.rank - 1) % self.world, kind="replica",
+                                  tree=ex.wait()))
         flag = 1.0 if self.rank == 0 and self.store.check([key("change", self.epoch)]) else 0.0
         if self.rank == 0:  # the group's step, for the refusal of a stale rank
             self.store.set(key("step"), str(step + 1))
@@ -298,11 +308,12 @@ class Member:
                 state = {"engine": state_fn(), "rng": torch.get_rng_state()}
                 if self.sharded:
                     self.kept.append(dict(step=target, world=self.world, rank=self.rank, kind="own",
-                                          tree=state["engine"]))
+                                          tree=state["engine"], rng=state["rng"]))
             elif self.snap_step == target or source == "checkpoint":
                 state = self.snap
-            elif self.sharded:  # our own state of that step is gone; what we hold of it is in ``kept``
-                state = {"engine": None, "rng": None}
+            elif self.sharded:  # the state of that step: our own piece if we kept it, and the replicas we hold
+                own = next((p for p in self.kept if p["step"] == target and p["kind"] == "own"), None)
+                state = {"engine": own["tree"], "rng": own["rng"]} if own else {"engine": None, "rng": None}
             else:
                 raise CommError(f"elastic: rank id {self.ident} holds steps {self.live}/{self.snap_step}, the group "
                                 f"goes on from {target}")

@@ -1,8 +1,9 @@
 """The state of one rank as a tree (dicts, lists, tensors), and the replica of a neighbour's piece.
 
 An engine's ``state_dict()`` is such a tree. :func:`clone_tree` copies it (the start-of-step copy
-an elastic rank rolls back to); :func:`exchange` gives each rank of a group a copy of its
-predecessor's tree, in one message each way (Horovod Elastic keeps state in memory the same way;
+an elastic rank rolls back to); :func:`pack` copies it into one buffer, and :class:`Exchange`
+sends that buffer to the next rank while the step computes, so each rank of a group gets a copy
+of its predecessor's tree, in one message each way (Horovod Elastic keeps state in memory the same way;
 torchft heals from a live replica): with sharded state (ZeRO), a rank that dies leaves its piece
 on its successor, so the others go on without a checkpoint.
 """
@@ -46,23 +47,48 @@ def rebuild_tree(tree, tensors):
     return tree
 
 
-def exchange(tree, rank: int, world: int):
-    """Collective over the default group: send ``tree``'s tensors to rank ``rank + 1`` and return
-    rank ``rank - 1``'s tree (mod ``world``). The trees must have the same structure and tensor
-    shapes on every rank (ZeRO pads its pieces to equal sizes); the non-tensor leaves returned are
-    ours, so the caller relabels what differs (a piece's rank). One uint8 buffer each way:
-    sum of the tensors' bytes, e.g. 3 x 4 B x N/P for Adam's piece of N fp32 parameters."""
+def pack(tree):
+    """One copy of ``tree``'s tensors in a single uint8 buffer (each at a 64-byte aligned offset) and
+    the same tree whose tensors are views into it: (buffer, tree of views). The buffer is what
+    :func:`start_exchange` sends, so the start-of-step copy and the message are one memcpy."""
     flat: list[torch.Tensor] = []
     leaves(tree, flat)
-    mine = torch.cat([t.detach().reshape(-1).contiguous().view(torch.uint8) for t in flat]) if flat else \
-        torch.empty(0, dtype=torch.uint8)
-    theirs = torch.empty_like(mine)
-    ops = [dist.P2POp(dist.isend, mine, (rank + 1) % world), dist.P2POp(dist.irecv, theirs, (rank - 1) % world)]
-    for w in dist.batch_isend_irecv(ops):
-        w.wait()
-    got, at = [], 0
+    offsets, at = [], 0
     for t in flat:
-        n = t.numel() * t.element_size()
-        got.append(theirs[at:at + n].clone().view(t.dtype).reshape(t.shape))  # (clone first: aligned for view)
-        at += n
-    return rebuild_tree(tree, iter(got))
+        offsets.append(at)
+        at += -(-t.numel() * t.element_size() // 64) * 64
+    buf = torch.empty(at, dtype=torch.uint8)
+    return buf, unpack(buf, tree, flat, offsets, copy=True)
+
+
+def unpack(buf: torch.Tensor, tree, flat: list[torch.Tensor], offsets: list[int], copy: bool = False):
+    """``tree`` with each tensor replaced by a view of ``buf`` at its offset (``copy``: filled from it)."""
+    views = []
+    for t, o in zip(flat, offsets):
+        v = buf[o:o + t.numel() * t.element_size()].view(t.dtype).reshape(t.shape)
+        if copy:
+            v.copy_(t.detach())
+        views.append(v)
+    return rebuild_tree(tree, iter(views))
+
+
+class Exchange:
+    """Collective over the default group, asynchronous: send the buffer of a packed tree to rank
+    ``rank + 1`` and receive rank ``rank - 1``'s into one of the same size (mod ``world``), while
+    the step computes. :meth:`wait` returns the predecessor's tree (views into the received buffer).
+    The trees must have the same structure and tensor shapes on every rank (ZeRO pads its pieces
+    to equal sizes); the non-tensor leaves are ours, so the caller relabels what differs (a piece's
+    rank). Bytes each way: the tree's, e.g. 3 x 4 B x N/P for Adam's piece of N fp32 parameters."""
+
+    def __init__(self, buf: torch.Tensor, views, rank: int, world: int):
+        self.views = views
+        self.theirs = torch.empty_like(buf)
+        ops = [dist.P2POp(dist.isend, buf, (rank + 1) % world), dist.P2POp(dist.irecv, self.theirs, (rank - 1) % world)]
+        self.works = dist.batch_isend_irecv(ops)
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+        flat: list[torch.Tensor] = []
+        leaves(self.views, flat)  # (views into our buffer: their offsets are the same in the peer's)
+        return unpack(self.theirs, self.views, flat, [t.storage_offset() * t.element_size() for t in flat])

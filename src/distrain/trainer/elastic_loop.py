@@ -184,7 +184,8 @@ def elastic_steps(cfg: TrainConfig, q, make_engine, engine, task, step: int, cha
     while step < cfg.steps:
         failed = False
         try:
-            q.begin(step, engine.state_dict)
+            t_copy = time.perf_counter()
+            q.begin(step, engine.state_dict)  # the start-of-step copy (+ ZeRO: the replica exchange)
             t0 = time.perf_counter()
             lo, hi = part_bounds(cfg.batch_size, q.world, q.rank)
             x, y = task.batch(task.train, sampler.global_batch(step)[lo:hi])
@@ -193,7 +194,8 @@ def elastic_steps(cfg: TrainConfig, q, make_engine, engine, task, step: int, cha
             loss = engine.train_step(x, y)
             total, wanted = q.end(step, loss, engine.loss_weight)
             rec = step_record(step, None, time.perf_counter() - t0, engine.comm_wait_s, task.unit,
-                              cfg.batch_size * task.units_per_sample, lr) | {"loss": total, "world": q.world}
+                              cfg.batch_size * task.units_per_sample, lr) | {"loss": total, "world": q.world,
+                                                                    "copy_s": t0 - t_copy}
             if not math.isfinite(total):
                 raise TrainingError(f"step {step}: the loss is {total}; the run stops before writing it or a "
                                     f"checkpoint: lower --lr, use --dtype float64, or check the data")
