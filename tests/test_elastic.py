@@ -196,6 +196,20 @@ def test_part_bounds_cover_the_batch_and_match_the_sampler():
     (dict(elastic="2:3", nproc=4), "--elastic 2:3: --nproc 4 is larger than MAX 3; use --nproc <= 3 or a larger MAX"),
     (dict(elastic_replace=1), "--elastic-replace 1 starts replacement ranks of an elastic job: it needs --elastic "
                               "MIN:MAX"),
+    (dict(elastic="2:4", nproc=4, tp=2, strategy="zero1"),
+     "--elastic 2:4: with --tp/--pp only --strategy ddp is supported (the dp dimension; a ZeRO piece would be lost "
+     "with its replica); got --strategy zero1"),
+    (dict(elastic="3:4", nproc=4, tp=2),
+     "--elastic 3:4: MIN 3 is not a multiple of --tp 2 x --pp 1 = 2 ranks per model replica; the job gains and "
+     "loses whole replicas"),
+    (dict(elastic="2:4", nproc=4, tp=2, elastic_replace=1),
+     "--elastic 2:4: --elastic-replace is not supported with --tp/--pp (a newcomer would have to bring a whole "
+     "replica of 2 ranks at once); leave it out"),
+    (dict(elastic="2:6", nproc=6, pp=2, microbatches=2, batch_size=8),
+     "--elastic 2:6: --batch-size 8 does not split into 3 replica(s) x 2 micro-batch(es), a size the job may "
+     "shrink to; use a batch size divisible by 2 x each of [1, 2, 3]"),
+    (dict(elastic="2:4", dp=2), "--elastic 2:4: --dp is set by the number of live ranks in an elastic job; leave it "
+                                "out"),
 ])
 def test_bad_input_is_refused_before_start_with_the_rule(tmp_path, kw, message):
     from distrain.errors import ConfigError
@@ -218,6 +232,38 @@ def test_the_cli_refuses_before_start(tmp_path):
     assert p.returncode != 0
     assert "--elastic 3:2: MIN 3 is larger than MAX 2" in p.stderr
     assert not out.exists()
+
+
+# -- dp x tp x pp: the job loses whole model replicas ---------------------------------------------------------------
+
+@pytest.mark.timeout(100)
+def test_dp2_tp2_a_lost_rank_takes_its_replica_out_and_the_other_goes_on(tmp_path, tmp_path_factory, monkeypatch):
+    # ids 0, 1 are replica 0 (tp ranks 0, 1), ids 2, 3 replica 1: id 1 dies, id 0 is ended with it, and
+    # ids 2, 3 go on as dp1 x tp2 holding the same tp shards, with the whole global batch
+    losses, events, summary = run(tmp_path, monkeypatch, "1@2", nproc=4, elastic="2:4", tp=2)
+    assert isinstance(summary, dict), summary
+    assert close(losses, reference_losses(tmp_path_factory)), (losses, reference_losses(tmp_path_factory))
+    (e,) = events
+    assert (e["old_world"], e["new_world"], e["left"], e["step"], e["rolled_back"]) == (4, 2, [0, 1], 2, 2)
+    assert summary["world_final"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_dp2_pp2_replicas_are_found_on_the_pipeline_major_grid(tmp_path, tmp_path_factory, monkeypatch):
+    # topology order: position = pp_rank * dp * tp + dp_rank * tp + tp_rank, so replica 0 is ids 0 and 2
+    losses, events, summary = run(tmp_path, monkeypatch, "2@2", nproc=4, elastic="2:4", pp=2, microbatches=2)
+    assert isinstance(summary, dict), summary
+    assert close(losses, reference_losses(tmp_path_factory)), (losses, reference_losses(tmp_path_factory))
+    assert [(e["old_world"], e["new_world"], e["left"]) for e in events] == [(4, 2, [0, 2])]
+
+
+def test_whole_replicas_follow_the_topology_order():
+    from distrain.elastic.agent import whole_replicas
+
+    # dp3 x tp2: replicas {0,1} {2,3} {4,5}; dp2 x tp2 x pp2 (ids 10..17): replica 0 = 10, 11, 14, 15
+    assert whole_replicas([0, 1, 2, 3, 4, 5], [0, 1, 2, 4, 5], 2, 1) == [0, 1, 4, 5]
+    assert whole_replicas(list(range(10, 18)), [10, 11, 12, 13, 15, 16, 17], 2, 2) == [12, 13, 16, 17]
 
 
 # -- sharded state (ZeRO): each rank's piece and a replica of its predecessor's ---------------------------------------

@@ -65,8 +65,10 @@ def _child(fn, ident: int, args: tuple, env: dict, conn, threads: int, backend: 
 
 class Agent:
     def __init__(self, fn, args: Sequence, nproc: int, lo: int, hi: int, replace: int, backend: str,
-                 timeout: float | None, collective_timeout: float, preload: Sequence[str] = ()):
+                 timeout: float | None, collective_timeout: float, preload: Sequence[str] = (),
+                 grid: tuple[int, int] = (1, 1)):
         self.fn, self.args, self.nproc, self.lo, self.hi, self.replace = fn, tuple(args), nproc, lo, hi, replace
+        self.grid = grid  # (tp, pp): the members go and stay by whole model replicas of tp x pp ranks
         self.backend, self.timeout, self.ctimeout = backend, timeout, collective_timeout
         self.ctx = mp.get_context("forkserver")
         self.ctx.set_forkserver_preload(["distrain.comm", "distrain.launch", "distrain.elastic.member", *preload])
@@ -168,6 +170,8 @@ class Agent:
         if sharded:  # every piece must be at hand, from its holder or a replica; every survivor stays
             target, source = sharded_target(offers)
         keep = [i for i in survivors if i in offers and (sharded or target in (offers[i]["live"], offers[i]["snap"]))]
+        if self.grid != (1, 1):  # a replica with a rank missing is out whole (its live ranks are ended below)
+            keep = whole_replicas(self.members, keep, *self.grid)
         joiners = (stateless + ready)[:max(0, self.hi - len(keep))]
         starting = [i for i in self.waiting if i not in ready]
         if len(keep) + len(joiners) < self.lo and starting and time.time() - self.want < self.ctimeout + 120:
@@ -259,6 +263,17 @@ class Agent:
             self._poll()
 
 
+def whole_replicas(members: list[int], keep: list[int], tp: int, pp: int) -> list[int]:
+    """The ids of ``keep`` whose model replica (the dp index of their position in ``members`` on the
+    dp x tp x pp grid, topology.py's order: position = pp_rank * dp * tp + dp_rank * tp + tp_rank) is
+    whole in ``keep``. Kept in ``members`` order, so every survivor keeps its (tp, pp) coordinate on
+    the smaller grid, and holds the shard it had."""
+    dp = len(members) // (tp * pp)
+    replica = {i: (k % (dp * tp)) // tp for k, i in enumerate(members)}
+    broken = {replica[i] for i in members if i not in keep}
+    return [i for i in members if i in keep and replica[i] not in broken]
+
+
 def sharded_target(offers: dict[int, dict]) -> tuple[int, str]:
     """The step a job with sharded state (ZeRO) goes on from, and where its state comes from.
 
@@ -302,9 +317,9 @@ def refusal(ident: int, offer: dict, run_id: str, group_step: int | None) -> str
 
 def run(fn: Callable[..., Any], nproc: int, lo: int, hi: int, args: Sequence = (), replace: int = 0,
         backend: str = "gloo", timeout: float | None = None, collective_timeout: float = 300.0,
-        preload: Sequence[str] = ()) -> tuple[dict[int, Any], str | None, list[dict]]:
+        preload: Sequence[str] = (), grid: tuple[int, int] = (1, 1)) -> tuple[dict[int, Any], str | None, list[dict]]:
     """Run an elastic job (see the module docstring); returns (results by id, the stop reason or
-    None, the membership decisions)."""
-    agent = Agent(fn, args, nproc, lo, hi, replace, backend, timeout, collective_timeout, preload)
+    None, the membership decisions). ``grid`` = (tp, pp): ranks go by whole model replicas."""
+    agent = Agent(fn, args, nproc, lo, hi, replace, backend, timeout, collective_timeout, preload, grid)
     results = agent.run()
     return results, agent.stop, agent.events

@@ -48,9 +48,11 @@ def check(cfg) -> tuple[int, int] | None:
         raise ConfigError(f"{tag}: --strategy {cfg.strategy} is not supported; elastic training needs every piece of "
                           f"the state on more than one rank, so that losing one loses nothing: use --strategy "
                           f"{' or '.join(SUPPORTED)}")
-    if getattr(cfg, "tp", 1) > 1 or getattr(cfg, "pp", 1) > 1 or getattr(cfg, "dp", 0):
-        raise ConfigError(f"{tag}: --dp/--tp/--pp are not supported (a lost rank would take part of a model replica "
-                          f"with it); use --strategy ddp or zero1/2/3 without them")
+    tp, pp = getattr(cfg, "tp", 1), getattr(cfg, "pp", 1)
+    if tp * pp > 1:  # the dp dimension of dp x tp x pp: a lost rank takes its whole tp x pp replica with it
+        check_grid(cfg, tag, lo, hi, tp * pp)
+    elif getattr(cfg, "dp", 0):
+        raise ConfigError(f"{tag}: --dp is set by the number of live ranks in an elastic job; leave it out")
     if lo > cfg.nproc:
         raise ConfigError(f"{tag}: MIN {lo} is larger than --nproc {cfg.nproc}; the job would start below its "
                           f"minimum: use --nproc >= {lo} or a smaller MIN")
@@ -73,3 +75,27 @@ def check(cfg) -> tuple[int, int] | None:
         raise ConfigError(f"{tag}: runs under `distrain train` (its top process watches the ranks and hosts the "
                           f"store); under `distrain launch`/torchrun it is not supported yet")
     return lo, hi
+
+
+def check_grid(cfg, tag: str, lo: int, hi: int, r: int) -> None:
+    """Rules of an elastic dp x tp x pp job (``r`` = tp x pp ranks per model replica): whole replicas
+    only, DDP over dp, no newcomers, and a global batch that splits exactly at every size it may take."""
+    sizes = f"--tp {cfg.tp} x --pp {cfg.pp} = {r}"
+    if cfg.strategy != "ddp":
+        raise ConfigError(f"{tag}: with --tp/--pp only --strategy ddp is supported (the dp dimension; a ZeRO piece "
+                          f"would be lost with its replica); got --strategy {cfg.strategy}")
+    if getattr(cfg, "dp", 0):
+        raise ConfigError(f"{tag}: --dp is set by the number of live replicas in an elastic job; leave it out")
+    bad = [(n, v) for n, v in (("MIN", lo), ("MAX", hi), ("--nproc", cfg.nproc)) if v % r]
+    if bad:
+        raise ConfigError(f"{tag}: {bad[0][0]} {bad[0][1]} is not a multiple of {sizes} ranks per model replica; the "
+                          f"job gains and loses whole replicas")
+    if getattr(cfg, "elastic_replace", 0):
+        raise ConfigError(f"{tag}: --elastic-replace is not supported with --tp/--pp (a newcomer would have to "
+                          f"bring a whole replica of {r} ranks at once); leave it out")
+    m = cfg.microbatches
+    for dp in range(lo // r, cfg.nproc // r + 1) if cfg.pp > 1 else ():  # (pp: equal micro-batches per part)
+        if cfg.batch_size % (dp * m):
+            raise ConfigError(f"{tag}: --batch-size {cfg.batch_size} does not split into {dp} replica(s) x {m} "
+                              f"micro-batch(es), a size the job may shrink to; use a batch size divisible by "
+                              f"{m} x each of {list(range(lo // r, cfg.nproc // r + 1))}")

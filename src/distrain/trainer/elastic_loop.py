@@ -13,16 +13,19 @@ gives a new group of the live ranks and the state at the step to go on from; the
 engine on that group and loads it, so the engine never sees a dead rank.
 
 Exactness: the global batch of step s is the same whatever the world size (the sampler's
-``global_batch``); rank r of P takes a contiguous part of it (sizes differ by at most one:
-elastic.member.part_bounds). Our DDP averages gradients over the P ranks, so a rank's loss is
-scaled by n_r * P / B: the sum is the exact gradient of the global batch's mean loss, for any P
-(the scale is exactly 1 when P divides B, the usual DDP step). Every step's loss is summed over
+``global_batch``); data-parallel replica d of D takes a contiguous part of it (sizes differ by at
+most one: elastic.member.part_bounds). DDP/ZeRO average gradients over the D replicas, so a
+replica's loss is scaled by n_d * D / B: the sum is the exact gradient of the global batch's mean
+loss, for any D (the scale is exactly 1 when D divides B, the usual step). A replica is one rank,
+or with --tp/--pp the tp x pp ranks of one model copy; the job then gains and loses whole
+replicas (agent.whole_replicas), and every survivor keeps its (tp, pp) shard. Every step's loss is summed over
 the group in ``end``, so metrics.jsonl holds the global batch's loss step by step; a rolled-back
 step's line is dropped and written again. Membership changes are lines with ``"event"``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -35,6 +38,7 @@ import torch.distributed as dist
 from distrain import comm
 from distrain.data import DistributedBatchSampler
 from distrain.errors import TrainingError
+from distrain.topology import Topology
 from distrain.trainer import checkpoint, init_from
 from distrain.trainer.config import TrainConfig
 from distrain.trainer.engines import build_engine
@@ -50,7 +54,7 @@ def run_elastic(cfg: TrainConfig, parts, rank_fn) -> dict:
     lo, hi = parse(cfg.elastic)
     results, stop, _ = agent.run(rank_fn, cfg.nproc, lo, hi, args=(cfg.to_dict(), parts), replace=cfg.elastic_replace,
                                  timeout=cfg.timeout or None, collective_timeout=cfg.collective_timeout,
-                                 preload=["distrain.trainer.loop"])
+                                 preload=["distrain.trainer.loop"], grid=(cfg.tp, cfg.pp))
     if stop:
         raise TrainingError(f"{stop}; the checkpoint of step {stop_step(cfg)} is in {cfg.out} (--resume continues it)")
     return next((r for r in results.values() if r), {})
@@ -91,12 +95,14 @@ def run_elastic_rank(cfg: TrainConfig, parts, new_model, save_checkpoint) -> dic
     base_loss = loss_function(cfg, parts)
 
     def make_engine(net=None):
-        """A new engine on the current group (its part of the batch decides the loss scale)."""
-        lo, hi = part_bounds(cfg.batch_size, q.world, q.rank)
-        scale = (hi - lo) * q.world / cfg.batch_size
+        """A new engine on the current group (its replica's part of the batch decides the loss scale)."""
+        now = dataclasses.replace(cfg, nproc=q.world)  # (--tp/--pp: dp = the live replicas)
+        dp = Topology(now.dp_size, cfg.tp, cfg.pp, rank=q.rank, world_size=q.world).dp_rank
+        lo, hi = part_bounds(cfg.batch_size, now.dp_size, dp)
+        scale = (hi - lo) * now.dp_size / cfg.batch_size
         loss_fn = base_loss if scale == 1 else (lambda out, y: base_loss(out, y) * scale)
         net = net if net is not None else new_model(cfg, parts, device)
-        return build_engine(cfg, net, loss_fn, lambda params: build_optimizer(cfg, params))
+        return build_engine(now, net, loss_fn, lambda params: build_optimizer(cfg, params))
 
     start, manifest = 0, None
     if cfg.resume:
@@ -187,7 +193,7 @@ def elastic_steps(cfg: TrainConfig, q, make_engine, engine, task, step: int, cha
             t_copy = time.perf_counter()
             q.begin(step, engine.state_dict)  # the start-of-step copy (+ ZeRO: the replica exchange)
             t0 = time.perf_counter()
-            lo, hi = part_bounds(cfg.batch_size, q.world, q.rank)
+            lo, hi = part_bounds(cfg.batch_size, engine.dp_size, engine.dp_rank)  # this replica's part
             x, y = task.batch(task.train, sampler.global_batch(step)[lo:hi])
             lr = lr_at(cfg, step)
             engine.set_lr(lr)
