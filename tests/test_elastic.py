@@ -341,3 +341,28 @@ def test_pieces_that_do_not_make_a_whole_are_named_by_layout():
     # (joining whole sets is checked by the elastic ZeRO runs above, equal to one process in fp64)
     with pytest.raises(ConfigError, match=r"do not make a whole \(held, by world size: \{4: \[0, 2, 3\]\}\)"):
         consolidate_pieces([(4, r, {}) for r in (3, 0, 2)], 7)
+
+
+def test_the_node_spec_of_a_multi_node_job(monkeypatch):
+    from distrain.cluster.runner import elastic_command
+    from distrain.elastic import nodes
+    from distrain.errors import ConfigError
+
+    monkeypatch.setenv(nodes.ENV_NODES, "1/2@10.251.0.1:29400")
+    spec = nodes.from_env(4)
+    assert (spec.node, spec.nodes, spec.host, spec.port, spec.ids(4), spec.ids(4, 0)) == \
+           (1, 2, "10.251.0.1", 29400, [2, 3], [0, 1])
+    assert nodes.follower()
+    with pytest.raises(ConfigError, match=r"--nproc 5 does not split evenly into them; give a multiple of 2"):
+        nodes.from_env(5)
+    monkeypatch.setenv(nodes.ENV_NODES, "2/2@h:1")
+    with pytest.raises(ConfigError, match=r"node 2 is not one of 0..1"):
+        nodes.from_env(4)
+    monkeypatch.setenv(nodes.ENV_NODES, "0/2@h")
+    with pytest.raises(ConfigError, match=r"is malformed: give NODE/NODES@HOST:PORT"):
+        nodes.from_env(4)
+    monkeypatch.setenv(nodes.ENV_NODES, "0/2@h:1")
+    assert not nodes.follower()
+    # cluster run: an elastic `distrain train` runs its own agents (with --nproc for every node), others torchrun
+    assert elastic_command(["distrain", "train", "--elastic", "2:4"], 4) == ["train", "--elastic", "2:4", "--nproc", "4"]
+    assert elastic_command(["distrain", "train", "--nproc", "4"], 4) is None

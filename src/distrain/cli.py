@@ -90,7 +90,10 @@ def _run_train(args: argparse.Namespace) -> int:
     cfg.validate()
     if not cfg.resume:
         init_from.check(cfg)  # --init-from's weights fit the model: refused before --out is made
-    if "RANK" in os.environ and os.environ["RANK"] != "0":  # one rank of a launched job: rank 0 holds the lock
+    from distrain.elastic.nodes import follower
+
+    # one rank of a launched job, or a node other than 0 of an elastic one: rank 0 / node 0 holds the lock
+    if ("RANK" in os.environ and os.environ["RANK"] != "0") or (cfg.elastic and follower()):
         train(cfg)
         return 0
     with runlock.hold(cfg.out):

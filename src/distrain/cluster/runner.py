@@ -45,6 +45,7 @@ from distrain.errors import ConfigError
 
 RDZV_PORT = 29400
 CMD_ENV = "DISTRAIN_CLUSTER_CMD"  # the command, as JSON, read by distrain.cluster.command
+ELASTIC_NODES_ENV = "DISTRAIN_ELASTIC_NODES"  # NODE/NODES@HOST:PORT of an elastic job (distrain.elastic.nodes)
 
 
 @dataclass
@@ -63,9 +64,12 @@ class NodeExit:
 class RunResult:
     exits: list[NodeExit]
     output: list[str] = field(default_factory=list)  # "[node i] line" lines, in arrival order
+    elastic: bool = False  # an elastic job: its outcome is node 0's (the others may be lost on the way)
 
     @property
     def returncode(self) -> int:
+        if self.elastic:
+            return 0 if self.exits[0].code == 0 else 1
         return 0 if all(e.code == 0 for e in self.exits) else 1
 
     @property
@@ -82,6 +86,17 @@ def check_command(cmd: list[str]) -> list[str]:
     if head.startswith("python") and len(cmd) < 2:
         raise ConfigError(f"cluster run: {cmd[0]} needs a script or -m MODULE")
     return list(cmd)
+
+
+def elastic_command(cmd: list[str], nproc: int) -> list[str] | None:
+    """The arguments after ``distrain`` of an elastic ``distrain train`` (``--nproc`` added: every node's
+    ranks), or None for any other command (run under torchrun)."""
+    if os.path.basename(cmd[0]) != "distrain" or cmd[1:2] != ["train"] or not any(
+            a == "--elastic" or a.startswith("--elastic=") for a in cmd):
+        return None
+    if not any(a == "--nproc" or a.startswith("--nproc=") for a in cmd):
+        return [*cmd[1:], "--nproc", str(nproc)]
+    return cmd[1:]
 
 
 def node_env(spec: netns.ClusterSpec, i: int, cmd: list[str], procs_per_node: int = 1) -> dict[str, str]:
@@ -123,17 +138,23 @@ def run(spec: netns.ClusterSpec, cmd: list[str], procs_per_node: int = 1, max_re
     procs, pumps, out, lock = [], [], [], threading.Lock()
     t0 = time.monotonic()
     try:
+        elastic = elastic_command(cmd, spec.nodes * procs_per_node)
         for i in range(spec.nodes):
-            argv = ["ip", "netns", "exec", spec.netns(i), sys.executable, "-m", "distrain.cluster",
-                    str(procs_per_node), str(spec.nodes), str(i), endpoint, str(max_restarts),
-                    "-m", "distrain.cluster.command"]
-            p = subprocess.Popen(argv, env=node_env(spec, i, cmd, procs_per_node), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env = node_env(spec, i, cmd, procs_per_node)
+            if elastic is None:
+                argv = ["ip", "netns", "exec", spec.netns(i), sys.executable, "-m", "distrain.cluster",
+                        str(procs_per_node), str(spec.nodes), str(i), endpoint, str(max_restarts),
+                        "-m", "distrain.cluster.command"]
+            else:  # `distrain train --elastic`: its own agents, not torchrun (distrain/elastic/nodes.py)
+                argv = ["ip", "netns", "exec", spec.netns(i), sys.executable, "-m", "distrain", *elastic]
+                env[ELASTIC_NODES_ENV] = f"{i}/{spec.nodes}@{endpoint}"
+            p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  text=True, preexec_fn=_die_with_parent)
             procs.append(p)
             th = threading.Thread(target=_pump, args=(i, p.stdout, out, echo, lock), daemon=True)
             th.start()
             pumps.append(th)
-        exits = _wait(procs, t0, timeout, grace)
+        exits = _wait(procs, t0, timeout, grace, leader=elastic is not None)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -143,10 +164,12 @@ def run(spec: netns.ClusterSpec, cmd: list[str], procs_per_node: int = 1, max_re
             p.wait()
         for th in pumps:
             th.join(5)
-    return RunResult(exits, out)
+    return RunResult(exits, out, elastic=elastic is not None)
 
 
-def _wait(procs, t0: float, timeout: float, grace: float) -> list[NodeExit]:
+def _wait(procs, t0: float, timeout: float, grace: float, leader: bool = False) -> list[NodeExit]:
+    """Every node's exit; the others get ``grace`` seconds after the first failure (``leader``: after
+    node 0 ends, an elastic job's coordinator, which goes on when other nodes are lost)."""
     exits: dict[int, NodeExit] = {}
     deadline = t0 + timeout
     while len(exits) < len(procs):
@@ -154,8 +177,9 @@ def _wait(procs, t0: float, timeout: float, grace: float) -> list[NodeExit]:
         for i, p in enumerate(procs):
             if i not in exits and p.poll() is not None:
                 exits[i] = NodeExit(i, p.returncode, now - t0)
-        if any(e.code != 0 for e in exits.values()):
-            deadline = min(deadline, min(e.at for e in exits.values() if e.code != 0) + t0 + grace)
+        ended = [e for e in exits.values() if (e.node == 0 if leader else e.code != 0)]
+        if ended:
+            deadline = min(deadline, min(e.at for e in ended) + t0 + grace)
         if now > deadline:
             for i, p in enumerate(procs):
                 if i not in exits:

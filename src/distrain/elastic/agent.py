@@ -66,9 +66,11 @@ def _child(fn, ident: int, args: tuple, env: dict, conn, threads: int, backend: 
 class Agent:
     def __init__(self, fn, args: Sequence, nproc: int, lo: int, hi: int, replace: int, backend: str,
                  timeout: float | None, collective_timeout: float, preload: Sequence[str] = (),
-                 grid: tuple[int, int] = (1, 1)):
+                 grid: tuple[int, int] = (1, 1), nodes=None):
         self.fn, self.args, self.nproc, self.lo, self.hi, self.replace = fn, tuple(args), nproc, lo, hi, replace
         self.grid = grid  # (tp, pp): the members go and stay by whole model replicas of tp x pp ranks
+        self.nodes = nodes  # nodes.NodeSpec of a multi-node job (None: one host)
+        self.remote = None  # node 0 of several: nodes.Remote, the other nodes' ranks as their agents report them
         self.backend, self.timeout, self.ctimeout = backend, timeout, collective_timeout
         self.ctx = mp.get_context("forkserver")
         self.ctx.set_forkserver_preload(["distrain.comm", "distrain.launch", "distrain.elastic.member", *preload])
@@ -91,9 +93,11 @@ class Agent:
     # -- processes ----------------------------------------------------------------------------
     def _start(self, ident: int, newcomer: bool) -> None:
         env = local_env() | {m.ENV_PORT: str(self.store.port), m.ENV_ID: str(ident), m.ENV_NEW: str(int(newcomer)),
-                             m.ENV_FAULTS: os.environ.get(m.ENV_FAULTS, ""), m.ENV_RUN: self.run_id}
+                             m.ENV_FAULTS: os.environ.get(m.ENV_FAULTS, ""), m.ENV_RUN: self.run_id,
+                             m.ENV_HOST: self.nodes.host if self.nodes else "127.0.0.1",
+                             m.ENV_STRIDE: str(self.nproc // self.nodes.nodes if self.nodes else 1)}
         recv, send = self.ctx.Pipe(duplex=False)
-        threads = max(1, (os.cpu_count() or 1) // self.hi)
+        threads = max(1, (os.cpu_count() or 1) * (self.nodes.nodes if self.nodes else 1) // self.hi)  # a node's share
         p = self.ctx.Process(target=_child, name=f"distrain-elastic{ident}", args=(
             self.fn, ident, self.args, env, send, threads, self.backend, self.ctimeout))
         p.start()
@@ -101,6 +105,9 @@ class Agent:
         self.procs[ident], self.conns[ident], self.started[ident] = p, recv, time.time()
 
     def _kill(self, ident: int) -> None:
+        if ident not in self.procs:  # a rank of another node: its agent ends it
+            self.store.set(m.key("kill", ident), "1")
+            return
         p = self.procs[ident]
         if p.is_alive():
             p.kill()
@@ -128,6 +135,9 @@ class Agent:
                 self.failures[i] = Failure(i, msg[2], msg[1], secondary=msg[3])
             else:  # died without a word: SIGKILL, os._exit, a crash
                 self.procs[i].join(1)
+                code = self.procs[i].exitcode
+                print(f"distrain: elastic: rank id {i} died without a word ("
+                      f"{f'signal {-code}' if code is not None and code < 0 else f'exit code {code}'})", flush=True)
                 if i in self.members and i not in self.lost:
                     self.lost[i] = time.time()
                     self._want()
@@ -227,15 +237,23 @@ class Agent:
 
     # -- the whole job ------------------------------------------------------------------------
     def run(self) -> dict[int, Any]:
-        self.store = local_store(self.hi + 1, self.ctimeout)
+        if self.nodes is None:
+            self.store = local_store(self.hi + 1, self.ctimeout)
+        else:  # node 0 of several: the store on its address, the other nodes' ranks reported by their agents
+            from distrain.elastic import nodes
+
+            self.store = nodes.serve_store(self.nodes, self.hi + self.nodes.nodes, self.ctimeout)
+            self.remote = nodes.Remote(self.nodes, self.nproc)
         self.store.set(m.key("members", 0), json.dumps({"ids": self.members, "step": None, "old": self.nproc,
                                                           "left": [], "joined": [], "t0": time.time()}))
-        for i in self.members:
+        for i in self.members if self.nodes is None else self.nodes.ids(self.nproc):
             self._start(i, newcomer=False)
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         try:
             while True:
                 self._poll()
+                if self.remote is not None:
+                    self.remote.poll(self)
                 if self.failures:
                     self._grace()
                     raise blame(self.failures)
@@ -251,6 +269,10 @@ class Agent:
                     raise SpawnTimeoutError(f"elastic: timed out after {self.timeout:g}s (the whole-run limit); "
                                             f"rank id(s) {running} still running (raise --timeout)")
         finally:
+            if self.remote is not None:
+                from distrain.elastic.nodes import end_nodes
+
+                end_nodes(self.store)
             for i in self.procs:
                 self._kill(i)
             for c in self.conns.values():
@@ -261,6 +283,8 @@ class Agent:
         end = time.monotonic() + 1.0
         while time.monotonic() < end and len(self.gone) < len(self.procs):
             self._poll()
+            if self.remote is not None:
+                self.remote.poll(self)
 
 
 def whole_replicas(members: list[int], keep: list[int], tp: int, pp: int) -> list[int]:
@@ -317,9 +341,22 @@ def refusal(ident: int, offer: dict, run_id: str, group_step: int | None) -> str
 
 def run(fn: Callable[..., Any], nproc: int, lo: int, hi: int, args: Sequence = (), replace: int = 0,
         backend: str = "gloo", timeout: float | None = None, collective_timeout: float = 300.0,
-        preload: Sequence[str] = (), grid: tuple[int, int] = (1, 1)) -> tuple[dict[int, Any], str | None, list[dict]]:
+        preload: Sequence[str] = (), grid: tuple[int, int] = (1, 1),
+        nodes=None) -> tuple[dict[int, Any], str | None, list[dict]]:
     """Run an elastic job (see the module docstring); returns (results by id, the stop reason or
-    None, the membership decisions). ``grid`` = (tp, pp): ranks go by whole model replicas."""
-    agent = Agent(fn, args, nproc, lo, hi, replace, backend, timeout, collective_timeout, preload, grid)
+    None, the membership decisions). ``grid`` = (tp, pp): ranks go by whole model replicas.
+    ``nodes`` (nodes.NodeSpec): this is one node of several; node 0 coordinates, the others run
+    their ranks (nodes.run_node) and return ({}, None, [])."""
+    if nodes is not None and nodes.node > 0:
+        from distrain.elastic.nodes import run_node
+
+        agent = Agent(fn, args, nproc, lo, hi, 0, backend, timeout, collective_timeout, preload, grid, nodes)
+        agent.members = nodes.ids(nproc)
+        agent._want = lambda: None  # (the coordinator decides; this node reports its ranks' deaths)
+        code = run_node(agent)
+        if code:
+            raise TrainingError(f"elastic: node {nodes.node} lost the coordinator (node 0); its ranks were ended")
+        return {}, None, []
+    agent = Agent(fn, args, nproc, lo, hi, replace, backend, timeout, collective_timeout, preload, grid, nodes)
     results = agent.run()
     return results, agent.stop, agent.events

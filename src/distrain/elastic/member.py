@@ -58,6 +58,8 @@ from distrain.elastic.pieces import Exchange, clone_tree, pack
 from distrain.elastic.sockets import sever
 
 PREFIX = "elastic/"
+ENV_HOST = "DISTRAIN_ELASTIC_HOST"  # the store's host: the agent's (127.0.0.1) or node 0's (nodes.py)
+ENV_STRIDE = "DISTRAIN_ELASTIC_STRIDE"  # ranks per node (a ZeRO replica goes one node on)
 ENV_PORT, ENV_ID, ENV_NEW, ENV_FAULTS, ENV_RUN = ("DISTRAIN_ELASTIC_PORT", "DISTRAIN_ELASTIC_ID", "DISTRAIN_ELASTIC_NEW",
                                                   "DISTRAIN_ELASTIC_FAULTS", "DISTRAIN_ELASTIC_RUN")
 POLL_S = 0.005
@@ -119,9 +121,9 @@ class Change:
 
 class Member:
     def __init__(self, store, ident: int, backend: str, timeout: float, newcomer: bool = False,
-                 faults: dict | None = None, run: str = ""):
+                 faults: dict | None = None, run: str = "", stride: int = 1):
         self.store, self.ident, self.backend, self.timeout = store, ident, backend, timeout
-        self.newcomer, self.faults, self.run = newcomer, faults or {}, run
+        self.newcomer, self.faults, self.run, self.stride = newcomer, faults or {}, run, max(1, stride)
         self.epoch, self.ids, self.rank, self.world = -1, [], -1, 0
         self.live: int | None = None  # boundary of the live state (None: a step under way)
         self.snap: dict | None = None
@@ -140,9 +142,11 @@ class Member:
     @classmethod
     def from_env(cls, backend: str, timeout: float) -> "Member":
         port = int(os.environ[ENV_PORT])
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout))
+        store = dist.TCPStore(os.environ.get(ENV_HOST, "127.0.0.1"), port, is_master=False,
+                              timeout=timedelta(seconds=timeout))
         return cls(store, int(os.environ[ENV_ID]), backend, timeout, os.environ.get(ENV_NEW) == "1",
-                   parse_faults(os.environ.get(ENV_FAULTS, "")), os.environ.get(ENV_RUN, ""))
+                   parse_faults(os.environ.get(ENV_FAULTS, "")), os.environ.get(ENV_RUN, ""),
+                   int(os.environ.get(ENV_STRIDE, "1")))
 
     # -- store helpers ----------------------------------------------------------------------
     def _put(self, k: str, obj) -> None:
@@ -241,7 +245,10 @@ class Member:
             # (step, world, rank) alone: the same whole state cuts to the same pieces
             mine = dict(step=step, world=self.world, rank=self.rank, kind="own", tree=tree, rng=snap["rng"])
             self.kept = [mine] + [p for p in self.kept if p["step"] in (step - 1, step)]
-            self.pending = (step, Exchange(buf, tree, self.rank, self.world)) if self.world > 1 else None
+            # the copy goes one node on (``stride`` ranks: nodes hold consecutive ranks) while the group
+            # spans more than one node, else to the next rank
+            stride = self.stride if self.world > self.stride else 1
+            self.pending = (step, Exchange(buf, tree, self.rank, self.world, stride)) if self.world > 1 else None
         self.snap, self.snap_step, self.live = snap, step, None
 
     def offers(self) -> dict:
@@ -259,7 +266,7 @@ class Member:
         if self.pending is not None:  # the predecessor's piece of this step, received while we computed
             at, ex = self.pending
             self.pending = None
-            self.kept.append(dict(step=at, world=self.world, rank=(self.rank - 1) % self.world, kind="replica",
+            self.kept.append(dict(step=at, world=self.world, rank=ex.source, kind="replica",
                                   tree=ex.wait()))
         flag = 1.0 if self.rank == 0 and self.store.check([key("change", self.epoch)]) else 0.0
         if self.rank == 0:  # the group's step, for the refusal of a stale rank

@@ -74,16 +74,17 @@ def unpack(buf: torch.Tensor, tree, flat: list[torch.Tensor], offsets: list[int]
 
 class Exchange:
     """Collective over the default group, asynchronous: send the buffer of a packed tree to rank
-    ``rank + 1`` and receive rank ``rank - 1``'s into one of the same size (mod ``world``), while
-    the step computes. :meth:`wait` returns the predecessor's tree (views into the received buffer).
+    ``rank + stride`` and receive rank ``rank - stride``'s into one of the same size (mod ``world``),
+    while the step computes (``stride``: the ranks per node, so that a copy is on another node). :meth:`wait` returns the predecessor's tree (views into the received buffer).
     The trees must have the same structure and tensor shapes on every rank (ZeRO pads its pieces
     to equal sizes); the non-tensor leaves are ours, so the caller relabels what differs (a piece's
     rank). Bytes each way: the tree's, e.g. 3 x 4 B x N/P for Adam's piece of N fp32 parameters."""
 
-    def __init__(self, buf: torch.Tensor, views, rank: int, world: int):
+    def __init__(self, buf: torch.Tensor, views, rank: int, world: int, stride: int = 1):
         self.views = views
         self.theirs = torch.empty_like(buf)
-        ops = [dist.P2POp(dist.isend, buf, (rank + 1) % world), dist.P2POp(dist.irecv, self.theirs, (rank - 1) % world)]
+        self.source = (rank - stride) % world  # whose piece we hold
+        ops = [dist.P2POp(dist.isend, buf, (rank + stride) % world), dist.P2POp(dist.irecv, self.theirs, self.source)]
         self.works = dist.batch_isend_irecv(ops)
 
     def wait(self):

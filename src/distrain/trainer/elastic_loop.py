@@ -49,12 +49,13 @@ from distrain.trainer.task import build_optimizer, build_task, loss_function, lr
 
 def run_elastic(cfg: TrainConfig, parts, rank_fn) -> dict:
     """The top process: rank 0's summary, or TrainingError with the one-line reason of a stop below MIN."""
-    from distrain.elastic import agent, parse
+    from distrain.elastic import agent, nodes, parse
 
     lo, hi = parse(cfg.elastic)
     results, stop, _ = agent.run(rank_fn, cfg.nproc, lo, hi, args=(cfg.to_dict(), parts), replace=cfg.elastic_replace,
                                  timeout=cfg.timeout or None, collective_timeout=cfg.collective_timeout,
-                                 preload=["distrain.trainer.loop"], grid=(cfg.tp, cfg.pp))
+                                 preload=["distrain.trainer.loop"], grid=(cfg.tp, cfg.pp),
+                                 nodes=nodes.from_env(cfg.nproc))  # one node of several (cluster run)
     if stop:
         raise TrainingError(f"{stop}; the checkpoint of step {stop_step(cfg)} is in {cfg.out} (--resume continues it)")
     return next((r for r in results.values() if r), {})
