@@ -244,6 +244,7 @@ class Agent:
 
             self.store = nodes.serve_store(self.nodes, self.hi + self.nodes.nodes, self.ctimeout)
             self.remote = nodes.Remote(self.nodes, self.nproc)
+        self.store.set(m.key("run"), self.run_id)  # (node agents give their ranks this run's id)
         self.store.set(m.key("members", 0), json.dumps({"ids": self.members, "step": None, "old": self.nproc,
                                                           "left": [], "joined": [], "t0": time.time()}))
         for i in self.members if self.nodes is None else self.nodes.ids(self.nproc):

@@ -148,6 +148,7 @@ def run_node(agent) -> int:
     ranks, report them, end them when asked or when the job ends. Returns the exit status."""
     spec = agent.nodes
     agent.store = client_store(spec, agent.ctimeout)
+    agent.run_id = agent.store.get(m.key("run")).decode()  # the coordinator's (waits for it: the store's time-out)
     beat = threading.Event()
     threading.Thread(target=_beat, args=(client_store(spec, agent.ctimeout), spec.node, beat), daemon=True,
                      name="distrain-elastic-heartbeat").start()  # (its own thread: starting ranks takes seconds)
