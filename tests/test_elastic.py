@@ -176,11 +176,15 @@ def test_part_bounds_cover_the_batch_and_match_the_sampler():
 
 @pytest.mark.parametrize("kw, message", [
     (dict(elastic="2:4", strategy="torch-ddp"),
-     "--elastic 2:4: --strategy torch-ddp is not supported; elastic training needs every piece of the state on more "
-     "than one rank, so that losing one loses nothing: use --strategy ddp or zero1 or zero2 or zero3"),
-    (dict(elastic="2:4", strategy="ps-sync"),
-     "--elastic 2:4: --strategy ps-sync is not supported; elastic training needs every piece of the state on more "
-     "than one rank, so that losing one loses nothing: use --strategy ddp or zero1 or zero2 or zero3"),
+     "--elastic 2:4: --strategy torch-ddp is not supported; elastic training needs a state that survives a lost rank "
+     "(every rank's state held twice, or none on the ranks that may go): use --strategy ddp or zero1 or zero2 or "
+     "zero3 or ps-sync"),
+    (dict(elastic="2:4", strategy="ps-async"),
+     "--elastic 2:4: --strategy ps-async is not supported; elastic training needs a state that survives a lost rank "
+     "(every rank's state held twice, or none on the ranks that may go): use --strategy ddp or zero1 or zero2 or "
+     "zero3 or ps-sync"),
+    (dict(elastic="1:4", nproc=4, strategy="ps-sync"),
+     "--elastic 1:4: MIN 1 leaves no worker beside the --servers 1 parameter server(s); use MIN >= 2"),
     (dict(elastic="3:2"),
      "--elastic 3:2: MIN 3 is larger than MAX 2; the job keeps between MIN and MAX ranks, so MIN <= MAX"),
     (dict(elastic="3:4", nproc=2),
@@ -232,6 +236,33 @@ def test_the_cli_refuses_before_start(tmp_path):
     assert p.returncode != 0
     assert "--elastic 3:2: MIN 3 is larger than MAX 2" in p.stderr
     assert not out.exists()
+
+
+# -- ps-sync: stateless workers come and go; the servers keep their shards ------------------------------------------
+
+@pytest.mark.timeout(100)
+def test_ps_sync_loses_a_worker_and_the_servers_keep_their_shards(tmp_path, tmp_path_factory, monkeypatch):
+    # 3 workers (ids 0-2) and 1 server (id 3): worker id 1 dies at step 2; the server re-serves step 2 to 2 workers
+    losses, events, summary = run(tmp_path, monkeypatch, "1@2", nproc=4, elastic="3:4", strategy="ps-sync")
+    assert isinstance(summary, dict), summary
+    assert close(losses, reference_losses(tmp_path_factory)), (losses, reference_losses(tmp_path_factory))
+    (e,) = events
+    assert (e["old_world"], e["new_world"], e["left"], e["step"], e["rolled_back"]) == (4, 3, [1], 2, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_ps_sync_newcomer_joins_as_a_worker_and_a_lost_server_ends_the_job(tmp_path, tmp_path_factory, monkeypatch):
+    # the newcomer (id 3) is placed before the server (id 2), so it works and the server keeps its index
+    losses, events, summary = run(tmp_path, monkeypatch, "0@2:hold", nproc=3, elastic="3:4", elastic_replace=1,
+                                  strategy="ps-sync")
+    assert isinstance(summary, dict), summary
+    assert close(losses, reference_losses(tmp_path_factory)), (losses, reference_losses(tmp_path_factory))
+    (e,) = events
+    assert (e["old_world"], e["new_world"], e["joined"]) == (3, 4, [3])
+    _, _, err = run(tmp_path / "server", monkeypatch, "3@2", nproc=4, elastic="3:4", strategy="ps-sync")
+    assert str(err) == ("elastic: parameter server rank id(s) [3] lost; a server's shard of the weights and optimizer "
+                        "has no copy, so ps-sync survives the loss of workers only, and the job ends"), err
 
 
 # -- dp x tp x pp: the job loses whole model replicas ---------------------------------------------------------------

@@ -93,10 +93,11 @@ def test_python_api_float32_equals_one_process(tmp_path, tmp_path_factory, name)
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "ps-sync"])
 def test_elastic_float32_through_the_python_api_survives_a_kill(tmp_path, tmp_path_factory, monkeypatch, strategy):
     """--elastic the way a user runs it: float32, a model object, a rank SIGKILLed at step 2 of 4 (4 -> 3
-    ranks, the step redone; zero2 from the lost rank's replica). Equal to one process within float32."""
+    ranks, the step redone; zero2 from the lost rank's replica; ps-sync: worker 1 of 3, the server keeps its
+    shard). Equal to one process within float32."""
     ref = _reference(tmp_path_factory)
     model = _model()
     before = _state(model)

@@ -41,8 +41,9 @@ def _x(rank: int, case: int, n: int, dtype, op: str) -> torch.Tensor:
     return torch.randint(lo, hi, (n,), generator=g).to(dtype)
 
 
-def _vs_gloo(rank: int, sizes: list[int]) -> list[str]:
-    """Every collective on the shm world group against the same call on a Gloo group."""
+def _shm_world_beside_gloo():
+    """In a rank: the world group on shared memory (small slots, so messages span several), and a
+    Gloo group of the same ranks for the reference results. Returns (P, the Gloo group)."""
     import torch.distributed as dist
 
     P = dist.get_world_size()
@@ -50,6 +51,12 @@ def _vs_gloo(rank: int, sizes: list[int]) -> list[str]:
     shm.SLOT_BYTES = SMALL_SLOT
     comm.set_transport("shm")
     comm.set_transport("torch", gloo)
+    return P, gloo
+
+
+def _vs_gloo(rank: int, sizes: list[int]) -> list[str]:
+    """Every collective on the shm world group against the same call on a Gloo group."""
+    P, gloo = _shm_world_beside_gloo()
     bad, case = [], 0
 
     def same(label, a, b):
@@ -120,15 +127,9 @@ def test_direct_collectives_equal_gloo(P):
 def _list_all_reduce(rank: int) -> list[str]:
     """all_reduce_list (DDP's gradients straight through the slots) equals all_reduce of the
     concatenation scaled first, bit for bit; pieces straddle slot chunks; DDP takes that path."""
-    import torch.distributed as dist
-
     from distrain.parallel import DistributedDataParallel
 
-    P = dist.get_world_size()
-    gloo = dist.new_group(list(range(P)))
-    shm.SLOT_BYTES = SMALL_SLOT
-    comm.set_transport("shm")
-    comm.set_transport("torch", gloo)
+    P, gloo = _shm_world_beside_gloo()
     bad = []
     for dtype, scale in ((torch.float32, 1.0 / P), (torch.float64, None)):
         g = torch.Generator().manual_seed(rank)
@@ -215,13 +216,7 @@ def _pipelined_with_a_late_rank(rank: int) -> list[str]:
     with lock-step collectives, whose first write reuses a slot at once. Every result equals Gloo's."""
     import time
 
-    import torch.distributed as dist
-
-    P = dist.get_world_size()
-    gloo = dist.new_group(list(range(P)))
-    shm.SLOT_BYTES = SMALL_SLOT
-    comm.set_transport("shm")
-    comm.set_transport("torch", gloo)
+    P, gloo = _shm_world_beside_gloo()
     bad = []
     for it in range(6):
         late = it % P  # a different rank runs late each time, by 30 ms: the others fill their window

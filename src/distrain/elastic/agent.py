@@ -66,10 +66,11 @@ def _child(fn, ident: int, args: tuple, env: dict, conn, threads: int, backend: 
 class Agent:
     def __init__(self, fn, args: Sequence, nproc: int, lo: int, hi: int, replace: int, backend: str,
                  timeout: float | None, collective_timeout: float, preload: Sequence[str] = (),
-                 grid: tuple[int, int] = (1, 1), nodes=None):
+                 grid: tuple[int, int] = (1, 1), nodes=None, servers: int = 0):
         self.fn, self.args, self.nproc, self.lo, self.hi, self.replace = fn, tuple(args), nproc, lo, hi, replace
         self.grid = grid  # (tp, pp): the members go and stay by whole model replicas of tp x pp ranks
         self.nodes = nodes  # nodes.NodeSpec of a multi-node job (None: one host)
+        self.servers = servers  # ps-sync: the last ``servers`` members serve (newcomers join before them)
         self.remote = None  # node 0 of several: nodes.Remote, the other nodes' ranks as their agents report them
         self.backend, self.timeout, self.ctimeout = backend, timeout, collective_timeout
         self.ctx = mp.get_context("forkserver")
@@ -182,6 +183,12 @@ class Agent:
         keep = [i for i in survivors if i in offers and (sharded or target in (offers[i]["live"], offers[i]["snap"]))]
         if self.grid != (1, 1):  # a replica with a rank missing is out whole (its live ranks are ended below)
             keep = whole_replicas(self.members, keep, *self.grid)
+        if self.servers:  # a server's shard has no copy: its loss ends the job
+            gone = [i for i in self.members[-self.servers:] if i not in keep]
+            if gone:
+                raise TrainingError(f"elastic: parameter server rank id(s) {gone} lost; a server's shard of the "
+                                    f"weights and optimizer has no copy, so ps-sync survives the loss of workers "
+                                    f"only, and the job ends")
         joiners = (stateless + ready)[:max(0, self.hi - len(keep))]
         starting = [i for i in self.waiting if i not in ready]
         if len(keep) + len(joiners) < self.lo and starting and time.time() - self.want < self.ctimeout + 120:
@@ -190,7 +197,9 @@ class Agent:
         for i in left:
             if i not in self.dropped:  # (a dropped one is refused if it comes back)
                 self._kill(i)
-        info = {"ids": keep + joiners, "step": target, "old": len(self.members), "left": left, "joined": joiners,
+        order = keep + joiners if not self.servers else \
+            keep[:-self.servers] + joiners + keep[-self.servers:]  # (ps: the servers stay last)
+        info = {"ids": order, "step": target, "old": len(self.members), "left": left, "joined": joiners,
                 "rolled_back": target if any(offers[i]["live"] != target for i in keep) else None, "source": source,
                 "t0": min([self.want, *(self.lost.get(i, self.want) for i in left)]),
                 "spawned": {str(i): self.started[i] for i in joiners}}
@@ -342,8 +351,8 @@ def refusal(ident: int, offer: dict, run_id: str, group_step: int | None) -> str
 
 def run(fn: Callable[..., Any], nproc: int, lo: int, hi: int, args: Sequence = (), replace: int = 0,
         backend: str = "gloo", timeout: float | None = None, collective_timeout: float = 300.0,
-        preload: Sequence[str] = (), grid: tuple[int, int] = (1, 1),
-        nodes=None) -> tuple[dict[int, Any], str | None, list[dict]]:
+        preload: Sequence[str] = (), grid: tuple[int, int] = (1, 1), nodes=None,
+        servers: int = 0) -> tuple[dict[int, Any], str | None, list[dict]]:
     """Run an elastic job (see the module docstring); returns (results by id, the stop reason or
     None, the membership decisions). ``grid`` = (tp, pp): ranks go by whole model replicas.
     ``nodes`` (nodes.NodeSpec): this is one node of several; node 0 coordinates, the others run
@@ -351,13 +360,14 @@ def run(fn: Callable[..., Any], nproc: int, lo: int, hi: int, args: Sequence = (
     if nodes is not None and nodes.node > 0:
         from distrain.elastic.nodes import run_node
 
-        agent = Agent(fn, args, nproc, lo, hi, 0, backend, timeout, collective_timeout, preload, grid, nodes)
+        agent = Agent(fn, args, nproc, lo, hi, 0, backend, timeout, collective_timeout, preload, grid, nodes, servers)
         agent.members = nodes.ids(nproc)
         agent._want = lambda: None  # (the coordinator decides; this node reports its ranks' deaths)
         code = run_node(agent)
         if code:
             raise TrainingError(f"elastic: node {nodes.node} lost the coordinator (node 0); its ranks were ended")
         return {}, None, []
-    agent = Agent(fn, args, nproc, lo, hi, replace, backend, timeout, collective_timeout, preload, grid, nodes)
+    agent = Agent(fn, args, nproc, lo, hi, replace, backend, timeout, collective_timeout, preload, grid, nodes,
+                  servers)
     results = agent.run()
     return results, agent.stop, agent.events

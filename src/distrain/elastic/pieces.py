@@ -75,7 +75,8 @@ def unpack(buf: torch.Tensor, tree, flat: list[torch.Tensor], offsets: list[int]
 class Exchange:
     """Collective over the default group, asynchronous: send the buffer of a packed tree to rank
     ``rank + stride`` and receive rank ``rank - stride``'s into one of the same size (mod ``world``),
-    while the step computes (``stride``: the ranks per node, so that a copy is on another node). :meth:`wait` returns the predecessor's tree (views into the received buffer).
+    while the step computes (``stride``: the ranks per node, so that a copy is on another node).
+    :meth:`wait` returns the predecessor's tree (views into the received buffer).
     The trees must have the same structure and tensor shapes on every rank (ZeRO pads its pieces
     to equal sizes); the non-tensor leaves are ours, so the caller relabels what differs (a piece's
     rank). Bytes each way: the tree's, e.g. 3 x 4 B x N/P for Adam's piece of N fp32 parameters."""

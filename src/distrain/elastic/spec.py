@@ -15,7 +15,8 @@ from distrain.errors import ConfigError
 
 # ddp: the whole state on every rank (a lost rank loses nothing the others lack); zero1/2/3: each rank
 # holds one piece and a replica of its predecessor's (member.py), so one lost rank loses nothing either
-SUPPORTED = ("ddp", "zero1", "zero2", "zero3")
+# ps-sync: the workers hold no state (they pull the weights each step); a lost server ends the job
+SUPPORTED = ("ddp", "zero1", "zero2", "zero3", "ps-sync")
 _FORM = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
 
 
@@ -45,9 +46,9 @@ def check(cfg) -> tuple[int, int] | None:
     lo, hi = parse(cfg.elastic)
     tag = f"--elastic {lo}:{hi}"
     if cfg.strategy not in SUPPORTED:
-        raise ConfigError(f"{tag}: --strategy {cfg.strategy} is not supported; elastic training needs every piece of "
-                          f"the state on more than one rank, so that losing one loses nothing: use --strategy "
-                          f"{' or '.join(SUPPORTED)}")
+        raise ConfigError(f"{tag}: --strategy {cfg.strategy} is not supported; elastic training needs a state that "
+                          f"survives a lost rank (every rank's state held twice, or none on the ranks that may go): "
+                          f"use --strategy {' or '.join(SUPPORTED)}")
     tp, pp = getattr(cfg, "tp", 1), getattr(cfg, "pp", 1)
     if tp * pp > 1:  # the dp dimension of dp x tp x pp: a lost rank takes its whole tp x pp replica with it
         check_grid(cfg, tag, lo, hi, tp * pp)
@@ -60,6 +61,9 @@ def check(cfg) -> tuple[int, int] | None:
         raise ConfigError(f"{tag}: --nproc {cfg.nproc} is larger than MAX {hi}; use --nproc <= {hi} or a larger MAX")
     if not (isinstance(replace, int) and replace >= 0):
         raise ConfigError(f"--elastic-replace must be a whole number >= 0, got {replace!r}")
+    if cfg.strategy == "ps-sync" and lo <= cfg.servers:
+        raise ConfigError(f"{tag}: MIN {lo} leaves no worker beside the --servers {cfg.servers} parameter server(s); "
+                          f"use MIN >= {cfg.servers + 1}")
     if cfg.batch_size < hi:
         raise ConfigError(f"{tag}: --batch-size {cfg.batch_size} is smaller than MAX {hi}; every rank needs at least "
                           f"one sample of the global batch")

@@ -55,7 +55,8 @@ def run_elastic(cfg: TrainConfig, parts, rank_fn) -> dict:
     results, stop, _ = agent.run(rank_fn, cfg.nproc, lo, hi, args=(cfg.to_dict(), parts), replace=cfg.elastic_replace,
                                  timeout=cfg.timeout or None, collective_timeout=cfg.collective_timeout,
                                  preload=["distrain.trainer.loop"], grid=(cfg.tp, cfg.pp),
-                                 nodes=nodes.from_env(cfg.nproc))  # one node of several (cluster run)
+                                 nodes=nodes.from_env(cfg.nproc),  # one node of several (cluster run)
+                                 servers=cfg.servers if cfg.strategy == "ps-sync" else 0)
     if stop:
         raise TrainingError(f"{stop}; the checkpoint of step {stop_step(cfg)} is in {cfg.out} (--resume continues it)")
     return next((r for r in results.values() if r), {})
@@ -98,9 +99,14 @@ def run_elastic_rank(cfg: TrainConfig, parts, new_model, save_checkpoint) -> dic
     def make_engine(net=None):
         """A new engine on the current group (its replica's part of the batch decides the loss scale)."""
         now = dataclasses.replace(cfg, nproc=q.world)  # (--tp/--pp: dp = the live replicas)
-        dp = Topology(now.dp_size, cfg.tp, cfg.pp, rank=q.rank, world_size=q.world).dp_rank
-        lo, hi = part_bounds(cfg.batch_size, now.dp_size, dp)
-        scale = (hi - lo) * now.dp_size / cfg.batch_size
+        if cfg.strategy == "ps-sync":  # the workers are the first world - servers ranks (the servers: no data)
+            size = q.world - cfg.servers
+            dp = min(q.rank, size - 1)
+        else:
+            size = now.dp_size
+            dp = Topology(size, cfg.tp, cfg.pp, rank=q.rank, world_size=q.world).dp_rank
+        lo, hi = part_bounds(cfg.batch_size, size, dp)
+        scale = (hi - lo) * size / cfg.batch_size
         loss_fn = base_loss if scale == 1 else (lambda out, y: base_loss(out, y) * scale)
         net = net if net is not None else new_model(cfg, parts, device)
         return build_engine(now, net, loss_fn, lambda params: build_optimizer(cfg, params))

@@ -142,15 +142,13 @@ class ParameterServer:
         """Serve ``num_steps`` pulls and pushes of every worker (then one final pull each); return stats."""
         check_int(num_steps, "num_steps", "ParameterServer.serve", 0)
         t0 = time.perf_counter()
-        self._stale: collections.Counter = collections.Counter()
-        self._order: list[tuple[int, int]] = []
-        self._pulls = self._pushes = self._deferred = 0
-        self._deferred_s = 0.0
-        L, K = self.layout, self.max_staleness
-        hello = torch.tensor([_MAGIC, MODES.index(self.mode), L.num_servers, L.num_workers, self.index,
-                              L.shard_numel(self.index), -1 if K is None else K], dtype=_I64)
-        self._fan_out([(w, [(hello, TAG_HELLO, "ps_ctrl")]) for w in self.workers], "the hello")
+        self.open()
         (self._serve_sync if self.mode == "sync" else self._serve_async)(num_steps, final_pull)
+        return self.stats(num_steps, time.perf_counter() - t0)
+
+    def stats(self, num_steps: int, elapsed: float) -> dict:
+        """What this server did since ``open``: updates, pushes, pulls, staleness seen."""
+        L, K = self.layout, self.max_staleness
         n = sum(self._stale.values())
         return {"role": "server", "rank": self.rank, "server_index": self.index, "mode": self.mode,
                 "max_staleness": K, "steps": num_steps, "workers": len(self.workers),
@@ -159,7 +157,19 @@ class ParameterServer:
                 "staleness_max": max(self._stale, default=0),
                 "staleness_mean": sum(k * v for k, v in self._stale.items()) / n if n else 0.0,
                 "staleness_hist": dict(sorted(self._stale.items())), "deferred_pulls": self._deferred,
-                "deferred_s": self._deferred_s, "apply_order": self._order, "elapsed_s": time.perf_counter() - t0}
+                "deferred_s": self._deferred_s, "apply_order": self._order, "elapsed_s": elapsed}
+
+    def open(self) -> None:
+        """Start serving: zero the counters and send every worker the hello (``serve`` calls it; a
+        caller that drives the steps itself, e.g. an elastic job, calls it, then ``sync_step``)."""
+        self._stale: collections.Counter = collections.Counter()
+        self._order: list[tuple[int, int]] = []
+        self._pulls = self._pushes = self._deferred = 0
+        self._deferred_s = 0.0
+        L, K = self.layout, self.max_staleness
+        hello = torch.tensor([_MAGIC, MODES.index(self.mode), L.num_servers, L.num_workers, self.index,
+                              L.shard_numel(self.index), -1 if K is None else K], dtype=_I64)
+        self._fan_out([(w, [(hello, TAG_HELLO, "ps_ctrl")]) for w in self.workers], "the hello")
 
     def _fan_out(self, plan: list, what: str) -> None:
         """Send [(worker, [(tensor, tag, label), ...]), ...]: post every message, then wait in order."""
@@ -182,24 +192,33 @@ class ParameterServer:
         self.version += 1
 
     def _serve_sync(self, num_steps: int, final_pull: bool) -> None:
-        bufs = [torch.empty_like(self.flat) for _ in self.workers]
         for step in range(num_steps):
-            what = f"push of step {step}"
-            recvs = [_run(self._me, f"worker rank {w}", what,
-                          lambda: comm.irecv(b, w, tag=TAG_PUSH, label="ps_push")) for w, b in zip(self.workers, bufs)]
-            self._send_weights(self.workers, step, num_steps)  # fan-out
-            for w, h in zip(self.workers, recvs):  # fan-in, in worker-rank order
-                _run(self._me, f"worker rank {w}", what, h.wait)
-            self._pushes += len(bufs)
-            with torch.no_grad():  # sum in worker-rank order, then one division: deterministic
-                self.grad.copy_(bufs[0])
-                for b in bufs[1:]:
-                    self.grad.add_(b)
-                self.grad.div_(len(bufs))
-            self._stale[0] += len(bufs)
-            self._step()
+            self.sync_step(step, num_steps)
         if final_pull:
-            self._send_weights(self.workers, num_steps, num_steps)
+            self.final_pull(num_steps)
+
+    def sync_step(self, step: int, num_steps: int) -> None:
+        """One step of mode "sync": the weights to every worker, every worker's push, one update."""
+        if getattr(self, "_bufs", None) is None:
+            self._bufs = [torch.empty_like(self.flat) for _ in self.workers]
+        bufs, what = self._bufs, f"push of step {step}"
+        recvs = [_run(self._me, f"worker rank {w}", what,
+                      lambda: comm.irecv(b, w, tag=TAG_PUSH, label="ps_push")) for w, b in zip(self.workers, bufs)]
+        self._send_weights(self.workers, step, num_steps)  # fan-out
+        for w, h in zip(self.workers, recvs):  # fan-in, in worker-rank order
+            _run(self._me, f"worker rank {w}", what, h.wait)
+        self._pushes += len(bufs)
+        with torch.no_grad():  # sum in worker-rank order, then one division: deterministic
+            self.grad.copy_(bufs[0])
+            for b in bufs[1:]:
+                self.grad.add_(b)
+            self.grad.div_(len(bufs))
+        self._stale[0] += len(bufs)
+        self._step()
+
+    def final_pull(self, num_steps: int) -> None:
+        """The last weights to every worker (their final pull)."""
+        self._send_weights(self.workers, num_steps, num_steps)
 
     def _reader(self, w: int, num_steps: int, final_pull: bool, events: queue.SimpleQueue) -> None:
         """Worker w's messages, in their fixed order, as events ("req"|"push"|"error", w, step, ...)."""
