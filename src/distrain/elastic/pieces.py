@@ -50,7 +50,9 @@ def rebuild_tree(tree, tensors):
 def pack(tree):
     """One copy of ``tree``'s tensors in a single uint8 buffer (each at a 64-byte aligned offset) and
     the same tree whose tensors are views into it: (buffer, tree of views). The buffer is what
-    :func:`start_exchange` sends, so the start-of-step copy and the message are one memcpy."""
+    :class:`Exchange` sends, so the start-of-step copy and the message are one memcpy. A new buffer
+    each time: a rolled-back optimizer keeps the loaded tensors (torch does not copy them), so a
+    buffer reused for the next copy would overwrite the state it rolled back to."""
     flat: list[torch.Tensor] = []
     leaves(tree, flat)
     offsets, at = [], 0
