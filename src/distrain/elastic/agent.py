@@ -137,9 +137,9 @@ class Agent:
             else:  # died without a word: SIGKILL, os._exit, a crash
                 self.procs[i].join(1)
                 code = self.procs[i].exitcode
-                print(f"distrain: elastic: rank id {i} died without a word ("
-                      f"{f'signal {-code}' if code is not None and code < 0 else f'exit code {code}'})", flush=True)
-                if i in self.members and i not in self.lost:
+                if i in self.members and i not in self.lost:  # (not one the agent ended: it is out already)
+                    print(f"distrain: elastic: rank id {i} died without a word ("
+                          f"{f'signal {-code}' if code is not None and code < 0 else f'exit code {code}'})", flush=True)
                     self.lost[i] = time.time()
                     self._want()
                 self.waiting.pop(i, None)
