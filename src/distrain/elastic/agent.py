@@ -44,6 +44,7 @@ import torch
 from distrain import lifeline
 from distrain.blame import Failure, blame
 from distrain.elastic import member as m
+from distrain.elastic import nodes as multinode
 from distrain.errors import SpawnTimeoutError, TrainingError
 from distrain.launch import local_env, local_store
 from distrain.launch.local import send_outcome
@@ -249,10 +250,8 @@ class Agent:
         if self.nodes is None:
             self.store = local_store(self.hi + 1, self.ctimeout)
         else:  # node 0 of several: the store on its address, the other nodes' ranks reported by their agents
-            from distrain.elastic import nodes
-
-            self.store = nodes.serve_store(self.nodes, self.hi + self.nodes.nodes, self.ctimeout)
-            self.remote = nodes.Remote(self.nodes, self.nproc)
+            self.store = multinode.serve_store(self.nodes, self.hi + self.nodes.nodes, self.ctimeout)
+            self.remote = multinode.Remote(self.nodes, self.nproc)
         self.store.set(m.key("run"), self.run_id)  # (node agents give their ranks this run's id)
         self.store.set(m.key("members", 0), json.dumps({"ids": self.members, "step": None, "old": self.nproc,
                                                           "left": [], "joined": [], "t0": time.time()}))
@@ -280,9 +279,7 @@ class Agent:
                                             f"rank id(s) {running} still running (raise --timeout)")
         finally:
             if self.remote is not None:
-                from distrain.elastic.nodes import end_nodes
-
-                end_nodes(self.store)
+                multinode.end_nodes(self.store)
             for i in self.procs:
                 self._kill(i)
             for c in self.conns.values():
@@ -358,12 +355,10 @@ def run(fn: Callable[..., Any], nproc: int, lo: int, hi: int, args: Sequence = (
     ``nodes`` (nodes.NodeSpec): this is one node of several; node 0 coordinates, the others run
     their ranks (nodes.run_node) and return ({}, None, [])."""
     if nodes is not None and nodes.node > 0:
-        from distrain.elastic.nodes import run_node
-
         agent = Agent(fn, args, nproc, lo, hi, 0, backend, timeout, collective_timeout, preload, grid, nodes, servers)
         agent.members = nodes.ids(nproc)
         agent._want = lambda: None  # (the coordinator decides; this node reports its ranks' deaths)
-        code = run_node(agent)
+        code = multinode.run_node(agent)
         if code:
             raise TrainingError(f"elastic: node {nodes.node} lost the coordinator (node 0); its ranks were ended")
         return {}, None, []

@@ -4,8 +4,9 @@
 machines, set it yourself) makes ``distrain train --elastic MIN:MAX --nproc P`` node I of N: each
 node runs P / N ranks, ids ``I*K .. I*K+K-1`` (K = P / N). Node 0's agent is the coordinator of
 agent.py, with its store on HOST:PORT (node 0's address) instead of the loopback; it decides every
-membership. Node I > 0 runs a :class:`NodeAgent`: it starts and watches its own ranks and reports
-to the coordinator's store what only it can see:
+membership. Node I > 0 runs a node agent (:func:`run_node`, an agent.Agent of its own ids that
+decides nothing): it starts and watches its own ranks and reports to the coordinator's store what
+only it can see:
 
 * ``done/ID`` (the rank's result, pickled), ``fail/ID`` (its error, a Failure), ``dead/ID`` (it died
   without a word: SIGKILL, a crash), each followed by a bump of the counter ``news``, which the
@@ -56,12 +57,16 @@ class NodeSpec:
         return list(range(n * k, (n + 1) * k))
 
 
+def _match():
+    return _FORM.match(os.environ.get(ENV_NODES, "").strip())
+
+
 def from_env(nproc: int) -> NodeSpec | None:
     """This node's place in a multi-node elastic job, or None (one host); ConfigError on a bad value."""
     text = os.environ.get(ENV_NODES, "")
     if not text:
         return None
-    got = _FORM.match(text.strip())
+    got = _match()
     if got is None:
         raise ConfigError(f"{ENV_NODES}={text!r} is malformed: give NODE/NODES@HOST:PORT, e.g. 1/2@10.0.0.1:29400")
     spec = NodeSpec(int(got.group(1)), int(got.group(2)), got.group(3), int(got.group(4)))
@@ -76,8 +81,8 @@ def from_env(nproc: int) -> NodeSpec | None:
 def follower() -> bool:
     """Whether this process is node I > 0 of a multi-node elastic job (node 0 holds the run folder:
     its lock, the check that it is empty, every file written into it)."""
-    text = os.environ.get(ENV_NODES, "")
-    return bool(_FORM.match(text.strip())) and not text.strip().startswith("0/")
+    got = _match()
+    return got is not None and int(got.group(1)) > 0
 
 
 def serve_store(spec: NodeSpec, world: int, timeout: float) -> dist.TCPStore:
@@ -95,7 +100,7 @@ class Remote:
 
     def __init__(self, spec: NodeSpec, nproc: int):
         self.spec, self.nproc = spec, nproc
-        self.news = 0
+        self.news, self.checked = 0, 0.0
         self.beats = {n: (-1, time.monotonic()) for n in range(1, spec.nodes)}  # node -> (counter, when it moved)
         self.owner = {i: n for n in range(1, spec.nodes) for i in spec.ids(nproc, n)}
 
@@ -118,6 +123,9 @@ class Remote:
                 elif store.check([m.key("dead", i)]):
                     self._lost(agent, i)
         now = time.monotonic()
+        if now - self.checked < HB_S / 2:  # (heartbeats move every HB_S: no need to read them every poll)
+            return
+        self.checked = now
         for n, (count, when) in self.beats.items():
             c = store.add(m.key("hb", n), 0)
             if c != count:

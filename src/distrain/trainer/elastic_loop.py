@@ -18,9 +18,9 @@ most one: elastic.member.part_bounds). DDP/ZeRO average gradients over the D rep
 replica's loss is scaled by n_d * D / B: the sum is the exact gradient of the global batch's mean
 loss, for any D (the scale is exactly 1 when D divides B, the usual step). A replica is one rank,
 or with --tp/--pp the tp x pp ranks of one model copy; the job then gains and loses whole
-replicas (agent.whole_replicas), and every survivor keeps its (tp, pp) shard. Every step's loss is summed over
-the group in ``end``, so metrics.jsonl holds the global batch's loss step by step; a rolled-back
-step's line is dropped and written again. Membership changes are lines with ``"event"``.
+replicas (agent.whole_replicas), and every survivor keeps its (tp, pp) shard. Every step's loss
+is summed over the group in ``end``, so metrics.jsonl holds the global batch's loss step by step;
+a rolled-back step's line is dropped and written again. Membership changes are lines with ``"event"``.
 """
 
 from __future__ import annotations

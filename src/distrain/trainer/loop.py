@@ -79,16 +79,14 @@ def train(cfg: TrainConfig | None = None, *, model=None, train_data=None, val_da
         if dist.get_world_size() != cfg.nproc:
             raise ConfigError(f"the launcher started {dist.get_world_size()} ranks but --nproc is {cfg.nproc}")
         return run_rank(cfg, parts)
+    from distrain.elastic.nodes import follower
+
+    if not cfg.resume and not (cfg.elastic and follower()):  # (node 0 of an elastic job over several owns --out)
+        check_out(cfg)
     if cfg.elastic:  # the elastic agent starts and watches the ranks (distrain/elastic/agent.py)
-        from distrain.elastic.nodes import follower
         from distrain.trainer.elastic_loop import run_elastic
 
-        if not cfg.resume and not follower():  # (node 0 of several owns --out)
-            check_out(cfg)
-
         return run_elastic(cfg, parts.for_ranks() if parts is not None else None, _spawned)
-    if not cfg.resume:
-        check_out(cfg)
     # ranks that poll shared memory get cores of their own (spawn's bind_cores); Gloo's are left free
     parts = parts.for_ranks() if parts is not None else None  # the model as bytes: no storage shared with the ranks
     return spawn(_spawned, cfg.nproc, args=(cfg.to_dict(), parts), backend=BACKENDS[cfg.device],
