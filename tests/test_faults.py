@@ -190,12 +190,12 @@ def test_init_against_a_silent_foreign_service_fails_instead_of_hanging():
     srv.listen(8)  # accepts connections (the kernel does) and never answers
     port = srv.getsockname()[1]
     env = _env() | {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    p = subprocess.run([sys.executable, "-c", "import distrain; distrain.runtime.init(timeout=6)"], env=env,
+    p = subprocess.run([sys.executable, "-c", "import distrain; distrain.runtime.init(timeout=2)"], env=env,
                        capture_output=True, text=True, timeout=80)
     srv.close()
     assert p.returncode == 1
     assert (f"CommError: rank 1: MASTER_ADDR:MASTER_PORT 127.0.0.1:{port} accepts connections but does not answer "
-            f"as a torch.distributed store (no reply in 6s)") in p.stderr
+            f"as a torch.distributed store (no reply in 2s)") in p.stderr
 
 
 def _listening_addresses(port: int) -> list[str]:

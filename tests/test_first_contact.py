@@ -26,6 +26,7 @@ def _python(args, cwd, timeout=120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # a fresh interpreter and fork server: 6-8 s
 @pytest.mark.timeout(100)
 def test_readme_example_runs_as_written(tmp_path):
     code = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
@@ -37,6 +38,7 @@ def test_readme_example_runs_as_written(tmp_path):
     assert len(got) == 4 and all(isinstance(b, int) and b > 0 for b in got)
 
 
+@pytest.mark.slow  # a fresh interpreter and fork server: 6-8 s
 @pytest.mark.timeout(100)
 def test_spawn_names_the_missing_main_guard(tmp_path):
     (tmp_path / "noguard.py").write_text(
@@ -50,6 +52,7 @@ def test_spawn_names_the_missing_main_guard(tmp_path):
                     f"work() at module level")
 
 
+@pytest.mark.slow  # a fresh interpreter and fork server: 6-8 s
 @pytest.mark.timeout(100)
 def test_spawn_names_a_function_the_ranks_cannot_import(tmp_path):
     (tmp_path / "inner.py").write_text(
