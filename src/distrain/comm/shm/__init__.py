@@ -2,6 +2,8 @@
 
     segment.py      one rank's /dev/shm segment: control lines, slots, byte rings, wake-up pipe
     transport.py    ShmTransport: segments per group, adaptive waits, abort, dead-peer checks
+    host.py         which host a rank is on; whether this host can use the transport
+    symmetric.py    symmetric memory: buffers every rank allocates alike and every peer maps
     p2p.py          isend/irecv through per-pair byte rings (what star/ring/tree run on)
     collectives.py  direct collectives ("native" on this transport): read peers' slots in place
     hierarchy.py    all_reduce of a group over several hosts: shm inside, torch between leaders

@@ -37,9 +37,7 @@ CommError naming this rank, the collective and the peer.
 from __future__ import annotations
 
 import os
-import platform
 import select
-import socket
 import threading
 import time
 
@@ -48,7 +46,9 @@ import torch.distributed as dist
 
 from distrain.comm.shm import segment as seg_mod
 from distrain.comm.shm import collectives, hierarchy
+from distrain.comm.shm.host import host_id, set_host_id, supported, unsupported  # noqa: F401  (this module's API)
 from distrain.comm.shm.p2p import Channels
+from distrain.comm.shm.symmetric import Heap
 from distrain.comm.shm.segment import ABORT, ARRIVE, CONSUMED, SLEEPING, Layout, Segment
 from distrain.errors import CommError
 
@@ -68,11 +68,13 @@ RING_BYTES = 1 << 20  # per directed pair of ranks
 #   2 busy processes, 64 MiB: 2 slots 0.34-0.56, 4 slots 0.72-1.55, 8 slots 1.60-1.64
 # Four keep the quiet speed and most of the gain under load.
 SLOTS = 4
-SPIN = 300  # polls (a few microseconds each) before blocking on the wake-up pipe, at most
-SPIN_HOT = 20  # of which the first ones are plain polls; the later ones also yield the core
+SPIN_MAX_S = 1e-3  # the longest a wait spins before it blocks on the wake-up pipe ...
+SPIN_MIN_S = 5e-6  # ... and the shortest (spins that keep failing shrink to this)
 MAX_BLOCK = 0.05  # seconds one block lasts at most (then the deadline and peers are checked)
 CHECK_EVERY = 0.05  # seconds between checks for dead peers and the deadline
 _fence_lock = threading.Lock()
+_MAIN = threading.main_thread().ident
+_WORKER_BLOCKS = True
 
 
 def fence() -> None:
@@ -80,42 +82,6 @@ def fence() -> None:
     (lock-prefixed on x86-64), which orders every earlier store before every later load."""
     _fence_lock.acquire()
     _fence_lock.release()
-
-_host_override: str | None = None
-
-
-def set_host_id(host: str | None) -> None:
-    """Pretend this process runs on host ``host`` (tests make one machine look like several)."""
-    global _host_override
-    _host_override = host
-
-
-def host_id() -> str:
-    """This machine's identity: the hostname and the kernel's boot id (or the test override)."""
-    if _host_override is not None:
-        return _host_override
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
-
-
-def unsupported() -> str | None:
-    """None when this host can use the transport, else why not (in words for an error)."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return f"it needs x86-64 (its ordering of memory accesses), this machine is {platform.machine()}"
-    if not os.path.isdir(seg_mod.SHM_DIR):
-        return f"{seg_mod.SHM_DIR} does not exist"
-    if not os.access(seg_mod.SHM_DIR, os.W_OK):
-        return f"{seg_mod.SHM_DIR} is not writable by this user"
-    return None
-
-
-def supported() -> bool:
-    return unsupported() is None
-
 
 class ShmTransport:
     """Shared memory between the ranks of one group on this host (see the module docstring).
@@ -141,9 +107,11 @@ class ShmTransport:
         self.hosts: dict[int, str] = {self.rank: self.host}
         self._names: dict[int, tuple[str, int]] = {self.rank: (self.me.name, self.layout.total)}
         self.step = 0  # collective steps done; identical on every rank (same calls, same order)
-        self.spin = SPIN  # polls before blocking, adapted to how often spinning paid off (wait())
+        self.spin = SPIN_MAX_S  # seconds of spinning before blocking, adapted to how often spinning paid off (wait())
         self.coll = "collective"  # what the current wait is for, for error messages
         self.p2p = None  # built on the first point-to-point message (p2p.Channels)
+        self.heap: Heap | None = None  # symmetric allocations (symmetric.py), on the first one
+        self.scratch: torch.Tensor | None = None  # a cache-sized private buffer (collectives.py)
         self._unlinked = False
         self._all_local: bool | None = None
         self._sleeping, self._sleep_lock = 0, threading.Lock()
@@ -230,20 +198,28 @@ class ShmTransport:
         Raises a CommError naming this rank, ``what`` and the peer, when a peer (group ranks
         ``peers``) aborted or died, or when the timeout passes.
         """
-        # Spin only as long as spinning pays off. On a machine with more runnable threads than
-        # cores the peer is often not running: every sched_yield then hands the core to another
-        # process for a whole time slice, and blocking (a peer's write wakes us, and the
-        # scheduler favours a task that slept) is faster. A wait that ends while spinning
-        # lengthens the next spin, one that has to block halves it, down to the plain polls.
-        spin = self.spin
-        for i in range(spin):
-            if ready():
-                if spin < SPIN:
-                    self.spin = min(SPIN, spin + 16)
-                return
-            if i >= SPIN_HOT:  # the peer may be waiting for this core: let it run (one syscall)
-                os.sched_yield()
-        self.spin = max(SPIN_HOT, spin // 2)
+        # Spin only as long as spinning pays off, and never hand the core away while spinning.
+        # On a machine with more runnable threads than cores the peer is often not running:
+        # a sched_yield then gives the core to another process for a whole time slice (4 KiB
+        # all_reduce, P=2, 2 busy processes: 2.4-2.8 ms per call with a yield in the spin,
+        # 0.35-0.5 ms without), and blocking (a peer's write wakes us, and the scheduler
+        # favours a task that slept) is faster. A wait that ends while spinning doubles the
+        # next spin, one that has to block halves it, between SPIN_MIN_S and SPIN_MAX_S.
+        if ready():
+            return
+        spin = self.spin if threading.get_ident() == _MAIN or not _WORKER_BLOCKS else 0.0
+        clock = time.perf_counter
+        end = clock() + spin
+        while True:
+            for _ in range(8):
+                if ready():
+                    if 0 < spin < SPIN_MAX_S:
+                        self.spin = min(SPIN_MAX_S, spin * 2)
+                    return
+            if clock() > end:
+                break
+        if spin:
+            self.spin = max(SPIN_MIN_S, spin / 2)
         if not self._unlinked:
             self._unlink_if_all_opened()
         start = last = time.monotonic()
@@ -347,6 +323,15 @@ class ShmTransport:
         if not self._unlinked and line == ARRIVE and peers is None:
             self.unlink_when_mapped()
 
+    def symmetric_empty(self, nbytes: int) -> tuple[torch.Tensor | None, str]:
+        """A collective allocation of ``nbytes`` that every peer maps (symmetric.py): this rank's
+        uint8 tensor, or (None, why not) on every rank alike."""
+        if not self.all_local():
+            return None, "the group spans several hosts"
+        if self.heap is None:
+            self.heap = Heap(self)
+        return self.heap.empty(nbytes)
+
     # -- point-to-point ------------------------------------------------------------------
     def _channels(self):
         if self.p2p is None:
@@ -371,6 +356,9 @@ class ShmTransport:
 
     def close(self) -> None:
         self._slots, self._views = {}, {}
+        if self.heap is not None:
+            self.heap.close()
+            self.heap = None
         for s in list(self.peers.values()):
             s.close()
         self.peers = {}
