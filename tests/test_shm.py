@@ -124,42 +124,87 @@ def test_direct_collectives_equal_gloo(P):
     assert not bad, f"{len(bad)} mismatches:\n" + "\n".join(bad[:20])
 
 
-def _list_all_reduce(rank: int) -> list[str]:
-    """all_reduce_list (DDP's gradients straight through the slots) equals all_reduce of the
-    concatenation scaled first, bit for bit; pieces straddle slot chunks; DDP takes that path."""
+def _symmetric(t: torch.Tensor, group=None) -> bool:
+    from distrain.comm.core.group import resolve
+
+    heap = getattr(resolve(group, "test").transport, "heap", None)
+    return heap is not None and heap.locate(t) is not None
+
+
+def _list_and_symmetric(rank: int) -> list[str]:
+    """all_reduce_list equals all_reduce of the concatenation scaled first, bit for bit, on shm and
+    Gloo; all_reduce on symmetric memory (in place in every rank's copy) equals Gloo's, at offsets
+    inside an allocation and over several slot-sized chunks; DDP's buckets are symmetric over shm
+    (native) and only then; a rank passing an ordinary tensor against symmetric ones is named."""
+    import warnings
+
+    import torch.distributed as dist
+
     from distrain.parallel import DistributedDataParallel
 
     P, gloo = _shm_world_beside_gloo()
     bad = []
-    for dtype, scale in ((torch.float32, 1.0 / P), (torch.float64, None)):
-        g = torch.Generator().manual_seed(rank)
-        # 5 + 20000 + 0 + 777 + 3x4001 elements: 11 chunks of 16 KiB floats, most straddling two tensors
-        ts = [torch.randn(*shape, generator=g, dtype=dtype) for shape in ((5,), (20000,), (0,), (777,), (3, 4001))]
-        ref = torch.cat([t.reshape(-1) for t in ts])
-        if scale is not None:
-            ref = ref * scale
-        comm.all_reduce(ref)
-        comm.all_reduce_list(ts, scale=scale, async_op=True).wait()
-        if not torch.equal(torch.cat([t.reshape(-1) for t in ts]), ref):
-            bad.append(f"P={P} rank {rank} {dtype}: all_reduce_list differs from all_reduce of the concatenation")
-    if not comm.has_list_all_reduce() or comm.has_list_all_reduce(gloo) or comm.has_list_all_reduce(algorithm="ring"):
-        bad.append("has_list_all_reduce: wrong answer")
-    try:
-        comm.all_reduce_list([torch.ones(3)], group=gloo)
-        bad.append("all_reduce_list on a Gloo group was not refused")
-    except ConfigError as e:
-        if "needs a group on the shared-memory transport" not in str(e):
-            bad.append(f"unclear refusal: {e}")
+    for group in (None, gloo):
+        for dtype, scale in ((torch.float32, 1.0 / P), (torch.float64, None)):
+            g = torch.Generator().manual_seed(rank)
+            ts = [torch.randn(*shape, generator=g, dtype=dtype) for shape in ((5,), (20000,), (0,), (777,), (3, 4001))]
+            ref = torch.cat([t.reshape(-1) for t in ts])
+            if scale is not None:
+                ref = ref * scale
+            comm.all_reduce(ref, group=group)
+            comm.all_reduce_list(ts, scale=scale, group=group, async_op=True).wait()
+            if not torch.equal(torch.cat([t.reshape(-1) for t in ts]), ref):
+                bad.append(f"P={P} rank {rank} {dtype} group {group}: all_reduce_list differs from the concatenation")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        if comm.has_list_all_reduce(gloo) is not True or not any(x.category is DeprecationWarning for x in w):
+            bad.append("has_list_all_reduce: not a deprecated True")
+
+    # symmetric memory: 3 allocations; tensors at offsets; sizes of 0, 1, odd, several chunks
+    big = comm.symmetric_empty(2, 3 * SMALL_SLOT + 1001, dtype=torch.float64)
+    ints = comm.symmetric_empty(4099, dtype=torch.int64)
+    halves = comm.symmetric_empty(777, dtype=torch.float32)
+    if not all(_symmetric(t) for t in (big, ints, halves)) or _symmetric(torch.ones(3)):
+        bad.append(f"rank {rank}: symmetric_empty did not give symmetric memory on shm")
+    if _symmetric(comm.symmetric_empty(5, group=gloo), gloo):
+        bad.append("symmetric_empty on a Gloo group must give ordinary memory")
+    g = torch.Generator().manual_seed(100 + rank)
+    cases = [(big[1], "sum"), (big[0, 7:7 + 3 * 1001], "max"), (big[1, :1], "sum"), (big[0, :0], "sum"),
+             (ints, "sum"), (ints[1:], "bxor"), (halves, "avg"), (big.view(-1), "sum")]
+    for k, (t, op) in enumerate(cases * 2):  # twice: the second round rewrites what peers wrote
+        src = torch.randint(-50, 50, t.shape, generator=g).to(t.dtype)  # integers: exact sums in any order
+        t.copy_(src)
+        ref = src.clone()
+        comm.all_reduce(ref, op=op, group=gloo)
+        comm.all_reduce(t, op=op)
+        if not torch.equal(t, ref):
+            bad.append(f"P={P} rank {rank} case {k}: symmetric all_reduce({op}) of {tuple(t.shape)} {t.dtype} "
+                       f"differs from Gloo's")
     model = DistributedDataParallel(torch.nn.Linear(4, 2), algorithm="native")
-    if not model._in_place or DistributedDataParallel(torch.nn.Linear(4, 2), algorithm="ring")._in_place:
-        bad.append("DDP over shm with algorithm native must all-reduce the gradients in place (and only then)")
+    if not all(_symmetric(b.buffer) for b in model._buckets) or \
+            _symmetric(DistributedDataParallel(torch.nn.Linear(4, 2), algorithm="ring")._buckets[0].buffer):
+        bad.append("DDP over shm with algorithm native must keep its buckets in symmetric memory (and only then)")
+
+    # last, on a group of its own (a failed collective aborts its group): rank 0 symmetric, the others not
+    odd = dist.new_group(list(range(P)))
+    comm.set_transport("shm", odd)
+    x = comm.symmetric_empty(10, group=odd)
+    try:
+        comm.all_reduce(x if rank == 0 else torch.ones(10), group=odd)
+        bad.append(f"rank {rank}: a symmetric tensor against ordinary ones was not refused")
+    except CommError as e:
+        named = ("rank 1 passed an ordinary tensor, this rank symmetric allocation 0 at byte offset 0" if rank == 0
+                 else "rank 0 passed symmetric allocation 0 at byte offset 0, this rank an ordinary tensor")
+        if named not in str(e):
+            bad.append(f"rank {rank}: unclear error for a symmetric/ordinary mix: {e}")
+    comm.barrier(group=gloo)
     return bad
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("P", [2, 3])
-def test_list_all_reduce_equals_flat_all_reduce(P):
-    bad = [x for r in distrain.spawn(_list_all_reduce, P, timeout=150) for x in r]
+def test_list_and_symmetric_all_reduce_equal_gloo(P):
+    bad = [x for r in distrain.spawn(_list_and_symmetric, P, timeout=150) for x in r]
     assert not bad, "\n".join(bad)
 
 
@@ -401,6 +446,35 @@ def test_full_dev_shm_says_how_much_and_how_to_fall_back(monkeypatch):
                                         rf"\d+ bytes free\); free space in /dev/shm or use --transport torch"):
         shm_segment.create(name, lay)
     assert not os.path.exists(os.path.join(shm_segment.SHM_DIR, name))
+
+
+def _symmetric_on_a_full_dev_shm(rank: int) -> list:
+    import logging
+
+    comm.set_transport("shm")
+    comm.barrier()
+    if rank == 1:  # this rank's /dev/shm is full: every rank must fall back alike
+        def full(fd, offset, length):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        os.posix_fallocate = full
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: seen.append(rec.getMessage())
+    logging.getLogger("distrain.comm").addHandler(handler)
+    x = comm.symmetric_empty(1000)
+    x.fill_(rank + 1)
+    comm.all_reduce(x)
+    return [_symmetric(x), bool(torch.equal(x, torch.full((1000,), 3.0))), seen]
+
+
+@pytest.mark.timeout(60)
+def test_symmetric_memory_falls_back_on_every_rank_when_one_cannot_allocate():
+    for rank, (symmetric, right, seen) in enumerate(distrain.spawn(_symmetric_on_a_full_dev_shm, 2, timeout=45)):
+        assert not symmetric and right, rank
+        assert len(seen) == 1 and seen[0].startswith(f"symmetric_empty: ordinary memory on rank {rank} (group of 2 "
+                                                     f"ranks): "), seen
+        assert "rank 1: shared-memory transport: cannot allocate 4096 bytes in /dev/shm (No space left on device" \
+            in seen[0], seen
 
 
 def test_stale_segments_of_dead_processes_are_swept():

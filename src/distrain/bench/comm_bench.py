@@ -99,6 +99,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"algorithms, comma-separated or 'all' (default {DEFAULT_ALGORITHMS})")
     p.add_argument("--transport", default=DEFAULT_TRANSPORTS,
                    help=f"transports to compare, comma-separated: {', '.join(TRANSPORT_NAMES)} (default torch)")
+    p.add_argument("--symmetric", action="store_true",
+                   help="also time native on buffers in symmetric memory (comm.symmetric_empty: every peer maps "
+                        "them, so all_reduce works in place, no copy through the slots): a native@shm+sym column for "
+                        "each shared-memory transport")
     p.add_argument("--sizes", default=DEFAULT_SIZES,
                    help=f"full-buffer sizes in bytes, K/M/G = powers of 1024 (default {DEFAULT_SIZES})")
     p.add_argument("--dtype", default="float32", help=f"element type, one of {', '.join(_DTYPES)} (default float32)")
@@ -151,6 +155,7 @@ def parse_config(args: argparse.Namespace) -> dict[str, Any]:
         "transports": common.parse_choices(getattr(args, "transport", DEFAULT_TRANSPORTS), TRANSPORT_NAMES,
                                            "--transport"),
         "sizes": common.parse_sizes(args.sizes),
+        "symmetric": bool(getattr(args, "symmetric", False)),
         "dtype": dtype,
         "warmup": _int(args.warmup, "--warmup", 0),
         "iters": None if args.iters in (None, "", "auto") else _int(args.iters, "--iters", 1),
@@ -161,6 +166,9 @@ def parse_config(args: argparse.Namespace) -> dict[str, Any]:
         "predict": getattr(args, "predict", None),
         "background_load": background.parse(getattr(args, "background_load", 0)),
     }
+    if cfg["symmetric"] and not ("native" in cfg["algorithms"] and {"shm", "auto"} & set(cfg["transports"])):
+        raise ConfigError("--symmetric: times native on symmetric buffers of a shared-memory transport; add shm (or "
+                          "auto) to --transport and native to --algorithms")
     bind = getattr(args, "bind_cores", "auto")
     # auto: ranks polling shared memory are bound when P cores are free at the start (launch/cores.py)
     cfg["bind_cores"] = (bind == "on") if bind != "auto" else \
@@ -229,9 +237,11 @@ def command_line(args: argparse.Namespace) -> str:
     """The equivalent ``distrain bench comm ...`` command, every flag spelled out."""
     parts = ["distrain", "bench", "comm"]
     for flag in ("nproc", "ops", "algorithms", "transport", "sizes", "dtype", "warmup", "iters", "json", "plot",
-                 "timeout", "predict", "background_load"):
+                 "timeout", "predict", "background_load", "symmetric"):
         v = getattr(args, flag, None)
-        if v is not None:
+        if v is True:
+            parts.append(f"--{flag}")
+        elif v not in (None, False):
             parts += [f"--{flag.replace('_', '-')}", str(v)]
     return " ".join(parts)
 
@@ -247,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - t0
     if not records and "RANK" in os.environ:  # launched, not rank 0: rank 0 reports
         return 0
-    columns = labels(cfg["algorithms"], cfg["transports"])
+    columns = labels(cfg["algorithms"], cfg["transports"], cfg["symmetric"])
     windows = _load_windows(records)
     print(format_tables(records, columns, cfg["dtype"]))
     print(background.summary(cfg["background_load"], windows))

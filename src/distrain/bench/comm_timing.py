@@ -27,28 +27,58 @@ ROOT = 0
 _DTYPES = {str(d).removeprefix("torch."): d for d in SUPPORTED_DTYPES if d != torch.bool}
 
 
-def labels(algorithms: list[str], transports: list[str]) -> list[str]:
-    """Column labels: the algorithm on torch, ``alg@transport`` on the others."""
-    return [a if t == "torch" else f"{a}@{t}" for t in transports for a in algorithms]
+SYMMETRIC = "+sym"  # column suffix: native on buffers in symmetric memory (comm.symmetric_empty)
 
 
-def _split(label: str, groups: dict) -> tuple[str, Any]:
-    alg, _, t = label.partition("@")
-    return alg, groups[t or "torch"]
+def labels(algorithms: list[str], transports: list[str], symmetric: bool = False) -> list[str]:
+    """Column labels: the algorithm on torch, ``alg@transport`` on the others, and with
+    ``symmetric`` a ``native@transport+sym`` column for each shared-memory transport."""
+    out = [a if t == "torch" else f"{a}@{t}" for t in transports for a in algorithms]
+    if symmetric and "native" in algorithms:
+        out += [f"native@{t}{SYMMETRIC}" for t in transports if t in ("shm", "auto")]
+    return out
 
 
-def _make_call(op: str, n: int, P: int, rank: int, dtype: torch.dtype, groups: dict) -> Callable[[str], None]:
-    """Allocate op's buffers once; return call(label) doing one blocking collective."""
-    from distrain import comm
+def _make_call(op: str, n: int, P: int, rank: int, dtype: torch.dtype, groups: dict,
+               symmetric: dict | None = None) -> Callable[[str], None]:
+    """Allocate op's buffers once; return call(label) doing one blocking collective.
 
-    z = lambda k: torch.zeros(k, dtype=dtype)  # noqa: E731
-    inner = _make_call_on(op, n, P, rank, z)
+    ``symmetric`` (transport -> its arena, grown as needed): the ``+sym`` columns' buffers are
+    cut from a symmetric allocation of that transport's group, the others are ordinary tensors.
+    """
+    inner = _make_call_on(op, n, P, rank, lambda k: torch.zeros(k, dtype=dtype))
+    sym = {t: _make_call_on(op, n, P, rank, _cutter(arena, op, n, P, rank, dtype, groups[t]))
+           for t, arena in (symmetric or {}).items()}
 
     def call(label: str) -> None:
-        alg, group = _split(label, groups)
-        inner(alg, group)
+        alg, _, t = label.partition("@")
+        if t.endswith(SYMMETRIC):
+            t = t.removesuffix(SYMMETRIC)
+            sym[t](alg, groups[t])
+        else:
+            inner(alg, groups[t or "torch"])
 
     return call
+
+
+def _cutter(arena: dict, op: str, n: int, P: int, rank: int, dtype: torch.dtype, group) -> Callable:
+    """An allocator that cuts zeroed tensors from the transport's symmetric arena, growing it
+    (a new collective allocation, the same on every rank) when this cell needs more."""
+    from distrain import comm
+
+    need = [0]
+    _make_call_on(op, n, P, rank, lambda k: need.__setitem__(0, need[0] + k) or torch.empty(0))  # count only
+    nbytes = need[0] * dtype.itemsize
+    if arena.get("bytes", -1) < nbytes:
+        arena["buf"], arena["bytes"] = comm.symmetric_empty(max(nbytes, 1), dtype=torch.uint8, group=group), nbytes
+    at = [0]
+
+    def z(k: int) -> torch.Tensor:
+        t = arena["buf"][at[0]:at[0] + k * dtype.itemsize].view(dtype)
+        at[0] += k * dtype.itemsize
+        return t.zero_()
+
+    return z
 
 
 def _make_call_on(op: str, n: int, P: int, rank: int, z) -> Callable[[str, Any], None]:
@@ -116,11 +146,11 @@ def _case(rank: int, P: int, op: str, size: int, cfg: dict, dist, groups: dict) 
 
     dtype = _DTYPES[cfg["dtype"]]
     elem = torch.tensor([], dtype=dtype).element_size()
-    algs = labels(cfg["algorithms"], cfg["transports"])
+    algs = labels(cfg["algorithms"], cfg["transports"], cfg.get("symmetric", False))
     A = len(algs)
     n = per_rank_count(op, size, P, elem)
     S = full_size(op, n, P, elem)
-    call = _make_call(op, n, P, rank, dtype, groups)
+    call = _make_call(op, n, P, rank, dtype, groups, groups.get(SYMMETRIC))
 
     last = None
     for w in range(cfg["warmup"]):
@@ -180,6 +210,8 @@ def _worker(rank: int, cfg: dict) -> list[dict] | None:
         g = None if i == 0 else dist.new_group(list(range(P)))
         comm.set_transport(t, g)
         groups[t] = g
+    if cfg.get("symmetric"):  # each shared-memory transport's arena for the +sym columns
+        groups[SYMMETRIC] = {t: {} for t in cfg["transports"] if t in ("shm", "auto")}
     records: list[dict] = []
     fabric = comm_predict.setup(cfg["predict"], rank) if cfg.get("predict") else None
     sizes = cfg["sizes"]

@@ -29,6 +29,8 @@ checks, the debug fingerprint and the dispatcher itself are in dispatch.py.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 
@@ -115,39 +117,39 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = Fals
                 after=after, fp=(o.name, tensor, -1))
 
 
-def _has_list(st) -> bool:
-    """The group's transport runs all_reduce_list itself (its direct collectives have one)."""
-    return st.size > 1 and hasattr(st.transport.direct("all_reduce"), "all_reduce_list")
-
-
 def has_list_all_reduce(group=None, algorithm: str = "native") -> bool:
-    """Whether :func:`all_reduce_list` can run on ``group`` with ``algorithm``: the group's
-    transport has direct collectives (shared memory, every rank on this host) and the
-    algorithm is ``native``. Every rank of the group gets the same answer."""
-    return algorithm == "native" and _has_list(resolve(group, "all_reduce"))
+    """Deprecated: :func:`all_reduce_list` runs on every group now, so this is always True."""
+    import warnings
+
+    warnings.warn("distrain.comm.has_list_all_reduce is always True (all_reduce_list runs on every group) and "
+                  "will be removed in the next release", DeprecationWarning, stacklevel=2)
+    return True
 
 
 def all_reduce_list(tensors: list[torch.Tensor], *, scale: float | None = None, group=None, async_op: bool = False):
     """Sum a list of contiguous same-dtype tensors over the group in place, as one collective,
-    each multiplied by ``scale`` first (e.g. 1/P for an average): the tensors go straight into
-    the shared-memory slots and the sums straight back (no flat buffer, no copies to and from
-    one). Needs :func:`has_list_all_reduce`; every rank passes tensors of the same sizes."""
+    each multiplied by ``scale`` first (e.g. 1/P for an average; the same bits as scaling each
+    tensor, then summing). The tensors are packed into one flat buffer with one fused copy, the
+    buffer is all-reduced (native algorithm), and the sums are unpacked with another: two calls
+    for any number of tensors, where a copy per tensor costs a call each (a model's many small
+    LayerNorm weights). Every rank passes tensors of the same sizes, in the same order."""
     name = "all_reduce"
     st = resolve(group, name)
-    if not _has_list(st):
-        raise ConfigError(f"{name}: all_reduce_list needs a group on the shared-memory transport with every rank on "
-                          f"this host (transport='shm' or 'auto'); use all_reduce_coalesced elsewhere")
     tensors = [_tensor(t, f"tensors[{i}]", name, "sum") for i, t in enumerate(tensors)]
     bad = [i for i, t in enumerate(tensors) if t.dtype != tensors[0].dtype or not t.is_contiguous()]
     if not tensors or bad:
         raise ConfigError(f"{name}: all_reduce_list takes a non-empty list of contiguous tensors of one dtype; "
                           f"tensors{bad} differ from tensors[0] ({tensors[0].dtype if tensors else None})")
     o = resolve_op("sum", tensors[0].dtype, name)
-    total = sum(t.numel() for t in tensors)
-    shape = torch.empty(total, dtype=tensors[0].dtype, device="meta")  # what the call moves, for the fingerprint
-    return _run(st, name, "native", async_op, total * tensors[0].element_size(), mod=None,
-                ours=lambda m, pc: m.all_reduce_list(pc, tensors, o, scale), native=None,
-                after=None, fp=(o.name, shape, -1), outputs=list(tensors))
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device)
+    views, dests = list(flat.split([t.numel() for t in tensors])), [t.view(-1) for t in tensors]
+    torch._foreach_copy_(views, dests)
+    if scale is not None:
+        flat.mul_(scale)
+    return _run(st, name, "native", async_op, nbytes(flat), mod=None,
+                ours=lambda m, pc: m.all_reduce(pc, flat, o),
+                native=lambda a: dist.all_reduce(flat, op=o.native, group=st.group, async_op=a),
+                after=lambda: torch._foreach_copy_(dests, views), fp=(o.name, flat, -1), outputs=list(tensors))
 
 
 @torch_call('src')
@@ -301,8 +303,33 @@ def barrier(group=None, async_op: bool = False, device_ids=None, algorithm: str 
     return None
 
 
+_log = logging.getLogger("distrain.comm")
+
 # torch renamed reduce_scatter_tensor to reduce_scatter_single; take whichever this torch has.
 _reduce_scatter_native = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def symmetric_empty(*size, dtype: torch.dtype = torch.float32, group=None) -> torch.Tensor:
+    """An uninitialised tensor in *symmetric memory*: every rank of ``group`` calls this in the
+    same order with the same size, and each peer maps the others' copies, so ``all_reduce`` on it
+    (native algorithm) works in place in every rank's memory: no copy into the transport's slots
+    and back (shm/symmetric.py; torch's ``_symmetric_memory.empty``, NCCL's registered buffers).
+    Every rank must then pass its counterpart (same allocation, same offset) to the collective.
+
+    Where the group has no shared-memory transport (transport torch, ranks on several hosts,
+    one rank) or /dev/shm cannot hold it, every rank gets ordinary memory (said once in the log):
+    code written for it runs anywhere, only the fast path is lost. Lives as long as the group.
+    """
+    name = "symmetric_empty"
+    st = resolve(group, name)
+    shape = torch.Size(size[0] if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size)
+    alloc = getattr(st.transport, "symmetric_empty", None) if st.size > 1 else None
+    if alloc is not None:
+        raw, why = alloc(shape.numel() * dtype.itemsize)
+        if raw is not None:
+            return raw.view(dtype).view(shape)
+        _log.warning("%s: ordinary memory on rank %d (group of %d ranks): %s", name, st.ranks[st.rank], st.size, why)
+    return torch.empty(shape, dtype=dtype)
 
 
 def set_transport(transport, group=None) -> None:

@@ -34,8 +34,9 @@ from __future__ import annotations
 import torch
 
 from distrain.comm.core.ops import Op
-from distrain.comm.shm.segment import ARRIVE, CONSUMED, DONE
+from distrain.comm.shm.segment import ARRIVE, CONSUMED, DONE, SYMMETRIC
 from distrain.comm.core.util import chunk_sizes
+from distrain.errors import CommError
 
 SMALL_BYTES = 32 << 10
 READS_INPUT_ONLY = True  # reduce_scatter reads its input in place (api.reduce_scatter skips the work copy)
@@ -95,6 +96,9 @@ def _pipelined(sh, what: str, chunks: int, copy_in, fold) -> None:
     K = sh.layout.slots
     base = sh.step
     sh.me.set_line(CONSUMED, base)  # every earlier step is read (steps run in order on a rank)
+    # what each rank works on, checked once every peer arrived: only where symmetric memory exists
+    # (its allocation is collective, so either every rank of the group has a heap or none has)
+    line = _declare(sh, base + 1, 0) if sh.heap is not None else None
     posted = folded = 0
     while folded < chunks:
         while posted < chunks and posted - folded < K - 1:
@@ -109,13 +113,85 @@ def _pipelined(sh, what: str, chunks: int, copy_in, fold) -> None:
             posted += 1
         s = base + 1 + folded
         sh.wait_all(ARRIVE, s, what)
+        if not folded and line is not None:
+            _check_same(sh, line, what)
         fold(folded, s)
         folded += 1
         sh.post(CONSUMED, s)
 
 
+_CODE_BITS = 56  # SYMMETRIC line: (first step & 0x7F) << 56 | the tensor's code (0: slots); fits an int64
+
+
+def _declare(sh, step: int, code: int) -> int:
+    """Say what this rank's all_reduce starting at ``step`` works on (its SYMMETRIC line)."""
+    line = (step & 0x7F) << _CODE_BITS | code
+    sh.me.set_line(SYMMETRIC, line)
+    return line
+
+
+def _kind(code: int) -> str:
+    code &= (1 << _CODE_BITS) - 1
+    if not code:
+        return "an ordinary tensor"
+    return f"symmetric allocation {(code >> 40) - 1} at byte offset {code & ((1 << 40) - 1)}"
+
+
+def _check_same(sh, line: int, what: str) -> None:
+    """After every peer arrived at the first step: each declared the same kind of buffer. (A peer
+    whose line carries another step has finished this call and moved on: nothing to compare.)"""
+    tag = line >> _CODE_BITS
+    for q, seg in sh.peers.items():
+        theirs = seg.line(SYMMETRIC)
+        if theirs != line and theirs >> _CODE_BITS == tag:
+            raise CommError(f"{what} on rank {sh.me_global}: rank {sh.ranks[q]} passed {_kind(theirs)}, this rank "
+                            f"{_kind(line)}; every rank must pass its counterpart: a symmetric tensor "
+                            f"(comm.symmetric_empty, same allocation and offset) everywhere, or ordinary ones everywhere")
+
+
+def _all_reduce_symmetric(sh, buf: torch.Tensor, op: Op, alloc, offset: int, what: str) -> None:
+    """all_reduce of a tensor in symmetric memory, in place in every rank's copy (two phases).
+
+    After every rank arrived, rank r reduces part r (``tensor_split`` sizes) of all P buffers,
+    read straight from the peers' memory in rank order 0..P-1, and writes the result into part r
+    of every rank's buffer; once every rank is done, each buffer holds the whole result. Per
+    rank: n elements read and n written, against the slot path's copy in, P reads and a write
+    per element (the reduction work is split P ways and nothing is copied twice). Parts are
+    disjoint, so no rank reads what another writes until the DONE wait.
+    """
+    P, r, n, es = sh.size, sh.rank, buf.numel(), buf.element_size()
+    _open(sh, what)
+    step = sh.begin()
+    line = _declare(sh, step, alloc.code(offset))
+    sh.post(ARRIVE, step)
+    sh.wait_all(ARRIVE, step, what)
+    _check_same(sh, line, what)
+    bufs = [alloc.views[q][offset:offset + n * es].view(buf.dtype) for q in range(P)]
+    lo, hi = _bounds(n, P)[r]
+    c = max(1, sh.layout.slot_bytes // (2 * es))  # a chunk of each input and the result stay in cache
+    for a in range(lo, hi, c):
+        b = min(a + c, hi)
+        parts = [x[a:b] for x in bufs]
+        if r < 2:  # fold may write over its first or second input: straight into this rank's part
+            out = parts[r]
+        else:
+            if sh.scratch is None or sh.scratch.numel() < sh.layout.slot_bytes:
+                sh.scratch = torch.empty(sh.layout.slot_bytes, dtype=torch.uint8)
+            out = sh.scratch[:(b - a) * es].view(buf.dtype)
+        op.fold(out, parts)
+        for q in range(P):
+            if parts[q] is not out:
+                parts[q].copy_(out)
+    sh.post(DONE, step)
+    sh.wait_all(DONE, step, what)
+
+
 def all_reduce(pc, buf: torch.Tensor, op: Op) -> None:
     sh, what = _sh(pc), f"{pc.op}(transport=shm)"
+    where = sh.heap.locate(buf) if sh.heap is not None else None
+    if where is not None:
+        _all_reduce_symmetric(sh, buf, op, *where, what)
+        return
     P, r, n = sh.size, sh.rank, buf.numel()
     m = _chunk(sh, buf)
     if P == 2 or n * buf.element_size() < SMALL_BYTES:  # one phase for every chunk: pipelined
@@ -133,6 +209,8 @@ def all_reduce(pc, buf: torch.Tensor, op: Op) -> None:
         x = buf[a:a + m]
         c = x.numel()
         step = _step(sh, what)
+        if not a and sh.heap is not None:
+            _declare(sh, step, 0)
         if c * buf.element_size() < SMALL_BYTES:
             slots = sh.views(step, buf.dtype, c)
             slots[r].copy_(x)
@@ -140,58 +218,6 @@ def all_reduce(pc, buf: torch.Tensor, op: Op) -> None:
             op.fold(x, slots)
             continue
         _reduce_parts(sh, x, sh.slot(r, step, buf.dtype)[:c], step, op, what)
-
-
-def _runs(tensors: list[torch.Tensor], a: int, c: int):
-    """The pieces of elements [a, a + c) of the tensors' concatenation: (flat tensor, its offset,
-    offset in the chunk, length), in order, without building the concatenation."""
-    lo = 0
-    for t in tensors:
-        n = t.numel()
-        s, e = max(a, lo), min(a + c, lo + n)
-        if s < e:
-            yield t.view(-1), s - lo, s - a, e - s
-        lo += n
-        if lo >= a + c:
-            return
-
-
-def all_reduce_list(pc, tensors: list[torch.Tensor], op: Op, scale: float | None) -> None:
-    """all_reduce of the tensors' concatenation, in place, without a flat copy (DDP's buckets).
-
-    Each step packs the next slot-sized run of elements, across tensor boundaries, into this
-    rank's slot, multiplied by ``scale`` on the way in when one is given (DDP's pre-division:
-    the same bits as scaling into a flat bucket first), then folds every rank's slot straight
-    back into the tensors, in rank order. One phase at every P: every rank folds the whole
-    chunk (the same terms in the same order everywhere, so every rank gets the same bits).
-    Per rank per element: one read and one slot write in, P slot reads and one write out,
-    against the flat path's extra copy into the bucket and back out of it.
-    """
-    sh, what = _sh(pc), f"{pc.op}(transport=shm)"
-    r, dtype = sh.rank, tensors[0].dtype
-    total = sum(t.numel() for t in tensors)
-    m = _chunk(sh, tensors[0])
-
-    def pieces(i):
-        a = i * m
-        return min(m, total - a), list(_runs(tensors, a, min(m, total - a)))
-
-    def copy_in(i, step):
-        c, runs = pieces(i)
-        mine = sh.views(step, dtype, c)[r]
-        for t, off, at, n in runs:
-            if scale is None:
-                mine[at:at + n].copy_(t[off:off + n])
-            else:
-                torch.mul(t[off:off + n], scale, out=mine[at:at + n])
-
-    def fold(i, step):
-        c, runs = pieces(i)
-        slots = sh.views(step, dtype, c)
-        for t, off, at, n in runs:
-            op.fold(t[off:off + n], [q[at:at + n] for q in slots])
-
-    _pipelined(sh, what, -(-total // m), copy_in, fold)
 
 
 def _reduce_parts(sh, x: torch.Tensor, mine: torch.Tensor, step: int, op: Op, what: str) -> None:

@@ -45,7 +45,7 @@ PREFIX = "distrain-"
 LINE = 64  # bytes per cache line: every flag sits alone on its line (no false sharing)
 _I64_PER_LINE = LINE // 8
 # ctrl lines of a segment (see Layout): which line each flag lives on
-ARRIVE, DONE, ABORT, PID, RESULT, SLEEPING, CONSUMED = 0, 1, 2, 3, 4, 5, 6
+ARRIVE, DONE, ABORT, PID, RESULT, SLEEPING, CONSUMED, SYMMETRIC = 0, 1, 2, 3, 4, 5, 6, 7
 _NAME_RE = re.compile(r"^distrain-(\d+)-[0-9a-f]{8}-")
 
 
@@ -61,9 +61,11 @@ class Layout:
       4 result: step number whose result a host leader has written (hierarchy.py)
       5 sleeping: how many of the owner's threads block on its wake-up pipe
       6 consumed: step number up to which this rank has finished reading every peer's slots
-      7 + 2q:   head of the channel to rank q (bytes written so far by the owner)
-      8 + 2q:   tail of that channel (bytes read so far; written by rank q, the reader)
-      7 + 2P + q: 1 once rank q has mapped this segment (written by rank q)
+      7 symmetric: what the owner's current all_reduce works on: 0 for its slots, else the code
+                of its symmetric tensor (allocation and offset, symmetric.py)
+      8 + 2q:   head of the channel to rank q (bytes written so far by the owner)
+      9 + 2q:   tail of that channel (bytes read so far; written by rank q, the reader)
+      8 + 2P + q: 1 once rank q has mapped this segment (written by rank q)
     coll: ``slots`` buffers of ``slot_bytes`` for the direct collectives, used round robin
       (step s in slot s % slots): at least double buffering, more for pipelined all_reduce
     chan: ``size`` rings of ``ring_bytes``, ring q carries the owner's messages to rank q
@@ -76,18 +78,18 @@ class Layout:
 
     @property
     def ctrl_lines(self) -> int:
-        return 7 + 3 * self.size
+        return 8 + 3 * self.size
 
     def opened_line(self, q: int) -> int:
-        return 7 + 2 * self.size + q
+        return 8 + 2 * self.size + q
 
     @staticmethod
     def head_line(q: int) -> int:
-        return 7 + 2 * q
+        return 8 + 2 * q
 
     @staticmethod
     def tail_line(q: int) -> int:
-        return 8 + 2 * q
+        return 9 + 2 * q
 
     @property
     def coll_offset(self) -> int:
@@ -152,11 +154,7 @@ class Segment:
         if self.linked:
             self.linked = False
             for p in (self.path, self.path + ".wake"):
-                _forget(p)
-                try:
-                    os.unlink(p)
-                except FileNotFoundError:
-                    pass
+                unlink_file(p)
 
     def close(self) -> None:
         self.unlink()
@@ -177,30 +175,49 @@ def new_name(group_tag: str, rank: int) -> str:
 
 def create(name: str, layout: Layout) -> Segment:
     """Create and map a new segment; a full /dev/shm raises a CommError saying how much was needed."""
-    sweep_stale()
     path = os.path.join(SHM_DIR, name)
     os.mkfifo(path + ".wake", 0o600)
     _remember(path + ".wake")
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    _remember(path)
+    fd = allocate_file(name, layout.total, extra=(path + ".wake",))
     try:
-        try:
-            os.posix_fallocate(fd, 0, layout.total)  # reserve the pages now: ENOSPC here, not SIGBUS later
-        except OSError as e:
-            for p in (path, path + ".wake"):
-                _forget(p)
-                os.unlink(p)
-            st = os.statvfs(SHM_DIR)
-            raise CommError(
-                f"shared-memory transport: cannot allocate {layout.total} bytes in {SHM_DIR} ({e.strerror}; "
-                f"{st.f_bavail * st.f_frsize} bytes free); free space in {SHM_DIR} or use --transport torch "
-                f"(DISTRAIN_TRANSPORT=torch)"
-            ) from None
         seg = Segment(name, layout, fd, owner=True)
     finally:
         os.close(fd)
     seg.set_line(3, os.getpid())
     return seg
+
+
+def allocate_file(name: str, size: int, extra: tuple[str, ...] = ()) -> int:
+    """Create /dev/shm/<name> with ``size`` bytes reserved and return its open descriptor
+    (remembered for unlinking at exit). A full /dev/shm raises a CommError saying how much was
+    needed; then the file and the ``extra`` paths are removed."""
+    sweep_stale()
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    _remember(path)
+    try:
+        os.posix_fallocate(fd, 0, size)  # reserve the pages now: ENOSPC here, not SIGBUS later
+    except OSError as e:
+        os.close(fd)
+        for p in (path, *extra):
+            _forget(p)
+            os.unlink(p)
+        st = os.statvfs(SHM_DIR)
+        raise CommError(
+            f"shared-memory transport: cannot allocate {size} bytes in {SHM_DIR} ({e.strerror}; "
+            f"{st.f_bavail * st.f_frsize} bytes free); free space in {SHM_DIR} or use --transport torch "
+            f"(DISTRAIN_TRANSPORT=torch)"
+        ) from None
+    return fd
+
+
+def unlink_file(path: str) -> None:
+    """Remove a file this process created (or a peer's, once mapped) and forget it."""
+    _forget(path)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def open_existing(name: str, layout: Layout, who: str) -> Segment:
