@@ -12,15 +12,18 @@ from distrain.cli import main
 @pytest.mark.timeout(300)
 def test_bench_train_end_to_end(tmp_path, capsys):
     out = tmp_path / "b.json"
-    code = main(["bench", "train", "--nproc", "2", "--strategies", "ddp,torch-ddp,local", "--model", "mlp-tiny",
+    code = main(["bench", "train", "--nproc", "2", "--strategies", "ddp,torch-ddp,zero2,local", "--model", "mlp-tiny",
                  "--steps", "3", "--warmup", "1", "--batch-size", "16", "--json", str(out)])
     assert code == 0
     records = {(r["nproc"], r["strategy"]): r for r in json.loads(out.read_text())["records"]}
-    assert set(records) == {(1, "single"), (2, "ddp"), (2, "torch-ddp"), (2, "local")}
+    assert set(records) == {(1, "single"), (2, "ddp"), (2, "torch-ddp"), (2, "zero2"), (2, "local")}
     # local: the same two ranks without any gradient exchange, the floor each strategy is measured against
     local = records[(2, "local")]
     assert [t["sent"] for t in local["bytes_per_rank"]] == [0, 0] and local["over_local"] is None
-    for s in ("ddp", "torch-ddp"):
+    # zero2's ring reduce-scatter of the padded 6,570 gradients (3,285 per rank) and all-gather
+    # of the updated shards: each rank sends its peer's half, then its own
+    assert [t["sent"] for t in records[(2, "zero2")]["bytes_per_rank"]] == [2 * 3285 * 4] * 2
+    for s in ("ddp", "torch-ddp", "zero2"):
         assert records[(2, s)]["over_local"] == pytest.approx(1 - local["step_ms"] / records[(2, s)]["step_ms"])
     single, ddp, peer = records[(1, "single")], records[(2, "ddp")], records[(2, "torch-ddp")]
     assert single["speedup"] == 1.0 and single["efficiency"] == 1.0
@@ -64,10 +67,10 @@ def test_bench_train_bad_flags():
     assert main(["bench", "train", "--model", "resnet"]) == 2
 
 
-def test_bench_train_sends_sharded_strategies_to_bench_zero(capsys):
+def test_bench_train_sends_torchs_sharded_strategies_to_bench_zero(capsys):
     assert main(["bench", "train", "--strategies", "ddp,zero3,torch-fsdp"]) == 2
     err = capsys.readouterr().err
-    assert "--strategies zero3,torch-fsdp" in err and "distrain bench zero --strategies ddp,zero3,torch-fsdp" in err
+    assert "--strategies torch-fsdp:" in err and "distrain bench zero --strategies ddp,zero3,torch-fsdp" in err
 
 
 @pytest.mark.timeout(120)

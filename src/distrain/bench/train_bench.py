@@ -9,6 +9,7 @@ does the same work per step; only the way the gradient is shared differs:
 * ``single``: one process, the baseline (always run at P = 1);
 * ``ddp``: our DistributedDataParallel (``--algorithm``, default ring);
 * ``torch-ddp``: torch.nn.parallel.DistributedDataParallel, our peer;
+* ``zero1`` / ``zero2`` / ``zero3``: our ZeRO engine (torch's FSDP2 beside them: ``bench zero``);
 * ``ps-sync`` / ``ps-async``: our parameter server with ``--servers`` server ranks (the
   other P - S ranks are workers, so a PS job at P computes on fewer ranks);
 * ``local``: the same P ranks with no gradient exchange (each steps its own replica): the
@@ -50,7 +51,7 @@ from distrain.errors import ConfigError
 from distrain.trainer.config import MODEL_DATA, TrainConfig
 from distrain.trainer.metrics import read_metrics
 
-STRATEGIES = ("ddp", "torch-ddp", "ps-sync", "ps-async", "local", "single-threads")
+STRATEGIES = ("ddp", "torch-ddp", "zero1", "zero2", "zero3", "ps-sync", "ps-async", "local", "single-threads")
 ONE_PROCESS = ("single-threads",)  # one job at P = 1 whatever --nproc is, like the single baseline
 
 
@@ -147,10 +148,10 @@ def run(args: argparse.Namespace) -> int:
     nprocs = parse_ints(args.nproc, "--nproc")
     from distrain.bench import zero_bench
     memory = [x for x in str(args.strategies).split(",") if x in zero_bench.STRATEGIES and x not in STRATEGIES]
-    if memory:  # sharded strategies are measured where peak memory is too, one fresh spawn per strategy
-        raise ConfigError(f"--strategies {','.join(memory)}: ZeRO and torch's sharded strategies are measured by "
+    if memory:  # torch's sharded strategies have no trainer engine: bench zero runs them beside ours
+        raise ConfigError(f"--strategies {','.join(memory)}: torch's sharded strategies are measured by "
                           f"`distrain bench zero --strategies {args.strategies}` (step time, bytes held and peak "
-                          f"memory per rank, side by side with ddp and torch-ddp)")
+                          f"memory per rank, side by side with ddp, zero1-3 and torch-ddp)")
     strategies = parse_choices(args.strategies, STRATEGIES, "--strategies")
     if args.model not in MODEL_DATA:
         raise ConfigError(f"--model {args.model!r} is unknown; use one of {', '.join(MODEL_DATA)}")
@@ -217,5 +218,6 @@ def _table(records: list[dict], args, batch: int) -> str:
 
 def _sent(r: dict, args) -> str:
     """The ledger's bytes; n/a where the traffic is not ours to count (Gloo's own collectives)."""
-    invisible = r["strategy"] == "torch-ddp" or (r["strategy"].startswith("ddp") and args.algorithm == "native")
+    ours_native = r["strategy"].startswith(("ddp", "zero")) and args.algorithm == "native"
+    invisible = r["strategy"] == "torch-ddp" or ours_native
     return "n/a" if invisible else f"{r['bytes_sent_max_rank'] / 1e6:.2f}"

@@ -23,10 +23,12 @@ group's first rank, as torch DDP does (``broadcast_buffers`` / ``forward_sync_bu
 every replica normalizes evaluation batches alike. ``gradient_as_bucket_view=True`` leaves
 ``.grad`` as views into the buckets (no copy back, one buffer less).
 
-On the shared-memory transport (``algorithm="native"``, every rank on this host, no
-compression) step 3 skips the flat buffer: the bucket's gradients themselves are
-all-reduced in place (``comm.all_reduce_list``), scaled by 1/P on their way into the slots,
-so the copy into the bucket and the copy back to ``.grad`` are gone; the bits are the same.
+On the shared-memory transport the buckets live in symmetric memory
+(``comm.symmetric_empty``: every peer maps them), so a bucket's all-reduce works in place in
+every rank's bucket: each rank reduces 1/P of it, read straight from the peers' buckets, and
+writes the sum into all of them (no copy through the transport's slots; the bits are the same).
+With ``gradient_as_bucket_view=True`` the averaged gradients then stay where they are: the
+gradients live in the shared segment.
 
 ``no_sync()`` skips 3-4 (gradients accumulate locally; the next synchronized backward
 all-reduces the sum). A parameter that got no gradient raises an error naming it, unless
@@ -43,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -56,8 +57,10 @@ from distrain.comm.core.util import nbytes
 from distrain.errors import CommError, ConfigError
 from distrain.parallel.data_parallel import comm_hooks
 from distrain.parallel.data_parallel.join import Join
+from distrain.parallel.data_parallel.torch_options import torch_options, unsupported
 
 FIRST_BUCKET_BYTES = 1 << 20
+_BROADCAST_BATCH_BYTES = 64 << 20  # parameters/buffers packed per broadcast, at most (a copy of this size)
 _COMPRESSION = {None: None, "none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -70,7 +73,6 @@ class _Bucket:
     pending: int = 0
     handle: object | None = None
     wire: torch.Tensor | None = None  # what is all-reduced (buffer, or its compressed copy)
-    in_place: bool = False  # the gradients themselves were all-reduced (no copy into buffer and back)
     index: int = 0  # position in launch order
 
 
@@ -78,7 +80,7 @@ class DistributedDataParallel(nn.Module):
     """Wrap ``module`` so that ``loss.backward()`` leaves gradients averaged over the group.
 
     Takes torch DDP's constructor arguments, in torch's order and with torch's meaning (see
-    :func:`_torch_options`), plus distrain's own keyword-only ones: ``algorithm`` (native,
+    :func:`torch_options.torch_options`), plus distrain's own keyword-only ones: ``algorithm`` (native,
     star, ring, tree), ``compression`` (None, "bf16", "fp16") and ``group`` (= process_group).
     """
 
@@ -99,11 +101,11 @@ class DistributedDataParallel(nn.Module):
         bucket_cap_mb = 25.0 if bucket_cap_mb is None else bucket_cap_mb
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
             raise ConfigError(f"DistributedDataParallel: bucket_cap_mb must be positive, got {bucket_cap_mb}")
-        _unsupported(delay_all_reduce_named_params=delay_all_reduce_named_params,
+        unsupported(delay_all_reduce_named_params=delay_all_reduce_named_params,
                      param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
                      device_mesh=device_mesh, skip_all_reduce_unused_params=skip_all_reduce_unused_params,
                      bucket_cap_mb_list=bucket_cap_mb_list)
-        opts = _torch_options(module, device_ids, output_device, dim, broadcast_buffers, forward_sync_buffers,
+        opts = torch_options(module, device_ids, output_device, dim, broadcast_buffers, forward_sync_buffers,
                               check_reduction, process_group, group)
         self.module = module
         self.group = opts.group
@@ -113,12 +115,12 @@ class DistributedDataParallel(nn.Module):
         self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph  # the same parameters unused every step: no error for them
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.batched_grad_copy = batched_grad_copy
+        self.batched_grad_copy = batched_grad_copy  # torch's flag; our copies are always batched per bucket
         self.forward_sync_buffers = opts.forward_sync_buffers
         self.wire_dtype = _COMPRESSION[compression]
         self.world = dist.get_world_size(self.group)
         self.src = dist.get_process_group_ranks(self.group or dist.group.WORLD)[0]
-        self.comm_wait_s = 0.0  # time the last backward spent blocked on communication
+        self.comm_wait_s = 0.0  # the last backward's time from its end of compute to averaged gradients
         self._sync = True
         self._step_sync = True
         self._queued = False
@@ -136,9 +138,6 @@ class DistributedDataParallel(nn.Module):
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._ready: set[int] = set()
         self._next_launch = 0
-        # the gradients straight through the shared-memory slots (the module docstring)
-        self._in_place = (self.wire_dtype is None and not gradient_as_bucket_view
-                          and comm.has_list_all_reduce(self.group, algorithm))
 
     @property
     def broadcast_buffers(self) -> bool:
@@ -148,11 +147,23 @@ class DistributedDataParallel(nn.Module):
     # -- set-up ------------------------------------------------------------------------------
     def _broadcast_state(self, params: bool = True, buffers: bool = True, src: int | None = None) -> None:
         """Parameters and/or buffers (BatchNorm running stats, ...) from global rank ``src``
-        (default: the group's first) to every rank."""
+        (default: the group's first) to every rank: one broadcast per dtype of them all packed
+        together (as torch's ``_broadcast_coalesced``), so a model with a buffer per layer pays
+        one collective before each forward, not one per layer."""
         tensors = (list(self.module.parameters()) if params else []) + (list(self.module.buffers()) if buffers else [])
+        batches: dict[tuple, list[list[torch.Tensor]]] = {}  # (dtype, device) -> batches of <= 64 MiB
+        for t in tensors:
+            if t.numel():
+                b = batches.setdefault((t.dtype, t.device), [[]])
+                if b[-1] and nbytes(t) + sum(nbytes(x) for x in b[-1]) > _BROADCAST_BATCH_BYTES:
+                    b.append([])
+                b[-1].append(t.data)
         with torch.no_grad():
-            for t in tensors:
-                comm.broadcast(t.data, src=self.src if src is None else src, group=self.group, algorithm=self.algorithm)
+            for group in (g for bs in batches.values() for g in bs):
+                flat = torch.cat([t.reshape(-1) for t in group])
+                comm.broadcast(flat, src=self.src if src is None else src, group=self.group, algorithm=self.algorithm)
+                torch._foreach_copy_(group, [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in group]),
+                                                                            group)])
 
     def _build_buckets(self, cap_bytes: float) -> list[_Bucket]:
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
@@ -173,13 +184,21 @@ class DistributedDataParallel(nn.Module):
         out = []
         for group in buckets:
             params = [p for _, p in group]
-            buf = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+            buf = self._bucket_buffer(sum(p.numel() for p in params), params[0])
             views, off = [], 0
             for p in params:
                 views.append(buf[off:off + p.numel()])
                 off += p.numel()
             out.append(_Bucket(params=params, names=[n for n, _ in group], buffer=buf, views=views, index=len(out)))
         return out
+
+    def _bucket_buffer(self, n: int, like: torch.Tensor) -> torch.Tensor:
+        """A zeroed flat bucket; in symmetric memory (the module docstring) for CPU parameters
+        all-reduced as they are by the native algorithm (every rank builds the same buckets in
+        the same order, as the collective allocation needs; other transports give plain memory)."""
+        if like.device.type == "cpu" and self.wire_dtype is None and self.algorithm == "native":
+            return comm.symmetric_empty(n, dtype=like.dtype, group=self.group).zero_()
+        return torch.zeros(n, dtype=like.dtype, device=like.device)
 
     @property
     def bucket_sizes(self) -> list[int]:
@@ -212,7 +231,7 @@ class DistributedDataParallel(nn.Module):
     def register_comm_hook(self, state, hook) -> None:
         """torch DDP's: ``hook(state, bucket) -> Future[Tensor]`` reduces each bucket (comm_hooks.py)."""
         comm_hooks.check_registration(self, hook)
-        self._hook, self._hook_state, self._in_place = hook, state, False
+        self._hook, self._hook_state = hook, state
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Join:
@@ -243,18 +262,16 @@ class DistributedDataParallel(nn.Module):
         bucket.pending -= 1
         self._launch_ready()
 
-    def _launch_ready(self) -> None:
+    def _launch_ready(self, wait: bool = False) -> None:
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
-            self._launch(self._buckets[self._next_launch])
+            self._launch(self._buckets[self._next_launch], wait)
             self._next_launch += 1
 
-    def _launch(self, b: _Bucket) -> None:
-        grads = [p.grad for p in b.params]
-        b.in_place = self._in_place and all(g is not None and g.is_contiguous() and g.dtype == b.buffer.dtype
-                                            for g in grads)
-        if b.in_place:  # no bucket copy: the gradients go to the slots, scaled by 1/P on the way in
-            b.handle = comm.all_reduce_list(grads, scale=1.0 / self._div, group=self.group, async_op=True)
-            return
+    def _launch(self, b: _Bucket, wait: bool = False) -> None:
+        """Copy the bucket's gradients in and start its all-reduce: asynchronously during backward
+        (the group's worker runs it while backward goes on), or with ``wait`` on this thread: at
+        the end of backward nothing is left to overlap, and handing the bucket to the worker and
+        back would cost two thread wake-ups, each a scheduler's time slice when cores are busy."""
         # Pre-divide, then sum: the average without a final pass, and no fp16 overflow. As in
         # torch's reducer, a gradient that is not yet the bucket's view is multiplied by 1/P
         # while it is copied in (one pass over it, not two: the same bits as torch DDP's
@@ -271,19 +288,21 @@ class DistributedDataParallel(nn.Module):
                     src.append(p.grad.reshape(-1))
                 elif div != 1:
                     v.div_(div)
-            if self.batched_grad_copy and dst:
-                torch._foreach_copy_(dst, src)  # fused per bucket: a copy, then the scale
-                torch._foreach_mul_(dst, 1.0 / div)
-            else:
-                inv = 1.0 / div
-                for v, g in zip(dst, src):
-                    torch.mul(g, inv, out=v)
+            if dst:  # one fused copy per bucket, then the scale: the same bits as torch.mul(g, 1/P, out=v)
+                torch._foreach_copy_(dst, src)
+                if div != 1:
+                    torch._foreach_mul_(dst, 1.0 / div)
             b.wire = b.buffer if self.wire_dtype is None else b.buffer.to(self.wire_dtype)  # (None with a hook)
-            b.handle = comm_hooks.run_hook(self, b.index, b.buffer) if self._hook is not None else \
-                comm.all_reduce(b.wire, op="sum", group=self.group, async_op=True, algorithm=self.algorithm)
+            if self._hook is not None:
+                b.handle = comm_hooks.run_hook(self, b.index, b.buffer)
+            else:
+                b.handle = comm.all_reduce(b.wire, op="sum", group=self.group, async_op=not wait,
+                                           algorithm=self.algorithm)
 
     def _finish_backward(self) -> None:
-        missing = [n for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in self._ready]
+        t0 = time.perf_counter()
+        missing = [] if len(self._ready) == len(self._bucket_of) else \
+            [n for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in self._ready]
         if missing and not (self.find_unused_parameters or self.static_graph):
             raise CommError(
                 f"DistributedDataParallel: parameter(s) {missing} received no gradient in this backward pass; "
@@ -291,8 +310,8 @@ class DistributedDataParallel(nn.Module):
             )
         for b in self._buckets:
             b.pending = 0
-        self._launch_ready()
-        self._wait_and_write_back()
+        self._launch_ready(wait=True)
+        self._wait_and_write_back(t0)
 
     def allreduce_gradients(self) -> None:
         """Average the gradients accumulated so far over the group, now.
@@ -301,19 +320,21 @@ class DistributedDataParallel(nn.Module):
         to synchronize, e.g. a pipeline step over several micro-batches (parallelize.py).
         Parameters without a gradient contribute zeros.
         """
-        for b in self._buckets:
-            self._launch(b)
-        self._wait_and_write_back()
-
-    def _wait_and_write_back(self) -> None:
         t0 = time.perf_counter()
         for b in self._buckets:
-            b.handle.wait()
+            self._launch(b, wait=True)
+        self._wait_and_write_back(t0)
+
+    def _wait_and_write_back(self, t0: float) -> None:
+        """Wait for every bucket, then write the averages back; comm_wait_s: seconds from ``t0``
+        (the end of backward's compute) until every bucket is reduced."""
+        for b in self._buckets:
+            if b.handle is not None:  # None: it ran on this thread (_launch with wait)
+                b.handle.wait()
         self.comm_wait_s = time.perf_counter() - t0
         with torch.no_grad():
+            dst, src = [], []
             for b in self._buckets:
-                if b.in_place:
-                    continue  # the averaged gradients are already in .grad
                 if b.wire is not b.buffer:
                     b.buffer.copy_(b.wire)
                 for p, v in zip(b.params, b.views):
@@ -321,78 +342,8 @@ class DistributedDataParallel(nn.Module):
                         p.grad = v.view_as(p)  # the gradient lives in the bucket: no copy
                     elif p.grad is None:
                         p.grad = v.view_as(p).clone()
-                    else:
-                        p.grad.copy_(v.view_as(p))
-
-
-# ---------------------------------------------------------------------------------------
-# torch DDP's constructor arguments
-# ---------------------------------------------------------------------------------------
-
-@dataclass
-class _Options:
-    group: object
-    device_ids: list[int] | None
-    output_device: int | None
-    input_device: torch.device | None
-    forward_sync_buffers: bool
-    init_sync_buffers: bool
-
-
-_NOT_SUPPORTED = {  # argument: (its default, what to do instead)
-    "delay_all_reduce_named_params": (None, "every parameter is all-reduced in its bucket"),
-    "param_to_hook_all_reduce": (None, "every parameter is all-reduced in its bucket"),
-    "mixed_precision": (None, "use compression='bf16' or 'fp16' to all-reduce in half precision"),
-    "device_mesh": (None, "pass process_group= (e.g. topo.dp_group)"),
-    "skip_all_reduce_unused_params": (False, "unused parameters are all-reduced as zeros"),
-    "bucket_cap_mb_list": (None, "use bucket_cap_mb (the first bucket is capped at 1 MiB, as in torch)"),
-}
-
-
-def _unsupported(**given) -> None:
-    for name, value in given.items():
-        default, instead = _NOT_SUPPORTED[name]
-        if value is not default and value != default:
-            raise ConfigError(f"DistributedDataParallel: {name}={value!r} is not supported by distrain's DDP; "
-                              f"leave it at {default!r} ({instead})")
-
-
-def _torch_options(module, device_ids, output_device, dim, broadcast_buffers, forward_sync_buffers,
-                   check_reduction, process_group, group) -> _Options:
-    """torch DDP's rules for the arguments that change nothing in the gradient math:
-
-    * ``process_group`` (or distrain's ``group``): the group; None is the world.
-    * ``device_ids`` / ``output_device``: None for CPU modules (an error otherwise, as in torch);
-      a one-element list for a single-device accelerator module, whose inputs are moved there.
-    * ``broadcast_buffers`` / ``forward_sync_buffers`` (torch 2.13): buffers broadcast from the
-      group's first rank before each forward (default True); ``broadcast_buffers=False`` also
-      leaves buffers out of the initial broadcast, ``forward_sync_buffers=False`` does not.
-    * ``dim``: the scatter dimension of multi-device modules (unused for one device, as in torch);
-      ``check_reduction``: deprecated in torch, no effect (a FutureWarning, as in torch).
-    """
-    if process_group is not None and group is not None and process_group is not group:
-        raise ConfigError("DistributedDataParallel: pass the group once, as process_group= or group=, not both")
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise ConfigError(f"DistributedDataParallel: dim must be an int, got {dim!r}")
-    if device_ids is not None and len(device_ids) > 1:
-        raise ConfigError(f"DistributedDataParallel: device_ids can only be None or contain a single element, "
-                          f"got {device_ids}")
-    devices = {p.device for p in module.parameters()}
-    if (device_ids or output_device is not None) and (len(devices) != 1 or next(iter(devices)).type == "cpu"):
-        raise ConfigError(f"DistributedDataParallel: device_ids and output_device only apply to a module on one "
-                          f"accelerator; this module's parameters are on {sorted(map(str, devices))}: pass "
-                          f"device_ids=None, output_device=None (got {device_ids}, {output_device})")
-    ids = [torch.device(d).index if not isinstance(d, int) else d for d in device_ids] if device_ids else None
-    out = output_device if output_device is not None else (ids[0] if ids else None)
-    if check_reduction:
-        warnings.warn("DistributedDataParallel: check_reduction is deprecated (as in torch) and has no effect",
-                      FutureWarning, stacklevel=3)
-    if forward_sync_buffers is not None:
-        if broadcast_buffers is not None:
-            warnings.warn("DistributedDataParallel: broadcast_buffers is ignored when forward_sync_buffers is "
-                          "given (as in torch)", FutureWarning, stacklevel=3)
-        fwd, init = bool(forward_sync_buffers), True
-    else:
-        fwd = init = True if broadcast_buffers is None else bool(broadcast_buffers)
-    dev = torch.device(next(iter(devices)).type, ids[0]) if ids else None
-    return _Options(process_group if process_group is not None else group, ids, out, dev, fwd, init)
+                    elif p.grad.data_ptr() != v.data_ptr():
+                        dst.append(p.grad.view(-1) if p.grad.is_contiguous() else p.grad)
+                        src.append(v if p.grad.is_contiguous() else v.view_as(p))
+            if dst:
+                torch._foreach_copy_(dst, src)  # one fused copy back for every bucket

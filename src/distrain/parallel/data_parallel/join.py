@@ -113,12 +113,11 @@ class Join:
         ddp = self.ddp
         pending = []
         for i, b in enumerate(ddp._buckets):
-            zeros = torch.zeros_like(b.buffer)
+            # the bucket itself: on shared memory it is the symmetric counterpart of the active
+            # ranks' buckets (ddp.py), which the collective needs on every rank
+            zeros = b.buffer.zero_()
             if ddp._hook is not None:
                 pending.append(comm_hooks.run_hook(ddp, i, zeros))
-            elif ddp._in_place:  # the active ranks pass their gradients themselves (ddp.py)
-                views = [v.view_as(p) for v, p in zip(zeros.split([p.numel() for p in b.params]), b.params)]
-                pending.append(comm.all_reduce_list(views, scale=1.0, group=ddp.group, async_op=True))
             else:
                 wire = zeros if ddp.wire_dtype is None else zeros.to(ddp.wire_dtype)
                 pending.append(comm.all_reduce(wire, op="sum", group=ddp.group, async_op=True,
