@@ -29,6 +29,10 @@ from distrain.trainer.metrics import read_metrics
 # (tp needs P divisible by tp = 2 on gpt-tiny's 4 heads) have their P = 2 and 4 forms
 RUNS = {
     "ddp P=2": dict(strategy="ddp", nproc=2), "ddp P=3": dict(strategy="ddp", nproc=3),
+    # shared memory, native: the buckets in symmetric memory, reduced in place in every rank's copy
+    "ddp shm P=2": dict(strategy="ddp", nproc=2, transport="shm", algorithm="native"),
+    "ddp shm P=3": dict(strategy="ddp", nproc=3, transport="shm", algorithm="native"),
+    "zero2 shm P=3": dict(strategy="zero2", nproc=3, transport="shm", algorithm="native"),
     "torch-ddp P=2": dict(strategy="torch-ddp", nproc=2), "torch-ddp P=3": dict(strategy="torch-ddp", nproc=3),
     "zero1 P=2": dict(strategy="zero1", nproc=2), "zero1 P=3": dict(strategy="zero1", nproc=3),
     "zero2 P=2": dict(strategy="zero2", nproc=2), "zero2 P=3": dict(strategy="zero2", nproc=3),
