@@ -41,7 +41,9 @@ copies that wrapper makes, e.g. for all_gather/reduce_scatter, are paid by every
 same rounds: the world group carries the first transport, a second group of the same ranks
 each further one. Columns are labelled ``ALGORITHM`` for torch and ``ALGORITHM@TRANSPORT``
 otherwise (``native@shm`` = the direct shared-memory collectives, ``ring@shm`` = our ring
-over shared-memory P2P).
+over shared-memory P2P). ``--symmetric`` adds a ``native@shm+sym`` column per shared-memory
+transport: the same call on buffers cut from symmetric memory (``comm.symmetric_empty``), which
+all_reduce reduces in place in every rank's copy (the others take their usual path on them).
 
 Sizes and bandwidths follow nccl-tests (doc/PERFORMANCE.md): the size S is the bytes of the
 full buffer: the tensor for all_reduce/broadcast/reduce; the gathered output (P*n elements)

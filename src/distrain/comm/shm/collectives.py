@@ -21,6 +21,12 @@ saving the second wait, which dominates latency. At P = 2 every chunk takes one 
 second wait costs more than reducing the whole chunk twice (measured 1.05-1.2x faster at
 64 KiB-16 MiB on the loaded 2-core machine, both ways interleaved in one run).
 
+all_reduce of a tensor in symmetric memory (symmetric.py; every peer maps its counterpart)
+skips the slots: two waits for the whole tensor, between them rank r reduces part r of all P
+copies and writes it into every copy (:func:`_all_reduce_symmetric`). Each rank declares on its
+SYMMETRIC line what it passes, so a rank that passes an ordinary tensor against symmetric ones
+is named instead of reading the wrong memory.
+
 reduce_scatter: step with the P pieces destined to each rank; rank r folds piece r of all
 slots. all_gather / gather: each copies its piece in; readers copy all. broadcast / scatter:
 the root copies in, the others copy out. reduce: all copy in, the root folds.

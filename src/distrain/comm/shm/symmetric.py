@@ -116,12 +116,12 @@ class Heap:
 
     def locate(self, t: torch.Tensor) -> tuple[Allocation, int] | None:
         """(allocation, byte offset) if contiguous ``t`` lies wholly inside one of this rank's allocations."""
-        if not self.allocs or not t.is_contiguous():
-            return None
-        p, n = t.data_ptr(), t.numel() * t.element_size()
+        p = t.data_ptr()
         for a in self.allocs:
-            if a.base <= p and p + n <= a.base + a.nbytes:
-                return a, p - a.base
+            if a.base <= p < a.base + a.nbytes:  # the cheap test first: most tensors are elsewhere
+                if p + t.numel() * t.element_size() <= a.base + a.nbytes and t.is_contiguous():
+                    return a, p - a.base
+                return None
         return None
 
     def close(self) -> None:
