@@ -198,3 +198,26 @@ def test_markdown_tables(tmp_path):
     assert text.startswith("**all_reduce, P=2** (time in µs, bandwidths in GB/s)")
     assert "| size | count | native us | native algbw | native busbw | tree us |" in text
     assert "\n| 4K | 1024 |" in text
+
+
+def test_symmetric_needs_native_on_shared_memory(capsys):
+    assert cli.main(["bench", "comm", "--symmetric"]) == 2  # transport torch only: nothing to compare
+    assert ("--symmetric: times native on symmetric buffers of a shared-memory transport; add shm (or auto) to "
+            "--transport and native to --algorithms") in capsys.readouterr().err
+    assert cli.main(["bench", "comm", "--symmetric", "--transport", "shm", "--algorithms", "ring"]) == 2
+
+
+@pytest.mark.timeout(120)
+def test_symmetric_column_end_to_end(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    rc = cli.main(["bench", "comm", "--nproc", "2", "--ops", "all_reduce,all_gather", "--algorithms", "native",
+                   "--transport", "torch,shm", "--symmetric", "--sizes", "4K,1M", "--iters", "3", "--burst", "2",
+                   "--warmup", "1", "--json", str(out), "--timeout", "90"])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "native@shm+sym" in table
+    data = json.loads(out.read_text())
+    assert "--symmetric" in data["meta"]["command"]
+    cells = [(r["op"], r["algorithm"], r["transport"], r["size_bytes"]) for r in data["records"]]
+    assert cells == [(op, alg, t, size) for op in ("all_reduce", "all_gather") for size in (4096, 1 << 20)
+                     for alg, t in (("native", "torch"), ("native@shm", "shm"), ("native@shm+sym", "shm+sym"))]
