@@ -1,6 +1,6 @@
 """Shared test helpers: spawning ranks, the single-process reference run, and the two tiers.
 
-Tiers: ``pytest -m "not slow"`` is the fast tier (a couple of minutes); ``make test`` runs
+Tiers: ``pytest -m "not slow" -n 2`` is the fast tier (under two minutes on 2 cores); ``make test`` runs
 everything. A test is slow when it is marked ``@pytest.mark.slow`` or when its own
 ``@pytest.mark.timeout`` allows two minutes or more (the timeout already says "this one
 is long"), so a new long test lands in the slow tier without anyone remembering to mark it;
