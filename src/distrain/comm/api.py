@@ -30,6 +30,7 @@ checks, the debug fingerprint and the dispatcher itself are in dispatch.py.
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -119,8 +120,6 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = Fals
 
 def has_list_all_reduce(group=None, algorithm: str = "native") -> bool:
     """Deprecated: :func:`all_reduce_list` runs on every group now, so this is always True."""
-    import warnings
-
     warnings.warn("distrain.comm.has_list_all_reduce is always True (all_reduce_list runs on every group) and "
                   "will be removed in the next release", DeprecationWarning, stacklevel=2)
     return True

@@ -102,11 +102,11 @@ class DistributedDataParallel(nn.Module):
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
             raise ConfigError(f"DistributedDataParallel: bucket_cap_mb must be positive, got {bucket_cap_mb}")
         unsupported(delay_all_reduce_named_params=delay_all_reduce_named_params,
-                     param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
-                     device_mesh=device_mesh, skip_all_reduce_unused_params=skip_all_reduce_unused_params,
-                     bucket_cap_mb_list=bucket_cap_mb_list)
+                    param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
+                    device_mesh=device_mesh, skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+                    bucket_cap_mb_list=bucket_cap_mb_list)
         opts = torch_options(module, device_ids, output_device, dim, broadcast_buffers, forward_sync_buffers,
-                              check_reduction, process_group, group)
+                             check_reduction, process_group, group)
         self.module = module
         self.group = opts.group
         self.device_ids, self.output_device, self.dim = opts.device_ids, opts.output_device, dim
@@ -272,11 +272,12 @@ class DistributedDataParallel(nn.Module):
         (the group's worker runs it while backward goes on), or with ``wait`` on this thread: at
         the end of backward nothing is left to overlap, and handing the bucket to the worker and
         back would cost two thread wake-ups, each a scheduler's time slice when cores are busy."""
-        # Pre-divide, then sum: the average without a final pass, and no fp16 overflow. As in
-        # torch's reducer, a gradient that is not yet the bucket's view is multiplied by 1/P
-        # while it is copied in (one pass over it, not two: the same bits as torch DDP's
-        # at every P); one that already is the view (gradient_as_bucket_view) is divided. A comm
-        # hook gets the plain gradients (it averages them itself): then the factor is 1.
+        # Pre-divide, then sum: the average without a final pass, and no fp16 overflow. The
+        # gradients that are not yet the bucket's views are copied in with one fused copy and
+        # multiplied by 1/P in the bucket (the same bits as torch's reducer, which multiplies
+        # while copying: x * (1/P) either way); one that already is the view
+        # (gradient_as_bucket_view) is divided. A comm hook gets the plain gradients (it averages
+        # them itself): then the factor is 1.
         div = self._div if self._hook is None else 1
         with torch.no_grad():
             dst, src = [], []
