@@ -141,7 +141,8 @@ def _choose(last: list[float] | None, cfg: dict, call, algs: list[str], dist) ->
     return iters, bursts
 
 
-def _case(rank: int, P: int, op: str, size: int, cfg: dict, dist, groups: dict) -> list[dict]:
+def _case(rank: int, P: int, op: str, size: int, cfg: dict, dist, groups: dict,
+          arenas: dict | None = None) -> list[dict]:
     from distrain import comm
 
     dtype = _DTYPES[cfg["dtype"]]
@@ -150,7 +151,7 @@ def _case(rank: int, P: int, op: str, size: int, cfg: dict, dist, groups: dict) 
     A = len(algs)
     n = per_rank_count(op, size, P, elem)
     S = full_size(op, n, P, elem)
-    call = _make_call(op, n, P, rank, dtype, groups, groups.get(SYMMETRIC))
+    call = _make_call(op, n, P, rank, dtype, groups, arenas)
 
     last = None
     for w in range(cfg["warmup"]):
@@ -210,8 +211,8 @@ def _worker(rank: int, cfg: dict) -> list[dict] | None:
         g = None if i == 0 else dist.new_group(list(range(P)))
         comm.set_transport(t, g)
         groups[t] = g
-    if cfg.get("symmetric"):  # each shared-memory transport's arena for the +sym columns
-        groups[SYMMETRIC] = {t: {} for t in cfg["transports"] if t in ("shm", "auto")}
+    # each shared-memory transport's symmetric arena for the +sym columns, kept across cells
+    arenas = {t: {} for t in cfg["transports"] if t in ("shm", "auto")} if cfg.get("symmetric") else None
     records: list[dict] = []
     fabric = comm_predict.setup(cfg["predict"], rank) if cfg.get("predict") else None
     sizes = cfg["sizes"]
@@ -219,7 +220,7 @@ def _worker(rank: int, cfg: dict) -> list[dict] | None:
     for op in cfg["ops"]:
         for size in (sizes if op != "barrier" else [0]):
             t0, load0 = time.perf_counter(), background.loadavg()
-            recs = _case(rank, P, op, size, cfg, dist, groups)
+            recs = _case(rank, P, op, size, cfg, dist, groups, arenas)
             load1 = background.loadavg()  # the cell is one measurement: its load at start and end
             for r in recs:
                 r["loadavg_start"], r["loadavg_end"] = load0, load1

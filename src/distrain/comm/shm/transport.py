@@ -73,8 +73,7 @@ SPIN_MIN_S = 5e-6  # ... and the shortest (spins that keep failing shrink to thi
 MAX_BLOCK = 0.05  # seconds one block lasts at most (then the deadline and peers are checked)
 CHECK_EVERY = 0.05  # seconds between checks for dead peers and the deadline
 _fence_lock = threading.Lock()
-_MAIN = threading.main_thread().ident
-_WORKER_BLOCKS = True
+_MAIN = threading.main_thread().ident  # waits on other threads (the group's worker) never spin
 
 
 def fence() -> None:
@@ -107,7 +106,7 @@ class ShmTransport:
         self.hosts: dict[int, str] = {self.rank: self.host}
         self._names: dict[int, tuple[str, int]] = {self.rank: (self.me.name, self.layout.total)}
         self.step = 0  # collective steps done; identical on every rank (same calls, same order)
-        self.spin = SPIN_MAX_S  # seconds of spinning before blocking, adapted to how often spinning paid off (wait())
+        self.spin = SPIN_MAX_S  # seconds a wait spins before it blocks, adapted in wait()
         self.coll = "collective"  # what the current wait is for, for error messages
         self.p2p = None  # built on the first point-to-point message (p2p.Channels)
         self.heap: Heap | None = None  # symmetric allocations (symmetric.py), on the first one
@@ -207,7 +206,9 @@ class ShmTransport:
         # next spin, one that has to block halves it, between SPIN_MIN_S and SPIN_MAX_S.
         if ready():
             return
-        spin = self.spin if threading.get_ident() == _MAIN or not _WORKER_BLOCKS else 0.0
+        # A wait on the group's worker thread (an async collective, e.g. a DDP bucket during
+        # backward) blocks at once: spinning there would take the core from the rank's backward.
+        spin = self.spin if threading.get_ident() == _MAIN else 0.0
         clock = time.perf_counter
         end = clock() + spin
         while True:
