@@ -49,7 +49,10 @@ def _hf_model(seed: int, **kw):
     return model
 
 
-@pytest.fixture(scope="module")
+# session scope, like _REFERENCE below: with `-n 2 --dist worksteal` a worker may leave this module and come
+# back, and a module-scoped fixture would then save the models to a new folder while the cached reference run
+# still names the first one (CI saw hf0 against hf1)
+@pytest.fixture(scope="session")
 def hf(tmp_path_factory):
     """{"gqa" | "tied" | "sharded": (folder, model)}: small random LlamaForCausalLMs saved with save_pretrained."""
     root = tmp_path_factory.mktemp("hf")
