@@ -10,7 +10,9 @@ import time
 
 import pytest
 
-from distrain.bench import background, comm_bench, train_bench
+from distrain.bench import background
+from distrain.bench.comm import collectives as comm_bench
+from distrain.bench.train import throughput as train_bench
 from distrain.cli import main
 from distrain.errors import ConfigError
 

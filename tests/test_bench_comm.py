@@ -9,7 +9,8 @@ import json
 import pytest
 
 from distrain import cli
-from distrain.bench import comm_bench, common
+from distrain.bench import common
+from distrain.bench.comm import collectives as comm_bench
 from distrain.errors import ConfigError
 
 

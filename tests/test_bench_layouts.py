@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from distrain.bench.layout_bench import Layout, parse_layout, plan_jobs
+from distrain.bench.train.layouts import Layout, parse_layout, plan_jobs
 from distrain.cli import main
 from distrain.errors import ConfigError
 from distrain.models import build_model, count_parameters

@@ -54,7 +54,7 @@ def test_bench_train_single_threads(tmp_path, capsys):
 
 
 def test_bench_train_single_threads_in_every_round():
-    from distrain.bench import train_bench
+    from distrain.bench.train import throughput as train_bench
 
     # beside single, once whatever --nproc is; rotated with the others in every round like local
     assert train_bench._jobs([1, 2, 4], ["ddp", "local", "single-threads"], 1) == [

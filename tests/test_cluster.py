@@ -302,7 +302,7 @@ def test_elastic_job_survives_a_whole_node_killed(emulated_cluster, tmp_path, st
     assert got[-1]["world"] == 2 and got[0]["world"] == 3
     torch.testing.assert_close(torch.tensor([g["loss"] for g in got]), torch.tensor([w["loss"] for w in want]),
                                rtol=1e-11, atol=0)
-    from distrain.trainer.elastic_loop import read_events
+    from distrain.trainer.metrics import read_events
 
     (e,) = read_events(metrics)
     assert (e["old_world"], e["new_world"], e["left"]) == (3, 2, [1])

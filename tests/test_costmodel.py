@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from distrain.bench import link_bench
+from distrain.bench.link import calibrate as link_bench
 from distrain.comm.algorithms.cost import traffic
 from distrain.costmodel import Fabric, Link, Message, predict, predict_ps, simulate
 from distrain.costmodel.links import calibrated_fabric
@@ -180,7 +180,7 @@ def test_plan_command(capsys):
 
 
 def test_prediction_table_from_bench_json(tmp_path):
-    from distrain.bench import comm_predict
+    from distrain.bench.comm import predict as comm_predict
 
     recs = [{"P": 2, "op": "all_reduce", "algorithm": "ring", "size_bytes": 1 << 20, "time_us": 100000.0,
              "predicted_us": 90000.0, "predicted_error_pct": -10.0},
@@ -261,7 +261,7 @@ def test_bench_ps_records_beside_predict_ps(tmp_path, capsys):
 
 
 def test_step_prediction_row_from_a_run_folder(tmp_path):
-    from distrain.bench import step_predict
+    from distrain.bench.train import step_predict
     from distrain.costmodel import plan
     from distrain.costmodel.links import calibrated_fabric
 

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 import distrain  # noqa: E402
 from distrain.errors import ConfigError  # noqa: E402
 from distrain.models import lm_loss  # noqa: E402
-from distrain.models.hf import (  # noqa: E402
+from distrain.models.hf_transformers import (  # noqa: E402
     TiedHead, check_tp_fits, hf_tp_plan, pipeline_layers, translate_hf_tp_plan,
 )
 from distrain.models.registry import build_model, model_tp_plan, tp_plan_for  # noqa: E402

@@ -3,13 +3,16 @@
 Each module belongs to a layer (LAYERS, longest prefix wins); a module may import its own layer
 or a lower one, never a higher one, and the import graph has no circle at all. So comm's core
 never reaches into shm/ or an algorithm, parallel/ never into a model, and nothing but
-``__main__`` imports the CLI. ``python tests/test_import_graph.py`` prints the layer graph.
+``__main__`` imports the CLI. A source file over MAX_LINES lines is a warning, not a failure
+(pytest's warnings summary lists them). ``python tests/test_import_graph.py`` prints the layer
+graph and the long files.
 """
 
 from __future__ import annotations
 
 import ast
 import sys
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -32,7 +35,8 @@ LAYERS: dict[str, int] = {
     "distrain.costmodel": 9,
     "distrain.trainer": 10,
     "distrain.cluster": 11,
-    "distrain": 12,  # the package's own __init__ (the Python API) and generate_cli
+    "distrain": 12,  # the package's own __init__ (the Python API), generate_cli, and moved (the old-path
+    # finder: it imports its targets through importlib, which no import statement shows)
     "distrain.bench": 13,
     "distrain.cli": 14,
     "distrain.__main__": 15,
@@ -146,9 +150,16 @@ def test_only_main_imports_the_cli():
     assert users == ["distrain.__main__"]
 
 
+def long_files() -> dict[str, int]:
+    """{path under src/distrain: lines} of every source file over MAX_LINES lines."""
+    return {str(p.relative_to(SRC)): n for p in sorted(SRC.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+
+
 def test_no_source_file_over_the_limit():
-    long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert long == {}, f"split these modules (>{MAX_LINES} lines): {long}"
+    long = long_files()
+    if long:  # a warning, not a failure: the summary lists them until they are split
+        warnings.warn(UserWarning(f"split these modules (>{MAX_LINES} lines): {long}"))
 
 
 def test_the_checker_sees_circles_and_upward_imports():
@@ -179,4 +190,5 @@ if __name__ == "__main__":
     print("\n".join(layer_summary(g)))
     print("circles:", circles(g) or "none")
     print("upward imports:", upward(g) or "none")
+    print(f"files over {MAX_LINES} lines:", ", ".join(f"{f} ({n})" for f, n in long_files().items()) or "none")
     sys.exit(1 if circles(g) or upward(g) else 0)

@@ -1,7 +1,8 @@
 """Every ``distrain.*`` path README.md and docs/*.md name resolves: its module part imports and
-the rest are attributes (``distrain.models.gpt_plan.gpt_tp_plan``). Current paths import
+the rest are attributes (``distrain.models.gpt.plan.gpt_tp_plan``). Current paths import
 silently; old paths (moved in a redesign) keep working for one release through a thin shim
-that warns with DeprecationWarning naming the new path and imports only that new module."""
+that warns with DeprecationWarning naming the new path and imports only that new module: the
+one table distrain.moved.MOVED and its finder answer for every old path, no file does."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from distrain.comm import _moved
+from distrain import moved
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "distrain"
@@ -26,20 +27,9 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PATH = re.compile(r"(?<![\w./\"-])distrain(?:\.[A-Za-z_]\w*)+(?![\w/\"])")
 
 # old public module -> its new module (git log --diff-filter=DR -- src/distrain: the parallel/
-# redesign in 8aa7d25, the transports of b6058dd); each has a shim at the old path
-DEPRECATED = {
-    "distrain.parallel.ddp": "distrain.parallel.data_parallel.ddp",
-    "distrain.parallel.ps": "distrain.parallel.parameter_server",
-    "distrain.parallel.ps_layout": "distrain.parallel.parameter_server.ps_layout",
-    "distrain.parallel.pipeline": "distrain.parallel.pipeline_parallel",
-    "distrain.parallel.pipeline_schedule": "distrain.parallel.pipeline_parallel.schedule",
-    "distrain.parallel.pipeline_timeline": "distrain.parallel.pipeline_parallel.timeline",
-    "distrain.parallel.tensor": "distrain.parallel.tensor_parallel",
-    "distrain.parallel.tensor_layers": "distrain.parallel.tensor_parallel",
-}
-# the flat comm/ modules before core/, algorithms/, shm/: answered by a finder (comm/_moved.py), not files
-COMM_MOVED = {f"distrain.comm.{old}": new for old, new in _moved.MOVED.items()}
-ALL_OLD = {**DEPRECATED, **COMM_MOVED}
+# redesign in 8aa7d25, the transports of b6058dd, comm/ as core/ algorithms/ shm/, models/ and
+# bench/ as folders): the one table, answered by the finder of distrain/moved.py, not by files
+ALL_OLD = dict(moved.MOVED)
 
 
 def documented_paths() -> dict[str, list[str]]:
@@ -101,7 +91,7 @@ def resolved() -> dict:
 def test_the_documents_name_paths():
     found = documented_paths()
     # the scan finds what the documents are known to name (a broken regex would find nothing)
-    for path in ("distrain.parallel.parameter_server", "distrain.models.gpt_plan.gpt_tp_plan", "distrain.comm",
+    for path in ("distrain.parallel.parameter_server", "distrain.models.gpt.plan.gpt_tp_plan", "distrain.comm",
                  "distrain.parallel.zero.memory", "distrain.Topology.from_world"):
         assert path in found, f"{path} not found in README.md/docs/*.md"
     assert "distrain.lock" not in found  # `<out>/.distrain.lock` is a file, not a module path
@@ -146,41 +136,58 @@ def test_moved_names_say_where_they_went():
     import distrain.parallel.tensor as tensor
 
     with pytest.raises(AttributeError, match=r"^distrain\.parallel\.tensor\.check_tp_sizes moved to "
-                                             r"distrain\.models\.gpt_plan$"):
+                                             r"distrain\.models\.gpt\.plan$"):
         tensor.check_tp_sizes  # noqa: B018
     with pytest.raises(AttributeError, match=r"^distrain\.parallel\.pipeline_timeline\.measure_bubbles moved to "
-                                             r"distrain\.bench\.pipeline_bench$"):
+                                             r"distrain\.bench\.pipeline\.bubbles$"):
         timeline.measure_bubbles  # noqa: B018
     with pytest.raises(AttributeError, match=r"module 'distrain\.parallel\.tensor' has no attribute 'nothing'"):
         tensor.nothing  # noqa: B018
 
 
-def _shim_file(old: str) -> Path:
-    return SRC.joinpath(*old.split(".")[1:]).with_suffix(".py")
+def _old_file(old: str) -> Path:
+    return SRC.joinpath(*old.split(".")[1:])
 
 
-@pytest.mark.parametrize("old", sorted(DEPRECATED))
-def test_shim_imports_only_its_new_module(old):
-    """No import cycle can go through a shim: it imports ``warnings`` and its new module, nothing else."""
-    tree = ast.parse(_shim_file(old).read_text())
+def _imports(path: Path) -> set[str]:
     imported = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             imported |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             imported.add("." * node.level + (node.module or ""))
-    assert imported == {"warnings", DEPRECATED[old]}, f"{old} imports {sorted(imported)}"
+    return imported
+
+
+@pytest.mark.parametrize("old", sorted(ALL_OLD))
+def test_shim_imports_only_its_new_module(old):
+    """No import cycle can go through a shim: the finder's module imports the standard library only, and
+    importing an old path loads its new module (and what that imports), nothing else."""
+    imported = _imports(SRC / "moved.py")
+    assert imported <= {"__future__", "importlib", "importlib.abc", "importlib.util", "sys", "types", "warnings"}, \
+        f"distrain/moved.py imports {sorted(imported)}"
+    importlib.import_module(ALL_OLD[old])
+    sys.modules.pop(old, None)
+    before = set(sys.modules)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        importlib.import_module(old)
+    parents = {old.rsplit(".", k)[0] for k in range(1, old.count("."))} & set(ALL_OLD)  # old packages on the way
+    loaded = set(sys.modules) - before
+    assert old in loaded and loaded <= {old} | parents, f"importing {old} loaded {sorted(loaded - {old} - parents)}"
 
 
 def test_every_shim_is_listed():
-    """A module whose docstring says it is deprecated is one of DEPRECATED (so the tests above cover it),
-    and nothing in distrain imports an old path."""
+    """No module's docstring says it is deprecated and no file or folder lives at an old path (the finder
+    answers for every one, so the tests above cover them all), and nothing in distrain imports an old path."""
     shims = set()
     for f in SRC.rglob("*.py"):
         doc = ast.get_docstring(ast.parse(f.read_text())) or ""
         if doc.startswith("Deprecated"):
             shims.add(".".join(("distrain", *f.relative_to(SRC).with_suffix("").parts)))
-    assert shims == set(DEPRECATED)
+    assert shims == set()
+    files = [old for old in ALL_OLD if _old_file(old).with_suffix(".py").exists() or _old_file(old).is_dir()]
+    assert files == []
     users = [f"{f.relative_to(ROOT)} imports {old}" for f in SRC.rglob("*.py") for old in ALL_OLD
              if re.search(rf"^\s*(from|import) {re.escape(old)}\b(?!\.)", f.read_text(), re.M)]
     assert users == []

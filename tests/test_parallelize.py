@@ -10,7 +10,7 @@ from distrain import Topology
 from distrain.models import build_model, lm_loss
 from distrain.parallel.parallelize import parallelize
 from distrain.parallel.tensor_parallel import tp_shard_info
-from distrain.models.gpt_plan import gpt_tp_plan
+from distrain.models.gpt.plan import gpt_tp_plan
 
 STEPS = 3
 GLOBAL_B = 8

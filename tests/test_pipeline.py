@@ -15,7 +15,7 @@ import distrain
 from distrain import comm
 from distrain.errors import ConfigError, RankFailedError
 from distrain.models import build_model, lm_loss
-from distrain.bench.pipeline_bench import format_bubble_table, measure_bubbles
+from distrain.bench.pipeline.bubbles import format_bubble_table, measure_bubbles
 from distrain.parallel.pipeline_parallel import (
     PipelineStage, ScheduleDeadlock, collect_timeline, ideal_bubble, layer_costs, partition, peak_in_flight,
     pipeline_step, schedule_ops, simulate, split_microbatches,

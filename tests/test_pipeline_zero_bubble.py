@@ -298,7 +298,7 @@ def test_trainer_refuses_bad_zb_config(tmp_path, kw, match):
 
 @pytest.mark.timeout(120)
 def test_bench_rows_for_zb_h1():
-    from distrain.bench.pipeline_bench import format_bubble_table, measure_bubbles
+    from distrain.bench.pipeline.bubbles import format_bubble_table, measure_bubbles
 
     rows = measure_bubbles((3,), (3, 6), schedules=("1f1b", "zb-h1"), f_ms=2.0, b_ms=4.0, repeats=1,
                            workload="sleep", timeout=100)
@@ -316,7 +316,7 @@ def test_bench_rows_for_zb_h1():
 def test_bench_refuses_an_unknown_schedule():
     import argparse
 
-    from distrain.bench.pipeline_bench import add_pipeline_arguments, run_pipeline
+    from distrain.bench.pipeline.bubbles import add_pipeline_arguments, run_pipeline
 
     parser = argparse.ArgumentParser()
     add_pipeline_arguments(parser)

@@ -13,7 +13,7 @@ from distrain import Topology, comm
 from distrain.comm.algorithms.cost import traffic
 from distrain.errors import ConfigError
 from distrain.models import build_model, lm_loss
-from distrain.models.gpt_plan import gpt_tp_plan
+from distrain.models.gpt.plan import gpt_tp_plan
 from distrain.parallel import parallelize
 from distrain.parallel.tensor_parallel import (
     apply_tensor_parallel, sequence_parallel_bytes_per_block, split_to_sequence, tp_loss, tp_shard_info,
@@ -164,7 +164,7 @@ def test_ledger_equals_the_sequence_parallel_formula():
 
 def _saved_bytes(rank: int) -> dict:
     """Bytes autograd saves for backward in one Block's forward, per rank (unique storages)."""
-    from distrain.bench.tp_bench import saved_activation_bytes
+    from distrain.bench.tp.blocks import saved_activation_bytes
 
     out = {}
     for name, plan in (("tp", gpt_tp_plan()), ("sp", gpt_tp_plan(sequence_parallel=True))):

@@ -18,7 +18,7 @@ from distrain import comm
 from distrain.comm.algorithms.cost import traffic
 from distrain.errors import ConfigError
 from distrain.models import GPTConfig, MLPBlock, build_model, generate, lm_loss
-from distrain.models.gpt_plan import check_tp_sizes, gpt_tp_plan, tp_all_reduces_per_step
+from distrain.models.gpt.plan import check_tp_sizes, gpt_tp_plan, tp_all_reduces_per_step
 from distrain.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,

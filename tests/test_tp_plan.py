@@ -15,7 +15,7 @@ import distrain
 from distrain import Topology, comm
 from distrain.errors import ConfigError
 from distrain.models import MLP, classification_loss
-from distrain.models.mlp_plan import mlp_tp_plan
+from distrain.models.mlp.plan import mlp_tp_plan
 from distrain.parallel import parallelize
 from distrain.parallel.tensor_parallel import (
     ColwiseParallel, ColumnParallelLinear, RowParallelLinear, TPPlan, apply_tensor_parallel, tp_shard_info,

@@ -230,7 +230,7 @@ class _CountingEngine:
     """The surface train_steps uses, without a model: loss = step, no evaluation."""
 
     rank, dp_rank, dp_size, label = 0, 0, 1, "fake"
-    comm_wait_s, loss_group, loss_weight, can_evaluate = 0.0, None, 1.0, False
+    comm_wait_s, loss_group, loss_weight, reads_data = 0.0, None, 1.0, True
 
     def __init__(self):
         self.step = 0

@@ -113,7 +113,7 @@ def _sp_zero(rank: int, stage: int) -> list[str]:
     import torch.distributed as dist
 
     from distrain.models import build_model, lm_loss
-    from distrain.models.gpt_plan import gpt_tp_plan
+    from distrain.models.gpt.plan import gpt_tp_plan
     from distrain.parallel.parallelize import parallelize
     from distrain.topology import Topology
 

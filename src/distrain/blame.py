@@ -4,10 +4,12 @@ When one rank dies, its peers fail too, a moment later, with "connection reset/c
 peer" from the transport. Whoever reports first is therefore not necessarily the culprit.
 The rules (applied by ``distrain.spawn`` to every failure seen within a short grace window):
 
-1. a failure is *secondary* when it is the transport noticing a vanished peer (the message
-   patterns below, anywhere in the exception chain); every other failure is *primary*: an
-   exception in the rank's own code, or a process that ended without reporting (a signal,
-   ``os._exit``), which is how a SIGKILLed rank looks;
+1. a failure is *secondary* when it is the transport noticing a vanished peer: a PeerLostError
+   (what the comm layer raises for every backend or transport failure under a call; see
+   distrain.comm.core.failures), a CommError raised from a backend's RuntimeError, or a
+   ConnectionError, anywhere in the exception chain. Decided by type, never by message text.
+   Every other failure is *primary*: an exception in the rank's own code, or a process that ended
+   without reporting (a signal, ``os._exit``), which is how a SIGKILLed rank looks;
 2. the culprit is the primary failure with the earliest time (rank-side timestamp for
    reported errors, the parent's observation time for deaths); only if every failure is
    secondary is the earliest secondary one blamed;
@@ -19,13 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from distrain.errors import CollectiveTimeoutError, DistrainError, RankFailedError
-
-SECONDARY_PATTERNS = (
-    "connection reset", "connection closed", "closed by peer", "broken pipe", "econnreset", "epipe",
-    "connection refused", "socket closed", "connection was aborted", "end of file", "unexpected eof",
-    "disconnected",
-)
+from distrain.errors import CollectiveTimeoutError, CommError, DistrainError, PeerLostError, RankFailedError
 
 
 @dataclass
@@ -39,14 +35,17 @@ class Failure:
 
 
 def is_secondary(exc: BaseException) -> bool:
-    """True when ``exc`` (or an exception in its chain) is the transport seeing a peer vanish."""
+    """True when ``exc`` (or an exception in its chain) is the transport seeing a peer vanish (by type)."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        text = str(exc).lower()
-        if any(p in text for p in SECONDARY_PATTERNS) or isinstance(exc, (ConnectionError, BrokenPipeError)):
+        if isinstance(exc, (PeerLostError, ConnectionError)):
             return True
-        exc = exc.__cause__ or exc.__context__
+        cause = exc.__cause__
+        if isinstance(exc, CommError) and isinstance(cause, (RuntimeError, OSError)) \
+                and not isinstance(cause, DistrainError):
+            return True  # a comm error raised from the backend's own failure
+        exc = cause or exc.__context__
     return False
 
 

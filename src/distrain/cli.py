@@ -140,7 +140,11 @@ def _apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from distrain.bench import comm_bench, link_bench, pipeline_bench, ps_bench, tp_bench, train_bench, zero_bench
+    from distrain.bench.comm import collectives as comm_bench
+    from distrain.bench.link import calibrate as link_bench
+    from distrain.bench.pipeline import bubbles as pipeline_bench
+    from distrain.bench.tp import blocks as tp_bench
+    from distrain.bench.train import ps as ps_bench, throughput as train_bench, zero as zero_bench
     from distrain.cluster import cli as cluster_cli
 
     from distrain import __version__
@@ -194,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = bsub.add_parser("zero", help="memory per rank and step time: DDP, ZeRO-1/2/3 vs torch ZeRO-1 and FSDP2")
     zero_bench.add_arguments(p)
     p.set_defaults(func=zero_bench.run)
-    from distrain.bench import layout_bench
+    from distrain.bench.train import layouts as layout_bench
 
     p = bsub.add_parser("layouts", help="every layout (ddp, zero3, tp, pp, dp x tp x pp) on one model: samples/s "
                                         "and peak memory per rank")

@@ -19,6 +19,14 @@ class CommError(DistrainError):
     """A collective or point-to-point operation failed on this rank."""
 
 
+class PeerLostError(CommError):
+    """The group broke under a communication call: a peer is gone (died, closed its connections),
+    silent past the time-out, or the group was aborted. The comm layer raises it for every failure
+    of the backend or transport under an operation (Gloo and NCCL raise RuntimeError; a shared-memory
+    peer dies or aborts); elastic training catches this type to re-form the group, and blame counts it
+    as the echo of another rank's failure. Decided by where the error came from, never by its text."""
+
+
 class RankFailedError(DistrainError):
     """A spawned rank raised or died; carries the rank and its traceback."""
 

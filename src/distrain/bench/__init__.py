@@ -1,0 +1,16 @@
+"""distrain.bench: the benchmarks, one folder per ``distrain bench`` tool (or group of tools).
+
+    comm/       distrain bench comm: collectives.py (flags, ranks, report), timing.py (the
+                per-rank side), report.py (nccl-tests conventions, tables, plot), predict.py
+                (--predict: the cost model beside each measurement; python -m for its table)
+    link/       distrain bench link: calibrate.py (alpha, beta of every link, gamma of the adds)
+    pipeline/   distrain bench pipeline: bubbles.py (measured bubble against the formula)
+    tp/         distrain bench tp: blocks.py (all-reduce payload and activation bytes per block)
+    train/      training-step tools: throughput.py (distrain bench train), zero.py (bench zero),
+                ps.py (bench ps), layouts.py + layout_plan.py (bench layouts), step_predict.py
+                (measured steps beside distrain plan), activation_memory.py (checkpointing)
+    common.py   sizes, statistics, metadata, JSON and tables every tool shares
+    background.py  --background-load N: busy processes beside a benchmark (comm and train)
+
+The command line (distrain.cli) imports a tool's module when its subcommand runs.
+"""

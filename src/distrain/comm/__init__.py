@@ -22,14 +22,13 @@ Four layers, each a folder; imports run downward only (tests/test_import_graph.p
                   compat.py    init/destroy_process_group and the pass-through group helpers
 
 Old flat paths (``distrain.comm.ring``, ``distrain.comm.shm_coll``, ...) still import, with
-a DeprecationWarning naming the new one (_moved.py), until the next release.
+a DeprecationWarning naming the new one (distrain.moved), until the next release.
 """
 
 import torch.distributed as _torch_dist
 
 from distrain.comm import algorithms as _algorithms  # noqa: F401  (registers star, ring, tree)
 from distrain.comm import shm as _shm  # noqa: F401  (registers the shared-memory transport)
-from distrain.comm import _moved
 
 from distrain.comm.alltoall import all_to_all, all_to_all_single
 from distrain.comm.api import (
@@ -61,6 +60,7 @@ from distrain.comm.forms import (
     batch_isend_irecv,
     reduce_scatter_tensor,
 )
+from distrain.comm.core.failures import transport_errors
 from distrain.comm.core.group import close_all, close_group
 from distrain.comm.core.ledger import Counts, Ledger, ledger
 from distrain.comm.objects import (
@@ -74,7 +74,6 @@ from distrain.comm.objects import (
 from distrain.comm.core.transport import TRANSPORT_NAMES, Transport, set_default_transport
 from distrain.comm.core.p2p import irecv, isend, isend_tensor, recv, recv_tensor, send, send_tensor
 
-_moved.install()
 globals().update({_n: getattr(_torch_dist, _n) for _n in PASSTHROUGH if hasattr(_torch_dist, _n)})
 
 

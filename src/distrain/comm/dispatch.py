@@ -26,7 +26,8 @@ from distrain.comm.core.ops import COMPLEX_DTYPES, OPS, check_complex_op, check_
 from distrain.comm.core.p2p import PeerComm
 from distrain.comm.algorithms import ALGORITHM_NAMES
 from distrain.comm.core.util import DTYPE_CODE, dtype_name
-from distrain.errors import CommError, ConfigError
+from distrain.errors import CommError, ConfigError, PeerLostError
+from distrain.comm.core.failures import lost
 COLLECTIVES = ("broadcast", "reduce", "all_reduce", "scatter", "gather", "all_gather",
                "reduce_scatter", "barrier")
 _FP_NAMES = COLLECTIVES + ("all_to_all",)  # every collective a debug fingerprint can name
@@ -89,9 +90,9 @@ class CommHandle:
             self._error = e
             raise
         except TimeoutError as e:
-            raise CommError(f"{self._desc}: not completed within {timeout}s") from e
+            raise PeerLostError(f"{self._desc}: not completed within {timeout}s") from e
         except Exception as e:
-            self._error = CommError(f"{self._desc} failed: {e}")
+            self._error = lost(self._desc, e)
             raise self._error from e
         return True
 
@@ -127,7 +128,7 @@ class CommHandle:
                 self._finish()
                 fut.set_result(self._outputs)
             except Exception as e:  # noqa: BLE001 - delivered to whoever waits on the future
-                self._error = e if isinstance(e, CommError) else CommError(f"{self._desc} failed: {e}")
+                self._error = lost(self._desc, e)
                 fut.set_exception(self._error)
 
         if self._future is not None:
@@ -309,7 +310,7 @@ def _run(st: GroupState, collective: str, algorithm: str, async_op: bool, payloa
     except CommError:
         raise
     except Exception as e:
-        raise CommError(f"{desc} failed: {e}") from e
+        raise lost(desc, e) from e
     finally:
         if wd is not None:
             wd.leave()
@@ -327,5 +328,5 @@ def _run_native(desc: str, native, async_op: bool, after, outs: list) -> CommHan
     except CommError:
         raise
     except Exception as e:
-        raise CommError(f"{desc} failed: {e}") from e
+        raise lost(desc, e) from e
     return CommHandle(desc, work=work, after=after, outputs=outs)

@@ -11,6 +11,10 @@ Rule
   Its global batch is ``perm[k*G : (k+1)*G]`` and dp rank ``r`` of ``dp_size`` takes the
   contiguous slice ``[r*L : (r+1)*L]`` of it, with ``L = G // dp_size`` the local batch.
 * ``global_batch_size`` must be divisible by ``dp_size`` (ConfigError otherwise).
+* ``part(step, dp_rank, dp_size)`` cuts the same global batch for any ``dp_size`` (an elastic job's
+  live replicas): contiguous parts whose sizes differ by at most one, the first
+  ``G % dp_size`` parts one larger (:func:`part_bounds`); for a ``dp_size`` that divides ``G``
+  these are exactly the slices above.
 
 Consequences: the global batch of a step does not depend on dp_size, so runs at
 different world sizes see the same data step by step; concatenating the rank
@@ -27,6 +31,15 @@ import numpy as np
 import torch
 
 from distrain.errors import ConfigError
+
+
+def part_bounds(batch: int, world: int, rank: int) -> tuple[int, int]:
+    """[lo, hi) of ``rank``'s contiguous part of a global batch of ``batch`` among ``world`` ranks:
+    sizes differ by at most one, the first ``batch % world`` ranks take one more; for a world that
+    divides the batch these are DistributedBatchSampler's slices."""
+    q, m = divmod(batch, world)
+    lo = rank * q + min(rank, m)
+    return lo, lo + q + (rank < m)
 
 
 def _check_int(name: str, value, minimum: int) -> int:
@@ -107,6 +120,13 @@ class DistributedBatchSampler:
         """This rank's ``local_batch_size`` indices of global step ``step``."""
         lb = self.local_batch_size
         return self.global_batch(step)[self.dp_rank * lb:(self.dp_rank + 1) * lb].clone()
+
+    def part(self, step: int, dp_rank: int, dp_size: int) -> torch.Tensor:
+        """Replica ``dp_rank`` of ``dp_size``'s contiguous part of global step ``step`` (sizes differ by at
+        most one: :func:`part_bounds`); equal to ``batch(step)`` of a sampler built with that rank and size
+        when ``dp_size`` divides the global batch."""
+        lo, hi = part_bounds(self.global_batch_size, dp_size, dp_rank)
+        return self.global_batch(step)[lo:hi].clone()
 
     def batches(self, start_step: int = 0, num_steps: int | None = None) -> Iterator[torch.Tensor]:
         """This rank's batches of steps ``start_step, start_step + 1, ...`` across epochs

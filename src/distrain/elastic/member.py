@@ -1,39 +1,40 @@
 """One rank of an elastic job: its process group per membership epoch, the per-step quorum, healing.
 
-The training loop talks to a :class:`Member` only (torchft's quorum, on plain torch.distributed):
+The training loop's guard (trainer/guard.py: ElasticGuard) talks to a :class:`Member` only
+(torchft's quorum, on plain torch.distributed):
 
     state = m.join()                    # enter the job (a newcomer gets the state from a live peer)
     m.begin(step, engine.state_dict)    # a copy of the state at the start of the step (for a roll-back)
     ... engine.train_step(...) ...
     loss, change = m.end(step, loss, weight)   # "is the group still whole?" (one all-reduce)
-    if change or the step raised and m.failed(e):
+    if change or the step raised and m.failed(e):   # failed: a PeerLostError, or the epoch was ended
         c = m.reform(engine.state_dict) # a new group of the live ranks; c.step: where to go on, c.state: what to load
 
 Engines never see a dead rank: ``reform`` destroys the default process group and opens a new one
 (contiguous ranks, a fresh store prefix ``elastic/pg/<epoch>/``); the loop then builds a new engine
-on it and loads ``c.state``. The store is the agent's (the top process, agent.py), so it outlives any
-rank. Keys (under ``elastic/``): ``members/E`` (the agent's decision: ids in rank order, the step to go
-on from, who left and joined), ``change/E`` (the agent wants epoch E to end), ``arrive/E/ID`` (a rank
+on it and loads ``c.state``. The store is the coordinator's (the top process, coordinator.py), so it outlives any
+rank. Keys (under ``elastic/``): ``members/E`` (the coordinator's decision: ids in rank order, the step to go
+on from, who left and joined), ``change/E`` (the coordinator wants epoch E to end), ``arrive/E/ID`` (a rank
 asks into epoch E with the steps it can offer), ``ready/ID`` and ``invite/ID`` (a newcomer), ``up/E/ID``
 (the barrier before the group opens), ``wd/E/`` (the watchdog's heartbeats), ``step`` (the group's
-step, written by rank 0 at each step's end), ``refuse/ID`` (the agent's one-line refusal of a stale rank).
+step, written by rank 0 at each step's end), ``refuse/ID`` (the coordinator's one-line refusal of a stale rank).
 
 Every wait is bounded: the group's collectives by its time-out (``--collective-timeout``; Gloo raises
 at once on a connection reset), the store waits by a deadline; the watchdog of each epoch is set
 past the group's time-out, so a hung peer surfaces as an exception here rather than ending the rank.
 
 Steps: ``live`` is the step boundary the live state is at (None while a step is under way), ``snap``
-the boundary of the copy taken by ``begin``. After a failure the agent picks the smallest boundary
+the boundary of the copy taken by ``begin``. After a failure the coordinator picks the smallest boundary
 every survivor can offer; a rank whose step was cut in half (or that finished a step some peer did
 not) goes back to its copy.
 
 Sharded state (ZeRO, ``sharded``): a rank holds one piece, so ``begin`` also sends its copy to the
 next rank during the step and keeps the previous rank's (pieces.Exchange, waited for in ``end``;
 the copies of the step before stay until every rank has reached the step's end). A rank's arrive
-record lists the pieces it holds, ``[step, world, rank, "own"|"replica"]``; the agent takes the
-latest step whose pieces make a whole (agent.sharded_target), or the last checkpoint when a rank
+record lists the pieces it holds, ``[step, world, rank, "own"|"replica"]``; the coordinator takes the
+latest step whose pieces make a whole (coordinator.sharded_target), or the last checkpoint when a rank
 and its successor were lost at once, and the loop gathers the pieces and cuts them for the new
-group (elastic_loop.load_change).
+group (ElasticGuard._load).
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -51,48 +51,37 @@ import torch
 import torch.distributed as dist
 
 from distrain import comm
-from distrain.blame import is_secondary
 from distrain.comm.core import watchdog
-from distrain.errors import CommError
+from distrain.errors import CommError, PeerLostError
 from distrain.elastic.pieces import Exchange, clone_tree, pack
 from distrain.elastic.sockets import sever
 
 PREFIX = "elastic/"
-ENV_HOST = "DISTRAIN_ELASTIC_HOST"  # the store's host: the agent's (127.0.0.1) or node 0's (nodes.py)
+ENV_HOST = "DISTRAIN_ELASTIC_HOST"  # the store's host: the coordinator's (127.0.0.1) or node 0's (nodes.py)
 ENV_STRIDE = "DISTRAIN_ELASTIC_STRIDE"  # ranks per node (a ZeRO replica goes one node on)
-ENV_PORT, ENV_ID, ENV_NEW, ENV_FAULTS, ENV_RUN = ("DISTRAIN_ELASTIC_PORT", "DISTRAIN_ELASTIC_ID", "DISTRAIN_ELASTIC_NEW",
-                                                  "DISTRAIN_ELASTIC_FAULTS", "DISTRAIN_ELASTIC_RUN")
+ENV_PORT, ENV_ID, ENV_NEW, ENV_RUN = ("DISTRAIN_ELASTIC_PORT", "DISTRAIN_ELASTIC_ID", "DISTRAIN_ELASTIC_NEW",
+                                      "DISTRAIN_ELASTIC_RUN")
 POLL_S = 0.005
-_TRANSIENT = ("timed out", "timeout", "connection", "gloo", "broken pipe", "peer", "aborted")
 
 
 def key(*parts) -> str:
     return PREFIX + "/".join(str(p) for p in parts)
 
 
-def part_bounds(batch: int, world: int, rank: int) -> tuple[int, int]:
-    """[lo, hi) of ``rank``'s contiguous part of a global batch of ``batch`` among ``world`` ranks:
-    sizes differ by at most one, the first ``batch % world`` ranks take one more; for a world that
-    divides the batch these are DistributedBatchSampler's slices."""
-    q, m = divmod(batch, world)
-    lo = rank * q + min(rank, m)
-    return lo, lo + q + (rank < m)
+def env_for(port: int, ident: int, newcomer: bool, run: str, host: str = "127.0.0.1", stride: int = 1) -> dict:
+    """The environment a rank process gets, which :meth:`Member.from_env` reads back."""
+    return {ENV_PORT: str(port), ENV_ID: str(ident), ENV_NEW: str(int(newcomer)), ENV_RUN: run, ENV_HOST: host,
+            ENV_STRIDE: str(stride)}
 
 
-def parse_faults(text: str) -> dict[tuple[int, int], str]:
-    """``"1@3,2@5:stop,0@4:hold"`` -> {(1, 3): "kill", (2, 5): "stop", (0, 4): "hold"}: process ID at
-    the start of STEP SIGKILLs (SIGSTOPs) itself, or holds the step until a newcomer is ready (the
-    agent asks for a change, or has invited one already, or has refused a stale rank); ``:heal``: it
-    SIGKILLs itself in the first heal of a newcomer at step STEP or later, just before the state is
-    sent; ``:stale``: it stops answering at the start of STEP until the group has gone on to STEP + 2
-    without it, then carries on (a frozen rank coming back). For tests and measurements
-    (DISTRAIN_ELASTIC_FAULTS)."""
-    out = {}
-    for item in filter(None, (s.strip() for s in (text or "").split(","))):
-        what, _, action = item.partition(":")
-        ident, _, step = what.partition("@")
-        out[(int(ident), int(step))] = action or "kill"
-    return out
+class Hooks:
+    """Points where tests act on a rank (elastic/faults.py); the production hooks do nothing."""
+
+    def at_step(self, member: "Member", step: int) -> None:
+        """The start of ``step``, before the start-of-step copy."""
+
+    def in_heal(self, member: "Member", step: int) -> None:
+        """A newcomer's heal at ``step``: the new group is open, the state not yet sent."""
 
 
 @dataclass
@@ -108,7 +97,7 @@ class Change:
     rolled_back: int | None = None
     t0: float = 0.0
     stop: str | None = None
-    spawned: dict = field(default_factory=dict)  # newcomer id -> when the agent started it (Unix s)
+    spawned: dict = field(default_factory=dict)  # newcomer id -> when the coordinator started it (Unix s)
     t_left: float = 0.0  # when this rank left its old group (Unix s; a newcomer: when it was invited)
     source: str = "peers"  # where the state comes from: "peers", "replicas" (a lost shard), "checkpoint"
 
@@ -121,9 +110,9 @@ class Change:
 
 class Member:
     def __init__(self, store, ident: int, backend: str, timeout: float, newcomer: bool = False,
-                 faults: dict | None = None, run: str = "", stride: int = 1):
+                 hooks: Hooks | None = None, run: str = "", stride: int = 1):
         self.store, self.ident, self.backend, self.timeout = store, ident, backend, timeout
-        self.newcomer, self.faults, self.run, self.stride = newcomer, faults or {}, run, max(1, stride)
+        self.newcomer, self.hooks, self.run, self.stride = newcomer, hooks or Hooks(), run, max(1, stride)
         self.epoch, self.ids, self.rank, self.world = -1, [], -1, 0
         self.live: int | None = None  # boundary of the live state (None: a step under way)
         self.snap: dict | None = None
@@ -140,13 +129,13 @@ class Member:
         self.ckpt_step: int | None = None
 
     @classmethod
-    def from_env(cls, backend: str, timeout: float) -> "Member":
+    def from_env(cls, backend: str, timeout: float, hooks: Hooks | None = None) -> "Member":
+        """This rank's Member, from the environment :func:`env_for` made."""
         port = int(os.environ[ENV_PORT])
         store = dist.TCPStore(os.environ.get(ENV_HOST, "127.0.0.1"), port, is_master=False,
                               timeout=timedelta(seconds=timeout))
-        return cls(store, int(os.environ[ENV_ID]), backend, timeout, os.environ.get(ENV_NEW) == "1",
-                   parse_faults(os.environ.get(ENV_FAULTS, "")), os.environ.get(ENV_RUN, ""),
-                   int(os.environ.get(ENV_STRIDE, "1")))
+        return cls(store, int(os.environ[ENV_ID]), backend, timeout, os.environ.get(ENV_NEW) == "1", hooks,
+                   os.environ.get(ENV_RUN, ""), int(os.environ.get(ENV_STRIDE, "1")))
 
     # -- store helpers ----------------------------------------------------------------------
     def _put(self, k: str, obj) -> None:
@@ -198,9 +187,10 @@ class Member:
         self.store.set(key("up", epoch, self.ident), "1")
         if not self._wait([key("up", epoch, i) for i in self.ids], f"the ranks of epoch {epoch}",
                           abort=key("change", epoch)):
-            raise CommError(f"elastic: epoch {epoch} ended before its group opened (a peer was lost)")
-        dist.init_process_group(self.backend, store=dist.PrefixStore(key("pg", epoch) + "/", self.store),
-                                rank=self.rank, world_size=self.world, timeout=timedelta(seconds=self.timeout))
+            raise PeerLostError(f"elastic: epoch {epoch} ended before its group opened (a peer was lost)")
+        with comm.transport_errors(f"elastic: opening the group of epoch {epoch}"):  # a peer lost meanwhile
+            dist.init_process_group(self.backend, store=dist.PrefixStore(key("pg", epoch) + "/", self.store),
+                                    rank=self.rank, world_size=self.world, timeout=timedelta(seconds=self.timeout))
         # past the group's own time-out: a hung peer surfaces as the backend's exception, handled here
         watchdog.install(dist.PrefixStore(key("wd", epoch) + "/", self.store), self.rank, self.world,
                          2 * self.timeout + 30)
@@ -222,20 +212,7 @@ class Member:
     # -- once per step ---------------------------------------------------------------------
     def begin(self, step: int, state_fn) -> None:
         """The start of ``step``: keep a copy of the state (model, optimizer, RNG) to roll back to."""
-        action = self.faults.get((self.ident, step))
-        if action == "hold":  # tests: wait (at most 120 s) until a newcomer was invited (now or before)
-            deadline = time.monotonic() + 120
-            while not any(self.store.check([k]) for k in (key("change", self.epoch), key("joins"), key("refused"))) \
-                    and time.monotonic() < deadline:
-                time.sleep(POLL_S)
-        elif action == "stale":  # tests: silent (at most 120 s) until the group has gone on without us
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and not (self.store.check([key("step")]) and
-                                                       int(self.store.get(key("step"))) >= step + 2):
-                time.sleep(POLL_S)
-        elif action in ("kill", "stop"):  # fault injection (tests, measurements): a real signal to this process
-            print(f"distrain elastic: id {self.ident} {action} at step {step} t={time.time():.3f}", flush=True)
-            os.kill(os.getpid(), signal.SIGSTOP if action == "stop" else signal.SIGKILL)
+        self.hooks.at_step(self, step)
         if not self.sharded:
             snap = {"engine": clone_tree(state_fn()), "rng": torch.get_rng_state()}
         else:  # our piece, copied once into the buffer that goes to the next rank during the step
@@ -262,7 +239,7 @@ class Member:
 
     def end(self, step: int, loss, weight: float) -> tuple[float, bool]:
         """The end of ``step``: the global batch's loss (sum over ranks of loss * weight) and whether
-        the group must change (the agent asked: a rank was lost or a newcomer waits). Collective."""
+        the group must change (the coordinator asked: a rank was lost or a newcomer waits). Collective."""
         if self.pending is not None:  # the predecessor's piece of this step, received while we computed
             at, ex = self.pending
             self.pending = None
@@ -272,27 +249,30 @@ class Member:
         if self.rank == 0:  # the group's step, for the refusal of a stale rank
             self.store.set(key("step"), str(step + 1))
         t = torch.tensor([float(loss) * weight if loss is not None else 0.0, flag], dtype=torch.float64)
-        dist.all_reduce(t)
+        comm.all_reduce(t, algorithm="native")
         self.live = step + 1
         # every rank reached this all-reduce, so every rank finished begin(step): its copies are whole
         self.kept = [p for p in self.kept if p["step"] == step]
         return t[0].item(), t[1].item() > 0
 
     def failed(self, exc: BaseException) -> bool:
-        """Whether ``exc`` is the group breaking (a peer gone or silent) rather than a bug of ours."""
-        if is_secondary(exc) or (self.epoch >= 0 and self.store.check([key("change", self.epoch)])):
+        """Whether ``exc`` is the group breaking rather than a bug of ours: a PeerLostError (the comm
+        layer's type for a peer gone, silent or aborted) anywhere in its chain, or any error while the
+        coordinator has already ended this epoch (``change/E``: the group is aborted). By type and
+        by the store, never by the message."""
+        if self.epoch >= 0 and self.store.check([key("change", self.epoch)]):
             return True
         seen = set()
         while exc is not None and id(exc) not in seen:
             seen.add(id(exc))
-            if any(p in str(exc).lower() for p in _TRANSIENT):
+            if isinstance(exc, PeerLostError):
                 return True
             exc = exc.__cause__ or exc.__context__
         return False
 
     # -- a membership change ---------------------------------------------------------------
     def reform(self, state_fn) -> Change:
-        """Leave the current group, agree with the others (through the agent) on the new members and
+        """Leave the current group, agree with the others (through the coordinator) on the new members and
         the step, open the new group, send the state to newcomers. Returns the Change (``state``:
         what to load, at ``step``). Retries while peers keep failing during the change."""
         t_left = time.time()
@@ -304,8 +284,8 @@ class Member:
             refused = key("refuse", self.ident)
             ok = self._wait([key("members", nxt)], f"the members of epoch {nxt}", abort=refused)
             info = self._get(key("members", nxt)) if ok else {"ids": []}
-            if self.ident not in info["ids"]:  # left out (too late, or stale): the agent says why, in one line
-                self._wait([refused], f"the agent's word on epoch {nxt}")
+            if self.ident not in info["ids"]:  # left out (too late, or stale): the coordinator says why, in one line
+                self._wait([refused], f"the coordinator's word on epoch {nxt}")
                 why = self.store.get(refused).decode()
                 print(f"distrain: error: {why}", file=sys.stderr, flush=True)
                 self.store.set(key("refused"), str(self.ident))  # (tests: a ``hold`` ends here)
@@ -341,13 +321,11 @@ class Member:
     def _heal(self, info: dict, state: dict | None) -> Change:
         """Newcomers get the state from rank 0 (a survivor) over the new group; RNG restored."""
         if info["joined"]:
-            if any(a == "heal" and i == self.ident and s <= info["step"] for (i, s), a in self.faults.items()):
-                print(f"distrain elastic: id {self.ident} kill in the heal at step {info['step']}", flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)  # tests: a peer lost while the state is on its way
+            self.hooks.in_heal(self, info["step"])
             # replicated state: rank 0 sends all of it; sharded: only the RNG (the loop gathers the pieces)
             sent = None if self.rank != 0 else state if not self.sharded else {"rng": state["rng"], "engine": None}
             box = [sent]
-            dist.broadcast_object_list(box, src=0)
+            comm.broadcast_object_list(box, src=0)
             if state is None:
                 state = box[0] if not self.sharded else dict(box[0], pieces=[])
         if state["rng"] is not None:  # (sharded, no state of ours at the step: the loop takes a peer's)
@@ -362,7 +340,7 @@ _current: Member | None = None
 
 
 def install(member: Member) -> Member:
-    """Make ``member`` this process's (the agent's child does it before running the rank's function)."""
+    """Make ``member`` this process's (elastic/ranks.py: Enter does it before running the rank's function)."""
     global _current
     _current = member
     return member

@@ -1,16 +1,17 @@
-"""An elastic job over several nodes: one coordinator (node 0's agent), one node agent per other node.
+"""An elastic job over several nodes: one coordinator (node 0), one node agent per other node.
 
 ``DISTRAIN_ELASTIC_NODES="I/N@HOST:PORT"`` (``distrain cluster run`` sets it on every node; on real
 machines, set it yourself) makes ``distrain train --elastic MIN:MAX --nproc P`` node I of N: each
 node runs P / N ranks, ids ``I*K .. I*K+K-1`` (K = P / N). Node 0's agent is the coordinator of
-agent.py, with its store on HOST:PORT (node 0's address) instead of the loopback; it decides every
-membership. Node I > 0 runs a node agent (:func:`run_node`, an agent.Agent of its own ids that
-decides nothing): it starts and watches its own ranks and reports to the coordinator's store what
-only it can see:
+coordinator.py, with its store on HOST:PORT (node 0's address) instead of the loopback; it decides every
+membership. Node I > 0 runs a node agent (:func:`run_node`): it starts and watches its own ranks
+through the launcher's Supervisor (as the coordinator does), decides nothing, and reports to the
+coordinator's store what only it can see:
 
-* ``done/ID`` (the rank's result, pickled), ``fail/ID`` (its error, a Failure), ``dead/ID`` (it died
-  without a word: SIGKILL, a crash), each followed by a bump of the counter ``news``, which the
-  coordinator reads once per poll (one round trip) and only then looks for the keys;
+* ``end/ID``: the rank's :class:`~distrain.launch.supervisor.Outcome` (pickled: its result, its error,
+  or that it died without a word), followed by a bump of the counter ``news``, which the coordinator
+  reads once per poll (one round trip) and only then looks for the keys; :meth:`Remote.poll` hands the
+  coordinator the same Outcomes its own supervisor gives for local ranks;
 * ``hb/I``: a counter the node agent bumps every ``HB_S`` seconds. The coordinator notes when each
   node's counter last moved (on its own clock, so the hosts' clocks need not agree); a node silent for
   ``STALE_S`` is lost whole (its agent died with its ranks: a machine gone), which the survivors learn
@@ -36,10 +37,13 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from distrain.elastic import member as m
+from distrain.elastic.ranks import Recipe, threads_per_rank
 from distrain.errors import ConfigError
+from distrain.launch.supervisor import Outcome, Supervisor
 
 ENV_NODES = "DISTRAIN_ELASTIC_NODES"
 HB_S, STALE_S = 0.5, 3.0
+POLL_S = 0.01
 _FORM = re.compile(r"^(\d+)/(\d+)@([^:]+):(\d+)$")
 
 
@@ -104,43 +108,28 @@ class Remote:
         self.beats = {n: (-1, time.monotonic()) for n in range(1, spec.nodes)}  # node -> (counter, when it moved)
         self.owner = {i: n for n in range(1, spec.nodes) for i in spec.ids(nproc, n)}
 
-    def poll(self, agent) -> None:
-        """Fold the node agents' reports into ``agent`` (results, failures, lost), mark silent nodes lost."""
-        store = agent.store
+    def poll(self, store, seen: set[int]) -> list[Outcome]:
+        """The outcomes of remote ranks not in ``seen`` that their node agents reported since the last
+        call, and a death for every rank of a node whose heartbeat stopped."""
+        out = []
         news = store.add(m.key("news"), 0)
         if news != self.news:
             self.news = news
             for i in self.owner:
-                if i in agent.gone:
-                    continue
-                if store.check([m.key("done", i)]):
-                    agent.gone.add(i)
-                    agent.results[i] = pickle.loads(store.get(m.key("done", i)))
-                elif store.check([m.key("fail", i)]):
-                    agent.gone.add(i)
-                    if i not in agent.dropped:
-                        agent.failures[i] = pickle.loads(store.get(m.key("fail", i)))
-                elif store.check([m.key("dead", i)]):
-                    self._lost(agent, i)
+                if i not in seen and store.check([m.key("end", i)]):
+                    out.append(pickle.loads(store.get(m.key("end", i))))
         now = time.monotonic()
         if now - self.checked < HB_S / 2:  # (heartbeats move every HB_S: no need to read them every poll)
-            return
+            return out
         self.checked = now
         for n, (count, when) in self.beats.items():
             c = store.add(m.key("hb", n), 0)
             if c != count:
                 self.beats[n] = (c, now)
             elif now - when > STALE_S and c > 0:  # (judged from its first beat on: a node may start late)
-                for i in self.spec.ids(self.nproc, n):  # the node is gone, its ranks with it
-                    if i not in agent.gone:
-                        self._lost(agent, i)
-
-    @staticmethod
-    def _lost(agent, i: int) -> None:
-        agent.gone.add(i)
-        if i in agent.members and i not in agent.lost:
-            agent.lost[i] = time.time()
-            agent._want()
+                out += [Outcome(i, "died", f"node {n} lost (no heartbeat for {STALE_S:g}s)", time.time())
+                        for i in self.spec.ids(self.nproc, n) if i not in seen]  # its ranks went with it
+        return out
 
 
 def end_nodes(store) -> None:
@@ -151,34 +140,34 @@ def end_nodes(store) -> None:
         pass
 
 
-def run_node(agent) -> int:
-    """A node agent's life (``agent``: an Agent of this node's ids, not the coordinator): start its
-    ranks, report them, end them when asked or when the job ends. Returns the exit status."""
-    spec = agent.nodes
-    agent.store = client_store(spec, agent.ctimeout)
-    agent.run_id = agent.store.get(m.key("run")).decode()  # the coordinator's (waits for it: the store's time-out)
+def run_node(spec: NodeSpec, nproc: int, fn, args, backend: str, timeout: float, preload, hi: int) -> int:
+    """A node agent's life: start this node's ranks (``spec.ids(nproc)``) through a Supervisor, report
+    each one's outcome to the coordinator's store, end one when asked (``kill/ID``) and all when the job
+    ends (``job/end``). Returns the exit status (1: the coordinator's store is gone)."""
+    store = client_store(spec, timeout)
+    run_id = store.get(m.key("run")).decode()  # the coordinator's (waits for it: the store's time-out)
     beat = threading.Event()
-    threading.Thread(target=_beat, args=(client_store(spec, agent.ctimeout), spec.node, beat), daemon=True,
+    threading.Thread(target=_beat, args=(client_store(spec, timeout), spec.node, beat), daemon=True,
                      name="distrain-elastic-heartbeat").start()  # (its own thread: starting ranks takes seconds)
-    for i in agent.members:
-        agent._start(i, newcomer=False)
+    sup = Supervisor(preload=["distrain.elastic.ranks", *preload], name="distrain-elastic")
+    recipe = Recipe(fn, tuple(args), backend, timeout, spec.port, run_id, host=spec.host,
+                    stride=nproc // spec.nodes, threads=threads_per_rank(hi, spec.nodes))
+    ids = spec.ids(nproc)
+    for i in ids:
+        recipe.start(sup, i, newcomer=False)
     told: set[int] = set()
     try:
         while True:
-            agent._poll()
-            for i in [i for i in agent.gone if i not in told]:
-                told.add(i)
-                if i in agent.results:
-                    agent.store.set(m.key("done", i), pickle.dumps(agent.results[i]))
-                elif i in agent.failures:
-                    agent.store.set(m.key("fail", i), pickle.dumps(agent.failures[i]))
-                else:
-                    agent.store.set(m.key("dead", i), "1")
-                agent.store.add(m.key("news"), 1)
-            for i in agent.members:
-                if i not in agent.gone and agent.store.check([m.key("kill", i)]):
-                    agent._kill(i)
-            if agent.store.check([m.key("job", "end")]) or len(told) == len(agent.members):
+            for o in sup.poll(POLL_S):
+                if o.status == "hang" or o.ident in told:
+                    continue
+                told.add(o.ident)
+                store.set(m.key("end", o.ident), pickle.dumps(o))
+                store.add(m.key("news"), 1)
+            for i in sup.running():
+                if store.check([m.key("kill", i)]):
+                    sup.kill(i)
+            if store.check([m.key("job", "end")]) or len(told) == len(ids):
                 return 0
     except Exception as e:  # noqa: BLE001 - the store is gone: the coordinator (node 0) ended or died
         print(f"distrain: error: elastic node {spec.node}: lost the coordinator's store at {spec.host}:{spec.port} "
@@ -186,8 +175,9 @@ def run_node(agent) -> int:
         return 1
     finally:
         beat.set()
-        for i in agent.procs:
-            agent._kill(i)
+        for i in sup.procs:
+            sup.kill(i)
+        sup.close()
 
 
 def _beat(store, node: int, stop: threading.Event) -> None:

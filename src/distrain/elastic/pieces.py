@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from distrain import comm
+
 
 def clone_tree(obj):
     """A deep copy of a state dict: tensors cloned, containers rebuilt, other values shared."""
@@ -88,11 +90,13 @@ class Exchange:
         self.theirs = torch.empty_like(buf)
         self.source = (rank - stride) % world  # whose piece we hold
         ops = [dist.P2POp(dist.isend, buf, (rank + stride) % world), dist.P2POp(dist.irecv, self.theirs, self.source)]
-        self.works = dist.batch_isend_irecv(ops)
+        with comm.transport_errors("elastic: the replica exchange"):  # (a peer lost: PeerLostError)
+            self.works = dist.batch_isend_irecv(ops)
 
     def wait(self):
-        for w in self.works:
-            w.wait()
+        with comm.transport_errors("elastic: the replica exchange"):
+            for w in self.works:
+                w.wait()
         flat: list[torch.Tensor] = []
         leaves(self.views, flat)  # (views into our buffer: their offsets are the same in the peer's)
         return unpack(self.theirs, self.views, flat, [t.storage_offset() * t.element_size() for t in flat])

@@ -17,65 +17,38 @@ torch.multiprocessing.spawn does). spawn's contract:
 from __future__ import annotations
 
 import multiprocessing as mp
-import multiprocessing.connection
 import os
-import pickle
 import socket
 import time
-import traceback
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
-import torch
 import torch.distributed as dist
 
 from distrain import lifeline, runtime
-from distrain.blame import Failure, blame, is_secondary
-from distrain.errors import ConfigError, DistrainError, RankFailedError, SpawnTimeoutError
+from distrain.blame import Failure, blame
+from distrain.errors import ConfigError, RankFailedError, SpawnTimeoutError
 from distrain.launch.cores import core_slices, free_core_slices
+from distrain.launch.supervisor import Supervisor
 
 BLAME_GRACE_S = 2.0  # after the first failure, wait this long for the others to pick the first
 
 
-def _child(fn, rank: int, nprocs: int, port: int, args: tuple, backend: str, init_timeout: float,
-           threads: int, conn, env: dict[str, str], init: bool = True, cores: list[int] | None = None) -> None:
-    os.environ.update(env)
-    if cores:  # before torch starts its thread pools, so every thread inherits the binding
-        os.sched_setaffinity(0, cores)
-    lifeline.die_with_parent()  # reads DISTRAIN_PARENT_PID from env
-    lifeline.quiet_interrupts()
-    os.environ.update({
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(nprocs),
-        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nprocs), "GROUP_RANK": "0",
-        "TORCHELASTIC_USE_AGENT_STORE": "True",  # the parent hosts the store
-    })
-    torch.set_num_threads(threads)
-    def on_hang(report: str) -> None:  # from the watchdog thread, just before it ends this rank
-        conn.send_bytes(pickle.dumps(("hang", report, time.time(), False)))
+class _Rendezvous:
+    """A spawned rank's setup (run in the rank before ``fn``): the launcher environment of a local job
+    whose parent hosts the store, then (``init``) the process group, with hangs reported to the parent."""
 
-    def work():
-        if init:
-            runtime.init(backend, timeout=init_timeout, on_hang=on_hang)
-        return fn(rank, *args)
+    def __init__(self, nprocs: int, port: int, backend: str, init_timeout: float, init: bool):
+        self.nprocs, self.port, self.backend, self.init_timeout, self.init = nprocs, port, backend, init_timeout, init
 
-    send_outcome(conn, work)
-
-
-def send_outcome(conn, work: Callable[[], Any], ok_extra: tuple = ()) -> None:
-    """Run ``work()`` in a rank and send its outcome to the parent over ``conn``: ("ok", value,
-    time, *ok_extra), or ("err", message, time, secondary) where our errors (which say what to
-    fix) send their message and any other exception its traceback; then leave the process group."""
-    try:
-        payload = pickle.dumps(("ok", work(), time.time(), *ok_extra))
-    except DistrainError as e:
-        payload = pickle.dumps(("err", f"{type(e).__name__}: {e}", time.time(), is_secondary(e)))
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
-        payload = pickle.dumps(("err", traceback.format_exc(), time.time(), is_secondary(e)))
-    try:
-        conn.send_bytes(payload)
-    finally:
-        conn.close()
-    runtime.shutdown()
+    def __call__(self, rank: int, report) -> None:
+        os.environ.update({
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.port), "RANK": str(rank),
+            "WORLD_SIZE": str(self.nprocs), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(self.nprocs),
+            "GROUP_RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True",  # the parent hosts the store
+        })
+        if self.init:
+            runtime.init(self.backend, timeout=self.init_timeout, on_hang=lambda text: report("hang", text))
 
 
 def _main_guard_missing() -> str | None:
@@ -113,14 +86,6 @@ def _check_not_bootstrapping() -> None:
                           "`if __name__ == \"__main__\":` guard around the call (each rank imports the script)")
 
 
-def _died(code: int | None) -> str:
-    msg = f"process exited with code {code} before returning"
-    if code is not None and code < 0:
-        msg += (f" (killed by signal {-code}; if the backend aborted, its message is on stderr above: "
-                f"a collective mismatch across ranks is the usual cause, rerun with DISTRAIN_DEBUG=1 to find it)")
-    return msg
-
-
 def _early_death(fn, store, nprocs: int, code: int | None, message: str) -> str | None:
     """A rank failed: when it died without a result before any rank joined the process group,
     say why it could not start (None otherwise)."""
@@ -133,18 +98,6 @@ def _early_death(fn, store, nprocs: int, code: int | None, message: str) -> str 
                 f"module level, not inside a function or the `if __name__ == \"__main__\":` block), or an import "
                 f"of the script failed in the new process")
     return None
-
-
-def _end(procs) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + 3
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join(1)
 
 
 def local_store(world: int, timeout: float) -> dist.TCPStore:
@@ -215,90 +168,62 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
                           f"{len(os.sched_getaffinity(0))} core(s); pass bind_cores=None or False")
     threads = threads_per_rank or (len(slices[0]) if slices else max(1, (os.cpu_count() or 1) // nprocs))
     store = local_store(nprocs, init_timeout)
-    ctx = mp.get_context(start_method)
-    if start_method == "forkserver":
-        ctx.set_forkserver_preload(["distrain.comm", "distrain.launch", "distrain.launch.warm"])
-
-    procs, conns = [], []
+    sup = Supervisor(start_method, preload=["distrain.launch.warm"])
+    setup = _Rendezvous(nprocs, store.port, backend, init_timeout, init)
     for r in range(nprocs):
-        recv_end, send_end = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_child, name=f"distrain-rank{r}", args=(
-            fn, r, nprocs, store.port, tuple(args), backend, init_timeout, threads, send_end,
-            local_env() | dict(env or {}), init, slices[r] if slices else None))
-        p.start()
-        send_end.close()
-        procs.append(p)
-        conns.append(recv_end)
+        sup.start(r, fn, args, env=local_env() | dict(env or {}), threads=threads,
+                  cores=slices[r] if slices else None, setup=setup)
 
     results: dict[int, Any] = {}
     try:
         try:
-            _collect(procs, conns, results, store, timeout)
+            _collect(sup, results, timeout, lambda: runtime.joined_ranks(store, nprocs))
         except RankFailedError as e:
-            hint = _early_death(fn, store, nprocs, procs[e.rank].exitcode, e.remote_message)
+            hint = _early_death(fn, store, nprocs, sup.exitcode(e.rank), e.remote_message)
             if hint is None:
                 raise
             raise RankFailedError(e.rank, hint) from None
     finally:
         # On success the ranks are shutting down by themselves; on failure end them now.
         if len(results) == nprocs:
-            for p in procs:
-                p.join(10)
-        _end(procs)
-        for c in conns:
-            c.close()
+            sup.join(10)
+        sup.close()
         del store
     return [results[r] for r in range(nprocs)]
 
 
-def _receive(r: int, proc, conn, ready_sentinel: bool) -> tuple[str, Any, float, bool]:
-    """One rank's outcome: ("ok", value, t, _), ("err", traceback, t, secondary), ("hang", report, t, _)
-    from the collective watchdog, or ("died", how, t, _)."""
-    if ready_sentinel and not conn.poll():
-        proc.join(1)
-        return "died", _died(proc.exitcode), time.time(), False
-    try:
-        msg = pickle.loads(conn.recv_bytes())
-    except EOFError:
-        proc.join(1)
-        return "died", _died(proc.exitcode), time.time(), False
-    return msg if len(msg) == 4 else (*msg, False)
-
-
-def _collect(procs, conns, results: dict[int, Any], store, timeout: float | None) -> None:
+def _collect(sup: Supervisor, results: dict[int, Any], timeout: float | None, joined) -> None:
     """Wait for every rank's result; on failure, blame the rank that failed first.
 
     After the first failure we keep listening for BLAME_GRACE_S so that a rank killed by a
-    signal is not out-raced by a survivor reporting the "connection reset" it caused."""
-    nprocs = len(procs)
+    signal is not out-raced by a survivor reporting the "connection reset" it caused.
+    ``joined()``: the ranks that joined the process group (named in a time-out)."""
+    nprocs = len(sup.procs)
     failures: dict[int, Failure] = {}
     deadline = None if timeout is None else time.monotonic() + timeout
     grace_end = None
     while len(results) + len(failures) < nprocs:
-        pending = [r for r in range(nprocs) if r not in results and r not in failures]
-        waitables = {conns[r]: r for r in pending} | {procs[r].sentinel: r for r in pending}
         limits = [t - time.monotonic() for t in (deadline, grace_end) if t is not None]
-        ready = mp.connection.wait(list(waitables), timeout=max(0.0, min(limits)) if limits else None)
-        if not ready:
+        outcomes = sup.poll(max(0.0, min(limits)) if limits else None)
+        if not outcomes:  # (poll waits until an outcome or the nearest limit)
             if failures:
                 break
-            joined = runtime.joined_ranks(store, nprocs)
-            never = [r for r in range(nprocs) if r not in joined]
+            pending = [r for r in range(nprocs) if r not in results]
+            never = [r for r in range(nprocs) if r not in joined()]
             raise SpawnTimeoutError(
                 f"spawn: timed out after {timeout:g}s (the whole-run limit); rank(s) {pending} still running"
                 + (f"; rank(s) {never} never joined the process group" if never else "")
                 + " (a rank blocked in a collective its peers never called, or a slow job: raise the whole-run "
                   "limit, --timeout for distrain train, timeout= for spawn)"
             )
-        for w in ready:
-            r = waitables[w]
-            if r in results or r in failures:
+        for o in outcomes:
+            if o.ident in results or o.ident in failures:
                 continue
-            status, value, when, secondary = _receive(r, procs[r], conns[r], w is procs[r].sentinel)
-            if status == "ok":
-                results[r] = value
+            if o.status == "ok":
+                results[o.ident] = o.value
                 continue
-            failures[r] = Failure(r, when, value, secondary=secondary, died=status == "died", hang=status == "hang")
+            failures[o.ident] = Failure(o.ident, o.when, o.value, secondary=o.secondary, died=o.status == "died",
+                                        hang=o.status == "hang")
             if grace_end is None:
                 grace_end = time.monotonic() + BLAME_GRACE_S
     if failures:

@@ -1,6 +1,12 @@
 """Models for distrain. They know nothing about parallelism; each exposes
 ``self.layers`` (an nn.ModuleList run in a plain loop) so that pipeline and
-tensor parallelism can be applied from outside."""
+tensor parallelism can be applied from outside.
+
+One folder per model, the model and its tensor-parallel plan side by side: ``gpt/``, ``mlp/``,
+``llama/`` (model.py + plan.py; llama/ also rope.py and hf.py, its Hugging Face state-dict
+adapter); ``hf_transformers/``: Hugging Face transformers models (LlamaForCausalLM, Mistral,
+Qwen2) under our tensor and pipeline parallelism. ``registry.py``: presets and the plan lookup.
+"""
 
 from distrain.models.gpt import (
     GPT,

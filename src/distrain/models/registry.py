@@ -103,13 +103,13 @@ def _lookup(name: str) -> tuple[str, dict[str, Any]]:
 def tp_plan_for(model: nn.Module):
     """The tensor-parallel plan kept beside ``model``'s class (GPT: Megatron's; MLP: column/row
     pairs; a Hugging Face Llama-family decoder or its ``pipeline_layers`` wrapper: distrain's
-    ``models.hf.hf_tp_plan``, HF's own ``tp_plan`` ignored; another HF model: its ``tp_plan``
+    ``models.hf_transformers.hf_tp_plan``, HF's own ``tp_plan`` ignored; another HF model: its ``tp_plan``
     translated where every style maps exactly), or ``None`` for a model that brings none (pass
     ``tp_plan=`` yourself)."""
-    from distrain.models.gpt_plan import gpt_tp_plan
-    from distrain.models.hf.plan import hf_tp_plan_for
+    from distrain.models.gpt.plan import gpt_tp_plan
+    from distrain.models.hf_transformers.plan import hf_tp_plan_for
     from distrain.models.llama.plan import llama_tp_plan
-    from distrain.models.mlp_plan import mlp_tp_plan
+    from distrain.models.mlp.plan import mlp_tp_plan
 
     if isinstance(model, GPT):
         return gpt_tp_plan()
@@ -124,7 +124,7 @@ def model_tp_plan(model: nn.Module):
     """The plan the trainer applies: the model's own ``tp_plan`` attribute (a TPPlan, or a mapping
     of distrain's styles), else :func:`tp_plan_for`. A Hugging Face model's ``tp_plan`` is HF's
     (HF's styles), never taken as distrain's: :func:`tp_plan_for` decides for it."""
-    from distrain.models.hf.plan import is_hf_model
+    from distrain.models.hf_transformers.plan import is_hf_model
 
     own = None if is_hf_model(model) else getattr(model, "tp_plan", None)
     return own or tp_plan_for(model)

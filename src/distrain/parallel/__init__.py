@@ -4,7 +4,7 @@
     parameter_server/   data parallelism by parameter servers, sync and async, sharded
                         (ps.py: the protocol; ps_layout.py: roles, shards, exact bytes)
     tensor_parallel/    Megatron column/row split with f/g (layers.py) placed by a per-model
-                        plan (plan.py; the GPT's plan is distrain.models.gpt_plan), and
+                        plan (plan.py; the GPT's plan is distrain.models.gpt.plan), and
                         sequence parallelism (sequence.py)
     pipeline_parallel/  GPipe and 1F1B (schedule.py: pure planning; pipeline.py: the
                         executor; timeline.py: bubble, traces), interleaved 1F1B

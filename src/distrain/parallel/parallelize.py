@@ -141,7 +141,7 @@ def parallelize(model: nn.Module, topo: Topology, *, loss_fn: Loss, tp_plan=None
                           "torch.optim.AdamW(params, lr=1e-3)); ZeRO builds it over this rank's shards")
     if topo.tp > 1 and tp_plan is None:
         raise ConfigError(f"parallelize: tp={topo.tp} needs tp_plan= (module name -> 'colwise' / 'rowwise' / "
-                          f"'vocab'); the GPT's is distrain.models.gpt_plan.gpt_tp_plan()")
+                          f"'vocab'); the GPT's is distrain.models.gpt.plan.gpt_tp_plan()")
     plan = as_plan(tp_plan) if tp_plan is not None else None
     # 0. the pipeline cut is decided on the whole model, before any sharding: the same on
     #    every rank whatever tp is (layers per stage, balanced by parameter count)

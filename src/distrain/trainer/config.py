@@ -349,7 +349,7 @@ class TrainConfig:
             need(per_rank % self.accum_steps == 0,
                  f"--accum-steps {self.accum_steps} does not divide the per-rank batch {self.batch_size} / "
                  f"{self.workers} = {per_rank}; pick a divisor of it")
-        need(self.batch_size % self.workers == 0 or self.elastic,  # elastic: uneven parts, exact (trainer/elastic_loop.py)
+        need(self.batch_size % self.workers == 0 or self.elastic,  # elastic: uneven parts, exact (engines: part_loss)
              f"--batch-size {self.batch_size} does not divide among {self.workers} data-parallel worker(s); use a "
              f"multiple of {self.workers}, e.g. {self.workers * max(1, round(self.batch_size / self.workers))}")
         # data and model must fit each other (your own model or data: yours to match)

@@ -1,10 +1,14 @@
-"""The training loop: one for every way of training; the differences live in engines/.
+"""The training loop: one for every job; the ways of training live in engines/, membership in guard.py.
 
 ``train(cfg)`` validates the config and the run folder, then either runs this process as
-one rank (when a launcher such as ``distrain launch``/torchrun set RANK and WORLD_SIZE) or
-spawns ``cfg.nproc`` local ranks. Each rank runs :func:`run_rank`, which reads top to
-bottom: build model, build engine, resume, build data, train (servers serve), checkpoint,
-report.
+one rank (when a launcher such as ``distrain launch``/torchrun set RANK and WORLD_SIZE), or
+starts ``cfg.nproc`` local ranks through the launcher's supervisor: ``distrain.spawn`` for a
+fixed job, the elastic coordinator (distrain.elastic.coordinator, a layer on the same
+supervisor) for ``--elastic``. Each rank runs :func:`run_rank`, which reads top to bottom:
+build model, build engine (through the guard), resume, build data, train (ps-async servers
+serve), checkpoint, report. :func:`train_steps` is the one step loop of every job; a fixed
+job's guard does nothing, an elastic job's re-forms the group and the engine when ranks come
+and go (trainer/guard.py).
 
 Determinism: the model is initialised from ``cfg.seed`` on every rank; the batch of step s
 is a pure function of (seed, s) through DistributedBatchSampler, whatever the number of
@@ -17,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -27,9 +32,12 @@ from distrain import comm, runtime
 from distrain.data import DistributedBatchSampler
 from distrain.errors import ConfigError
 from distrain.launch import spawn
+from distrain.data.sampler import part_bounds  # noqa: F401 (the sampler's parts: re-exported for readers)
+from distrain.errors import TrainingError
 from distrain.trainer import checkpoint, init_from
 from distrain.trainer.config import TrainConfig
 from distrain.trainer.engines import Engine, build_engine, engine_class
+from distrain.trainer.guard import ElasticGuard, Guard, stop_step
 from distrain.trainer.metrics import MetricsLog
 from distrain.trainer.report import add_eval, finish, progress_bar, rank_traffic, step_record, sum_losses, write_records
 from distrain.trainer.task import Task, build_optimizer, build_task, loss_function, lr_at
@@ -63,7 +71,7 @@ def train(cfg: TrainConfig | None = None, *, model=None, train_data=None, val_da
     init_from.resolve(cfg)  # the model this run builds: --init-from's, --model hf:DIR, or a left-out --model
     cfg.validate()
     if model is not None and cfg.tp > 1:  # your model's heads, sizes and vocabulary against --tp, before any rank
-        from distrain.models.hf.checks import check_tp_fits
+        from distrain.models.hf_transformers.checks import check_tp_fits
 
         check_tp_fits(model, cfg.tp)
     if cfg.resume == "auto":  # restarts under distrain launch: resume if there is a checkpoint, else start afresh
@@ -83,15 +91,30 @@ def train(cfg: TrainConfig | None = None, *, model=None, train_data=None, val_da
 
     if not cfg.resume and not (cfg.elastic and follower()):  # (node 0 of an elastic job over several owns --out)
         check_out(cfg)
-    if cfg.elastic:  # the elastic agent starts and watches the ranks (distrain/elastic/agent.py)
-        from distrain.trainer.elastic_loop import run_elastic
-
-        return run_elastic(cfg, parts.for_ranks() if parts is not None else None, _spawned)
-    # ranks that poll shared memory get cores of their own (spawn's bind_cores); Gloo's are left free
     parts = parts.for_ranks() if parts is not None else None  # the model as bytes: no storage shared with the ranks
+    if cfg.elastic:  # the coordinator starts and watches the ranks and decides their membership
+        return _run_elastic(cfg, parts)
+    # ranks that poll shared memory get cores of their own (spawn's bind_cores); Gloo's are left free
     return spawn(_spawned, cfg.nproc, args=(cfg.to_dict(), parts), backend=BACKENDS[cfg.device],
                  timeout=cfg.timeout or None, init_timeout=cfg.collective_timeout,
                  bind_cores=None if cfg.transport in ("shm", "auto") else False)[0]
+
+
+def _run_elastic(cfg: TrainConfig, parts) -> dict:
+    """The top process of an elastic job: rank 0's summary, or TrainingError with the one-line reason
+    of a stop below MIN."""
+    from distrain.elastic import coordinator, nodes, parse
+
+    lo, hi = parse(cfg.elastic)
+    results, stop, _ = coordinator.run(_spawned, cfg.nproc, lo, hi, args=(cfg.to_dict(), parts),
+                                       replace=cfg.elastic_replace, timeout=cfg.timeout or None,
+                                       collective_timeout=cfg.collective_timeout, preload=["distrain.trainer.loop"],
+                                       grid=(cfg.tp, cfg.pp), nodes=nodes.from_env(cfg.nproc),  # (cluster run)
+                                       servers=cfg.servers if cfg.strategy == "ps-sync" else 0)
+    if stop:
+        raise TrainingError(f"{stop}; the checkpoint of step {stop_step(cfg.out)} is in {cfg.out} (--resume "
+                            f"continues it)")
+    return next((r for r in results.values() if r), {})
 
 
 def _spawned(rank: int, cfg_dict: dict, parts=None) -> dict:
@@ -168,12 +191,8 @@ def check_resume(cfg: TrainConfig) -> dict:
 
 
 def run_rank(cfg: TrainConfig, parts=None) -> dict:
-    if cfg.elastic:  # one rank of an elastic job (trainer/elastic_loop.py)
-        from distrain.trainer.elastic_loop import run_elastic_rank
-
-        return run_elastic_rank(cfg, parts, new_model, save_checkpoint)
+    """One rank of any job (fixed or elastic; ``cfg.elastic``: its guard re-forms the group)."""
     comm.set_default_transport(cfg.transport, timeout=cfg.collective_timeout)  # every group this run creates
-
     out = Path(cfg.out)
     if parts is None:  # --model/--data/--loss PKG.MOD:NAME, built here
         torch.manual_seed(cfg.seed)  # a factory's model: the same seeded weights on every rank, run after run
@@ -181,40 +200,69 @@ def run_rank(cfg: TrainConfig, parts=None) -> dict:
 
     # build model: the same seeded model on every rank (engines replicate, shard or serve it),
     # on this rank's device: cuda:LOCAL_RANK under NCCL, the CPU under Gloo
-    device = runtime.info().device if cfg.device != "cpu" else torch.device("cpu")
+    device = runtime.info().device if cfg.device != "cpu" and not cfg.elastic else torch.device("cpu")
     model = new_model(cfg, parts, device)
+    task = build_task(cfg, getattr(getattr(model, "config", None), "block_size", None), device, parts)
 
-    # build engine: the way of training, with its communication and optimizer (engines/)
-    engine = build_engine(cfg, model, loss_function(cfg, parts), lambda params: build_optimizer(cfg, params))
+    # build engine: the way of training, with its communication and optimizer (engines/), on the
+    # current group (an elastic job builds a new one whenever its group changes)
+    loss_fn = loss_function(cfg, parts)
 
-    # resume: every rank loads the shard it holds from the committed checkpoint set
-    start = 0
-    if cfg.resume:
-        manifest = checkpoint.read_manifest(out)
-        start = int(manifest["step"])
-        if manifest["layout"] != engine.layout:  # --reshard (check_resume allowed it): via the whole model
-            from distrain.trainer.reshard import consolidate
+    def make_engine(net=None) -> Engine:
+        now = dataclasses.replace(cfg, nproc=dist.get_world_size())  # (elastic: the live ranks)
+        net = net if net is not None else new_model(cfg, parts, device)
+        return build_engine(now, net, loss_fn, lambda params: build_optimizer(cfg, params))
 
-            engine.load_full(consolidate(out, manifest))
-        elif engine.shard is not None:
-            engine.load_state_dict(checkpoint.load_shard(out, manifest, engine.shard))
+    # resume: every rank loads what it holds from the committed checkpoint set
+    start = int(checkpoint.read_manifest(out)["step"]) if cfg.resume else 0
+    guard = _guard(cfg)
+    engine, start = guard.enter(make_engine, model, start, (lambda e: load_checkpoint(cfg, e)) if cfg.resume else None)
+    model = None  # (the engine holds it, wrapped or sharded)
 
-    # train (servers serve), counting every rank's traffic; the final checkpoint set is written
-    # right after the last step, before evaluation, so that nothing after training can lose the run
-    task, wall = None, 0.0
+    # train (ps-async servers serve), counting every rank's traffic; the final checkpoint set is
+    # written right after the last step, before evaluation, so that nothing after training can lose the run
+    wall, stop = 0.0, None
     with comm.ledger() as led:
         if engine.serves:
             engine.serve(cfg.steps - start)
         else:
-            task = build_task(cfg, getattr(getattr(model, "config", None), "block_size", None), device, parts)
-            wall = train_steps(cfg, engine, task, start)
+            engine, wall, stop = train_steps(cfg, engine, task, start, guard)
+    if stop is not None:
+        return {"stopped": stop} if dist.get_rank() == 0 else {}
     if engine.serves or start >= cfg.steps:  # a server's final shard, or a resume with no step left to run
         save_checkpoint(cfg, engine, cfg.steps)
 
     # report: traffic and the engine's extras from every rank; rank 0 writes the summary
     traffic = rank_traffic(led, cfg.steps - start)
     extra = engine.report(led, cfg.steps - start)
-    return finish(cfg, engine, task, out, wall, start, traffic, extra) if engine.rank == 0 else {}
+    if dist.get_rank() != 0:
+        return {}
+    extra.update(guard.summary(out))
+    return finish(cfg, engine, task, out, wall, start, traffic, extra)
+
+
+def _guard(cfg: TrainConfig) -> Guard:
+    """The job's guard: none for a fixed job, the quorum of this rank's Member for an elastic one."""
+    if not cfg.elastic:
+        return Guard()
+    from distrain.elastic.member import current
+    from distrain.trainer.reshard import consolidate, consolidate_pieces
+
+    return ElasticGuard(cfg, current(), lambda e, pieces, step: e.load_full(consolidate_pieces(pieces, step)),
+                        lambda e: e.load_full(consolidate(cfg.out)))
+
+
+def load_checkpoint(cfg: TrainConfig, engine: Engine) -> None:
+    """Resume: this rank's part of the committed checkpoint of ``cfg.out``; a checkpoint of another
+    layout (``--reshard``, which check_resume allowed) is consolidated and cut for this one."""
+    out = Path(cfg.out)
+    manifest = checkpoint.read_manifest(out)
+    if manifest["layout"] != engine.layout:
+        from distrain.trainer.reshard import consolidate
+
+        engine.load_full(consolidate(out, manifest))
+    elif engine.shard is not None:
+        engine.load_state_dict(checkpoint.load_shard(out, manifest, engine.shard))
 
 
 def new_model(cfg: TrainConfig, parts, device: torch.device) -> torch.nn.Module:
@@ -235,48 +283,85 @@ def new_model(cfg: TrainConfig, parts, device: torch.device) -> torch.nn.Module:
     return model
 
 
-def train_steps(cfg: TrainConfig, engine: Engine, task: Task, start: int) -> float:
-    """Steps ``start .. cfg.steps - 1``; returns the wall time. Every training rank runs it."""
-    is_logger = engine.rank == 0
-    sampler = DistributedBatchSampler(len(task.train), cfg.batch_size, dp_rank=engine.dp_rank,
-                                      dp_size=engine.dp_size, seed=cfg.seed)
-    log = MetricsLog(Path(cfg.out) / "metrics.jsonl", start, tensorboard=True) if is_logger else None
-    if is_logger:  # the run's settings beside its results (what --resume and readers check)
+def train_steps(cfg: TrainConfig, engine: Engine, task: Task, start: int, guard: Guard | None = None):
+    """Steps ``start .. cfg.steps - 1``, through membership changes when the guard makes them; returns
+    (the engine at the end, the wall time, the stop reason or None). Every training rank runs it.
+
+    Per step: the guard's start, this rank's part of the global batch (the sampler's ``part``, for the
+    engine's dp rank and size), the learning rate of the step, the engine's step, the guard's end. The
+    step lines are written (with their losses summed over the ranks) every ``log_every`` steps and
+    before an evaluation or a checkpoint; the final checkpoint comes before the final evaluation, so
+    a failing evaluation leaves it committed."""
+    guard = guard or Guard()
+    sampler = DistributedBatchSampler(len(task.train), cfg.batch_size, seed=cfg.seed)
+    path = Path(cfg.out) / "metrics.jsonl"
+    log = MetricsLog(path, start, tensorboard=True) if engine.rank == 0 else None
+    if log is not None:  # the run's settings beside its results (what --resume and readers check)
         (Path(cfg.out) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    bar = progress_bar(cfg, start, engine.label, is_logger)
-    pending: list[dict] = []  # step records whose global loss is not summed yet
-    t_run = time.perf_counter()
-    for step in range(start, cfg.steps):
-        t0 = time.perf_counter()
-        x, y = task.batch(task.train, sampler.batch(step))
-        lr = lr_at(cfg, step)
-        engine.set_lr(lr)
-        loss = engine.train_step(x, y)
-        pending.append(step_record(step, loss, time.perf_counter() - t0, engine.comm_wait_s, task.unit,
-                                   cfg.batch_size * task.units_per_sample, lr))
-        last = step == cfg.steps - 1
-        if last:
-            engine.end_training()
-        do_eval = (cfg.eval_every and task.val is not None and engine.can_evaluate
-                   and ((step + 1) % cfg.eval_every == 0 or last))
-        do_ckpt = bool(cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0) or last
-        if len(pending) >= cfg.log_every or do_eval or do_ckpt:
-            sum_losses(pending, engine.loss_group, engine.loss_weight)  # stops every rank on a non-finite loss
-            if do_eval and not last:
-                add_eval(pending[-1], engine.evaluate(task.val_batches(cfg.batch_size, cfg.eval_batches)), None, bar)
-            # the lines are on disk before a checkpoint names their step: a rank killed between the two would
-            # otherwise resume past steps that metrics.jsonl never got (a resume drops lines >= its step)
-            write_records(pending, log, bar)
-            if do_ckpt:  # only finite losses reach a checkpoint
-                save_checkpoint(cfg, engine, step + 1)
-            if do_eval and last:  # after the final checkpoint, so a failing evaluation leaves it committed
-                add_eval(pending[-1], engine.evaluate(task.val_batches(cfg.batch_size, cfg.eval_batches)), log, bar)
-            pending = []
+    bar = progress_bar(cfg, start, engine.label, log is not None)
+    pending: list[dict] = []  # step records whose lines are not written yet
+    step, t_run = start, time.perf_counter()
+    while step < cfg.steps:
+        failed = False
+        try:
+            guard.begin(step, engine)
+            t0 = time.perf_counter()
+            x, y = task.batch(task.train, sampler.part(step, engine.dp_rank, engine.dp_size)) \
+                if engine.reads_data else (None, None)
+            lr = lr_at(cfg, step)
+            engine.set_lr(lr)
+            loss = engine.train_step(x, y)
+            rec = step_record(step, loss, time.perf_counter() - t0, engine.comm_wait_s, task.unit,
+                              cfg.batch_size * task.units_per_sample, lr)
+            guard.end(step, engine, rec)  # (elastic: the quorum; the loss is summed already)
+            pending.append(rec)
+            step += 1
+            last = step == cfg.steps
+            if last:
+                engine.end_training()
+            do_eval = cfg.eval_every and task.val is not None and (step % cfg.eval_every == 0 or last)
+            do_ckpt = bool(cfg.ckpt_every and step % cfg.ckpt_every == 0) or last
+            if len(pending) >= cfg.log_every or do_eval or do_ckpt or not torch.is_tensor(rec["loss"]):
+                sum_losses(pending, engine.loss_group, engine.loss_weight)  # stops every rank on a non-finite loss
+                if do_eval and not last:
+                    add_eval(pending[-1], engine.evaluate(task.val_batches(cfg.batch_size, cfg.eval_batches)), None,
+                             bar)
+                if log is not None:
+                    log.write(guard.events())  # (elastic: a change completed by this step)
+                # the lines are on disk before a checkpoint names their step: a rank killed between the two
+                # would otherwise resume past steps that metrics.jsonl never got (a resume drops lines >= its step)
+                write_records(pending, log, bar)
+                pending = []
+                if do_ckpt:  # only finite losses reach a checkpoint
+                    save_checkpoint(cfg, engine, step)
+                    guard.checkpointed(step)
+                if do_eval and last:  # after the final checkpoint, so a failing evaluation leaves it committed
+                    add_eval(rec, engine.evaluate(task.val_batches(cfg.batch_size, cfg.eval_batches)), log, bar)
+        except Exception as e:  # noqa: BLE001 - the group broke (elastic) or a failure of ours (raised)
+            if not guard.failed(e):
+                raise
+            failed = True
+        if not (failed or guard.wanted) or (step >= cfg.steps and not failed):
+            continue  # (a change asked for after the last step: the job is done)
+        # a change (a peer lost, or the coordinator asked): a new group, a new engine, the step to go on from
+        pending = []
+        live = guard.keep(engine)
+        engine = None  # (drop the engine and its hold on the old group)
+        engine, step, stop = guard.recover(live)
+        live = None
+        if engine.rank == 0:
+            log = log or MetricsLog(path, sys.maxsize, tensorboard=True)  # (a new rank 0: keep every line)
+            log.rewind(step)  # the step lines from ``step`` on were rolled back
+        if stop is not None:
+            save_checkpoint(cfg, engine, step)
+            if log is not None:
+                log.write(guard.events())
+            return engine, time.perf_counter() - t_run, stop
     if bar is not None:
         bar.close()
     if log is not None and log.tensorboard is not None:
         log.tensorboard.close()
-    return time.perf_counter() - t_run
+    return engine, time.perf_counter() - t_run, None
 
 
 def save_checkpoint(cfg: TrainConfig, engine: Engine, step: int) -> None:

@@ -30,6 +30,11 @@ class MetricsLog:
         if self.tensorboard is not None:
             self.tensorboard.write(records)
 
+    def rewind(self, step: int) -> None:
+        """Drop the step lines from ``step`` on (an elastic job rolled them back), keep every event line."""
+        rows = [ln for ln in self.path.read_text().splitlines() if ln.strip()] if self.path.exists() else []
+        kept = [ln for ln in rows if "event" in (r := json.loads(ln)) or r["step"] < step]
+        self.path.write_text("".join(ln + "\n" for ln in kept))
 
     def rewrite_last(self, **fields) -> None:
         """Add fields to the last record (e.g. a validation loss computed after it was written)."""
@@ -72,6 +77,12 @@ class TensorBoardLog:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def read_events(path: str | os.PathLike) -> list[dict]:
+    """The event lines of a metrics.jsonl (an elastic job's membership changes and stop)."""
+    rows = [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
+    return [r for r in rows if "event" in r]
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:

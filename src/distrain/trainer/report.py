@@ -43,12 +43,15 @@ def progress_bar(cfg: TrainConfig, start: int, label: str, on: bool):
 
 
 def sum_losses(pending: list[dict], group, weight: float) -> None:
-    """Collective over ``group``: each pending loss becomes the sum of loss * weight (the global
-    batch's mean loss); a TrainingError on every rank if one is not finite."""
-    losses = torch.stack([r["loss"] for r in pending]).mul_(weight)
-    comm.all_reduce(losses, op="sum", group=group, algorithm="native")
-    for r, v in zip(pending, losses.tolist()):
-        r["loss"] = v
+    """Collective over ``group``: each pending loss still a tensor (this rank's part) becomes the sum of
+    loss * weight (the global batch's mean loss; a loss the guard summed already is a float and stays);
+    a TrainingError on every rank if one is not finite."""
+    todo = [r for r in pending if torch.is_tensor(r["loss"])]
+    if todo:
+        losses = torch.stack([r["loss"] for r in todo]).mul_(weight)
+        comm.all_reduce(losses, op="sum", group=group, algorithm="native")
+        for r, v in zip(todo, losses.tolist()):
+            r["loss"] = v
     bad = next((r for r in pending if not math.isfinite(r["loss"])), None)
     if bad is not None:  # every rank sees the same summed losses, so every rank stops here
         raise TrainingError(f"step {bad['step']}: the loss is {bad['loss']}; the run stops before writing it or a "

@@ -9,6 +9,7 @@
     p2p.py        send/recv/isend/irecv (+ header variants) and PeerComm for algorithms
     ledger.py     traffic accounting
     watchdog.py   a collective that waits too long is reported with who is missing
+    failures.py   a backend or transport failure under a call is PeerLostError (by type, not text)
     registry.py   the algorithm interface (Protocol) and the registry algorithms add themselves to
 
 Imports nothing else of distrain.comm (tests/test_import_graph.py keeps it so).

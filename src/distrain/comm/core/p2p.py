@@ -24,6 +24,7 @@ from distrain.comm.core.torchargs import torch_call
 from distrain.comm.core.transport import Transport, Work
 from distrain.comm.core.util import DTYPE_CODE, WIRE_DTYPES, check_int, dtype_name, nbytes
 from distrain.errors import CommError, ConfigError
+from distrain.comm.core.failures import lost
 
 
 _workspace = threading.local()
@@ -147,8 +148,8 @@ class _P2PWork:
                 self._work.wait(timeout)
         except CommError:  # already names the rank, peer and tag (shared-memory transport)
             raise
-        except Exception as e:  # Gloo raises RuntimeError on peer loss or timeout
-            raise CommError(f"{self._desc} failed: {e}") from e
+        except Exception as e:  # Gloo raises RuntimeError on peer loss or timeout: PeerLostError
+            raise lost(self._desc, e) from e
         return True
 
     def is_completed(self) -> bool:

@@ -50,7 +50,7 @@ from distrain.comm.shm.host import host_id, set_host_id, supported, unsupported 
 from distrain.comm.shm.p2p import Channels
 from distrain.comm.shm.symmetric import Heap
 from distrain.comm.shm.segment import ABORT, ARRIVE, CONSUMED, SLEEPING, Layout, Segment
-from distrain.errors import CommError
+from distrain.errors import CommError, PeerLostError
 
 # A collective step moves at most this much per rank. 1 MiB: a rank's slot fits its L2, so
 # the fold reads both slots from cache. Quiet machine, ranks bound to cores, P=2 all_reduce,
@@ -260,13 +260,13 @@ class ShmTransport:
         for q in peers:
             s = self.peers.get(q)
             if s is not None and s.line(ABORT):
-                raise CommError(f"{what} on rank {self.me_global}: rank {self.ranks[q]} failed during this "
+                raise PeerLostError(f"{what} on rank {self.me_global}: rank {self.ranks[q]} failed during this "
                                 f"collective (shared-memory transport); see that rank's error")
             if q in self.pids and not seg_mod.pid_alive(self.pids[q]):
-                raise CommError(f"{what} on rank {self.me_global}: rank {self.ranks[q]} (pid {self.pids[q]}) died "
+                raise PeerLostError(f"{what} on rank {self.me_global}: rank {self.ranks[q]} (pid {self.pids[q]}) died "
                                 f"while this rank waited for it (shared-memory transport)")
         if waited > self.timeout:
-            raise CommError(f"{what} on rank {self.me_global}: timed out after {self.timeout:g}s waiting for "
+            raise PeerLostError(f"{what} on rank {self.me_global}: timed out after {self.timeout:g}s waiting for "
                             f"rank(s) {[self.ranks[q] for q in peers]} (shared-memory transport); a rank is stuck "
                             f"or did not call the same collective")
 

@@ -1,5 +1,8 @@
-"""Llama-family decoders: the model (``model.py``), its tensor-parallel plan beside it
-(``plan.py``), and a pure Hugging Face state-dict adapter (``hf.py``). See docs/llama.md.
+"""Llama-family decoders: the model (``model.py``, rotary embedding in ``rope.py``), its
+tensor-parallel plan beside it (``plan.py``), and a pure Hugging Face state-dict adapter
+(``hf.py``: names, shapes, configs; no I/O; not to be confused with
+:mod:`distrain.models.hf_transformers`, Hugging Face's own models under our parallelism).
+See docs/llama.md.
 
 Presets (``build_model(name)``, registered in :mod:`distrain.models.registry`): ``llama-tiny``
 and ``llama-small`` train on byte-level text; ``smollm2-135m``, ``llama-3.2-1b`` and

@@ -1,7 +1,7 @@
 """The Llama's tensor-parallel plan (Megatron-LM's layout, with grouped-query attention).
 
 ``model.py`` knows nothing of parallelism; this file says which of its modules become which
-parallel layer (:mod:`distrain.parallel.tensor_parallel.plan`), as ``gpt_plan.py`` does for the GPT::
+parallel layer (:mod:`distrain.parallel.tensor_parallel.plan`), as ``models/gpt/plan.py`` does for the GPT::
 
     tok_embeddings          vocab      rows of the vocabulary, g on the output
     attention               f on the attention's input once, for wq, wk and wv together
@@ -34,7 +34,7 @@ import torch.nn as nn
 from distrain.errors import ConfigError
 from distrain.models.llama.model import Attention, FeedForward, LlamaEmbedding, LlamaHead
 from distrain.parallel.tensor_parallel import (
-    ColwiseParallel, CopyInput, RowwiseParallel, TPPlan, vocab_parallel_cross_entropy,
+    ColwiseParallel, CopyInput, RowwiseParallel, TPPlan, check_tp_divides, vocab_parallel_cross_entropy,
 )
 
 __all__ = ["check_llama_tp", "check_llama_tp_sizes", "llama_tp_plan"]
@@ -47,24 +47,13 @@ _RULES = {
 }
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def check_llama_tp_sizes(tp: int, *, n_head: int | None = None, n_kv_head: int | None = None,
                          intermediate_size: int | None = None, vocab_size: int | None = None) -> None:
     """Raise ConfigError naming every Llama size that tp does not divide, the rule behind it and
     the tp values that fit (pure: no communication). A size left None is not checked."""
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ConfigError(f"tensor parallel: tp must be a positive int, got {tp!r}")
     sizes = {k: v for k, v in dict(n_head=n_head, n_kv_head=n_kv_head, intermediate_size=intermediate_size,
                                    vocab_size=vocab_size).items() if v is not None}
-    bad = [f"{k}={n} is not divisible by tp={tp} ({_RULES[k]}); choose tp among the divisors of {n}: "
-           f"{', '.join(map(str, _divisors(n)))}" for k, n in sizes.items() if n % tp]
-    if bad:
-        fit = [d for d in _divisors(min(sizes.values())) if all(n % d == 0 for n in sizes.values())]
-        raise ConfigError("tensor parallelism does not fit the Llama: " + ". ".join(bad)
-                          + f". (tp values that divide every size: {', '.join(map(str, fit))})")
+    check_tp_divides(tp, sizes, "the Llama", rules=_RULES)
 
 
 def _sizes(model: nn.Module) -> dict[str, set[int]]:

@@ -15,14 +15,17 @@ overlap are :func:`split_microbatches` and the schedules of :func:`schedule_ops`
                  simulation, InterleavedStage and interleaved_step; bubble (p-1)/(v*m)
     zero_bubble.py  ZB-H1 (Qi et al. 2024): op order with B / W split, bubble (p-1)/(3m+p-1)
     weight_grad.py  the B / W split: linear layers' weight gradients deferred to a per-stage store
+    forward_only.py  evaluation: forwards only, first stage -> last stage, no autograd, eval
+                 mode, random generators and the last step's timeline untouched
     timeline.py  what ran when on each stage: bubble fraction, held activations, Chrome
                  trace and Gantt chart
 
-Imports go one way: pipeline, interleaved -> schedule -> timeline -> zero_bubble;
+Imports go one way: forward_only -> pipeline, interleaved -> schedule -> timeline -> zero_bubble;
 pipeline -> weight_grad. The bubble benchmark is
 ``distrain bench pipeline`` (distrain.bench.pipeline_bench).
 """
 
+from distrain.parallel.pipeline_parallel.forward_only import MAX_SENDS_IN_FLIGHT, evaluation_mode, forward_only
 from distrain.parallel.pipeline_parallel.interleaved import (
     InterleavedStage, interleaved_bubble, interleaved_ops, interleaved_step, simulate_interleaved,
 )
@@ -37,6 +40,7 @@ from distrain.parallel.pipeline_parallel.zero_bubble import zb_h1_bubble, zb_h1_
 
 __all__ = [
     "DEFAULT_TAG_BASE", "InterleavedStage", "PipelineStage", "PipelineTimeline", "SCHEDULES", "ScheduleDeadlock", "StageTimeline",
+    "MAX_SENDS_IN_FLIGHT", "evaluation_mode", "forward_only",
     "check_schedule", "collect_timeline", "ideal_bubble", "layer_costs", "partition", "peak_in_flight",
     "pipeline_step", "schedule_ops", "simulate", "split_microbatches", "stage_program", "warmup_forwards",
     "interleaved_bubble", "interleaved_ops", "interleaved_step", "simulate_interleaved",

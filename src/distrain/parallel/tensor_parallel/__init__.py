@@ -29,7 +29,9 @@ So a transformer block costs 2 all-reduces of B*T*C elements forward and 2 backw
     group.py   TPGroup: the group, the algorithm and this rank's place, shared by the layers
     plan.py    TPPlan: module name -> "colwise" / "rowwise" / "vocab" / "copy_input", and
                apply_tensor_parallel(model, group, algorithm, plan=...); tp_shard_info for
-               checkpoints. Models' plans live beside the models (distrain.models.gpt_plan).
+               checkpoints. Models' plans live beside the models (distrain.models.gpt.plan).
+    sizes.py   check_tp_divides(tp, {name: size}, what): the one size check every plan calls
+               (and divisors(n)); pure
 
 Contract (as for every collective): every rank of the tp group receives the same input,
 holds its own shard of the planned weights and a full copy of the rest (LayerNorms, position
@@ -67,6 +69,7 @@ from distrain.parallel.tensor_parallel.plan import (
     apply_tensor_parallel,
     tp_shard_info,
 )
+from distrain.parallel.tensor_parallel.sizes import check_tp_divides, divisors
 from distrain.parallel.tensor_parallel.sequence import (
     gather_from_sequence,
     reduce_scatter_to_sequence,
@@ -80,7 +83,8 @@ tp_loss = vocab_parallel_cross_entropy  # the training loss of a plan that keeps
 __all__ = [
     "BlockAllReduceBytes", "ColumnParallelLinear", "ColwiseParallel", "CopyInput", "RowParallelLinear",
     "RowwiseParallel", "SequenceParallel", "ShardInfo", "SplitSequenceOutput", "TPGroup", "TPModule", "TPPlan",
-    "VocabParallel", "VocabParallelEmbedding", "apply_tensor_parallel", "copy_to_tp", "gather_from_sequence",
+    "VocabParallel", "VocabParallelEmbedding", "apply_tensor_parallel", "check_tp_divides", "copy_to_tp",
+    "divisors", "gather_from_sequence",
     "gather_from_tp", "megatron_bytes_per_block", "reduce_from_tp", "reduce_scatter_to_sequence", "scatter_to_tp",
     "sequence_parallel_bytes_per_block", "split_to_sequence", "sync_grads_over_tp", "tp_loss", "tp_shard_info",
     "vocab_parallel_cross_entropy",

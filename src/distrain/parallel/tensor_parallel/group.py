@@ -1,4 +1,5 @@
-"""The tensor-parallel group as every layer holds it, and the size checks the layers share."""
+"""The tensor-parallel group as every layer holds it, and the size split the layers share
+(checked by :func:`.sizes.check_tp_divides`, the one tp size check)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch.distributed as dist
 
 from distrain import comm
 from distrain.errors import ConfigError
+from distrain.parallel.tensor_parallel.sizes import check_tp_divides
 
 
 class TPGroup:
@@ -43,7 +45,5 @@ def _tp(group, algorithm: str) -> TPGroup:
 
 
 def _divide(n: int, p: int, what: str) -> int:
-    if n % p:
-        divs = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-        raise ConfigError(f"{what}={n} is not divisible by tp={p}; choose tp among the divisors of {n}: {divs}")
+    check_tp_divides(p, {what: n}, "a tensor-parallel layer")
     return n // p

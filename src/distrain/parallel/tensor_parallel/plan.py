@@ -2,7 +2,7 @@
 
 A plan maps module names (``model.named_modules()``) to a *style*, as the plans of torch's
 ``parallelize_module`` do; the model itself knows nothing of parallelism, and the plan of a
-model sits beside it (``distrain.models.gpt_plan``, ``distrain.models.mlp_plan``)::
+model sits beside it (``distrain.models.gpt.plan``, ``distrain.models.mlp.plan``)::
 
     plan = TPPlan({"ff_in": "colwise", "ff_out": "rowwise", "out": ColwiseParallel(gather_output=True)})
     apply_tensor_parallel(model, topo.tp_group, "ring", plan=plan)
@@ -32,7 +32,8 @@ some layers only), but a plan must match at least one module.
 
 A plan whose output stays sharded along its last dimension names the ``loss`` that reads the
 shards (the GPT's: vocab-parallel cross entropy, equal to ``lm_loss`` on the gathered logits);
-``check(model, tp_size)`` lets a model name its own sizes in errors (whole attention heads).
+``check(model, tp_size)`` lets a model name its own sizes in errors (whole attention heads;
+every plan's check and the per-module one here are :func:`.sizes.check_tp_divides`).
 Every check runs before any module changes or any collective runs.
 """
 
@@ -57,6 +58,7 @@ from distrain.parallel.tensor_parallel.layers import (
 from distrain.parallel.tensor_parallel.sequence import (
     RegatherSaved, gather_from_sequence, split_to_sequence, sync_grads_over_tp,
 )
+from distrain.parallel.tensor_parallel.sizes import check_tp_divides
 
 __all__ = ["ColwiseParallel", "CopyInput", "RowwiseParallel", "SequenceParallel", "ShardInfo", "SplitSequenceOutput",
            "TPPlan", "VocabParallel", "apply_tensor_parallel", "tp_shard_info"]
@@ -142,16 +144,12 @@ def as_plan(plan) -> TPPlan:
     if isinstance(plan, Mapping):
         return TPPlan(plan)
     raise ConfigError(f"tensor parallel: plan must be a TPPlan or a mapping {{module name: style}}, got "
-                      f"{type(plan).__name__} (the GPT's is distrain.models.gpt_plan.gpt_tp_plan())")
+                      f"{type(plan).__name__} (the GPT's is distrain.models.gpt.plan.gpt_tp_plan())")
 
 
 # ---------------------------------------------------------------------------------------
 # Applying a plan
 # ---------------------------------------------------------------------------------------
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
 
 _NEEDS = {ColwiseParallel: (nn.Linear, "out_features"), RowwiseParallel: (nn.Linear, "in_features"),
           VocabParallel: (nn.Embedding, "num_embeddings")}
@@ -167,10 +165,7 @@ def _check_module(name: str, m: nn.Module, style: Style, P: int) -> None:
     if type(m) is not cls:
         raise ConfigError(f"apply_tensor_parallel: {name} is a {type(m).__name__}, but its style "
                           f"{type(style).__name__} needs an nn.{cls.__name__}")
-    n = getattr(m, dim)
-    if n % P:
-        raise ConfigError(f"apply_tensor_parallel: {name}.{dim}={n} is not divisible by tp={P}; choose tp among "
-                          f"the divisors of {n}: {_divisors(n)}")
+    check_tp_divides(P, {f"{name}.{dim}": getattr(m, dim)}, f"module {name}")
     if isinstance(m, nn.Embedding) and (m.padding_idx is not None or m.max_norm is not None or m.sparse):
         raise ConfigError(f"apply_tensor_parallel: {name} has padding_idx, max_norm or sparse=True, which "
                           f"VocabParallelEmbedding does not support")

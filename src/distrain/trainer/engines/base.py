@@ -6,12 +6,19 @@ else: data, resume, logging, checkpoint sets, the report. Per global step the lo
 
     loss = engine.train_step(x, y)   # forward, backward, gradient sync, optimizer step
 
-with this rank's slice ``(dp_rank, dp_size)`` of the global batch (and ``end_training()``
+with this rank's part ``(dp_rank, dp_size)`` of the global batch (and ``end_training()``
 right after the last one), and logs
 ``sum over loss_group of loss * loss_weight`` (the global batch's mean loss).
 
-A rank with ``serves = True`` (a parameter server) runs ``serve(steps)`` instead of the
-loop and joins the loop's collective calls afterwards (checkpoint set, traffic, report).
+Parts may differ in size by one (an elastic job's live replicas need not divide the batch:
+DistributedBatchSampler.part). An engine scales its training loss by ``n_d * D / B`` at
+construction (:func:`part_loss`, exactly 1 when D divides B): data parallelism averages gradients
+over the D replicas, so the sum is the exact gradient of the global batch's mean loss for any D.
+Evaluation uses the unscaled loss (``eval_loss_fn``).
+
+A rank with ``serves = True`` (a ps-async server) runs ``serve(steps)`` instead of the
+loop and joins the loop's collective calls afterwards (checkpoint set, traffic, report); a rank
+with ``reads_data = False`` (a ps-sync server) runs the loop without batches.
 
 Checkpoints: ``shard`` names the state this rank holds (replicas hold the same one; None:
 nothing, e.g. a parameter-server worker) and ``writes_shard`` says whether this rank is the
@@ -28,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from distrain.data.sampler import part_bounds
 from distrain.models.outputs import logits_of
 from distrain.trainer.config import TrainConfig
 
@@ -47,7 +55,8 @@ class Engine(ABC):
 
     def __init__(self, cfg: TrainConfig, model: nn.Module, loss_fn: LossFn, optimizer_factory: OptimizerFactory):
         self.cfg = cfg
-        self.loss_fn = loss_fn
+        self.loss_fn = loss_fn  # the training loss: part_loss(...) once the engine knows its dp part
+        self.eval_loss_fn = loss_fn
         self.optimizer_factory = optimizer_factory
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = next(model.parameters(), torch.empty(0)).device  # this rank's device (the loop put it there)
@@ -81,7 +90,8 @@ class Engine(ABC):
         """Called once right after the last step's ``train_step`` (e.g. a final pull of weights)."""
 
     @property
-    def can_evaluate(self) -> bool:
+    def reads_data(self) -> bool:
+        """Whether the loop feeds this rank its part of each batch (False: ``train_step(None, None)``)."""
         return True
 
     def serve(self, steps: int) -> None:
@@ -156,6 +166,24 @@ def evaluate_batches(net: nn.Module, loss_fn: LossFn, batches, accuracy: bool) -
     if seen:
         out["val_accuracy"] = right / seen
     return out
+
+
+class _ScaledLoss:
+    def __init__(self, loss_fn: LossFn, scale: float):
+        self.loss_fn, self.scale = loss_fn, scale
+
+    def __call__(self, output, target):
+        return self.loss_fn(output, target) * self.scale
+
+
+def part_loss(loss_fn: LossFn, batch: int, dp_size: int, dp_rank: int) -> LossFn:
+    """``loss_fn`` for replica ``dp_rank`` of ``dp_size`` on a global batch of ``batch``: scaled by
+    ``n_d * D / B`` (n_d its part's size, DistributedBatchSampler.part), the function itself when that
+    is 1 (D divides B). With gradients averaged over the D replicas, sum_d n_d/B * grad(mean_d) is the
+    gradient of the global batch's mean loss."""
+    lo, hi = part_bounds(batch, dp_size, dp_rank)
+    scale = (hi - lo) * dp_size / batch
+    return loss_fn if scale == 1 else _ScaledLoss(loss_fn, scale)
 
 
 def clip_coefficient(total_sq: torch.Tensor, max_norm: float) -> torch.Tensor:

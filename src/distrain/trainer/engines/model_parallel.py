@@ -13,8 +13,9 @@ coordinate holds a different shard: dp rank 0 of each writes ``tp{t}-pp{p}``.
 DDP (parallelize's ``zero_stage``): each dp rank then holds its own part of the (tp, pp)
 shard's optimizer state (and gradients, and parameters), so every rank writes
 ``tp{t}-pp{p}-dp{d}``; clipping takes the whole model's norm over every rank's shards. Validation
-runs when pp == 1 (every rank takes part: the tp all-reduces need all of them); text
-sampling is not done (the model is sharded).
+runs on every layout (``evaluate``: each replica its slice of every batch, through the
+pipeline's forward-only schedule when pp > 1; every rank takes part); text sampling is not
+done (the model is sharded).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import torch
 
 from distrain import comm
 from distrain.topology import Topology
-from distrain.trainer.engines.base import Engine, clip_coefficient, evaluate_batches
+from distrain.models.outputs import logits_of
+from distrain.trainer.engines.base import Engine, clip_coefficient, part_loss
 
 
 class ModelParallelEngine(Engine):
@@ -38,7 +40,8 @@ class ModelParallelEngine(Engine):
         # a user's model brings its own as ``model.tp_plan`` when tp > 1 (a Hugging Face model's
         # ``tp_plan`` is HF's, in HF's styles: model_tp_plan gives distrain's plan for it instead)
         plan = model_tp_plan(model)
-        self.pm = parallelize(model, topo, loss_fn=loss_fn, tp_plan=plan, algorithm=cfg.algorithm,
+        self.loss_fn = part_loss(loss_fn, cfg.batch_size, topo.dp, topo.dp_rank)  # (elastic: uneven replicas)
+        self.pm = parallelize(model, topo, loss_fn=self.loss_fn, tp_plan=plan, algorithm=cfg.algorithm,
                               microbatches=cfg.microbatches, schedule=cfg.schedule,
                               bucket_cap_mb=cfg.bucket_cap_mb, zero_stage=self.zero_stage,
                               optimizer=optimizer_factory)
@@ -104,12 +107,73 @@ class ModelParallelEngine(Engine):
         for _, g in grads:
             g.mul_(coef.to(g.dtype))
 
-    @property
-    def can_evaluate(self) -> bool:
-        return self.topo.pp == 1
-
     def evaluate(self, batches):
-        return evaluate_batches(self.pm.module, self.pm.loss_fn, batches, accuracy=False)
+        """What one process's ``evaluate_batches`` gives on the same ``batches`` -- {"val_loss": mean
+        over batches of the batch's mean loss, and "val_accuracy" for a classifier} -- on every
+        rank (equal in fp64 to rounding: a batch's loss is the mean of its micro-batches' mean
+        losses). Collective: every rank calls it with the same batches (the loop's
+        ``task.val_batches``).
+
+        Each batch (B, ...) is cut into n = dp x m equal micro-batches (m = --microbatches: a
+        training micro-batch's size, B / (dp m), so evaluation holds no more at once than a
+        training forward); dp replica d runs micro-batches d*m .. d*m + m - 1 of every batch --
+        through its pipeline with :func:`~distrain.parallel.pipeline_parallel.forward_only` when
+        pp > 1, else through its (tp-sharded, or ZeRO-3-gathering) module -- in eval mode, without
+        autograd, leaving the random generators and the last step's timeline as they were. The
+        last stage's tp rank 0 scores each micro-batch as [loss, correct, counted] and one
+        all-reduce over the world of the (batches, n, 3) float64 table, in which every entry has
+        exactly one non-zero contributor (so the sum is exact), brings it to every rank. Every
+        dp replica runs the same number of forwards (ZeRO-3's all-gathers need that). A batch
+        that n does not divide is refused with a ConfigError (the trainer's always divide:
+        --microbatches divides batch_size / dp). Accuracy is left out when tp > 1 and the plan
+        keeps the output sharded (its own loss on shards, e.g. the GPT's vocab-parallel logits)."""
+        from distrain.errors import ConfigError
+        from distrain.parallel.pipeline_parallel import evaluation_mode, forward_only, split_microbatches
+
+        t, pm, m = self.topo, self.pm, self.cfg.microbatches
+        sharded = t.tp > 1 and pm.tp_plan is not None and pm.tp_plan.loss is not None
+        accuracy = self.cfg.data_kind != "text" and not sharded
+        batches, n = list(batches), t.dp * m
+        xs, ys = [], []  # this replica's micro-batches, batch-major: (B/n, ...) each
+        for b, (x, y) in enumerate(batches):
+            if x.shape[0] % n or y.shape[0] != x.shape[0]:
+                raise ConfigError(f"evaluate: validation batch {b} has {x.shape[0]} samples ({y.shape[0]} targets), "
+                                  f"which dp {t.dp} x --microbatches {m} = {n} equal micro-batches cannot share; "
+                                  f"use a --batch-size that {n} divides")
+            xs += split_microbatches(x, n)[t.dp_rank * m:(t.dp_rank + 1) * m]
+            ys += split_microbatches(y, n, what="batch of targets")[t.dp_rank * m:(t.dp_rank + 1) * m]
+
+        # the unscaled loss (training's may carry part_loss's factor); a plan that keeps the output
+        # sharded brings its own loss on shards (pm.loss_fn then calls it, unscaled)
+        loss_fn = pm.loss_fn if sharded else self.eval_loss_fn
+
+        def score(output, target):  # -> [mean loss, correct, counted] (3,) float64
+            loss = loss_fn(output, target).detach().double()
+            right = seen = torch.zeros((), dtype=torch.float64, device=loss.device)
+            if accuracy and not target.is_floating_point():
+                logits = logits_of(output)
+                if logits.dim() == target.dim() + 1:  # class scores, as evaluate_batches counts them
+                    right = (logits.argmax(dim=-1) == target).sum().double()
+                    seen = torch.tensor(float(target.numel()), dtype=torch.float64, device=loss.device)
+            return torch.stack([loss, right, seen])
+
+        if pm.stage is None:
+            with evaluation_mode(pm.module, self.device):  # ZeRO-3: the module holds no parameter
+                rows = [score(pm.module(x), y) for x, y in zip(xs, ys)]
+        else:
+            s = pm.stage
+            rows = forward_only(s, xs if s.is_first else None, ys if s.is_last else None,
+                                score if s.is_last else None, num_microbatches=len(xs))
+        table = torch.zeros(len(batches), n, 3, dtype=torch.float64, device=self.device)
+        if pm.has_loss and t.tp_rank == 0:  # the tp ranks of the last stage hold the same rows: one writes
+            table[:, t.dp_rank * m:(t.dp_rank + 1) * m] = torch.stack(rows).view(len(batches), m, 3).to(self.device)
+        comm.all_reduce(table, op="sum", algorithm="native")  # one contributor per entry: exact
+        losses = table[:, :, 0].mean(dim=1).tolist()  # each batch's mean over its n equal micro-batches
+        out = {"val_loss": sum(losses) / len(losses)}
+        right, seen = table[:, :, 1].sum().item(), table[:, :, 2].sum().item()
+        if seen:
+            out["val_accuracy"] = right / seen
+        return out
 
     @classmethod
     def layout_of(cls, cfg) -> dict:

@@ -1,10 +1,18 @@
 """Parameter server: ``ps-sync`` and ``ps-async`` (distrain.parallel.parameter_server).
 
-Roles come from PSLayout: the last S ranks serve (``serves = True``: they hold their shard
-and its optimizer and answer pulls and pushes), the first W = nproc - S work. A worker step
-is ``pull -> forward/backward -> push``; ``end_training`` makes the final pull, after which
-the worker's model holds the final weights. Rank 0 (always a worker) evaluates and samples
-then, at the end of the run only: mid-run its model holds the weights of the step before.
+Roles come from PSLayout: the last S ranks serve (they hold their shard and its optimizer and
+answer pulls and pushes), the first W = nproc - S work. A worker step is ``pull ->
+forward/backward -> push``; ``end_training`` makes the final pull, after which the worker's
+model holds the final weights.
+
+ps-sync has a step boundary, so its servers run the training loop like every rank: a server's
+``train_step`` is one ``ParameterServer.sync_step`` (the weights out, every push in, one update
+at the loop's learning rate), so a server takes part in the loop's collectives (loss sums,
+checkpoints, an elastic job's quorum). ps-async has none: its servers ``serve`` all steps
+(``serves = True``) while the workers run the loop, and join the loop's collectives afterwards.
+
+Rank 0 (always a worker) evaluates and samples at the end of the run only: mid-run its model
+holds the weights of the step before.
 (Pulling right after each push instead would hold a pull open while the workers log their
 loss together, which deadlocks against a server that bounds staleness.) The state lives on
 the servers: each writes shard ``server{s}`` (its flat weights and optimizer). Periodic
@@ -15,11 +23,13 @@ flight); the final one is written.
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
 
-from distrain.trainer.engines.base import Engine, evaluate_batches
+from distrain import comm
+from distrain.trainer.engines.base import Engine, evaluate_batches, part_loss
 
 
 class PSEngine(Engine):
@@ -29,19 +39,23 @@ class PSEngine(Engine):
         super().__init__(cfg, model, loss_fn, optimizer_factory)
         self.model, self.mode = model, ("sync" if cfg.strategy == "ps-sync" else "async")
         self.ps_layout = L = PSLayout.from_model(model, self.world, cfg.servers)
-        self.loss_group = dist.new_group(L.workers)  # every rank must create it
-        self.serves = L.is_server(self.rank)
+        self.is_server = L.is_server(self.rank)
+        self.serves = self.is_server and self.mode == "async"  # (sync: the servers run the loop step by step)
+        if self.mode == "async":
+            self.loss_group = dist.new_group(L.workers)  # every rank must create it
         self.label = f"{cfg.strategy} ({L.num_workers} workers, {L.num_servers} server{'s' * (L.num_servers > 1)})"
         self.stats: dict = {}
-        # an elastic job (ps-sync) drives the servers step by step from its loop (train_step below), so that
-        # a server takes part in each step's quorum like every rank; a plain job's servers run serve()
-        self.stepwise = bool(getattr(cfg, "elastic", None))
-        self._k, self._t0 = 0, None
-        if self.serves:
+        self._k, self._t0 = 0, None  # steps this engine ran (the byte check counts them), when the first began
+        # the data messages this engine moves (its own ledger: an elastic job rebuilds the engine at each change)
+        self.ledger = comm.ledger().__enter__()
+        weakref.finalize(self, self.ledger.__exit__, None, None, None)
+        if self.is_server:
             self.server = ParameterServer(model, L, optimizer_factory, self.mode, max_staleness=cfg.max_staleness)
+            self.loss_weight = 0.0  # (no loss here; sync servers still join the loss sum over the world)
         else:
             self.worker = PSWorker(model, L, self.mode)
             self.dp_rank, self.dp_size = L.workers.index(self.rank), L.num_workers
+            self.loss_fn = part_loss(loss_fn, cfg.batch_size, self.dp_size, self.dp_rank)
             self.loss_weight = 1.0 / L.num_workers
             self._final = False
 
@@ -56,18 +70,23 @@ class PSEngine(Engine):
         self.stats = self.server.serve(steps)
 
     def optimizers(self):
-        if self.stepwise and self.serves:
+        if self.is_server and self.mode == "sync":
             return [self.server.optimizer]  # the loop sets each step's learning rate
-        return []  # the servers' schedulers set the learning rate (serve)
+        return []  # workers hold none; async servers' schedulers set the learning rate (serve)
+
+    @property
+    def reads_data(self) -> bool:
+        return not self.is_server
 
     # -- worker -----------------------------------------------------------------------------
     def train_step(self, x, y):
-        if self.serves:  # (stepwise only) one step of mode sync: weights out, every push in, one update
-            if self._t0 is None:
-                self._t0 = time.perf_counter()
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
+            if self.is_server:
                 self.server.open()
-            self.server.sync_step(self._k, self.cfg.steps)
-            self._k += 1
+        self._k += 1
+        if self.is_server:  # one step of mode sync: weights out, every push in, one update
+            self.server.sync_step(self._k - 1, self.cfg.steps)
             return None
         w = self.worker
         before = w.pull_s + w.push_s
@@ -82,7 +101,7 @@ class PSEngine(Engine):
         return loss.detach()
 
     def end_training(self) -> None:
-        if self.serves:  # (stepwise only)
+        if self.is_server:  # (sync: async servers end in serve)
             self.server.final_pull(self.cfg.steps)
             self.stats = self.server.stats(self._k, time.perf_counter() - (self._t0 or time.perf_counter()))
             return
@@ -92,7 +111,7 @@ class PSEngine(Engine):
     def evaluate(self, batches):
         if self.rank != 0 or not self._final:
             return None
-        return evaluate_batches(self.model, self.loss_fn, batches, accuracy=self.cfg.data_kind != "text")
+        return evaluate_batches(self.model, self.eval_loss_fn, batches, accuracy=self.cfg.data_kind != "text")
 
     def sample_model(self):
         return self.model
@@ -104,43 +123,45 @@ class PSEngine(Engine):
 
     @property
     def shard(self):
-        return f"server{self.ps_layout.server_index(self.rank)}" if self.serves else None
+        return f"server{self.ps_layout.server_index(self.rank)}" if self.is_server else None
 
     def state_dict(self) -> dict:
-        if not self.serves:
+        if not self.is_server:
             return {}  # a worker holds no state: it pulls the weights every step
         return {"flat": self.server.flat, "optimizer": self.server.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.serves:
+        if self.is_server:
             with torch.no_grad():
                 self.server.flat.copy_(state["flat"])
             self.server.optimizer.load_state_dict(state["optimizer"])
 
     # -- report -----------------------------------------------------------------------------
     def report(self, ledger, steps: int) -> dict:
+        """Staleness and the data messages' bytes of this engine (its own ledger and step count: an
+        elastic job's last engine covers the steps since the last membership change) against the
+        fan-in/fan-out formula."""
         from distrain.parallel.parameter_server import expected_ps_bytes
 
-        stats = dict(self.stats) if self.serves else self.worker.stats()
-        # the data messages' bytes of this rank, to check against the fan-in/fan-out formula
-        stats["ledger"] = {f"{lab}_{d}": getattr(ledger.get(lab, "p2p"), f"bytes_{d}")
+        self.ledger.__exit__(None, None, None)
+        steps = steps if self.serves else self._k  # (async servers: every step, in serve)
+        stats = dict(self.stats) if self.is_server else self.worker.stats()
+        stats["ledger"] = {f"{lab}_{d}": getattr(self.ledger.get(lab, "p2p"), f"bytes_{d}")
                            for lab in ("ps_pull", "ps_push") for d in ("sent", "recv")}
+        stats["steps"] = steps
         every = [None] * self.world
         dist.all_gather_object(every, stats)
         L = self.ps_layout
         servers = [s for s in every if s and s.get("role") == "server"]
-        expected = expected_ps_bytes(L, steps, final_pull=True)
+        expected = expected_ps_bytes(L, every[0]["steps"], final_pull=True)  # (rank 0: a worker)
         extra = {"servers": [{k: v for k, v in s.items() if k != "apply_order"} for s in servers],
                  "staleness_max": max(s["staleness_max"] for s in servers),
                  "ps_bytes": [{"rank": r, "role": L.role(r), "ledger": every[r]["ledger"],
                                "expected": {k: v for k, v in expected[r].items() if k.startswith("ps_")}}
                               for r in range(self.world)]}
-        # (an elastic job's ledger spans every membership: the count of one fixed layout does not apply)
-        extra["ps_bytes_match"] = None if self.stepwise else all(
-            row["ledger"] == row["expected"] for row in extra["ps_bytes"])
+        extra["ps_bytes_match"] = all(row["ledger"] == row["expected"] for row in extra["ps_bytes"])
         return extra
 
     def report_rows(self, summary: dict) -> list[tuple[str, str]]:
         return [("max staleness seen", str(summary["staleness_max"])),
-                ("PS bytes = W*N_s fan-in/out", {True: "exact", False: "MISMATCH"}.get(
-                    summary["ps_bytes_match"], "not checked (elastic: the layout changed)"))]
+                ("PS bytes = W*N_s fan-in/out", "exact" if summary["ps_bytes_match"] else "MISMATCH")]

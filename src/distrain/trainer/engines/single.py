@@ -12,7 +12,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from distrain.trainer.engines.base import Engine, evaluate_batches
+from distrain.trainer.engines.base import Engine, evaluate_batches, part_loss
 
 
 class SingleEngine(Engine):
@@ -22,6 +22,7 @@ class SingleEngine(Engine):
         self.net = self.wrap(model)
         self.optimizer = optimizer_factory(self.net.parameters())
         self.dp_rank, self.dp_size = self.rank, self.world
+        self.loss_fn = part_loss(loss_fn, cfg.batch_size, self.dp_size, self.dp_rank)
         self.loss_weight = 1.0 / self.world
         self.label = self.describe()
 
@@ -53,7 +54,7 @@ class SingleEngine(Engine):
     def evaluate(self, batches):
         if self.rank != 0:
             return None
-        return evaluate_batches(self.model, self.loss_fn, batches, accuracy=self.cfg.data_kind != "text")
+        return evaluate_batches(self.model, self.eval_loss_fn, batches, accuracy=self.cfg.data_kind != "text")
 
     @classmethod
     def layout_of(cls, cfg) -> dict:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from distrain.trainer.engines.base import Engine, evaluate_batches
+from distrain.trainer.engines.base import Engine, evaluate_batches, part_loss
 
 
 class ZeroEngine(Engine):
@@ -25,6 +25,7 @@ class ZeroEngine(Engine):
                          bucket_cap_mb=cfg.bucket_cap_mb)
         self.optimizer = self.zero.optimizer
         self.dp_rank, self.dp_size = self.rank, self.world
+        self.loss_fn = part_loss(loss_fn, cfg.batch_size, self.dp_size, self.dp_rank)
         self.loss_weight = 1.0 / self.world
         self.label = f"zero{self.stage} ({cfg.algorithm})"
 
@@ -49,7 +50,7 @@ class ZeroEngine(Engine):
 
     def evaluate(self, batches):
         # every rank runs it (stage 3's forward gathers each layer: a collective); rank 0 reports
-        out = evaluate_batches(self.zero, self.loss_fn, batches, accuracy=self.cfg.data_kind != "text")
+        out = evaluate_batches(self.zero, self.eval_loss_fn, batches, accuracy=self.cfg.data_kind != "text")
         return out if self.rank == 0 else None
 
     @classmethod

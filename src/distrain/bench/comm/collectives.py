@@ -1,0 +1,294 @@
+"""``distrain bench comm``: collective time and bandwidth, native Gloo vs our star/ring/tree.
+
+An nccl-tests-style benchmark of the eight collectives of :mod:`distrain.comm`, with every
+algorithm measured side by side in one run.
+
+Method
+------
+For each world size P in ``--nproc``: one :func:`distrain.spawn` of P local ranks. Inside,
+for each op, then each size:
+
+1. allocate the buffers once (shared by all algorithms of that size; filled with zeros,
+   so repeated sums stay finite and no denormals appear);
+2. warm up: ``--warmup`` rounds, a round being one call of every algorithm;
+3. choose the iteration count (unless ``--iters`` is given): from the last warm-up round,
+   t = the slowest call (max over ranks and algorithms); iters = ceil(0.5 s / t) clamped
+   to [5, 50], i.e. about half a second for the slowest algorithm of the cell, at least 5
+   and at most 50 iterations. With ``--warmup 0`` one untimed probe round is run for it;
+4. choose each algorithm's *burst* (unless ``--burst`` is given): ceil(BURST_S / its slowest
+   warm-up call), clamped to [1, MAX_BURST], the same on every rank. A timed sample is one
+   native ``torch.distributed.barrier()``, then ``burst`` blocking calls back to back
+   (``async_op=False``), timed on each rank with ``time.perf_counter``, divided by ``burst``:
+   nccl-tests' and the OSU benchmarks' method (many calls in a row, time over count). A lone
+   call after a barrier would also time the barrier's exit skew between ranks and the wake-up
+   of a rank that slept in it (hundreds of microseconds over Gloo), which hides a latency of a
+   few microseconds; ``--burst 1`` gives that per-call method back. Bursts last about
+   BURST_S, so at 1 MiB and above a burst is one call;
+5. time ``iters`` rounds. In round i the algorithms run back to back in an order rotated
+   by i (native, star, ring, tree; then star, ring, tree, native; ...) so that machine noise
+   and cache state hit every algorithm alike;
+6. gather every rank's per-iteration times to every rank (a native all_gather of a float64
+   tensor); per iteration take the max over ranks (the slowest rank's time: a collective is
+   done when its last rank is), then the median over iterations -> ``time``;
+7. one extra, untimed call per algorithm inside a :func:`distrain.comm.core.ledger` records the
+   payload bytes each rank sent (max over ranks, and the total); Gloo's native calls are
+   invisible to the ledger, so native has no byte count.
+
+All algorithms, native included, are called through :mod:`distrain.comm` (so the buffer
+copies that wrapper makes, e.g. for all_gather/reduce_scatter, are paid by every algorithm).
+
+``--transport torch,shm`` measures every algorithm on each transport, interleaved in the
+same rounds: the world group carries the first transport, a second group of the same ranks
+each further one. Columns are labelled ``ALGORITHM`` for torch and ``ALGORITHM@TRANSPORT``
+otherwise (``native@shm`` = the direct shared-memory collectives, ``ring@shm`` = our ring
+over shared-memory P2P). ``--symmetric`` adds a ``native@shm+sym`` column per shared-memory
+transport: the same call on buffers cut from symmetric memory (``comm.symmetric_empty``), which
+all_reduce reduces in place in every rank's copy (the others take their usual path on them).
+
+Sizes and bandwidths follow nccl-tests (doc/PERFORMANCE.md): the size S is the bytes of the
+full buffer: the tensor for all_reduce/broadcast/reduce; the gathered output (P*n elements)
+for all_gather; the full input (P*n) for reduce_scatter; the full P*n buffer for
+scatter/gather, where n (the ``count`` column) is the per-rank element count passed to the
+call: S/elem for all_reduce/broadcast/reduce, S/(P*elem) rounded down otherwise (at least 1;
+the reported size is the exact P*n*elem). ``algbw = S / time`` and ``busbw = algbw * factor``
+with factor 2(P-1)/P for all_reduce, (P-1)/P for all_gather, reduce_scatter, scatter and
+gather, 1 for broadcast and reduce. GB/s = 1e9 bytes/s. barrier has no size: time only.
+Roots (src/dst) are rank 0.
+
+``--background-load N`` starts N busy processes (:mod:`distrain.bench.background`) before the
+first spawn and stops them after the last; every cell records the load average at its start
+and end. The per-rank side (steps 1-7) lives in :mod:`distrain.bench.comm.timing`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+from distrain.bench import background, common
+from distrain.bench.comm import predict
+from distrain.bench.comm.report import (  # noqa: F401  (re-exported: the conventions are part of this API)
+    bandwidths, busbw_factor, format_markdown, format_tables, full_size, per_rank_count, plot)
+from distrain.bench.comm.timing import (  # noqa: F401  (re-exported: the per-rank side, see timing.py)
+    _DTYPES, BURST_S, MAX_BURST, MAX_ITERS, MIN_ITERS, ROOT, TARGET_S, _case, _worker, labels)
+from distrain.comm.api import ALGORITHM_NAMES, COLLECTIVES
+from distrain.comm.core.transport import TRANSPORT_NAMES
+from distrain.errors import ConfigError
+from distrain.launch.cores import free_core_slices
+
+DEFAULT_NPROC = "2,4"
+DEFAULT_OPS = "all_reduce"
+DEFAULT_ALGORITHMS = ",".join(ALGORITHM_NAMES)
+DEFAULT_SIZES = "4K,256K,4M,16M"
+DEFAULT_TRANSPORTS = "torch"
+
+
+# ---------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = ("Time the collectives of distrain.comm for every algorithm side by side and print "
+                     "nccl-tests-style tables (time, algbw, busbw). See docs/benchmarks.md.")
+    p.add_argument("--nproc", default=DEFAULT_NPROC,
+                   help=f"world size(s), e.g. 4 or 2,4: one spawn each (default {DEFAULT_NPROC})")
+    p.add_argument("--ops", default=DEFAULT_OPS,
+                   help=f"collectives, comma-separated or 'all', from {', '.join(COLLECTIVES)} "
+                        f"(default {DEFAULT_OPS}; barrier reports time only)")
+    p.add_argument("--algorithms", default=DEFAULT_ALGORITHMS,
+                   help=f"algorithms, comma-separated or 'all' (default {DEFAULT_ALGORITHMS})")
+    p.add_argument("--transport", default=DEFAULT_TRANSPORTS,
+                   help=f"transports to compare, comma-separated: {', '.join(TRANSPORT_NAMES)} (default torch)")
+    p.add_argument("--symmetric", action="store_true",
+                   help="also time native on buffers in symmetric memory (comm.symmetric_empty: every peer maps "
+                        "them, so all_reduce works in place, no copy through the slots): a native@shm+sym column for "
+                        "each shared-memory transport")
+    p.add_argument("--sizes", default=DEFAULT_SIZES,
+                   help=f"full-buffer sizes in bytes, K/M/G = powers of 1024 (default {DEFAULT_SIZES})")
+    p.add_argument("--dtype", default="float32", help=f"element type, one of {', '.join(_DTYPES)} (default float32)")
+    p.add_argument("--warmup", default="3", help="untimed rounds per (op, size) before timing (default 3)")
+    p.add_argument("--iters", default=None,
+                   help=f"timed rounds per (op, size); default adaptive: ceil({TARGET_S} s / slowest warm-up call) "
+                        f"clamped to [{MIN_ITERS}, {MAX_ITERS}]")
+    p.add_argument("--burst", default=None,
+                   help=f"calls back to back per timed sample (time / calls); default adaptive: about "
+                        f"{BURST_S * 1e3:g} ms, at most {MAX_BURST}; 1 = one call after each barrier")
+    p.add_argument("--bind-cores", default="auto", choices=["auto", "on", "off"],
+                   help="pin each rank to cores of its own (distrain.spawn's bind_cores); auto: when a measured "
+                        "transport polls shared memory (shm, auto) and P cores are free at the start (not under "
+                        "load: a bound rank cannot leave a busy core). Gloo is faster unbound with one core per rank")
+    p.add_argument("--json", default=None, metavar="PATH", help="write every median and metadata as JSON")
+    p.add_argument("--plot", default=None, metavar="PATH", help="write a busbw-vs-size figure (PNG, matplotlib)")
+    p.add_argument("--markdown", default=None, metavar="PATH", help="write the tables as Markdown (for docs)")
+    p.add_argument("--predict", nargs="?", const="auto", default=None, metavar="CALIBRATION",
+                   help="add the cost model's predicted_us to every record, with links from a `distrain bench link "
+                        "--json` file, or (no value) from a short ping-pong at the start (docs/cost_model.md)")
+    p.add_argument("--timeout", default="3600", help="seconds allowed for each world size's spawn (default 3600)")
+    background.add_argument(p)
+
+
+def _int(text, flag: str, minimum: int) -> int:
+    try:
+        v = int(text)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{flag}: expected an integer, got {text!r}") from None
+    if v < minimum:
+        raise ConfigError(f"{flag}: must be >= {minimum}, got {v}")
+    return v
+
+
+def parse_config(args: argparse.Namespace) -> dict[str, Any]:
+    """Validate every flag (ConfigError with a clear message) into a plain, picklable dict."""
+    dtype = str(args.dtype).removeprefix("torch.")
+    if dtype not in _DTYPES:
+        raise ConfigError(f"--dtype: unknown or unsupported dtype {args.dtype!r}; use one of {', '.join(_DTYPES)}")
+    try:
+        timeout = float(args.timeout)
+    except (TypeError, ValueError):
+        raise ConfigError(f"--timeout: expected seconds, got {args.timeout!r}") from None
+    if not timeout > 0:
+        raise ConfigError(f"--timeout: must be positive, got {args.timeout!r}")
+    cfg = {
+        "nprocs": common.parse_ints(args.nproc, "--nproc", minimum=1),
+        "ops": common.parse_choices(args.ops, COLLECTIVES, "--ops"),
+        "algorithms": common.parse_choices(args.algorithms, ALGORITHM_NAMES, "--algorithms"),
+        "transports": common.parse_choices(getattr(args, "transport", DEFAULT_TRANSPORTS), TRANSPORT_NAMES,
+                                           "--transport"),
+        "sizes": common.parse_sizes(args.sizes),
+        "symmetric": bool(getattr(args, "symmetric", False)),
+        "dtype": dtype,
+        "warmup": _int(args.warmup, "--warmup", 0),
+        "iters": None if args.iters in (None, "", "auto") else _int(args.iters, "--iters", 1),
+        "burst": None if getattr(args, "burst", None) in (None, "", "auto") else _int(args.burst, "--burst", 1),
+        "timeout": timeout,
+        "bind_cores": None,
+        "target_s": TARGET_S,
+        "predict": getattr(args, "predict", None),
+        "background_load": background.parse(getattr(args, "background_load", 0)),
+    }
+    if cfg["symmetric"] and not ("native" in cfg["algorithms"] and {"shm", "auto"} & set(cfg["transports"])):
+        raise ConfigError("--symmetric: times native on symmetric buffers of a shared-memory transport; add shm (or "
+                          "auto) to --transport and native to --algorithms")
+    bind = getattr(args, "bind_cores", "auto")
+    # auto: ranks polling shared memory are bound when P cores are free at the start (launch/cores.py)
+    cfg["bind_cores"] = (bind == "on") if bind != "auto" else \
+        (None if any(t in ("shm", "auto") for t in cfg["transports"]) else False)
+    if cfg["predict"] not in (None, "auto") and not os.path.isfile(cfg["predict"]):
+        raise ConfigError(f"--predict: no calibration file {cfg['predict']!r}; write one with "
+                          f"`distrain bench link --json {cfg['predict']}` or give --predict alone to calibrate now")
+    if args.plot:
+        common.require_pyplot()  # fail before the (long) measurement, not after
+    return cfg
+
+
+
+# ---------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------
+
+def _bound(cfg: dict, P: int) -> bool:
+    """Whether P ranks are bound to cores: as asked, and only with a core per rank (P=4 on 2 cores: not);
+    auto (None): when P cores are free now (the background load, if any, is already running)."""
+    if cfg["bind_cores"] is None:
+        return free_core_slices(P) is not None
+    return bool(cfg["bind_cores"]) and len(os.sched_getaffinity(0)) >= P
+
+
+def measure(cfg: dict) -> list[dict]:
+    """Run every world size of cfg (one spawn each) and return all records.
+
+    Under a launcher (``distrain launch``, ``distrain cluster run``: RANK and WORLD_SIZE set)
+    the launched world is measured instead; rank 0 returns the records, the others [].
+    """
+    import distrain
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        import torch.distributed as dist
+
+        distrain.runtime.init(timeout=cfg["timeout"])
+        try:
+            return _worker(dist.get_rank(), cfg) or []
+        finally:
+            distrain.runtime.shutdown()
+
+    records: list[dict] = []
+    for P in cfg["nprocs"]:
+        common.progress(f"[P={P}] spawning {P} ranks: ops {','.join(cfg['ops'])}; algorithms "
+                        f"{','.join(cfg['algorithms'])}; sizes {','.join(map(common.format_size, cfg['sizes']))}")
+        t0 = time.perf_counter()
+        bound = cfg.setdefault("bound", {})[str(P)] = _bound(cfg, P)  # decided once, recorded as decided
+        results = distrain.spawn(_worker, P, args=(cfg,), timeout=cfg["timeout"], bind_cores=bound)
+        records += results[0]
+        common.progress(f"[P={P}] done in {time.perf_counter() - t0:.1f}s")
+    return records
+
+
+def _load_windows(records: list[dict]) -> list[dict]:
+    """One entry per measured cell (P, op, size): the load average at its start and end."""
+    out: dict[tuple, dict] = {}
+    for r in records:
+        key = (r["P"], r["op"], r["size_bytes"])
+        out.setdefault(key, background.window({"P": r["P"], "op": r["op"], "size_bytes": r["size_bytes"]},
+                                              r.get("loadavg_start"), r.get("loadavg_end")))
+    return list(out.values())
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The equivalent ``distrain bench comm ...`` command, every flag spelled out."""
+    parts = ["distrain", "bench", "comm"]
+    for flag in ("nproc", "ops", "algorithms", "transport", "sizes", "dtype", "warmup", "iters", "json", "plot",
+                 "timeout", "predict", "background_load", "symmetric"):
+        v = getattr(args, flag, None)
+        if v is True:
+            parts.append(f"--{flag}")
+        elif v not in (None, False):
+            parts += [f"--{flag.replace('_', '-')}", str(v)]
+    return " ".join(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = parse_config(args)
+    # launched: one set of busy processes per host (local rank 0's); spawned: ours, around every spawn
+    starts_load = os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0"
+    t0 = time.perf_counter()
+    with background.BackgroundLoad(cfg["background_load"] if starts_load else 0):
+        records = measure(cfg)
+        memcpy = round(common.memcpy_GBps(), 2) if records else None  # under the same load, right after
+    elapsed = time.perf_counter() - t0
+    if not records and "RANK" in os.environ:  # launched, not rank 0: rank 0 reports
+        return 0
+    columns = labels(cfg["algorithms"], cfg["transports"], cfg["symmetric"])
+    windows = _load_windows(records)
+    print(format_tables(records, columns, cfg["dtype"]))
+    print(background.summary(cfg["background_load"], windows))
+    if memcpy is not None:
+        print(f"# memcpy on this machine just after (64 MiB, one thread, median of 10): {memcpy:.1f} GB/s")
+    if cfg["predict"]:
+        print(predict.table(records))
+    sys.stdout.flush()
+    if args.json:
+        meta = common.metadata(command_line(args), benchmark="comm", nprocs=cfg["nprocs"], ops=cfg["ops"],
+                               algorithms=cfg["algorithms"], transports=cfg["transports"], sizes=cfg["sizes"], dtype=cfg["dtype"],
+                               warmup=cfg["warmup"], iters=cfg["iters"] if cfg["iters"] else
+                               f"adaptive: ceil({TARGET_S}s / slowest warm-up call), clamped to [{MIN_ITERS}, {MAX_ITERS}]",
+                               elapsed_s=round(elapsed, 1), memcpy_GBps=memcpy,
+                               threads_per_rank={str(P): max(1, (os.cpu_count() or 1) // P) for P in cfg["nprocs"]},
+                               bind_cores=cfg.get("bound") or {str(P): _bound(cfg, P) for P in cfg["nprocs"]},
+                               method="per sample: native barrier, then `burst` blocking calls back to back, "
+                                      "perf_counter / burst; per iteration max over ranks; median over iterations; "
+                                      "algorithms interleaved in rotated order per round",
+                               **background.meta(cfg["background_load"], windows))
+        common.write_json(args.json, meta, records)
+        common.progress(f"wrote {args.json}")
+    if args.plot:
+        plot(records, columns, args.plot)
+        common.progress(f"wrote {args.plot}")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(format_markdown(records, columns) + "\n")
+        common.progress(f"wrote {args.markdown}")
+    common.progress(f"bench comm: {len(records)} records in {elapsed:.1f}s")
+    return 0

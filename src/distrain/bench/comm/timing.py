@@ -1,0 +1,235 @@
+"""The per-rank side of ``distrain bench comm``: one (op, size) cell timed on every rank.
+
+What runs inside each spawned (or launched) rank: buffers, warm-up, the adaptive choice of
+rounds and bursts, the interleaved timed rounds, the ledger's byte count and the reduction to
+records (max over ranks per iteration, median over iterations). The method is described in
+:mod:`distrain.bench.comm.collectives`, which parses the flags, spawns the ranks and reports.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable
+
+import torch
+
+from distrain.bench import background, common
+from distrain.bench.comm import predict
+from distrain.bench.comm.report import bandwidths, busbw_factor, full_size, per_rank_count
+from distrain.comm.core.ops import SUPPORTED_DTYPES
+from distrain.errors import ConfigError
+
+TARGET_S = 0.5  # adaptive iterations: about this long per cell ...
+MIN_ITERS, MAX_ITERS = 5, 50  # ... but at least / at most this many iterations
+BURST_S, MAX_BURST = 2e-3, 200  # calls back to back per timed sample: about 2 ms, at most 200
+ROOT = 0
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in SUPPORTED_DTYPES if d != torch.bool}
+
+
+SYMMETRIC = "+sym"  # column suffix: native on buffers in symmetric memory (comm.symmetric_empty)
+
+
+def labels(algorithms: list[str], transports: list[str], symmetric: bool = False) -> list[str]:
+    """Column labels: the algorithm on torch, ``alg@transport`` on the others, and with
+    ``symmetric`` a ``native@transport+sym`` column for each shared-memory transport."""
+    out = [a if t == "torch" else f"{a}@{t}" for t in transports for a in algorithms]
+    if symmetric and "native" in algorithms:
+        out += [f"native@{t}{SYMMETRIC}" for t in transports if t in ("shm", "auto")]
+    return out
+
+
+def _make_call(op: str, n: int, P: int, rank: int, dtype: torch.dtype, groups: dict,
+               symmetric: dict | None = None) -> Callable[[str], None]:
+    """Allocate op's buffers once; return call(label) doing one blocking collective.
+
+    ``symmetric`` (transport -> its arena, grown as needed): the ``+sym`` columns' buffers are
+    cut from a symmetric allocation of that transport's group, the others are ordinary tensors.
+    """
+    inner = _make_call_on(op, n, P, rank, lambda k: torch.zeros(k, dtype=dtype))
+    sym = {t: _make_call_on(op, n, P, rank, _cutter(arena, op, n, P, rank, dtype, groups[t]))
+           for t, arena in (symmetric or {}).items()}
+
+    def call(label: str) -> None:
+        alg, _, t = label.partition("@")
+        if t.endswith(SYMMETRIC):
+            t = t.removesuffix(SYMMETRIC)
+            sym[t](alg, groups[t])
+        else:
+            inner(alg, groups[t or "torch"])
+
+    return call
+
+
+def _cutter(arena: dict, op: str, n: int, P: int, rank: int, dtype: torch.dtype, group) -> Callable:
+    """An allocator that cuts zeroed tensors from the transport's symmetric arena, growing it
+    (a new collective allocation, the same on every rank) when this cell needs more."""
+    from distrain import comm
+
+    need = [0]
+    _make_call_on(op, n, P, rank, lambda k: need.__setitem__(0, need[0] + k) or torch.empty(0))  # count only
+    nbytes = need[0] * dtype.itemsize
+    if arena.get("bytes", -1) < nbytes:
+        arena["buf"], arena["bytes"] = comm.symmetric_empty(max(nbytes, 1), dtype=torch.uint8, group=group), nbytes
+    at = [0]
+
+    def z(k: int) -> torch.Tensor:
+        t = arena["buf"][at[0]:at[0] + k * dtype.itemsize].view(dtype)
+        at[0] += k * dtype.itemsize
+        return t.zero_()
+
+    return z
+
+
+def _make_call_on(op: str, n: int, P: int, rank: int, z) -> Callable[[str, Any], None]:
+    from distrain import comm
+
+    if op == "all_reduce":
+        t = z(n)
+        return lambda a, g: comm.all_reduce(t, algorithm=a, group=g)
+    if op == "broadcast":
+        t = z(n)
+        return lambda a, g: comm.broadcast(t, src=ROOT, algorithm=a, group=g)
+    if op == "reduce":
+        t = z(n)
+        return lambda a, g: comm.reduce(t, dst=ROOT, algorithm=a, group=g)
+    if op == "all_gather":
+        t, lst = z(n), [z(n) for _ in range(P)]
+        return lambda a, g: comm.all_gather(lst, t, algorithm=a, group=g)
+    if op == "reduce_scatter":
+        out, lst = z(n), [z(n) for _ in range(P)]
+        return lambda a, g: comm.reduce_scatter(out, lst, algorithm=a, group=g)
+    if op == "scatter":
+        out, lst = z(n), ([z(n) for _ in range(P)] if rank == ROOT else None)
+        return lambda a, g: comm.scatter(out, lst, src=ROOT, algorithm=a, group=g)
+    if op == "gather":
+        t, lst = z(n), ([z(n) for _ in range(P)] if rank == ROOT else None)
+        return lambda a, g: comm.gather(t, lst, dst=ROOT, algorithm=a, group=g)
+    if op == "barrier":
+        return lambda a, g: comm.barrier(algorithm=a, group=g)
+    raise ConfigError(f"unknown collective {op!r}")
+
+
+def _timed_round(call, algs: list[str], order_shift: int, dist, bursts: list[int]) -> list[float]:
+    """One sample of every algorithm (order rotated by order_shift): after a barrier, ``bursts[k]``
+    calls back to back; returns seconds per call for each algorithm."""
+    A = len(algs)
+    out = [0.0] * A
+    for j in range(A):
+        k = (j + order_shift) % A
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(bursts[k]):
+            call(algs[k])
+        out[k] = (time.perf_counter() - t0) / bursts[k]
+    return out
+
+
+def _choose(last: list[float] | None, cfg: dict, call, algs: list[str], dist) -> tuple[int, list[int]]:
+    """Rounds and bursts, identical on every rank (from the slowest rank's warm-up calls)."""
+    A = len(algs)
+    if cfg["iters"] is not None and cfg["burst"] is not None:
+        return cfg["iters"], [cfg["burst"]] * A
+    if last is None:  # --warmup 0: one untimed probe round
+        last = _timed_round(call, algs, 0, dist, [1] * A)
+    probe = torch.tensor(last, dtype=torch.float64)
+    dist.all_reduce(probe, op=dist.ReduceOp.MAX)
+    t = probe.tolist()
+    bursts = [cfg["burst"] or min(MAX_BURST, max(1, math.ceil(BURST_S / max(x, 1e-9)))) for x in t]
+    round_s = max(sum(b * x for b, x in zip(bursts, t)) / A, 1e-9)  # per algorithm, like one call before
+    iters = cfg["iters"] or common.adaptive_iters(round_s, cfg["target_s"], MIN_ITERS, MAX_ITERS)
+    return iters, bursts
+
+
+def _case(rank: int, P: int, op: str, size: int, cfg: dict, dist, groups: dict,
+          arenas: dict | None = None) -> list[dict]:
+    from distrain import comm
+
+    dtype = _DTYPES[cfg["dtype"]]
+    elem = torch.tensor([], dtype=dtype).element_size()
+    algs = labels(cfg["algorithms"], cfg["transports"], cfg.get("symmetric", False))
+    A = len(algs)
+    n = per_rank_count(op, size, P, elem)
+    S = full_size(op, n, P, elem)
+    call = _make_call(op, n, P, rank, dtype, groups, arenas)
+
+    last = None
+    for w in range(cfg["warmup"]):
+        last = _timed_round(call, algs, w, dist, [1] * A)
+    iters, bursts = _choose(last, cfg, call, algs, dist)
+
+    times = torch.zeros(A, iters, dtype=torch.float64)
+    for i in range(iters):
+        times[:, i] = torch.tensor(_timed_round(call, algs, i, dist, bursts), dtype=torch.float64)
+
+    # Traffic: one extra untimed call per algorithm under a ledger.
+    traffic = torch.zeros(A, 2, dtype=torch.int64)
+    for k, a in enumerate(algs):
+        dist.barrier()
+        with comm.ledger() as led:
+            call(a)
+        traffic[k, 0] = led.bytes_sent(op, a.partition("@")[0])
+        traffic[k, 1] = led.bytes_recv(op, a.partition("@")[0])
+
+    all_times = [torch.empty_like(times) for _ in range(P)]
+    dist.all_gather(all_times, times)
+    all_traffic = [torch.empty_like(traffic) for _ in range(P)]
+    dist.all_gather(all_traffic, traffic)
+
+    records = []
+    for k, a in enumerate(algs):
+        per_rank = [t[k].tolist() for t in all_times]  # [rank][iteration]
+        slowest = common.slowest_rank_times(per_rank)
+        sec = common.median(slowest)
+        algbw, busbw = bandwidths(op, S, P, sec)
+        sent = [int(t[k, 0]) for t in all_traffic]
+        recv = [int(t[k, 1]) for t in all_traffic]
+        native = a.startswith("native")
+        records.append({
+            "P": P, "op": op, "algorithm": a, "dtype": cfg["dtype"], "transport": a.partition("@")[2] or "torch",
+            "size_bytes": S, "requested_size_bytes": size if op != "barrier" else 0, "count": n,
+            "iters": iters, "burst": bursts[k], "warmup": cfg["warmup"],
+            "time_us": sec * 1e6, "algbw_GBps": algbw, "busbw_GBps": busbw,
+            "busbw_factor": busbw_factor(op, P),
+            "bytes_sent_max_rank": None if native else max(sent),
+            "bytes_recv_max_rank": None if native else max(recv),
+            "bytes_sent_total": None if native else sum(sent),
+            "times_us": [t * 1e6 for t in slowest],  # per iteration, slowest rank
+        })
+    return records
+
+
+def _worker(rank: int, cfg: dict) -> list[dict] | None:
+    """Runs on every rank of one spawn; rank 0 returns the records."""
+    import torch.distributed as dist
+
+    from distrain import comm
+
+    P = dist.get_world_size()
+    groups: dict[str, Any] = {}
+    for i, t in enumerate(cfg["transports"]):  # one group of all ranks per transport
+        g = None if i == 0 else dist.new_group(list(range(P)))
+        comm.set_transport(t, g)
+        groups[t] = g
+    # each shared-memory transport's symmetric arena for the +sym columns, kept across cells
+    arenas = {t: {} for t in cfg["transports"] if t in ("shm", "auto")} if cfg.get("symmetric") else None
+    records: list[dict] = []
+    fabric = predict.setup(cfg["predict"], rank) if cfg.get("predict") else None
+    sizes = cfg["sizes"]
+    t_start = time.perf_counter()
+    for op in cfg["ops"]:
+        for size in (sizes if op != "barrier" else [0]):
+            t0, load0 = time.perf_counter(), background.loadavg()
+            recs = _case(rank, P, op, size, cfg, dist, groups, arenas)
+            load1 = background.loadavg()  # the cell is one measurement: its load at start and end
+            for r in recs:
+                r["loadavg_start"], r["loadavg_end"] = load0, load1
+            if fabric is not None:
+                predict.annotate(recs, fabric, torch.tensor([], dtype=_DTYPES[cfg["dtype"]]).element_size())
+            records += recs
+            if rank == 0:
+                cells = "  ".join(f"{r['algorithm']} {r['time_us']:.0f}us" for r in recs)
+                common.progress(f"[P={P}] {op} {common.format_size(size) if size else '-'}: iters={recs[0]['iters']}  "
+                                f"{cells}  ({time.perf_counter() - t0:.1f}s, total {time.perf_counter() - t_start:.0f}s)")
+    return records if rank == 0 else None

@@ -1,0 +1,298 @@
+"""``distrain bench layouts``: every training layout on one model: samples/s and peak memory per rank.
+
+    distrain bench layouts --model llama-small --nproc 2,4 --layouts ddp,zero3,tp2,pp2,dp2xtp2,tp2xpp2 --json F
+
+The layouts and the jobs planned from them are in ``layout_plan.py``.
+A layout is ``ddp``, ``zero1``/``zero2``/``zero3`` (ZeRO over all P ranks), or a grid
+``dpAxtpBxppC`` (any of the three parts, any order, e.g. ``tp2``, ``pp2``, ``dp2xtp2``,
+``tp2xpp2``), optionally after a strategy (``zero1xpp2``: ZeRO over the grid's dp group).
+A grid without ``dp`` fills the job with data parallelism, dp = P / (tp * pp), as
+``distrain train --tp/--pp`` does, so ``tp2`` is dp1 x tp2 at P = 2 and dp2 x tp2 at P = 4.
+A layout that does not fit P (tp * pp does not divide P; or dp * tp * pp != P with an
+explicit dp) is skipped at that P with a note; two names that give the same grid at one P
+(``tp2`` and ``dp2xtp2`` at P = 4) are measured once, under the first name. ``single``
+(one process) always runs, at P = 1, as the baseline of the speedup.
+
+Every job is a real training job of the trainer (the same ``TrainConfig`` as ``distrain
+train --strategy S --nproc P --tp B --pp C --microbatches M``; fp32; the same model seed,
+data seed and *global* batch): ``--warmup`` untimed steps, ``--steps`` timed steps, then
+two memory steps. The ranks are spawned here with ``distrain.spawn`` and each calls
+``distrain.trainer.loop.run_rank`` (what ``distrain.train`` runs in each rank) inside a
+function of this module, which wraps the engine's ``train_step`` to measure memory without
+changing the trainer. Reported per job:
+
+* step time: rank 0's median over the timed steps (from the run's metrics.jsonl, as
+  ``bench train``; rank 0 takes part in every step's collectives, so it is the job's pace),
+  samples/s = global batch / step time, tokens/s = that x block size, speedup over single;
+* peak memory per rank: the resident set size high-water mark (Linux VmHWM, reset through
+  /proc/self/clear_refs just before the last memory step) minus the RSS of the rank before
+  its model was built, max over ranks (each rank's value is kept too). That baseline is taken
+  after importing the code every job imports on its way (the engines; torch._dynamo, which
+  torch.optim's constructors import and which brings sympy, ~80 MB; tensorboard), so the
+  peak counts the job's data rather than loaded code. For the memory steps glibc is set
+  (mallopt M_MMAP_THRESHOLD = 64 KiB, then malloc_trim) to unmap freed blocks, so the peak
+  follows live tensors (parameters, gradients, optimizer state, activations, comm
+  buffers) rather than what the allocator keeps cached; the first memory step settles the
+  allocator, the second is measured. This is done after the timed steps and not during them
+  because fresh mappings fault their pages in on every step, which slowed sharded runs 2-4x
+  in ``bench zero``. The peak also holds one-time state built during the steps (Gloo
+  buffers, autograd and library caches), alike for every layout;
+* the ledger's bytes sent per step (max over ranks; Gloo-native traffic is not counted) and
+  the last step's loss (the same data and seed: every layout should land close to single).
+
+Each rank runs ``--threads`` torch threads (default: spawn's cpu_count // P, as ``distrain
+train``; so single runs 2 threads on 2 cores: on a loaded machine such a process can step
+several times slower than with 1 thread, which inflates every speedup over it; compare with
+``--threads 1``). ``--transport torch|shm|auto`` (default torch: Gloo) is every job's
+``TrainConfig.transport`` (``distrain train --transport``); ranks polling shared memory may be
+bound to free cores, as ``distrain train`` does. ``--rounds`` repeats every job with the order
+rotated; medians over rounds are reported.
+The machine's load average (``os.getloadavg``) is recorded at the start and the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+
+from distrain.bench.common import format_table, metadata, parse_ints, progress, write_json
+from distrain.bench.train.layout_plan import Job, Layout, parse_layout, parse_layouts, plan_jobs  # noqa: F401 (API)
+from distrain.errors import ConfigError
+from distrain.trainer.config import MODEL_DATA, TrainConfig
+from distrain.trainer.metrics import read_metrics
+
+DEFAULT_LAYOUTS = "ddp,zero3,tp2,pp2,dp2xtp2,tp2xpp2"
+MMAP_THRESHOLD = 64 * 1024  # bytes: glibc M_MMAP_THRESHOLD during the memory steps
+MEMORY_STEPS = 2  # after the timed steps: one to settle the allocator, one measured
+TRANSPORTS = ("torch", "shm", "auto")  # --transport: how every job's ranks exchange bytes (TrainConfig.transport)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama-small", help="a text preset: gpt-tiny, gpt-small, llama-tiny, llama-small")
+    p.add_argument("--nproc", default="2,4", help="world sizes, comma-separated (single at P=1 always runs)")
+    p.add_argument("--layouts", default=DEFAULT_LAYOUTS,
+                   help="comma-separated: ddp, zero1-3, or dpAxtpBxppC grids (tp2, pp2, dp2xtp2, tp2xpp2, zero1xpp2)")
+    p.add_argument("--batch-size", type=int, default=16, help="global batch of sequences (same for every job)")
+    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step of layouts with pp > 1")
+    p.add_argument("--schedule", default="1f1b", help="pipeline schedule of layouts with pp > 1 (gpipe, 1f1b, zb-h1)")
+    p.add_argument("--algorithm", default="ring", help="collective algorithm of our DDP, ZeRO, TP and PP")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per job")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per job, before the timed ones")
+    p.add_argument("--seed", type=int, default=0, help="model and data seed (the same for every job)")
+    p.add_argument("--rounds", type=int, default=1, help="repeat every job, order rotated; medians over rounds")
+    p.add_argument("--transport", default="torch",
+                   help="how every job's ranks exchange bytes: torch (Gloo), shm (shared memory), auto (default torch)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads per rank (0: spawn's default, cpu_count // P, as distrain train)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds one job may take")
+    p.add_argument("--json", default=None, help="write every record here")
+
+
+def _config(job: Job, args, root: str) -> TrainConfig:
+    pp = job.pp > 1
+    return TrainConfig(model=args.model, data="shakespeare", strategy=job.strategy, nproc=job.nproc, device="cpu",
+                       algorithm=args.algorithm, transport=args.transport, tp=job.tp, pp=job.pp,
+                       microbatches=args.microbatches if pp else 1, schedule=args.schedule,
+                       steps=args.warmup + args.steps + MEMORY_STEPS, batch_size=args.batch_size, seed=args.seed,
+                       dtype="float32", eval_every=0, sample_chars=0, progress=False, report=False,
+                       log_every=args.warmup + args.steps + MEMORY_STEPS, overwrite=True,
+                       out=os.path.join(root, f"{job.layout}-{job.nproc}"))
+
+
+def _validated(job: Job, args, root: str) -> TrainConfig:
+    """The job's TrainConfig, checked by the trainer's own validation; its error names the layout and P."""
+    try:
+        return _config(job, args, root).validate()
+    except ConfigError as e:
+        raise ConfigError(f"--layouts {job.layout} at P={job.nproc} ({job.grid}, --strategy {job.strategy}): {e}") from None
+
+
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {key}")
+
+
+def _preload() -> None:
+    """Import what every job imports on its way (the trainer and its engines; torch._dynamo, with
+    sympy ~80 MB, which torch.optim's constructors import; tensorboard, rank 0's metrics log)
+    so that the RSS baseline holds that code and the peak counts a job's data, not its imports."""
+    import importlib
+
+    import torch._dynamo  # noqa: F401
+
+    from distrain.trainer.engines import ENGINES, MODEL_PARALLEL
+
+    for spec in set(ENGINES.values()) | {MODEL_PARALLEL}:
+        importlib.import_module(spec.split(":")[0])
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:  # the trainer logs without it
+        pass
+
+
+def _rank(rank: int, cfg_dict: dict, timed_steps: int) -> dict:
+    """One rank: run_rank(cfg) as distrain.train's ranks do, the engine's train_step wrapped so
+    that the memory steps after the first ``timed_steps`` steps measure the RSS peak."""
+    import ctypes
+
+    from distrain.trainer import loop
+
+    _preload()
+    base = _status_bytes("VmRSS")  # before the model is built, after the code every job loads
+    cfg = TrainConfig.from_dict(cfg_dict)
+    seen = {"calls": 0, "peak": None}
+    build = loop.build_engine
+
+    def build_engine(*a, **kw):
+        engine = build(*a, **kw)
+        step = engine.train_step
+
+        def train_step(x, y):
+            i = seen["calls"]
+            if i == timed_steps:  # first memory step: from now on glibc unmaps freed blocks
+                libc = ctypes.CDLL("libc.so.6")
+                libc.mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
+                libc.malloc_trim(0)
+            if i == timed_steps + 1:  # the measured step: high-water mark := RSS now
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            out = step(x, y)
+            if i == timed_steps + 1:
+                seen["peak"] = _status_bytes("VmHWM") - base
+            seen["calls"] = i + 1
+            return out
+
+        engine.train_step = train_step
+        return engine
+
+    loop.build_engine = build_engine
+    try:
+        summary = loop.run_rank(cfg)
+    finally:
+        loop.build_engine = build
+    if seen["peak"] is None:
+        raise RuntimeError(f"rank {rank}: the engine ran {seen['calls']} train_step calls, fewer than the "
+                           f"{timed_steps + MEMORY_STEPS} planned; no memory step was measured")
+    return {"rank": rank, "peak": seen["peak"], "base": base, "summary": summary}
+
+
+def _measure(job: Job, cfg: TrainConfig, args) -> dict:
+    import distrain
+    from distrain.trainer import loop
+
+    loop.check_out(cfg)
+    per_rank = distrain.spawn(_rank, cfg.nproc, args=(cfg.to_dict(), args.warmup + args.steps),
+                              backend=loop.BACKENDS[cfg.device], timeout=args.timeout,
+                              init_timeout=cfg.collective_timeout,
+                              bind_cores=None if cfg.transport in ("shm", "auto") else False,  # as distrain train
+                              threads_per_rank=args.threads or None)
+    summary = per_rank[0]["summary"]
+    rows = [r for r in read_metrics(os.path.join(cfg.out, "metrics.jsonl"))
+            if args.warmup <= r["step"] < args.warmup + args.steps]
+    step_s = statistics.median(r["time_s"] for r in rows)
+    block = next(r["tokens_per_s"] * r["time_s"] for r in rows) / args.batch_size  # tokens per sample
+    peaks = [r["peak"] for r in per_rank]
+    return {"nproc": job.nproc, "layout": job.layout, "aliases": list(job.aliases), "strategy": job.strategy,
+            "transport": cfg.transport, "dp": job.dp, "tp": job.tp, "pp": job.pp, "grid": job.grid,
+            "microbatches": cfg.microbatches,
+            "threads_per_rank": args.threads or max(1, (os.cpu_count() or 1) // job.nproc),
+            "step_ms": 1e3 * step_s, "samples_per_s": args.batch_size / step_s,
+            "tokens_per_s": args.batch_size * round(block) / step_s,
+            "peak_mem_bytes": max(peaks), "peak_mem_bytes_per_rank": peaks,
+            "rss_before_model_bytes_per_rank": [r["base"] for r in per_rank],
+            "bytes_sent_per_step_max_rank": max(t["sent"] for t in summary["bytes_per_step"]),
+            "final_loss": summary["final_loss"], "step_ms_timed": [1e3 * r["time_s"] for r in rows]}
+
+
+def _median_record(runs: list[dict]) -> dict:
+    """Medians over rounds of step time and peak; the rates follow from the median step time."""
+    out = dict(runs[len(runs) // 2])
+    for k in ("step_ms", "samples_per_s", "tokens_per_s", "peak_mem_bytes"):
+        out[f"{k}_rounds"] = [r[k] for r in runs]
+    for k in ("step_ms", "peak_mem_bytes"):
+        out[k] = statistics.median(r[k] for r in runs)
+    per_sample = runs[0]["tokens_per_s"] / runs[0]["samples_per_s"]  # tokens per sample (block size)
+    out["samples_per_s"] = runs[0]["samples_per_s"] * runs[0]["step_ms"] / out["step_ms"]  # = batch / step
+    out["tokens_per_s"] = per_sample * out["samples_per_s"]
+    out["rounds"] = len(runs)
+    return out
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def run(args: argparse.Namespace) -> int:
+    if MODEL_DATA.get(args.model) != "text":
+        text = ", ".join(m for m, d in MODEL_DATA.items() if d == "text")
+        raise ConfigError(f"--model {args.model!r}: bench layouts trains a text preset ({text})")
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1 or args.threads < 0:
+        raise ConfigError("--steps and --rounds must be >= 1, --warmup and --threads >= 0")
+    if args.transport not in TRANSPORTS:
+        raise ConfigError(f"--transport {args.transport!r}: choose one of {', '.join(TRANSPORTS)}")
+    nprocs = parse_ints(args.nproc, "--nproc")
+    jobs, notes = plan_jobs(nprocs, parse_layouts(args.layouts))
+    load_start = _load()
+    progress(f"load average at start (1, 5, 15 min): {load_start}")
+    for n in notes:
+        progress(f"note: {n}")
+    if len(jobs) == 1:
+        progress("note: no layout fits any --nproc; only the single baseline runs")
+    results: dict[tuple, list[dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="distrain-bench-layouts-") as root:
+        configs = [_validated(j, args, root) for j in jobs]  # every error before any run
+        order = list(range(len(jobs)))
+        for rnd in range(args.rounds):
+            k = rnd % len(order)
+            for i in order[k:] + order[:k]:
+                j = jobs[i]
+                progress(f"round {rnd + 1}/{args.rounds}: {j.layout} ({j.grid}, {j.strategy}) on {j.nproc} process(es)")
+                results.setdefault(j.key, []).append(_measure(j, configs[i], args))
+    load_end = _load()
+    records = [_median_record(results[j.key]) for j in jobs]
+    base = records[0]["samples_per_s"]
+    for r in records:
+        r["speedup"] = r["samples_per_s"] / base
+        r["efficiency"] = r["speedup"] / r["nproc"]
+    print(_table(records, args, notes, load_start, load_end))
+    if args.json:
+        write_json(args.json, metadata(model=args.model, batch_size=args.batch_size, microbatches=args.microbatches,
+                                       schedule=args.schedule, algorithm=args.algorithm,
+                                       transport=args.transport, steps=args.steps,
+                                       warmup=args.warmup, memory_steps=MEMORY_STEPS, rounds=args.rounds,
+                                       seed=args.seed, dtype="float32", layouts=args.layouts, nprocs=nprocs,
+                                       threads_per_rank=args.threads or "cpu_count // P",
+                                       mmap_threshold=MMAP_THRESHOLD, notes=notes,
+                                       load_avg_start=load_start, load_avg_end=load_end), records)
+    return 0
+
+
+def table_rows(records: list[dict]) -> list[list[str]]:
+    mb = 1e6
+    rows = []
+    for r in records:
+        name = r["layout"] + (f" (={','.join(r['aliases'])})" if r["aliases"] else "")
+        rows.append([str(r["nproc"]), name, r["grid"], f"{r['step_ms']:.0f}", f"{r['samples_per_s']:.1f}",
+                     f"{r['tokens_per_s']:,.0f}", f"{r['speedup']:.2f}", f"{r['peak_mem_bytes'] / mb:.1f}",
+                     "/".join(f"{b / mb:.0f}" for b in r["peak_mem_bytes_per_rank"]),
+                     f"{r['bytes_sent_per_step_max_rank'] / mb:.2f}", f"{r['final_loss']:.4f}"])
+    return rows
+
+
+HEADERS = [("", ["P", "layout", "grid"]), ("step", ["ms", "samples/s", "tokens/s", "speedup"]),
+           ("peak RSS MB", ["max rank", "per rank"]), ("", ["MB sent/rank/step", "last loss"])]
+
+
+def _table(records: list[dict], args, notes: list[str], load_start, load_end) -> str:
+    head = (f"{args.model}, fp32 AdamW, global batch {args.batch_size}, transport {args.transport}, {args.steps} timed "
+            f"steps after {args.warmup} warm-up, medians over {args.rounds} round(s), "
+            f"{args.threads or 'cpu_count // P'} torch thread(s) per rank; pipelines: {args.microbatches} "
+            f"micro-batches, {args.schedule}; peak RSS above the RSS before the model, MB = 1e6 bytes\n"
+            f"load average (1, 5, 15 min) at start {load_start}, at end {load_end}, on {os.cpu_count()} CPUs")
+    text = head + "\n" + format_table(HEADERS, table_rows(records))
+    return text + "".join(f"\nnote: {n}" for n in notes)

@@ -1,0 +1,223 @@
+"""``distrain bench train``: data-parallel training throughput, side by side in one run.
+
+    distrain bench train --nproc 1,2,4 --strategies ddp,torch-ddp,ps-sync,ps-async --model mlp
+
+For each world size P and each strategy, one real training job (``distrain.trainer.train``)
+of ``--warmup`` + ``--steps`` steps on the same model, data and *global* batch, so every job
+does the same work per step; only the way the gradient is shared differs:
+
+* ``single``: one process, the baseline (always run at P = 1);
+* ``ddp``: our DistributedDataParallel (``--algorithm``, default ring);
+* ``torch-ddp``: torch.nn.parallel.DistributedDataParallel, our peer;
+* ``zero1`` / ``zero2`` / ``zero3``: our ZeRO engine (torch's FSDP2 beside them: ``bench zero``);
+* ``ps-sync`` / ``ps-async``: our parameter server with ``--servers`` server ranks (the
+  other P - S ranks are workers, so a PS job at P computes on fewer ranks);
+* ``local``: the same P ranks with no gradient exchange (each steps its own replica): the
+  floor of every data-parallel step at P. ``over local`` = 1 - local / step is the share of
+  a strategy's step that communication and its bookkeeping cost, measured the same way for
+  torch's DDP (whose own wait is invisible) as for ours; 1 / (1 - that share of torch-ddp)
+  is the most any DDP can gain over torch's on this machine;
+* ``single-threads``: one process that gives every usable core (``os.sched_getaffinity``) to
+  torch's intra-op threads (``torch.set_num_threads(cores)``), the same model, global batch and
+  steps: the answer to "is P ranks faster than one process on the same cores?". Like
+  ``single`` it is one job whatever ``--nproc`` is, and it runs in every round with the others.
+
+``--transport torch,shm`` runs each of our strategies once per transport (labelled
+``ddp`` on torch, ``ddp@shm`` on shared memory); torch-ddp always runs on Gloo.
+
+Reported per job (after the warm-up steps): the median step time of rank 0 (which waits
+for the others, so it is the job's pace), samples or tokens per second, speedup over
+``single``, scaling efficiency = speedup / P, the share of the step spent waiting on
+communication (our DDP and PS report it; torch's DDP does not expose it), and the bytes
+each rank sent and received per step according to its ledger (torch's DDP traffic is inside
+Gloo and invisible to it). ``--rounds`` repeats everything with the strategy order rotated,
+and the median over rounds is reported, so machine noise hits all strategies alike.
+
+``--background-load N`` starts N busy processes (:mod:`distrain.bench.background`) before the
+first job and stops them after the last; every job records the load average at its start and
+end (the JSON's metadata), and the table's last line summarises it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+
+from distrain.bench import background
+from distrain.bench.common import format_table, metadata, parse_choices, parse_ints, progress, write_json
+from distrain.errors import ConfigError
+from distrain.trainer.config import MODEL_DATA, TrainConfig
+from distrain.trainer.metrics import read_metrics
+
+STRATEGIES = ("ddp", "torch-ddp", "zero1", "zero2", "zero3", "ps-sync", "ps-async", "local", "single-threads")
+ONE_PROCESS = ("single-threads",)  # one job at P = 1 whatever --nproc is, like the single baseline
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", default="1,2,4", help="world sizes, comma-separated")
+    p.add_argument("--strategy", "--strategies", dest="strategies", default=",".join(STRATEGIES),
+                   help=f"comma-separated, any of {', '.join(STRATEGIES)}")
+    p.add_argument("--model", default="mlp", help="mlp (Fashion-MNIST), gpt-small (Shakespeare), or a tiny preset")
+    p.add_argument("--steps", type=int, default=30, help="timed steps per job")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps per job")
+    p.add_argument("--batch-size", type=int, default=None, help="global batch (default: 240 for MLPs, 24 for GPTs: divisible by 1-4 workers)")
+    p.add_argument("--algorithm", default="ring", help="all-reduce algorithm of our DDP")
+    p.add_argument("--transport", default="torch",
+                   help="transports of our strategies, comma-separated: torch, shm, auto (default torch)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size of ddp and torch-ddp")
+    p.add_argument("--servers", type=int, default=1, help="parameter-server ranks for ps-*")
+    p.add_argument("--max-staleness", type=int, default=2, help="staleness bound for ps-async")
+    p.add_argument("--rounds", type=int, default=1, help="repeat the whole set, strategy order rotated")
+    p.add_argument("--json", default=None, help="write every record here")
+    background.add_argument(p)
+
+
+def _jobs(nprocs: list[int], strategies: list[str], servers: int,
+          transports: tuple[str, ...] = ("torch",)) -> list[tuple[int, str, str]]:
+    jobs = [(1, "single", "torch")]  # the baseline of speedup and efficiency, always measured
+    jobs += [(1, s, "torch") for s in strategies if s in ONE_PROCESS]
+    for P in nprocs:
+        for s in strategies:
+            if P == 1 or s in ONE_PROCESS or (s.startswith("ps-") and P < servers + 1):
+                continue
+            for t in (transports if s not in ("torch-ddp", "local") else ("torch",)):
+                jobs.append((P, s, t))
+    return jobs
+
+
+def _label(strategy: str, transport: str) -> str:
+    return strategy if transport == "torch" else f"{strategy}@{transport}"
+
+
+def _config(P: int, strategy: str, transport: str, args, batch: int, root: str) -> TrainConfig:
+    return TrainConfig(model=args.model, data=MODEL_DATA[args.model] if MODEL_DATA[args.model] != "text" else "shakespeare",
+                      strategy="single" if strategy in ONE_PROCESS else strategy,  # single-threads: single's job
+                      nproc=P, algorithm=args.algorithm, servers=args.servers, transport=transport,
+                      bucket_cap_mb=args.bucket_cap_mb,
+                      max_staleness=args.max_staleness if strategy == "ps-async" else None,
+                      steps=args.warmup + args.steps, batch_size=batch, eval_every=0, sample_chars=0,
+                      progress=False, report=False, log_every=args.warmup + args.steps, overwrite=True,
+                      out=os.path.join(root, f"{_label(strategy, transport)}-{P}"))
+
+
+def _single_threads_rank(rank: int, cfg_dict: dict, cores: int) -> dict:
+    import torch
+
+    from distrain.trainer.loop import run_rank
+
+    torch.set_num_threads(cores)  # spawn set it too (threads_per_rank); said here, where it matters
+    return run_rank(TrainConfig.from_dict(cfg_dict))
+
+
+def _train_single_threads(cfg: TrainConfig, cores: int) -> dict:
+    """``train(cfg)`` for strategy single, but with ``cores`` torch threads in its one process."""
+    from distrain import spawn
+    from distrain.trainer.loop import BACKENDS, check_out
+
+    check_out(cfg)
+    return spawn(_single_threads_rank, 1, args=(cfg.to_dict(), cores), backend=BACKENDS[cfg.device],
+                 timeout=cfg.timeout or None, init_timeout=cfg.collective_timeout, threads_per_rank=cores,
+                 bind_cores=False)[0]
+
+
+def _measure(cfg: TrainConfig, args, batch: int, strategy: str) -> dict:
+    from distrain.trainer import train
+
+    P, out = cfg.nproc, cfg.out
+    threads = background.usable_cores() if strategy in ONE_PROCESS else None
+    summary = _train_single_threads(cfg, threads) if threads else train(cfg)
+    rows = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if r["step"] >= args.warmup]
+    step_s = statistics.median(r["time_s"] for r in rows)
+    units = next(k for k in rows[0] if k.endswith("_per_s")).removesuffix("_per_s")
+    per_sample = rows[0][f"{units}_per_s"] * rows[0]["time_s"] / batch
+    waits = [r["comm_wait_s"] / r["time_s"] for r in rows if r.get("comm_wait_s") is not None]
+    traffic = summary["bytes_per_step"]
+    return {"nproc": P, "strategy": _label(strategy, cfg.transport), "transport": cfg.transport, "threads": threads,
+            "step_ms": 1e3 * step_s, "unit": units,
+            "throughput": batch * per_sample / step_s, "comm_share": statistics.median(waits) if waits else None,
+            "bytes_sent_max_rank": max(t["sent"] for t in traffic), "bytes_recv_max_rank": max(t["recv"] for t in traffic),
+            "bytes_per_rank": traffic, "final_loss": summary["final_loss"],
+            # parameter servers: the ledger's data bytes against W*N_s per server (exact)
+            "ps_bytes_match": summary.get("ps_bytes_match"), "ps_bytes": summary.get("ps_bytes"),
+            "staleness_max": summary.get("staleness_max")}
+
+
+def run(args: argparse.Namespace) -> int:
+    nprocs = parse_ints(args.nproc, "--nproc")
+    from distrain.bench.train import zero
+    memory = [x for x in str(args.strategies).split(",") if x in zero.STRATEGIES and x not in STRATEGIES]
+    if memory:  # torch's sharded strategies have no trainer engine: bench zero runs them beside ours
+        raise ConfigError(f"--strategies {','.join(memory)}: torch's sharded strategies are measured by "
+                          f"`distrain bench zero --strategies {args.strategies}` (step time, bytes held and peak "
+                          f"memory per rank, side by side with ddp, zero1-3 and torch-ddp)")
+    strategies = parse_choices(args.strategies, STRATEGIES, "--strategies")
+    if args.model not in MODEL_DATA:
+        raise ConfigError(f"--model {args.model!r} is unknown; use one of {', '.join(MODEL_DATA)}")
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        raise ConfigError("--steps and --rounds must be >= 1 and --warmup >= 0")
+    load = background.parse(getattr(args, "background_load", 0))
+    batch = args.batch_size or (24 if MODEL_DATA[args.model] == "text" else 240)
+    transports = tuple(parse_choices(args.transport, ("torch", "shm", "auto"), "--transport"))
+    jobs = _jobs(nprocs, strategies, args.servers, transports)
+    results: dict[tuple[int, str, str], list[dict]] = {}
+    windows: list[dict] = []  # every job's load average at its start and end
+    with tempfile.TemporaryDirectory(prefix="distrain-bench-train-") as root:
+        configs = {j: _config(*j, args, batch, root).validate() for j in jobs}  # all, before any runs
+        with background.BackgroundLoad(load):
+            for rnd in range(args.rounds):
+                k = rnd % len(jobs)
+                for j in jobs[k:] + jobs[:k]:
+                    progress(f"round {rnd + 1}/{args.rounds}: {_label(j[1], j[2])} on {j[0]} process(es)")
+                    start = background.loadavg()
+                    results.setdefault(j, []).append(_measure(configs[j], args, batch, j[1]))
+                    windows.append(background.window({"round": rnd + 1, "nproc": j[0], "strategy": _label(j[1], j[2])},
+                                                     start, background.loadavg()))
+    records = [_median_record(v) for v in results.values()]
+    base = next(r["throughput"] for r in records if r["strategy"] == "single")
+    for r in records:
+        r["speedup"] = r["throughput"] / base
+        r["efficiency"] = r["speedup"] / r["nproc"]
+        peer = next((q for q in records if q["nproc"] == r["nproc"] and q["strategy"] == "torch-ddp"), None)
+        r["vs_torch_ddp"] = r["throughput"] / peer["throughput"] if peer else None
+        floor = next((q for q in records if q["nproc"] == r["nproc"] and q["strategy"] == "local"), None)
+        r["over_local"] = 1 - floor["step_ms"] / r["step_ms"] if floor and r is not floor else None
+    print(_table(records, args, batch))
+    print(background.summary(load, windows))
+    if args.json:
+        write_json(args.json, metadata(model=args.model, batch_size=batch, steps=args.steps, warmup=args.warmup,
+                                       rounds=args.rounds, algorithm=args.algorithm, servers=args.servers,
+                                       transports=list(transports),
+                                       **background.meta(load, windows)), records)
+    return 0
+
+
+def _median_record(runs: list[dict]) -> dict:
+    out = dict(runs[len(runs) // 2])
+    for k in ("step_ms", "throughput"):
+        out[k] = statistics.median(r[k] for r in runs)
+    out["rounds"] = len(runs)
+    return out
+
+
+def _table(records: list[dict], args, batch: int) -> str:
+    unit = records[0]["unit"]
+    rows = []
+    for r in sorted(records, key=lambda r: (r["nproc"], r["strategy"])):
+        rows.append([str(r["nproc"]), r["strategy"], f"{r['step_ms']:.1f}", f"{r['throughput']:,.0f}",
+                     f"{r['speedup']:.2f}", f"{r['efficiency']:.2f}",
+                     f"{100 * r['comm_share']:.0f}%" if r["comm_share"] is not None else "n/a",
+                     f"{100 * r['over_local']:.0f}%" if r["over_local"] is not None else "",
+                     _sent(r, args), f"{r['vs_torch_ddp']:.2f}" if r["vs_torch_ddp"] is not None else ""])
+    head = f"{args.model}, global batch {batch}, {args.steps} timed steps after {args.warmup} warm-up"
+    return head + "\n" + format_table(
+        [("", ["P", "strategy"]), ("step", ["ms", f"{unit}/s", "speedup", "effic."]),
+         ("comm", ["wait", "over local", "MB sent/rank/step", "vs torch-ddp"])], rows)
+
+
+def _sent(r: dict, args) -> str:
+    """The ledger's bytes; n/a where the traffic is not ours to count (Gloo's own collectives)."""
+    ours_native = r["strategy"].startswith(("ddp", "zero")) and args.algorithm == "native"
+    invisible = r["strategy"] == "torch-ddp" or ours_native
+    return "n/a" if invisible else f"{r['bytes_sent_max_rank'] / 1e6:.2f}"

@@ -1,0 +1,339 @@
+"""The top process of an elastic job: the quorum's coordinator, a layer on the launcher's supervisor.
+
+Contract of :func:`run` (``distrain train --elastic MIN:MAX`` calls it where a fixed job calls
+distrain.spawn): ``fn(ident, *args)`` runs in every rank process after
+:func:`distrain.elastic.member.current` is set up (the process group is opened by the rank itself,
+through ``Member.join``); ids are 0..nproc-1 for the first ranks and count on for newcomers. It
+returns ``{ident: fn's value}`` for the ranks of the last membership, or raises: RankFailedError
+when a rank fails in its own code, TrainingError when no rank with the state is left,
+SpawnTimeoutError past ``timeout``.
+
+Processes are the launcher's: the coordinator starts, watches and ends its ranks through
+:class:`distrain.launch.supervisor.Supervisor` (as spawn does), and folds every
+:class:`~distrain.launch.supervisor.Outcome` (of a local rank, or of a rank on another node as its
+node agent reports it: elastic/nodes.py) into the membership through one method, :meth:`fold`.
+The coordinator (torchft's lighthouse, in the process that outlives every rank) hosts the store,
+so a new membership never depends on a rank that may be gone. It watches the ranks (a SIGKILLed
+rank is seen at once through its sentinel) and the store:
+
+1. a change is wanted when a member dies, when a member arrives for the next epoch on its own (it saw
+   its group break: a time-out, a reset connection), or when a newcomer is ready: ``change/E`` is set,
+   which every member sees at its next step boundary (rank 0 reads it, the step's all-reduce spreads it);
+2. it waits for every live member to arrive (``arrive/E+1/ID`` with the steps it can offer); a member
+   still silent ``collective_timeout`` after the change began is dropped (counted as lost). If it comes
+   back later (it was frozen), or a rank arrives with another run's id, it is refused: ``refuse/ID``
+   holds one line naming its step and the group's (or the two run ids), which the rank raises as its
+   error; a refused rank does not fail the job;
+3. it decides: the step to go on from is the smallest any survivor offers (each can offer its live
+   state or its start-of-step copy), the members are the survivors in their old order then the
+   newcomers (up to MAX), written to ``members/E+1``; below MIN the survivors get ``stop`` and the
+   job ends cleanly (they write a checkpoint first).
+
+With ``replace`` > 0 it starts that many replacement ranks over the run, each while the job is below
+MAX; a replacement joins at a step boundary and is healed from a live peer (member.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Callable, Sequence
+
+from distrain.blame import Failure, blame
+from distrain.elastic import member as m
+from distrain.elastic import nodes as multinode
+from distrain.elastic.ranks import Recipe, threads_per_rank
+from distrain.errors import SpawnTimeoutError, TrainingError
+from distrain.launch import local_store
+from distrain.launch.supervisor import Outcome, Supervisor
+
+POLL_S = 0.01
+
+
+class Coordinator:
+    def __init__(self, fn, args: Sequence, nproc: int, lo: int, hi: int, replace: int, backend: str,
+                 timeout: float | None, collective_timeout: float, preload: Sequence[str] = (),
+                 grid: tuple[int, int] = (1, 1), nodes=None, servers: int = 0):
+        self.fn, self.args, self.nproc, self.lo, self.hi, self.replace = fn, tuple(args), nproc, lo, hi, replace
+        self.grid = grid  # (tp, pp): the members go and stay by whole model replicas of tp x pp ranks
+        self.nodes = nodes  # nodes.NodeSpec of a multi-node job (None: one host)
+        self.servers = servers  # ps-sync: the last ``servers`` members serve (newcomers join before them)
+        self.remote = None  # node 0 of several: nodes.Remote, the other nodes' ranks as their agents report them
+        self.backend, self.timeout, self.ctimeout = backend, timeout, collective_timeout
+        self.sup = Supervisor(preload=["distrain.elastic.ranks", *preload], name="distrain-elastic")
+        self.recipe: Recipe | None = None  # (the store's port is known once it is open: run())
+        self.results: dict[int, Any] = {}
+        self.started: dict[int, float] = {}  # local ids -> when they were started (Unix s)
+        self.failures: dict[int, Failure] = {}
+        self.gone: set[int] = set()  # processes that ended (result, error or death)
+        self.epoch, self.members, self.lost = 0, list(range(nproc)), {}
+        self.waiting: dict[int, float] = {}  # newcomers started, not yet members: id -> start time
+        self.want: float | None = None  # when the current change began (None: the group is whole)
+        self.stop: str | None = None
+        self.next_id = nproc
+        self.events: list[dict] = []
+        self.run_id = uuid.uuid4().hex[:12]  # a rank of another run (another store, same port) is refused
+        self.dropped: dict[int, int] = {}  # members dropped while alive (silent): id -> the epoch they would arrive at
+        self.refused: dict[int, str] = {}  # id -> the one-line refusal it was given
+
+    # -- processes ----------------------------------------------------------------------------
+    def _start(self, ident: int, newcomer: bool) -> None:
+        self.recipe.start(self.sup, ident, newcomer)
+        self.started[ident] = self.sup.started[ident]
+
+    def _kill(self, ident: int) -> None:
+        if ident not in self.sup.procs:  # a rank of another node: its agent ends it
+            self.store.set(m.key("kill", ident), "1")
+            return
+        self.sup.kill(ident)
+
+    def fold(self, o: Outcome) -> None:
+        """One rank's outcome (a local process's, or a remote one as its node agent reported it)."""
+        i = o.ident
+        if i in self.gone or o.status == "hang":  # (an elastic rank's watchdog ends it: a death follows)
+            return
+        self.gone.add(i)
+        if o.status == "ok":
+            self.results[i] = o.value
+        elif o.status == "err" and i in self.dropped:
+            pass  # out of the job already (refused, or gave up waiting): not the job's failure
+        elif o.status == "err":
+            self.failures[i] = Failure(i, o.when, o.value, secondary=o.secondary)
+        else:  # died without a word: SIGKILL, os._exit, a crash, a lost node
+            if i in self.members and i not in self.lost:  # (not one the coordinator ended: it is out already)
+                code = o.exitcode
+                how = ("on a lost node" if code is None and i not in self.sup.procs
+                       else f"signal {-code}" if code is not None and code < 0 else f"exit code {code}")
+                print(f"distrain: elastic: rank id {i} died without a word ({how})", flush=True)
+                self.lost[i] = time.time()
+                self._want()
+            self.waiting.pop(i, None)
+
+    def _poll(self) -> None:
+        for o in self.sup.poll(POLL_S):
+            self.fold(o)
+
+    # -- membership ---------------------------------------------------------------------------
+    def _want(self) -> None:
+        if self.want is None:
+            self.want = time.time()
+            self.store.set(m.key("change", self.epoch), "1")
+
+    def _step_membership(self) -> None:
+        if any(i in self.results for i in self.members):
+            return  # the job is ending: no more changes
+        nxt = self.epoch + 1
+        survivors = [i for i in self.members if i not in self.lost]
+        ready = [i for i in self.waiting if self.store.check([m.key("ready", i)])]
+        arrived = {i: json.loads(self.store.get(m.key("arrive", nxt, i)))
+                   for i in survivors if self.store.check([m.key("arrive", nxt, i)])}
+        for i, r in [(i, r) for i, r in arrived.items() if r.get("run", self.run_id) != self.run_id]:
+            del arrived[i]  # another run's state: refused, left out like a lost rank
+            survivors.remove(i)
+            self._refuse(i, r, nxt)
+            self.lost[i] = time.time()
+        if arrived or (ready and not self.stop and self.store.check([m.key("up", self.epoch, i) for i in survivors])):
+            self._want()  # (a newcomer waits until the current group is open: its barrier must not be cut)
+        if self.want is None:
+            return
+        late = [i for i in survivors if i not in arrived]
+        if late and time.time() - self.want < self.ctimeout:
+            return
+        for i in late:  # alive but silent (stopped, frozen): dropped; if it comes back, it is refused (_admit)
+            self.lost[i], self.dropped[i] = time.time(), nxt
+        stateless = [i for i, r in arrived.items() if r["live"] is None and r["snap"] is None]  # a failed heal
+        offers = {i: r for i, r in arrived.items() if i not in stateless}
+        if not offers:
+            raise TrainingError(f"elastic: no rank with the training state is left (lost: {sorted(self.lost)})")
+        target = min(r["live"] if r["live"] is not None else r["snap"] for r in offers.values())
+        source, sharded = "peers", any("pieces" in r for r in offers.values())
+        if sharded:  # every piece must be at hand, from its holder or a replica; every survivor stays
+            target, source = sharded_target(offers)
+        keep = [i for i in survivors if i in offers and (sharded or target in (offers[i]["live"], offers[i]["snap"]))]
+        if self.grid != (1, 1):  # a replica with a rank missing is out whole (its live ranks are ended below)
+            keep = whole_replicas(self.members, keep, *self.grid)
+        if self.servers:  # a server's shard has no copy: its loss ends the job
+            gone = [i for i in self.members[-self.servers:] if i not in keep]
+            if gone:
+                raise TrainingError(f"elastic: parameter server rank id(s) {gone} lost; a server's shard of the "
+                                    f"weights and optimizer has no copy, so ps-sync survives the loss of workers "
+                                    f"only, and the job ends")
+        joiners = (stateless + ready)[:max(0, self.hi - len(keep))]
+        starting = [i for i in self.waiting if i not in ready]
+        if len(keep) + len(joiners) < self.lo and starting and time.time() - self.want < self.ctimeout + 120:
+            return  # below MIN, but a replacement is on its way: wait for it
+        left = [i for i in self.members if i not in keep and i not in stateless]
+        for i in left:
+            if i not in self.dropped:  # (a dropped one is refused if it comes back)
+                self._kill(i)
+        order = keep + joiners if not self.servers else \
+            keep[:-self.servers] + joiners + keep[-self.servers:]  # (ps: the servers stay last)
+        info = {"ids": order, "step": target, "old": len(self.members), "left": left, "joined": joiners,
+                "rolled_back": target if any(offers[i]["live"] != target for i in keep) else None, "source": source,
+                "t0": min([self.want, *(self.lost.get(i, self.want) for i in left)]),
+                "spawned": {str(i): self.started[i] for i in joiners}}
+        if len(keep) + len(joiners) < self.lo:
+            why = f"rank id(s) {', '.join(map(str, left))} lost" if left else "ranks lost"
+            self.stop = info["stop"] = (f"elastic: stopped at step {target}: {len(keep)} rank(s) left ({why}), fewer "
+                                        f"than MIN {self.lo} of --elastic {self.lo}:{self.hi}")
+            info.update(ids=keep, joined=[])
+            joiners = []
+        self.epoch, self.members, self.want = nxt, info["ids"], None
+        self.store.set(m.key("members", nxt), json.dumps(info))
+        for i in joiners:
+            self.waiting.pop(i, None)
+            self.store.set(m.key("invite", i), str(nxt))
+            self.store.add(m.key("joins"), 1)
+        self.events.append(info)
+
+    def _group_step(self) -> int | None:
+        """The group's step: the last one rank 0 completed (``step``), else the last membership's."""
+        if self.store.check([m.key("step")]):
+            return int(self.store.get(m.key("step")))
+        return json.loads(self.store.get(m.key("members", self.epoch)))["step"]
+
+    def _refuse(self, ident: int, offer: dict, epoch: int) -> None:
+        self.dropped.setdefault(ident, epoch)
+        why = self.refused[ident] = refusal(ident, offer, self.run_id, self._group_step())
+        self.store.set(m.key("refuse", ident), why)
+        print(f"distrain: {why}", flush=True)
+
+    def _admit(self) -> None:
+        """A dropped member that comes back (it arrives for the epoch it was left out of) is refused."""
+        for i, epoch in self.dropped.items():
+            if i not in self.refused and i not in self.gone and self.store.check([m.key("arrive", epoch, i)]):
+                self._refuse(i, json.loads(self.store.get(m.key("arrive", epoch, i))), epoch)
+
+    def _replace(self) -> None:
+        alive = [i for i in self.members if i not in self.lost]
+        if self.stop or self.replace <= 0 or len(alive) + len(self.waiting) >= self.hi:
+            return
+        self.replace -= 1
+        ident, self.next_id = self.next_id, self.next_id + 1
+        self.waiting[ident] = time.time()
+        self._start(ident, newcomer=True)
+
+    # -- the whole job ------------------------------------------------------------------------
+    def run(self) -> dict[int, Any]:
+        if self.nodes is None:
+            self.store = local_store(self.hi + 1, self.ctimeout)
+        else:  # node 0 of several: the store on its address, the other nodes' ranks reported by their agents
+            self.store = multinode.serve_store(self.nodes, self.hi + self.nodes.nodes, self.ctimeout)
+            self.remote = multinode.Remote(self.nodes, self.nproc)
+        self.store.set(m.key("run"), self.run_id)  # (node agents give their ranks this run's id)
+        self.recipe = Recipe(self.fn, self.args, self.backend, self.ctimeout, self.store.port, self.run_id,
+                             host=self.nodes.host if self.nodes else "127.0.0.1",
+                             stride=self.nproc // self.nodes.nodes if self.nodes else 1,
+                             threads=threads_per_rank(self.hi, self.nodes.nodes if self.nodes else 1))
+        self.store.set(m.key("members", 0), json.dumps({"ids": self.members, "step": None, "old": self.nproc,
+                                                          "left": [], "joined": [], "t0": time.time()}))
+        for i in self.members if self.nodes is None else self.nodes.ids(self.nproc):
+            self._start(i, newcomer=False)
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        try:
+            while True:
+                self._poll()
+                if self.remote is not None:
+                    for o in self.remote.poll(self.store, self.gone):
+                        self.fold(o)
+                if self.failures:
+                    self._grace()
+                    raise blame(self.failures)
+                if all(i in self.results for i in self.members):
+                    return {i: self.results[i] for i in self.members}
+                if any(i in self.gone and i not in self.results and i not in self.lost for i in self.members):
+                    raise TrainingError("elastic: a member ended without a result")
+                self._replace()
+                self._admit()
+                self._step_membership()
+                if deadline is not None and time.monotonic() > deadline:
+                    running = [i for i in self.sup.procs if i not in self.gone]
+                    raise SpawnTimeoutError(f"elastic: timed out after {self.timeout:g}s (the whole-run limit); "
+                                            f"rank id(s) {running} still running (raise --timeout)")
+        finally:
+            if self.remote is not None:
+                multinode.end_nodes(self.store)
+            for i in self.sup.procs:
+                self.sup.kill(i)
+            self.sup.close()
+
+    def _grace(self) -> None:
+        """After a rank failed in its own code, listen a moment so the first failure is blamed."""
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end and len(self.gone) < len(self.sup.procs):
+            self._poll()
+            if self.remote is not None:
+                for o in self.remote.poll(self.store, self.gone):
+                    self.fold(o)
+
+
+def whole_replicas(members: list[int], keep: list[int], tp: int, pp: int) -> list[int]:
+    """The ids of ``keep`` whose model replica (the dp index of their position in ``members`` on the
+    dp x tp x pp grid, topology.py's order: position = pp_rank * dp * tp + dp_rank * tp + tp_rank) is
+    whole in ``keep``. Kept in ``members`` order, so every survivor keeps its (tp, pp) coordinate on
+    the smaller grid, and holds the shard it had."""
+    dp = len(members) // (tp * pp)
+    replica = {i: (k % (dp * tp)) // tp for k, i in enumerate(members)}
+    broken = {replica[i] for i in members if i not in keep}
+    return [i for i in members if i in keep and replica[i] not in broken]
+
+
+def sharded_target(offers: dict[int, dict]) -> tuple[int, str]:
+    """The step a job with sharded state (ZeRO) goes on from, and where its state comes from.
+
+    Each survivor offers pieces ``[step, world, rank, kind]``: its own piece of a layout of
+    ``world`` ranks (kind "own", at its live boundary and at its start-of-step copy), and its
+    predecessor's (kind "replica"). A step is possible when the pieces at it cover ranks
+    0..world-1 of one layout (the survivors then gather them: none needs its own state at that
+    step); the latest possible step is taken ("peers", or "replicas" when a piece comes from a
+    replica only). None possible (a rank and its successor lost at once): the last checkpoint
+    every survivor knows ("checkpoint"); none written yet: TrainingError."""
+    steps = sorted({p[0] for r in offers.values() for p in r["pieces"]}, reverse=True)
+    for t in steps:
+        own, held = set(), set()
+        for r in offers.values():
+            for step, world, rank, kind in r["pieces"]:
+                if step == t:
+                    (own if kind == "own" else held).add((world, rank))
+        for world in {w for w, _ in own | held}:
+            if all((world, k) in own | held for k in range(world)):
+                return t, "peers" if all((world, k) in own for k in range(world)) else "replicas"
+    ckpts = [r.get("ckpt") for r in offers.values()]
+    if any(c is None for c in ckpts):
+        world = max(p[1] for r in offers.values() for p in r["pieces"]) if steps else 0
+        gone = sorted(set(range(world)) - {p[2] for r in offers.values() for p in r["pieces"] if p[1] == world})
+        raise TrainingError(f"elastic: the piece(s) of ZeRO rank(s) {gone} of {world} were lost with their "
+                            f"replicas (a rank and its successor at once) and no checkpoint was written yet; the job "
+                            f"cannot go on: set --ckpt-every to have a checkpoint to fall back on")
+    return min(ckpts), "checkpoint"
+
+
+def refusal(ident: int, offer: dict, run_id: str, group_step: int | None) -> str:
+    """The one line a rank coming back with a stale state gets: another run's, or an older step."""
+    if offer.get("run", run_id) != run_id:
+        return (f"elastic: rank id {ident} refused: its state is of run {offer.get('run')}, the group's of run "
+                f"{run_id}; a rank cannot join another run")
+    step = offer["live"] if offer.get("live") is not None else offer.get("snap")
+    group = f"at step {group_step}" if group_step is not None else "before its first completed step"
+    return (f"elastic: rank id {ident} refused: its state is at step {step}, the group's {group}; "
+            f"it was dropped (silent past --collective-timeout) and cannot rejoin with a stale state")
+
+
+def run(fn: Callable[..., Any], nproc: int, lo: int, hi: int, args: Sequence = (), replace: int = 0,
+        backend: str = "gloo", timeout: float | None = None, collective_timeout: float = 300.0,
+        preload: Sequence[str] = (), grid: tuple[int, int] = (1, 1), nodes=None,
+        servers: int = 0) -> tuple[dict[int, Any], str | None, list[dict]]:
+    """Run an elastic job (see the module docstring); returns (results by id, the stop reason or
+    None, the membership decisions). ``grid`` = (tp, pp): ranks go by whole model replicas.
+    ``nodes`` (nodes.NodeSpec): this is one node of several; node 0 coordinates, the others run
+    their ranks (nodes.run_node) and return ({}, None, [])."""
+    if nodes is not None and nodes.node > 0:  # a node agent: it starts and reports its ranks, decides nothing
+        code = multinode.run_node(nodes, nproc, fn, args, backend, collective_timeout, preload, hi)
+        if code:
+            raise TrainingError(f"elastic: node {nodes.node} lost the coordinator (node 0); its ranks were ended")
+        return {}, None, []
+    coord = Coordinator(fn, args, nproc, lo, hi, replace, backend, timeout, collective_timeout, preload, grid, nodes,
+                        servers)
+    results = coord.run()
+    return results, coord.stop, coord.events
