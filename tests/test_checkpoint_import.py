@@ -18,8 +18,9 @@ from distrain import runlock
 from distrain.cli import main as cli_main
 from distrain.errors import ConfigError
 from distrain.models import build_model
-from distrain.trainer import checkpoint, train
-from distrain.trainer.checkpoint_cli import import_file
+from distrain.checkpoint import store as checkpoint
+from distrain.trainer import train
+from distrain.checkpoint.write import import_file
 from distrain.trainer.loop import check_resume
 from distrain.trainer.metrics import read_metrics
 

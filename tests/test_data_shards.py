@@ -167,7 +167,7 @@ def test_large_vocabularies_are_stored_as_uint32(tmp_path, bpe_dir):
 # ============================================================================ training on --data DIR
 @pytest.mark.timeout(120)
 def test_shard_run_ddp_equals_one_process_and_takes_the_vocabulary(tmp_path, bpe_dir):
-    from distrain.trainer.reshard import consolidate
+    from distrain.checkpoint.reshard import consolidate
 
     one = trainer_config(tmp_path / "one", data=str(bpe_dir), strategy="single", nproc=1)
     two = trainer_config(tmp_path / "two", data=str(bpe_dir), strategy="ddp", nproc=2)

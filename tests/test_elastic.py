@@ -58,7 +58,7 @@ def test_sigkill_one_of_four_finishes_at_three_with_the_same_losses(tmp_path, tm
 @pytest.mark.timeout(100)
 def test_below_min_stops_cleanly_with_a_checkpoint_and_one_line(tmp_path, monkeypatch):
     from distrain.errors import TrainingError
-    from distrain.trainer import checkpoint
+    from distrain import checkpoint
 
     losses, events, err = run(tmp_path, monkeypatch, "1@2", nproc=3, elastic="3:3", steps=5, batch_size=12)
     assert isinstance(err, TrainingError), err
@@ -368,7 +368,7 @@ def test_the_sharded_target_is_the_latest_step_whose_pieces_make_a_whole():
 
 def test_pieces_that_do_not_make_a_whole_are_named_by_layout():
     from distrain.errors import ConfigError
-    from distrain.trainer.reshard import consolidate_pieces
+    from distrain.checkpoint.reshard import consolidate_pieces
 
     # (joining whole sets is checked by the elastic ZeRO runs above, equal to one process in fp64)
     with pytest.raises(ConfigError, match=r"do not make a whole \(held, by world size: \{4: \[0, 2, 3\]\}\)"):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from distrain.errors import ConfigError
-from distrain.trainer import checkpoint, train
+from distrain.checkpoint import store as checkpoint
+from distrain.trainer import train
 from distrain.trainer.config import STRATEGIES
 from distrain.trainer.engines import ENGINES, Engine, engine_class
 

@@ -404,7 +404,8 @@ def test_resume_refuses_a_change_that_breaks_exact_continuation(trained, tmp_pat
 
 @pytest.mark.timeout(120)
 def test_corrupt_empty_or_torn_checkpoint_files_are_one_line_errors(trained, tmp_path):
-    from distrain.trainer import checkpoint, train
+    from distrain import checkpoint
+    from distrain.trainer import train
 
     out = _copy(trained, tmp_path / "flip")
     shard = out / json.loads((out / "checkpoint.json").read_text())["files"][0]

@@ -24,10 +24,12 @@ from distrain.data import DistributedBatchSampler
 from distrain.errors import ConfigError
 from distrain.models import build_model
 from distrain.models.llama import Llama, LlamaConfig
-from distrain.trainer import checkpoint, init_from, train
-from distrain.trainer.checkpoint_cli import import_file
+from distrain import checkpoint
+from distrain.checkpoint import init_from
+from distrain.trainer import train
+from distrain.checkpoint.write import import_file
 from distrain.trainer.metrics import read_metrics
-from distrain.trainer.reshard import consolidate
+from distrain.checkpoint.reshard import consolidate
 from distrain.trainer.task import build_task
 
 from conftest import trainer_config

@@ -24,7 +24,8 @@ MAX_LINES = 400
 LAYERS: dict[str, int] = {
     "distrain.errors": 0,
     "distrain.topology": 1, "distrain.blame": 1, "distrain.lifeline": 1, "distrain.runlock": 1,
-    "distrain.rendezvous": 1,
+    "distrain.rendezvous": 1, "distrain.optim": 1, "distrain.factories": 1,
+    "distrain.checkpoint.form": 1,  # the whole-model format alone (torch, errors): ZeRO in parallel/ speaks it
     "distrain.comm.core": 2,
     "distrain.comm.algorithms": 3, "distrain.comm.shm": 3,
     "distrain.comm": 4,  # the torch.distributed-shaped surface: dispatch, api, forms, ...
@@ -32,7 +33,7 @@ LAYERS: dict[str, int] = {
     "distrain.launch": 6,
     "distrain.parallel": 7, "distrain.elastic": 7,  # elastic: the top process and the ranks' quorum, on launch
     "distrain.models": 8, "distrain.data": 8,
-    "distrain.costmodel": 9,
+    "distrain.costmodel": 9, "distrain.checkpoint": 9,  # checkpoint: sets, resharding, import/export, --init-from
     "distrain.trainer": 10,
     "distrain.cluster": 11,
     "distrain": 12,  # the package's own __init__ (the Python API), generate_cli, and moved (the old-path

@@ -215,7 +215,7 @@ class FailsInEval(nn.Module):
 @pytest.mark.timeout(120)
 def test_an_error_in_the_final_evaluation_keeps_the_final_checkpoint(tmp_path):
     from distrain.errors import RankFailedError
-    from distrain.trainer import checkpoint
+    from distrain import checkpoint
 
     cfg = _config(tmp_path / "run", strategy="ddp", nproc=2, eval_every=4, eval_batches=1)
     with pytest.raises(RankFailedError, match="broken in eval mode"):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from distrain.errors import ConfigError
-from distrain.trainer import TrainConfig, checkpoint, train
+from distrain import checkpoint
+from distrain.trainer import TrainConfig, train
 from distrain.trainer.metrics import read_metrics
 
 from conftest import reference_losses, trainer_config

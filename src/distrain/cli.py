@@ -68,7 +68,7 @@ def _config_arguments(p: argparse.ArgumentParser, cls) -> None:
                            help=help_text)
             p.add_argument("--no-resume", dest="resume", action="store_false", default=default,
                            help="start afresh (the default)")
-        elif f.name == "model" and cls.__name__ == "TrainConfig":  # left out: None, resolved by trainer/init_from.py
+        elif f.name == "model" and cls.__name__ == "TrainConfig":  # left out: None, resolved by checkpoint/init_from.py
             p.add_argument(flag, default=None, metavar="MODEL", help=help_text.replace(
                 "%(default)s", f"{default}; with --init-from or --resume: the checkpoint's model"))
         elif isinstance(default, bool):
@@ -81,7 +81,9 @@ def _config_arguments(p: argparse.ArgumentParser, cls) -> None:
 
 def _run_train(args: argparse.Namespace) -> int:
     from distrain import runlock
-    from distrain.trainer import TrainConfig, checkpoint, init_from, train
+    from distrain import checkpoint
+    from distrain.checkpoint import init_from
+    from distrain.trainer import TrainConfig, train
 
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k not in ("command", "func", "config")})
     if cfg.resume is False and os.environ.get("DISTRAIN_RESUME") == "auto":  # set by launch --max-restarts

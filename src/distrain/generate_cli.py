@@ -3,7 +3,7 @@
     distrain generate runs/bpe --prompt "ROMEO:" --max-new-tokens 200 --temperature 0.8 --top-k 40 --seed 0
 
 The run's committed checkpoint (any layout: single, DDP, ZeRO, dp x tp x pp) is consolidated
-into the whole model (trainer/reshard.py), rebuilt from its preset with the vocabulary the run
+into the whole model (checkpoint/reshard.py), rebuilt from its preset with the vocabulary the run
 trained with, and sampled with :func:`distrain.models.generate` (the context is cropped to the
 model's block size; temperature 0 is greedy). Text is encoded and decoded with the run's
 tokenizer: bytes for ``--data shakespeare`` or a text path, and for a token shard folder the
@@ -63,8 +63,8 @@ def load_run_model(run: Path):
     import torch
 
     from distrain.models import build_model, list_models, preset_config
-    from distrain.trainer import checkpoint
-    from distrain.trainer.reshard import as_command, consolidate
+    from distrain import checkpoint
+    from distrain.checkpoint.reshard import as_command, consolidate
 
     if not (run / checkpoint.MANIFEST).is_file():
         raise ConfigError(f"distrain generate: {run / checkpoint.MANIFEST} not found; give the --out of a training "

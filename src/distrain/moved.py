@@ -3,7 +3,7 @@
 Every module that moved in a redesign is one entry of MOVED (comm/ split into core/,
 algorithms/, shm/; parallel/ into one folder per paradigm; models/ into one folder per model
 with its plan beside it; bench/ into one folder per tool, where a document names the old
-path). ``import distrain`` puts a finder on ``sys.meta_path``, and any ``import
+path; the trainer's checkpoint modules into distrain.checkpoint). ``import distrain`` puts a finder on ``sys.meta_path``, and any ``import
 distrain.x.y`` imports the package first, so every old path imports: the finder
 answers for it with a thin module that forwards every attribute to the new module and warns
 once, on import (DeprecationWarning naming the new path, pointing at the importing line).
@@ -65,6 +65,15 @@ MOVED: dict[str, str] = {
     "distrain.models.hf.pipeline": "distrain.models.hf_transformers.pipeline",
     "distrain.models.hf.plan": "distrain.models.hf_transformers.plan",
     "distrain.models.hf.sizes": "distrain.models.hf_transformers.sizes",
+    # trainer/: checkpoint code in one package of its own (distrain.checkpoint), the trainer calls it
+    "distrain.trainer.checkpoint": "distrain.checkpoint.store",
+    "distrain.trainer.reshard": "distrain.checkpoint.reshard",
+    "distrain.trainer.checkpoint_read": "distrain.checkpoint.read",
+    "distrain.trainer.checkpoint_models": "distrain.checkpoint.models",
+    "distrain.trainer.checkpoint_import": "distrain.checkpoint.write",
+    "distrain.trainer.hf_io": "distrain.checkpoint.hf",
+    "distrain.trainer.init_from": "distrain.checkpoint.init_from",
+    "distrain.trainer.data_vocab": "distrain.data.vocab",
     # bench/: one folder per tool (the flat modules before); only the ones a document still names
     "distrain.bench.pipeline_bench": "distrain.bench.pipeline.bubbles",
 }

@@ -25,6 +25,8 @@ from distrain.models.gpt import GPT, GPTConfig
 from distrain.models.llama.model import Llama, LlamaConfig
 from distrain.models.mlp import MLP
 
+DEFAULT_MODEL = "gpt-small"  # what a run trains when --model is left out
+
 # name -> (kind, keyword arguments)
 MODEL_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt-tiny": ("gpt", dict(vocab_size=256, block_size=16, n_layer=4, n_head=4, n_embd=32)),

@@ -5,7 +5,7 @@
     distrain checkpoint import --hf HF_DIR -o RUN_DIR          # a Hugging Face Llama folder -> a run folder
     distrain checkpoint export RUN_DIR --hf HF_DIR             # a Llama run -> config.json + model.safetensors
 
-``consolidate`` writes the *consolidated form* (trainer/reshard.py), one file that loads with
+``consolidate`` writes the *consolidated form* (checkpoint/form.py), one file that loads with
 ``torch.load(path, weights_only=True)``: ``"model"`` is the whole model's ``state_dict``,
 ``"optimizer"`` the optimizer state by parameter name with its hyperparameters, ``"step"`` and
 ``"run"`` where it came from.
@@ -19,12 +19,13 @@ hyperparameters come from the config (``--optimizer``, ``--weight-decay``, ``--m
 tensors' names and shapes are checked against the model the run trains (``--model``); a
 mismatch, or a file that is no checkpoint, is a one-line error naming the file, the tensor
 and the fix, and leaves ``--out`` as it was. The shard file and then the manifest are written
-atomically (trainer/checkpoint.py); if the manifest cannot be written, the shard goes too.
+atomically (checkpoint/store.py); if the manifest cannot be written, the shard goes too.
 
-``--hf`` (both ways) is trainer/hf_io.py: an imported HF model that is no preset is the model
-``hf:DIR``, whose config the manifest records (``model_config``; trainer/init_from.py builds it).
-This module is the command on top: the file is read by trainer/checkpoint_read.py, checked against
-the model by trainer/checkpoint_models.py and written by trainer/checkpoint_import.py.
+This module is the command line only (argument parsing and what it prints); the work is the
+checkpoint package's: ``consolidate`` is checkpoint/write.consolidate_file, ``import`` FILE is
+checkpoint/write.import_file, ``--hf`` (both ways) checkpoint/hf.py. An imported HF model that is
+no preset is the model ``hf:DIR``, whose config the manifest records (``model_config``;
+checkpoint/init_from.py builds it).
 """
 
 from __future__ import annotations
@@ -32,16 +33,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from distrain import runlock
+from distrain.checkpoint.hf import export_hf, import_hf
+from distrain.checkpoint.read import ARCH, CONFIG, IMPORT
+from distrain.checkpoint.write import OPTIMIZER_FLAGS, consolidate_file, import_file
 from distrain.errors import ConfigError
-from distrain.trainer import hf_io, reshard
-from distrain.trainer.checkpoint_import import OPTIMIZER_FLAGS, import_form
-from distrain.trainer.checkpoint_models import check_weights, hf_record, hf_state, is_hf_name
-from distrain.trainer.checkpoint_read import IMPORT, read_file
-from distrain.trainer.config import OPTIMIZERS
-from distrain.trainer.reshard import FULL
-
-CONSOLIDATE = "checkpoint consolidate"
+from distrain.optim import OPTIMIZERS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,24 +65,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weights alone: the fresh optimizer (default: the train default, adamw)")
     i.add_argument("--weight-decay", type=float, default=None, help="weights alone: its weight decay (default: 0.0)")
     i.add_argument("--momentum", type=float, default=None, help="weights alone: SGD's momentum (default: 0.9)")
-    hf_io.add_arguments(sub, i)  # import --hf, export
+    add_hf_arguments(sub, i)  # import --hf, export
 
 
 def run(args: argparse.Namespace) -> int:
     if args.action == "consolidate":
-        if not Path(args.run).is_dir():
-            raise ConfigError(f"{CONSOLIDATE}: {args.run} is not a run folder (give the --out of a training run)")
-        try:
-            with runlock.hold(args.run):  # no run may commit a new set while we read this one
-                form = reshard.save_consolidated(args.run, args.output)
-        except ConfigError as e:  # the lock's "--out ..." and the checkpoint's "--resume: ..." name this command
-            raise ConfigError(reshard.as_command(str(e), CONSOLIDATE)) from None
+        form = consolidate_file(args.run, args.output)
         n = sum(t.numel() for t in form["model"].values())
         print(f"{args.output}: step {form['step']}, {len(form['model'])} tensors ({n:,} elements), from layout "
               f"{form['run']['layout']}")
         return 0
     if args.action == "export" or args.hf is not None:
-        return hf_io.run(args, _settings(args) if args.action == "import" else {})
+        return run_hf(args, _settings(args) if args.action == "import" else {})
     if args.file is None:
         raise ConfigError(f"{IMPORT}: give FILE, or --hf HF_DIR for a Hugging Face model folder")
     manifest = import_file(args.file, args.out, **_settings(args))
@@ -119,28 +109,31 @@ def _settings(args: argparse.Namespace) -> dict:
     return {k: v if v is not None else toml.get(k) for k, v in given.items()}
 
 
-# -- FILE -> a run folder -----------------------------------------------------------------------------
-def import_file(path: str | Path, out: str | Path, model: str | None = None, optimizer: str | None = None,
-                weight_decay: float | None = None, momentum: float | None = None) -> dict:
-    """Make ``out`` a run folder whose committed checkpoint is FILE ``path`` (see the module
-    docstring for what it accepts); ``distrain train --out OUT --resume --reshard`` continues it
-    in any layout. Everything is checked before ``out`` is touched. Returns the manifest (with
-    ``"fresh_optimizer"``: whether the optimizer starts fresh)."""
-    kind, obj = read_file(path)
-    if kind == "weights":
-        if model is None:
-            raise ConfigError(f"{IMPORT}: {path} holds model weights alone; name the model the run will train with "
-                              f"--model (a preset such as gpt-small, or PKG.MOD:FACTORY, as for `distrain train`)")
-        form = {"kind": FULL, "step": 0, "model": obj, "optimizer": None,
-                "run": {"model": model, "strategy": None, "layout": {"weights": Path(path).name}, "config": {}}}
-    else:
-        form = {k: v for k, v in obj.items() if k not in ("format", "shard")}
-        model = model or form["run"].get("model")
-        if model is None:
-            raise ConfigError(f"{IMPORT}: {path} does not name its model; name the model the run will train with "
-                              f"--model")
-    hf = is_hf_name(model)  # hf:DIR (a consolidated file of such a run): its config from DIR
-    form["run"] = dict(form["run"], model=model)
-    form["model"] = check_weights(path, form["model"], model, state=hf_state(model, IMPORT) if hf else None)
-    return import_form(path, form, out, kind == "weights", hf_record(model, IMPORT) if hf else {},
-                       optimizer=optimizer, weight_decay=weight_decay, momentum=momentum)
+def add_hf_arguments(sub, imp) -> None:
+    """``checkpoint import --hf HF_DIR`` (on parser ``imp``) and ``checkpoint export`` (on subparsers ``sub``)."""
+    imp.add_argument("--hf", default=None, metavar="HF_DIR",
+                     help="instead of FILE: a Hugging Face LlamaForCausalLM folder (config.json, model.safetensors or "
+                          "a sharded index); the model is the one its config.json describes")
+    e = sub.add_parser("export", help="a Llama run's committed weights (any layout) as a Hugging Face folder",
+                       description="Write config.json, model.safetensors and generation_config.json that "
+                                   "transformers' LlamaForCausalLM.from_pretrained(HF_DIR) loads. See docs/llama.md.")
+    e.add_argument("run", metavar="RUN_DIR", help="the run folder (llama-tiny, llama-small, or a model from Hugging "
+                                                 "Face)")
+    e.add_argument("--hf", required=True, metavar="HF_DIR", help="a new (or empty) folder to write")
+
+
+def run_hf(args, settings: dict) -> int:
+    """``checkpoint export`` and ``checkpoint import --hf``."""
+    if args.action == "export":
+        config = export_hf(args.run, args.hf)
+        print(f"{args.hf}: {ARCH} ({config['num_hidden_layers']} layers, hidden {config['hidden_size']}, vocab "
+              f"{config['vocab_size']}, {config['dtype']}); load it with LlamaForCausalLM.from_pretrained({args.hf!r})")
+        return 0
+    if args.file is not None:
+        raise ConfigError(f"{IMPORT}: give FILE or --hf HF_DIR, not both")
+    if settings.pop("model") is not None:
+        raise ConfigError(f"{IMPORT}: --hf takes the model from {args.hf}/{CONFIG}; leave --model out")
+    manifest = import_hf(args.hf, args.out, **settings)
+    print(f"{args.out}: {args.hf} as a checkpoint at step 0, model {manifest['model']}; train from it with "
+          f"`distrain train --init-from {args.out} --data ... --out NEW_RUN` in any layout")
+    return 0

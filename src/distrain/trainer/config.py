@@ -12,17 +12,19 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 
 from distrain.comm import ALGORITHM_NAMES, TRANSPORT_NAMES
+from distrain.data.vocab import model_overrides, shard_folder, vocab_error
 from distrain.errors import ConfigError
-from distrain.trainer.data_vocab import model_overrides, shard_folder, vocab_error
+from distrain.factories import CUSTOM
+from distrain.models.registry import DEFAULT_MODEL
+from distrain.optim import DEFAULTS as OPTIMIZER_DEFAULTS
+from distrain.optim import OPTIMIZERS
 
 STRATEGIES = ("single", "ddp", "torch-ddp", "ps-sync", "ps-async", "zero1", "zero2", "zero3", "local")
 DATASETS = ("shakespeare", "fashion-mnist", "digits")
-OPTIMIZERS = ("adamw", "sgd")
 DTYPES = ("float32", "float64")
 DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("constant", "cosine")
 AUTOCASTS = ("none", "bf16")
-CUSTOM = "custom"  # model/data given as objects to distrain.train
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")  # zb-h1: zero bubble (B / W split), parallel/pipeline_parallel/zero_bubble.py
 # which data each model preset reads (input sizes must match)
 MODEL_DATA = {"gpt-tiny": "text", "gpt-small": "text", "mlp": "fashion-mnist", "mlp-tiny": "digits",
@@ -49,7 +51,7 @@ def opt(default, help: str, choices=None, type=None):
 @dataclass
 class TrainConfig:
     # what to train
-    model: str = opt("gpt-small", "model preset, or PKG.MOD:FACTORY (your own: factory() -> nn.Module)",
+    model: str = opt(DEFAULT_MODEL, "model preset, or PKG.MOD:FACTORY (your own: factory() -> nn.Module)",
                      choices=tuple(MODEL_DATA) + ("PKG.MOD:FACTORY",))
     data: str = opt("shakespeare", "data set name, a path to a .txt file / folder of .txt files, a token shard "
                                    "folder (`distrain data prepare`), or PKG.MOD:FACTORY (your own: factory() -> "
@@ -87,10 +89,10 @@ class TrainConfig:
     # optimization
     steps: int = opt(1200, "optimizer steps")
     batch_size: int = opt(32, "global batch size (the same whatever nproc is, so runs compare)")
-    lr: float = opt(3e-3, "learning rate")
-    optimizer: str = opt("adamw", "optimizer", choices=OPTIMIZERS)
-    weight_decay: float = opt(0.0, "weight decay")
-    momentum: float = opt(0.9, "SGD momentum")
+    lr: float = opt(OPTIMIZER_DEFAULTS["lr"], "learning rate")
+    optimizer: str = opt(OPTIMIZER_DEFAULTS["optimizer"], "optimizer", choices=OPTIMIZERS)
+    weight_decay: float = opt(OPTIMIZER_DEFAULTS["weight_decay"], "weight decay")
+    momentum: float = opt(OPTIMIZER_DEFAULTS["momentum"], "SGD momentum")
     seed: int = opt(0, "seed of the model's initialisation and of the batch order")
     dtype: str = opt("float32", "parameter and activation dtype", choices=DTYPES)
     loss: str = opt("auto", "loss: auto (the data's: next-token cross-entropy for text, cross-entropy for "
@@ -249,7 +251,7 @@ class TrainConfig:
         from distrain.elastic import check as check_elastic
 
         check_elastic(self)  # --elastic MIN:MAX: its strategy, MIN <= MAX, MIN <= --nproc
-        if self.init_from or self.model is None:  # --init-from (trainer/init_from.py resolves the model first)
+        if self.init_from or self.model is None:  # --init-from (checkpoint/init_from.py resolves the model first)
             need(self.resume is not True, "--init-from starts a new run from a checkpoint's weights (step 0, a fresh "
                                           "optimizer); --resume continues --out's own run exactly: give one of them "
                                           "(--resume auto continues a restarted job's own run once it has a checkpoint)")

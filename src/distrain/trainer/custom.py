@@ -25,7 +25,7 @@ needs ``model.layers`` (an ``nn.ModuleList`` run in order).
 from __future__ import annotations
 
 import copy
-import importlib
+import dataclasses
 import io
 from dataclasses import dataclass
 from typing import Callable
@@ -35,29 +35,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distrain.errors import ConfigError
+from distrain.factories import CUSTOM, is_spec, load_object  # noqa: F401 (is_spec: re-exported)
 from distrain.models.outputs import logits_of
 
 LOSSES = ("auto", "cross-entropy", "mse")
-
-
-def is_spec(value) -> bool:
-    """A ``package.module:name`` spec (the CLI's way to name your own model, data or loss)."""
-    return isinstance(value, str) and ":" in value and not value.startswith(("/", "."))
-
-
-def load_object(spec: str, flag: str):
-    """Import ``package.module:name``; a one-line ConfigError naming ``flag`` if that fails."""
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"{flag} {spec}: cannot import {module_name} ({e}); is it on PYTHONPATH?") from None
-    obj = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"{flag} {spec}: {module_name} has no {attr!r}")
-        obj = getattr(obj, part)
-    return obj
 
 
 class MapDatasetBatches:
@@ -150,7 +131,12 @@ class UserParts:
 
     @classmethod
     def from_config(cls, cfg) -> "UserParts":
-        """The parts the config names by ``package.module:name`` spec (built in this rank)."""
+        """The parts the config names by ``package.module:name`` spec (built in this rank; an ``hf:DIR``
+        model is no spec: checkpoint/init_from.py builds it)."""
+        from distrain.checkpoint.models import is_hf_name
+
+        if is_hf_name(cfg.model):
+            cfg = dataclasses.replace(cfg, model=CUSTOM)
         parts = cls()
         if is_spec(cfg.model):
             parts.model = load_object(cfg.model, "--model")()

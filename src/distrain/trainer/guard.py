@@ -30,9 +30,8 @@ from pathlib import Path
 
 import torch
 
-from distrain import comm
+from distrain import checkpoint, comm
 from distrain.errors import TrainingError
-from distrain.trainer import checkpoint
 from distrain.trainer.metrics import read_events
 
 
@@ -84,7 +83,7 @@ class ElasticGuard(Guard):
 
     ``load_pieces(engine, pieces, step)`` loads the whole state joined from ZeRO pieces (every rank's
     own and replica pieces, gathered here), ``load_from_checkpoint(engine)`` the last committed
-    checkpoint whatever its layout (both the loop's: trainer.reshard)."""
+    checkpoint whatever its layout (both the loop's: checkpoint/reshard.py)."""
 
     def __init__(self, cfg, member, load_pieces, load_from_checkpoint):
         self.cfg, self.q = cfg, member

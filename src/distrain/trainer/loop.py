@@ -28,14 +28,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from distrain import comm, runtime
+from distrain import checkpoint, comm, runtime
+from distrain.checkpoint import init_from
 from distrain.data import DistributedBatchSampler
-from distrain.errors import ConfigError
+from distrain.errors import ConfigError, TrainingError
 from distrain.launch import spawn
-from distrain.data.sampler import part_bounds  # noqa: F401 (the sampler's parts: re-exported for readers)
-from distrain.errors import TrainingError
-from distrain.trainer import checkpoint, init_from
 from distrain.trainer.config import TrainConfig
+from distrain.trainer.custom import UserParts
 from distrain.trainer.engines import Engine, build_engine, engine_class
 from distrain.trainer.guard import ElasticGuard, Guard, stop_step
 from distrain.trainer.metrics import MetricsLog
@@ -59,7 +58,7 @@ def train(cfg: TrainConfig | None = None, *, model=None, train_data=None, val_da
     cfg = dataclasses.replace(cfg or config or TrainConfig())
     parts = None
     if any(v is not None for v in (model, train_data, val_data, loss_fn)):
-        from distrain.trainer.custom import UserParts, as_batches
+        from distrain.trainer.custom import as_batches
 
         parts = UserParts(model, as_batches(train_data, "train_data"), as_batches(val_data, "val_data"), loss_fn)
         if model is not None:
@@ -196,7 +195,7 @@ def run_rank(cfg: TrainConfig, parts=None) -> dict:
     out = Path(cfg.out)
     if parts is None:  # --model/--data/--loss PKG.MOD:NAME, built here
         torch.manual_seed(cfg.seed)  # a factory's model: the same seeded weights on every rank, run after run
-        parts = init_from.user_parts(cfg)
+        parts = UserParts.from_config(cfg)
 
     # build model: the same seeded model on every rank (engines replicate, shard or serve it),
     # on this rank's device: cuda:LOCAL_RANK under NCCL, the CPU under Gloo
@@ -246,7 +245,7 @@ def _guard(cfg: TrainConfig) -> Guard:
     if not cfg.elastic:
         return Guard()
     from distrain.elastic.member import current
-    from distrain.trainer.reshard import consolidate, consolidate_pieces
+    from distrain.checkpoint.reshard import consolidate, consolidate_pieces
 
     return ElasticGuard(cfg, current(), lambda e, pieces, step: e.load_full(consolidate_pieces(pieces, step)),
                         lambda e: e.load_full(consolidate(cfg.out)))
@@ -258,7 +257,7 @@ def load_checkpoint(cfg: TrainConfig, engine: Engine) -> None:
     out = Path(cfg.out)
     manifest = checkpoint.read_manifest(out)
     if manifest["layout"] != engine.layout:
-        from distrain.trainer.reshard import consolidate
+        from distrain.checkpoint.reshard import consolidate
 
         engine.load_full(consolidate(out, manifest))
     elif engine.shard is not None:

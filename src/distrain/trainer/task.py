@@ -19,10 +19,11 @@ from typing import Callable, Iterator
 import torch
 
 from distrain.data import load_digits, load_fashion_mnist, load_text_datasets
+from distrain.data.vocab import shard_folder, vocab_error
 from distrain.errors import ConfigError
 from distrain.models import classification_loss, lm_loss
+from distrain.optim import make_optimizer
 from distrain.trainer.config import TrainConfig
-from distrain.trainer.data_vocab import model_overrides, shard_folder, vocab_error  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -173,7 +174,5 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 
 def build_optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
-    params = list(params)
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    """The run's optimizer over ``params`` (--optimizer, --lr, --weight-decay, --momentum: distrain.optim)."""
+    return make_optimizer(cfg.optimizer, params, cfg.lr, cfg.weight_decay, cfg.momentum)

@@ -4,7 +4,7 @@
     stage12.py      stages 1-2: optimizer state (and gradients) sharded, buckets reduce-scattered
     stage3.py       stage 3: parameters sharded, gathered per layer with prefetch, freed after
     engine.py       Zero: the public engine (step, clipping, checkpoints)
-    consolidate.py  checkpoints that change layout: shards <-> whole tensors by name
+    consolidate.py  the engine's state as the whole-model form (distrain.checkpoint.form) and back
     memory.py       measured bytes per rank and the paper's formulas
 """
 

@@ -1,11 +1,10 @@
-"""Consolidated ZeRO checkpoints: shards <-> whole tensors under the original parameter names.
+"""A live ZeRO engine's state as the whole-model form, and back: shards <-> whole tensors by name.
 
-Format (``torch.save``-able, loads with ``weights_only=True``)::
-
-    {"format": "distrain.zero.full/1",
-     "model": {name: tensor},                      # the module's state_dict: parameters and buffers
-     "optimizer": {"state": {name: {key: value}},  # e.g. exp_avg, exp_avg_sq (param-shaped), step
-                   "param_groups": [{hyperparameters, no "params"}]}}
+The form is the one of every checkpoint (distrain.checkpoint.form: ``{"kind": "distrain.full/1",
+"model": {name: tensor}, "optimizer": {"state": {name: {key: value}}, "param_groups": [...]}}``;
+``torch.save``-able, loads with ``weights_only=True``), so what ``Zero.full_state_dict()`` gives is
+what ``distrain checkpoint consolidate`` writes, and what a resharded resume or an elastic job's
+joined pieces load.
 
 This is the layout-free form: each shard-shaped optimizer tensor is all-gathered exactly like
 the parameters and cut along the same offsets, so a run saved with stage s on P ranks loads
@@ -19,9 +18,8 @@ from __future__ import annotations
 import torch
 
 from distrain import comm
+from distrain.checkpoint.form import check, whole
 from distrain.errors import ConfigError
-
-FULL_FORMAT = "distrain.zero.full/1"
 
 
 def _index_of(opt: torch.optim.Optimizer) -> dict[int, int]:
@@ -62,13 +60,12 @@ def full_state(engine) -> dict:
     for n, b in engine.module.named_buffers():
         model[n] = b.detach().clone()
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.state_dict()["param_groups"]]
-    return {"format": FULL_FORMAT, "model": model, "optimizer": {"state": state, "param_groups": groups}}
+    return whole(model, {"state": state, "param_groups": groups})
 
 
 def load_full_state(engine, full: dict) -> None:
-    if not isinstance(full, dict) or full.get("format") != FULL_FORMAT:
-        raise ConfigError(f"Zero.load_full_state_dict: not a consolidated ZeRO checkpoint (format {FULL_FORMAT!r}); "
-                          f"make one with Zero.full_state_dict()")
+    check(full, "Zero.load_full_state_dict", "make one with Zero.full_state_dict() or `distrain checkpoint "
+                                              "consolidate`")
     model, saved = full["model"], full["optimizer"]
     want = [n for u in engine.units for n in u.names]
     missing = [n for n in want if n not in model]

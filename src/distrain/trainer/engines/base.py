@@ -125,7 +125,7 @@ class Engine(ABC):
     def load_state_dict(self, state: dict) -> None: ...
 
     def load_full(self, full: dict) -> None:
-        """Load this rank's part of a consolidated checkpoint (trainer/reshard.py), whatever layout
+        """Load this rank's part of a consolidated checkpoint (checkpoint/reshard.py), whatever layout
         wrote it (``--resume --reshard``). Every rank calls it."""
         from distrain.errors import ConfigError
 

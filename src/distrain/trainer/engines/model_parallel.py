@@ -191,9 +191,7 @@ class ModelParallelEngine(Engine):
 
     def _names(self) -> dict[str, str]:
         """{name in this rank's module: name in the whole model} for what its checkpoint holds."""
-        from distrain.trainer.reshard import stage_full_name
-
-        from distrain.trainer.reshard import zero_names
+        from distrain.checkpoint.reshard import stage_full_name, zero_names
 
         full = stage_full_name(self.pm.stage)
         if self.pm.zero is not None:
@@ -204,7 +202,7 @@ class ModelParallelEngine(Engine):
         return [n for n, _ in self.pm.module.named_parameters()]
 
     def state_dict(self) -> dict:
-        from distrain.trainer.reshard import shard_meta, stage_full_name, zero_shard_state
+        from distrain.checkpoint.reshard import shard_meta, stage_full_name, zero_shard_state
 
         if self.pm.zero is not None:
             return zero_shard_state(self.pm.zero, stage_full_name(self.pm.stage), self.pm.tp_info)
@@ -212,18 +210,18 @@ class ModelParallelEngine(Engine):
                 **shard_meta(self._names(), self.pm.tp_info, self._order())}
 
     def load_full(self, full: dict) -> None:
-        from distrain.parallel.zero.consolidate import FULL_FORMAT
-        from distrain.trainer.reshard import load_plain, local_view
+        from distrain.checkpoint.form import whole
+        from distrain.checkpoint.reshard import load_plain, local_view
 
         view = local_view(full, self._names(), self.pm.tp_info)
         if self.pm.zero is not None:
-            self.pm.zero.load_full_state_dict({"format": FULL_FORMAT, **view})
+            self.pm.zero.load_full_state_dict(whole(**view))
         else:
             load_plain(self.pm.module, self.optimizer, self._order(), view)
 
     def load_state_dict(self, state: dict) -> None:
         if self.pm.zero is not None:
-            from distrain.trainer.reshard import load_zero_shard
+            from distrain.checkpoint.reshard import load_zero_shard
 
             load_zero_shard(self.pm.zero, state)
             return

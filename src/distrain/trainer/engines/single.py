@@ -72,13 +72,13 @@ class SingleEngine(Engine):
         return {n: n for n in self.model.state_dict()}
 
     def state_dict(self) -> dict:
-        from distrain.trainer.reshard import shard_meta
+        from distrain.checkpoint.reshard import shard_meta
 
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 **shard_meta(self._names(), order=[n for n, _ in self.model.named_parameters()])}
 
     def load_full(self, full: dict) -> None:
-        from distrain.trainer.reshard import load_plain, local_view
+        from distrain.checkpoint.reshard import load_plain, local_view
 
         load_plain(self.model, self.optimizer, [n for n, _ in self.model.named_parameters()],
                    local_view(full, self._names()))

@@ -62,20 +62,20 @@ class ZeroEngine(Engine):
         return f"zero-rank{self.rank}"
 
     def state_dict(self) -> dict:
-        from distrain.trainer.reshard import zero_shard_state
+        from distrain.checkpoint.reshard import zero_shard_state
 
         return zero_shard_state(self.zero)  # (the trainer's file has its own "format" key)
 
     def load_state_dict(self, state: dict) -> None:
-        from distrain.trainer.reshard import load_zero_shard
+        from distrain.checkpoint.reshard import load_zero_shard
 
         load_zero_shard(self.zero, state)
 
     def load_full(self, full: dict) -> None:
-        from distrain.parallel.zero.consolidate import FULL_FORMAT
-        from distrain.trainer.reshard import local_view, zero_names
+        from distrain.checkpoint.form import whole
+        from distrain.checkpoint.reshard import local_view, zero_names
 
-        self.zero.load_full_state_dict({"format": FULL_FORMAT, **local_view(full, zero_names(self.zero))})
+        self.zero.load_full_state_dict(whole(**local_view(full, zero_names(self.zero))))
 
 
     def report_rows(self, summary: dict) -> list[tuple[str, str]]:

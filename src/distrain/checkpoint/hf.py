@@ -6,8 +6,8 @@
 A folder is what ``save_pretrained`` writes: ``config.json`` and either ``model.safetensors`` or
 ``model.safetensors.index.json`` (``{"weight_map": {tensor: shard file}}``) with its shards.
 The name and shape mapping is :mod:`distrain.models.llama.hf`'s (pure, no I/O); reading a folder
-(``read_config``, ``load_llama``) is trainer/checkpoint_read.py's; this module writes folders and
-runs the two verbs, and names the file and the fix in every error (one line, ConfigError).
+(``read_config``, ``load_llama``) is checkpoint/read.py's; this module writes folders and does
+the two verbs, and names the file and the fix in every error (one line, ConfigError).
 
 Export writes ``config.json`` (transformers 4 and 5 read it: both rope forms, ``dtype``),
 ``model.safetensors`` (one file; a tied ``lm_head.weight`` is left out, as HF does, and tied
@@ -28,45 +28,15 @@ from pathlib import Path
 import torch
 
 from distrain import runlock
+from distrain.checkpoint import reshard, store
+from distrain.checkpoint.form import whole
+from distrain.checkpoint.models import EXPORTABLE, hf_llama_config, is_hf_name, llama_model_name
+from distrain.checkpoint.read import ARCH, CONFIG, IMPORT, SINGLE, load_llama
+from distrain.checkpoint.write import import_form
 from distrain.errors import ConfigError
-from distrain.trainer import checkpoint, reshard
-from distrain.trainer.checkpoint_import import import_form
-from distrain.trainer.checkpoint_models import EXPORTABLE, hf_llama_config, is_hf_name, llama_model_name
-from distrain.trainer.checkpoint_read import ARCH, CONFIG, IMPORT, SINGLE, load_llama
-from distrain.trainer.reshard import FULL
 
 EXPORT = "checkpoint export"
 GENERATION_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
-
-def add_arguments(sub, imp) -> None:
-    """``checkpoint import --hf HF_DIR`` (on parser ``imp``) and ``checkpoint export`` (on subparsers ``sub``)."""
-    imp.add_argument("--hf", default=None, metavar="HF_DIR",
-                     help="instead of FILE: a Hugging Face LlamaForCausalLM folder (config.json, model.safetensors or "
-                          "a sharded index); the model is the one its config.json describes")
-    e = sub.add_parser("export", help="a Llama run's committed weights (any layout) as a Hugging Face folder",
-                       description="Write config.json, model.safetensors and generation_config.json that "
-                                   "transformers' LlamaForCausalLM.from_pretrained(HF_DIR) loads. See docs/llama.md.")
-    e.add_argument("run", metavar="RUN_DIR", help="the run folder (llama-tiny, llama-small, or a model from Hugging "
-                                                 "Face)")
-    e.add_argument("--hf", required=True, metavar="HF_DIR", help="a new (or empty) folder to write")
-
-
-def run(args, settings: dict) -> int:
-    """``checkpoint export`` and ``checkpoint import --hf``."""
-    if args.action == "export":
-        config = export_hf(args.run, args.hf)
-        print(f"{args.hf}: {ARCH} ({config['num_hidden_layers']} layers, hidden {config['hidden_size']}, vocab "
-              f"{config['vocab_size']}, {config['dtype']}); load it with LlamaForCausalLM.from_pretrained({args.hf!r})")
-        return 0
-    if args.file is not None:
-        raise ConfigError(f"{IMPORT}: give FILE or --hf HF_DIR, not both")
-    if settings.pop("model") is not None:
-        raise ConfigError(f"{IMPORT}: --hf takes the model from {args.hf}/{CONFIG}; leave --model out")
-    manifest = import_hf(args.hf, args.out, **settings)
-    print(f"{args.out}: {args.hf} as a checkpoint at step 0, model {manifest['model']}; train from it with "
-          f"`distrain train --init-from {args.out} --data ... --out NEW_RUN` in any layout")
-    return 0
 
 
 # -- import: an HF folder -> a run folder ---------------------------------------------------------------
@@ -76,8 +46,8 @@ def import_hf(folder: str | os.PathLike, out: str | os.PathLike, **settings) -> 
     with ``model_config`` (our LlamaConfig) and ``hf_config`` (DIR's config.json), which the trainer builds."""
     cfg, sd, config = load_llama(folder, IMPORT)
     name = llama_model_name(cfg, folder)
-    form = {"kind": FULL, "step": 0, "model": sd, "optimizer": None,
-            "run": {"model": name, "strategy": None, "layout": {"hf": Path(folder).name}, "config": {}}}
+    form = whole(sd, None, step=0, run={"model": name, "strategy": None, "layout": {"hf": Path(folder).name},
+                                         "config": {}})
     extra = {"model_config": dataclasses.asdict(cfg), "hf_config": config} if name.startswith("hf:") else {}
     return import_form(folder, form, out, True, extra, **settings)
 
@@ -96,7 +66,7 @@ def export_hf(run: str | os.PathLike, folder: str | os.PathLike) -> dict:
     _refuse_used(folder)
     try:
         with runlock.hold(run):  # no run may commit a new set while we read this one
-            manifest = checkpoint.read_manifest(run)
+            manifest = store.read_manifest(run)
             form = reshard.consolidate(run, manifest)
     except ConfigError as e:
         raise ConfigError(reshard.as_command(str(e), EXPORT)) from None

@@ -2,8 +2,8 @@
 
 Which ``--data`` is a shard folder (:func:`shard_folder`), what a preset takes from it (its
 vocabulary, :func:`model_overrides`) and the error when a model's vocabulary is too small for its
-token ids (:func:`vocab_error`). ``cfg`` is a TrainConfig; this module sits below
-trainer/config.py (whose validation uses it) and trainer/task.py, and imports neither.
+token ids (:func:`vocab_error`). ``cfg`` is a TrainConfig (read by attribute: this module sits below
+trainer/config.py, whose validation uses it, and imports nothing above distrain.data).
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ def shard_folder(cfg) -> str | None:
 
 def model_overrides(cfg) -> dict:
     """What a preset takes from the data: a shard folder's vocabulary when it exceeds 256 bytes
-    (``build_model(cfg.model, **model_overrides(cfg))``); nothing otherwise."""
+    (``build_model(cfg.model, **model_overrides(cfg))``; every text preset has a vocab_size); nothing
+    otherwise."""
     from distrain.data.shards import read_meta
-    from distrain.models import preset_config
 
     folder = shard_folder(cfg)
     if folder is None or cfg.custom_model:
         return {}
     vocab = int(read_meta(folder, check_files=False)["vocab_size"])
-    return {"vocab_size": vocab} if vocab > 256 and "vocab_size" in preset_config(cfg.model) else {}
+    return {"vocab_size": vocab} if vocab > 256 else {}
 
 
 def vocab_error(cfg, model_vocab: int, meta: dict) -> str:

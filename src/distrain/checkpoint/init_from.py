@@ -3,10 +3,10 @@
 SOURCE is one of
 
 * a Hugging Face model folder: ``config.json`` and ``model.safetensors`` or a sharded
-  ``model.safetensors.index.json`` of a ``LlamaForCausalLM`` (read by trainer/checkpoint_read.py);
-* a run folder: its committed checkpoint set, any layout, consolidated (trainer/reshard.py);
+  ``model.safetensors.index.json`` of a ``LlamaForCausalLM`` (read by checkpoint/read.py);
+* a run folder: its committed checkpoint set, any layout, consolidated (checkpoint/reshard.py);
 * a checkpoint file: what ``distrain checkpoint consolidate`` writes, a
-  ``torch.save(model.state_dict())`` file or a ``.safetensors`` file (checkpoint_read.read_file).
+  ``torch.save(model.state_dict())`` file or a ``.safetensors`` file (checkpoint/read.py: read_file).
 
 The run is new: step 0, a fresh optimizer built from this run's ``--optimizer``/``--lr``/...,
 this run's ``--data``; only the weights come from SOURCE. ``--resume`` is the other thing: it
@@ -44,14 +44,14 @@ from pathlib import Path
 
 import torch
 
+from distrain.checkpoint import reshard
+from distrain.checkpoint import store as checkpoint
+from distrain.checkpoint.models import (HF, check_weights, hf_llama_config, hf_record, is_hf_name, llama_model_name,
+                                        model_state, module_state)
+from distrain.checkpoint.read import is_hf_folder, load_llama, read_file
+from distrain.data.vocab import model_overrides, shard_folder, vocab_error
 from distrain.errors import ConfigError
-from distrain.trainer import checkpoint, reshard
-from distrain.trainer.checkpoint_models import (HF, check_weights, hf_llama_config, hf_record, is_hf_name,
-                                                llama_model_name, model_state, module_state)
-from distrain.trainer.checkpoint_read import is_hf_folder, load_llama, read_file
-from distrain.trainer.config import CUSTOM, TrainConfig
-from distrain.trainer.custom import UserParts, is_spec
-from distrain.trainer.data_vocab import model_overrides, shard_folder, vocab_error
+from distrain.factories import CUSTOM, is_spec
 
 WHO = "--init-from"
 WHAT = ("give a Hugging Face model folder (config.json with model.safetensors or model.safetensors.index.json), a "
@@ -61,7 +61,9 @@ HF_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def _default_model() -> str:
-    return TrainConfig.__dataclass_fields__["model"].default
+    from distrain.models.registry import DEFAULT_MODEL
+
+    return DEFAULT_MODEL
 
 
 # -- what SOURCE is ----------------------------------------------------------------------------------------
@@ -200,11 +202,6 @@ def build_model(cfg):
     from distrain.models import build_model as build_preset
 
     return build_preset(cfg.model, **model_overrides(cfg))
-
-
-def user_parts(cfg):
-    """``UserParts.from_config`` for this run (an ``hf:`` model is no PKG.MOD:FACTORY)."""
-    return UserParts.from_config(dataclasses.replace(cfg, model=CUSTOM) if is_hf_name(cfg.model) else cfg)
 
 
 # -- the weights -------------------------------------------------------------------------------------------

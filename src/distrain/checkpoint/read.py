@@ -8,8 +8,8 @@ FILE is what ``distrain checkpoint consolidate`` writes, a ``torch.save(model.st
 a ``.safetensors`` file. An HF folder is what ``save_pretrained`` writes: ``config.json`` and either
 ``model.safetensors`` or ``model.safetensors.index.json`` (``{"weight_map": {tensor: shard file}}``)
 with its shards. Reading only: every error is one line (ConfigError) naming the file and the fix.
-Used by ``distrain checkpoint`` (trainer/checkpoint_cli.py, trainer/hf_io.py) and ``--init-from``
-(trainer/init_from.py).
+Used by ``distrain checkpoint`` (checkpoint/write.py, checkpoint/hf.py) and ``--init-from``
+(checkpoint/init_from.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from distrain.errors import ConfigError
-from distrain.trainer.reshard import FULL
+from distrain.checkpoint.form import FULL
 
 CONFIG, SINGLE, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 ARCH = "LlamaForCausalLM"

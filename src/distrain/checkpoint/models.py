@@ -5,7 +5,7 @@
 
 A model from Hugging Face that is no preset is named ``hf:DIR`` ("the Llama that DIR/config.json
 describes"; :func:`is_hf_name`, :func:`llama_model_name`, :func:`hf_record`). Used by ``distrain
-checkpoint`` (trainer/checkpoint_cli.py, trainer/hf_io.py) and ``--init-from`` (trainer/init_from.py).
+checkpoint`` (checkpoint/write.py, checkpoint/hf.py) and ``--init-from`` (checkpoint/init_from.py).
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ from pathlib import Path
 
 import torch
 
+from distrain.checkpoint.read import CONFIG, IMPORT, read_config
 from distrain.errors import ConfigError
-from distrain.trainer.checkpoint_read import CONFIG, IMPORT, read_config
-from distrain.trainer.config import CUSTOM
-from distrain.trainer.custom import is_spec, load_object
+from distrain.factories import CUSTOM, is_spec, load_object
 
 HF = "hf:"
 # presets that train (and so export) as they are; shape-only presets are for the cost model

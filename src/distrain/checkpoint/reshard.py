@@ -1,6 +1,6 @@
 """Checkpoints that change layout: any committed set <-> one consolidated form by parameter name.
 
-A checkpoint set holds one file per shard (checkpoint.py): a replica (``tp0-pp0``), a
+A checkpoint set holds one file per shard (store.py): a replica (``tp0-pp0``), a
 tensor/pipeline shard (``tp{t}-pp{p}``), a ZeRO rank's flat shards (``zero-rank{r}``,
 ``tp{t}-pp{p}-dp{d}``). Each file also records, for every tensor it holds, its name in the
 whole model and, under tensor parallelism, where it sits in the whole tensor
@@ -15,7 +15,7 @@ without any process group, :func:`consolidate` rebuilds the whole model and opti
    ``layers.{start + i}``) and tensor-parallel slices are concatenated along their dim in
    order of ``start`` (a replicated tensor is taken from tp rank 0).
 
-The result, the *consolidated form* (loads with ``torch.load(weights_only=True)``)::
+The result is the whole-model form (checkpoint/form.py; loads with ``torch.load(weights_only=True)``)::
 
     {"kind": "distrain.full/1", "step": k,
      "model": {name: tensor},                           # model.load_state_dict(form["model"])
@@ -34,10 +34,9 @@ from pathlib import Path
 
 import torch
 
+from distrain.checkpoint import store
+from distrain.checkpoint.form import FULL, whole
 from distrain.errors import ConfigError
-from distrain.trainer import checkpoint
-
-FULL = "distrain.full/1"
 
 
 # -- what each shard file records ---------------------------------------------------------------
@@ -132,7 +131,7 @@ def _plain_local(f: dict) -> tuple[dict, dict, list]:
 def _files(out: Path, manifest: dict) -> list[dict]:
     states = []
     for name in manifest["files"]:
-        s = checkpoint.load(out / name)
+        s = store.load(out / name)
         if "names" not in s and s.get("kind") != FULL:
             raise ConfigError(f"checkpoint {out / name} records no parameter names (written by --strategy "
                               f"{manifest.get('strategy')}, or before distrain could reshard); it can only be "
@@ -144,8 +143,8 @@ def _files(out: Path, manifest: dict) -> list[dict]:
 def consolidate(out: str | Path, manifest: dict | None = None) -> dict:
     """The committed set of run folder ``out`` as one consolidated form (no process group needed)."""
     out = Path(out)
-    manifest = manifest or checkpoint.read_manifest(out)
-    checkpoint.verify(out, manifest)
+    manifest = manifest or store.read_manifest(out)
+    store.verify(out, manifest)
     files = _files(out, manifest)
     if len(files) == 1 and files[0].get("kind") == FULL:  # a set made by `distrain checkpoint import`
         return {k: v for k, v in files[0].items() if k not in ("format", "shard")}
@@ -165,10 +164,9 @@ def consolidate(out: str | Path, manifest: dict | None = None) -> dict:
         if st:
             opt_state[full] = st
     groups_out = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
-    return {"kind": FULL, "step": int(manifest["step"]), "model": model,
-            "optimizer": {"state": opt_state, "param_groups": groups_out},
-            "run": {"model": manifest.get("model"), "strategy": manifest.get("strategy"),
-                    "layout": manifest["layout"], "config": manifest.get("config", {})}}
+    return whole(model, {"state": opt_state, "param_groups": groups_out}, step=int(manifest["step"]),
+                 run={"model": manifest.get("model"), "strategy": manifest.get("strategy"),
+                      "layout": manifest["layout"], "config": manifest.get("config", {})})
 
 
 def consolidate_pieces(pieces: list[tuple[int, int, dict]], step: int) -> dict:
@@ -188,9 +186,9 @@ def consolidate_pieces(pieces: list[tuple[int, int, dict]], step: int) -> dict:
     files = [dict(by_layout[world][r], zero=dict(by_layout[world][r]["zero"], rank=r)) for r in range(world)]
     params, state, groups = _zero_local(files)
     names = files[0]["names"]
-    return {"kind": FULL, "step": int(step), "model": {names[n]: t for n, t in params.items()},
-            "optimizer": {"state": {names[n]: v for n, v in state.items()},
-                          "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups]}}
+    return whole({names[n]: t for n, t in params.items()},
+                 {"state": {names[n]: v for n, v in state.items()},
+                  "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups]}, step=int(step))
 
 
 def _join(full: str, ps: list) -> tuple[torch.Tensor, dict]:
@@ -256,11 +254,11 @@ def save_consolidated(run: str | Path, path: str | Path) -> dict:
         form = consolidate(run)
     except ConfigError as e:
         raise ConfigError(as_command(str(e), "checkpoint consolidate")) from None
-    checkpoint.save(path, form)  # + "format": 1; torch.load(path, weights_only=True) reads it
+    store.save(path, form)  # + "format": 1; torch.load(path, weights_only=True) reads it
     return form
 
 
-# the advice of the checks --resume shares (checkpoint.read_manifest/verify/load, _files, runlock), and
+# the advice of the checks --resume shares (store.read_manifest/verify/load, _files, runlock), and
 # what it means when another command reads the run folder
 _RESUME_ADVICE = (
     ("run without --resume to start afresh", "give the --out of a run that has saved a checkpoint"),
