@@ -11,6 +11,7 @@ import pytest
 from distrain import cli
 from distrain.bench import common
 from distrain.bench.comm import collectives as comm_bench
+from distrain.cli import bench as bench_cli
 from distrain.errors import ConfigError
 
 
@@ -100,7 +101,7 @@ def test_table_formatting():
 
 def _args(**kw):
     p = argparse.ArgumentParser()
-    comm_bench.add_arguments(p)
+    bench_cli.add_comm_arguments(p)
     argv = []
     for k, v in kw.items():
         argv += [f"--{k}", v]
@@ -108,10 +109,10 @@ def _args(**kw):
 
 
 def test_defaults_parse():
-    cfg = comm_bench.parse_config(_args())
+    cfg = bench_cli.comm_config(_args())
     assert cfg["nprocs"] == [2, 4] and cfg["ops"] == ["all_reduce"]
     assert cfg["algorithms"] == ["native", "star", "ring", "tree"] and cfg["iters"] is None
-    cfg = comm_bench.parse_config(_args(nproc="4", ops="all", sizes="1K"))
+    cfg = bench_cli.comm_config(_args(nproc="4", ops="all", sizes="1K"))
     assert cfg["nprocs"] == [4] and len(cfg["ops"]) == 8 and cfg["sizes"] == [1024]
 
 
@@ -129,7 +130,7 @@ def test_defaults_parse():
 ])
 def test_bad_flags_raise_config_error(flag, value, match):
     with pytest.raises(ConfigError, match=match):
-        comm_bench.parse_config(_args(**{flag: value}))
+        bench_cli.comm_config(_args(**{flag: value}))
 
 
 def test_bad_flags_exit_2(capsys):

@@ -398,3 +398,115 @@ def test_the_node_spec_of_a_multi_node_job(monkeypatch):
     # cluster run: an elastic `distrain train` runs its own agents (with --nproc for every node), others torchrun
     assert elastic_command(["distrain", "train", "--elastic", "2:4"], 4) == ["train", "--elastic", "2:4", "--nproc", "4"]
     assert elastic_command(["distrain", "train", "--nproc", "4"], 4) is None
+
+
+# -- replicated state commits before its update: no copy per step, a roll forward when one is due ------------------
+
+@pytest.mark.timeout(100)
+def test_a_rank_that_took_its_commit_for_lost_rolls_forward_with_the_same_losses(tmp_path, tmp_path_factory,
+                                                                                  monkeypatch):
+    # id 1's commit of step 2 completes, then it takes it for lost (test hook): the others applied step 2 and are
+    # in step 3 when the group breaks; id 1 holds step 2's synchronised gradients, so it finishes step 2 alone
+    # and the group goes on from step 3 (redoing step 3, cut in half), nobody lost
+    losses, events, summary = run(tmp_path, monkeypatch, "1@2:commit-lost", nproc=3, elastic="2:3", steps=5)
+    assert isinstance(summary, dict), summary
+    assert close(losses, reference_losses(tmp_path_factory)), (losses, reference_losses(tmp_path_factory))
+    (e,) = events
+    assert (e["old_world"], e["new_world"], e["left"], e["joined"], e["step"], e["rolled_back"], e["rolled_forward"]) \
+        == (3, 3, [], [], 3, 3, 2)
+
+
+@pytest.mark.timeout(100)
+def test_a_kill_right_after_the_commit_redoes_nothing_of_that_step(tmp_path, tmp_path_factory, monkeypatch):
+    # id 1 dies after its commit of step 2 (before its update): every other rank committed and applied step 2,
+    # so the group goes on from step 3 at world 3 (step 3, under way when the loss was seen, is redone)
+    losses, events, summary = run(tmp_path, monkeypatch, "1@2:commit", nproc=4, elastic="3:4", steps=5)
+    assert isinstance(summary, dict), summary
+    assert close(losses, reference_losses(tmp_path_factory)), (losses, reference_losses(tmp_path_factory))
+    (e,) = events
+    assert (e["old_world"], e["new_world"], e["left"], e["step"], e["rolled_forward"]) == (4, 3, [1], 3, None)
+
+
+def _keep_after_a_lost_commit(rank: int) -> list[str]:
+    """One rank: a DDP engine's step whose commit is taken for lost; what the guard keeps is the step's
+    start (parameters, optimizer, buffers, RNG) and the step finished here."""
+    import torch
+
+    from distrain.elastic.member import Member
+    from distrain.errors import PeerLostError
+    from distrain.trainer.config import TrainConfig
+    from distrain.trainer.engines import build_engine
+    from distrain.trainer.guard import ElasticGuard
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.norm = torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)
+
+        def forward(self, x):
+            return self.norm(torch.nn.functional.dropout(self.lin(x), 0.5))
+
+    def engine():
+        torch.manual_seed(0)
+        net = Net().double()
+        return build_engine(TrainConfig(strategy="ddp", nproc=1, batch_size=8, lr=0.1),
+                            net, torch.nn.functional.mse_loss, lambda p: torch.optim.AdamW(p, lr=0.1))
+
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    ref = engine()
+    ref.train_step(x, y)  # a warm step, so the optimizer has state
+    before, rng_before = _tree(ref.state_dict()), torch.get_rng_state()
+    ref.train_step(x, y)
+    after, rng_after = _tree(ref.state_dict()), torch.get_rng_state()
+
+    torch.set_rng_state(rng_before)
+    e = engine()
+    e.train_step(x, y)
+    torch.set_rng_state(rng_before)
+    q = Member(None, 0, "gloo", 30.0)
+    q.world, q.live = 1, 1
+    guard = ElasticGuard(None, q, None, None)
+    guard.q.sharded = False
+    q.hooks.at_step = lambda m, s: None
+    guard.begin(1, e)
+
+    def lost(loss):
+        q.ready = True
+        raise PeerLostError("test: the commit's result never arrived")
+    try:
+        e.train_step(x, y, lost)
+    except PeerLostError:
+        pass
+    held = guard.keep(e)
+    bad = []
+    if sorted(held) != [1, 2]:
+        return [f"held steps {sorted(held)}"]
+    for step, (want, rng) in {1: (before, rng_before), 2: (after, rng_after)}.items():
+        got = _tree(held[step]["engine"])
+        if got.keys() != want.keys() or any(not torch.equal(got[k], want[k]) for k in want):
+            bad.append(f"step {step}: state differs at {[k for k in want if not torch.equal(got[k], want[k])][:3]}")
+        if not torch.equal(held[step]["rng"], rng):
+            bad.append(f"step {step}: RNG differs")
+    return bad
+
+
+def _tree(state, prefix="") -> dict:
+    import torch
+
+    out = {}
+    if torch.is_tensor(state):
+        out[prefix] = state.detach().clone()
+    elif isinstance(state, dict):
+        for k, v in state.items():
+            out.update(_tree(v, f"{prefix}/{k}"))
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            out.update(_tree(v, f"{prefix}/{i}"))
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_what_a_rank_keeps_after_a_lost_commit_is_the_steps_start_and_its_end():
+    from conftest import run_ranks
+
+    run_ranks(_keep_after_a_lost_commit, 1)

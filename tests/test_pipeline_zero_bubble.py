@@ -316,7 +316,7 @@ def test_bench_rows_for_zb_h1():
 def test_bench_refuses_an_unknown_schedule():
     import argparse
 
-    from distrain.bench.pipeline.bubbles import add_pipeline_arguments, run_pipeline
+    from distrain.cli.bench import add_pipeline_arguments, run_pipeline
 
     parser = argparse.ArgumentParser()
     add_pipeline_arguments(parser)

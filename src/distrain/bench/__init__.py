@@ -12,5 +12,7 @@
     common.py   sizes, statistics, metadata, JSON and tables every tool shares
     background.py  --background-load N: busy processes beside a benchmark (comm and train)
 
-The command line (distrain.cli) imports a tool's module when its subcommand runs.
+The command line (distrain/cli/bench.py) parses every tool's flags and calls the tool's typed
+``run``; the tools do not parse ``argv`` (except the ``python -m`` scripts step_predict,
+activation_memory and comm/predict, run by hand for the documents' tables).
 """

@@ -15,7 +15,6 @@ start and end; :func:`summary` is the one line printed with the tables.
 
 from __future__ import annotations
 
-import argparse
 import os
 import select
 import signal
@@ -64,13 +63,6 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
-def add_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument(FLAG, dest="background_load", default="0", metavar="N",
-                   help="start N busy processes (a tight CPU loop each, unpinned) before measuring and stop them "
-                        "after, to measure on a loaded machine; the load average at the start and end of every "
-                        "measurement goes into the JSON and the table (default 0)")
 
 
 def parse(value) -> int:

@@ -5,7 +5,7 @@
   :func:`unavailable_reason` says why not, and tests skip with it);
 * :mod:`distrain.cluster.runner`: one command on every node through ``distrain launch``
   (torchrun's c10d rendezvous across the namespaces), naming the node that failed;
-* :mod:`distrain.cluster.cli`: ``distrain cluster up|down|status|run``;
+* distrain/cli/cluster.py: ``distrain cluster up|down|status|run`` (the command line, above this package);
 * :mod:`distrain.cluster.fixture`: the pytest fixture ``emulated_cluster``.
 """
 

@@ -146,11 +146,12 @@ class Coordinator:
         offers = {i: r for i, r in arrived.items() if i not in stateless}
         if not offers:
             raise TrainingError(f"elastic: no rank with the training state is left (lost: {sorted(self.lost)})")
-        target = min(r["live"] if r["live"] is not None else r["snap"] for r in offers.values())
         source, sharded = "peers", any("pieces" in r for r in offers.values())
         if sharded:  # every piece must be at hand, from its holder or a replica; every survivor stays
             target, source = sharded_target(offers)
-        keep = [i for i in survivors if i in offers and (sharded or target in (offers[i]["live"], offers[i]["snap"]))]
+        else:
+            target = replicated_target(offers)
+        keep = [i for i in survivors if i in offers and (sharded or target in reachable(offers[i]))]
         if self.grid != (1, 1):  # a replica with a rank missing is out whole (its live ranks are ended below)
             keep = whole_replicas(self.members, keep, *self.grid)
         if self.servers:  # a server's shard has no copy: its loss ends the job
@@ -170,7 +171,9 @@ class Coordinator:
         order = keep + joiners if not self.servers else \
             keep[:-self.servers] + joiners + keep[-self.servers:]  # (ps: the servers stay last)
         info = {"ids": order, "step": target, "old": len(self.members), "left": left, "joined": joiners,
-                "rolled_back": target if any(offers[i]["live"] != target for i in keep) else None, "source": source,
+                "rolled_back": rolled_back(target, [offers[i] for i in keep], sharded), "source": source,
+                "rolled_forward": None if sharded else next((target - 1 for i in keep if offers[i]["live"] == target - 1),
+                                                            None),
                 "t0": min([self.want, *(self.lost.get(i, self.want) for i in left)]),
                 "spawned": {str(i): self.started[i] for i in joiners}}
         if len(keep) + len(joiners) < self.lo:
@@ -277,6 +280,30 @@ def whole_replicas(members: list[int], keep: list[int], tp: int, pp: int) -> lis
     replica = {i: (k % (dp * tp)) // tp for k, i in enumerate(members)}
     broken = {replica[i] for i in members if i not in keep}
     return [i for i in members if i in keep and replica[i] not in broken]
+
+
+def reachable(offer: dict) -> set[int]:
+    """The step boundaries a survivor can go on from: its live state's, its copy's, and (replicated state,
+    ready) the one after its live one, which it reaches by applying the step's update itself."""
+    return {s for s in (offer["live"], offer.get("next"), offer["snap"]) if s is not None}
+
+
+def replicated_target(offers: dict[int, dict]) -> int:
+    """The step a job with replicated state goes on from: the latest live boundary when every survivor can
+    reach it (a survivor's update of the step was applied: its commit completed, so every rank entered that
+    commit and holds the step's synchronised gradients; the others roll forward), else the smallest one
+    (the step under way is redone from its start, which every survivor still holds)."""
+    hi = max(r["live"] if r["live"] is not None else r["snap"] for r in offers.values())
+    if all(hi in reachable(r) for r in offers.values()):
+        return hi
+    return min(r["live"] if r["live"] is not None else r["snap"] for r in offers.values())
+
+
+def rolled_back(target: int, kept: list[dict], sharded: bool) -> int | None:
+    """``target`` when the step from ``target`` was under way on a kept survivor and is redone, else None."""
+    if sharded:
+        return target if any(r["live"] != target for r in kept) else None
+    return target if any(r.get("in_step") and r["live"] == target for r in kept) else None
 
 
 def sharded_target(offers: dict[int, dict]) -> tuple[int, str]:

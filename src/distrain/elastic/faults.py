@@ -15,7 +15,12 @@ sent; the production hooks (``member.Hooks``) do nothing. When the variable is s
 * ``:heal``: it SIGKILLs itself in the first heal of a newcomer at step STEP or later, after the new
   group opened and just before rank 0 sends the state;
 * ``:stale``: it goes silent at the start of STEP (at most 120 s) until the group has gone on to
-  STEP + 2 without it, then carries on (a frozen rank coming back).
+  STEP + 2 without it, then carries on (a frozen rank coming back);
+* ``:commit``: it SIGKILLs itself right after STEP's commit completed on it, before its update (the
+  others have committed too: the group goes on from STEP + 1, nothing is redone);
+* ``:commit-lost``: STEP's commit completes on it, then it takes its quorum for lost (a PeerLostError,
+  as if the result never arrived) while the others go on: it holds the step's synchronised gradients
+  and finishes the step alone when the group re-forms (a roll forward).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import signal
 import time
 
 from distrain.elastic.member import POLL_S, Hooks, key
+from distrain.errors import PeerLostError
 
 ENV = "DISTRAIN_ELASTIC_FAULTS"
 
@@ -67,6 +73,14 @@ class Faults(Hooks):
         elif action in ("kill", "stop"):
             print(f"distrain elastic: id {member.ident} {action} at step {step} t={time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGSTOP if action == "stop" else signal.SIGKILL)
+
+    def after_commit(self, member, step: int) -> None:
+        action = self.plan.get((member.ident, step))
+        if action == "commit":
+            print(f"distrain elastic: id {member.ident} kill after the commit of step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "commit-lost":
+            raise PeerLostError(f"elastic: id {member.ident} takes the commit of step {step} for lost (test hook)")
 
     def in_heal(self, member, step: int) -> None:
         if any(a == "heal" and i == member.ident and s <= step for (i, s), a in self.plan.items()):

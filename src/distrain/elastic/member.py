@@ -4,11 +4,23 @@ The training loop's guard (trainer/guard.py: ElasticGuard) talks to a :class:`Me
 (torchft's quorum, on plain torch.distributed):
 
     state = m.join()                    # enter the job (a newcomer gets the state from a live peer)
-    m.begin(step, engine.state_dict)    # a copy of the state at the start of the step (for a roll-back)
-    ... engine.train_step(...) ...
-    loss, change = m.end(step, loss, weight)   # "is the group still whole?" (one all-reduce)
+    m.begin(step, engine.state_dict)    # the start of a step (sharded state: the copy to roll back to)
+    ... engine.train_step(...) ...      # replicated state: m.commit(step, loss, weight) before the update
+    loss, change = m.end(step, ...)     # sharded: "is the group still whole?" (one all-reduce); replicated:
+                                        # m.updated(step), the answer came with commit
     if change or the step raised and m.failed(e):   # failed: a PeerLostError, or the epoch was ended
-        c = m.reform(engine.state_dict) # a new group of the live ranks; c.step: where to go on, c.state: what to load
+        c = m.reform(held)              # a new group of the live ranks; c.step: where to go on, c.state: what to load
+
+Replicated state (ddp, a dp x tp x pp replica, ps-sync's servers) needs no copy per step: the
+quorum is a *commit* (one all-reduce of [loss * weight, change wanted]) that every rank makes
+after its gradients are synchronised and before its update (the optimizer step) changes anything.
+Until then the state is the one of the step's start (the RNG and the modules' buffers, which a
+forward may change, are kept at ``begin``: a few bytes); after it, the step's. A commit that
+completed on some rank proves every rank entered it, so every survivor then holds the step's
+synchronised gradients (``ready``): after a failure a rank offers its state at the step's start and,
+when ready, the state one step on (it applies the update itself: rolls forward). The coordinator
+takes the later step when every survivor can reach it (some rank's update was already applied),
+else the earlier one (the step is redone).
 
 Engines never see a dead rank: ``reform`` destroys the default process group and opens a new one
 (contiguous ranks, a fresh store prefix ``elastic/pg/<epoch>/``); the loop then builds a new engine
@@ -23,10 +35,11 @@ Every wait is bounded: the group's collectives by its time-out (``--collective-t
 at once on a connection reset), the store waits by a deadline; the watchdog of each epoch is set
 past the group's time-out, so a hung peer surfaces as an exception here rather than ending the rank.
 
-Steps: ``live`` is the step boundary the live state is at (None while a step is under way), ``snap``
-the boundary of the copy taken by ``begin``. After a failure the coordinator picks the smallest boundary
-every survivor can offer; a rank whose step was cut in half (or that finished a step some peer did
-not) goes back to its copy.
+Steps: ``live`` is the step boundary the live state is at (replicated: always one; sharded: None
+while a step is under way, and ``snap`` the boundary of the copy taken by ``begin``). After a failure
+a rank offers its boundaries (replicated: ``live``, ``next`` when it can roll forward; sharded: its
+pieces) and the coordinator picks one every kept survivor can reach (coordinator.replicated_target,
+coordinator.sharded_target).
 
 Sharded state (ZeRO, ``sharded``): a rank holds one piece, so ``begin`` also sends its copy to the
 next rank during the step and keeps the previous rank's (pieces.Exchange, waited for in ``end``;
@@ -53,7 +66,7 @@ import torch.distributed as dist
 from distrain import comm
 from distrain.comm.core import watchdog
 from distrain.errors import CommError, PeerLostError
-from distrain.elastic.pieces import Exchange, clone_tree, pack
+from distrain.elastic.pieces import Exchange, pack
 from distrain.elastic.sockets import sever
 
 PREFIX = "elastic/"
@@ -83,6 +96,9 @@ class Hooks:
     def in_heal(self, member: "Member", step: int) -> None:
         """A newcomer's heal at ``step``: the new group is open, the state not yet sent."""
 
+    def after_commit(self, member: "Member", step: int) -> None:
+        """Replicated state: ``step``'s commit completed on this rank, its update not yet applied."""
+
 
 @dataclass
 class Change:
@@ -100,12 +116,14 @@ class Change:
     spawned: dict = field(default_factory=dict)  # newcomer id -> when the coordinator started it (Unix s)
     t_left: float = 0.0  # when this rank left its old group (Unix s; a newcomer: when it was invited)
     source: str = "peers"  # where the state comes from: "peers", "replicas" (a lost shard), "checkpoint"
+    rolled_forward: int | None = None  # replicated: the step some survivors finished by applying its update
 
     def event(self) -> dict:
         """The metrics.jsonl record (recover_s is added when the first step at the new size completes)."""
         return {"event": "membership", "time": time.time(), "step": self.step, "old_world": self.old_world,
                 "new_world": self.new_world, "left": self.left, "joined": self.joined,
-                "rolled_back": self.rolled_back, "epoch": self.epoch, "state_from": self.source}
+                "rolled_back": self.rolled_back, "rolled_forward": self.rolled_forward, "epoch": self.epoch,
+                "state_from": self.source}
 
 
 class Member:
@@ -114,9 +132,14 @@ class Member:
         self.store, self.ident, self.backend, self.timeout = store, ident, backend, timeout
         self.newcomer, self.hooks, self.run, self.stride = newcomer, hooks or Hooks(), run, max(1, stride)
         self.epoch, self.ids, self.rank, self.world = -1, [], -1, 0
-        self.live: int | None = None  # boundary of the live state (None: a step under way)
+        self.live: int | None = None  # boundary of the live state (sharded: None while a step is under way)
         self.snap: dict | None = None
         self.snap_step: int | None = None
+        # replicated state: within a step (``begin`` to ``updated``), the RNG and buffers of its start, and
+        # ``ready`` once ``commit`` was entered (the step's gradients are synchronised on every rank that
+        # entered it); ``held``: {step: state} this rank can offer a new group (made by the loop's guard)
+        self.in_step, self.ready, self.rng = False, False, None
+        self.held: dict[int, dict] = {}
         self.changes: list[dict] = []  # every membership event this rank went through
         # sharded state (ZeRO): each rank holds one piece, (world, rank) of the layout it was cut for; at
         # every step start it also keeps a copy of the previous rank's piece (the replica), so one lost
@@ -211,49 +234,72 @@ class Member:
 
     # -- once per step ---------------------------------------------------------------------
     def begin(self, step: int, state_fn) -> None:
-        """The start of ``step``: keep a copy of the state (model, optimizer, RNG) to roll back to."""
+        """The start of ``step``. Replicated state: note the RNG (the state itself stays as it is until the
+        update, after ``commit``). Sharded: copy our piece and send it to the next rank (the replica)."""
         self.hooks.at_step(self, step)
         if not self.sharded:
-            snap = {"engine": clone_tree(state_fn()), "rng": torch.get_rng_state()}
-        else:  # our piece, copied once into the buffer that goes to the next rank during the step
-            buf, tree = pack(state_fn())
-            snap = {"engine": tree, "rng": torch.get_rng_state()}
-            # the copies of step - 1 stay until ``end`` (a rank may die mid-exchange); a piece is named by
-            # (step, world, rank) alone: the same whole state cuts to the same pieces
-            mine = dict(step=step, world=self.world, rank=self.rank, kind="own", tree=tree, rng=snap["rng"])
-            self.kept = [mine] + [p for p in self.kept if p["step"] in (step - 1, step)]
-            # the copy goes one node on (``stride`` ranks: nodes hold consecutive ranks) while the group
-            # spans more than one node, else to the next rank
-            stride = self.stride if self.world > self.stride else 1
-            self.pending = (step, Exchange(buf, tree, self.rank, self.world, stride)) if self.world > 1 else None
+            self.live, self.in_step, self.ready, self.rng, self.held = step, True, False, torch.get_rng_state(), {}
+            return
+        # our piece, copied once into the buffer that goes to the next rank during the step
+        buf, tree = pack(state_fn())
+        snap = {"engine": tree, "rng": torch.get_rng_state()}
+        # the copies of step - 1 stay until ``end`` (a rank may die mid-exchange); a piece is named by
+        # (step, world, rank) alone: the same whole state cuts to the same pieces
+        mine = dict(step=step, world=self.world, rank=self.rank, kind="own", tree=tree, rng=snap["rng"])
+        self.kept = [mine] + [p for p in self.kept if p["step"] in (step - 1, step)]
+        # the copy goes one node on (``stride`` ranks: nodes hold consecutive ranks) while the group
+        # spans more than one node, else to the next rank
+        stride = self.stride if self.world > self.stride else 1
+        self.pending = (step, Exchange(buf, tree, self.rank, self.world, stride)) if self.world > 1 else None
         self.snap, self.snap_step, self.live = snap, step, None
 
     def offers(self) -> dict:
         """What this rank can offer a new group (its arrive record): boundaries, pieces, checkpoint."""
         out = {"live": self.live, "snap": self.snap_step, "t": time.time(), "run": self.run}
+        if not self.sharded:  # the boundaries of what the guard holds: the step's start (live), one on (next)
+            out.update(next=self.live + 1 if self.live is not None and self.live + 1 in self.held else None,
+                       in_step=self.in_step, snap=None)
         if self.sharded:
             pieces = [[self.live, self.world, self.rank, "own"]] if self.live is not None else []
             pieces += [[p["step"], p["world"], p["rank"], p["kind"]] for p in self.kept]
             out.update(pieces=pieces, ckpt=self.ckpt_step)
         return out
 
-    def end(self, step: int, loss, weight: float) -> tuple[float, bool]:
-        """The end of ``step``: the global batch's loss (sum over ranks of loss * weight) and whether
-        the group must change (the coordinator asked: a rank was lost or a newcomer waits). Collective."""
-        if self.pending is not None:  # the predecessor's piece of this step, received while we computed
-            at, ex = self.pending
-            self.pending = None
-            self.kept.append(dict(step=at, world=self.world, rank=ex.source, kind="replica",
-                                  tree=ex.wait()))
+    def _quorum(self, step: int, loss, weight: float) -> tuple[float, bool]:
+        """The global batch's loss of ``step`` (sum over ranks of loss * weight) and whether the group must
+        change (the coordinator asked: a rank was lost or a newcomer waits). One all-reduce."""
         flag = 1.0 if self.rank == 0 and self.store.check([key("change", self.epoch)]) else 0.0
         if self.rank == 0:  # the group's step, for the refusal of a stale rank
             self.store.set(key("step"), str(step + 1))
         t = torch.tensor([float(loss) * weight if loss is not None else 0.0, flag], dtype=torch.float64)
         comm.all_reduce(t, algorithm="native")
+        return t[0].item(), t[1].item() > 0
+
+    def commit(self, step: int, loss, weight: float) -> tuple[float, bool]:
+        """Replicated state, after the gradients of ``step`` are synchronised and before the update: the
+        quorum (collective). Once entered this rank can finish the step alone (``ready``); the caller
+        applies the update right after it returns, then calls :meth:`updated`."""
+        self.ready = True
+        total, wanted = self._quorum(step, loss, weight)
+        self.hooks.after_commit(self, step)
+        return total, wanted
+
+    def updated(self, step: int) -> None:
+        """Replicated state: ``step``'s update is applied; the live state is at step + 1."""
+        self.live, self.in_step, self.ready = step + 1, False, False
+
+    def end(self, step: int, loss, weight: float) -> tuple[float, bool]:
+        """Sharded state, the end of ``step``: the replica received, then the quorum (collective)."""
+        if self.pending is not None:  # the predecessor's piece of this step, received while we computed
+            at, ex = self.pending
+            self.pending = None
+            self.kept.append(dict(step=at, world=self.world, rank=ex.source, kind="replica",
+                                  tree=ex.wait()))
+        total, wanted = self._quorum(step, loss, weight)
         self.live = step + 1
         # every rank reached this all-reduce, so every rank finished begin(step): its copies are whole
         self.kept = [p for p in self.kept if p["step"] == step]
-        return t[0].item(), t[1].item() > 0
+        return total, wanted
 
     def failed(self, exc: BaseException) -> bool:
         """Whether ``exc`` is the group breaking rather than a bug of ours: a PeerLostError (the comm
@@ -271,11 +317,15 @@ class Member:
         return False
 
     # -- a membership change ---------------------------------------------------------------
-    def reform(self, state_fn) -> Change:
+    def reform(self, held: dict[int, dict] | None = None) -> Change:
         """Leave the current group, agree with the others (through the coordinator) on the new members and
-        the step, open the new group, send the state to newcomers. Returns the Change (``state``:
+        the step, open the new group, send the state to newcomers. ``held``: {step: {"engine", "rng"}}, the
+        states this rank can go on from (the guard's copies: the live state, and for replicated state the
+        step's start and one on; None: what it held at the last change). Returns the Change (``state``:
         what to load, at ``step``). Retries while peers keep failing during the change."""
         t_left = time.time()
+        if held is not None:
+            self.held = held
         while True:
             nxt = self.epoch + 1
             offer = self.offers()  # (before leaving: the live piece is this group's)
@@ -291,8 +341,8 @@ class Member:
                 self.store.set(key("refused"), str(self.ident))  # (tests: a ``hold`` ends here)
                 raise CommError(why)
             target, source = info["step"], info.get("source", "peers")
-            if self.live == target:
-                state = {"engine": state_fn(), "rng": torch.get_rng_state()}
+            if target in self.held:
+                state = self.held[target]
                 if self.sharded:
                     self.kept.append(dict(step=target, world=self.world, rank=self.rank, kind="own",
                                           tree=state["engine"], rng=state["rng"]))
@@ -308,7 +358,7 @@ class Member:
                 self.kept = [p for p in self.kept if p["step"] == target]
                 state = dict(state, pieces=[(p["world"], p["rank"], p["tree"]) for p in self.kept])
             # what we can offer if this change fails too
-            self.snap, self.snap_step, self.live = state, target, None
+            self._settle(state, target)
             try:
                 self._open(nxt, info)
                 change = self._heal(info, state)
@@ -330,10 +380,19 @@ class Member:
                 state = box[0] if not self.sharded else dict(box[0], pieces=[])
         if state["rng"] is not None:  # (sharded, no state of ours at the step: the loop takes a peer's)
             torch.set_rng_state(state["rng"])
-        self.snap, self.snap_step, self.live = state, info["step"], None  # the loop loads it into a new engine
+        self._settle(state, info["step"])  # the loop loads it into a new engine
         return Change(self.epoch, info["step"], state, info["old"], len(info["ids"]), info["left"], info["joined"],
                       info.get("rolled_back"), info["t0"], info.get("stop"), info.get("spawned", {}),
-                      source=info.get("source", "peers"))
+                      source=info.get("source", "peers"), rolled_forward=info.get("rolled_forward"))
+
+
+    def _settle(self, state: dict, step: int) -> None:
+        """``state`` (at ``step``) is what this rank holds for the new group until its first step (and
+        offers again if the change fails)."""
+        if self.sharded:
+            self.snap, self.snap_step, self.live = state, step, None
+        else:
+            self.held, self.live, self.in_step, self.ready = {step: state}, step, False, False
 
 
 _current: Member | None = None

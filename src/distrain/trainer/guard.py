@@ -1,15 +1,16 @@
 """Guards: how membership enters the one training loop (trainer/loop.py) at fixed points.
 
-The loop calls its guard at four points; a fixed job's :class:`Guard` does nothing at any of them,
+The loop calls its guard at fixed points; a fixed job's :class:`Guard` does nothing at any of them,
 an elastic job's :class:`ElasticGuard` runs the quorum of distrain.elastic.member:
 
     engine, start = guard.enter(make_engine, model, start, load_checkpoint)   # before the first step
-    guard.begin(step, engine)            # start of a step: the state to roll back to
-    guard.end(step, engine, record)      # end of a step: "is the group still whole?" (+ the loss sum)
+    guard.begin(step, engine)                          # start of a step
+    engine.train_step(x, y, guard.commit_hook(step, engine))   # the hook: between gradient sync and update
+    guard.end(step, engine, record)                    # end of a step: the loss summed, a change wanted?
     ... the loop's own evaluation, metrics lines and checkpoints ...
     if the step raised and guard.failed(exc), or guard.wanted:
-        live = guard.keep(engine); engine = None
-        engine, step, stop = guard.recover(live)    # a new group, a new engine, the step to go on from
+        held = guard.keep(engine); engine = None       # the states this rank can go on from
+        engine, step, stop, lines, forward = guard.recover(held, lines)   # a new group, a new engine
 
 ``make_engine(net=None)`` builds an engine on the current process group (the loop's: the same
 config with ``nproc`` = the group's size, the loss scaled for the rank's part at construction);
@@ -17,10 +18,10 @@ the guard calls it whenever the group changes, so an engine never sees a dead ra
 
 Elastic exactness: the global batch of step s is the same whatever the world size (the sampler's
 ``part``), each replica's loss is scaled by n_d * D / B (Engine: part_loss), and every step's loss is
-summed over the group in ``end`` (one all-reduce with the change flag), so metrics.jsonl holds the
-global batch's loss step by step; a rolled-back step's line is dropped and written again.
-Membership changes are lines with ``"event"`` (written by rank 0 when the first step at the new
-size completes: :meth:`ElasticGuard.events`).
+summed over the group in the quorum (one all-reduce with the change flag), so metrics.jsonl holds the
+global batch's loss step by step; a rolled-back step's line is dropped and written again. Membership
+changes are lines with ``"event"`` (timed when the first step at the new size completes, written with
+the next lines: :meth:`ElasticGuard.events`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ class Guard:
     def begin(self, step: int, engine) -> None:
         """The start of ``step``."""
 
+    def commit_hook(self, step: int, engine):
+        """What the engine calls between its gradient sync and its update in ``step`` (None: nothing)."""
+        return None
+
     def end(self, step: int, engine, record: dict) -> None:
         """The end of ``step``: ``record["loss"]`` stays this rank's tensor (the loop sums the pending
         losses over the engine's loss group when it writes them)."""
@@ -61,12 +66,12 @@ class Guard:
     def checkpointed(self, step: int) -> None:
         """A checkpoint set of ``step`` is committed."""
 
-    def keep(self, engine) -> dict | None:
+    def keep(self, engine) -> dict:
         """What of ``engine``'s state to keep across a change (a fixed job has none)."""
-        return None
+        return {}
 
-    def recover(self, live: dict | None):
-        """(engine, step, stop reason) after a change; a fixed job's group never changes."""
+    def recover(self, held: dict, records: list[dict]):
+        """(engine, step, stop reason, lines, rolled forward) after a change; a fixed job's group never changes."""
         raise TrainingError("a fixed job's group cannot change; run with --elastic MIN:MAX to survive lost ranks")
 
     def events(self) -> list[dict]:
@@ -81,6 +86,13 @@ class Guard:
 class ElasticGuard(Guard):
     """One rank of an elastic job: the quorum of its Member (distrain.elastic.member) at the loop's points.
 
+    Replicated state (ddp, dp x tp x pp replicas, ps-sync) costs no copy per step: the engine calls the
+    guard's commit hook between its gradient sync and its update, the quorum is that commit, and a
+    failure leaves every rank at the step's start (its RNG and buffers put back from ``begin``) or,
+    when its commit was entered, able to finish the step alone (:meth:`keep`). Sharded state (ZeRO)
+    copies its piece at ``begin`` (the same buffer is the replica sent to the next rank) and makes the
+    quorum at ``end``.
+
     ``load_pieces(engine, pieces, step)`` loads the whole state joined from ZeRO pieces (every rank's
     own and replica pieces, gathered here), ``load_from_checkpoint(engine)`` the last committed
     checkpoint whatever its layout (both the loop's: checkpoint/reshard.py)."""
@@ -91,7 +103,11 @@ class ElasticGuard(Guard):
         self.make_engine = None
         self.wanted = False
         self.pending_event: dict | None = None  # the change whose first step is not done yet
+        self.done_events: list[dict] = []  # its line, once that step is done (written with the next lines)
+        self.records: list[dict] = []  # the group's step lines not yet written, agreed at a change (_load)
         self.copy_s = 0.0
+        self.buffers: list = []  # (buffer, its value at the step's start): a forward may change buffers
+        self.committed: tuple[float, bool] | None = None
 
     # -- entering the job -------------------------------------------------------------------------
     def enter(self, make_engine, model, start: int, load_checkpoint):
@@ -103,11 +119,11 @@ class ElasticGuard(Guard):
         try:
             engine = make_engine(model)
             if change is not None:
-                self._load(engine, change)
+                self._load(engine, change, [])
         except Exception as e:  # noqa: BLE001 - a newcomer: a peer lost while its first engine was built or loaded
             if change is None or not q.failed(e):
                 raise
-            engine, change = self._rebuild(lambda: None)  # it offers the state it was sent
+            engine, change = self._rebuild(None, [])  # it offers the state it was sent
         if change is not None:
             self.pending_event = change.event() | {"t0": change.t0, "spawned": change.spawned, "t_left": 0}
             return engine, change.step
@@ -118,14 +134,40 @@ class ElasticGuard(Guard):
     # -- once per step ----------------------------------------------------------------------------
     def begin(self, step: int, engine) -> None:
         t = time.perf_counter()
-        self.q.begin(step, engine.state_dict)  # the start-of-step copy (+ ZeRO: the replica exchange)
+        self.q.begin(step, engine.state_dict)  # (sharded: the piece's copy, and its send to the next rank)
+        if not self.q.sharded:
+            self.buffers = [(b, b.detach().clone()) for b in engine.buffers()]
+        self.committed = None
         self.copy_s = time.perf_counter() - t
 
+    def commit_hook(self, step: int, engine):
+        if self.q.sharded:
+            return None
+
+        def commit(loss) -> None:
+            self.committed = self.q.commit(step, loss, engine.loss_weight)
+        return commit
+
     def end(self, step: int, engine, record: dict) -> None:
-        """The quorum: the step's loss summed over the group (``record["loss"]`` becomes a float) and
-        whether the group must change (``wanted``). Collective."""
-        total, self.wanted = self.q.end(step, record["loss"], engine.loss_weight)
+        """The step's loss summed over the group (``record["loss"]`` becomes a float) and whether the group
+        must change (``wanted``): the quorum (sharded), or what the commit said (replicated)."""
+        if self.q.sharded:
+            total, self.wanted = self.q.end(step, record["loss"], engine.loss_weight)
+        else:
+            if self.committed is None:
+                raise TrainingError(f"elastic: {engine.label} did not call the commit hook in its step; an engine "
+                                    f"that trains an elastic job calls it between its gradient sync and its update")
+            (total, self.wanted), self.committed = self.committed, None
+            self.q.updated(step)
         record.update(loss=total, world=self.q.world, copy_s=self.copy_s)
+        if self.pending_event is not None:  # the first step at the new size is done: the change is complete
+            e, self.pending_event = self.pending_event, None
+            now = time.time()
+            done = {k: v for k, v in e.items() if k not in ("t0", "spawned", "t_left")}
+            done.update(recover_s=now - e["t0"], pause_s=now - (e["t_left"] or now), time=now)
+            if e["joined"]:
+                done["join_s"] = now - min(e["spawned"].get(str(i), now) for i in e["joined"])
+            self.done_events.append(done)
 
     def failed(self, exc: BaseException) -> bool:
         return self.q.failed(exc)
@@ -134,67 +176,94 @@ class ElasticGuard(Guard):
         self.q.ckpt_step = step  # (sharded state: the fallback when a piece is lost with its replica)
 
     def events(self) -> list[dict]:
-        """The membership line, once the first step at the new size is done (the change is complete);
-        after a stop below MIN, the stop line."""
-        e, self.pending_event = self.pending_event, None
-        if e is None or e.get("event") == "stop":
-            return [e] if e is not None else []
-        now = time.time()
-        done = {k: v for k, v in e.items() if k not in ("t0", "spawned", "t_left")}
-        done.update(recover_s=now - e["t0"], pause_s=now - (e["t_left"] or now), time=now)
-        if e["joined"]:
-            done["join_s"] = now - min(e["spawned"].get(str(i), now) for i in e["joined"])
-        return [done]
+        """The membership lines of the changes completed since the last call; after a stop below MIN,
+        the stop line."""
+        out, self.done_events = self.done_events, []
+        if self.pending_event is not None and self.pending_event.get("event") == "stop":
+            out, self.pending_event = out + [self.pending_event], None
+        return out
 
     # -- a membership change ----------------------------------------------------------------------
-    def keep(self, engine) -> dict | None:
-        """The live state, when this rank's is at a step boundary (it may be the one to go on from):
-        a copy, so that the engine (and its hold on the old group) can be dropped."""
+    def keep(self, engine) -> dict[int, dict]:
+        """The states this rank can go on from, as copies (so that the engine, and its hold on the old
+        group, can be dropped): {step boundary: {"engine": state, "rng": generator state}}.
+
+        Replicated: within a step, the step's start (the state is untouched before the update; the RNG and
+        buffers come back from ``begin``) and, when the commit was entered (``ready``: the step's gradients
+        are synchronised), the step finished here (the update applied: a roll forward); between steps, the
+        live state. Sharded: the live state when it is at a boundary (the step's start is the piece copy)."""
         from distrain.elastic.pieces import clone_tree
 
-        return clone_tree(engine.state_dict()) if self.q.live is not None else None
+        q = self.q
+        if q.sharded:
+            return {q.live: {"engine": clone_tree(engine.state_dict()), "rng": torch.get_rng_state()}} \
+                if q.live is not None else {}
+        if not q.in_step:
+            return {q.live: {"engine": clone_tree(engine.state_dict()), "rng": torch.get_rng_state()}}
+        after = [b.detach().clone() for b, _ in self.buffers]  # the buffers after the step's forward
+        rng_after = torch.get_rng_state()
+        with torch.no_grad():
+            for b, start in self.buffers:
+                b.copy_(start)
+        held = {q.live: {"engine": clone_tree(engine.state_dict()), "rng": q.rng}}
+        if q.ready:
+            with torch.no_grad():
+                for (b, _), v in zip(self.buffers, after):
+                    b.copy_(v)
+            engine.finish_step()
+            held[q.live + 1] = {"engine": clone_tree(engine.state_dict()), "rng": rng_after}
+        return held
 
-    def recover(self, live: dict | None):
-        """A new group of the live ranks, a new engine on it holding the agreed state; returns
-        (engine, the step to go on from, the stop reason or None)."""
-        self.wanted = False
-        engine, c = self._rebuild(lambda: live)
+    def recover(self, held: dict[int, dict], records: list[dict]):
+        """A new group of the live ranks, a new engine on it holding the agreed state; returns (engine, the
+        step to go on from, the stop reason or None, the step lines not yet written, whether the group
+        finished the step under way (rolled forward: its post-step work is due))."""
+        self.wanted, self.buffers = False, []
+        engine, c = self._rebuild(held, records)
         self.pending_event = c.event() | ({"event": "stop", "reason": c.stop} if c.stop is not None else
                                           {"t0": c.t0, "spawned": c.spawned, "t_left": c.t_left})
-        return engine, c.step, c.stop
+        return engine, c.step, c.stop, self.records, c.rolled_forward is not None
 
-    def _rebuild(self, state_fn):
+    def _rebuild(self, held, records: list[dict]):
         """A new group and a new engine holding the agreed state; again while peers fail meanwhile."""
         while True:
-            c = self.q.reform(state_fn)
+            c = self.q.reform(held)
+            held = None  # (a retry offers what this rank settled on)
             try:
                 engine = self.make_engine()
-                self._load(engine, c)
+                self._load(engine, c, records)
                 return engine, c
             except Exception as e:  # noqa: BLE001 - a peer lost while the engine was built (DDP's broadcast)
                 if not self.q.failed(e):
                     raise
 
-    def _load(self, engine, c) -> None:
-        """Load the state a membership change agreed on into ``engine`` (built on the new group).
+    def _load(self, engine, c, records: list[dict]) -> None:
+        """Load the state a membership change agreed on into ``engine`` (built on the new group), and agree
+        on the step lines not yet written (collective: every rank of the new group, newcomers too).
 
         Replicated state (ddp, ps-sync servers): the copy this rank holds or was sent. Sharded state
         (ZeRO): every rank brings the pieces it holds at the step (its own, and its replica of its
-        predecessor's), all are gathered (a collective), joined into the whole model and optimizer and
-        cut for the new layout (``load_pieces``, as ``--reshard`` does). ``source == "checkpoint"``: the
-        last committed checkpoint, read from disk."""
+        predecessor's), all are gathered, joined into the whole model and optimizer and cut for the new
+        layout (``load_pieces``, as ``--reshard`` does). ``source == "checkpoint"``: the last committed
+        checkpoint, read from disk. The step lines: every rank keeps the summed lines since the last write
+        (only rank 0 writes them); their union is the group's (a rank that finished a step others did not
+        knows its loss), cut to the steps before the one the group goes on from; the new rank 0 leaves out
+        those already written."""
         q = self.q
+        mine = (c.state.get("pieces", []), c.state["rng"]) if q.sharded else ([], None)
+        held = [None] * q.world
+        comm.all_gather_object(held, (*mine, records))
         if c.source == "checkpoint":
             self.load_from_checkpoint(engine)
         elif q.sharded:
-            held = [None] * q.world
-            comm.all_gather_object(held, (c.state["pieces"], c.state["rng"]))
-            self.load_pieces(engine, [p for ps, _ in held for p in ps], c.step)
+            self.load_pieces(engine, [p for ps, _, _ in held for p in ps], c.step)
             if c.state["rng"] is None:  # no state of ours at that step: the first rank's generator that has one
-                c.state["rng"] = next(rng for _, rng in held if rng is not None)
+                c.state["rng"] = next(rng for _, rng, _ in held if rng is not None)
         else:
             engine.load_state_dict(c.state["engine"])
         torch.set_rng_state(c.state["rng"])
+        by_step = {r["step"]: r for _, _, rs in held for r in rs}  # (the same summed line on every rank)
+        self.records = [by_step[k] for k in sorted(by_step) if k < c.step]
 
     def summary(self, out: Path) -> dict:
         events = [e for e in read_events(Path(out) / "metrics.jsonl") if e["event"] == "membership"]

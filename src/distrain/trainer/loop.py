@@ -287,10 +287,11 @@ def train_steps(cfg: TrainConfig, engine: Engine, task: Task, start: int, guard:
     (the engine at the end, the wall time, the stop reason or None). Every training rank runs it.
 
     Per step: the guard's start, this rank's part of the global batch (the sampler's ``part``, for the
-    engine's dp rank and size), the learning rate of the step, the engine's step, the guard's end. The
-    step lines are written (with their losses summed over the ranks) every ``log_every`` steps and
-    before an evaluation or a checkpoint; the final checkpoint comes before the final evaluation, so
-    a failing evaluation leaves it committed."""
+    engine's dp rank and size), the learning rate of the step, the engine's step (with the guard's
+    commit hook), the guard's end; then the work after the step (:func:`after`). The step lines are
+    written (with their losses summed over the ranks) every ``log_every`` steps and before an
+    evaluation or a checkpoint; the final checkpoint comes before the final evaluation, so a failing
+    evaluation leaves it committed."""
     guard = guard or Guard()
     sampler = DistributedBatchSampler(len(task.train), cfg.batch_size, seed=cfg.seed)
     path = Path(cfg.out) / "metrics.jsonl"
@@ -299,43 +300,53 @@ def train_steps(cfg: TrainConfig, engine: Engine, task: Task, start: int, guard:
         (Path(cfg.out) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     bar = progress_bar(cfg, start, engine.label, log is not None)
     pending: list[dict] = []  # step records whose lines are not written yet
-    step, t_run = start, time.perf_counter()
-    while step < cfg.steps:
+
+    def after(step: int, rec: dict | None) -> None:
+        """The work at boundary ``step`` (``rec``: the record of the step just done; None when a change
+        brought the group here): the end of training, the lines, evaluation, checkpoint."""
+        nonlocal pending
+        last = step == cfg.steps
+        if last:
+            engine.end_training()
+        do_eval = cfg.eval_every and task.val is not None and rec is not None and (step % cfg.eval_every == 0 or last)
+        do_ckpt = bool(cfg.ckpt_every and step % cfg.ckpt_every == 0) or last
+        if len(pending) >= cfg.log_every or do_eval or do_ckpt or rec is None:
+            sum_losses(pending, engine.loss_group, engine.loss_weight)  # stops every rank on a non-finite loss
+            if do_eval and not last:
+                add_eval(rec, engine.evaluate(task.val_batches(cfg.batch_size, cfg.eval_batches)), None, bar)
+            if log is not None:
+                log.write(guard.events())  # (elastic: the changes completed since the last lines)
+            # the lines are on disk before a checkpoint names their step: a rank killed between the two
+            # would otherwise resume past steps that metrics.jsonl never got (a resume drops lines >= its step)
+            if pending:
+                write_records(pending, log, bar)
+            pending = []
+            if do_ckpt:  # only finite losses reach a checkpoint
+                save_checkpoint(cfg, engine, step)
+                guard.checkpointed(step)
+            if do_eval and last:  # after the final checkpoint, so a failing evaluation leaves it committed
+                add_eval(rec, engine.evaluate(task.val_batches(cfg.batch_size, cfg.eval_batches)), log, bar)
+
+    step, due, t_run = start, False, time.perf_counter()  # due: the work after ``step`` is still to do
+    while step < cfg.steps or due:
         failed = False
         try:
-            guard.begin(step, engine)
-            t0 = time.perf_counter()
-            x, y = task.batch(task.train, sampler.part(step, engine.dp_rank, engine.dp_size)) \
-                if engine.reads_data else (None, None)
-            lr = lr_at(cfg, step)
-            engine.set_lr(lr)
-            loss = engine.train_step(x, y)
-            rec = step_record(step, loss, time.perf_counter() - t0, engine.comm_wait_s, task.unit,
-                              cfg.batch_size * task.units_per_sample, lr)
-            guard.end(step, engine, rec)  # (elastic: the quorum; the loss is summed already)
-            pending.append(rec)
-            step += 1
-            last = step == cfg.steps
-            if last:
-                engine.end_training()
-            do_eval = cfg.eval_every and task.val is not None and (step % cfg.eval_every == 0 or last)
-            do_ckpt = bool(cfg.ckpt_every and step % cfg.ckpt_every == 0) or last
-            if len(pending) >= cfg.log_every or do_eval or do_ckpt or not torch.is_tensor(rec["loss"]):
-                sum_losses(pending, engine.loss_group, engine.loss_weight)  # stops every rank on a non-finite loss
-                if do_eval and not last:
-                    add_eval(pending[-1], engine.evaluate(task.val_batches(cfg.batch_size, cfg.eval_batches)), None,
-                             bar)
-                if log is not None:
-                    log.write(guard.events())  # (elastic: a change completed by this step)
-                # the lines are on disk before a checkpoint names their step: a rank killed between the two
-                # would otherwise resume past steps that metrics.jsonl never got (a resume drops lines >= its step)
-                write_records(pending, log, bar)
-                pending = []
-                if do_ckpt:  # only finite losses reach a checkpoint
-                    save_checkpoint(cfg, engine, step)
-                    guard.checkpointed(step)
-                if do_eval and last:  # after the final checkpoint, so a failing evaluation leaves it committed
-                    add_eval(rec, engine.evaluate(task.val_batches(cfg.batch_size, cfg.eval_batches)), log, bar)
+            rec = None
+            if not due:
+                guard.begin(step, engine)
+                t0 = time.perf_counter()
+                x, y = task.batch(task.train, sampler.part(step, engine.dp_rank, engine.dp_size)) \
+                    if engine.reads_data else (None, None)
+                lr = lr_at(cfg, step)
+                engine.set_lr(lr)
+                loss = engine.train_step(x, y, guard.commit_hook(step, engine))
+                rec = step_record(step, loss, time.perf_counter() - t0, engine.comm_wait_s, task.unit,
+                                  cfg.batch_size * task.units_per_sample, lr)
+                guard.end(step, engine, rec)  # (elastic: the loss is summed already)
+                pending.append(rec)
+                step += 1
+            due = False
+            after(step, rec)
         except Exception as e:  # noqa: BLE001 - the group broke (elastic) or a failure of ours (raised)
             if not guard.failed(e):
                 raise
@@ -343,18 +354,19 @@ def train_steps(cfg: TrainConfig, engine: Engine, task: Task, start: int, guard:
         if not (failed or guard.wanted) or (step >= cfg.steps and not failed):
             continue  # (a change asked for after the last step: the job is done)
         # a change (a peer lost, or the coordinator asked): a new group, a new engine, the step to go on from
-        pending = []
-        live = guard.keep(engine)
+        held = guard.keep(engine)
         engine = None  # (drop the engine and its hold on the old group)
-        engine, step, stop = guard.recover(live)
-        live = None
+        engine, step, stop, pending, forward = guard.recover(held, pending)
+        held = None
+        due = forward or step >= cfg.steps  # (the group finished the step under way, or the last one)
         if engine.rank == 0:
             log = log or MetricsLog(path, sys.maxsize, tensorboard=True)  # (a new rank 0: keep every line)
-            log.rewind(step)  # the step lines from ``step`` on were rolled back
+            written = log.rewind(step)  # the step lines from ``step`` on were rolled back
+            pending = [r for r in pending if r["step"] not in written]
         if stop is not None:
             save_checkpoint(cfg, engine, step)
             if log is not None:
-                log.write(guard.events())
+                log.write(pending + guard.events())
             return engine, time.perf_counter() - t_run, stop
     if bar is not None:
         bar.close()

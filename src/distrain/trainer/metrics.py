@@ -30,11 +30,13 @@ class MetricsLog:
         if self.tensorboard is not None:
             self.tensorboard.write(records)
 
-    def rewind(self, step: int) -> None:
-        """Drop the step lines from ``step`` on (an elastic job rolled them back), keep every event line."""
+    def rewind(self, step: int) -> set[int]:
+        """Drop the step lines from ``step`` on (an elastic job rolled them back), keep every event line;
+        returns the steps of the step lines kept."""
         rows = [ln for ln in self.path.read_text().splitlines() if ln.strip()] if self.path.exists() else []
-        kept = [ln for ln in rows if "event" in (r := json.loads(ln)) or r["step"] < step]
-        self.path.write_text("".join(ln + "\n" for ln in kept))
+        kept = [(ln, r) for ln in rows if "event" in (r := json.loads(ln)) or r["step"] < step]
+        self.path.write_text("".join(ln + "\n" for ln, _ in kept))
+        return {r["step"] for _, r in kept if "event" not in r}
 
     def rewrite_last(self, **fields) -> None:
         """Add fields to the last record (e.g. a validation loss computed after it was written)."""

@@ -57,12 +57,13 @@ Roots (src/dst) are rank 0.
 
 ``--background-load N`` starts N busy processes (:mod:`distrain.bench.background`) before the
 first spawn and stops them after the last; every cell records the load average at its start
-and end. The per-rank side (steps 1-7) lives in :mod:`distrain.bench.comm.timing`.
+and end. The per-rank side (steps 1-7) lives in :mod:`distrain.bench.comm.timing`. The flags are
+parsed and checked into the plain, picklable ``cfg`` dict :func:`run` and :func:`measure` take
+by the command line (distrain/cli/bench.py, ``comm_config``).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -74,120 +75,8 @@ from distrain.bench.comm.report import (  # noqa: F401  (re-exported: the conven
     bandwidths, busbw_factor, format_markdown, format_tables, full_size, per_rank_count, plot)
 from distrain.bench.comm.timing import (  # noqa: F401  (re-exported: the per-rank side, see timing.py)
     _DTYPES, BURST_S, MAX_BURST, MAX_ITERS, MIN_ITERS, ROOT, TARGET_S, _case, _worker, labels)
-from distrain.comm.api import ALGORITHM_NAMES, COLLECTIVES
-from distrain.comm.core.transport import TRANSPORT_NAMES
-from distrain.errors import ConfigError
 from distrain.launch.cores import free_core_slices
 
-DEFAULT_NPROC = "2,4"
-DEFAULT_OPS = "all_reduce"
-DEFAULT_ALGORITHMS = ",".join(ALGORITHM_NAMES)
-DEFAULT_SIZES = "4K,256K,4M,16M"
-DEFAULT_TRANSPORTS = "torch"
-
-
-# ---------------------------------------------------------------------------------------
-# Command line
-# ---------------------------------------------------------------------------------------
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.description = ("Time the collectives of distrain.comm for every algorithm side by side and print "
-                     "nccl-tests-style tables (time, algbw, busbw). See docs/benchmarks.md.")
-    p.add_argument("--nproc", default=DEFAULT_NPROC,
-                   help=f"world size(s), e.g. 4 or 2,4: one spawn each (default {DEFAULT_NPROC})")
-    p.add_argument("--ops", default=DEFAULT_OPS,
-                   help=f"collectives, comma-separated or 'all', from {', '.join(COLLECTIVES)} "
-                        f"(default {DEFAULT_OPS}; barrier reports time only)")
-    p.add_argument("--algorithms", default=DEFAULT_ALGORITHMS,
-                   help=f"algorithms, comma-separated or 'all' (default {DEFAULT_ALGORITHMS})")
-    p.add_argument("--transport", default=DEFAULT_TRANSPORTS,
-                   help=f"transports to compare, comma-separated: {', '.join(TRANSPORT_NAMES)} (default torch)")
-    p.add_argument("--symmetric", action="store_true",
-                   help="also time native on buffers in symmetric memory (comm.symmetric_empty: every peer maps "
-                        "them, so all_reduce works in place, no copy through the slots): a native@shm+sym column for "
-                        "each shared-memory transport")
-    p.add_argument("--sizes", default=DEFAULT_SIZES,
-                   help=f"full-buffer sizes in bytes, K/M/G = powers of 1024 (default {DEFAULT_SIZES})")
-    p.add_argument("--dtype", default="float32", help=f"element type, one of {', '.join(_DTYPES)} (default float32)")
-    p.add_argument("--warmup", default="3", help="untimed rounds per (op, size) before timing (default 3)")
-    p.add_argument("--iters", default=None,
-                   help=f"timed rounds per (op, size); default adaptive: ceil({TARGET_S} s / slowest warm-up call) "
-                        f"clamped to [{MIN_ITERS}, {MAX_ITERS}]")
-    p.add_argument("--burst", default=None,
-                   help=f"calls back to back per timed sample (time / calls); default adaptive: about "
-                        f"{BURST_S * 1e3:g} ms, at most {MAX_BURST}; 1 = one call after each barrier")
-    p.add_argument("--bind-cores", default="auto", choices=["auto", "on", "off"],
-                   help="pin each rank to cores of its own (distrain.spawn's bind_cores); auto: when a measured "
-                        "transport polls shared memory (shm, auto) and P cores are free at the start (not under "
-                        "load: a bound rank cannot leave a busy core). Gloo is faster unbound with one core per rank")
-    p.add_argument("--json", default=None, metavar="PATH", help="write every median and metadata as JSON")
-    p.add_argument("--plot", default=None, metavar="PATH", help="write a busbw-vs-size figure (PNG, matplotlib)")
-    p.add_argument("--markdown", default=None, metavar="PATH", help="write the tables as Markdown (for docs)")
-    p.add_argument("--predict", nargs="?", const="auto", default=None, metavar="CALIBRATION",
-                   help="add the cost model's predicted_us to every record, with links from a `distrain bench link "
-                        "--json` file, or (no value) from a short ping-pong at the start (docs/cost_model.md)")
-    p.add_argument("--timeout", default="3600", help="seconds allowed for each world size's spawn (default 3600)")
-    background.add_argument(p)
-
-
-def _int(text, flag: str, minimum: int) -> int:
-    try:
-        v = int(text)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{flag}: expected an integer, got {text!r}") from None
-    if v < minimum:
-        raise ConfigError(f"{flag}: must be >= {minimum}, got {v}")
-    return v
-
-
-def parse_config(args: argparse.Namespace) -> dict[str, Any]:
-    """Validate every flag (ConfigError with a clear message) into a plain, picklable dict."""
-    dtype = str(args.dtype).removeprefix("torch.")
-    if dtype not in _DTYPES:
-        raise ConfigError(f"--dtype: unknown or unsupported dtype {args.dtype!r}; use one of {', '.join(_DTYPES)}")
-    try:
-        timeout = float(args.timeout)
-    except (TypeError, ValueError):
-        raise ConfigError(f"--timeout: expected seconds, got {args.timeout!r}") from None
-    if not timeout > 0:
-        raise ConfigError(f"--timeout: must be positive, got {args.timeout!r}")
-    cfg = {
-        "nprocs": common.parse_ints(args.nproc, "--nproc", minimum=1),
-        "ops": common.parse_choices(args.ops, COLLECTIVES, "--ops"),
-        "algorithms": common.parse_choices(args.algorithms, ALGORITHM_NAMES, "--algorithms"),
-        "transports": common.parse_choices(getattr(args, "transport", DEFAULT_TRANSPORTS), TRANSPORT_NAMES,
-                                           "--transport"),
-        "sizes": common.parse_sizes(args.sizes),
-        "symmetric": bool(getattr(args, "symmetric", False)),
-        "dtype": dtype,
-        "warmup": _int(args.warmup, "--warmup", 0),
-        "iters": None if args.iters in (None, "", "auto") else _int(args.iters, "--iters", 1),
-        "burst": None if getattr(args, "burst", None) in (None, "", "auto") else _int(args.burst, "--burst", 1),
-        "timeout": timeout,
-        "bind_cores": None,
-        "target_s": TARGET_S,
-        "predict": getattr(args, "predict", None),
-        "background_load": background.parse(getattr(args, "background_load", 0)),
-    }
-    if cfg["symmetric"] and not ("native" in cfg["algorithms"] and {"shm", "auto"} & set(cfg["transports"])):
-        raise ConfigError("--symmetric: times native on symmetric buffers of a shared-memory transport; add shm (or "
-                          "auto) to --transport and native to --algorithms")
-    bind = getattr(args, "bind_cores", "auto")
-    # auto: ranks polling shared memory are bound when P cores are free at the start (launch/cores.py)
-    cfg["bind_cores"] = (bind == "on") if bind != "auto" else \
-        (None if any(t in ("shm", "auto") for t in cfg["transports"]) else False)
-    if cfg["predict"] not in (None, "auto") and not os.path.isfile(cfg["predict"]):
-        raise ConfigError(f"--predict: no calibration file {cfg['predict']!r}; write one with "
-                          f"`distrain bench link --json {cfg['predict']}` or give --predict alone to calibrate now")
-    if args.plot:
-        common.require_pyplot()  # fail before the (long) measurement, not after
-    return cfg
-
-
-
-# ---------------------------------------------------------------------------------------
-# Entry point
-# ---------------------------------------------------------------------------------------
 
 def _bound(cfg: dict, P: int) -> bool:
     """Whether P ranks are bound to cores: as asked, and only with a core per rank (P=4 on 2 cores: not);
@@ -236,21 +125,10 @@ def _load_windows(records: list[dict]) -> list[dict]:
     return list(out.values())
 
 
-def command_line(args: argparse.Namespace) -> str:
-    """The equivalent ``distrain bench comm ...`` command, every flag spelled out."""
-    parts = ["distrain", "bench", "comm"]
-    for flag in ("nproc", "ops", "algorithms", "transport", "sizes", "dtype", "warmup", "iters", "json", "plot",
-                 "timeout", "predict", "background_load", "symmetric"):
-        v = getattr(args, flag, None)
-        if v is True:
-            parts.append(f"--{flag}")
-        elif v not in (None, False):
-            parts += [f"--{flag.replace('_', '-')}", str(v)]
-    return " ".join(parts)
-
-
-def run(args: argparse.Namespace) -> int:
-    cfg = parse_config(args)
+def run(cfg: dict[str, Any], json_path: str | None = None, plot_path: str | None = None,
+        markdown_path: str | None = None, command: str | None = None) -> int:
+    """Measure ``cfg`` (the flags as distrain/cli/bench.py checks them: ``comm_config``), print the
+    tables, and write the JSON (its metadata naming ``command``), the plot and the Markdown asked for."""
     # launched: one set of busy processes per host (local rank 0's); spawned: ours, around every spawn
     starts_load = os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0"
     t0 = time.perf_counter()
@@ -269,8 +147,8 @@ def run(args: argparse.Namespace) -> int:
     if cfg["predict"]:
         print(predict.table(records))
     sys.stdout.flush()
-    if args.json:
-        meta = common.metadata(command_line(args), benchmark="comm", nprocs=cfg["nprocs"], ops=cfg["ops"],
+    if json_path:
+        meta = common.metadata(command, benchmark="comm", nprocs=cfg["nprocs"], ops=cfg["ops"],
                                algorithms=cfg["algorithms"], transports=cfg["transports"], sizes=cfg["sizes"], dtype=cfg["dtype"],
                                warmup=cfg["warmup"], iters=cfg["iters"] if cfg["iters"] else
                                f"adaptive: ceil({TARGET_S}s / slowest warm-up call), clamped to [{MIN_ITERS}, {MAX_ITERS}]",
@@ -281,14 +159,14 @@ def run(args: argparse.Namespace) -> int:
                                       "perf_counter / burst; per iteration max over ranks; median over iterations; "
                                       "algorithms interleaved in rotated order per round",
                                **background.meta(cfg["background_load"], windows))
-        common.write_json(args.json, meta, records)
-        common.progress(f"wrote {args.json}")
-    if args.plot:
-        plot(records, columns, args.plot)
-        common.progress(f"wrote {args.plot}")
-    if args.markdown:
-        with open(args.markdown, "w") as f:
+        common.write_json(json_path, meta, records)
+        common.progress(f"wrote {json_path}")
+    if plot_path:
+        plot(records, columns, plot_path)
+        common.progress(f"wrote {plot_path}")
+    if markdown_path:
+        with open(markdown_path, "w") as f:
             f.write(format_markdown(records, columns) + "\n")
-        common.progress(f"wrote {args.markdown}")
+        common.progress(f"wrote {markdown_path}")
     common.progress(f"bench comm: {len(records)} records in {elapsed:.1f}s")
     return 0

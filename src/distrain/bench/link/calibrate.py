@@ -30,7 +30,6 @@ cluster; without one it spawns ``--nproc`` local ranks (loopback: the "intra" li
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -41,17 +40,7 @@ import torch
 from distrain.bench import common
 from distrain.errors import ConfigError
 
-DEFAULT_SIZES = "8,64K,256K,1M,4M,16M"
 FIT_FROM = 256 << 10
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.description = "Ping-pong α-β calibration of every link (rank 0 with each other rank); see docs/cost_model.md."
-    p.add_argument("--nproc", type=int, default=2, help="local ranks to spawn when not under a launcher (default 2)")
-    p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"message sizes, K/M = powers of 1024 (default {DEFAULT_SIZES})")
-    p.add_argument("--warmup", type=int, default=2, help="untimed round trips per size (default 2)")
-    p.add_argument("--iters", type=int, default=7, help="timed round trips per size (default 7)")
-    p.add_argument("--json", default=None, metavar="PATH", help="write records and the fitted model as JSON")
 
 
 def node_id() -> str:
@@ -193,11 +182,13 @@ def calibrate(cfg: dict) -> dict:
     return distrain.spawn(_worker, cfg["nproc"], args=(cfg,), timeout=600)[0]
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.nproc < 2:
-        raise ConfigError(f"--nproc must be >= 2 (a ping-pong needs two ranks), got {args.nproc}")
-    cfg = {"sizes": common.parse_sizes(args.sizes), "warmup": args.warmup, "iters": args.iters, "nproc": args.nproc}
-    if args.iters < 1 or args.warmup < 0:
+def run(sizes: list[int], warmup: int, iters: int, nproc: int, json_path: str | None = None) -> int:
+    """Calibrate with messages of ``sizes`` bytes (``warmup`` untimed and ``iters`` timed round trips
+    each, ``nproc`` local ranks when not launched); print the fitted links and write ``json_path``."""
+    if nproc < 2:
+        raise ConfigError(f"--nproc must be >= 2 (a ping-pong needs two ranks), got {nproc}")
+    cfg = {"sizes": list(sizes), "warmup": warmup, "iters": iters, "nproc": nproc}
+    if iters < 1 or warmup < 0:
         raise ConfigError("--iters must be >= 1 and --warmup >= 0")
     res = calibrate(cfg)
     if not res:  # not rank 0
@@ -212,10 +203,10 @@ def run(args: argparse.Namespace) -> int:
             if "host_busy" in sh else "")
     print(f"shift (every rank sends {sh['bytes'] >> 10} KiB to the next at once): {sh['per_link_GBps']:.4f} GB/s per "
           f"link, {sh['aggregate_GBps']:.4f} GB/s in all{busy}")
-    if args.json:
+    if json_path:
         meta = common.metadata(benchmark="link", sizes=cfg["sizes"], warmup=cfg["warmup"], iters=cfg["iters"],
                                placement=res["placement"])
-        with open(args.json, "w") as f:
+        with open(json_path, "w") as f:
             json.dump({"meta": meta, "records": res["records"], "model": res["model"]}, f, indent=1)
-        common.progress(f"wrote {args.json}")
+        common.progress(f"wrote {json_path}")
     return 0

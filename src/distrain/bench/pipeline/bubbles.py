@@ -9,12 +9,11 @@ v chunks per rank: (p - 1) / (v * m) over the ideal compute, Narayanan et al. 20
 makespan next to the ideal one, and each stage's peak of held micro-batches and saved bytes.
 The layer's backward cost b is half input gradient, half weight gradient (``w_ms``, deferred
 to the W pass under ZB-H1), so with f = b / 2 every op costs the same: T_F = T_B = T_W, the
-paper's assumption. A library module only measures; this one owns the argparse.
+paper's assumption. The command line (distrain/cli/bench.py) parses the flags and calls :func:`run`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -24,11 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distrain.bench.common import parse_choices, parse_ints
 from distrain.errors import ConfigError
 from distrain.launch import spawn
 from distrain.parallel.pipeline_parallel import (
-    InterleavedStage, PipelineStage, SCHEDULES, collect_timeline, deferral, ideal_bubble, interleaved_step,
+    InterleavedStage, PipelineStage, collect_timeline, deferral, ideal_bubble, interleaved_step,
     pipeline_step, simulate,
 )
 from distrain.topology import Topology
@@ -208,28 +206,14 @@ def format_bubble_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pp", default="2,4", help="pipeline sizes")
-    p.add_argument("--microbatches", "--m", dest="m", default="1,2,4,8", help="micro-batch counts, comma-separated")
-    p.add_argument("--repeats", type=int, default=3, help="timed steps per configuration (median)")
-    p.add_argument("--workload", default="spin", help="spin (busy CPU) or sleep (idle CPU) stage cost")
-    p.add_argument("--schedules", default="gpipe,1f1b,zb-h1", help=f"schedules, comma-separated, among "
-                                                                   f"{', '.join(SCHEDULES)}")
-    p.add_argument("--virtual", type=int, default=0,
-                   help="also run interleaved 1F1B with this many chunks per rank (0 or 1: not)")
-    p.add_argument("--gantt", default=None, help="folder for a Gantt chart (PNG) of each configuration's last step")
-    p.add_argument("--json", default=None)
-
-
-def run_pipeline(args: argparse.Namespace) -> int:
-    workload = parse_choices(args.workload, ("spin", "sleep"), "--workload")[0]
-    if args.virtual < 0:
-        raise ConfigError(f"--virtual must be >= 0, got {args.virtual}")
-    schedules = parse_choices(args.schedules, SCHEDULES, "--schedules")
-    rows = measure_bubbles(parse_ints(args.pp, "--pp", 2), parse_ints(args.m, "--m"), schedules, repeats=args.repeats,
-                           workload=workload, virtual=args.virtual, gantt=args.gantt)
+def run(pp: list[int], m: list[int], schedules: list[str], repeats: int, workload: str, virtual: int,
+        gantt: str | None = None, json_path: str | None = None) -> int:
+    """``distrain bench pipeline``: :func:`measure_bubbles`, its table printed, its rows written to ``json_path``."""
+    if virtual < 0:
+        raise ConfigError(f"--virtual must be >= 0, got {virtual}")
+    rows = measure_bubbles(pp, m, schedules, repeats=repeats, workload=workload, virtual=virtual, gantt=gantt)
     print(format_bubble_table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(rows, f, indent=1)
     return 0

@@ -3,23 +3,15 @@ ledger; the all-reduce payload per transformer block against Megatron's count (t
 all-reduces of b*s*h elements forward, two backward, per block; Shoeybi et al. 2019); then the
 activation bytes one block keeps for backward per rank, in one process, under tensor
 parallelism, and under tensor + sequence parallelism (Korthikanti et al. 2022), measured with
-autograd's saved-tensor hooks.
+autograd's saved-tensor hooks. The command line (distrain/cli/bench.py) parses the flags and
+calls :func:`run`.
 """
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from distrain.errors import ConfigError
-
-
-def add_tp_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
-    p.add_argument("--model", default="gpt-small")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--algorithm", default="ring", help="star, ring or tree (native traffic is not visible)")
 
 
 def _tp_rank(rank: int, model: str, b: int, algorithm: str) -> dict:
@@ -52,20 +44,21 @@ def _tp_rank(rank: int, model: str, b: int, algorithm: str) -> dict:
     return out
 
 
-def run_tp(args: argparse.Namespace) -> int:
+def run(tp: int, model: str, batch_size: int, algorithm: str) -> int:
+    """``distrain bench tp``: print both tables; 0 when the ledger equals Megatron's count, else 1."""
     from distrain.launch import spawn
     from distrain.models import preset_config
     from distrain.models.gpt.plan import tp_all_reduces_per_step
     from distrain.parallel.tensor_parallel import megatron_bytes_per_block
 
-    if args.algorithm not in ("star", "ring", "tree"):
+    if algorithm not in ("star", "ring", "tree"):
         raise ConfigError("--algorithm must be star, ring or tree: the ledger cannot see inside native calls")
-    c = preset_config(args.model)
-    b, s, h, L = args.batch_size, c["block_size"], c["n_embd"], c["n_layer"]
-    got = spawn(_tp_rank, args.tp, args=(args.model, b, args.algorithm))[0]
+    c = preset_config(model)
+    b, s, h, L = batch_size, c["block_size"], c["n_embd"], c["n_layer"]
+    got = spawn(_tp_rank, tp, args=(model, b, algorithm))[0]
     want = tp_all_reduces_per_step(L, b, s, h, 4)
     per_block = megatron_bytes_per_block(b, s, h, 4)
-    print(f"{args.model}: b={b} s={s} h={h}, {L} blocks, tp={args.tp}, fp32; all-reduce payload per rank, one step")
+    print(f"{model}: b={b} s={s} h={h}, {L} blocks, tp={tp}, fp32; all-reduce payload per rank, one step")
     print("| pass | calls (ledger) | bytes (ledger) | expected calls | expected bytes | of which blocks "
           "| per block (ledger) | Megatron per block: 2 x b*s*h*4 |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")

@@ -47,64 +47,63 @@ several times slower than with 1 thread, which inflates every speedup over it; c
 ``TrainConfig.transport`` (``distrain train --transport``); ranks polling shared memory may be
 bound to free cores, as ``distrain train`` does. ``--rounds`` repeats every job with the order
 rotated; medians over rounds are reported.
-The machine's load average (``os.getloadavg``) is recorded at the start and the end.
+The machine's load average (``os.getloadavg``) is recorded at the start and the end. The
+command line (distrain/cli/bench.py) parses the flags into :class:`Settings`, which :func:`run` takes.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import tempfile
+from dataclasses import dataclass
 
-from distrain.bench.common import format_table, metadata, parse_ints, progress, write_json
+from distrain.bench.common import format_table, metadata, progress, write_json
 from distrain.bench.train.layout_plan import Job, Layout, parse_layout, parse_layouts, plan_jobs  # noqa: F401 (API)
 from distrain.errors import ConfigError
 from distrain.trainer.config import MODEL_DATA, TrainConfig
 from distrain.trainer.metrics import read_metrics
 
-DEFAULT_LAYOUTS = "ddp,zero3,tp2,pp2,dp2xtp2,tp2xpp2"
 MMAP_THRESHOLD = 64 * 1024  # bytes: glibc M_MMAP_THRESHOLD during the memory steps
 MEMORY_STEPS = 2  # after the timed steps: one to settle the allocator, one measured
 TRANSPORTS = ("torch", "shm", "auto")  # --transport: how every job's ranks exchange bytes (TrainConfig.transport)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="llama-small", help="a text preset: gpt-tiny, gpt-small, llama-tiny, llama-small")
-    p.add_argument("--nproc", default="2,4", help="world sizes, comma-separated (single at P=1 always runs)")
-    p.add_argument("--layouts", default=DEFAULT_LAYOUTS,
-                   help="comma-separated: ddp, zero1-3, or dpAxtpBxppC grids (tp2, pp2, dp2xtp2, tp2xpp2, zero1xpp2)")
-    p.add_argument("--batch-size", type=int, default=16, help="global batch of sequences (same for every job)")
-    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step of layouts with pp > 1")
-    p.add_argument("--schedule", default="1f1b", help="pipeline schedule of layouts with pp > 1 (gpipe, 1f1b, zb-h1)")
-    p.add_argument("--algorithm", default="ring", help="collective algorithm of our DDP, ZeRO, TP and PP")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per job")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per job, before the timed ones")
-    p.add_argument("--seed", type=int, default=0, help="model and data seed (the same for every job)")
-    p.add_argument("--rounds", type=int, default=1, help="repeat every job, order rotated; medians over rounds")
-    p.add_argument("--transport", default="torch",
-                   help="how every job's ranks exchange bytes: torch (Gloo), shm (shared memory), auto (default torch)")
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch threads per rank (0: spawn's default, cpu_count // P, as distrain train)")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds one job may take")
-    p.add_argument("--json", default=None, help="write every record here")
+@dataclass(frozen=True)
+class Settings:
+    """One ``bench layouts`` run (distrain/cli/bench.py parses the flags; :func:`run` checks them)."""
+    model: str  # a text preset: gpt-tiny, gpt-small, llama-tiny, llama-small
+    nprocs: list[int]  # world sizes (single at P=1 always runs)
+    layouts: str  # comma-separated: ddp, zero1-3, or dpAxtpBxppC grids (layout_plan.parse_layouts)
+    batch_size: int  # global batch of sequences (same for every job)
+    microbatches: int  # micro-batches per step of layouts with pp > 1
+    schedule: str  # pipeline schedule of layouts with pp > 1 (gpipe, 1f1b, zb-h1)
+    algorithm: str  # collective algorithm of our DDP, ZeRO, TP and PP
+    steps: int  # timed steps per job
+    warmup: int  # untimed steps per job, before the timed ones
+    seed: int  # model and data seed (the same for every job)
+    rounds: int  # repeats of every job, order rotated; medians over rounds
+    transport: str  # of TRANSPORTS
+    threads: int  # torch threads per rank (0: spawn's default, cpu_count // P)
+    timeout: float  # seconds one job may take
+    json_path: str | None = None  # where every record goes
 
 
-def _config(job: Job, args, root: str) -> TrainConfig:
+def _config(job: Job, opts: Settings, root: str) -> TrainConfig:
     pp = job.pp > 1
-    return TrainConfig(model=args.model, data="shakespeare", strategy=job.strategy, nproc=job.nproc, device="cpu",
-                       algorithm=args.algorithm, transport=args.transport, tp=job.tp, pp=job.pp,
-                       microbatches=args.microbatches if pp else 1, schedule=args.schedule,
-                       steps=args.warmup + args.steps + MEMORY_STEPS, batch_size=args.batch_size, seed=args.seed,
+    return TrainConfig(model=opts.model, data="shakespeare", strategy=job.strategy, nproc=job.nproc, device="cpu",
+                       algorithm=opts.algorithm, transport=opts.transport, tp=job.tp, pp=job.pp,
+                       microbatches=opts.microbatches if pp else 1, schedule=opts.schedule,
+                       steps=opts.warmup + opts.steps + MEMORY_STEPS, batch_size=opts.batch_size, seed=opts.seed,
                        dtype="float32", eval_every=0, sample_chars=0, progress=False, report=False,
-                       log_every=args.warmup + args.steps + MEMORY_STEPS, overwrite=True,
+                       log_every=opts.warmup + opts.steps + MEMORY_STEPS, overwrite=True,
                        out=os.path.join(root, f"{job.layout}-{job.nproc}"))
 
 
-def _validated(job: Job, args, root: str) -> TrainConfig:
+def _validated(job: Job, opts: Settings, root: str) -> TrainConfig:
     """The job's TrainConfig, checked by the trainer's own validation; its error names the layout and P."""
     try:
-        return _config(job, args, root).validate()
+        return _config(job, opts, root).validate()
     except ConfigError as e:
         raise ConfigError(f"--layouts {job.layout} at P={job.nproc} ({job.grid}, --strategy {job.strategy}): {e}") from None
 
@@ -152,7 +151,7 @@ def _rank(rank: int, cfg_dict: dict, timed_steps: int) -> dict:
         engine = build(*a, **kw)
         step = engine.train_step
 
-        def train_step(x, y):
+        def train_step(x, y, commit=None):
             i = seen["calls"]
             if i == timed_steps:  # first memory step: from now on glibc unmaps freed blocks
                 libc = ctypes.CDLL("libc.so.6")
@@ -161,7 +160,7 @@ def _rank(rank: int, cfg_dict: dict, timed_steps: int) -> dict:
             if i == timed_steps + 1:  # the measured step: high-water mark := RSS now
                 with open("/proc/self/clear_refs", "w") as f:
                     f.write("5")
-            out = step(x, y)
+            out = step(x, y, commit)
             if i == timed_steps + 1:
                 seen["peak"] = _status_bytes("VmHWM") - base
             seen["calls"] = i + 1
@@ -181,28 +180,28 @@ def _rank(rank: int, cfg_dict: dict, timed_steps: int) -> dict:
     return {"rank": rank, "peak": seen["peak"], "base": base, "summary": summary}
 
 
-def _measure(job: Job, cfg: TrainConfig, args) -> dict:
+def _measure(job: Job, cfg: TrainConfig, opts: Settings) -> dict:
     import distrain
     from distrain.trainer import loop
 
     loop.check_out(cfg)
-    per_rank = distrain.spawn(_rank, cfg.nproc, args=(cfg.to_dict(), args.warmup + args.steps),
-                              backend=loop.BACKENDS[cfg.device], timeout=args.timeout,
+    per_rank = distrain.spawn(_rank, cfg.nproc, args=(cfg.to_dict(), opts.warmup + opts.steps),
+                              backend=loop.BACKENDS[cfg.device], timeout=opts.timeout,
                               init_timeout=cfg.collective_timeout,
                               bind_cores=None if cfg.transport in ("shm", "auto") else False,  # as distrain train
-                              threads_per_rank=args.threads or None)
+                              threads_per_rank=opts.threads or None)
     summary = per_rank[0]["summary"]
     rows = [r for r in read_metrics(os.path.join(cfg.out, "metrics.jsonl"))
-            if args.warmup <= r["step"] < args.warmup + args.steps]
+            if opts.warmup <= r["step"] < opts.warmup + opts.steps]
     step_s = statistics.median(r["time_s"] for r in rows)
-    block = next(r["tokens_per_s"] * r["time_s"] for r in rows) / args.batch_size  # tokens per sample
+    block = next(r["tokens_per_s"] * r["time_s"] for r in rows) / opts.batch_size  # tokens per sample
     peaks = [r["peak"] for r in per_rank]
     return {"nproc": job.nproc, "layout": job.layout, "aliases": list(job.aliases), "strategy": job.strategy,
             "transport": cfg.transport, "dp": job.dp, "tp": job.tp, "pp": job.pp, "grid": job.grid,
             "microbatches": cfg.microbatches,
-            "threads_per_rank": args.threads or max(1, (os.cpu_count() or 1) // job.nproc),
-            "step_ms": 1e3 * step_s, "samples_per_s": args.batch_size / step_s,
-            "tokens_per_s": args.batch_size * round(block) / step_s,
+            "threads_per_rank": opts.threads or max(1, (os.cpu_count() or 1) // job.nproc),
+            "step_ms": 1e3 * step_s, "samples_per_s": opts.batch_size / step_s,
+            "tokens_per_s": opts.batch_size * round(block) / step_s,
             "peak_mem_bytes": max(peaks), "peak_mem_bytes_per_rank": peaks,
             "rss_before_model_bytes_per_rank": [r["base"] for r in per_rank],
             "bytes_sent_per_step_max_rank": max(t["sent"] for t in summary["bytes_per_step"]),
@@ -227,16 +226,17 @@ def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def run(args: argparse.Namespace) -> int:
-    if MODEL_DATA.get(args.model) != "text":
+def run(opts: Settings) -> int:
+    """Run every job of ``opts`` (in rotated order, ``opts.rounds`` times), print the table, write the JSON."""
+    if MODEL_DATA.get(opts.model) != "text":
         text = ", ".join(m for m, d in MODEL_DATA.items() if d == "text")
-        raise ConfigError(f"--model {args.model!r}: bench layouts trains a text preset ({text})")
-    if args.steps < 1 or args.warmup < 0 or args.rounds < 1 or args.threads < 0:
+        raise ConfigError(f"--model {opts.model!r}: bench layouts trains a text preset ({text})")
+    if opts.steps < 1 or opts.warmup < 0 or opts.rounds < 1 or opts.threads < 0:
         raise ConfigError("--steps and --rounds must be >= 1, --warmup and --threads >= 0")
-    if args.transport not in TRANSPORTS:
-        raise ConfigError(f"--transport {args.transport!r}: choose one of {', '.join(TRANSPORTS)}")
-    nprocs = parse_ints(args.nproc, "--nproc")
-    jobs, notes = plan_jobs(nprocs, parse_layouts(args.layouts))
+    if opts.transport not in TRANSPORTS:
+        raise ConfigError(f"--transport {opts.transport!r}: choose one of {', '.join(TRANSPORTS)}")
+    nprocs = opts.nprocs
+    jobs, notes = plan_jobs(nprocs, parse_layouts(opts.layouts))
     load_start = _load()
     progress(f"load average at start (1, 5, 15 min): {load_start}")
     for n in notes:
@@ -245,28 +245,28 @@ def run(args: argparse.Namespace) -> int:
         progress("note: no layout fits any --nproc; only the single baseline runs")
     results: dict[tuple, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="distrain-bench-layouts-") as root:
-        configs = [_validated(j, args, root) for j in jobs]  # every error before any run
+        configs = [_validated(j, opts, root) for j in jobs]  # every error before any run
         order = list(range(len(jobs)))
-        for rnd in range(args.rounds):
+        for rnd in range(opts.rounds):
             k = rnd % len(order)
             for i in order[k:] + order[:k]:
                 j = jobs[i]
-                progress(f"round {rnd + 1}/{args.rounds}: {j.layout} ({j.grid}, {j.strategy}) on {j.nproc} process(es)")
-                results.setdefault(j.key, []).append(_measure(j, configs[i], args))
+                progress(f"round {rnd + 1}/{opts.rounds}: {j.layout} ({j.grid}, {j.strategy}) on {j.nproc} process(es)")
+                results.setdefault(j.key, []).append(_measure(j, configs[i], opts))
     load_end = _load()
     records = [_median_record(results[j.key]) for j in jobs]
     base = records[0]["samples_per_s"]
     for r in records:
         r["speedup"] = r["samples_per_s"] / base
         r["efficiency"] = r["speedup"] / r["nproc"]
-    print(_table(records, args, notes, load_start, load_end))
-    if args.json:
-        write_json(args.json, metadata(model=args.model, batch_size=args.batch_size, microbatches=args.microbatches,
-                                       schedule=args.schedule, algorithm=args.algorithm,
-                                       transport=args.transport, steps=args.steps,
-                                       warmup=args.warmup, memory_steps=MEMORY_STEPS, rounds=args.rounds,
-                                       seed=args.seed, dtype="float32", layouts=args.layouts, nprocs=nprocs,
-                                       threads_per_rank=args.threads or "cpu_count // P",
+    print(_table(records, opts, notes, load_start, load_end))
+    if opts.json_path:
+        write_json(opts.json_path, metadata(model=opts.model, batch_size=opts.batch_size, microbatches=opts.microbatches,
+                                       schedule=opts.schedule, algorithm=opts.algorithm,
+                                       transport=opts.transport, steps=opts.steps,
+                                       warmup=opts.warmup, memory_steps=MEMORY_STEPS, rounds=opts.rounds,
+                                       seed=opts.seed, dtype="float32", layouts=opts.layouts, nprocs=nprocs,
+                                       threads_per_rank=opts.threads or "cpu_count // P",
                                        mmap_threshold=MMAP_THRESHOLD, notes=notes,
                                        load_avg_start=load_start, load_avg_end=load_end), records)
     return 0
@@ -288,11 +288,11 @@ HEADERS = [("", ["P", "layout", "grid"]), ("step", ["ms", "samples/s", "tokens/s
            ("peak RSS MB", ["max rank", "per rank"]), ("", ["MB sent/rank/step", "last loss"])]
 
 
-def _table(records: list[dict], args, notes: list[str], load_start, load_end) -> str:
-    head = (f"{args.model}, fp32 AdamW, global batch {args.batch_size}, transport {args.transport}, {args.steps} timed "
-            f"steps after {args.warmup} warm-up, medians over {args.rounds} round(s), "
-            f"{args.threads or 'cpu_count // P'} torch thread(s) per rank; pipelines: {args.microbatches} "
-            f"micro-batches, {args.schedule}; peak RSS above the RSS before the model, MB = 1e6 bytes\n"
+def _table(records: list[dict], opts: Settings, notes: list[str], load_start, load_end) -> str:
+    head = (f"{opts.model}, fp32 AdamW, global batch {opts.batch_size}, transport {opts.transport}, {opts.steps} timed "
+            f"steps after {opts.warmup} warm-up, medians over {opts.rounds} round(s), "
+            f"{opts.threads or 'cpu_count // P'} torch thread(s) per rank; pipelines: {opts.microbatches} "
+            f"micro-batches, {opts.schedule}; peak RSS above the RSS before the model, MB = 1e6 bytes\n"
             f"load average (1, 5, 15 min) at start {load_start}, at end {load_end}, on {os.cpu_count()} CPUs")
     text = head + "\n" + format_table(HEADERS, table_rows(records))
     return text + "".join(f"\nnote: {n}" for n in notes)

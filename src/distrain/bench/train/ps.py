@@ -26,7 +26,6 @@ size, S servers on the last S ranks); without a launcher it spawns ``--nproc`` l
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
@@ -36,18 +35,6 @@ from distrain.bench import common
 from distrain.errors import ConfigError
 
 TENSORS_PER_SERVER = 4
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.description = "Synchronous parameter-server round (pull + push + update) time, measured and predicted."
-    p.add_argument("--nproc", type=int, default=3, help="local ranks to spawn when not under a launcher (default 3)")
-    p.add_argument("--servers", default="1,2", help="server counts S to run, comma-separated (default 1,2; S < P)")
-    p.add_argument("--sizes", default="1M,4M,16M", help="model sizes in bytes, K/M = powers of 1024 (default 1M,4M,16M)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed rounds per size (default 1)")
-    p.add_argument("--iters", type=int, default=3, help="timed rounds per size (default 3)")
-    p.add_argument("--predict", nargs="?", const="auto", default=None, metavar="CALIBRATION",
-                   help="add predicted_us from a `distrain bench link --json` file (no value: calibrate now)")
-    p.add_argument("--json", default=None, metavar="PATH", help="write the records as JSON")
 
 
 def _model(nbytes: int, servers: int) -> torch.nn.Module:
@@ -131,18 +118,22 @@ def _launched(cfg: dict) -> list[dict]:
     return distrain.spawn(_worker, cfg["nproc"], args=(cfg,), timeout=900)[0]
 
 
-def run(args: argparse.Namespace) -> int:
-    cfg = {"sizes": common.parse_sizes(args.sizes), "servers": common.parse_ints(args.servers, "--servers"),
-           "warmup": args.warmup, "iters": args.iters, "nproc": args.nproc, "predict": args.predict}
-    if args.iters < 1 or args.warmup < 0:
+def run(sizes: list[int], servers: list[int], warmup: int, iters: int, nproc: int, predict: str | None = None,
+        json_path: str | None = None) -> int:
+    """Time a round for every server count and model size (``nproc`` local ranks when not launched);
+    ``predict``: a calibration file, or "auto" to calibrate now, for the cost model's prediction
+    beside each; print the table and write ``json_path``."""
+    cfg = {"sizes": list(sizes), "servers": list(servers), "warmup": warmup, "iters": iters, "nproc": nproc,
+           "predict": predict}
+    if iters < 1 or warmup < 0:
         raise ConfigError("--iters must be >= 1 and --warmup >= 0")
-    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else args.nproc
+    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else nproc
     if max(cfg["servers"]) >= world:
         raise ConfigError(f"--servers: {max(cfg['servers'])} servers need at least {max(cfg['servers']) + 1} "
                           f"processes (S servers + at least 1 worker); this run has {world}")
-    if args.predict not in (None, "auto") and not os.path.isfile(args.predict):
-        raise ConfigError(f"--predict: no calibration file {args.predict!r}; write one with "
-                          f"`distrain bench link --json {args.predict}` or give --predict alone to calibrate now")
+    if predict not in (None, "auto") and not os.path.isfile(predict):
+        raise ConfigError(f"--predict: no calibration file {predict!r}; write one with "
+                          f"`distrain bench link --json {predict}` or give --predict alone to calibrate now")
     for S in cfg["servers"]:
         for size in cfg["sizes"]:
             _model(size, S)  # a size that cannot be balanced fails here, before any process starts
@@ -154,9 +145,9 @@ def run(args: argparse.Namespace) -> int:
              f"{r['predicted_us'] / 1e3:.1f}" if "predicted_us" in r else "-",
              f"{r['predicted_error_pct']:+.1f}%" if "predicted_us" in r else "-"] for r in records]
     print(common.format_table([("parameter server round (pull + push + update)", head)], rows))
-    if args.json:
-        common.write_json(args.json, common.metadata(benchmark="ps", sizes=cfg["sizes"], servers=cfg["servers"],
+    if json_path:
+        common.write_json(json_path, common.metadata(benchmark="ps", sizes=cfg["sizes"], servers=cfg["servers"],
                                                      warmup=cfg["warmup"], iters=cfg["iters"],
                                                      loadavg_after=os.getloadavg()), records)
-        common.progress(f"wrote {args.json}")
+        common.progress(f"wrote {json_path}")
     return 0

@@ -35,18 +35,19 @@ and the median over rounds is reported, so machine noise hits all strategies ali
 
 ``--background-load N`` starts N busy processes (:mod:`distrain.bench.background`) before the
 first job and stops them after the last; every job records the load average at its start and
-end (the JSON's metadata), and the table's last line summarises it.
+end (the JSON's metadata), and the table's last line summarises it. The command line
+(distrain/cli/bench.py) parses and checks the flags into :class:`Settings`, which :func:`run` takes.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import tempfile
+from dataclasses import dataclass
 
 from distrain.bench import background
-from distrain.bench.common import format_table, metadata, parse_choices, parse_ints, progress, write_json
+from distrain.bench.common import format_table, metadata, progress, write_json
 from distrain.errors import ConfigError
 from distrain.trainer.config import MODEL_DATA, TrainConfig
 from distrain.trainer.metrics import read_metrics
@@ -55,23 +56,23 @@ STRATEGIES = ("ddp", "torch-ddp", "zero1", "zero2", "zero3", "ps-sync", "ps-asyn
 ONE_PROCESS = ("single-threads",)  # one job at P = 1 whatever --nproc is, like the single baseline
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nproc", default="1,2,4", help="world sizes, comma-separated")
-    p.add_argument("--strategy", "--strategies", dest="strategies", default=",".join(STRATEGIES),
-                   help=f"comma-separated, any of {', '.join(STRATEGIES)}")
-    p.add_argument("--model", default="mlp", help="mlp (Fashion-MNIST), gpt-small (Shakespeare), or a tiny preset")
-    p.add_argument("--steps", type=int, default=30, help="timed steps per job")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps per job")
-    p.add_argument("--batch-size", type=int, default=None, help="global batch (default: 240 for MLPs, 24 for GPTs: divisible by 1-4 workers)")
-    p.add_argument("--algorithm", default="ring", help="all-reduce algorithm of our DDP")
-    p.add_argument("--transport", default="torch",
-                   help="transports of our strategies, comma-separated: torch, shm, auto (default torch)")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size of ddp and torch-ddp")
-    p.add_argument("--servers", type=int, default=1, help="parameter-server ranks for ps-*")
-    p.add_argument("--max-staleness", type=int, default=2, help="staleness bound for ps-async")
-    p.add_argument("--rounds", type=int, default=1, help="repeat the whole set, strategy order rotated")
-    p.add_argument("--json", default=None, help="write every record here")
-    background.add_argument(p)
+@dataclass(frozen=True)
+class Settings:
+    """One ``bench train`` run, its flags parsed and checked (distrain/cli/bench.py)."""
+    nprocs: list[int]  # world sizes
+    strategies: list[str]  # of STRATEGIES
+    model: str  # a MODEL_DATA preset
+    steps: int  # timed steps per job
+    warmup: int  # untimed steps per job
+    batch_size: int | None  # global batch; None: 240 for MLPs, 24 for GPTs (divisible by 1-4 workers)
+    algorithm: str  # all-reduce algorithm of our DDP
+    transports: tuple[str, ...]  # of our strategies: torch, shm, auto
+    bucket_cap_mb: float  # gradient bucket size of ddp and torch-ddp
+    servers: int  # parameter-server ranks for ps-*
+    max_staleness: int  # staleness bound for ps-async
+    rounds: int  # repeats of the whole set, strategy order rotated
+    background_load: int = 0  # busy processes beside the jobs (bench/background.py)
+    json_path: str | None = None  # where every record goes
 
 
 def _jobs(nprocs: list[int], strategies: list[str], servers: int,
@@ -91,14 +92,14 @@ def _label(strategy: str, transport: str) -> str:
     return strategy if transport == "torch" else f"{strategy}@{transport}"
 
 
-def _config(P: int, strategy: str, transport: str, args, batch: int, root: str) -> TrainConfig:
-    return TrainConfig(model=args.model, data=MODEL_DATA[args.model] if MODEL_DATA[args.model] != "text" else "shakespeare",
+def _config(P: int, strategy: str, transport: str, opts: Settings, batch: int, root: str) -> TrainConfig:
+    return TrainConfig(model=opts.model, data=MODEL_DATA[opts.model] if MODEL_DATA[opts.model] != "text" else "shakespeare",
                       strategy="single" if strategy in ONE_PROCESS else strategy,  # single-threads: single's job
-                      nproc=P, algorithm=args.algorithm, servers=args.servers, transport=transport,
-                      bucket_cap_mb=args.bucket_cap_mb,
-                      max_staleness=args.max_staleness if strategy == "ps-async" else None,
-                      steps=args.warmup + args.steps, batch_size=batch, eval_every=0, sample_chars=0,
-                      progress=False, report=False, log_every=args.warmup + args.steps, overwrite=True,
+                      nproc=P, algorithm=opts.algorithm, servers=opts.servers, transport=transport,
+                      bucket_cap_mb=opts.bucket_cap_mb,
+                      max_staleness=opts.max_staleness if strategy == "ps-async" else None,
+                      steps=opts.warmup + opts.steps, batch_size=batch, eval_every=0, sample_chars=0,
+                      progress=False, report=False, log_every=opts.warmup + opts.steps, overwrite=True,
                       out=os.path.join(root, f"{_label(strategy, transport)}-{P}"))
 
 
@@ -122,13 +123,13 @@ def _train_single_threads(cfg: TrainConfig, cores: int) -> dict:
                  bind_cores=False)[0]
 
 
-def _measure(cfg: TrainConfig, args, batch: int, strategy: str) -> dict:
+def _measure(cfg: TrainConfig, opts: Settings, batch: int, strategy: str) -> dict:
     from distrain.trainer import train
 
     P, out = cfg.nproc, cfg.out
     threads = background.usable_cores() if strategy in ONE_PROCESS else None
     summary = _train_single_threads(cfg, threads) if threads else train(cfg)
-    rows = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if r["step"] >= args.warmup]
+    rows = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if r["step"] >= opts.warmup]
     step_s = statistics.median(r["time_s"] for r in rows)
     units = next(k for k in rows[0] if k.endswith("_per_s")).removesuffix("_per_s")
     per_sample = rows[0][f"{units}_per_s"] * rows[0]["time_s"] / batch
@@ -144,34 +145,27 @@ def _measure(cfg: TrainConfig, args, batch: int, strategy: str) -> dict:
             "staleness_max": summary.get("staleness_max")}
 
 
-def run(args: argparse.Namespace) -> int:
-    nprocs = parse_ints(args.nproc, "--nproc")
-    from distrain.bench.train import zero
-    memory = [x for x in str(args.strategies).split(",") if x in zero.STRATEGIES and x not in STRATEGIES]
-    if memory:  # torch's sharded strategies have no trainer engine: bench zero runs them beside ours
-        raise ConfigError(f"--strategies {','.join(memory)}: torch's sharded strategies are measured by "
-                          f"`distrain bench zero --strategies {args.strategies}` (step time, bytes held and peak "
-                          f"memory per rank, side by side with ddp, zero1-3 and torch-ddp)")
-    strategies = parse_choices(args.strategies, STRATEGIES, "--strategies")
-    if args.model not in MODEL_DATA:
-        raise ConfigError(f"--model {args.model!r} is unknown; use one of {', '.join(MODEL_DATA)}")
-    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+def run(opts: Settings) -> int:
+    """Run every job of ``opts`` (in rotated order, ``opts.rounds`` times), print the table, write the JSON."""
+    if opts.model not in MODEL_DATA:
+        raise ConfigError(f"--model {opts.model!r} is unknown; use one of {', '.join(MODEL_DATA)}")
+    if opts.steps < 1 or opts.warmup < 0 or opts.rounds < 1:
         raise ConfigError("--steps and --rounds must be >= 1 and --warmup >= 0")
-    load = background.parse(getattr(args, "background_load", 0))
-    batch = args.batch_size or (24 if MODEL_DATA[args.model] == "text" else 240)
-    transports = tuple(parse_choices(args.transport, ("torch", "shm", "auto"), "--transport"))
-    jobs = _jobs(nprocs, strategies, args.servers, transports)
+    load = opts.background_load
+    batch = opts.batch_size or (24 if MODEL_DATA[opts.model] == "text" else 240)
+    transports = tuple(opts.transports)
+    jobs = _jobs(opts.nprocs, opts.strategies, opts.servers, transports)
     results: dict[tuple[int, str, str], list[dict]] = {}
     windows: list[dict] = []  # every job's load average at its start and end
     with tempfile.TemporaryDirectory(prefix="distrain-bench-train-") as root:
-        configs = {j: _config(*j, args, batch, root).validate() for j in jobs}  # all, before any runs
+        configs = {j: _config(*j, opts, batch, root).validate() for j in jobs}  # all, before any runs
         with background.BackgroundLoad(load):
-            for rnd in range(args.rounds):
+            for rnd in range(opts.rounds):
                 k = rnd % len(jobs)
                 for j in jobs[k:] + jobs[:k]:
-                    progress(f"round {rnd + 1}/{args.rounds}: {_label(j[1], j[2])} on {j[0]} process(es)")
+                    progress(f"round {rnd + 1}/{opts.rounds}: {_label(j[1], j[2])} on {j[0]} process(es)")
                     start = background.loadavg()
-                    results.setdefault(j, []).append(_measure(configs[j], args, batch, j[1]))
+                    results.setdefault(j, []).append(_measure(configs[j], opts, batch, j[1]))
                     windows.append(background.window({"round": rnd + 1, "nproc": j[0], "strategy": _label(j[1], j[2])},
                                                      start, background.loadavg()))
     records = [_median_record(v) for v in results.values()]
@@ -183,11 +177,11 @@ def run(args: argparse.Namespace) -> int:
         r["vs_torch_ddp"] = r["throughput"] / peer["throughput"] if peer else None
         floor = next((q for q in records if q["nproc"] == r["nproc"] and q["strategy"] == "local"), None)
         r["over_local"] = 1 - floor["step_ms"] / r["step_ms"] if floor and r is not floor else None
-    print(_table(records, args, batch))
+    print(_table(records, opts, batch))
     print(background.summary(load, windows))
-    if args.json:
-        write_json(args.json, metadata(model=args.model, batch_size=batch, steps=args.steps, warmup=args.warmup,
-                                       rounds=args.rounds, algorithm=args.algorithm, servers=args.servers,
+    if opts.json_path:
+        write_json(opts.json_path, metadata(model=opts.model, batch_size=batch, steps=opts.steps, warmup=opts.warmup,
+                                       rounds=opts.rounds, algorithm=opts.algorithm, servers=opts.servers,
                                        transports=list(transports),
                                        **background.meta(load, windows)), records)
     return 0
@@ -201,7 +195,7 @@ def _median_record(runs: list[dict]) -> dict:
     return out
 
 
-def _table(records: list[dict], args, batch: int) -> str:
+def _table(records: list[dict], opts: Settings, batch: int) -> str:
     unit = records[0]["unit"]
     rows = []
     for r in sorted(records, key=lambda r: (r["nproc"], r["strategy"])):
@@ -209,15 +203,15 @@ def _table(records: list[dict], args, batch: int) -> str:
                      f"{r['speedup']:.2f}", f"{r['efficiency']:.2f}",
                      f"{100 * r['comm_share']:.0f}%" if r["comm_share"] is not None else "n/a",
                      f"{100 * r['over_local']:.0f}%" if r["over_local"] is not None else "",
-                     _sent(r, args), f"{r['vs_torch_ddp']:.2f}" if r["vs_torch_ddp"] is not None else ""])
-    head = f"{args.model}, global batch {batch}, {args.steps} timed steps after {args.warmup} warm-up"
+                     _sent(r, opts), f"{r['vs_torch_ddp']:.2f}" if r["vs_torch_ddp"] is not None else ""])
+    head = f"{opts.model}, global batch {batch}, {opts.steps} timed steps after {opts.warmup} warm-up"
     return head + "\n" + format_table(
         [("", ["P", "strategy"]), ("step", ["ms", f"{unit}/s", "speedup", "effic."]),
          ("comm", ["wait", "over local", "MB sent/rank/step", "vs torch-ddp"])], rows)
 
 
-def _sent(r: dict, args) -> str:
+def _sent(r: dict, opts: Settings) -> str:
     """The ledger's bytes; n/a where the traffic is not ours to count (Gloo's own collectives)."""
-    ours_native = r["strategy"].startswith(("ddp", "zero")) and args.algorithm == "native"
+    ours_native = r["strategy"].startswith(("ddp", "zero")) and opts.algorithm == "native"
     invisible = r["strategy"] == "torch-ddp" or ours_native
     return "n/a" if invisible else f"{r['bytes_sent_max_rank'] / 1e6:.2f}"

@@ -18,38 +18,41 @@ every freed block above 128 KiB, so the peak follows live tensors rather than wh
 allocator keeps; it still includes one-time library state, alike for every strategy). Beside them: the formulas of memory.py for
 Psi = the model's parameter count (ours: fp32, no master copy; the paper's: mixed precision).
 Step time is rank 0's median after warm-up; ``--rounds`` repeats all jobs in rotated order
-and reports medians over rounds, so a loaded machine's noise hits every strategy alike.
+and reports medians over rounds, so a loaded machine's noise hits every strategy alike. The
+command line (distrain/cli/bench.py) parses the flags into :class:`Settings`, which :func:`run` takes.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
+from dataclasses import dataclass
 
-from distrain.bench.common import format_table, metadata, parse_choices, parse_ints, progress, write_json
+from distrain.bench.common import format_table, metadata, progress, write_json
 from distrain.errors import ConfigError
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "torch-ddp", "torch-zero1", "torch-fsdp")
 STAGE_OF = {"ddp": 0, "torch-ddp": 0, "zero1": 1, "torch-zero1": 1, "zero2": 2, "zero3": 3, "torch-fsdp": 3}
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nproc", default="2", help="world sizes, comma-separated")
-    p.add_argument("--strategies", default="all", help=f"any of {', '.join(STRATEGIES)} (or all)")
-    p.add_argument("--model", default="gpt-small", help="a GPT preset (gpt-tiny, gpt-small)")
-    p.add_argument("--n-embd", type=int, default=256, help="GPT width override")
-    p.add_argument("--n-layer", type=int, default=8, help="GPT depth override")
-    p.add_argument("--batch-size", type=int, default=8, help="global batch (sequences of block_size tokens)")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per job")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per job")
-    p.add_argument("--algorithm", default="ring", help="collective algorithm of ours (native, star, ring, tree)")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="bucket size of DDP, torch DDP, zero1/2")
-    p.add_argument("--rounds", type=int, default=1, help="repeat every job, order rotated; medians over rounds")
-    p.add_argument("--json", default=None, help="write every record here")
+@dataclass(frozen=True)
+class Settings:
+    """One ``bench zero`` run, its flags parsed and checked (distrain/cli/bench.py)."""
+    nprocs: list[int]  # world sizes, each >= 2
+    strategies: list[str]  # of STRATEGIES
+    model: str  # a GPT preset (gpt-tiny, gpt-small)
+    n_embd: int  # GPT width override
+    n_layer: int  # GPT depth override
+    batch_size: int  # global batch (sequences of block_size tokens)
+    steps: int  # timed steps per job
+    warmup: int  # untimed steps per job
+    algorithm: str  # collective algorithm of ours (native, star, ring, tree)
+    bucket_cap_mb: float  # bucket size of DDP, torch DDP, zero1/2
+    rounds: int  # repeats of every job, order rotated; medians over rounds
+    json_path: str | None = None  # where every record goes
 
 
-def _wrap(strategy: str, model, args):
+def _wrap(strategy: str, model, opts: Settings):
     """-> (forward, step, tensors) for one strategy; tensors() -> {kind: [tensors]}."""
     import torch
     import torch.nn as nn
@@ -62,7 +65,7 @@ def _wrap(strategy: str, model, args):
         return torch.optim.AdamW(ps, lr=1e-3)
 
     if strategy.startswith("zero"):
-        eng = Zero(model, adamw, stage=int(strategy[-1]), algorithm=args.algorithm, bucket_cap_mb=args.bucket_cap_mb)
+        eng = Zero(model, adamw, stage=int(strategy[-1]), algorithm=opts.algorithm, bucket_cap_mb=opts.bucket_cap_mb)
         r = eng.impl.resident
         return eng, eng.step, eng.zero_grad, lambda: dict(r(), optimizer=optimizer_state_tensors(eng.optimizer))
     if strategy == "torch-fsdp":
@@ -73,9 +76,9 @@ def _wrap(strategy: str, model, args):
         fully_shard(model)
         fwd = model
     elif strategy == "ddp":
-        fwd = DistributedDataParallel(model, algorithm=args.algorithm, bucket_cap_mb=args.bucket_cap_mb)
+        fwd = DistributedDataParallel(model, algorithm=opts.algorithm, bucket_cap_mb=opts.bucket_cap_mb)
     else:
-        fwd = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+        fwd = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=opts.bucket_cap_mb)
     if strategy == "torch-zero1":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -93,7 +96,7 @@ def _wrap(strategy: str, model, args):
     return fwd, opt.step, lambda: opt.zero_grad(set_to_none=True), tensors
 
 
-def _job(rank: int, strategy: str, args) -> dict:
+def _job(rank: int, strategy: str, opts: Settings) -> dict:
     import ctypes
 
     import torch
@@ -106,15 +109,15 @@ def _job(rank: int, strategy: str, args) -> dict:
     P = dist.get_world_size()
     base = rss_bytes()
     torch.manual_seed(0)
-    model = build_model(args.model, n_embd=args.n_embd, n_layer=args.n_layer)
+    model = build_model(opts.model, n_embd=opts.n_embd, n_layer=opts.n_layer)
     psi = count_parameters(model)
-    fwd, step, zero_grad, tensors = _wrap(strategy, model, args)
+    fwd, step, zero_grad, tensors = _wrap(strategy, model, opts)
     g = torch.Generator().manual_seed(1)
     T = model.layers[0].block_size
-    rows = slice(rank * args.batch_size // P, (rank + 1) * args.batch_size // P)
+    rows = slice(rank * opts.batch_size // P, (rank + 1) * opts.batch_size // P)
 
     def one_step(measure: bool = False) -> tuple[float, dict]:
-        idx = torch.randint(0, 256, (args.batch_size, T + 1), generator=g)
+        idx = torch.randint(0, 256, (opts.batch_size, T + 1), generator=g)
         dist.barrier()
         t0 = time.perf_counter()
         lm_loss(fwd(idx[rows, :-1]), idx[rows, 1:]).backward()
@@ -125,10 +128,10 @@ def _job(rank: int, strategy: str, args) -> dict:
         return dt, held
 
     with comm.ledger() as led:
-        for _ in range(args.warmup):
+        for _ in range(opts.warmup):
             one_step()
         led.reset()
-        timed = [one_step(measure=i == args.steps - 1) for i in range(args.steps)]
+        timed = [one_step(measure=i == opts.steps - 1) for i in range(opts.steps)]
     # Memory pass: glibc now unmaps every freed block above 128 KiB (M_MMAP_THRESHOLD = -3) and
     # returns what it kept, so the RSS high-water mark follows the live tensors. (Not during the
     # timed steps: fresh mappings fault their pages in again, which slowed sharded runs 2-4x.)
@@ -141,7 +144,7 @@ def _job(rank: int, strategy: str, args) -> dict:
     peak.base = base
     one_step()
     return {"psi": psi, "step_s": statistics.median(t for t, _ in timed), "peak": peak.peak(), **timed[-1][1],
-            "sent_per_step": led.bytes_sent() // args.steps}
+            "sent_per_step": led.bytes_sent() // opts.steps}
 
 
 def _record(P: int, strategy: str, per_rank: list[dict]) -> dict:
@@ -159,25 +162,25 @@ def _record(P: int, strategy: str, per_rank: list[dict]) -> dict:
     return rec
 
 
-def run(args: argparse.Namespace) -> int:
+def run(opts: Settings) -> int:
+    """Run every job of ``opts`` (in rotated order, ``opts.rounds`` times), print the table, write the JSON."""
     import distrain
 
-    nprocs = parse_ints(args.nproc, "--nproc", minimum=2)
-    strategies = parse_choices(args.strategies, STRATEGIES, "--strategies")
-    if not args.model.startswith("gpt"):
-        raise ConfigError(f"--model {args.model!r}: bench zero runs a GPT preset (gpt-tiny, gpt-small)")
-    if args.steps < 1 or args.warmup < 1 or args.rounds < 1:
+    nprocs, strategies = opts.nprocs, opts.strategies
+    if not opts.model.startswith("gpt"):
+        raise ConfigError(f"--model {opts.model!r}: bench zero runs a GPT preset (gpt-tiny, gpt-small)")
+    if opts.steps < 1 or opts.warmup < 1 or opts.rounds < 1:
         raise ConfigError("--steps, --warmup and --rounds must be >= 1")
     for P in nprocs:
-        if args.batch_size % P:
-            raise ConfigError(f"--batch-size {args.batch_size} is not divisible by --nproc {P}")
+        if opts.batch_size % P:
+            raise ConfigError(f"--batch-size {opts.batch_size} is not divisible by --nproc {P}")
     jobs = [(P, s) for P in nprocs for s in strategies]
     runs: dict[tuple[int, str], list[dict]] = {}
-    for rnd in range(args.rounds):
+    for rnd in range(opts.rounds):
         k = rnd % len(jobs)
         for P, s in jobs[k:] + jobs[:k]:
-            progress(f"round {rnd + 1}/{args.rounds}: {s} on {P} processes")
-            runs.setdefault((P, s), []).append(_record(P, s, distrain.spawn(_job, P, args=(s, args), timeout=1200)))
+            progress(f"round {rnd + 1}/{opts.rounds}: {s} on {P} processes")
+            runs.setdefault((P, s), []).append(_record(P, s, distrain.spawn(_job, P, args=(s, opts), timeout=1200)))
     records = []
     for (P, s), rs in runs.items():
         rec = dict(rs[len(rs) // 2])
@@ -189,16 +192,16 @@ def run(args: argparse.Namespace) -> int:
         peer = next((q for q in records if q["nproc"] == r["nproc"] and q["strategy"] == "torch-fsdp"), None)
         r["step_vs_torch_fsdp"] = peer["step_ms"] / r["step_ms"] if peer else None
         r["peak_vs_torch_fsdp"] = r["peak_mem_bytes"] / peer["peak_mem_bytes"] if peer else None
-    print(_table(records, args))
-    if args.json:
-        write_json(args.json, metadata(model=args.model, n_embd=args.n_embd, n_layer=args.n_layer,
-                                       batch_size=args.batch_size, steps=args.steps, warmup=args.warmup,
-                                       rounds=args.rounds, algorithm=args.algorithm,
-                                       bucket_cap_mb=args.bucket_cap_mb), records)
+    print(_table(records, opts))
+    if opts.json_path:
+        write_json(opts.json_path, metadata(model=opts.model, n_embd=opts.n_embd, n_layer=opts.n_layer,
+                                       batch_size=opts.batch_size, steps=opts.steps, warmup=opts.warmup,
+                                       rounds=opts.rounds, algorithm=opts.algorithm,
+                                       bucket_cap_mb=opts.bucket_cap_mb), records)
     return 0
 
 
-def _table(records: list[dict], args) -> str:
+def _table(records: list[dict], opts: Settings) -> str:
     mb = 1e6
     rows = []
     order = {s: i for i, s in enumerate(STRATEGIES)}
@@ -213,8 +216,8 @@ def _table(records: list[dict], args) -> str:
                      else "n/a",
                      f"{r['peak_vs_torch_fsdp']:.2f} / {r['step_vs_torch_fsdp']:.2f}" if r["peak_vs_torch_fsdp"] else ""])
     psi = records[0]["psi"]
-    head = (f"{args.model} (n_embd {args.n_embd}, n_layer {args.n_layer}), Psi = {psi:,} parameters, AdamW fp32, "
-            f"global batch {args.batch_size}; MB = 1e6 bytes per rank (max over ranks), formula in parentheses")
+    head = (f"{opts.model} (n_embd {opts.n_embd}, n_layer {opts.n_layer}), Psi = {psi:,} parameters, AdamW fp32, "
+            f"global batch {opts.batch_size}; MB = 1e6 bytes per rank (max over ranks), formula in parentheses")
     return head + "\n" + format_table(
         [("", ["P", "strategy"]), ("held after step: measured (formula)", ["params", "grads", "optim", "total"]),
          ("", ["DDP buckets", "peak RSS", "paper 16Psi-style"]),

@@ -197,8 +197,10 @@ class ParameterServer:
         if final_pull:
             self.final_pull(num_steps)
 
-    def sync_step(self, step: int, num_steps: int) -> None:
-        """One step of mode "sync": the weights to every worker, every worker's push, one update."""
+    def sync_step(self, step: int, num_steps: int, before_update=None) -> None:
+        """One step of mode "sync": the weights to every worker, every worker's push, one update.
+        ``before_update()`` (an elastic job's commit) runs between the averaged push and the update; if it
+        raises, the update is not applied, and :meth:`update` applies it later."""
         if getattr(self, "_bufs", None) is None:
             self._bufs = [torch.empty_like(self.flat) for _ in self.workers]
         bufs, what = self._bufs, f"push of step {step}"
@@ -214,6 +216,12 @@ class ParameterServer:
                 self.grad.add_(b)
             self.grad.div_(len(bufs))
         self._stale[0] += len(bufs)
+        if before_update is not None:
+            before_update()
+        self._step()
+
+    def update(self) -> None:
+        """Apply the averaged push of the step whose update ``before_update`` interrupted."""
         self._step()
 
     def final_pull(self, num_steps: int) -> None:

@@ -64,8 +64,21 @@ class Engine(ABC):
 
     # -- training -------------------------------------------------------------------------
     @abstractmethod
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
-        """One global step on this rank's slice; the loss where this rank computes one, else None."""
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, commit=None) -> torch.Tensor | None:
+        """One global step on this rank's part; the loss where this rank computes one, else None.
+
+        ``commit(loss)`` (an elastic job's quorum, trainer/guard.py), when given, is called once the step's
+        gradients are synchronised and before anything of the state changes; then :meth:`finish_step`
+        applies the update. An exception from it leaves the state at the step's start (but for buffers
+        a forward changed, which the guard puts back), and ``finish_step`` can still complete the step."""
+
+    def finish_step(self) -> None:
+        """The step's update (the optimizer step) after the commit; local to this rank."""
+        raise NotImplementedError(f"{type(self).__name__} has no separate update step")
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The module buffers this rank's forward may change (e.g. running statistics)."""
+        return []
 
     @abstractmethod
     def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> dict | None:

@@ -50,7 +50,7 @@ class ModelParallelEngine(Engine):
         self.loss_weight = 1.0 / topo.dp if (self.pm.has_loss and topo.tp_rank == 0) else 0.0
         self.label = f"dp{topo.dp}×tp{topo.tp}×pp{topo.pp}" + (f" zero{self.zero_stage}" if self.zero_stage else "")
 
-    def train_step(self, x, y):
+    def train_step(self, x, y, commit=None):
         zero = self.pm.zero
         if zero is not None:
             zero.zero_grad()
@@ -65,12 +65,20 @@ class ModelParallelEngine(Engine):
             zero.clip_grad_norm_(self.cfg.grad_clip, count=lambda n: tp0 or info[n].dim is not None, whole_world=True)
         elif self.cfg.grad_clip:
             self._clip(self.cfg.grad_clip)
-        if zero is not None:
-            zero.step()  # the optimizer on this rank's shards, then (stages 1-2) the all-gather
-        else:
-            self.optimizer.step()
+        if commit is not None:
+            commit(loss)
+        self.finish_step()
         self.comm_wait_s = self.pm.comm_wait_s
         return loss
+
+    def finish_step(self) -> None:
+        if self.pm.zero is not None:
+            self.pm.zero.step()  # the optimizer on this rank's shards, then (stages 1-2) the all-gather
+        else:
+            self.optimizer.step()
+
+    def buffers(self):
+        return list(self.pm.module.buffers())
 
     def end_training(self) -> None:
         """--trace/--gantt: the last step's timeline of the pipeline that holds rank 0 (collective

@@ -79,14 +79,15 @@ class PSEngine(Engine):
         return not self.is_server
 
     # -- worker -----------------------------------------------------------------------------
-    def train_step(self, x, y):
+    def train_step(self, x, y, commit=None):
         if self._t0 is None:
             self._t0 = time.perf_counter()
             if self.is_server:
                 self.server.open()
         self._k += 1
-        if self.is_server:  # one step of mode sync: weights out, every push in, one update
-            self.server.sync_step(self._k - 1, self.cfg.steps)
+        if self.is_server:  # one step of mode sync: weights out, every push in, (commit,) one update
+            self.server.sync_step(self._k - 1, self.cfg.steps, before_update=None if commit is None else
+                                  lambda: commit(None))
             return None
         w = self.worker
         before = w.pull_s + w.push_s
@@ -98,7 +99,16 @@ class PSEngine(Engine):
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         w.push()
         self.comm_wait_s = w.pull_s + w.push_s - before
+        if commit is not None:  # (a worker holds no state: nothing to update after it)
+            commit(loss.detach())
         return loss.detach()
+
+    def finish_step(self) -> None:
+        if self.is_server:  # the pushes of the step are in and averaged: apply them
+            self.server.update()
+
+    def buffers(self):
+        return list(self.model.buffers())
 
     def end_training(self) -> None:
         if self.is_server:  # (sync: async servers end in serve)

@@ -32,9 +32,9 @@ class SingleEngine(Engine):
     def describe(self) -> str:
         return "single"
 
-    def train_step(self, x, y):
+    def train_step(self, x, y, commit=None):
         """Forward/backward of ``accum_steps`` equal micro-batches of this rank's slice (gradients
-        synchronised on the last one only: no_sync before), clipping, optimizer step."""
+        synchronised on the last one only: no_sync before), clipping, ``commit``, optimizer step."""
         self.optimizer.zero_grad(set_to_none=True)
         k = self.cfg.accum_steps
         total = torch.zeros((), dtype=torch.float64, device=x.device)
@@ -47,9 +47,17 @@ class SingleEngine(Engine):
             total += loss.detach().double()
         if self.cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        self.optimizer.step()
+        if commit is not None:
+            commit(total)
+        self.finish_step()
         self.comm_wait_s = getattr(self.net, "comm_wait_s", None)
         return total
+
+    def finish_step(self) -> None:
+        self.optimizer.step()
+
+    def buffers(self):
+        return list(self.model.buffers())
 
     def evaluate(self, batches):
         if self.rank != 0:

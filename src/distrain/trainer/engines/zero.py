@@ -29,9 +29,11 @@ class ZeroEngine(Engine):
         self.loss_weight = 1.0 / self.world
         self.label = f"zero{self.stage} ({cfg.algorithm})"
 
-    def train_step(self, x, y):
+    def train_step(self, x, y, commit=None):
         """Forward/backward of this rank's slice (in ``accum_steps`` chunks: the shards' gradients
-        accumulate), clipping by the global norm over every rank's shard, optimizer step."""
+        accumulate), clipping by the global norm over every rank's shard, ``commit``, optimizer step
+        (stages 1-2 all-gather the parameters after it, so an elastic job keeps ZeRO's start-of-step
+        pieces instead of committing: trainer/guard.py)."""
         self.zero.zero_grad()
         k = self.cfg.accum_steps
         total = torch.zeros((), dtype=torch.float64, device=x.device)
@@ -42,6 +44,8 @@ class ZeroEngine(Engine):
             total += loss.detach().double()
         if self.cfg.grad_clip:
             self.zero.clip_grad_norm_(self.cfg.grad_clip)
+        if commit is not None:
+            commit(total)
         self.zero.step()
         return total
 

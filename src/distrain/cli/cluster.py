@@ -1,4 +1,8 @@
-"""``distrain cluster up|down|status|run``: the command line of the emulated cluster."""
+"""``distrain cluster up|down|status|run``: the command line of the emulated cluster.
+
+The cluster is :mod:`distrain.cluster.netns` (namespaces, veths, tc), a run across its nodes
+:mod:`distrain.cluster.runner`; this module parses the flags and prints what they return.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,12 @@ from distrain.cluster import runner as cluster_run
 from distrain.errors import ConfigError
 
 DEFAULT_NAME = "dt"
+
+
+def add_parser(sub) -> None:
+    """``distrain cluster`` on the subparsers ``sub``."""
+    p = sub.add_parser("cluster", help="an emulated cluster on this host (netns + veth + tc) and runs across it")
+    add_arguments(p)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

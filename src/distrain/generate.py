@@ -1,6 +1,7 @@
-"""``distrain generate RUN --prompt "..."``: sample text from a run's final checkpoint.
+"""Sample text from a training run's final checkpoint, with the run's own tokenizer.
 
-    distrain generate runs/bpe --prompt "ROMEO:" --max-new-tokens 200 --temperature 0.8 --top-k 40 --seed 0
+    from distrain.generate import generate_text
+    print(generate_text("runs/bpe", "ROMEO:", max_new_tokens=200, temperature=0.8, top_k=40, seed=0))
 
 The run's committed checkpoint (any layout: single, DDP, ZeRO, dp x tp x pp) is consolidated
 into the whole model (checkpoint/reshard.py), rebuilt from its preset with the vocabulary the run
@@ -9,27 +10,16 @@ model's block size; temperature 0 is greedy). Text is encoded and decoded with t
 tokenizer: bytes for ``--data shakespeare`` or a text path, and for a token shard folder the
 folder's ``tokenizer.json`` (or, when the folder is gone, the copy the run keeps in
 ``RUN/tokenizer.json``; both are checked against the fingerprint the run recorded in
-``RUN/data.json``). Prints the prompt followed by the sampled continuation.
+``RUN/data.json``). ``distrain generate`` (distrain/cli/generate.py) prints :func:`generate_text`'s
+result: the prompt followed by the sampled continuation.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 from distrain.errors import ConfigError
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run", metavar="RUN", help="a training run's folder (its --out, holding checkpoint.json)")
-    p.add_argument("--prompt", default="\n", help="the text to continue (default: a newline)")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.8,
-                   help="softmax temperature; 0 = greedy (default: %(default)s)")
-    p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens; 0: all "
-                                                         "(default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: %(default)s)")
 
 
 def run_tokenizer(run: Path, config: dict):
@@ -95,28 +85,30 @@ def load_run_model(run: Path):
     return model.eval(), tok, config
 
 
-def run(args: argparse.Namespace) -> int:
+def generate_text(run, prompt: str = "\n", max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40,
+                  seed: int = 0) -> str:
+    """The prompt followed by ``max_new_tokens`` tokens sampled from the run folder ``run``'s model
+    (``temperature`` 0: greedy; ``top_k`` 0: no limit), decoded with the run's tokenizer; a one-line
+    ConfigError for a folder that is no run, a value out of range or a prompt of no token."""
     import torch
 
     from distrain.models import generate
 
-    run_dir = Path(args.run)
+    run_dir = Path(run)
     if not run_dir.is_dir():
         raise ConfigError(f"distrain generate: {run_dir} is not a run folder (give the --out of a training run)")
-    if args.max_new_tokens < 0:
-        raise ConfigError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise ConfigError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
-    if args.top_k < 0:
-        raise ConfigError(f"--top-k must be >= 0 (0: no limit), got {args.top_k}")
+    if max_new_tokens < 0:
+        raise ConfigError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+    if temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0 (0: greedy), got {temperature}")
+    if top_k < 0:
+        raise ConfigError(f"--top-k must be >= 0 (0: no limit), got {top_k}")
     model, tok, _ = load_run_model(run_dir)
-    ids = tok.encode(args.prompt)
+    ids = tok.encode(prompt)
     if not ids:
-        raise ConfigError(f"--prompt {args.prompt!r} encodes to no token; give some text")
+        raise ConfigError(f"--prompt {prompt!r} encodes to no token; give some text")
     idx = torch.tensor([ids], dtype=torch.long)
-    g = torch.Generator().manual_seed(args.seed)
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        out = generate(model, idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
-                       generator=g)
-    print(tok.decode(out[0].tolist()))
-    return 0
+        out = generate(model, idx, max_new_tokens, temperature=temperature, top_k=top_k or None, generator=g)
+    return tok.decode(out[0].tolist())

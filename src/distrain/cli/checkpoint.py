@@ -31,13 +31,21 @@ checkpoint/init_from.py builds it).
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from distrain.checkpoint.hf import export_hf, import_hf
 from distrain.checkpoint.read import ARCH, CONFIG, IMPORT
 from distrain.checkpoint.write import OPTIMIZER_FLAGS, consolidate_file, import_file
+from distrain.cli.common import read_toml
 from distrain.errors import ConfigError
 from distrain.optim import OPTIMIZERS
+
+
+def add_parser(sub) -> None:
+    """``distrain checkpoint consolidate|import|export`` on the subparsers ``sub``."""
+    p = sub.add_parser("checkpoint", help="a run's sharded checkpoint as one plain state_dict file, and back; "
+                                          "Hugging Face Llama folders in and out (--hf)")
+    add_arguments(p)
+    p.set_defaults(func=run)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,6 +76,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_hf_arguments(sub, i)  # import --hf, export
 
 
+def add_hf_arguments(sub, imp) -> None:
+    """``checkpoint import --hf HF_DIR`` (on parser ``imp``) and ``checkpoint export`` (on subparsers ``sub``)."""
+    imp.add_argument("--hf", default=None, metavar="HF_DIR",
+                     help="instead of FILE: a Hugging Face LlamaForCausalLM folder (config.json, model.safetensors or "
+                          "a sharded index); the model is the one its config.json describes")
+    e = sub.add_parser("export", help="a Llama run's committed weights (any layout) as a Hugging Face folder",
+                       description="Write config.json, model.safetensors and generation_config.json that "
+                                   "transformers' LlamaForCausalLM.from_pretrained(HF_DIR) loads. See docs/llama.md.")
+    e.add_argument("run", metavar="RUN_DIR", help="the run folder (llama-tiny, llama-small, or a model from Hugging "
+                                                 "Face)")
+    e.add_argument("--hf", required=True, metavar="HF_DIR", help="a new (or empty) folder to write")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.action == "consolidate":
         form = consolidate_file(args.run, args.output)
@@ -94,32 +115,8 @@ def _settings(args: argparse.Namespace) -> dict:
     given = {k: getattr(args, k) for k in ("model",) + OPTIMIZER_FLAGS}
     if args.config is None:
         return given
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        raise ConfigError(f"{IMPORT}: --config needs Python >= 3.11 (tomllib); give the settings as flags "
-                          f"instead") from None
-    try:
-        with open(args.config, "rb") as f:
-            toml = {k.replace("-", "_"): v for k, v in tomllib.load(f).items()}
-    except OSError as e:
-        raise ConfigError(f"{IMPORT}: --config {args.config}: cannot read it ({e.strerror})") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{IMPORT}: --config {args.config}: not valid TOML ({e})") from None
+    toml = {k.replace("-", "_"): v for k, v in read_toml(args.config, prefix=f"{IMPORT}: ").items()}
     return {k: v if v is not None else toml.get(k) for k, v in given.items()}
-
-
-def add_hf_arguments(sub, imp) -> None:
-    """``checkpoint import --hf HF_DIR`` (on parser ``imp``) and ``checkpoint export`` (on subparsers ``sub``)."""
-    imp.add_argument("--hf", default=None, metavar="HF_DIR",
-                     help="instead of FILE: a Hugging Face LlamaForCausalLM folder (config.json, model.safetensors or "
-                          "a sharded index); the model is the one its config.json describes")
-    e = sub.add_parser("export", help="a Llama run's committed weights (any layout) as a Hugging Face folder",
-                       description="Write config.json, model.safetensors and generation_config.json that "
-                                   "transformers' LlamaForCausalLM.from_pretrained(HF_DIR) loads. See docs/llama.md.")
-    e.add_argument("run", metavar="RUN_DIR", help="the run folder (llama-tiny, llama-small, or a model from Hugging "
-                                                 "Face)")
-    e.add_argument("--hf", required=True, metavar="HF_DIR", help="a new (or empty) folder to write")
 
 
 def run_hf(args, settings: dict) -> int:

@@ -1,0 +1,76 @@
+"""The ``distrain`` command: subcommands map onto library calls.
+
+    distrain launch --nproc-per-node N [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT] script.py ARGS
+    distrain train --nproc 2 --strategy ddp --algorithm ring --model gpt-small --data shakespeare
+    distrain bench comm --nproc 4 --ops all_reduce --algorithms native,ring --sizes 4K,4M
+    distrain data prepare shakespeare --tokenizer bpe:2048 --out data/bpe   # then train --data data/bpe
+    distrain generate runs/latest --prompt "ROMEO:" --max-new-tokens 200
+
+Every command's argument parsing lives in this package, one module per command (launch, train,
+cluster, plan, bench, checkpoint, data, generate), each with ``add_parser(subparsers)``, which
+declares the command's flags and sets ``func``, the function that turns the parsed flags into
+typed arguments of a library call; the library modules do not parse ``argv``. common.py holds
+the exit codes and the one-line error. Only the entry points import this package: ``distrain``
+(pyproject's console script, :func:`run_command`), ``python -m distrain`` and
+``python -m distrain.cli`` (how launched ranks start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from distrain.cli import common
+from distrain.errors import DistrainError
+from distrain.launch.rank_exit import exit_status
+
+__all__ = ["build_parser", "exit_status", "main", "run_command"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from distrain import __version__
+    from distrain.cli import bench, checkpoint, cluster, data, generate, launch, plan, train
+
+    parser = argparse.ArgumentParser(prog="distrain", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"distrain {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in (launch, train, cluster, plan, bench, checkpoint, data, generate):  # the order of --help
+        command.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from distrain import lifeline
+    from distrain.cli.train import apply_config_file
+
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        apply_config_file(parser, argv)
+    except DistrainError as e:
+        return common.error(e)
+    args = parser.parse_args(argv)
+    # the top process: SIGTERM/SIGHUP end the ranks, then us
+    previous = lifeline.stop_on_signals() if "RANK" not in os.environ else {}
+    try:
+        return args.func(args) or 0
+    except DistrainError as e:
+        return common.error(e)
+    except KeyboardInterrupt:
+        return common.interrupted()
+    except lifeline.Stopped as e:
+        return common.signalled(e)
+    finally:
+        lifeline.restore(previous)
+
+
+def run_command(argv: list[str] | None = None) -> None:
+    """``python -m distrain(.cli) ARGS``: :func:`main`, then exit with its status. A launched rank
+    (RANK set) leaves through :func:`distrain.runtime.leave`, skipping interpreter finalization."""
+    code = exit_status(main, argv)
+    if "RANK" in os.environ:
+        from distrain import runtime
+
+        runtime.leave(code)
+    sys.exit(code)

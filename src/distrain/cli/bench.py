@@ -1,0 +1,348 @@
+"""``distrain bench comm|link|ps|train|pipeline|tp|zero|layouts``: every benchmark's flags.
+
+    distrain bench comm --nproc 4 --ops all_reduce --algorithms native,ring --sizes 4K,4M
+    distrain bench train --nproc 1,2,4 --strategies ddp,torch-ddp,ps-sync --model mlp
+
+For each tool, ``add_TOOL_arguments(parser)`` declares its flags and ``run_TOOL(args)`` turns
+them into typed values (comma lists into lists, sizes into bytes, ``--background-load`` into a
+count; a bad value is a one-line ConfigError naming the flag) and calls the tool's ``run`` in
+distrain/bench/ (one folder per tool), which checks what the values mean, measures, prints its
+tables and writes its files. ``bench comm``'s flags become the plain ``cfg`` dict its ranks
+receive (:func:`comm_config`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from distrain.bench import background, common
+from distrain.bench.comm.timing import _DTYPES, BURST_S, MAX_BURST, MAX_ITERS, MIN_ITERS, TARGET_S
+from distrain.bench.train.throughput import STRATEGIES as TRAIN_STRATEGIES
+from distrain.bench.train.zero import STRATEGIES as ZERO_STRATEGIES
+from distrain.comm.api import ALGORITHM_NAMES, COLLECTIVES
+from distrain.comm.core.transport import TRANSPORT_NAMES
+from distrain.errors import ConfigError
+from distrain.parallel.pipeline_parallel import SCHEDULES
+
+COMM_NPROC = "2,4"
+COMM_OPS = "all_reduce"
+COMM_ALGORITHMS = ",".join(ALGORITHM_NAMES)
+COMM_SIZES = "4K,256K,4M,16M"
+COMM_TRANSPORTS = "torch"
+LINK_SIZES = "8,64K,256K,1M,4M,16M"
+LAYOUTS = "ddp,zero3,tp2,pp2,dp2xtp2,tp2xpp2"
+
+
+def add_parser(sub) -> None:
+    """``distrain bench`` and its tools on the subparsers ``sub``."""
+    bench = sub.add_parser("bench", help="benchmarks that compare ours with torch's, side by side")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    for name, help_text, add, run in (
+        ("comm", "collective bandwidth: native vs star/ring/tree (nccl-tests style)", add_comm_arguments, run_comm),
+        ("link", "ping-pong calibration of alpha and beta per link (for the cost model)", add_link_arguments,
+         run_link),
+        ("ps", "parameter-server round time (pull + push + update), beside the cost model", add_ps_arguments, run_ps),
+        ("train", "training throughput: our DDP vs torch DDP vs parameter servers", add_train_arguments, run_train),
+        ("pipeline", "pipeline bubble and activation peaks: GPipe, 1F1B, ZB-H1 against their formulas",
+         add_pipeline_arguments, run_pipeline),
+        ("tp", "tensor-parallel all-reduce bytes per block vs Megatron's count", add_tp_arguments, run_tp),
+        ("zero", "memory per rank and step time: DDP, ZeRO-1/2/3 vs torch ZeRO-1 and FSDP2", add_zero_arguments,
+         run_zero),
+        ("layouts", "every layout (ddp, zero3, tp, pp, dp x tp x pp) on one model: samples/s and peak memory per "
+                    "rank", add_layouts_arguments, run_layouts),
+    ):
+        p = bsub.add_parser(name, help=help_text)
+        add(p)
+        p.set_defaults(func=run)
+
+
+def add_background_argument(p: argparse.ArgumentParser) -> None:
+    """``--background-load N`` (distrain/bench/background.py) of ``bench comm`` and ``bench train``."""
+    p.add_argument(background.FLAG, dest="background_load", default="0", metavar="N",
+                   help="start N busy processes (a tight CPU loop each, unpinned) before measuring and stop them "
+                        "after, to measure on a loaded machine; the load average at the start and end of every "
+                        "measurement goes into the JSON and the table (default 0)")
+
+
+# --------------------------------------------------------------------------- bench comm
+def add_comm_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = ("Time the collectives of distrain.comm for every algorithm side by side and print "
+                     "nccl-tests-style tables (time, algbw, busbw). See docs/benchmarks.md.")
+    p.add_argument("--nproc", default=COMM_NPROC,
+                   help=f"world size(s), e.g. 4 or 2,4: one spawn each (default {COMM_NPROC})")
+    p.add_argument("--ops", default=COMM_OPS,
+                   help=f"collectives, comma-separated or 'all', from {', '.join(COLLECTIVES)} "
+                        f"(default {COMM_OPS}; barrier reports time only)")
+    p.add_argument("--algorithms", default=COMM_ALGORITHMS,
+                   help=f"algorithms, comma-separated or 'all' (default {COMM_ALGORITHMS})")
+    p.add_argument("--transport", default=COMM_TRANSPORTS,
+                   help=f"transports to compare, comma-separated: {', '.join(TRANSPORT_NAMES)} (default torch)")
+    p.add_argument("--symmetric", action="store_true",
+                   help="also time native on buffers in symmetric memory (comm.symmetric_empty: every peer maps "
+                        "them, so all_reduce works in place, no copy through the slots): a native@shm+sym column for "
+                        "each shared-memory transport")
+    p.add_argument("--sizes", default=COMM_SIZES,
+                   help=f"full-buffer sizes in bytes, K/M/G = powers of 1024 (default {COMM_SIZES})")
+    p.add_argument("--dtype", default="float32", help=f"element type, one of {', '.join(_DTYPES)} (default float32)")
+    p.add_argument("--warmup", default="3", help="untimed rounds per (op, size) before timing (default 3)")
+    p.add_argument("--iters", default=None,
+                   help=f"timed rounds per (op, size); default adaptive: ceil({TARGET_S} s / slowest warm-up call) "
+                        f"clamped to [{MIN_ITERS}, {MAX_ITERS}]")
+    p.add_argument("--burst", default=None,
+                   help=f"calls back to back per timed sample (time / calls); default adaptive: about "
+                        f"{BURST_S * 1e3:g} ms, at most {MAX_BURST}; 1 = one call after each barrier")
+    p.add_argument("--bind-cores", default="auto", choices=["auto", "on", "off"],
+                   help="pin each rank to cores of its own (distrain.spawn's bind_cores); auto: when a measured "
+                        "transport polls shared memory (shm, auto) and P cores are free at the start (not under "
+                        "load: a bound rank cannot leave a busy core). Gloo is faster unbound with one core per rank")
+    p.add_argument("--json", default=None, metavar="PATH", help="write every median and metadata as JSON")
+    p.add_argument("--plot", default=None, metavar="PATH", help="write a busbw-vs-size figure (PNG, matplotlib)")
+    p.add_argument("--markdown", default=None, metavar="PATH", help="write the tables as Markdown (for docs)")
+    p.add_argument("--predict", nargs="?", const="auto", default=None, metavar="CALIBRATION",
+                   help="add the cost model's predicted_us to every record, with links from a `distrain bench link "
+                        "--json` file, or (no value) from a short ping-pong at the start (docs/cost_model.md)")
+    p.add_argument("--timeout", default="3600", help="seconds allowed for each world size's spawn (default 3600)")
+    add_background_argument(p)
+
+
+def _int(text, flag: str, minimum: int) -> int:
+    try:
+        v = int(text)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{flag}: expected an integer, got {text!r}") from None
+    if v < minimum:
+        raise ConfigError(f"{flag}: must be >= {minimum}, got {v}")
+    return v
+
+
+def comm_config(args: argparse.Namespace) -> dict[str, Any]:
+    """Validate every flag of ``bench comm`` (ConfigError with a clear message) into a plain, picklable dict."""
+    dtype = str(args.dtype).removeprefix("torch.")
+    if dtype not in _DTYPES:
+        raise ConfigError(f"--dtype: unknown or unsupported dtype {args.dtype!r}; use one of {', '.join(_DTYPES)}")
+    try:
+        timeout = float(args.timeout)
+    except (TypeError, ValueError):
+        raise ConfigError(f"--timeout: expected seconds, got {args.timeout!r}") from None
+    if not timeout > 0:
+        raise ConfigError(f"--timeout: must be positive, got {args.timeout!r}")
+    cfg = {
+        "nprocs": common.parse_ints(args.nproc, "--nproc", minimum=1),
+        "ops": common.parse_choices(args.ops, COLLECTIVES, "--ops"),
+        "algorithms": common.parse_choices(args.algorithms, ALGORITHM_NAMES, "--algorithms"),
+        "transports": common.parse_choices(getattr(args, "transport", COMM_TRANSPORTS), TRANSPORT_NAMES,
+                                           "--transport"),
+        "sizes": common.parse_sizes(args.sizes),
+        "symmetric": bool(getattr(args, "symmetric", False)),
+        "dtype": dtype,
+        "warmup": _int(args.warmup, "--warmup", 0),
+        "iters": None if args.iters in (None, "", "auto") else _int(args.iters, "--iters", 1),
+        "burst": None if getattr(args, "burst", None) in (None, "", "auto") else _int(args.burst, "--burst", 1),
+        "timeout": timeout,
+        "bind_cores": None,
+        "target_s": TARGET_S,
+        "predict": getattr(args, "predict", None),
+        "background_load": background.parse(getattr(args, "background_load", 0)),
+    }
+    if cfg["symmetric"] and not ("native" in cfg["algorithms"] and {"shm", "auto"} & set(cfg["transports"])):
+        raise ConfigError("--symmetric: times native on symmetric buffers of a shared-memory transport; add shm (or "
+                          "auto) to --transport and native to --algorithms")
+    bind = getattr(args, "bind_cores", "auto")
+    # auto: ranks polling shared memory are bound when P cores are free at the start (launch/cores.py)
+    cfg["bind_cores"] = (bind == "on") if bind != "auto" else \
+        (None if any(t in ("shm", "auto") for t in cfg["transports"]) else False)
+    if cfg["predict"] not in (None, "auto") and not os.path.isfile(cfg["predict"]):
+        raise ConfigError(f"--predict: no calibration file {cfg['predict']!r}; write one with "
+                          f"`distrain bench link --json {cfg['predict']}` or give --predict alone to calibrate now")
+    if args.plot:
+        common.require_pyplot()  # fail before the (long) measurement, not after
+    return cfg
+
+
+def comm_command_line(args: argparse.Namespace) -> str:
+    """The equivalent ``distrain bench comm ...`` command, every flag spelled out."""
+    parts = ["distrain", "bench", "comm"]
+    for flag in ("nproc", "ops", "algorithms", "transport", "sizes", "dtype", "warmup", "iters", "json", "plot",
+                 "timeout", "predict", "background_load", "symmetric"):
+        v = getattr(args, flag, None)
+        if v is True:
+            parts.append(f"--{flag}")
+        elif v not in (None, False):
+            parts += [f"--{flag.replace('_', '-')}", str(v)]
+    return " ".join(parts)
+
+
+def run_comm(args: argparse.Namespace) -> int:
+    from distrain.bench.comm import collectives
+
+    return collectives.run(comm_config(args), json_path=args.json, plot_path=args.plot, markdown_path=args.markdown,
+                           command=comm_command_line(args))
+
+
+# --------------------------------------------------------------------------- bench link, bench ps
+def add_link_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = "Ping-pong α-β calibration of every link (rank 0 with each other rank); see docs/cost_model.md."
+    p.add_argument("--nproc", type=int, default=2, help="local ranks to spawn when not under a launcher (default 2)")
+    p.add_argument("--sizes", default=LINK_SIZES, help=f"message sizes, K/M = powers of 1024 (default {LINK_SIZES})")
+    p.add_argument("--warmup", type=int, default=2, help="untimed round trips per size (default 2)")
+    p.add_argument("--iters", type=int, default=7, help="timed round trips per size (default 7)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write records and the fitted model as JSON")
+
+
+def run_link(args: argparse.Namespace) -> int:
+    from distrain.bench.link import calibrate
+
+    return calibrate.run(common.parse_sizes(args.sizes), args.warmup, args.iters, args.nproc, json_path=args.json)
+
+
+def add_ps_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = "Synchronous parameter-server round (pull + push + update) time, measured and predicted."
+    p.add_argument("--nproc", type=int, default=3, help="local ranks to spawn when not under a launcher (default 3)")
+    p.add_argument("--servers", default="1,2", help="server counts S to run, comma-separated (default 1,2; S < P)")
+    p.add_argument("--sizes", default="1M,4M,16M", help="model sizes in bytes, K/M = powers of 1024 (default 1M,4M,16M)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds per size (default 1)")
+    p.add_argument("--iters", type=int, default=3, help="timed rounds per size (default 3)")
+    p.add_argument("--predict", nargs="?", const="auto", default=None, metavar="CALIBRATION",
+                   help="add predicted_us from a `distrain bench link --json` file (no value: calibrate now)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the records as JSON")
+
+
+def run_ps(args: argparse.Namespace) -> int:
+    from distrain.bench.train import ps
+
+    return ps.run(common.parse_sizes(args.sizes), common.parse_ints(args.servers, "--servers"), args.warmup,
+                  args.iters, args.nproc, predict=args.predict, json_path=args.json)
+
+
+# --------------------------------------------------------------------------- bench train, zero, layouts
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", default="1,2,4", help="world sizes, comma-separated")
+    p.add_argument("--strategy", "--strategies", dest="strategies", default=",".join(TRAIN_STRATEGIES),
+                   help=f"comma-separated, any of {', '.join(TRAIN_STRATEGIES)}")
+    p.add_argument("--model", default="mlp", help="mlp (Fashion-MNIST), gpt-small (Shakespeare), or a tiny preset")
+    p.add_argument("--steps", type=int, default=30, help="timed steps per job")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps per job")
+    p.add_argument("--batch-size", type=int, default=None, help="global batch (default: 240 for MLPs, 24 for GPTs: divisible by 1-4 workers)")
+    p.add_argument("--algorithm", default="ring", help="all-reduce algorithm of our DDP")
+    p.add_argument("--transport", default="torch",
+                   help="transports of our strategies, comma-separated: torch, shm, auto (default torch)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size of ddp and torch-ddp")
+    p.add_argument("--servers", type=int, default=1, help="parameter-server ranks for ps-*")
+    p.add_argument("--max-staleness", type=int, default=2, help="staleness bound for ps-async")
+    p.add_argument("--rounds", type=int, default=1, help="repeat the whole set, strategy order rotated")
+    p.add_argument("--json", default=None, help="write every record here")
+    add_background_argument(p)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from distrain.bench.train import throughput
+
+    nprocs = common.parse_ints(args.nproc, "--nproc")
+    memory = [x for x in str(args.strategies).split(",") if x in ZERO_STRATEGIES and x not in TRAIN_STRATEGIES]
+    if memory:  # torch's sharded strategies have no trainer engine: bench zero runs them beside ours
+        raise ConfigError(f"--strategies {','.join(memory)}: torch's sharded strategies are measured by "
+                          f"`distrain bench zero --strategies {args.strategies}` (step time, bytes held and peak "
+                          f"memory per rank, side by side with ddp, zero1-3 and torch-ddp)")
+    strategies = common.parse_choices(args.strategies, TRAIN_STRATEGIES, "--strategies")
+    load = background.parse(getattr(args, "background_load", 0))
+    transports = tuple(common.parse_choices(args.transport, ("torch", "shm", "auto"), "--transport"))
+    return throughput.run(throughput.Settings(
+        nprocs=nprocs, strategies=strategies, model=args.model, steps=args.steps, warmup=args.warmup,
+        batch_size=args.batch_size, algorithm=args.algorithm, transports=transports, bucket_cap_mb=args.bucket_cap_mb,
+        servers=args.servers, max_staleness=args.max_staleness, rounds=args.rounds, background_load=load,
+        json_path=args.json))
+
+
+def add_zero_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", default="2", help="world sizes, comma-separated")
+    p.add_argument("--strategies", default="all", help=f"any of {', '.join(ZERO_STRATEGIES)} (or all)")
+    p.add_argument("--model", default="gpt-small", help="a GPT preset (gpt-tiny, gpt-small)")
+    p.add_argument("--n-embd", type=int, default=256, help="GPT width override")
+    p.add_argument("--n-layer", type=int, default=8, help="GPT depth override")
+    p.add_argument("--batch-size", type=int, default=8, help="global batch (sequences of block_size tokens)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per job")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per job")
+    p.add_argument("--algorithm", default="ring", help="collective algorithm of ours (native, star, ring, tree)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="bucket size of DDP, torch DDP, zero1/2")
+    p.add_argument("--rounds", type=int, default=1, help="repeat every job, order rotated; medians over rounds")
+    p.add_argument("--json", default=None, help="write every record here")
+
+
+def run_zero(args: argparse.Namespace) -> int:
+    from distrain.bench.train import zero
+
+    return zero.run(zero.Settings(
+        nprocs=common.parse_ints(args.nproc, "--nproc", minimum=2),
+        strategies=common.parse_choices(args.strategies, ZERO_STRATEGIES, "--strategies"), model=args.model,
+        n_embd=args.n_embd, n_layer=args.n_layer, batch_size=args.batch_size, steps=args.steps, warmup=args.warmup,
+        algorithm=args.algorithm, bucket_cap_mb=args.bucket_cap_mb, rounds=args.rounds, json_path=args.json))
+
+
+def add_layouts_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama-small", help="a text preset: gpt-tiny, gpt-small, llama-tiny, llama-small")
+    p.add_argument("--nproc", default="2,4", help="world sizes, comma-separated (single at P=1 always runs)")
+    p.add_argument("--layouts", default=LAYOUTS,
+                   help="comma-separated: ddp, zero1-3, or dpAxtpBxppC grids (tp2, pp2, dp2xtp2, tp2xpp2, zero1xpp2)")
+    p.add_argument("--batch-size", type=int, default=16, help="global batch of sequences (same for every job)")
+    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step of layouts with pp > 1")
+    p.add_argument("--schedule", default="1f1b", help="pipeline schedule of layouts with pp > 1 (gpipe, 1f1b, zb-h1)")
+    p.add_argument("--algorithm", default="ring", help="collective algorithm of our DDP, ZeRO, TP and PP")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per job")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per job, before the timed ones")
+    p.add_argument("--seed", type=int, default=0, help="model and data seed (the same for every job)")
+    p.add_argument("--rounds", type=int, default=1, help="repeat every job, order rotated; medians over rounds")
+    p.add_argument("--transport", default="torch",
+                   help="how every job's ranks exchange bytes: torch (Gloo), shm (shared memory), auto (default torch)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads per rank (0: spawn's default, cpu_count // P, as distrain train)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds one job may take")
+    p.add_argument("--json", default=None, help="write every record here")
+
+
+def run_layouts(args: argparse.Namespace) -> int:
+    from distrain.bench.train import layouts
+
+    return layouts.run(layouts.Settings(
+        model=args.model, nprocs=common.parse_ints(args.nproc, "--nproc"), layouts=args.layouts,
+        batch_size=args.batch_size, microbatches=args.microbatches, schedule=args.schedule, algorithm=args.algorithm,
+        steps=args.steps, warmup=args.warmup, seed=args.seed, rounds=args.rounds, transport=args.transport,
+        threads=args.threads, timeout=args.timeout, json_path=args.json))
+
+
+# --------------------------------------------------------------------------- bench pipeline, bench tp
+def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pp", default="2,4", help="pipeline sizes")
+    p.add_argument("--microbatches", "--m", dest="m", default="1,2,4,8", help="micro-batch counts, comma-separated")
+    p.add_argument("--repeats", type=int, default=3, help="timed steps per configuration (median)")
+    p.add_argument("--workload", default="spin", help="spin (busy CPU) or sleep (idle CPU) stage cost")
+    p.add_argument("--schedules", default="gpipe,1f1b,zb-h1", help=f"schedules, comma-separated, among "
+                                                                   f"{', '.join(SCHEDULES)}")
+    p.add_argument("--virtual", type=int, default=0,
+                   help="also run interleaved 1F1B with this many chunks per rank (0 or 1: not)")
+    p.add_argument("--gantt", default=None, help="folder for a Gantt chart (PNG) of each configuration's last step")
+    p.add_argument("--json", default=None)
+
+
+def run_pipeline(args: argparse.Namespace) -> int:
+    from distrain.bench.pipeline import bubbles
+
+    workload = common.parse_choices(args.workload, ("spin", "sleep"), "--workload")[0]
+    schedules = common.parse_choices(args.schedules, SCHEDULES, "--schedules")
+    return bubbles.run(common.parse_ints(args.pp, "--pp", 2), common.parse_ints(args.m, "--m"), schedules,
+                       repeats=args.repeats, workload=workload, virtual=args.virtual, gantt=args.gantt,
+                       json_path=args.json)
+
+
+def add_tp_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
+    p.add_argument("--model", default="gpt-small")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--algorithm", default="ring", help="star, ring or tree (native traffic is not visible)")
+
+
+def run_tp(args: argparse.Namespace) -> int:
+    from distrain.bench.tp import blocks
+
+    return blocks.run(args.tp, args.model, args.batch_size, args.algorithm)
