@@ -310,3 +310,67 @@ def test_elastic_job_survives_a_whole_node_killed(emulated_cluster, tmp_path, st
     back = next(g for g in got if g["world"] == 2)
     assert back["time"] - t_kill < 30, "the survivors waited for the collective time-out"
     assert all(not netns.pids(spec.netns(i)) for i in range(3))
+
+
+def _rank_pids(ns: str) -> list[int]:
+    """The rank processes in a namespace: children of the fork server (forked from it, so they carry its
+    command line), not the fork server itself, the node agent or multiprocessing's resource tracker."""
+    def cmd(pid: int) -> str:
+        try:
+            return open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def parent(pid: int) -> int:
+        try:
+            return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    return [p for p in netns.pids(ns) if "forkserver" in cmd(p) and "forkserver" in cmd(parent(p))]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("how", ["node", "two ranks"])
+def test_elastic_zero2_on_two_nodes_of_two_loses_node_one(emulated_cluster, tmp_path, how):
+    """2 nodes x 2 ranks, zero2, `--elastic 2:4`: a rank's replica is placed one node on (rank r's piece on
+    rank r + 2), so losing node 1 (every process: "node"; or its two ranks at once, its node agent alive:
+    "two ranks") leaves both pieces of node 1 on node 0, and the job goes on at world 2 from the replicas,
+    with the losses of one process (global batch 16: parts of 4, then 8)."""
+    steps = 300
+    train(_train_cfg(tmp_path / "ref", nproc=1, strategy="single", steps=steps))
+    spec = emulated_cluster(nodes=2, link="1gbit")
+    cfg = _train_cfg(tmp_path / "run", nproc=4, steps=steps, strategy="zero2", ckpt_every=0)
+    cmd = _cli(cfg) + ["--elastic", "2:4", "--collective-timeout", "120"]
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    result: dict = {}
+    th = threading.Thread(target=lambda: result.setdefault("res", runner.run(
+        spec, cmd, procs_per_node=2, timeout=300, grace=5, echo=False)))
+    th.start()
+    deadline = time.monotonic() + 200
+    while time.monotonic() < deadline and th.is_alive() and (
+            not metrics.exists() or len(metrics.read_text().splitlines()) < 20):
+        time.sleep(0.1)
+    assert metrics.exists() and len(metrics.read_text().splitlines()) >= 20, "the job did not reach step 20"
+    victims = netns.pids(spec.netns(1)) if how == "node" else _rank_pids(spec.netns(1))
+    assert how == "node" or len(victims) == 2, victims
+    t_kill = time.time()
+    for p in victims:
+        os.kill(p, 9)
+    th.join(320)
+    res = result["res"]
+    assert res.exits[0].code == 0, "\n".join([ln for ln in res.output if "hostname of the client" not in ln][-40:])
+    got = read_metrics(metrics)
+    want = read_metrics(tmp_path / "ref" / "metrics.jsonl")
+    assert [g["step"] for g in got] == list(range(steps))
+    assert got[0]["world"] == 4 and got[-1]["world"] == 2
+    torch.testing.assert_close(torch.tensor([g["loss"] for g in got]), torch.tensor([w["loss"] for w in want]),
+                               rtol=1e-11, atol=0)
+    from distrain.trainer.metrics import read_events
+
+    (e,) = read_events(metrics)
+    assert (e["old_world"], e["new_world"], e["left"], e["state_from"]) == (4, 2, [2, 3], "replicas")
+    back = next(g for g in got if g["world"] == 2)
+    assert back["time"] - t_kill < 30, "the survivors waited for the collective time-out"
+    assert all(not netns.pids(spec.netns(i)) for i in range(2))

@@ -235,3 +235,56 @@ def _explicit_sync(rank: int) -> list[str]:
 @pytest.mark.timeout(120)
 def test_allreduce_gradients_after_no_sync_micro_batches():
     assert distrain.spawn(_explicit_sync, 3, timeout=90) == [[], [], []]
+
+
+def _carry(rank: int) -> list[str]:
+    """Values ride with the gradients: their average arrives with the backward, the gradients are the
+    same bits as without them, and the values' own collective is not needed (no extra ledger call)."""
+    import torch.distributed as dist
+
+    P = dist.get_world_size()
+    bad = []
+    for alg in ("native", "ring"):
+        x, y = _data(P * LOCAL_B, "mlp", 0)
+        mine = slice(rank * LOCAL_B, (rank + 1) * LOCAL_B)
+        grads = []
+        for carry in (False, True):
+            model = DistributedDataParallel(_model("mlp"), algorithm=alg, bucket_cap_mb=0.005)
+            loss = _loss("mlp", model(x[mine]), y[mine])
+            if carry:
+                model.carry(torch.tensor([float(rank), 1.0 if rank == 0 else 0.0], dtype=torch.float64))
+            with comm.ledger() as led:
+                loss.backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            calls = led.total("all_reduce").calls
+            if carry:
+                got = model.carried().tolist()
+                want = [sum(range(P)) / P, 1.0 / P]
+                if any(abs(g - w) > 1e-15 for g, w in zip(got, want)):
+                    bad.append(f"{alg}: carried {got}, want {want}")
+                if calls != n_calls:
+                    bad.append(f"{alg}: {calls} all-reduces with the values, {n_calls} without")
+            n_calls = calls
+        if not all(torch.equal(a, b) for a, b in zip(*grads)):
+            bad.append(f"{alg}: the gradients changed when values rode with them")
+    return bad
+
+
+@pytest.mark.timeout(60)
+def test_values_carried_with_the_gradients_arrive_averaged_and_change_nothing_else():
+    bad = [x for r in distrain.spawn(_carry, 3, timeout=50) for x in r]
+    assert not bad, "\n".join(bad)
+
+
+def _carry_refused(rank: int) -> list[str]:
+    from conftest import expect_error
+
+    model = DistributedDataParallel(_model("mlp"), compression="bf16")
+    return [expect_error(lambda: model.carry(torch.zeros(2)), ConfigError,
+                         "the buckets are reduced by a comm hook or compressed")]
+
+
+@pytest.mark.timeout(60)
+def test_carry_is_refused_where_values_cannot_ride():
+    bad = [x for r in distrain.spawn(_carry_refused, 2, timeout=50) for x in r if x]
+    assert not bad, "\n".join(bad)

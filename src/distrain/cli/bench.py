@@ -1,4 +1,4 @@
-"""``distrain bench comm|link|ps|train|pipeline|tp|zero|layouts``: every benchmark's flags.
+"""``distrain bench comm|link|ps|train|pipeline|tp|zero|layouts|elastic``: every benchmark's flags.
 
     distrain bench comm --nproc 4 --ops all_reduce --algorithms native,ring --sizes 4K,4M
     distrain bench train --nproc 1,2,4 --strategies ddp,torch-ddp,ps-sync --model mlp
@@ -52,6 +52,8 @@ def add_parser(sub) -> None:
          run_zero),
         ("layouts", "every layout (ddp, zero3, tp, pp, dp x tp x pp) on one model: samples/s and peak memory per "
                     "rank", add_layouts_arguments, run_layouts),
+        ("elastic", "what --elastic costs per step (fixed vs elastic, alternated), its recovery and join times",
+         add_elastic_arguments, run_elastic),
     ):
         p = bsub.add_parser(name, help=help_text)
         add(p)
@@ -346,3 +348,33 @@ def run_tp(args: argparse.Namespace) -> int:
     from distrain.bench.tp import blocks
 
     return blocks.run(args.tp, args.model, args.batch_size, args.algorithm)
+
+
+# --------------------------------------------------------------------------- bench elastic
+def add_elastic_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = ("Run the same `distrain train` job fixed and with --elastic, alternated, and compare the step "
+                     "times; then kill a rank (and kill and replace one) and time the recovery and the join. "
+                     "See docs/fault_tolerance.md.")
+    p.add_argument("--nproc", type=int, default=4, help="ranks of every run (default 4)")
+    p.add_argument("--strategy", default="ddp", help="ddp, zero1, zero2, zero3 or ps-sync (default ddp)")
+    p.add_argument("--model", default="gpt-small", help="a preset or PKG.MOD:FACTORY, as for train (default gpt-small)")
+    p.add_argument("--data", default="shakespeare", help="as for train (default shakespeare)")
+    p.add_argument("--loss", default=None, help="as for train (your own model: e.g. cross-entropy)")
+    p.add_argument("--steps", type=int, default=80, help="steps per run (default 80)")
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of the step times (default 5)")
+    p.add_argument("--batch-size", type=int, default=16, help="global batch (default 16)")
+    p.add_argument("--dtype", default="float32", help="float32 or float64 (default float32)")
+    p.add_argument("--rounds", type=int, default=6, help="fixed/elastic pairs, alternated (default 6)")
+    p.add_argument("--kill-step", type=int, default=30, help="the step whose start kills rank id 1 (default 30)")
+    p.add_argument("--json", default=None, help="write every record here")
+
+
+def run_elastic(args: argparse.Namespace) -> int:
+    from distrain.bench.elastic import cost
+
+    extra = ("--loss", args.loss) if args.loss else ()
+    cost.run(cost.Settings(nproc=args.nproc, strategy=args.strategy, model=args.model, data=args.data,
+                           steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, dtype=args.dtype,
+                           rounds=args.rounds, kill_step=args.kill_step, extra=extra, json_path=args.json))
+    return 0
+

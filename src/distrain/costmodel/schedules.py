@@ -23,7 +23,7 @@ collectives' root). Schedules, as in the code:
 
 from __future__ import annotations
 
-from distrain.comm.algorithms import tree as _tree
+from distrain.comm.algorithms import tree as binomial  # (its parent/children rule; tree() below is the schedule)
 from distrain.comm.algorithms.cost import chunk_sizes
 from distrain.costmodel.sim import Message
 
@@ -114,9 +114,9 @@ def _tree_reduce(sc: _Sched, P: int, nbytes: int, gamma: float) -> tuple[list[in
     """Messages up the tree; returns the ids arriving at the root and the root's add time."""
     sent: dict[int, int] = {}
     for v in range(P - 1, 0, -1):  # children (larger positions) before parents
-        kids = _tree._children(v, P)
-        sent[v] = sc.add(v, v - _tree._lowbit(v), nbytes, [sent[c] for c in kids], gamma * nbytes * len(kids))
-    root_kids = _tree._children(0, P)
+        kids = binomial.children(v, P)
+        sent[v] = sc.add(v, v - binomial.lowbit(v), nbytes, [sent[c] for c in kids], gamma * nbytes * len(kids))
+    root_kids = binomial.children(0, P)
     return [sent[c] for c in root_kids], gamma * nbytes * len(root_kids)
 
 
@@ -124,7 +124,7 @@ def _tree_bcast(sc: _Sched, P: int, nbytes: int, root_deps=(), root_delay: float
     got: dict[int, int] = {}
     for v in range(P):
         deps, delay = (root_deps, root_delay) if v == 0 else ((got[v],), 0.0)
-        for c in reversed(_tree._children(v, P)):
+        for c in reversed(binomial.children(v, P)):
             got[c] = sc.add(v, c, nbytes, deps, delay)
 
 

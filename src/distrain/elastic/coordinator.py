@@ -151,7 +151,9 @@ class Coordinator:
             target, source = sharded_target(offers)
         else:
             target = replicated_target(offers)
-        keep = [i for i in survivors if i in offers and (sharded or target in reachable(offers[i]))]
+        # (whole replicas: a survivor a step behind gets that step's state from one that holds it)
+        whole = not sharded and all(r.get("whole") for r in offers.values())
+        keep = [i for i in survivors if i in offers and (sharded or whole or target in reachable(offers[i]))]
         if self.grid != (1, 1):  # a replica with a rank missing is out whole (its live ranks are ended below)
             keep = whole_replicas(self.members, keep, *self.grid)
         if self.servers:  # a server's shard has no copy: its loss ends the job
@@ -182,6 +184,11 @@ class Coordinator:
                                         f"than MIN {self.lo} of --elastic {self.lo}:{self.hi}")
             info.update(ids=keep, joined=[])
             joiners = []
+        # who gets the state over the new group, and from whom: newcomers, and (replicated state) survivors a
+        # step behind the one the group goes on from; the first member that holds it sends it
+        behind = [] if sharded else [i for i in keep if target not in reachable(offers[i])]
+        holder = next((i for i in info["ids"] if i not in behind and i not in joiners), None)
+        info.update(receive=behind + joiners, sender=info["ids"].index(holder) if holder is not None else 0)
         self.epoch, self.members, self.want = nxt, info["ids"], None
         self.store.set(m.key("members", nxt), json.dumps(info))
         for i in joiners:
@@ -290,11 +297,13 @@ def reachable(offer: dict) -> set[int]:
 
 def replicated_target(offers: dict[int, dict]) -> int:
     """The step a job with replicated state goes on from: the latest live boundary when every survivor can
-    reach it (a survivor's update of the step was applied: its commit completed, so every rank entered that
-    commit and holds the step's synchronised gradients; the others roll forward), else the smallest one
-    (the step under way is redone from its start, which every survivor still holds)."""
+    reach it or every survivor holds the whole state (a survivor's update of the step was applied: its
+    commit completed. With the commit its own all-reduce, every rank entered it and holds the step's
+    synchronised gradients: the others roll forward themselves; riding with the gradients, a survivor may
+    be behind, and it gets the step's state from one that holds it), else the smallest one (the step under
+    way is redone from its start, which every survivor still holds)."""
     hi = max(r["live"] if r["live"] is not None else r["snap"] for r in offers.values())
-    if all(hi in reachable(r) for r in offers.values()):
+    if all(hi in reachable(r) for r in offers.values()) or all(r.get("whole") for r in offers.values()):
         return hi
     return min(r["live"] if r["live"] is not None else r["snap"] for r in offers.values())
 

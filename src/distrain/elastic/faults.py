@@ -20,7 +20,12 @@ sent; the production hooks (``member.Hooks``) do nothing. When the variable is s
   others have committed too: the group goes on from STEP + 1, nothing is redone);
 * ``:commit-lost``: STEP's commit completes on it, then it takes its quorum for lost (a PeerLostError,
   as if the result never arrived) while the others go on: it holds the step's synchronised gradients
-  and finishes the step alone when the group re-forms (a roll forward).
+  and finishes the step alone when the group re-forms (a roll forward);
+* ``:commit-missed``: STEP's commit does not complete on it (a PeerLostError just before) while the
+  others complete it: it is a step behind them and gets the state from one of them when the group
+  re-forms (replicated state whose commit rides with the gradients);
+* ``:reform``: it SIGKILLs itself when it begins its first membership change at step STEP or later,
+  before it leaves its group (a second loss during a recovery).
 """
 
 from __future__ import annotations
@@ -74,6 +79,10 @@ class Faults(Hooks):
             print(f"distrain elastic: id {member.ident} {action} at step {step} t={time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGSTOP if action == "stop" else signal.SIGKILL)
 
+    def before_commit(self, member, step: int) -> None:
+        if self.plan.get((member.ident, step)) == "commit-missed":
+            raise PeerLostError(f"elastic: id {member.ident} misses the commit of step {step} (test hook)")
+
     def after_commit(self, member, step: int) -> None:
         action = self.plan.get((member.ident, step))
         if action == "commit":
@@ -81,6 +90,12 @@ class Faults(Hooks):
             os.kill(os.getpid(), signal.SIGKILL)
         elif action == "commit-lost":
             raise PeerLostError(f"elastic: id {member.ident} takes the commit of step {step} for lost (test hook)")
+
+    def in_reform(self, member, step: int | None) -> None:
+        if step is not None and any(a == "reform" and i == member.ident and s <= step
+                                    for (i, s), a in self.plan.items()):
+            print(f"distrain elastic: id {member.ident} kill in a change at step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def in_heal(self, member, step: int) -> None:
         if any(a == "heal" and i == member.ident and s <= step for (i, s), a in self.plan.items()):

@@ -52,7 +52,6 @@ group (ElasticGuard._load).
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import sys
@@ -96,8 +95,14 @@ class Hooks:
     def in_heal(self, member: "Member", step: int) -> None:
         """A newcomer's heal at ``step``: the new group is open, the state not yet sent."""
 
+    def before_commit(self, member: "Member", step: int) -> None:
+        """Replicated state: ``step``'s gradients are synchronised here, its commit not yet complete."""
+
     def after_commit(self, member: "Member", step: int) -> None:
         """Replicated state: ``step``'s commit completed on this rank, its update not yet applied."""
+
+    def in_reform(self, member: "Member", step: int | None) -> None:
+        """A change begins on this rank (its state at boundary ``step``), before it leaves its group."""
 
 
 @dataclass
@@ -140,6 +145,7 @@ class Member:
         # entered it); ``held``: {step: state} this rank can offer a new group (made by the loop's guard)
         self.in_step, self.ready, self.rng = False, False, None
         self.held: dict[int, dict] = {}
+        self.whole = False  # replicated state: every rank holds all of it (any holder can send it to another)
         self.changes: list[dict] = []  # every membership event this rank went through
         # sharded state (ZeRO): each rank holds one piece, (world, rank) of the layout it was cut for; at
         # every step start it also keeps a copy of the previous rank's piece (the replica), so one lost
@@ -149,6 +155,7 @@ class Member:
         self.sharded = False
         self.kept: list[dict] = []
         self.pending = None  # (step, pieces.Exchange) in flight from ``begin`` to ``end``
+        self.buffers: dict[int, tuple] = {}  # step parity -> (our piece's buffer, the replica's), this group's
         self.ckpt_step: int | None = None
 
     @classmethod
@@ -206,6 +213,7 @@ class Member:
     def _open(self, epoch: int, info: dict) -> None:
         """Join epoch ``epoch``'s process group (a barrier first: abort if the epoch is already over)."""
         self.epoch, self.ids = epoch, list(info["ids"])
+        self.buffers = {}  # (a new group: the pieces held so far keep their buffers)
         self.rank, self.world = self.ids.index(self.ident), len(self.ids)
         self.store.set(key("up", epoch, self.ident), "1")
         if not self._wait([key("up", epoch, i) for i in self.ids], f"the ranks of epoch {epoch}",
@@ -222,8 +230,7 @@ class Member:
         self.pending = None  # an exchange cut off with the group: its copy never counts
         watchdog.uninstall()
         if broken and dist.is_initialized():
-            sever(self.store.port)
-            gc.collect()  # the broken group's pending work, held by engine objects already dropped
+            sever(self.store.port)  # (its pending work ends at once; a full gc.collect() here cost 0.2-0.25 s)
         if dist.is_initialized():
             comm.close_all()
             dist.destroy_process_group()
@@ -240,8 +247,10 @@ class Member:
         if not self.sharded:
             self.live, self.in_step, self.ready, self.rng, self.held = step, True, False, torch.get_rng_state(), {}
             return
-        # our piece, copied once into the buffer that goes to the next rank during the step
-        buf, tree = pack(state_fn())
+        # our piece, copied once into the buffer that goes to the next rank during the step (a buffer per step
+        # parity, this group's only: the copies of step - 1 stay while step's are made)
+        out, theirs = self.buffers.get(step % 2, (None, None))
+        buf, tree = pack(state_fn(), out)
         snap = {"engine": tree, "rng": torch.get_rng_state()}
         # the copies of step - 1 stay until ``end`` (a rank may die mid-exchange); a piece is named by
         # (step, world, rank) alone: the same whole state cuts to the same pieces
@@ -250,7 +259,9 @@ class Member:
         # the copy goes one node on (``stride`` ranks: nodes hold consecutive ranks) while the group
         # spans more than one node, else to the next rank
         stride = self.stride if self.world > self.stride else 1
-        self.pending = (step, Exchange(buf, tree, self.rank, self.world, stride)) if self.world > 1 else None
+        ex = Exchange(buf, tree, self.rank, self.world, stride, theirs) if self.world > 1 else None
+        self.buffers[step % 2] = (buf, ex.theirs if ex is not None else None)
+        self.pending = (step, ex) if ex is not None else None
         self.snap, self.snap_step, self.live = snap, step, None
 
     def offers(self) -> dict:
@@ -258,31 +269,53 @@ class Member:
         out = {"live": self.live, "snap": self.snap_step, "t": time.time(), "run": self.run}
         if not self.sharded:  # the boundaries of what the guard holds: the step's start (live), one on (next)
             out.update(next=self.live + 1 if self.live is not None and self.live + 1 in self.held else None,
-                       in_step=self.in_step, snap=None)
+                       in_step=self.in_step, snap=None, whole=self.whole)
         if self.sharded:
             pieces = [[self.live, self.world, self.rank, "own"]] if self.live is not None else []
             pieces += [[p["step"], p["world"], p["rank"], p["kind"]] for p in self.kept]
             out.update(pieces=pieces, ckpt=self.ckpt_step)
         return out
 
+    def _flag(self, step: int) -> float:
+        """1.0 on rank 0 when the coordinator wants a change (a rank was lost or a newcomer waits), else
+        0.0; rank 0 also writes the group's step, for the refusal of a stale rank."""
+        if self.rank != 0:
+            return 0.0
+        flag = 1.0 if self.store.check([key("change", self.epoch)]) else 0.0
+        self.store.set(key("step"), str(step + 1))
+        return flag
+
     def _quorum(self, step: int, loss, weight: float) -> tuple[float, bool]:
         """The global batch's loss of ``step`` (sum over ranks of loss * weight) and whether the group must
-        change (the coordinator asked: a rank was lost or a newcomer waits). One all-reduce."""
-        flag = 1.0 if self.rank == 0 and self.store.check([key("change", self.epoch)]) else 0.0
-        if self.rank == 0:  # the group's step, for the refusal of a stale rank
-            self.store.set(key("step"), str(step + 1))
-        t = torch.tensor([float(loss) * weight if loss is not None else 0.0, flag], dtype=torch.float64)
+        change. One all-reduce."""
+        t = torch.tensor([float(loss) * weight if loss is not None else 0.0, self._flag(step)], dtype=torch.float64)
         comm.all_reduce(t, algorithm="native")
         return t[0].item(), t[1].item() > 0
 
     def commit(self, step: int, loss, weight: float) -> tuple[float, bool]:
         """Replicated state, after the gradients of ``step`` are synchronised and before the update: the
-        quorum (collective). Once entered this rank can finish the step alone (``ready``); the caller
-        applies the update right after it returns, then calls :meth:`updated`."""
+        quorum, its own all-reduce (collective). Once entered this rank can finish the step alone
+        (``ready``); the caller applies the update right after it returns, then calls :meth:`updated`."""
+        self.hooks.before_commit(self, step)
         self.ready = True
         total, wanted = self._quorum(step, loss, weight)
         self.hooks.after_commit(self, step)
         return total, wanted
+
+    def carry_values(self, step: int, loss) -> torch.Tensor:
+        """The quorum riding with the gradients (DistributedDataParallel.carry: they are averaged over the
+        group, so the engine's loss weight must be 1/world): [this rank's loss, the change flag]."""
+        return torch.tensor([float(loss) if loss is not None else 0.0, self._flag(step)], dtype=torch.float64)
+
+    def agreed(self, step: int, averages) -> tuple[float, bool]:
+        """The quorum rode with ``step``'s gradients and arrived here with them (``averages``: the group's
+        averages of :meth:`carry_values`): the global batch's loss and whether the group must change. Only
+        this rank knows the commit complete; another may have failed in the same all-reduce, and it gets
+        this step's state from a rank that has it (coordinator.replicated_target)."""
+        self.hooks.before_commit(self, step)
+        self.ready = True
+        self.hooks.after_commit(self, step)
+        return float(averages[0]), float(averages[1]) > 0
 
     def updated(self, step: int) -> None:
         """Replicated state: ``step``'s update is applied; the live state is at step + 1."""
@@ -326,6 +359,7 @@ class Member:
         t_left = time.time()
         if held is not None:
             self.held = held
+        self.hooks.in_reform(self, self.live if self.live is not None else self.snap_step)
         while True:
             nxt = self.epoch + 1
             offer = self.offers()  # (before leaving: the live piece is this group's)
@@ -341,7 +375,9 @@ class Member:
                 self.store.set(key("refused"), str(self.ident))  # (tests: a ``hold`` ends here)
                 raise CommError(why)
             target, source = info["step"], info.get("source", "peers")
-            if target in self.held:
+            if self.ident in info.get("receive", ()):  # a holder of the step sends it (_heal)
+                state = None
+            elif target in self.held:
                 state = self.held[target]
                 if self.sharded:
                     self.kept.append(dict(step=target, world=self.world, rank=self.rank, kind="own",
@@ -369,13 +405,17 @@ class Member:
                     raise
 
     def _heal(self, info: dict, state: dict | None) -> Change:
-        """Newcomers get the state from rank 0 (a survivor) over the new group; RNG restored."""
-        if info["joined"]:
+        """The ranks without the state at the step (newcomers; survivors behind a step their peers
+        finished) get it over the new group from a rank that holds it (``sender``; rank 0 by default);
+        RNG restored."""
+        receive = info.get("receive", info["joined"])
+        if receive:
             self.hooks.in_heal(self, info["step"])
-            # replicated state: rank 0 sends all of it; sharded: only the RNG (the loop gathers the pieces)
-            sent = None if self.rank != 0 else state if not self.sharded else {"rng": state["rng"], "engine": None}
+            # replicated state: the sender sends all of it; sharded: only the RNG (the loop gathers the pieces)
+            src = info.get("sender", 0)
+            sent = None if self.rank != src else state if not self.sharded else {"rng": state["rng"], "engine": None}
             box = [sent]
-            comm.broadcast_object_list(box, src=0)
+            comm.broadcast_object_list(box, src=src)
             if state is None:
                 state = box[0] if not self.sharded else dict(box[0], pieces=[])
         if state["rng"] is not None:  # (sharded, no state of ours at the step: the loop takes a peer's)

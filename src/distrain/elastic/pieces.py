@@ -49,19 +49,20 @@ def rebuild_tree(tree, tensors):
     return tree
 
 
-def pack(tree):
+def pack(tree, out: torch.Tensor | None = None):
     """One copy of ``tree``'s tensors in a single uint8 buffer (each at a 64-byte aligned offset) and
     the same tree whose tensors are views into it: (buffer, tree of views). The buffer is what
-    :class:`Exchange` sends, so the start-of-step copy and the message are one memcpy. A new buffer
-    each time: a rolled-back optimizer keeps the loaded tensors (torch does not copy them), so a
-    buffer reused for the next copy would overwrite the state it rolled back to."""
+    :class:`Exchange` sends, so the start-of-step copy and the message are one memcpy. ``out``: a
+    buffer of the right size to fill (its previous contents must be no longer needed: the caller keeps
+    a buffer per step parity within a group, and a state loaded from pieces is always a copy), else a
+    new one (a reused buffer spares the page faults of a fresh allocation every step)."""
     flat: list[torch.Tensor] = []
     leaves(tree, flat)
     offsets, at = [], 0
     for t in flat:
         offsets.append(at)
         at += -(-t.numel() * t.element_size() // 64) * 64
-    buf = torch.empty(at, dtype=torch.uint8)
+    buf = out if out is not None and out.numel() == at else torch.empty(at, dtype=torch.uint8)
     return buf, unpack(buf, tree, flat, offsets, copy=True)
 
 
@@ -85,9 +86,10 @@ class Exchange:
     to equal sizes); the non-tensor leaves are ours, so the caller relabels what differs (a piece's
     rank). Bytes each way: the tree's, e.g. 3 x 4 B x N/P for Adam's piece of N fp32 parameters."""
 
-    def __init__(self, buf: torch.Tensor, views, rank: int, world: int, stride: int = 1):
+    def __init__(self, buf: torch.Tensor, views, rank: int, world: int, stride: int = 1,
+                 theirs: torch.Tensor | None = None):
         self.views = views
-        self.theirs = torch.empty_like(buf)
+        self.theirs = theirs if theirs is not None and theirs.numel() == buf.numel() else torch.empty_like(buf)
         self.source = (rank - stride) % world  # whose piece we hold
         ops = [dist.P2POp(dist.isend, buf, (rank + stride) % world), dist.P2POp(dist.irecv, self.theirs, self.source)]
         with comm.transport_errors("elastic: the replica exchange"):  # (a peer lost: PeerLostError)

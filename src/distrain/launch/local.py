@@ -168,7 +168,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
                           f"{len(os.sched_getaffinity(0))} core(s); pass bind_cores=None or False")
     threads = threads_per_rank or (len(slices[0]) if slices else max(1, (os.cpu_count() or 1) // nprocs))
     store = local_store(nprocs, init_timeout)
-    sup = Supervisor(start_method, preload=["distrain.launch.warm"])
+    sup = Supervisor(start_method)
     setup = _Rendezvous(nprocs, store.port, backend, init_timeout, init)
     for r in range(nprocs):
         sup.start(r, fn, args, env=local_env() | dict(env or {}), threads=threads,

@@ -94,7 +94,8 @@ class Supervisor:
     def __init__(self, start_method: str = "forkserver", preload: Sequence[str] = (), name: str = "distrain-rank"):
         self.ctx = mp.get_context(start_method)
         if start_method == "forkserver":
-            self.ctx.set_forkserver_preload(["distrain.comm", "distrain.launch", *preload])
+            # (launch.warm: what every rank's first optimizer would import, ~1 s, once in the fork server)
+            self.ctx.set_forkserver_preload(["distrain.comm", "distrain.launch", "distrain.launch.warm", *preload])
         self.name = name
         self.procs: dict[int, Any] = {}
         self.conns: dict[int, Any] = {}

@@ -141,12 +141,8 @@ class ElasticGuard(Guard):
         self.copy_s = time.perf_counter() - t
 
     def commit_hook(self, step: int, engine):
-        if self.q.sharded:
-            return None
-
-        def commit(loss) -> None:
-            self.committed = self.q.commit(step, loss, engine.loss_weight)
-        return commit
+        self.q.whole = engine.holds_whole_state
+        return None if self.q.sharded else _Commit(self, step, engine)
 
     def end(self, step: int, engine, record: dict) -> None:
         """The step's loss summed over the group (``record["loss"]`` becomes a float) and whether the group
@@ -269,6 +265,25 @@ class ElasticGuard(Guard):
         events = [e for e in read_events(Path(out) / "metrics.jsonl") if e["event"] == "membership"]
         return dict(membership_changes=len(events), world_final=self.q.world,
                     ranks_left=sum(len(e["left"]) for e in events), ranks_joined=sum(len(e["joined"]) for e in events))
+
+
+class _Commit:
+    """One step's quorum as an engine calls it (Engine.train_step's ``commit``): ``commit(loss)`` makes it
+    with its own all-reduce; an engine whose gradient all-reduce can carry a few values instead passes
+    ``values(loss)`` along with its gradients and hands back the group's ``averaged(...)`` of them (its
+    loss weight is 1/world, so the average is the global batch's loss)."""
+
+    def __init__(self, guard: ElasticGuard, step: int, engine):
+        self.guard, self.step, self.engine = guard, step, engine
+
+    def __call__(self, loss) -> None:
+        self.guard.committed = self.guard.q.commit(self.step, loss, self.engine.loss_weight)
+
+    def values(self, loss) -> torch.Tensor:
+        return self.guard.q.carry_values(self.step, loss)
+
+    def averaged(self, averages: torch.Tensor) -> None:
+        self.guard.committed = self.guard.q.agreed(self.step, averages)
 
 
 def stop_step(out) -> int | str:

@@ -36,17 +36,19 @@ from distrain.comm.core.util import COMPOSED_AT_ROOT
 ROOT = 0
 
 
-def _lowbit(v: int) -> int:
+def lowbit(v: int) -> int:
+    """The lowest set bit of v: v's parent in the binomial tree is v - lowbit(v)."""
     return v & -v
 
 
 def _span(v: int, P: int) -> int:
     """How many consecutive positions the subtree of position v holds."""
-    return P if v == 0 else min(_lowbit(v), P - v)
+    return P if v == 0 else min(lowbit(v), P - v)
 
 
-def _children(v: int, P: int) -> list[int]:
-    limit = P if v == 0 else _lowbit(v)
+def children(v: int, P: int) -> list[int]:
+    """The children of (relative) rank v in the binomial tree of P ranks, in increasing order."""
+    limit = P if v == 0 else lowbit(v)
     out, m = [], 1
     while m < limit and v + m < P:
         out.append(v + m)
@@ -62,15 +64,15 @@ def broadcast(pc: PeerComm, buf: torch.Tensor, root: int) -> None:
     P = pc.size
     v = (pc.rank - root) % P
     if v:
-        pc.recv(buf, _real(v - _lowbit(v), root, P))
+        pc.recv(buf, _real(v - lowbit(v), root, P))
     # Largest subtree first: it has the most levels still to go.
-    waitall([pc.isend(buf, _real(c, root, P)) for c in reversed(_children(v, P))])
+    waitall([pc.isend(buf, _real(c, root, P)) for c in reversed(children(v, P))])
 
 
 def reduce(pc: PeerComm, buf: torch.Tensor, root: int, op: Op) -> None:
     P = pc.size
     v = (pc.rank - root) % P
-    kids = _children(v, P)
+    kids = children(v, P)
     acc = buf
     if kids:
         # Inner nodes accumulate in a copy (non-root inputs stay intact); all receives are
@@ -83,7 +85,7 @@ def reduce(pc: PeerComm, buf: torch.Tensor, root: int, op: Op) -> None:
             w.wait()
             op.combine(acc, t)
     if v:
-        pc.send(acc, _real(v - _lowbit(v), root, P))
+        pc.send(acc, _real(v - lowbit(v), root, P))
 
 
 def all_reduce(pc: PeerComm, buf: torch.Tensor, op: Op) -> None:
@@ -111,9 +113,9 @@ def scatter(pc: PeerComm, out: torch.Tensor, full: torch.Tensor | None, root: in
         rel = _rotate_in(full, root, n)
     else:
         rel = out if span == 1 else torch.empty(span * n, dtype=out.dtype, device=out.device)
-        pc.recv(rel, _real(v - _lowbit(v), root, P))
+        pc.recv(rel, _real(v - lowbit(v), root, P))
     sends = [pc.isend(rel[(c - v) * n:(c - v + _span(c, P)) * n], _real(c, root, P))
-             for c in reversed(_children(v, P))]
+             for c in reversed(children(v, P))]
     if rel is not out:
         out.copy_(rel[:n])
     waitall(sends)
@@ -123,7 +125,7 @@ def gather(pc: PeerComm, inp: torch.Tensor, full: torch.Tensor | None, root: int
     P, n = pc.size, inp.numel()
     v = (pc.rank - root) % P
     span = _span(v, P)
-    kids = _children(v, P)
+    kids = children(v, P)
     if v == 0:
         rel = full if root == 0 else torch.empty_like(full)
     else:
@@ -133,7 +135,7 @@ def gather(pc: PeerComm, inp: torch.Tensor, full: torch.Tensor | None, root: int
         rel[:n].copy_(inp)
     waitall(works)
     if v:
-        pc.send(rel, _real(v - _lowbit(v), root, P))
+        pc.send(rel, _real(v - lowbit(v), root, P))
     else:
         _rotate_out(rel, full, root, n, P)
 
@@ -153,7 +155,7 @@ def traffic(coll: str, P: int, rank: int, count: int, root: int) -> tuple[int, i
     """(elements sent, elements received) by ``rank`` in one call (notation of cost.py)."""
     v = (rank - (ROOT if coll in COMPOSED_AT_ROOT else root)) % P
     N = n = count
-    span, kids, nonroot = _span(v, P), len(_children(v, P)), 1 if v else 0
+    span, kids, nonroot = _span(v, P), len(children(v, P)), 1 if v else 0
     table = {
         "all_reduce": (N * (kids + nonroot), N * (kids + nonroot)),
         "broadcast": (N * kids, N * nonroot),

@@ -36,6 +36,8 @@ all-reduces the sum). A parameter that got no gradient raises an error naming it
 "bf16"|"fp16"`` all-reduces the buckets in that dtype (half the bytes, lower precision).
 ``register_comm_hook(state, hook)``: a hook reduces each bucket instead (comm_hooks.py: torch's
 contract; allreduce, fp16, bf16, PowerSGD); ``join()``: uneven numbers of batches (join.py).
+``carry(values)``: a few scalars averaged over the group with the next backward's gradients, in
+the last bucket's all-reduce (an elastic job's quorum rides there: no collective of its own).
 
 Contract: every rank wraps the same model (same parameter shapes and order) and runs the
 same number of synchronized backward passes.
@@ -127,6 +129,9 @@ class DistributedDataParallel(nn.Module):
         self._require_forward_buffer_sync = True  # torch's require_forward_param_sync
         self._hook, self._hook_state, self._join, self._backward_seen = None, None, None, False  # comm hook, join()
         self._div = self.world  # gradients are averaged over this many ranks (join() may lower it)
+        self._carry: torch.Tensor | None = None  # values riding in the last bucket (carry())
+        self._carried: torch.Tensor | None = None
+        self._carry_slots = 0  # extra elements at the end of the last bucket, once carry() asked for them
 
         if init_sync:
             self._broadcast_state(buffers=opts.init_sync_buffers)
@@ -204,6 +209,44 @@ class DistributedDataParallel(nn.Module):
     def bucket_sizes(self) -> list[int]:
         """Bytes per bucket, in launch order (the first bucket holds the last layers)."""
         return [nbytes(b.buffer) for b in self._buckets]
+
+    # -- values that ride with the gradients -----------------------------------------------------
+    @property
+    def can_carry(self) -> bool:
+        """Whether :meth:`carry` works: the buckets are all-reduced as they are (no comm hook, no
+        compression) and the last one holds float32/float64 values."""
+        return self._hook is None and self.wire_dtype is None and \
+            self._buckets[-1].buffer.dtype in (torch.float32, torch.float64)
+
+    def carry(self, values: torch.Tensor) -> None:
+        """Average ``values`` (a few scalars) over the group together with the next synchronized
+        backward's gradients: they ride in the last bucket's all-reduce, pre-divided like the
+        gradients (x * (1/P), summed), so agreeing on them costs no collective of its own. Every rank
+        calls it with as many values, before that backward; :meth:`carried` gives the averages after
+        it (in the bucket's dtype: float32 values are averaged in float32). The first call adds the
+        slots to the last bucket on every rank alike (a collective allocation in symmetric memory)."""
+        if not self.can_carry:
+            raise ConfigError("DistributedDataParallel.carry: the buckets are reduced by a comm hook or compressed, "
+                              "or the last one is not float32/float64; agree on the values with their own all_reduce")
+        values = values.detach().reshape(-1)
+        if values.numel() != self._carry_slots:
+            self._grow_last_bucket(values.numel())
+        self._carry, self._carried = values, None
+
+    def carried(self) -> torch.Tensor | None:
+        """The group's averages of the values given to :meth:`carry` before the last backward (float64)."""
+        return self._carried
+
+    def _grow_last_bucket(self, k: int) -> None:
+        b = self._buckets[-1]
+        n = sum(v.numel() for v in b.views)
+        buf = self._bucket_buffer(n + k, b.buffer)
+        buf[:n].copy_(b.buffer[:n])
+        b.buffer, b.views, off = buf, [], 0
+        for p in b.params:
+            b.views.append(buf[off:off + p.numel()])
+            off += p.numel()
+        self._carry_slots = k
 
     # -- forward / backward ------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -293,6 +336,10 @@ class DistributedDataParallel(nn.Module):
                 torch._foreach_copy_(dst, src)
                 if div != 1:
                     torch._foreach_mul_(dst, 1.0 / div)
+            if self._carry_slots and b.index == len(self._buckets) - 1:  # the values riding with the gradients
+                tail = b.buffer[-self._carry_slots:]
+                tail.copy_(self._carry if self._carry is not None else torch.zeros(self._carry_slots))
+                tail.mul_(1.0 / self._div)
             b.wire = b.buffer if self.wire_dtype is None else b.buffer.to(self.wire_dtype)  # (None with a hook)
             if self._hook is not None:
                 b.handle = comm_hooks.run_hook(self, b.index, b.buffer)
@@ -333,6 +380,8 @@ class DistributedDataParallel(nn.Module):
             if b.handle is not None:  # None: it ran on this thread (_launch with wait)
                 b.handle.wait()
         self.comm_wait_s = time.perf_counter() - t0
+        if self._carry is not None:
+            self._carried, self._carry = self._buckets[-1].buffer[-self._carry_slots:].to(torch.float64, copy=True), None
         with torch.no_grad():
             dst, src = [], []
             for b in self._buckets:

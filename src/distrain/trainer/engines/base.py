@@ -47,6 +47,7 @@ class Engine(ABC):
     """Base of every engine; subclasses set the attributes below in ``__init__``."""
 
     serves: bool = False
+    holds_whole_state: bool = False  # every rank holds the whole model and optimizer state (replicas)
     dp_rank: int = 0  # which slice of the global batch this rank reads
     dp_size: int = 1  # into how many slices the global batch is cut
     loss_group = None  # the ranks whose weighted losses sum to the logged loss (None: the world)

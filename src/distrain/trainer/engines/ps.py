@@ -48,7 +48,7 @@ class PSEngine(Engine):
         self._k, self._t0 = 0, None  # steps this engine ran (the byte check counts them), when the first began
         # the data messages this engine moves (its own ledger: an elastic job rebuilds the engine at each change)
         self.ledger = comm.ledger().__enter__()
-        weakref.finalize(self, self.ledger.__exit__, None, None, None)
+        self._stop_ledger = weakref.finalize(self, self.ledger.__exit__, None, None, None)  # (once, at most)
         if self.is_server:
             self.server = ParameterServer(model, L, optimizer_factory, self.mode, max_staleness=cfg.max_staleness)
             self.loss_weight = 0.0  # (no loss here; sync servers still join the loss sum over the world)
@@ -153,7 +153,7 @@ class PSEngine(Engine):
         fan-in/fan-out formula."""
         from distrain.parallel.parameter_server import expected_ps_bytes
 
-        self.ledger.__exit__(None, None, None)
+        self._stop_ledger()
         steps = steps if self.serves else self._k  # (async servers: every step, in serve)
         stats = dict(self.stats) if self.is_server else self.worker.stats()
         stats["ledger"] = {f"{lab}_{d}": getattr(self.ledger.get(lab, "p2p"), f"bytes_{d}")

@@ -16,6 +16,8 @@ from distrain.trainer.engines.base import Engine, evaluate_batches, part_loss
 
 
 class SingleEngine(Engine):
+    holds_whole_state = True
+
     def __init__(self, cfg, model, loss_fn, optimizer_factory):
         super().__init__(cfg, model, loss_fn, optimizer_factory)
         self.model = model
@@ -37,17 +39,23 @@ class SingleEngine(Engine):
         synchronised on the last one only: no_sync before), clipping, ``commit``, optimizer step."""
         self.optimizer.zero_grad(set_to_none=True)
         k = self.cfg.accum_steps
+        # our DDP can carry the commit's values in its last gradient bucket: no collective of their own
+        ride = commit is not None and k == 1 and getattr(self.net, "can_carry", False)
         total = torch.zeros((), dtype=torch.float64, device=x.device)
         for i, (xi, yi) in enumerate(zip(x.chunk(k), y.chunk(k))):
             quiet = self.net.no_sync() if i < k - 1 and hasattr(self.net, "no_sync") else contextlib.nullcontext()
             with quiet:
                 with self.autocast():
                     loss = self.loss_fn(self.net(xi), yi) / k  # the mean over the slice: equal chunks
+                if ride:
+                    self.net.carry(commit.values(loss.detach()))
                 loss.backward()
             total += loss.detach().double()
         if self.cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        if commit is not None:
+        if ride:
+            commit.averaged(self.net.carried())
+        elif commit is not None:
             commit(total)
         self.finish_step()
         self.comm_wait_s = getattr(self.net, "comm_wait_s", None)

@@ -1,0 +1,141 @@
+"""A random-kill campaign: elastic jobs at P=4 under random strategies, steps and patterns of loss.
+
+Every trial is a real ``distrain train --elastic 2:4 --nproc 4`` (a subprocess, as a user runs it) on
+gpt-tiny in fp64 with a strategy drawn from ddp, zero1-3 and ps-sync and one pattern of SIGKILLs (real
+signals, through DISTRAIN_ELASTIC_FAULTS; elastic/faults.py):
+
+    one         one rank at the start of a random step
+    two         two ranks at the start of the same step
+    recovery    one rank at a random step, a second one as it begins the recovery from that loss
+    replace     one rank, a replacement started (--elastic-replace 1), then a rank (maybe the newcomer) later
+
+Each trial must end in one of two ways: the job finishes with the losses of the single-process run
+(fp64, rtol 1e-10), or it stops with one of the documented one-line errors (below MIN; a ZeRO piece
+lost with its replica and no checkpoint; a lost parameter server); and in both cases no process of the
+job is left and stderr holds no traceback or warning (e.g. no "leaked semaphore objects"). The draw
+of trial k is ``random.Random(k)``, so a failing trial reruns alone. ``DISTRAIN_ELASTIC_TRIALS`` sets
+how many trials run (30 by default: the slow tier runs them all).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import reference_losses
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "ps-sync")
+PATTERNS = ("one", "two", "recovery", "replace")
+TRIALS = int(os.environ.get("DISTRAIN_ELASTIC_TRIALS", "30"))
+STEPS, BATCH = 8, 12
+DOCUMENTED = ("elastic: stopped at step ", "elastic: the piece(s) of ZeRO rank(s) ",
+              "elastic: parameter server rank id(s) ")
+RTOL = 1e-10
+
+
+def draw(k: int) -> dict:
+    """Trial ``k``: its strategy, pattern, the DISTRAIN_ELASTIC_FAULTS plan and the extra flags."""
+    rng = random.Random(k)
+    strategy, pattern = STRATEGIES[k % len(STRATEGIES)], PATTERNS[(k // len(STRATEGIES)) % len(PATTERNS)]
+    a, b = rng.sample(range(4), 2)
+    s = rng.randint(1, STEPS - 2)
+    flags = ["--ckpt-every", str(rng.choice([0, 2, 3]))] if strategy != "ps-sync" else ["--ckpt-every", "0"]
+    if pattern == "one":
+        plan = f"{a}@{s}"
+    elif pattern == "two":
+        plan = f"{a}@{s},{b}@{s}"
+    elif pattern == "recovery":
+        plan = f"{a}@{s},{b}@{s}:reform"
+    else:  # a replacement (id 4) joins after the first loss; then a kill later, of anyone, the newcomer too
+        plan = f"{a}@{s},{rng.choice([b, 4])}@{rng.randint(s + 1, STEPS - 1)}"
+        flags += ["--elastic-replace", "1"]
+    return {"strategy": strategy, "pattern": pattern, "plan": plan, "flags": flags}
+
+
+def _left_behind(tag: str) -> list[int]:
+    """Processes that still carry this trial's tag in their environment (every process of the job does)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read()
+        except OSError:
+            continue
+        if f"DISTRAIN_TEST_TAG={tag}".encode() in env:
+            found.append(int(pid))
+    return found
+
+
+def _losses(out: Path) -> list[float]:
+    from distrain.trainer.metrics import read_metrics
+
+    return [r["loss"] for r in read_metrics(out / "metrics.jsonl")] if (out / "metrics.jsonl").exists() else []
+
+
+def run_trial(k: int, out: Path) -> dict:
+    """Run trial ``k`` into ``out``: {"trial", the draw, "code", "stderr", "left" (pids), "wall_s",
+    "outcome": "finished" or the documented error's first words, "changes": membership lines}."""
+    t = draw(k)
+    tag = uuid.uuid4().hex
+    env = {**os.environ, "DISTRAIN_ELASTIC_FAULTS": t["plan"], "DISTRAIN_TEST_TAG": tag}
+    env.pop("RANK", None), env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "distrain", "train", "--model", "gpt-tiny", "--data", "shakespeare",
+           "--dtype", "float64", "--steps", str(STEPS), "--batch-size", str(BATCH), "--lr", "1e-2",
+           "--eval-every", "0", "--sample-chars", "0", "--no-progress", "--no-report", "--log-every", "2",
+           "--nproc", "4", "--elastic", "2:4", "--strategy", t["strategy"], "--collective-timeout", "30",
+           "--timeout", "200", "--out", str(out), *t["flags"]]
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=220)
+    wall = time.monotonic() - t0
+    time.sleep(0.5)  # (a rank's lifeline ends it within moments of its parent)
+    errors = [ln.removeprefix("distrain: error: ") for ln in p.stderr.splitlines() if ln.startswith("distrain: error: ")]
+    events = []
+    if (out / "metrics.jsonl").exists():
+        from distrain.trainer.metrics import read_events
+
+        events = [e for e in read_events(out / "metrics.jsonl") if e["event"] == "membership"]
+    outcome = "finished" if p.returncode == 0 else next(
+        (d.strip() for d in DOCUMENTED if errors and errors[-1].startswith(d)), "undocumented")
+    return {"trial": k, **t, "code": p.returncode, "stderr": p.stderr, "left": _left_behind(tag), "wall_s": wall,
+            "outcome": outcome, "changes": len(events), "errors": errors}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("k", range(TRIALS))
+def test_random_elastic_kill(tmp_path, tmp_path_factory, k):
+    r = run_trial(k, tmp_path / "run")
+    what = (f"trial {k} {json.dumps({x: r[x] for x in ('strategy', 'pattern', 'plan', 'flags')})}: exit {r['code']}"
+            f"\nstderr:\n{r['stderr'][-3000:]}")
+    assert not r["left"], f"processes left behind {r['left']}; {what}"
+    bad = [ln for ln in r["stderr"].splitlines() if "Traceback" in ln or "Warning" in ln or "leaked" in ln]
+    assert not bad, f"{bad}; {what}"
+    if r["code"] == 0:
+        want = reference_losses(tmp_path_factory, steps=STEPS, batch_size=BATCH, log_every=2)
+        got = _losses(tmp_path / "run")
+        assert len(got) == len(want) and all(abs(g - w) <= RTOL * abs(w) for g, w in zip(got, want)), \
+            f"losses {got} vs one process {want}; {what}"
+    else:
+        assert r["outcome"] != "undocumented", what
+
+
+if __name__ == "__main__":  # the campaign's table: python tests/test_elastic_campaign.py [TRIALS]
+    import collections
+    import tempfile
+
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else TRIALS
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        for k in range(n):
+            r = run_trial(k, Path(d) / f"t{k}")
+            rows.append(r)
+            print(f"{k:3d} {r['strategy']:8s} {r['pattern']:9s} {r['plan']:22s} {' '.join(r['flags']):32s} "
+                  f"{r['outcome']:40s} changes {r['changes']} left {len(r['left'])} {r['wall_s']:.1f}s", flush=True)
+    print(dict(collections.Counter(r["outcome"] for r in rows)))
