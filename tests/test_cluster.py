@@ -274,42 +274,18 @@ def test_elastic_job_survives_a_whole_node_killed(emulated_cluster, tmp_path, st
     node 0), with the losses of one process (global batch 16: parts 6, 5, 5, then 8, 8). Node 1's agent
     heartbeat stops, so the coordinator drops its rank without waiting for --collective-timeout (set long
     here: 120 s). zero2: node 1's piece is replicated on node 2, so no checkpoint is needed."""
-    steps = 300
-    ref_cfg = _train_cfg(tmp_path / "ref", nproc=1, strategy="single", steps=steps)
-    train(ref_cfg)
-    spec = emulated_cluster(nodes=3, link="1gbit")
-    cfg = _train_cfg(tmp_path / "run", nproc=3, steps=steps, strategy=strategy, ckpt_every=0)
-    cmd = _cli(cfg) + ["--elastic", "2:3", "--collective-timeout", "120"]
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    result: dict = {}
-    th = threading.Thread(target=lambda: result.setdefault("res", runner.run(
-        spec, cmd, procs_per_node=1, timeout=300, grace=5, echo=False)))
-    th.start()
-    deadline = time.monotonic() + 200
-    while time.monotonic() < deadline and th.is_alive() and (
-            not metrics.exists() or len(metrics.read_text().splitlines()) < 20):
-        time.sleep(0.1)
-    assert metrics.exists() and len(metrics.read_text().splitlines()) >= 20, "the job did not reach step 20"
-    t_kill = time.time()
-    for p in netns.pids(spec.netns(1)):  # the machine "dies": every process of node 1 at once
-        os.kill(p, 9)
-    th.join(320)
-    res = result["res"]
-    assert res.exits[0].code == 0, "\n".join([ln for ln in res.output if "hostname of the client" not in ln][-40:])
-    got = read_metrics(metrics)
-    want = read_metrics(tmp_path / "ref" / "metrics.jsonl")
-    assert [g["step"] for g in got] == list(range(steps))
+    got, want, t_kill = _elastic_run_then_kill(emulated_cluster, tmp_path, 3, 1, strategy, "2:3",
+                                               lambda spec: netns.pids(spec.netns(1)))
     assert got[-1]["world"] == 2 and got[0]["world"] == 3
     torch.testing.assert_close(torch.tensor([g["loss"] for g in got]), torch.tensor([w["loss"] for w in want]),
                                rtol=1e-11, atol=0)
     from distrain.trainer.metrics import read_events
 
-    (e,) = read_events(metrics)
+    (e,) = read_events(tmp_path / "run" / "metrics.jsonl")
     assert (e["old_world"], e["new_world"], e["left"]) == (3, 2, [1])
     assert e["state_from"] == ("replicas" if strategy == "zero2" else "peers")
     back = next(g for g in got if g["world"] == 2)
     assert back["time"] - t_kill < 30, "the survivors waited for the collective time-out"
-    assert all(not netns.pids(spec.netns(i)) for i in range(3))
 
 
 def _rank_pids(ns: str) -> list[int]:
@@ -338,39 +314,50 @@ def test_elastic_zero2_on_two_nodes_of_two_loses_node_one(emulated_cluster, tmp_
     rank r + 2), so losing node 1 (every process: "node"; or its two ranks at once, its node agent alive:
     "two ranks") leaves both pieces of node 1 on node 0, and the job goes on at world 2 from the replicas,
     with the losses of one process (global batch 16: parts of 4, then 8)."""
-    steps = 300
+    got, want, t_kill = _elastic_run_then_kill(
+        emulated_cluster, tmp_path, 2, 2, "zero2", "2:4",
+        lambda spec: netns.pids(spec.netns(1)) if how == "node" else _rank_pids(spec.netns(1)),
+        victims=None if how == "node" else 2)
+    assert got[0]["world"] == 4 and got[-1]["world"] == 2
+    torch.testing.assert_close(torch.tensor([g["loss"] for g in got]), torch.tensor([w["loss"] for w in want]),
+                               rtol=1e-11, atol=0)
+    from distrain.trainer.metrics import read_events
+
+    (e,) = read_events(tmp_path / "run" / "metrics.jsonl")
+    assert (e["old_world"], e["new_world"], e["left"], e["state_from"]) == (4, 2, [2, 3], "replicas")
+    back = next(g for g in got if g["world"] == 2)
+    assert back["time"] - t_kill < 30, "the survivors waited for the collective time-out"
+
+
+def _elastic_run_then_kill(emulated_cluster, tmp_path, nodes: int, per_node: int, strategy: str, elastic: str,
+                           victims_of, victims: int | None = None, steps: int = 300):
+    """`distrain cluster run -- distrain train --elastic ELASTIC` on NODES x PER_NODE ranks with its
+    single-process reference; once 20 steps are done, SIGKILL the pids ``victims_of(spec)`` returns
+    (``victims``: how many there must be), wait for the job and check that node 0's exit is 0, every step
+    has its line and no process is left. Returns (the job's step lines, the reference's, the kill's time)."""
     train(_train_cfg(tmp_path / "ref", nproc=1, strategy="single", steps=steps))
-    spec = emulated_cluster(nodes=2, link="1gbit")
-    cfg = _train_cfg(tmp_path / "run", nproc=4, steps=steps, strategy="zero2", ckpt_every=0)
-    cmd = _cli(cfg) + ["--elastic", "2:4", "--collective-timeout", "120"]
+    spec = emulated_cluster(nodes=nodes, link="1gbit")
+    cfg = _train_cfg(tmp_path / "run", nproc=nodes * per_node, steps=steps, strategy=strategy, ckpt_every=0)
+    cmd = _cli(cfg) + ["--elastic", elastic, "--collective-timeout", "120"]
     metrics = tmp_path / "run" / "metrics.jsonl"
     result: dict = {}
     th = threading.Thread(target=lambda: result.setdefault("res", runner.run(
-        spec, cmd, procs_per_node=2, timeout=300, grace=5, echo=False)))
+        spec, cmd, procs_per_node=per_node, timeout=300, grace=5, echo=False)))
     th.start()
     deadline = time.monotonic() + 200
     while time.monotonic() < deadline and th.is_alive() and (
             not metrics.exists() or len(metrics.read_text().splitlines()) < 20):
         time.sleep(0.1)
     assert metrics.exists() and len(metrics.read_text().splitlines()) >= 20, "the job did not reach step 20"
-    victims = netns.pids(spec.netns(1)) if how == "node" else _rank_pids(spec.netns(1))
-    assert how == "node" or len(victims) == 2, victims
+    pids = victims_of(spec)
+    assert victims is None or len(pids) == victims, pids
     t_kill = time.time()
-    for p in victims:
+    for p in pids:
         os.kill(p, 9)
     th.join(320)
     res = result["res"]
     assert res.exits[0].code == 0, "\n".join([ln for ln in res.output if "hostname of the client" not in ln][-40:])
     got = read_metrics(metrics)
-    want = read_metrics(tmp_path / "ref" / "metrics.jsonl")
     assert [g["step"] for g in got] == list(range(steps))
-    assert got[0]["world"] == 4 and got[-1]["world"] == 2
-    torch.testing.assert_close(torch.tensor([g["loss"] for g in got]), torch.tensor([w["loss"] for w in want]),
-                               rtol=1e-11, atol=0)
-    from distrain.trainer.metrics import read_events
-
-    (e,) = read_events(metrics)
-    assert (e["old_world"], e["new_world"], e["left"], e["state_from"]) == (4, 2, [2, 3], "replicas")
-    back = next(g for g in got if g["world"] == 2)
-    assert back["time"] - t_kill < 30, "the survivors waited for the collective time-out"
-    assert all(not netns.pids(spec.netns(i)) for i in range(2))
+    assert all(not netns.pids(spec.netns(i)) for i in range(nodes))
+    return got, read_metrics(tmp_path / "ref" / "metrics.jsonl"), t_kill

@@ -9,11 +9,9 @@ leaves the final checkpoint committed, as in a fixed job (the final checkpoint c
 from __future__ import annotations
 
 import pytest
-import torch
-import torch.nn as nn
-from torch.utils.data import TensorDataset
 
 from conftest import trainer_config
+from test_python_api_float32 import FailsInEval, _classes  # (the model that breaks in evaluation, its data)
 
 RTOL = 1e-10
 
@@ -60,24 +58,6 @@ def test_an_elastic_job_evaluates_after_a_membership_change(tmp_path, monkeypatc
     want, got = _evals(tmp_path / "fixed"), _evals(tmp_path / "elastic")
     assert summary["world_final"] == 3 and sorted(got) == sorted(want) == [1, 3], (got, want)
     assert all(abs(got[s] - want[s]) <= RTOL * abs(want[s]) for s in want), (got, want)
-
-
-class FailsInEval(nn.Module):
-    """Trains; its forward raises in eval mode (an error that only evaluation meets)."""
-
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Linear(5, 3)
-
-    def forward(self, x):
-        if not self.training:
-            raise RuntimeError("broken in eval mode")
-        return self.net(x)
-
-
-def _classes(n: int, seed: int) -> TensorDataset:
-    g = torch.Generator().manual_seed(seed)
-    return TensorDataset(torch.randn(n, 5, generator=g), torch.randint(0, 3, (n,), generator=g))
 
 
 @pytest.mark.timeout(120)

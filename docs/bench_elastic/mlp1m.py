@@ -1,4 +1,5 @@
-"""A 1.28 M-parameter MLP and random classification data (factories for --model/--data)."""
+"""A 1.27 M-parameter MLP and random classification data (factories for --model/--data): the job of
+`distrain bench elastic` in docs/fault_tolerance.md ("Measured"), run from this folder as mlp1m:mlp, mlp1m:data."""
 import torch
 import torch.nn as nn
 

@@ -12,6 +12,7 @@
                     still whole?"), roll-back to the start of a step cut in half, healing a newcomer
     pieces.py       state trees: the start-of-step copy, and ZeRO's replica of the previous rank's piece
     sockets.py      leaving a broken Gloo group at once (its TCP connections shut down)
+    protocol.py     the store's keys, a rank's environment, the test hooks' points, the change record
     faults.py       fault injection for tests (DISTRAIN_ELASTIC_FAULTS), read in one place
 
 The trainer's one loop (trainer/loop.py) calls an ElasticGuard (trainer/guard.py) at the start and

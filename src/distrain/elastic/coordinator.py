@@ -41,7 +41,7 @@ import uuid
 from typing import Any, Callable, Sequence
 
 from distrain.blame import Failure, blame
-from distrain.elastic import member as m
+from distrain.elastic import protocol as m  # (the store's keys)
 from distrain.elastic import nodes as multinode
 from distrain.elastic.ranks import Recipe, threads_per_rank
 from distrain.errors import SpawnTimeoutError, TrainingError

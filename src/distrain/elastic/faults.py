@@ -34,7 +34,7 @@ import os
 import signal
 import time
 
-from distrain.elastic.member import POLL_S, Hooks, key
+from distrain.elastic.protocol import POLL_S, Hooks, key
 from distrain.errors import PeerLostError
 
 ENV = "DISTRAIN_ELASTIC_FAULTS"

@@ -24,12 +24,9 @@ else the earlier one (the step is redone).
 
 Engines never see a dead rank: ``reform`` destroys the default process group and opens a new one
 (contiguous ranks, a fresh store prefix ``elastic/pg/<epoch>/``); the loop then builds a new engine
-on it and loads ``c.state``. The store is the coordinator's (the top process, coordinator.py), so it outlives any
-rank. Keys (under ``elastic/``): ``members/E`` (the coordinator's decision: ids in rank order, the step to go
-on from, who left and joined), ``change/E`` (the coordinator wants epoch E to end), ``arrive/E/ID`` (a rank
-asks into epoch E with the steps it can offer), ``ready/ID`` and ``invite/ID`` (a newcomer), ``up/E/ID``
-(the barrier before the group opens), ``wd/E/`` (the watchdog's heartbeats), ``step`` (the group's
-step, written by rank 0 at each step's end), ``refuse/ID`` (the coordinator's one-line refusal of a stale rank).
+on it and loads ``c.state``. The store is the coordinator's (the top process, coordinator.py), so it
+outlives any rank; its keys, the ranks' environment, the test hooks and the change record are
+protocol.py's.
 
 Every wait is bounded: the group's collectives by its time-out (``--collective-timeout``; Gloo raises
 at once on a connection reset), the store waits by a deadline; the watchdog of each epoch is set
@@ -56,7 +53,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -64,72 +60,11 @@ import torch.distributed as dist
 
 from distrain import comm
 from distrain.comm.core import watchdog
-from distrain.errors import CommError, PeerLostError
 from distrain.elastic.pieces import Exchange, pack
+from distrain.elastic.protocol import (ENV_HOST, ENV_ID, ENV_NEW, ENV_PORT, ENV_RUN, ENV_STRIDE, POLL_S, Change,
+                                       Hooks, key)
 from distrain.elastic.sockets import sever
-
-PREFIX = "elastic/"
-ENV_HOST = "DISTRAIN_ELASTIC_HOST"  # the store's host: the coordinator's (127.0.0.1) or node 0's (nodes.py)
-ENV_STRIDE = "DISTRAIN_ELASTIC_STRIDE"  # ranks per node (a ZeRO replica goes one node on)
-ENV_PORT, ENV_ID, ENV_NEW, ENV_RUN = ("DISTRAIN_ELASTIC_PORT", "DISTRAIN_ELASTIC_ID", "DISTRAIN_ELASTIC_NEW",
-                                      "DISTRAIN_ELASTIC_RUN")
-POLL_S = 0.005
-
-
-def key(*parts) -> str:
-    return PREFIX + "/".join(str(p) for p in parts)
-
-
-def env_for(port: int, ident: int, newcomer: bool, run: str, host: str = "127.0.0.1", stride: int = 1) -> dict:
-    """The environment a rank process gets, which :meth:`Member.from_env` reads back."""
-    return {ENV_PORT: str(port), ENV_ID: str(ident), ENV_NEW: str(int(newcomer)), ENV_RUN: run, ENV_HOST: host,
-            ENV_STRIDE: str(stride)}
-
-
-class Hooks:
-    """Points where tests act on a rank (elastic/faults.py); the production hooks do nothing."""
-
-    def at_step(self, member: "Member", step: int) -> None:
-        """The start of ``step``, before the start-of-step copy."""
-
-    def in_heal(self, member: "Member", step: int) -> None:
-        """A newcomer's heal at ``step``: the new group is open, the state not yet sent."""
-
-    def before_commit(self, member: "Member", step: int) -> None:
-        """Replicated state: ``step``'s gradients are synchronised here, its commit not yet complete."""
-
-    def after_commit(self, member: "Member", step: int) -> None:
-        """Replicated state: ``step``'s commit completed on this rank, its update not yet applied."""
-
-    def in_reform(self, member: "Member", step: int | None) -> None:
-        """A change begins on this rank (its state at boundary ``step``), before it leaves its group."""
-
-
-@dataclass
-class Change:
-    """What ``reform`` (or a newcomer's ``join``) decided; ``stop``: the job ends (below MIN)."""
-    epoch: int
-    step: int
-    state: dict | None
-    old_world: int
-    new_world: int
-    left: list = field(default_factory=list)
-    joined: list = field(default_factory=list)
-    rolled_back: int | None = None
-    t0: float = 0.0
-    stop: str | None = None
-    spawned: dict = field(default_factory=dict)  # newcomer id -> when the coordinator started it (Unix s)
-    t_left: float = 0.0  # when this rank left its old group (Unix s; a newcomer: when it was invited)
-    source: str = "peers"  # where the state comes from: "peers", "replicas" (a lost shard), "checkpoint"
-    rolled_forward: int | None = None  # replicated: the step some survivors finished by applying its update
-
-    def event(self) -> dict:
-        """The metrics.jsonl record (recover_s is added when the first step at the new size completes)."""
-        return {"event": "membership", "time": time.time(), "step": self.step, "old_world": self.old_world,
-                "new_world": self.new_world, "left": self.left, "joined": self.joined,
-                "rolled_back": self.rolled_back, "rolled_forward": self.rolled_forward, "epoch": self.epoch,
-                "state_from": self.source}
-
+from distrain.errors import CommError, PeerLostError
 
 class Member:
     def __init__(self, store, ident: int, backend: str, timeout: float, newcomer: bool = False,

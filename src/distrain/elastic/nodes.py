@@ -36,7 +36,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from distrain.elastic import member as m
+from distrain.elastic import protocol as m  # (the store's keys)
 from distrain.elastic.ranks import Recipe, threads_per_rank
 from distrain.errors import ConfigError
 from distrain.launch.supervisor import Outcome, Supervisor

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from distrain.elastic import faults
 from distrain.elastic import member as m
+from distrain.elastic.protocol import env_for
 from distrain.launch import local_env
 from distrain.launch.supervisor import Supervisor
 
@@ -47,7 +48,7 @@ class Recipe:
     extra_env: dict = field(default_factory=dict)
 
     def start(self, sup: Supervisor, ident: int, newcomer: bool) -> None:
-        env = local_env() | m.env_for(self.port, ident, newcomer, self.run, self.host, self.stride)
+        env = local_env() | env_for(self.port, ident, newcomer, self.run, self.host, self.stride)
         env[faults.ENV] = os.environ.get(faults.ENV, "")  # (the fork server's environment is older than ours)
         sup.start(ident, self.fn, self.args, env=env | self.extra_env, threads=self.threads,
                   setup=Enter(self.backend, self.timeout))

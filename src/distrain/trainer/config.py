@@ -169,6 +169,7 @@ class TrainConfig:
     # -- validation ------------------------------------------------------------------------
     def _validate_model_parallel(self, need) -> None:
         from distrain.models import preset_config
+        from distrain.parallel.tensor_parallel.sizes import divisors
 
         need(MODEL_DATA[self.model] == "text", f"--tp/--pp split the GPT and Llama models; --model {self.model} is "
                                                f"not one")
@@ -179,9 +180,8 @@ class TrainConfig:
         # a Llama's grouped-query attention splits its KV heads too, and its SwiGLU hidden size
         sizes = [(k, c[k]) for k in ("n_head", "n_kv_head", "n_embd", "intermediate_size", "vocab_size") if c.get(k)]
         for what, n in sizes:
-            divisors = [d for d in range(1, n + 1) if n % d == 0]
             need(n % self.tp == 0, f"--tp {self.tp}: {self.model} has {what}={n}, not divisible by {self.tp}; "
-                                   f"choose --tp among {divisors[:8]}")
+                                   f"choose --tp among {divisors(n)[:8]}")
         local = self.batch_size // max(1, self.dp_size)
         need(self.batch_size % self.dp_size == 0 and local % self.microbatches == 0,
              f"--microbatches {self.microbatches} does not divide the per-replica batch {self.batch_size} / "

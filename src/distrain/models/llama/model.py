@@ -94,10 +94,11 @@ class LlamaConfig:
                               f"head_dim (rotary embeddings rotate channel pairs); e.g. n_embd "
                               f"{self.n_head * 2 * max(1, round(self.n_embd / self.n_head / 2))}")
         if self.n_head % self.n_kv_head:
-            fit = [d for d in range(1, self.n_head + 1) if self.n_head % d == 0]
+            from distrain.parallel.tensor_parallel.sizes import divisors
+
             raise ConfigError(f"LlamaConfig: n_head {self.n_head} is not a multiple of n_kv_head {self.n_kv_head} "
                               f"(grouped-query attention shares each key/value head among n_head/n_kv_head query "
-                              f"heads); choose n_kv_head among {fit}")
+                              f"heads); choose n_kv_head among {divisors(self.n_head)}")
         for name in ("norm_eps", "rope_theta"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
