@@ -339,3 +339,28 @@ def test_sampler_with_text_dataset_get_batch():
     s = DistributedBatchSampler(len(ds), 8, 1, 2, seed=0)
     x, y = ds.get_batch(s.batch(0))
     assert x.shape == (4, 16) and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_sampler_order_is_a_seeded_bijection_computed_per_step():
+    """The epoch's order is a bijection of [0, n) for every n (cycle-walking included), different per seed and
+    epoch, and a step's batch is computed without the whole order: a data set of 10**12 items costs nothing."""
+    import tracemalloc
+
+    import numpy as np
+
+    from distrain.data.sampler import FeistelPermutation
+
+    for n in (1, 2, 3, 5, 17, 64, 100, 1000, 4099):
+        for seed, epoch in ((0, 0), (3, 1)):
+            got = FeistelPermutation(n, seed, epoch)(np.arange(n))
+            assert sorted(got.tolist()) == list(range(n)), (n, seed, epoch)
+    a, b, c = (FeistelPermutation(4099, s, e)(np.arange(4099)) for s, e in ((0, 0), (1, 0), (0, 1)))
+    assert not np.array_equal(a, b) and not np.array_equal(a, c) and not np.array_equal(a, np.arange(4099))
+    big = DistributedBatchSampler(10 ** 12, 512, seed=5)
+    tracemalloc.start()
+    batch = big.batch(10 ** 9 + 3)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert batch.shape == (512,) and len(set(batch.tolist())) == 512 and int(batch.max()) < 10 ** 12
+    assert peak < 1 << 20, peak  # bytes: the step's 512 positions, not the 10**12 order
+    assert torch.equal(big.batch(10 ** 9 + 3), DistributedBatchSampler(10 ** 12, 512, seed=5).batch(10 ** 9 + 3))

@@ -304,3 +304,85 @@ def test_resume_on_a_shard_folder_from_another_tokenizer_is_refused(tmp_path, co
     msg = one_line(e)
     assert f"--resume: shard folder {d} was tokenized with bpe:300" in msg
     assert f"trained on byte" in msg and str(tmp_path / "run" / "data.json") in msg and "another --out" in msg
+
+
+def _sparse_shards(out: Path, tokens: int, shard: int = 500_000_000) -> Path:
+    """A shard set of ``tokens`` zero ids (byte vocabulary) as sparse files: its size on disk is nothing,
+    its windows are real (the sampler and the memory maps see ``tokens`` of them)."""
+    import hashlib
+
+    out.mkdir()
+    stub = json.dumps({"type": "distrain.byte", "vocab_size": 256})
+    (out / "tokenizer.json").write_text(stub)
+    fp, shards = hashlib.sha256(stub.encode()).hexdigest(), []
+    for k, a in enumerate(range(0, tokens, shard)):
+        n = min(shard, tokens - a)
+        with open(out / f"tokens-{k:05d}.bin", "wb") as f:
+            f.truncate(2 * n)  # uint16
+        shards.append({"file": f"tokens-{k:05d}.bin", "tokens": n})
+    nv = tokens // 100
+    (out / "meta.json").write_text(json.dumps({
+        "format": "distrain.shards/1", "vocab_size": 256, "dtype": "uint16", "fingerprint": fp,
+        "tokenizer": {"spec": "byte", "vocab_size": 256, "file": "tokenizer.json", "fingerprint": fp},
+        "tokens": tokens, "shards": shards,
+        "splits": {"train": {"start": 0, "tokens": tokens - nv}, "val": {"start": tokens - nv, "tokens": nv}}}))
+    return out
+
+
+def _ranks_peak_rss(cfg) -> list[int]:
+    """Train ``cfg`` and return every rank's peak VmHWM in MiB (polled from /proc every 0.1 s)."""
+    import os
+    import threading
+    import time
+
+    peak: dict[str, int] = {}
+
+    def descendants() -> list[str]:
+        kids: dict[int, list[str]] = {}
+        for p in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                kids.setdefault(int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1]), []).append(p)
+            except (OSError, IndexError, ValueError):
+                pass
+        out, todo = [], [os.getpid()]
+        while todo:
+            for c in kids.get(todo.pop(), []):
+                out.append(c)
+                todo.append(int(c))
+        return out
+
+    def poll(stop: threading.Event) -> None:
+        while not stop.is_set():
+            for p in descendants():
+                try:
+                    st = dict(line.split(":", 1) for line in open(f"/proc/{p}/status"))
+                    peak[p] = max(peak.get(p, 0), int(st["VmHWM"].split()[0]) // 1024)
+                except (OSError, KeyError, ValueError):
+                    pass
+            time.sleep(0.1)
+
+    stop = threading.Event()
+    th = threading.Thread(target=poll, args=(stop,), daemon=True)
+    th.start()
+    try:
+        train(cfg)
+    finally:
+        stop.set()
+        th.join()
+    return sorted(v for v in peak.values() if v > 250)[-cfg.nproc:]  # the ranks (the fork server is smaller)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_rank_memory_is_flat_in_the_corpus_size(tmp_path):
+    """One rank's peak RSS on a 2.6 GB token set (1.3 G tokens) is within 50 MiB of its peak on 4 MB: the
+    sampler computes each step's positions of the epoch's order (data/sampler.py FeistelPermutation)
+    instead of keeping a permutation of every window (it took 150 MiB at this size)."""
+    peaks = {}
+    for name, tokens in (("small", 2_000_000), ("large", 1_300_000_000)):
+        data = _sparse_shards(tmp_path / name, tokens)
+        peaks[name] = _ranks_peak_rss(trainer_config(tmp_path / f"run-{name}", data=str(data), model="gpt-small",
+                                                     nproc=2, strategy="ddp", steps=10, batch_size=32,
+                                                     dtype="float32", timeout=200))
+    assert len(peaks["small"]) == len(peaks["large"]) == 2, peaks
+    assert max(peaks["large"]) - max(peaks["small"]) < 50, peaks

@@ -273,3 +273,37 @@ def test_metrics_lines_are_on_disk_before_a_checkpoint_names_their_step(tmp_path
     cfg = trainer_config(tmp_path, steps=60, ckpt_every=20, log_every=10)
     loop.train_steps(cfg, _CountingEngine(), _Task(), 0)
     assert seen == {s: list(range(s)) for s in (20, 40, 60)}
+
+
+# a value other than the default, for each flag that acts on some strategies only
+_ONLY_VALUES = {"compression": "bf16", "algorithm": "tree", "bucket_cap_mb": 5.0, "servers": 2, "max_staleness": 1,
+                "accum_steps": 2, "elastic": "2:3"}
+
+
+def test_every_flag_helps_with_the_strategies_it_acts_on_and_refuses_the_others(tmp_path):
+    """`distrain train --help` names, for every flag that acts on some strategies only, exactly the strategies
+    whose jobs accept it: under any other strategy the flag is a one-line error before start, not ignored."""
+    import re
+
+    from distrain.cli import build_parser
+    from distrain.trainer.config import STRATEGIES
+
+    train_parser = next(a for a in build_parser()._actions if hasattr(a, "choices") and a.choices
+                        and "train" in a.choices).choices["train"]
+    helped = {a.dest: a.help for a in train_parser._actions if a.help and "(--strategy " in a.help}
+    assert set(helped) == set(_ONLY_VALUES), sorted(helped)
+    for dest, text in helped.items():
+        named = set(re.split(r", | or ", re.search(r"\(--strategy (.+?) only\)", text).group(1)))
+        accepted, refused = set(), {}
+        for strategy in STRATEGIES:
+            cfg = TrainConfig(strategy=strategy, nproc=1 if strategy == "single" else 3, model="gpt-tiny", steps=2,
+                              batch_size=12, eval_every=0, out=str(tmp_path / "never"),
+                              **{dest: _ONLY_VALUES[dest]})
+            try:
+                cfg.validate()
+                accepted.add(strategy)
+            except ConfigError as e:
+                refused[strategy] = str(e)
+        assert accepted == named, (dest, accepted, named)
+        assert all("\n" not in m and f"--{dest.replace('_', '-')}" in m for m in refused.values()), refused
+    assert not (tmp_path / "never").exists()

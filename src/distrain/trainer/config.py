@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from distrain.comm import ALGORITHM_NAMES, TRANSPORT_NAMES
 from distrain.data.vocab import model_overrides, shard_folder, vocab_error
+from distrain.elastic.spec import SUPPORTED as ELASTIC_STRATEGIES
 from distrain.errors import ConfigError
 from distrain.factories import CUSTOM
 from distrain.models.registry import DEFAULT_MODEL
@@ -43,9 +44,25 @@ def local_rank_limit() -> tuple[int, int]:
     return LOCAL_RANKS_PER_CORE * cores, cores
 
 
-def opt(default, help: str, choices=None, type=None):
-    """A config field with its flag's help text and allowed values (the CLI reads these)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "type": type})
+def _either(names) -> str:
+    names = list(names)
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def applicable(strategy: str, **flags) -> dict:
+    """``flags`` (TrainConfig field names) without those ``strategy`` does not act on: what a tool that
+    builds one config per strategy from shared settings passes (bench train, bench zero, ...)."""
+    only = {f.name: f.metadata.get("only") for f in fields(TrainConfig)}
+    return {k: v for k, v in flags.items() if not only.get(k) or strategy in only[k]}
+
+
+def opt(default, help: str, choices=None, type=None, only: tuple[str, ...] = ()):
+    """A config field with its flag's help text and allowed values (the CLI reads these). ``only``: the
+    strategies the flag acts on; its help says so, and validate() refuses a value other than the default
+    for any other strategy (a flag that does nothing is an error, not a silence)."""
+    if only:
+        help = f"{help} (--strategy {_either(only)} only)"
+    return field(default=default, metadata={"help": help, "choices": choices, "type": type, "only": only})
 
 
 @dataclass
@@ -66,14 +83,18 @@ class TrainConfig:
     nproc: int = opt(2, "processes (ranks) in the job")
     device: str = opt("auto", "where each rank computes: auto = cuda:LOCAL_RANK when CUDA is visible (NCCL), "
                               "else cpu (Gloo)", choices=DEVICES)
-    algorithm: str = opt("ring", "all-reduce algorithm of our DDP (and TP/PP collectives)", choices=ALGORITHM_NAMES)
+    algorithm: str = opt("ring", "collective algorithm of our DDP and ZeRO (and of every --tp/--pp layout's "
+                                 "collectives)", choices=ALGORITHM_NAMES, only=("ddp", "zero1", "zero2", "zero3"))
     transport: str = opt("torch", "how ranks' bytes travel: torch (Gloo/NCCL), shm (shared memory between the "
                                   "ranks of one host), auto (shm inside a host, torch between hosts)",
                          choices=TRANSPORT_NAMES)
-    bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB")
-    compression: str | None = opt(None, "DDP gradient compression on the wire", choices=("bf16", "fp16"), type=str)
-    servers: int = opt(1, "parameter servers (ps-* strategies); the other ranks work")
-    max_staleness: int | None = opt(None, "ps-async: bound on gradient staleness (none: unbounded)", type=int)
+    bucket_cap_mb: float = opt(25.0, "gradient bucket size in MiB", only=("ddp", "torch-ddp", "zero1", "zero2",
+                                                                          "zero3"))
+    compression: str | None = opt(None, "our DDP's gradients on the wire in this dtype (not with --tp/--pp)",
+                                  choices=("bf16", "fp16"), type=str, only=("ddp",))
+    servers: int = opt(1, "parameter servers; the other ranks work", only=("ps-sync", "ps-async"))
+    max_staleness: int | None = opt(None, "bound on gradient staleness (none: unbounded)", type=int,
+                                    only=("ps-async",))
     # model parallelism (GPT and Llama presets, your model with .layers / a tp_plan, Hugging Face decoders):
     # dp * tp * pp = nproc; dp = 0 means nproc // (tp * pp)
     dp: int = opt(0, "data-parallel size of the dp x tp x pp grid (0: nproc / (tp * pp))")
@@ -103,7 +124,8 @@ class TrainConfig:
     warmup_steps: int = opt(0, "steps of linear learning-rate warm-up from lr/warmup to lr")
     min_lr: float = opt(0.0, "the learning rate the cosine schedule ends at")
     grad_clip: float = opt(0.0, "clip gradients to this global L2 norm (over every shard; 0: off)")
-    accum_steps: int = opt(1, "gradient accumulation: micro-batches per rank and step (single, ddp, torch-ddp)")
+    accum_steps: int = opt(1, "gradient accumulation: micro-batches per rank and step",
+                           only=("single", "ddp", "torch-ddp"))
     activation_checkpointing: bool = opt(False, "recompute each transformer block's activations in backward instead "
                                                 "of keeping them (less memory, about one more forward; bitwise the "
                                                 "same results)")
@@ -127,7 +149,7 @@ class TrainConfig:
     timeout: float = opt(0.0, "whole-run limit in seconds (local spawn); 0: no limit")
     collective_timeout: float = opt(300.0, "a collective not completed in this many seconds stops the job")
     elastic: str = opt("", "MIN:MAX: survive the loss of ranks without a restart, going on while at least MIN remain "
-                           "(--strategy ddp; docs/fault_tolerance.md)", choices=("MIN:MAX",))
+                           "(docs/fault_tolerance.md)", choices=("MIN:MAX",), only=ELASTIC_STRATEGIES)
     elastic_replace: int = opt(0, "--elastic: replacement ranks the top process may start, each while the job is "
                                   "below MAX; they join at a step boundary, healed from a live peer")
 
@@ -210,6 +232,20 @@ class TrainConfig:
              f"--tp {self.tp}: the data's vocabulary of {vocab} ({self.data}) does not divide among {self.tp} "
              f"tensor-parallel ranks; choose a --tp that divides {vocab}, or prepare the data with bpe:VOCAB a "
              f"multiple of {self.tp}")
+
+    def _validate_applies(self, need) -> None:
+        """A flag set to anything but its default for a strategy it does not act on is refused (``opt``'s
+        ``only``); --accum-steps and --elastic say why in their own checks."""
+        for f in fields(self):
+            only, value = f.metadata.get("only"), getattr(self, f.name)
+            if not only or value == f.default or f.name in ("accum_steps", "elastic"):
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            need(self.strategy in only, f"{flag} applies only to --strategy {_either(only)}; --strategy "
+                                        f"{self.strategy} does not use it: drop {flag} {value}")
+        need(self.compression is None or not self.model_parallel,
+             f"--compression {self.compression}: the data-parallel part of a --tp/--pp layout does not compress; "
+             f"drop --compression, or train with --strategy ddp alone")
 
     def _validate_features(self, need) -> None:
         """LR schedule, clipping, autocast, accumulation and device flags."""
@@ -326,6 +362,7 @@ class TrainConfig:
              f"--schedule zb-h1 defers weight gradients outside autocast's casts: it runs without --autocast "
              f"(got --autocast {self.autocast}); use --schedule 1f1b with autocast")
         self._validate_features(need)
+        self._validate_applies(need)
         need(min(self.tp, self.pp, self.microbatches) >= 1 and self.dp >= 0,
              "--tp, --pp and --microbatches must be >= 1, --dp >= 0 (0: whatever is left of --nproc)")
         if self.model_parallel or self.dp:
@@ -343,7 +380,7 @@ class TrainConfig:
             self._validate_model_parallel(need)
         need(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
         if self.accum_steps > 1:
-            need(self.strategy in ("single", "ddp", "torch-ddp", "local") and not self.model_parallel,
+            need(self.strategy in ("single", "ddp", "torch-ddp") and not self.model_parallel,
                  f"--accum-steps applies to single, ddp and torch-ddp (pipelines accumulate over --microbatches; "
                  f"parameter servers push every batch); got --strategy {self.strategy}"
                  + (f" with --tp {self.tp} --pp {self.pp}" if self.model_parallel else ""))

@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from distrain.bench.common import format_table, metadata, progress, write_json
 from distrain.bench.train.layout_plan import Job, Layout, parse_layout, parse_layouts, plan_jobs  # noqa: F401 (API)
 from distrain.errors import ConfigError
-from distrain.trainer.config import MODEL_DATA, TrainConfig
+from distrain.trainer.config import MODEL_DATA, TrainConfig, applicable
 from distrain.trainer.metrics import read_metrics
 
 MMAP_THRESHOLD = 64 * 1024  # bytes: glibc M_MMAP_THRESHOLD during the memory steps
@@ -92,7 +92,8 @@ class Settings:
 def _config(job: Job, opts: Settings, root: str) -> TrainConfig:
     pp = job.pp > 1
     return TrainConfig(model=opts.model, data="shakespeare", strategy=job.strategy, nproc=job.nproc, device="cpu",
-                       algorithm=opts.algorithm, transport=opts.transport, tp=job.tp, pp=job.pp,
+                       **applicable(job.strategy, algorithm=opts.algorithm), transport=opts.transport, tp=job.tp,
+                       pp=job.pp,
                        microbatches=opts.microbatches if pp else 1, schedule=opts.schedule,
                        steps=opts.warmup + opts.steps + MEMORY_STEPS, batch_size=opts.batch_size, seed=opts.seed,
                        dtype="float32", eval_every=0, sample_chars=0, progress=False, report=False,

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from distrain.bench import background
 from distrain.bench.common import format_table, metadata, progress, write_json
 from distrain.errors import ConfigError
-from distrain.trainer.config import MODEL_DATA, TrainConfig
+from distrain.trainer.config import MODEL_DATA, TrainConfig, applicable
 from distrain.trainer.metrics import read_metrics
 
 STRATEGIES = ("ddp", "torch-ddp", "zero1", "zero2", "zero3", "ps-sync", "ps-async", "local", "single-threads")
@@ -93,11 +93,11 @@ def _label(strategy: str, transport: str) -> str:
 
 
 def _config(P: int, strategy: str, transport: str, opts: Settings, batch: int, root: str) -> TrainConfig:
+    s = "single" if strategy in ONE_PROCESS else strategy  # single-threads: single's job
+    shared = applicable(s, algorithm=opts.algorithm, servers=opts.servers, bucket_cap_mb=opts.bucket_cap_mb,
+                        max_staleness=opts.max_staleness)  # (what this strategy acts on)
     return TrainConfig(model=opts.model, data=MODEL_DATA[opts.model] if MODEL_DATA[opts.model] != "text" else "shakespeare",
-                      strategy="single" if strategy in ONE_PROCESS else strategy,  # single-threads: single's job
-                      nproc=P, algorithm=opts.algorithm, servers=opts.servers, transport=transport,
-                      bucket_cap_mb=opts.bucket_cap_mb,
-                      max_staleness=opts.max_staleness if strategy == "ps-async" else None,
+                      strategy=s, nproc=P, transport=transport, **shared,
                       steps=opts.warmup + opts.steps, batch_size=batch, eval_every=0, sample_chars=0,
                       progress=False, report=False, log_every=opts.warmup + opts.steps, overwrite=True,
                       out=os.path.join(root, f"{_label(strategy, transport)}-{P}"))
