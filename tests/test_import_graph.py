@@ -45,8 +45,10 @@ LAYERS: dict[str, int] = {
 
 
 def modules() -> dict[str, Path]:
+    """Every module: the .py files, and each C++ extension by its source (``_dataplane.cpp`` builds
+    ``_dataplane``): an extension imports no distrain module, so it is a leaf of the graph."""
     out = {}
-    for p in SRC.rglob("*.py"):
+    for p in [*SRC.rglob("*.py"), *SRC.rglob("*.cpp")]:
         parts = list(p.relative_to(SRC.parent).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
@@ -79,6 +81,9 @@ def import_graph() -> dict[str, set[str]]:
     known = modules()
     graph = {}
     for mod, path in known.items():
+        if path.suffix != ".py":
+            graph[mod] = set()
+            continue
         tree = ast.parse(path.read_text(), str(path))
         graph[mod] = {t for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
                       for t in _targets(mod, n, path.name == "__init__.py", known) if t != mod}

@@ -43,6 +43,9 @@ RUNS = {
     "pp3 P=3": dict(strategy="ddp", nproc=3, pp=3, microbatches=2),
     "dp2xtp2 P=4": dict(strategy="ddp", nproc=4, dp=2, tp=2),
     "dp1xtp2xpp2 P=4": dict(strategy="ddp", nproc=4, tp=2, pp=2, microbatches=2),
+    # context parallelism: each sequence split over 2 ranks (ring attention, or the head all-to-all)
+    "cp2 ring P=2": dict(strategy="ddp", nproc=2, cp=2),
+    "cp2 all-to-all P=2": dict(strategy="ddp", nproc=2, cp=2, cp_algorithm="all-to-all"),
 }
 # float32 over 4 AdamW steps: reordered sums move the loss by ~1e-6 relative; the shared-weights
 # bug moved it by 1e-2 and more from the second step on

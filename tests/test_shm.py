@@ -16,6 +16,7 @@ import torch
 
 import distrain
 from distrain import comm
+from distrain.comm.shm import compiled
 from distrain.comm.shm import transport as shm
 from distrain.comm.shm import segment as shm_segment
 from distrain.comm.core.ops import SUPPORTED_DTYPES
@@ -25,6 +26,10 @@ pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory trans
 
 BIG = (1 << 18) + 7  # 1 MiB + 28 bytes of float32: 17 slots of SMALL_SLOT, not divisible by P
 SMALL_SLOT = 64 << 10  # tests shrink the slot so that chunking is exercised at modest sizes
+# Every equivalence test runs on both data planes: the compiled one (built at install) and its
+# Python reference; CI builds the extension, so both run there.
+KERNELS = [pytest.param("compiled", marks=pytest.mark.skipif(compiled.ext is None, reason=str(compiled.MISSING))),
+           "python"]
 
 
 def _ops(dtype) -> list[str]:
@@ -41,22 +46,23 @@ def _x(rank: int, case: int, n: int, dtype, op: str) -> torch.Tensor:
     return torch.randint(lo, hi, (n,), generator=g).to(dtype)
 
 
-def _shm_world_beside_gloo():
-    """In a rank: the world group on shared memory (small slots, so messages span several), and a
-    Gloo group of the same ranks for the reference results. Returns (P, the Gloo group)."""
+def _shm_world_beside_gloo(kernels: str):
+    """In a rank: the world group on shared memory (small slots, so messages span several) with
+    ``kernels``, and a Gloo group of the same ranks for the reference results. Returns (P, the Gloo group)."""
     import torch.distributed as dist
 
     P = dist.get_world_size()
     gloo = dist.new_group(list(range(P)))
     shm.SLOT_BYTES = SMALL_SLOT
+    comm.set_shm_kernels(kernels)
     comm.set_transport("shm")
     comm.set_transport("torch", gloo)
     return P, gloo
 
 
-def _vs_gloo(rank: int, sizes: list[int]) -> list[str]:
+def _vs_gloo(rank: int, sizes: list[int], kernels: str) -> list[str]:
     """Every collective on the shm world group against the same call on a Gloo group."""
-    P, gloo = _shm_world_beside_gloo()
+    P, gloo = _shm_world_beside_gloo(kernels)
     bad, case = [], 0
 
     def same(label, a, b):
@@ -118,9 +124,10 @@ def _vs_gloo(rank: int, sizes: list[int]) -> list[str]:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("P", [2, 3, 5])
-def test_direct_collectives_equal_gloo(P):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_direct_collectives_equal_gloo(P, kernels):
     sizes = [1, 13, BIG] if P != 5 else [1, 13, 4099]
-    bad = [x for r in distrain.spawn(_vs_gloo, P, args=(sizes,), timeout=540) for x in r]
+    bad = [x for r in distrain.spawn(_vs_gloo, P, args=(sizes, kernels), timeout=540) for x in r]
     assert not bad, f"{len(bad)} mismatches:\n" + "\n".join(bad[:20])
 
 
@@ -131,7 +138,7 @@ def _symmetric(t: torch.Tensor, group=None) -> bool:
     return heap is not None and heap.locate(t) is not None
 
 
-def _list_and_symmetric(rank: int) -> list[str]:
+def _list_and_symmetric(rank: int, kernels: str) -> list[str]:
     """all_reduce_list equals all_reduce of the concatenation scaled first, bit for bit, on shm and
     Gloo; all_reduce on symmetric memory (in place in every rank's copy) equals Gloo's, at offsets
     inside an allocation and over several slot-sized chunks; DDP's buckets are symmetric over shm
@@ -142,7 +149,7 @@ def _list_and_symmetric(rank: int) -> list[str]:
 
     from distrain.parallel import DistributedDataParallel
 
-    P, gloo = _shm_world_beside_gloo()
+    P, gloo = _shm_world_beside_gloo(kernels)
     bad = []
     for group in (None, gloo):
         for dtype, scale in ((torch.float32, 1.0 / P), (torch.float64, None)):
@@ -203,15 +210,17 @@ def _list_and_symmetric(rank: int) -> list[str]:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("P", [2, 3])
-def test_list_and_symmetric_all_reduce_equal_gloo(P):
-    bad = [x for r in distrain.spawn(_list_and_symmetric, P, timeout=150) for x in r]
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_list_and_symmetric_all_reduce_equal_gloo(P, kernels):
+    bad = [x for r in distrain.spawn(_list_and_symmetric, P, args=(kernels,), timeout=150) for x in r]
     assert not bad, "\n".join(bad)
 
 
-def _p2p(rank: int) -> list:
+def _p2p(rank: int, kernels: str) -> list:
     """Ordered per pair and tag, other tags overtaking, messages larger than the ring."""
     import torch.distributed as dist
 
+    comm.set_shm_kernels(kernels)
     comm.set_transport("shm")
     P = dist.get_world_size()
     out = []
@@ -255,13 +264,13 @@ def _p2p(rank: int) -> list:
     return out
 
 
-def _pipelined_with_a_late_rank(rank: int) -> list[str]:
+def _pipelined_with_a_late_rank(rank: int, kernels: str) -> list[str]:
     """The pipelined all_reduce (up to SLOTS - 1 chunks in flight) when one rank runs late: the
     others fill the window and wait for it to read (CONSUMED) before reusing a slot. Interleaved
     with lock-step collectives, whose first write reuses a slot at once. Every result equals Gloo's."""
     import time
 
-    P, gloo = _shm_world_beside_gloo()
+    P, gloo = _shm_world_beside_gloo(kernels)
     bad = []
     for it in range(6):
         late = it % P  # a different rank runs late each time, by 30 ms: the others fill their window
@@ -292,14 +301,16 @@ def _pipelined_with_a_late_rank(rank: int) -> list[str]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("P", [2, 3])
-def test_pipelined_all_reduce_with_a_late_rank_equals_gloo(P):
-    bad = [x for r in distrain.spawn(_pipelined_with_a_late_rank, P, timeout=100) for x in r]
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_pipelined_all_reduce_with_a_late_rank_equals_gloo(P, kernels):
+    bad = [x for r in distrain.spawn(_pipelined_with_a_late_rank, P, args=(kernels,), timeout=100) for x in r]
     assert not bad, "\n".join(bad)
 
 
 @pytest.mark.timeout(180)
-def test_p2p_over_shared_memory():
-    r0, r1, r2 = distrain.spawn(_p2p, 3, timeout=150)
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_p2p_over_shared_memory(kernels):
+    r0, r1, r2 = distrain.spawn(_p2p, 3, args=(kernels,), timeout=150)
     assert r1[:3] == [42, [0.0, 1.0, 2.0, 3.0], True]
     assert r1[3] == ("irecv on rank 1 from rank 2 (tag 3): the message has 20 bytes but the receiving tensor "
                      "has 8; sender and receiver must agree on the size")
@@ -365,9 +376,10 @@ def test_shm_transport_refuses_ranks_on_other_hosts():
     assert "use transport 'auto'" in msgs[0]
 
 
-def _late_peer(rank: int) -> str:
+def _late_peer(rank: int, kernels: str) -> str:
     import time
 
+    comm.set_shm_kernels(kernels)
     comm.set_default_transport("shm", timeout=1.5)
     comm.all_reduce(torch.ones(2))  # both present
     if rank == 1:
@@ -381,15 +393,16 @@ def _late_peer(rank: int) -> str:
 
 
 @pytest.mark.timeout(120)
-def test_wait_honours_the_timeout_and_names_the_peer():
-    msg = distrain.spawn(_late_peer, 2, timeout=90)[0]
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_wait_honours_the_timeout_and_names_the_peer(kernels):
+    msg = distrain.spawn(_late_peer, 2, args=(kernels,), timeout=90)[0]
     assert msg.startswith("all_reduce(transport=shm) on rank 0: timed out after 1.5s waiting for rank(s) [0, 1]") \
         or msg.startswith("all_reduce(transport=shm) on rank 0: timed out after 1.5s waiting for rank(s) [1]"), msg
 
 
-def _victim_run(rank: int, port: int, out_dir: str) -> None:
+def _victim_run(rank: int, port: int, out_dir: str, kernels: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="3",
-                      DISTRAIN_TRANSPORT="shm", TORCHELASTIC_USE_AGENT_STORE="True")
+                      DISTRAIN_TRANSPORT="shm", DISTRAIN_SHM_KERNELS=kernels, TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(1)
     from distrain import runtime
 
@@ -411,7 +424,8 @@ def _victim_run(rank: int, port: int, out_dir: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_killed_peer_is_named_and_leaves_no_files(tmp_path):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_killed_peer_is_named_and_leaves_no_files(tmp_path, kernels):
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -419,7 +433,7 @@ def test_killed_peer_is_named_and_leaves_no_files(tmp_path):
     store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
     port = store.port
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_victim_run, args=(r, port, str(tmp_path))) for r in range(3)]
+    procs = [ctx.Process(target=_victim_run, args=(r, port, str(tmp_path), kernels)) for r in range(3)]
     for p in procs:
         p.start()
     for p in procs:

@@ -4,8 +4,8 @@ Words (seeds): a *node* is a machine; the *world size* W is the number of proces
 the job; each process has a global *rank* 0..W-1 and a *local rank* 0..(processes on its
 node)-1, which picks its GPU.
 
-``init()`` reads what a launcher put in the environment (and ``DISTRAIN_DEBUG=1``, which turns
-on the cross-rank argument checks of distrain.comm) (torchrun / ``distrain launch``
+``init()`` reads what a launcher put in the environment (and distrain.comm's switches,
+``DISTRAIN_DEBUG``, ``DISTRAIN_TRANSPORT``, ``DISTRAIN_SHM_KERNELS``: comm.configure_from_env) (torchrun / ``distrain launch``
 set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; ``distrain.spawn`` sets the
 same for its children), so it is called once at the top of a script, never deep inside
 models. Rendezvous goes through a TCPStore at MASTER_ADDR:MASTER_PORT. Before creating the
@@ -129,9 +129,7 @@ def init(backend: str = "auto", timeout: float | timedelta = 300.0,
     watchdog.install(dist.PrefixStore(prefix, store), rank, world, secs, on_hang)
     atexit.unregister(shutdown)  # once, however often init/shutdown alternate
     atexit.register(shutdown)  # before finalization: see the module docstring
-    # The one place the debug switch is read from the environment (never deep inside comm).
-    comm.set_debug(os.environ.get("DISTRAIN_DEBUG", "0") not in ("", "0", "false", "False"))
-    comm.set_default_transport(os.environ.get("DISTRAIN_TRANSPORT") or "torch", timeout=secs)  # the job's transport
+    comm.configure_from_env(secs)  # debug checks, transport, shm kernels: read here, never deep inside comm
     return info()
 
 

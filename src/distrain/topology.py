@@ -1,20 +1,31 @@
-"""The 3-D arrangement of ranks for data (dp), tensor (tp) and pipeline (pp) parallelism.
+"""The grid of ranks for data (dp), context (cp), tensor (tp) and pipeline (pp) parallelism.
 
 A :class:`Topology` is passed around explicitly (there is no global singleton and
 no environment variable is read). The pure part -- sizes, this rank's coordinates,
 the ranks of every group, neighbours -- needs no processes; only
 :meth:`Topology.from_world` touches ``torch.distributed`` to create process groups.
 
-Layout: tp varies fastest, then dp, then pp::
+Layout: tp varies fastest, then cp, then dp, then pp (``ORDER``, outermost first)::
 
-    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+    rank = pp_rank * (dp * cp * tp) + dp_rank * (cp * tp) + cp_rank * tp + tp_rank
 
-Why this order (the same as Megatron-LM's): tensor-parallel peers talk the most
-(two all-reduces per transformer block, forward and backward), so they get
-neighbouring ranks, i.e. the same node / NVLink island. Data-parallel peers talk
-once per step (the gradient all-reduce). Pipeline stages talk the least (one
-activation per micro-batch, point-to-point), so pp is the outermost axis and its
-groups may cross nodes.
+With cp = 1 (the default) this is the dp x tp x pp grid it always was:
+``pp_rank * (dp * tp) + dp_rank * tp + tp_rank``.
+
+Why this order (the same as Megatron-LM's tp-cp-dp-pp): tensor-parallel peers talk the
+most (two all-reduces of the whole activation per transformer block, forward and
+backward), so they get neighbouring ranks, i.e. the same node / NVLink island.
+Context-parallel peers come next: every attention passes keys and values around the cp
+ring (or exchanges heads for sequence, all-to-all), forward and backward, a fraction of
+the activation per layer. Data-parallel peers talk once per step (the gradient
+all-reduce). Pipeline stages talk the least (one activation per micro-batch,
+point-to-point), so pp is the outermost axis and its groups may cross nodes.
+
+Every axis is handled by the same code (strides from ``ORDER``), so a new one (experts,
+ep) is one more name in ``ORDER``, ``AXES`` and ``Coords`` plus its size field. Joint
+groups span several axes at once: ``"dp_cp"`` holds the ranks that share tp and pp (the
+ones that hold the same parameter shard and average its gradients: data and context
+parallelism both split the tokens of a step), ``topo.dp_cp_group``.
 
 Worked example, dp=2, tp=2, pp=2 (8 ranks)::
 
@@ -29,34 +40,51 @@ Worked example, dp=2, tp=2, pp=2 (8 ranks)::
 
 Rank 5 is (pp=1, dp=0, tp=1); its tp peers are [4,5], its dp peers [5,7], and its
 previous pipeline stage is rank 1 (it is the last stage, so ``pp_next`` is None).
+
+With context parallelism, dp=2, cp=2, tp=1, pp=1 (4 ranks)::
+
+    rank: 0 1 2 3
+    dp:   0 0 1 1
+    cp:   0 1 0 1
+
+    cp groups: [0,1] [2,3]      dp groups: [0,2] [1,3]      dp_cp group: [0,1,2,3]
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 from datetime import timedelta
 from typing import Any, NamedTuple
 
 from distrain.errors import ConfigError
 
-AXES = ("dp", "tp", "pp")
+AXES = ("dp", "tp", "pp", "cp")
+ORDER = ("pp", "dp", "cp", "tp")  # the rank's digits, outermost (slowest) first
+JOINT = {"dp_cp": ("dp", "cp")}  # groups over several axes: name -> axes
 # Order in which from_world creates groups; every rank must use the same one.
-_GROUP_CREATION_ORDER = ("tp", "dp", "pp")
+_GROUP_CREATION_ORDER = ("tp", "cp", "dp", "pp")
 
 
 class Coords(NamedTuple):
-    """A rank's position in the grid, outermost axis first (so sorting coords sorts ranks)."""
+    """A rank's position in the grid. The fields pp, dp, tp come first (outermost first: with
+    cp = 1, sorting coords sorts ranks), cp last with a default, so ``Coords(pp, dp, tp)`` still
+    names a position of a grid without context parallelism."""
 
     pp: int
     dp: int
     tp: int
+    cp: int = 0
 
 
-def _suggest(world_size: int, dp: int, tp: int, pp: int) -> str:
-    """Suggest sizes whose product is world_size, keeping the user's tp/pp where possible."""
+def _suggest(world_size: int, dp: int, tp: int, pp: int, cp: int = 1) -> str:
+    """Suggest sizes whose product is world_size, keeping the user's tp/pp/cp where possible."""
     options = [f"dp={world_size}"]
-    if tp * pp > 1 and world_size % (tp * pp) == 0 and world_size != tp * pp:
-        kept = f"dp={world_size // (tp * pp)}, tp={tp}" + (f", pp={pp}" if pp > 1 else "")
+    mp = tp * pp * cp
+    if mp > 1 and world_size % mp == 0 and world_size != mp:
+        kept = (f"dp={world_size // mp}" + (f", cp={cp}" if cp > 1 else "") + f", tp={tp}"
+                + (f", pp={pp}" if pp > 1 else ""))
         options.append(kept)
     else:  # split off the smallest prime factor as tp
         f = next((k for k in range(2, world_size) if world_size % k == 0), None)
@@ -67,15 +95,17 @@ def _suggest(world_size: int, dp: int, tp: int, pp: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
-    """How ``world_size`` ranks form a dp x tp x pp grid, seen from ``rank``.
+    """How ``world_size`` ranks form a dp x cp x tp x pp grid, seen from ``rank``.
 
     Pure and immutable: building one starts no process. ``world_size`` defaults to
-    ``dp * tp * pp``. Invalid sizes or rank raise :class:`ConfigError`.
+    ``dp * cp * tp * pp``. Invalid sizes or rank raise :class:`ConfigError`. ``cp`` comes
+    after pp (``Topology(dp, tp, pp, cp)``) so that positional dp, tp, pp keep their meaning.
     """
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     _: dataclasses.KW_ONLY
     rank: int = 0
     world_size: int | None = None
@@ -85,32 +115,40 @@ class Topology:
     )
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "rank"):
+        for name in ("dp", "tp", "pp", "cp", "rank"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
                 raise ConfigError(f"{name} must be an int, got {v!r} ({type(v).__name__})")
             if name != "rank" and v < 1:
                 raise ConfigError(f"{name} must be >= 1, got {name}={v}")
-        product = self.dp * self.tp * self.pp
+        product = self.dp * self.tp * self.pp * self.cp
         if self.world_size is None:
             object.__setattr__(self, "world_size", product)  # frozen: set once here
         ws = self.world_size
         if not isinstance(ws, int) or isinstance(ws, bool) or ws < 1:
             raise ConfigError(f"world_size must be an int >= 1, got {ws!r}")
         if product != ws:
+            names, sizes = ("dp*cp*tp*pp", (self.dp, self.cp, self.tp, self.pp)) if self.cp > 1 else \
+                ("dp*tp*pp", (self.dp, self.tp, self.pp))
             raise ConfigError(
-                f"dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {product} does not equal the "
+                f"{names} = {'*'.join(map(str, sizes))} = {product} does not equal the "
                 f"world size {ws}; choose sizes whose product is {ws} "
-                f"(e.g. {_suggest(ws, self.dp, self.tp, self.pp)})"
+                f"(e.g. {_suggest(ws, self.dp, self.tp, self.pp, self.cp)})"
             )
         if not 0 <= self.rank < ws:
             raise ConfigError(f"rank {self.rank} is out of range [0, {ws}) for world size {ws}")
+
+    def stride(self, axis: str) -> int:
+        """How far apart in rank two neighbours along ``axis`` are: the product of the sizes of
+        the axes inside it in ``ORDER`` (tp: 1, cp: tp, dp: cp * tp, pp: dp * cp * tp)."""
+        inner = ORDER[ORDER.index(self._check_axis(axis)) + 1:]
+        return math.prod(getattr(self, a) for a in inner)
 
     def coords_of(self, rank: int) -> Coords:
         """Coordinates of any global ``rank`` (the inverse of :meth:`rank_of`)."""
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise ConfigError(f"rank {rank!r} is out of range [0, {self.world_size})")
-        return Coords(pp=rank // (self.dp * self.tp), dp=(rank // self.tp) % self.dp, tp=rank % self.tp)
+        return Coords(**{a: (rank // self.stride(a)) % getattr(self, a) for a in ORDER})
 
     @property
     def coords(self) -> Coords:
@@ -119,55 +157,72 @@ class Topology:
     dp_rank = property(lambda self: self.coords.dp, doc="This rank's index along dp.")
     tp_rank = property(lambda self: self.coords.tp, doc="This rank's index along tp.")
     pp_rank = property(lambda self: self.coords.pp, doc="This rank's index (stage) along pp.")
+    cp_rank = property(lambda self: self.coords.cp, doc="This rank's index along cp (its chunks of the sequence).")
 
     def size_of(self, axis: str) -> int:
-        """Size of ``axis`` (one of "dp", "tp", "pp")."""
-        return getattr(self, self._check_axis(axis))
+        """Size of ``axis`` (one of "dp", "tp", "pp", "cp"), or of a joint group ("dp_cp": dp * cp)."""
+        return math.prod(getattr(self, a) for a in self._axes(axis))
 
-    def rank_of(self, *, dp: int = 0, tp: int = 0, pp: int = 0) -> int:
+    def rank_of(self, *, dp: int = 0, tp: int = 0, pp: int = 0, cp: int = 0) -> int:
         """Global rank at the given coordinates; each must lie in [0, axis size)."""
-        for name, v in (("dp", dp), ("tp", tp), ("pp", pp)):
-            size = getattr(self, name)
+        given = {"dp": dp, "tp": tp, "pp": pp, "cp": cp}
+        for name in AXES:
+            v, size = given[name], getattr(self, name)
             if not isinstance(v, int) or not 0 <= v < size:
                 raise ConfigError(f"{name} coordinate {v!r} is out of range [0, {size})")
-        return pp * (self.dp * self.tp) + dp * self.tp + tp
+        return sum(given[a] * self.stride(a) for a in ORDER)
 
     @staticmethod
     def _check_axis(axis: str) -> str:
         if axis not in AXES:
-            raise ConfigError(f"unknown axis {axis!r}; valid axes are 'dp', 'tp', 'pp'")
+            raise ConfigError(f"unknown axis {axis!r}; valid axes are {', '.join(map(repr, AXES))}")
         return axis
 
+    @classmethod
+    def _axes(cls, axis: str) -> tuple[str, ...]:
+        """The axes a group name spans: one axis, or a joint group's (JOINT)."""
+        if axis in JOINT:
+            return JOINT[axis]
+        if axis not in AXES:
+            raise ConfigError(f"unknown axis {axis!r}; valid axes are {', '.join(map(repr, AXES))} "
+                              f"(and the joint groups {', '.join(map(repr, JOINT))})")
+        return (axis,)
+
     def _ranks_along(self, axis: str, c: Coords) -> list[int]:
-        """Ranks sharing every coordinate of ``c`` except ``axis``, in axis order."""
-        fixed = c._asdict()
+        """Ranks sharing every coordinate of ``c`` except those of ``axis`` (a joint group: all of
+        its axes), in rank order (for one axis: axis order)."""
+        axes, fixed = self._axes(axis), c._asdict()
         out = []
-        for i in range(self.size_of(axis)):
-            fixed[axis] = i
-            out.append(self.rank_of(dp=fixed["dp"], tp=fixed["tp"], pp=fixed["pp"]))
-        return out
+        for values in itertools.product(*(range(getattr(self, a)) for a in axes)):
+            fixed.update(zip(axes, values))
+            out.append(self.rank_of(**fixed))
+        return sorted(out)
 
     def groups_of(self, axis: str) -> list[list[int]]:
-        """Every group along ``axis``: a partition of the world, ordered by smallest rank.
+        """Every group along ``axis`` (or joint group, e.g. "dp_cp"): a partition of the world,
+        ordered by smallest rank.
 
         The order depends only on the sizes, never on ``rank``, so all ranks see the
         same list -- required because ``new_group`` must be called identically everywhere.
         """
-        self._check_axis(axis)
+        axes = self._axes(axis)
         groups = []
         for r in range(self.world_size):
             c = self.coords_of(r)
-            if getattr(c, axis) == 0:  # the first member of each group names it
+            if all(getattr(c, a) == 0 for a in axes):  # the first member of each group names it
                 groups.append(self._ranks_along(axis, c))
         return groups
 
     def ranks_of(self, axis: str) -> list[int]:
-        """Global ranks of this rank's group along ``axis``, in axis order."""
-        return self._ranks_along(self._check_axis(axis), self.coords)
+        """Global ranks of this rank's group along ``axis`` (or joint group), in axis order."""
+        return self._ranks_along(axis, self.coords)
 
     dp_ranks = property(lambda self: self.ranks_of("dp"), doc="Ranks of this rank's dp group.")
     tp_ranks = property(lambda self: self.ranks_of("tp"), doc="Ranks of this rank's tp group.")
     pp_ranks = property(lambda self: self.ranks_of("pp"), doc="Ranks of this rank's pp group.")
+    cp_ranks = property(lambda self: self.ranks_of("cp"), doc="Ranks of this rank's cp group.")
+    dp_cp_ranks = property(lambda self: self.ranks_of("dp_cp"),
+                           doc="Ranks holding this rank's parameter shard: its dp x cp group.")
 
     @property
     def is_first_stage(self) -> bool:
@@ -200,22 +255,28 @@ class Topology:
     def describe(self) -> str:
         """Short multi-line description: the grid (one block per pp stage) and this rank."""
         c = self.coords
-        lines = [f"Topology dp={self.dp} tp={self.tp} pp={self.pp} (world size {self.world_size})"]
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        lines = [f"Topology dp={self.dp}{cp} tp={self.tp} pp={self.pp} (world size {self.world_size})"]
+        cols = "cp x tp" if self.cp > 1 else "tp"
         for p in range(self.pp):
-            rows = [[self.rank_of(dp=d, tp=t, pp=p) for t in range(self.tp)] for d in range(self.dp)]
-            lines.append(f"  pp stage {p} (rows dp, columns tp): {rows}")
-        lines.append(f"  this rank {self.rank}: pp={c.pp} dp={c.dp} tp={c.tp}")
+            rows = [[self.rank_of(dp=d, cp=k, tp=t, pp=p) for k in range(self.cp) for t in range(self.tp)]
+                    for d in range(self.dp)]
+            lines.append(f"  pp stage {p} (rows dp, columns {cols}): {rows}")
+        lines.append(f"  this rank {self.rank}: pp={c.pp} dp={c.dp}" + (f" cp={c.cp}" if self.cp > 1 else "")
+                     + f" tp={c.tp}")
         return "\n".join(lines)
 
     @classmethod
     def from_world(
-        cls, dp: int = 1, tp: int = 1, pp: int = 1, *, backend_timeout: timedelta | float | None = None
+        cls, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, *,
+        backend_timeout: timedelta | float | None = None
     ) -> Topology:
         """Build the topology of the initialised world and create its process groups.
 
         Collective: every rank must call it with the same sizes. Every rank calls
-        ``torch.distributed.new_group`` for every group of every axis (order: tp, dp,
-        pp; groups in ``groups_of`` order) and keeps the groups it belongs to.
+        ``torch.distributed.new_group`` for every group of every axis (order: tp, cp, dp,
+        pp; groups in ``groups_of`` order), then, when cp > 1, for every dp_cp group (with
+        cp = 1 it is the dp group), and keeps the groups it belongs to.
         ``backend_timeout`` (timedelta or seconds) is passed to ``new_group``.
         """
         import torch.distributed as dist  # only the distributed part needs torch
@@ -226,14 +287,15 @@ class Topology:
                 "call distrain.runtime.init() or use distrain.spawn first "
                 "(or build a pure Topology(dp, tp, pp, rank=..., world_size=...))"
             )
-        topo = cls(dp, tp, pp, rank=dist.get_rank(), world_size=dist.get_world_size())
+        topo = cls(dp, tp, pp, cp, rank=dist.get_rank(), world_size=dist.get_world_size())
         kwargs: dict[str, Any] = {}
         if backend_timeout is not None:
             if not isinstance(backend_timeout, timedelta):
                 backend_timeout = timedelta(seconds=float(backend_timeout))
             kwargs["timeout"] = backend_timeout
         groups: dict[str, Any] = {}
-        for axis in _GROUP_CREATION_ORDER:
+        for axis in _GROUP_CREATION_ORDER + tuple(j for j, axes in JOINT.items() if topo.size_of(j) > max(
+                getattr(topo, a) for a in axes)):  # a joint group equal to one axis's is that axis's
             for ranks in topo.groups_of(axis):
                 # new_group is collective over the whole world: call it for every group,
                 # even those this rank is not in, or the ranks deadlock / mismatch.
@@ -244,15 +306,21 @@ class Topology:
         return topo
 
     def group(self, axis: str) -> Any:
-        """This rank's ProcessGroup along ``axis``; only on a Topology from from_world."""
-        self._check_axis(axis)
+        """This rank's ProcessGroup along ``axis`` (or joint group: "dp_cp"); only on a Topology
+        from from_world."""
+        axes = self._axes(axis)
         if self._groups is None:
             raise ConfigError(
                 f"{axis}_group exists only on a Topology built with Topology.from_world(...); "
                 "this one is pure (no process groups)"
             )
+        if axis not in self._groups:  # a joint group that equals one of its axes' (the others have size 1)
+            return self._groups[max(axes, key=lambda a: getattr(self, a))]
         return self._groups[axis]
 
     dp_group = property(lambda self: self.group("dp"), doc="This rank's data-parallel ProcessGroup.")
     tp_group = property(lambda self: self.group("tp"), doc="This rank's tensor-parallel ProcessGroup.")
     pp_group = property(lambda self: self.group("pp"), doc="This rank's pipeline ProcessGroup.")
+    cp_group = property(lambda self: self.group("cp"), doc="This rank's context-parallel ProcessGroup.")
+    dp_cp_group = property(lambda self: self.group("dp_cp"),
+                           doc="This rank's dp x cp ProcessGroup: the ranks that average one shard's gradients.")

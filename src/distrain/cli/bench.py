@@ -286,11 +286,13 @@ def add_layouts_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama-small", help="a text preset: gpt-tiny, gpt-small, llama-tiny, llama-small")
     p.add_argument("--nproc", default="2,4", help="world sizes, comma-separated (single at P=1 always runs)")
     p.add_argument("--layouts", default=LAYOUTS,
-                   help="comma-separated: ddp, zero1-3, or dpAxtpBxppC grids (tp2, pp2, dp2xtp2, tp2xpp2, zero1xpp2)")
+                   help="comma-separated: ddp, zero1-3, or dpAxcpDxtpBxppC grids (tp2, pp2, cp2, dp2xtp2, tp2xpp2, "
+                        "dp2xcp2, zero1xpp2)")
     p.add_argument("--batch-size", type=int, default=16, help="global batch of sequences (same for every job)")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step of layouts with pp > 1")
     p.add_argument("--schedule", default="1f1b", help="pipeline schedule of layouts with pp > 1 (gpipe, 1f1b, zb-h1)")
     p.add_argument("--algorithm", default="ring", help="collective algorithm of our DDP, ZeRO, TP and PP")
+    p.add_argument("--cp-algorithm", default="ring", help="attention of layouts with cp > 1: ring or all-to-all")
     p.add_argument("--steps", type=int, default=10, help="timed steps per job")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per job, before the timed ones")
     p.add_argument("--seed", type=int, default=0, help="model and data seed (the same for every job)")
@@ -310,7 +312,7 @@ def run_layouts(args: argparse.Namespace) -> int:
         model=args.model, nprocs=common.parse_ints(args.nproc, "--nproc"), layouts=args.layouts,
         batch_size=args.batch_size, microbatches=args.microbatches, schedule=args.schedule, algorithm=args.algorithm,
         steps=args.steps, warmup=args.warmup, seed=args.seed, rounds=args.rounds, transport=args.transport,
-        threads=args.threads, timeout=args.timeout, json_path=args.json))
+        threads=args.threads, timeout=args.timeout, json_path=args.json, cp_algorithm=args.cp_algorithm))
 
 
 # --------------------------------------------------------------------------- bench pipeline, bench tp

@@ -51,7 +51,8 @@ from distrain.comm.api import (
     symmetric_empty,
     transport_of,
 )
-from distrain.comm.compat import PASSTHROUGH, destroy_process_group, init_process_group
+from distrain.comm.compat import PASSTHROUGH, configure_from_env, destroy_process_group, init_process_group
+from distrain.comm.shm.compiled import set_kernels as set_shm_kernels
 from distrain.comm.forms import (
     P2POp,
     all_gather_coalesced,
@@ -89,9 +90,9 @@ __all__ = [
     "ALGORITHM_NAMES", "COLLECTIVES", "CommHandle", "Counts", "Ledger", "P2POp", "TRANSPORT_NAMES", "Transport",
     "all_gather", "all_gather_coalesced", "all_gather_into_tensor", "all_gather_object", "all_reduce",
     "all_reduce_coalesced", "all_reduce_list", "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv",
-    "broadcast", "broadcast_object_list", "close_all", "close_group", "debug_enabled", "destroy_process_group",
+    "broadcast", "broadcast_object_list", "close_all", "close_group", "configure_from_env", "debug_enabled", "destroy_process_group",
     "gather", "gather_object", "has_list_all_reduce", "init_process_group", "irecv", "isend", "isend_tensor",
     "ledger", "recv", "recv_object_list", "recv_tensor", "reduce", "reduce_scatter", "reduce_scatter_tensor",
     "scatter", "scatter_object_list", "send", "send_object_list", "send_tensor", "set_debug",
-    "set_default_transport", "set_transport", "symmetric_empty", "transport_of",
+    "set_default_transport", "set_shm_kernels", "set_transport", "symmetric_empty", "transport_of",
 ] + [n for n in PASSTHROUGH if hasattr(_torch_dist, n)]

@@ -25,6 +25,13 @@ all-gather, and a mismatch raises on every rank, naming the rank that differs.
 async_op=True returns a handle with ``wait()`` and ``is_completed()``; our algorithms then
 run on the group's worker thread (see core/group.py), native ones on the backend's. Argument
 checks, the debug fingerprint and the dispatcher itself are in dispatch.py.
+
+The fast path: a blocking native ``all_reduce``, ``broadcast``, ``all_gather``,
+``reduce_scatter`` or ``barrier`` on a group whose shared-memory transport runs the compiled
+data plane goes straight to it (shm/compiled.py ``FastPath``: a few Python operations instead
+of the dispatcher's hundred); anything it does not take (async, debug checks, other
+algorithms, a ReduceOp object, odd arguments) takes the ordinary path below, which also
+raises the proper error for bad arguments.
 """
 
 from __future__ import annotations
@@ -48,7 +55,9 @@ from distrain.comm.dispatch import (  # noqa: F401  (the public names, and helpe
     debug_enabled,
     set_debug,
 )
+from distrain.comm import dispatch as _dispatch
 from distrain.comm.core.group import resolve
+from distrain.comm.shm.compiled import FAST as _FAST
 from distrain.comm.core.ops import resolve_op
 from distrain.comm.core.p2p import scratch
 from distrain.comm.algorithms import ALGORITHM_NAMES  # noqa: F401  (re-exported)
@@ -60,8 +69,59 @@ from distrain.errors import ConfigError
 API_SLOT = -1  # scratch() slot of this module's temporaries (the algorithms use slots 0..P)
 
 
+def _fast(group, async_op: bool, algorithm: str):
+    """The group's FastPath when this call may take it, else None."""
+    if async_op or algorithm != "native" or _dispatch._debug:
+        return None
+    return _FAST.get(dist.group.WORLD if group is None else group)
+
+
+def broadcast(tensor: torch.Tensor, src: int = None, group=None, async_op: bool = False,  # noqa: RUF013
+              algorithm: str = "native", **kwargs):
+    fp = _fast(group, async_op, algorithm) if not kwargs else None
+    if fp is not None and fp.broadcast(tensor, src):
+        return None
+    return _broadcast(tensor, src, group, async_op, algorithm, **kwargs)
+
+
+def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = False, algorithm: str = "native"):
+    fp = _fast(group, async_op, algorithm)
+    if fp is not None and fp.all_reduce(tensor, op):
+        return None
+    return _all_reduce(tensor, op, group, async_op, algorithm)
+
+
+def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = False, algorithm: str = "native"):
+    fp = _fast(group, async_op, algorithm)
+    if fp is not None and fp.all_gather(tensor_list, tensor):
+        return None
+    return _all_gather(tensor_list, tensor, group, async_op, algorithm)
+
+
+def reduce_scatter(output: torch.Tensor, input_list, op="sum", group=None, async_op: bool = False,
+                   algorithm: str = "native"):
+    fp = _fast(group, async_op, algorithm)
+    if fp is not None and fp.reduce_scatter(output, input_list, op):
+        return None
+    return _reduce_scatter(output, input_list, op, group, async_op, algorithm)
+
+
+def barrier(group=None, async_op: bool = False, device_ids=None, algorithm: str = "native",
+            timeout: float | None = None):
+    """Block until every rank of the group has entered. Ours: an all-reduce of one byte.
+
+    ``timeout`` (seconds or a timedelta): raise CommError on this rank if the others have not
+    all entered by then (the barrier is left posted; the group should then be torn down).
+    ``device_ids`` is accepted for torch's signature (it only matters to NCCL).
+    """
+    fp = _fast(group, async_op, algorithm) if timeout is None else None
+    if fp is not None and fp.barrier():
+        return None
+    return _barrier(group, async_op, device_ids, algorithm, timeout)
+
+
 @torch_call('src')
-def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False, algorithm: str = "native"):
+def _broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False, algorithm: str = "native"):
     name = "broadcast"
     mod = registry.get(algorithm, name)
     st = resolve(group, name)
@@ -97,7 +157,7 @@ def reduce(tensor: torch.Tensor, dst: int, op="sum", group=None, async_op: bool 
 
 
 @torch_call()
-def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = False, algorithm: str = "native"):
+def _all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = False, algorithm: str = "native"):
     name = "all_reduce"
     mod = registry.get(algorithm, name)
     st = resolve(group, name)
@@ -200,7 +260,7 @@ def gather(tensor: torch.Tensor, gather_list=None, dst: int = 0, group=None, asy
 
 
 @torch_call()
-def all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = False, algorithm: str = "native"):
+def _all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = False, algorithm: str = "native"):
     name = "all_gather"
     mod = registry.get(algorithm, name)
     st = resolve(group, name)
@@ -241,8 +301,8 @@ def _adjacent_views(lst: list[torch.Tensor], n: int) -> torch.Tensor | None:
 
 
 @torch_call()
-def reduce_scatter(output: torch.Tensor, input_list, op="sum", group=None, async_op: bool = False,
-                   algorithm: str = "native"):
+def _reduce_scatter(output: torch.Tensor, input_list, op="sum", group=None, async_op: bool = False,
+                    algorithm: str = "native"):
     name = "reduce_scatter"
     mod = registry.get(algorithm, name)
     st = resolve(group, name)
@@ -279,14 +339,8 @@ def reduce_scatter(output: torch.Tensor, input_list, op="sum", group=None, async
 
 
 @torch_call()
-def barrier(group=None, async_op: bool = False, device_ids=None, algorithm: str = "native",
-            timeout: float | None = None):
-    """Block until every rank of the group has entered. Ours: an all-reduce of one byte.
-
-    ``timeout`` (seconds or a timedelta): raise CommError on this rank if the others have not
-    all entered by then (the barrier is left posted; the group should then be torn down).
-    ``device_ids`` is accepted for torch's signature (it only matters to NCCL).
-    """
+def _barrier(group=None, async_op: bool = False, device_ids=None, algorithm: str = "native",
+             timeout: float | None = None):
     name = "barrier"
     mod = registry.get(algorithm, name)
     st = resolve(group, name)
@@ -340,3 +394,9 @@ def set_transport(transport, group=None) -> None:
 def transport_of(group=None) -> str:
     """The name of the transport ``group`` uses (building it if this is its first use)."""
     return resolve(group, "transport_of").transport.name
+
+
+# The public functions keep the ordinary path's signatures (torch's, with group_src= for broadcast).
+for _pub, _slow in ((broadcast, _broadcast), (all_reduce, _all_reduce), (all_gather, _all_gather),
+                    (reduce_scatter, _reduce_scatter), (barrier, _barrier)):
+    _pub.__signature__ = _slow.__signature__

@@ -7,7 +7,8 @@
 
 The group objects are torch.distributed's own, so a group made here works with
 torch.distributed and the reverse. What distrain adds: ``init_process_group`` reads
-``DISTRAIN_DEBUG`` and ``DISTRAIN_TRANSPORT`` as :func:`distrain.runtime.init` does, and
+distrain.comm's switches from the environment (:func:`configure_from_env`) as
+:func:`distrain.runtime.init` does, and
 ``destroy_process_group`` also frees distrain's per-group state (sequence numbers,
 worker threads, transports), so a later group with the same ranks starts afresh.
 Everything else is torch.distributed's function itself (same object), listed in ``PASSTHROUGH``.
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from distrain.comm import api
 from distrain.comm.core.group import close_all, close_group
 from distrain.comm.core.transport import set_default_transport
+from distrain.comm.shm.compiled import set_kernels
 
 PASSTHROUGH = (
     "is_available", "is_initialized", "is_gloo_available", "is_nccl_available", "is_mpi_available",
@@ -37,9 +39,20 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     """torch.distributed.init_process_group, plus distrain's debug switch from DISTRAIN_DEBUG."""
     dist.init_process_group(backend, init_method=init_method, timeout=timeout, world_size=world_size,
                             rank=rank, store=store, group_name=group_name, **kwargs)
+    configure_from_env(timeout.total_seconds() if timeout is not None else 300.0)
+
+
+def configure_from_env(timeout_s: float) -> None:
+    """distrain.comm's job-wide switches, from the environment a launcher passes down (the one
+    place they are read; ``distrain.runtime.init`` calls this too):
+
+    * ``DISTRAIN_DEBUG=1``: the cross-rank fingerprint check before every collective;
+    * ``DISTRAIN_TRANSPORT``: torch (default), shm or auto, with ``timeout_s`` for shm waits;
+    * ``DISTRAIN_SHM_KERNELS``: auto (default), compiled or python (comm/shm/compiled.py).
+    """
     api.set_debug(os.environ.get("DISTRAIN_DEBUG", "0") not in ("", "0", "false", "False"))
-    secs = timeout.total_seconds() if timeout is not None else 300.0
-    set_default_transport(os.environ.get("DISTRAIN_TRANSPORT") or "torch", timeout=secs)
+    set_default_transport(os.environ.get("DISTRAIN_TRANSPORT") or "torch", timeout=timeout_s)
+    set_kernels(os.environ.get("DISTRAIN_SHM_KERNELS") or "auto")
 
 
 def destroy_process_group(group=None) -> None:

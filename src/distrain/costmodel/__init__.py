@@ -4,7 +4,16 @@
 * :mod:`~distrain.costmodel.sim`: the flow-level α-β simulator (links shared max-min fairly);
 * :mod:`~distrain.costmodel.schedules`: the message schedules of star, ring, tree and the PS;
 * :func:`predict`: one collective × algorithm × placement -> seconds (None where the
-  algorithm's schedule is not modelled: native Gloo, and scatter/gather/barrier).
+  algorithm's schedule is not modelled: native Gloo, and scatter/gather/barrier);
+* :mod:`~distrain.costmodel.collectives`: ring collectives in closed form (the coarse path), and
+  NCCL's rings on a GPU cluster;
+* :mod:`~distrain.costmodel.plan`: ``distrain plan`` on emulated nodes (DDP, PS, dp×tp×pp);
+* a cluster of devices: :mod:`~distrain.costmodel.devices` (specs and kernel efficiencies),
+  :mod:`~distrain.costmodel.shapes` (parameters and model FLOPs of a transformer),
+  :mod:`~distrain.costmodel.kernels` (compute time), :mod:`~distrain.costmodel.memory` (bytes per
+  device), :mod:`~distrain.costmodel.step` (a layout's step time), :mod:`~distrain.costmodel.layouts`
+  (every layout ranked), :mod:`~distrain.costmodel.calibration` (the sustained efficiencies, fitted
+  on published runs) and :mod:`~distrain.costmodel.validation` (published runs against the planner).
 
 The sizes follow ``distrain bench comm`` (nccl-tests): ``size_bytes`` is the full buffer
 (all_reduce/broadcast/reduce: the tensor; all_gather/reduce_scatter: P times a rank's part).

@@ -47,11 +47,17 @@ LINKS = {
     "eth-10g": Link(20e-6, 10e9 / 8 * _TCP, "IEEE 802.3ae 10 Gb/s, TCP payload"),
     "eth-100g": Link(10e-6, 100e9 / 8 * _TCP, "IEEE 802.3ba 100 Gb/s, TCP payload"),
     "ib-hdr": Link(2e-6, 200e9 / 8, "InfiniBand HDR 200 Gb/s (NVIDIA ConnectX-6 data sheet)"),
+    # GPU clusters: one such port per GPU (DGX A100: 8 x HDR; DGX H100 and Meta's Grand Teton: 8 x 400 Gb/s)
+    "ib-400g": Link(5e-6, 400e9 / 8, "InfiniBand NDR 400 Gb/s (NVIDIA ConnectX-7 data sheet)"),
+    "roce-400g": Link(5e-6, 400e9 / 8, "400 GbE RoCE v2 (NVIDIA ConnectX-7 data sheet)"),
+    "roce-200g": Link(5e-6, 200e9 / 8, "200 GbE RoCE v2 (NVIDIA ConnectX-6 data sheet)"),
 }
 INTRA = {
     "shm": Link(5e-6, 10e9, "one-core memory copy, ~10 GB/s (measure with distrain bench link)"),
     "pcie4": Link(5e-6, 32e9 * 0.8, "PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b, ~80 % after protocol overhead"),
     "nvlink3": Link(3e-6, 300e9, "NVIDIA A100 data sheet: NVLink 600 GB/s bidirectional = 300 GB/s per direction"),
+    "nvlink4": Link(3e-6, 450e9, "NVIDIA H100/H200 data sheets: NVLink 900 GB/s bidirectional = 450 GB/s per direction"),
+    "pcie5": Link(5e-6, 64e9 * 0.8, "PCIe 5.0 x16: 32 GT/s x 16 lanes, 128b/130b, ~80 % after protocol overhead"),
 }
 DEFAULT_GAMMA = 1.0 / 4e9  # s per byte added (float32 add ~ 4 GB/s of one operand on one core)
 HOST = ("host", 0)  # the resource every message between nodes crosses when Fabric.host is set

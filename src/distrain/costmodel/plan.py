@@ -27,7 +27,8 @@ that very batch for a preset (small batches do not scale linearly) or T·b/B fro
   (Korthikanti et al. 2022, fp16 counted twice for fp32), divided by tp, for the 1F1B
   in-flight micro-batches min(p, m) on the first stage.
 
-Concurrent collectives of independent groups are simulated together (links are shared).
+Concurrent collectives of independent groups are predicted together (links are shared): rings in
+closed form (:func:`~distrain.costmodel.collectives.ring_time`), star and tree by the simulator.
 The numbers are predictions from the α-β links (presets or a calibration), not measurements.
 The command line (distrain/cli/plan.py) checks the flags, builds the fabric and the compute,
 and prints :func:`plans` with :func:`format_plans`.
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from distrain.costmodel import schedules
+from distrain.costmodel.collectives import ring_time
 from distrain.costmodel.links import INTRA, LINKS, Fabric, block_placement, calibrated_fabric  # noqa: F401 (API)
 from distrain.costmodel.sim import Message, simulate
 from distrain.errors import ConfigError
@@ -89,15 +91,18 @@ def model_spec(name: str | None, params: int | None) -> ModelSpec:
 
     if name not in MODEL_PRESETS:
         raise ConfigError(f"--model: unknown model {name!r}; choose from {', '.join(MODEL_PRESETS)} or give --params N")
+    kind, kw = MODEL_PRESETS[name]
+    if kind in ("gpt", "llama"):  # the tensor sizes from the shape: no model built (the 8B preset's build took 2 s)
+        from distrain.costmodel.shapes import preset_shape
+
+        sizes = tuple(4 * n for n in preset_shape(name).tensor_sizes())
+        return ModelSpec(name, sum(sizes) // 4, kw["n_layer"], kw["n_embd"], kw["n_head"], kw["block_size"], sizes)
     import torch
 
     with torch.device("meta"):  # shapes only: no memory, so an 8B preset costs nothing to count
         m = build_model(name)
     n = sum(p.numel() for p in m.parameters())
     sizes = tuple(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad)
-    kind, kw = MODEL_PRESETS[name]
-    if kind in ("gpt", "llama"):  # same field names (models/llama/model.py LlamaConfig)
-        return ModelSpec(name, n, kw["n_layer"], kw["n_embd"], kw["n_head"], kw["block_size"], sizes)
     return ModelSpec(name, n, param_bytes=sizes)
 
 
@@ -181,14 +186,36 @@ def _together(parts: list[tuple[list[Message], float]], groups: list[list[int]])
 
 
 def _allreduce(fabric: Fabric, groups: list[list[int]], nbytes: int, alg: str) -> tuple[float, float]:
-    """(seconds, bytes on the busiest link) of one all-reduce in every group at once."""
+    """(seconds, bytes on the busiest link) of one all-reduce in every group at once: the ring in
+    closed form (:func:`~distrain.costmodel.collectives.ring_time`: equal chunks, links shared by
+    counting their messages), star and tree replayed by the simulator (one message per rank and
+    phase); each (fabric, groups, size, algorithm) once."""
     if len(groups[0]) == 1 or nbytes <= 0:
         return 0.0, 0.0
+    key = tuple(tuple(g) for g in groups)
+    if alg == "ring":
+        return _ring(fabric, key, max(4, nbytes // 4 * 4))
+    return _simulated(fabric, key, nbytes, alg)
+
+
+@functools.lru_cache(maxsize=1024)
+def _ring(fabric: Fabric, groups: tuple, nbytes: int) -> tuple[float, float]:
+    return ring_time(fabric, groups, nbytes)
+
+
+@functools.lru_cache(maxsize=1024)
+def _simulated(fabric: Fabric, groups: tuple, nbytes: int, alg: str) -> tuple[float, float]:
     P = len(groups[0])
     parts = [schedules.BUILDERS[alg]("all_reduce", P, max(1, nbytes // 4), 4, fabric.gamma) for _ in groups]
-    msgs, tail = _together(parts, groups)
+    msgs, tail = _together(parts, [list(g) for g in groups])
     res = simulate(msgs, fabric, tail)
     return res.seconds, res.busiest()[1]
+
+
+def simulated_allreduce(fabric: Fabric, groups: list[list[int]], nbytes: int, alg: str) -> tuple[float, float]:
+    """The fine path for every algorithm (the ring's 1 MiB pieces replayed too): what the closed form is checked
+    against (docs/cost_model.md, "Speed")."""
+    return _simulated(fabric, tuple(tuple(g) for g in groups), nbytes, alg)
 
 
 def _act_bytes(m: ModelSpec, samples: float) -> float:

@@ -49,9 +49,9 @@ def check(cfg) -> tuple[int, int] | None:
         raise ConfigError(f"{tag}: --strategy {cfg.strategy} is not supported; elastic training needs a state that "
                           f"survives a lost rank (every rank's state held twice, or none on the ranks that may go): "
                           f"use --strategy {' or '.join(SUPPORTED)}")
-    tp, pp = getattr(cfg, "tp", 1), getattr(cfg, "pp", 1)
-    if tp * pp > 1:  # the dp dimension of dp x tp x pp: a lost rank takes its whole tp x pp replica with it
-        check_grid(cfg, tag, lo, hi, tp * pp)
+    tp, pp, cp = getattr(cfg, "tp", 1), getattr(cfg, "pp", 1), getattr(cfg, "cp", 1)
+    if tp * pp * cp > 1:  # the dp dimension of dp x cp x tp x pp: a lost rank takes its whole replica with it
+        check_grid(cfg, tag, lo, hi, tp * pp * cp)
     elif getattr(cfg, "dp", 0):
         raise ConfigError(f"{tag}: --dp is set by the number of live ranks in an elastic job; leave it out")
     if lo > cfg.nproc:
@@ -82,9 +82,11 @@ def check(cfg) -> tuple[int, int] | None:
 
 
 def check_grid(cfg, tag: str, lo: int, hi: int, r: int) -> None:
-    """Rules of an elastic dp x tp x pp job (``r`` = tp x pp ranks per model replica): whole replicas
-    only, DDP over dp, no newcomers, and a global batch that splits exactly at every size it may take."""
-    sizes = f"--tp {cfg.tp} x --pp {cfg.pp} = {r}"
+    """Rules of an elastic dp x cp x tp x pp job (``r`` = cp x tp x pp ranks per model replica, which
+    holds one copy of the model and reads one part of the batch): whole replicas only, DDP over dp,
+    no newcomers, and a global batch that splits exactly at every size it may take."""
+    cp = getattr(cfg, "cp", 1)
+    sizes = (f"--cp {cp} x " if cp > 1 else "") + f"--tp {cfg.tp} x --pp {cfg.pp} = {r}"
     if cfg.strategy != "ddp":
         raise ConfigError(f"{tag}: with --tp/--pp only --strategy ddp is supported (the dp dimension; a ZeRO piece "
                           f"would be lost with its replica); got --strategy {cfg.strategy}")

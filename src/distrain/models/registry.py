@@ -130,3 +130,40 @@ def model_tp_plan(model: nn.Module):
 
     own = None if is_hf_model(model) else getattr(model, "tp_plan", None)
     return own or tp_plan_for(model)
+
+
+def model_cp_plan(model: nn.Module):
+    """The context-parallel plan the trainer applies: the model's own ``cp_plan`` attribute (a
+    ``distrain.parallel.context_parallel.CPPlan``), else the one beside its class (the GPT's, the
+    Llama's), else None (the model cannot be split along the sequence)."""
+    own = getattr(model, "cp_plan", None)
+    if own is not None:
+        return own
+    if isinstance(model, GPT):
+        from distrain.models.gpt.plan import gpt_cp_plan
+
+        return gpt_cp_plan()
+    if isinstance(model, Llama):
+        from distrain.models.llama.plan import llama_cp_plan
+
+        return llama_cp_plan()
+    return None
+
+
+def check_cp_fits(model: nn.Module, cp: int, variant: str, tp: int = 1) -> None:
+    """``distrain.train(model=..., config=TrainConfig(cp=N))`` in the caller, before any rank starts:
+    a context-parallel plan (:func:`model_cp_plan`), 2 x cp dividing ``model.config.block_size`` (the
+    trainer's sequence length), and the plan's own check (the all-to-all's heads, ``tp`` still to
+    divide them); each a one-line ConfigError."""
+    from distrain.parallel.context_parallel import check_length
+
+    plan = model_cp_plan(model)
+    if plan is None:
+        raise ConfigError(f"--cp {cp}: {type(model).__name__} has no context-parallel plan (distrain's GPT and Llama "
+                          f"have one); give your model a `cp_plan` (distrain.parallel.context_parallel.CPPlan naming "
+                          f"the modules that read `self.sequence`, see distrain.models.sequence) or use --cp 1")
+    block = getattr(getattr(model, "config", None), "block_size", None)
+    if block is not None:
+        check_length(block, cp, f"{type(model).__name__}'s sequence (block_size)")
+    if plan.check is not None:
+        plan.check(model, cp, variant, **({"tp": tp} if tp > 1 else {}))

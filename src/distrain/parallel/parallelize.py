@@ -1,11 +1,11 @@
-"""``parallelize()``: tensor, then pipeline, then data parallelism, in that fixed order.
+"""``parallelize()``: tensor, then context, then pipeline, then data parallelism, in that fixed order.
 
 The model (``layers`` = a list of modules run in a loop, e.g. the GPT's [Embedding, Block x n,
 Head]) knows nothing of parallelism; its tensor-parallel plan sits beside it. Every rank
 builds the same seeded full model and calls::
 
     pm = parallelize(model, topo, loss_fn=lm_loss, tp_plan=gpt_tp_plan(), algorithm="ring",
-                     microbatches=4, schedule="1f1b")
+                     microbatches=4, schedule="1f1b", cp_plan=gpt_cp_plan(), cp_algorithm="ring")
     loss = pm.train_step(x, y)   # this data-parallel replica's batch; gradients are ready
     optimizer.step()             # over pm.parameters()
 
@@ -14,16 +14,25 @@ Why this order:
 1. **Tensor parallel first** (``topo.tp_group``): the plan swaps the Linear/Embedding modules
    *inside* every layer for their Megatron shards (column/row split, f/g all-reduces),
    keeping the layer list intact, so the pipeline split below still sees whole layers.
-2. **Pipeline split second** (``topo.pp_group``): the rank keeps the contiguous slice of
+2. **Context parallel second** (``topo.cp_group``, when cp > 1): the CP plan gives the modules
+   that compute positions and attention this rank's place in the sequence
+   (distrain.parallel.context_parallel: chunks i and 2N-1-i, ring or all-to-all attention),
+   inside the layers, so the layer list stays intact as well. ``train_step`` then keeps this
+   rank's tokens of the inputs and targets (``ContextParallel.split``, the plan's sequence dims).
+3. **Pipeline split third** (``topo.pp_group``): the rank keeps the contiguous slice of
    layers of stage ``topo.pp_rank``; activations go to the same tp rank of the next stage.
    Balancing by parameter count is the same on every tp rank, since every tp rank holds
    the same share of each layer.
-3. **Data parallel last** (``topo.dp_group``): DDP wraps exactly the parameters this rank
-   now holds; the ranks of a dp group have the same tp and pp coordinates, so they hold
-   the same shard, and rank 0 of the group broadcasts it. With a pipeline, the micro-batch
-   backwards run under ``no_sync()`` and the gradients are averaged once per step.
-   ``zero_stage=1|2|3`` puts ZeRO (distrain.parallel.zero) over the dp group instead of
-   DDP: the dp ranks, which hold the same tp/pp shard, split its optimizer state (and
+4. **Data parallel last** (``topo.dp_cp_group``: the dp group when cp is 1): DDP wraps exactly
+   the parameters this rank now holds; the ranks of a dp x cp group have the same tp and pp
+   coordinates, so they hold the same shard, and rank 0 of the group broadcasts it. Data and
+   context parallelism both split the step's tokens (samples, or chunks of each sequence, equal
+   in number), so the gradient of the mean over all of them is the average over dp x cp of the
+   ranks' gradients of their own means (Megatron-LM reduces over its dp-cp group alike). With a
+   pipeline, the micro-batch backwards run under ``no_sync()`` and the gradients are averaged
+   once per step.
+   ``zero_stage=1|2|3`` puts ZeRO (distrain.parallel.zero) over that group instead of
+   DDP: its ranks, which hold the same tp/pp shard, split its optimizer state (and
    gradients, and parameters) among themselves; ``optimizer=`` is then the factory the
    ZeRO engine builds over this rank's flat shards (``pm.optimizer``). With a pipeline,
    stage 1 reduce-scatters once per step (micro-batches under ``no_sync``); stage 2
@@ -47,6 +56,7 @@ import torch
 import torch.nn as nn
 
 from distrain.errors import ConfigError
+from distrain.parallel.context_parallel import ContextParallel, CPPlan, apply_context_parallel
 from distrain.parallel.data_parallel import DistributedDataParallel
 from distrain.parallel.pipeline_parallel import PipelineStage, partition, pipeline_step
 from distrain.parallel.pipeline_parallel.schedule import SPLIT_BACKWARD
@@ -73,6 +83,15 @@ class ParallelModel:
     tp_plan: TPPlan | None = None
     zero: "Zero | None" = None          # ZeRO over the dp group (in place of ddp)
     tp_info: dict | None = None         # {name in module: ShardInfo}, taken before ZeRO-3 removes the parameters
+    cp: ContextParallel | None = None   # this rank's part of the sequence (cp > 1)
+    cp_plan: CPPlan | None = None
+
+    def split(self, x: torch.Tensor | None, what: str = "input") -> torch.Tensor | None:
+        """This rank's tokens of a whole batch tensor (inputs or targets: the plan's dims); as it is
+        without context parallelism."""
+        if self.cp is None or x is None:
+            return x
+        return self.cp.split(x, self.cp_plan.input_dim if what == "input" else self.cp_plan.target_dim)
 
     def parameters(self):
         """What the optimizer updates: the module's parameters, or ZeRO's flat shards."""
@@ -95,7 +114,9 @@ class ParallelModel:
         return self.stage is None or self.stage.is_last
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
-        """Forward and backward of this replica's batch; returns the loss where it is computed."""
+        """Forward and backward of this replica's batch; returns the loss where it is computed (with
+        context parallelism: the mean over this rank's tokens)."""
+        x, y = self.split(x, "input"), self.split(y, "target")
         if self.stage is None:
             net = self.ddp if self.ddp is not None else self.module
             loss = self.loss_fn(net(x), y)
@@ -123,9 +144,11 @@ class ParallelModel:
 
 def parallelize(model: nn.Module, topo: Topology, *, loss_fn: Loss, tp_plan=None, algorithm: str = "native",
                 microbatches: int = 1, schedule: str = "1f1b", bucket_cap_mb: float = 25.0,
-                zero_stage: int = 0, optimizer=None) -> ParallelModel:
-    """Apply ``tp_plan`` on ``topo.tp_group``, cut the pipeline stage of ``topo.pp_rank``, wrap it
-    in DDP over ``topo.dp_group`` (or ZeRO ``zero_stage`` with the ``optimizer`` factory).
+                zero_stage: int = 0, optimizer=None, cp_plan: CPPlan | None = None,
+                cp_algorithm: str = "ring") -> ParallelModel:
+    """Apply ``tp_plan`` on ``topo.tp_group``, ``cp_plan`` on ``topo.cp_group`` (``cp_algorithm``:
+    "ring" or "all-to-all"), cut the pipeline stage of ``topo.pp_rank``, wrap it in DDP over
+    ``topo.dp_cp_group`` (or ZeRO ``zero_stage`` with the ``optimizer`` factory).
     ``loss_fn(output, target)``: the loss on the model's full output (a plan that keeps the
     output sharded brings its own loss on shards, used when tp > 1).
 
@@ -135,13 +158,16 @@ def parallelize(model: nn.Module, topo: Topology, *, loss_fn: Loss, tp_plan=None
     multiprocessing lives in shared memory) must be copied first: ``copy.deepcopy(model)``."""
     if not callable(loss_fn):
         raise ConfigError(f"parallelize: loss_fn must be a callable (output, target) -> loss, got {loss_fn!r}")
-    check_zero_layout(zero_stage, topo.dp, topo.pp)
+    check_zero_layout(zero_stage, topo.dp, topo.pp, topo.cp)
     if zero_stage and not callable(optimizer):
         raise ConfigError("parallelize: zero_stage needs optimizer= (a factory: lambda params: "
                           "torch.optim.AdamW(params, lr=1e-3)); ZeRO builds it over this rank's shards")
     if topo.tp > 1 and tp_plan is None:
         raise ConfigError(f"parallelize: tp={topo.tp} needs tp_plan= (module name -> 'colwise' / 'rowwise' / "
                           f"'vocab'); the GPT's is distrain.models.gpt.plan.gpt_tp_plan()")
+    if topo.cp > 1 and cp_plan is None:
+        raise ConfigError(f"parallelize: cp={topo.cp} needs cp_plan= (the modules that read the sequence layout); the "
+                          f"GPT's is distrain.models.gpt.plan.gpt_cp_plan()")
     plan = as_plan(tp_plan) if tp_plan is not None else None
     # 0. the pipeline cut is decided on the whole model, before any sharding: the same on
     #    every rank whatever tp is (layers per stage, balanced by parameter count)
@@ -149,10 +175,15 @@ def parallelize(model: nn.Module, topo: Topology, *, loss_fn: Loss, tp_plan=None
     # 1. tensor parallel: shards inside every layer, on the tp group
     if topo.tp > 1:
         apply_tensor_parallel(model, topo.tp_group, algorithm, plan=plan)
-    # 2. pipeline: keep this stage's layers; neighbours are the same (dp, tp) on pp_rank -/+ 1
+    # 2. context parallel: positions and attention of this rank's part of the sequence, on the cp group
+    cp = None
+    if topo.cp > 1:
+        cp = ContextParallel(topo.cp_group, cp_algorithm)
+        apply_context_parallel(model, cp, plan=cp_plan)
+    # 3. pipeline: keep this stage's layers; neighbours are the same (dp, tp) on pp_rank -/+ 1
     stage = PipelineStage.from_topology(model, topo, balance=cut) if topo.pp > 1 else None
     module = stage if stage is not None else model
-    # 3. data parallel: average the gradients of identical shards over the dp group
+    # 4. data parallel: average the gradients of identical shards over the dp x cp group
     ddp = zero = None
     tp_info = tp_shard_info(module)
     if zero_stage:
@@ -163,22 +194,25 @@ def parallelize(model: nn.Module, topo: Topology, *, loss_fn: Loss, tp_plan=None
                               "the sequence-parallel parameters' gradients over tp sit on the parameters stage 3 "
                               "replaces by gathered views; use zero_stage 1 or 2, or a plan without "
                               "sequence_parallel")
-        zero = Zero(module, optimizer, stage=zero_stage, group=topo.dp_group, algorithm=algorithm,
+        zero = Zero(module, optimizer, stage=zero_stage, group=topo.dp_cp_group, algorithm=algorithm,
                     bucket_cap_mb=bucket_cap_mb)
-    elif topo.dp > 1:
-        ddp = DistributedDataParallel(module, group=topo.dp_group, algorithm=algorithm, bucket_cap_mb=bucket_cap_mb)
-    return ParallelModel(topo, module, stage, ddp, algorithm, microbatches, schedule, loss_fn, plan, zero, tp_info)
+    elif topo.dp * topo.cp > 1:
+        ddp = DistributedDataParallel(module, group=topo.dp_cp_group, algorithm=algorithm,
+                                      bucket_cap_mb=bucket_cap_mb)
+    return ParallelModel(topo, module, stage, ddp, algorithm, microbatches, schedule, loss_fn, plan, zero, tp_info,
+                         cp, cp_plan if cp is not None else None)
 
 
-def check_zero_layout(zero_stage: int, dp: int, pp: int) -> None:
-    """The rules for ZeRO inside the dp x tp x pp grid (the trainer's config checks them too,
-    before any rank starts): a stage of 0-3; at least 2 dp ranks to shard over; no stage 3 with
-    a pipeline."""
+def check_zero_layout(zero_stage: int, dp: int, pp: int, cp: int = 1) -> None:
+    """The rules for ZeRO inside the dp x cp x tp x pp grid (the trainer's config checks them too,
+    before any rank starts): a stage of 0-3; at least 2 ranks in the dp x cp group to shard over;
+    no stage 3 with a pipeline."""
     if zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"parallelize: zero_stage must be 0 (DDP), 1, 2 or 3, got {zero_stage!r}")
-    if zero_stage and dp < 2:
+    if zero_stage and dp * cp < 2:
         raise ConfigError(f"ZeRO stage {zero_stage} (--strategy zero{zero_stage}) shards over the dp group, but dp "
-                          f"is {dp}: it needs dp >= 2 (or use --strategy ddp, which with dp 1 does nothing)")
+                          f"is {dp}: it needs dp >= 2 (or use --strategy ddp, which with dp 1 does nothing)"
+                          + (f"; with --cp {cp} it shards over dp x cp" if cp > 1 else ""))
     if zero_stage == 3 and pp > 1:
         raise ConfigError(f"ZeRO stage 3 (--strategy zero3) does not compose with pipeline parallelism (--pp {pp}): "
                           f"it would all-gather every layer twice per micro-batch; use zero1 or zero2 with --pp > 1")

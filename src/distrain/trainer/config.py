@@ -26,6 +26,7 @@ DTYPES = ("float32", "float64")
 DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("constant", "cosine")
 AUTOCASTS = ("none", "bf16")
+CP_ALGORITHMS = ("ring", "all-to-all")  # --cp-algorithm: parallel/context_parallel/ring.py, ulysses.py
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")  # zb-h1: zero bubble (B / W split), parallel/pipeline_parallel/zero_bubble.py
 # which data each model preset reads (input sizes must match)
 MODEL_DATA = {"gpt-tiny": "text", "gpt-small": "text", "mlp": "fashion-mnist", "mlp-tiny": "digits",
@@ -96,11 +97,17 @@ class TrainConfig:
     max_staleness: int | None = opt(None, "bound on gradient staleness (none: unbounded)", type=int,
                                     only=("ps-async",))
     # model parallelism (GPT and Llama presets, your model with .layers / a tp_plan, Hugging Face decoders):
-    # dp * tp * pp = nproc; dp = 0 means nproc // (tp * pp)
-    dp: int = opt(0, "data-parallel size of the dp x tp x pp grid (0: nproc / (tp * pp))")
+    # dp * cp * tp * pp = nproc; dp = 0 means nproc // (cp * tp * pp)
+    dp: int = opt(0, "data-parallel size of the dp x cp x tp x pp grid (0: nproc / (cp * tp * pp))")
     tp: int = opt(1, "tensor-parallel size (GPT and Llama presets, Hugging Face Llama-family models, or a model with "
                      "a tp_plan)")
     pp: int = opt(1, "pipeline-parallel stages (GPT and Llama presets, or a model with .layers run in order)")
+    cp: int = opt(1, "context-parallel size: each sequence split across this many ranks, 2 x cp chunks of it, rank i "
+                     "holding chunks i and 2cp-1-i (GPT and Llama presets, or a model with a cp_plan); 2 x cp must "
+                     "divide the sequence length (the model's block size)")
+    cp_algorithm: str = opt("ring", "attention across the cp ranks: ring (keys and values passed around the ring, "
+                                    "any head count) or all-to-all (Ulysses: heads exchanged for sequence; cp must "
+                                    "divide the query and key/value heads per tp rank)", choices=CP_ALGORITHMS)
     microbatches: int = opt(1, "micro-batches per pipeline step; must divide the per-replica batch")
     schedule: str = opt("1f1b", "pipeline schedule (zb-h1: zero bubble, backward split into input- and "
                                 "weight-gradient passes)", choices=SCHEDULES)
@@ -156,11 +163,11 @@ class TrainConfig:
     # -- derived ---------------------------------------------------------------------------
     @property
     def model_parallel(self) -> bool:
-        return self.tp > 1 or self.pp > 1
+        return self.tp > 1 or self.pp > 1 or self.cp > 1
 
     @property
     def dp_size(self) -> int:
-        return self.dp or max(1, self.nproc // (self.tp * self.pp))
+        return self.dp or max(1, self.nproc // (self.tp * self.pp * self.cp))
 
     @property
     def workers(self) -> int:
@@ -193,8 +200,8 @@ class TrainConfig:
         from distrain.models import preset_config
         from distrain.parallel.tensor_parallel.sizes import divisors
 
-        need(MODEL_DATA[self.model] == "text", f"--tp/--pp split the GPT and Llama models; --model {self.model} is "
-                                               f"not one")
+        need(MODEL_DATA[self.model] == "text", f"--tp/--pp/--cp split the GPT and Llama models; --model {self.model} "
+                                               f"is not one")
         c = preset_config(self.model)
         n_layers = c["n_layer"] + 2  # embedding, blocks, head
         need(self.pp <= n_layers, f"--pp {self.pp}: {self.model} has {n_layers} layers (embedding, {c['n_layer']} "
@@ -204,10 +211,22 @@ class TrainConfig:
         for what, n in sizes:
             need(n % self.tp == 0, f"--tp {self.tp}: {self.model} has {what}={n}, not divisible by {self.tp}; "
                                    f"choose --tp among {divisors(n)[:8]}")
+        if self.cp > 1:
+            self._validate_context_parallel(need, c)
         local = self.batch_size // max(1, self.dp_size)
         need(self.batch_size % self.dp_size == 0 and local % self.microbatches == 0,
              f"--microbatches {self.microbatches} does not divide the per-replica batch {self.batch_size} / "
              f"dp {self.dp_size} = {self.batch_size / self.dp_size:g}; pick a divisor of it")
+
+    def _validate_context_parallel(self, need, c: dict) -> None:
+        """--cp against a preset, by the library's own checks: 2 x cp divides the sequence (the block
+        size); the all-to-all splits whole query and key/value heads per tp rank."""
+        from distrain.parallel.context_parallel import check_cp_heads, check_length
+
+        check_length(c["block_size"], self.cp, f"{self.model}'s sequence (block_size)")
+        if self.cp_algorithm == "all-to-all":
+            check_cp_heads(self.cp, {k: c[k] // self.tp for k in ("n_head", "n_kv_head") if c.get(k)}, self.model,
+                           self.tp)
 
     def _validate_shards(self, need) -> None:
         """--data DIR holding meta.json (token shards): every shard file there, the preset's vocabulary
@@ -363,19 +382,24 @@ class TrainConfig:
              f"(got --autocast {self.autocast}); use --schedule 1f1b with autocast")
         self._validate_features(need)
         self._validate_applies(need)
-        need(min(self.tp, self.pp, self.microbatches) >= 1 and self.dp >= 0,
-             "--tp, --pp and --microbatches must be >= 1, --dp >= 0 (0: whatever is left of --nproc)")
+        need(min(self.tp, self.pp, self.cp, self.microbatches) >= 1 and self.dp >= 0,
+             "--tp, --pp, --cp and --microbatches must be >= 1, --dp >= 0 (0: whatever is left of --nproc)")
+        need(self.cp_algorithm in CP_ALGORITHMS,
+             f"--cp-algorithm {self.cp_algorithm!r} is unknown; use ring or all-to-all")
+        need(self.cp > 1 or self.cp_algorithm == "ring",
+             f"--cp-algorithm {self.cp_algorithm} chooses the attention across context-parallel ranks; with --cp "
+             f"{self.cp} there are none: drop it, or give --cp 2 or more")
         if self.model_parallel or self.dp:
             from distrain.topology import Topology
 
             need(self.strategy == "ddp" or self.strategy.startswith("zero"),
-                 f"--dp/--tp/--pp compose with --strategy ddp only, or with zero1/zero2/zero3 (ZeRO over the dp "
-                 f"group); got {self.strategy}")
-            Topology(dp=self.dp_size, tp=self.tp, pp=self.pp, world_size=self.nproc)  # dp*tp*pp == nproc
+                 f"--dp/--tp/--pp{'/--cp' if self.cp > 1 else ''} compose with --strategy ddp only, or with "
+                 f"zero1/zero2/zero3 (ZeRO over the dp group); got {self.strategy}")
+            Topology(dp=self.dp_size, tp=self.tp, pp=self.pp, cp=self.cp, world_size=self.nproc)  # product == nproc
             if self.strategy.startswith("zero") and self.model_parallel:
                 from distrain.parallel.parallelize import check_zero_layout
 
-                check_zero_layout(int(self.strategy[4:]), self.dp_size, self.pp)
+                check_zero_layout(int(self.strategy[4:]), self.dp_size, self.pp, self.cp)
         if self.model_parallel and not self.custom_model:
             self._validate_model_parallel(need)
         need(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
@@ -383,7 +407,7 @@ class TrainConfig:
             need(self.strategy in ("single", "ddp", "torch-ddp") and not self.model_parallel,
                  f"--accum-steps applies to single, ddp and torch-ddp (pipelines accumulate over --microbatches; "
                  f"parameter servers push every batch); got --strategy {self.strategy}"
-                 + (f" with --tp {self.tp} --pp {self.pp}" if self.model_parallel else ""))
+                 + (f" with --tp {self.tp} --pp {self.pp} --cp {self.cp}" if self.model_parallel else ""))
             per_rank = self.batch_size // max(1, self.workers)
             need(per_rank % self.accum_steps == 0,
                  f"--accum-steps {self.accum_steps} does not divide the per-rank batch {self.batch_size} / "

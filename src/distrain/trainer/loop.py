@@ -73,6 +73,10 @@ def train(cfg: TrainConfig | None = None, *, model=None, train_data=None, val_da
         from distrain.models.hf_transformers.checks import check_tp_fits
 
         check_tp_fits(model, cfg.tp)
+    if model is not None and cfg.cp > 1:  # your model's plan, sequence and heads against --cp, before any rank
+        from distrain.models.registry import check_cp_fits
+
+        check_cp_fits(model, cfg.cp, cfg.cp_algorithm, cfg.tp)
     if cfg.resume == "auto":  # restarts under distrain launch: resume if there is a checkpoint, else start afresh
         cfg.resume = (Path(cfg.out) / checkpoint.MANIFEST).exists()
         cfg.overwrite = cfg.overwrite or not cfg.resume
@@ -108,7 +112,8 @@ def _run_elastic(cfg: TrainConfig, parts) -> dict:
     results, stop, _ = coordinator.run(_spawned, cfg.nproc, lo, hi, args=(cfg.to_dict(), parts),
                                        replace=cfg.elastic_replace, timeout=cfg.timeout or None,
                                        collective_timeout=cfg.collective_timeout, preload=["distrain.trainer.loop"],
-                                       grid=(cfg.tp, cfg.pp), nodes=nodes.from_env(cfg.nproc),  # (cluster run)
+                                       grid=(cfg.tp * cfg.cp, cfg.pp),  # (cp x tp: the ranks inside a dp index)
+                                       nodes=nodes.from_env(cfg.nproc),  # (cluster run)
                                        servers=cfg.servers if cfg.strategy == "ps-sync" else 0)
     if stop:
         raise TrainingError(f"{stop}; the checkpoint of step {stop_step(cfg.out)} is in {cfg.out} (--resume "

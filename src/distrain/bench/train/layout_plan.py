@@ -2,8 +2,9 @@
 degrees, and the jobs (P, layout) planned from them, with notes on what was skipped or merged.
 
 A layout is ``ddp``, ``zero1``/``zero2``/``zero3`` (ZeRO over all P ranks), or a grid
-``dpAxtpBxppC`` (any of the three parts, any order), optionally after a strategy (``zero1xpp2``).
-A grid without ``dp`` fills the job with data parallelism, dp = P / (tp * pp). ``single`` (one
+``dpAxcpDxtpBxppC`` (any of the four parts, any order; cp: context parallelism, its attention
+``Settings.cp_algorithm``), optionally after a strategy (``zero1xpp2``). A grid without ``dp``
+fills the job with data parallelism, dp = P / (cp * tp * pp). ``single`` (one
 process, P = 1) is always the first job, the baseline of the speedup.
 """
 
@@ -16,7 +17,7 @@ from distrain.bench.common import split_csv
 from distrain.errors import ConfigError
 
 STRATEGY_WORDS = ("ddp", "zero1", "zero2", "zero3")
-_PART = re.compile(r"^(dp|tp|pp)(\d+)$")
+_PART = re.compile(r"^(dp|tp|pp|cp)(\d+)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,27 +29,30 @@ class Layout:
     dp: int | None = None
     tp: int = 1
     pp: int = 1
+    cp: int = 1
 
-    def grid(self, nproc: int) -> tuple[int, int, int] | None:
-        """(dp, tp, pp) at ``nproc`` ranks, or None when the layout does not fit."""
+    def grid(self, nproc: int) -> tuple[int, int, int, int] | None:
+        """(dp, tp, pp, cp) at ``nproc`` ranks, or None when the layout does not fit."""
+        mp = self.tp * self.pp * self.cp
         if self.dp is not None:
-            return (self.dp, self.tp, self.pp) if self.dp * self.tp * self.pp == nproc else None
-        mp = self.tp * self.pp
-        return (nproc // mp, self.tp, self.pp) if nproc % mp == 0 else None
+            return (self.dp, self.tp, self.pp, self.cp) if self.dp * mp == nproc else None
+        return (nproc // mp, self.tp, self.pp, self.cp) if nproc % mp == 0 else None
 
     def misfit(self, nproc: int) -> str:
         """Why the layout does not fit ``nproc`` ranks (one line)."""
+        names = "dp*cp*tp*pp" if self.cp > 1 else "dp*tp*pp"
         if self.dp is not None:
-            need = self.dp * self.tp * self.pp
-            return f"{self.name} needs exactly dp*tp*pp = {need} processes; skipped at P={nproc}"
-        return (f"{self.name}: tp*pp = {self.tp * self.pp} does not divide P={nproc}; skipped at P={nproc}")
+            need = self.dp * self.tp * self.pp * self.cp
+            return f"{self.name} needs exactly {names} = {need} processes; skipped at P={nproc}"
+        return (f"{self.name}: {names[3:]} = {self.tp * self.pp * self.cp} does not divide P={nproc}; "
+                f"skipped at P={nproc}")
 
 
 def parse_layout(text: str) -> Layout:
     """``ddp``, ``zero3``, ``tp2``, ``dp2xtp2``, ``zero1xpp2``, ... -> Layout; else a ConfigError saying why."""
     name = text.strip().lower()
-    hint = ("a layout is ddp, zero1, zero2, zero3, or dpAxtpBxppC parts joined by 'x' (e.g. tp2, pp2, dp2xtp2, "
-            "tp2xpp2), optionally after a strategy (zero1xpp2)")
+    hint = ("a layout is ddp, zero1, zero2, zero3, or dpAxcpDxtpBxppC parts joined by 'x' (e.g. tp2, pp2, cp2, "
+            "dp2xtp2, tp2xpp2), optionally after a strategy (zero1xpp2)")
     if not name:
         raise ConfigError(f"--layouts: empty layout name; {hint}")
     parts = name.split("x")
@@ -62,7 +66,7 @@ def parse_layout(text: str) -> Layout:
     for p in parts:
         m = _PART.match(p)
         if not m:
-            bad = "a strategy must come first" if p in STRATEGY_WORDS else "not dpN, tpN or ppN"
+            bad = "a strategy must come first" if p in STRATEGY_WORDS else "not dpN, tpN or ppN (or cpN)"
             raise ConfigError(f"--layouts: {text!r}: part {p!r} is {bad}; {hint}")
         kind, n = m.group(1), int(m.group(2))
         if n < 1:
@@ -70,7 +74,7 @@ def parse_layout(text: str) -> Layout:
         if kind in degrees:
             raise ConfigError(f"--layouts: {text!r} gives {kind} twice; {hint}")
         degrees[kind] = n
-    return Layout(name, strategy, degrees.get("dp"), degrees.get("tp", 1), degrees.get("pp", 1))
+    return Layout(name, strategy, degrees.get("dp"), degrees.get("tp", 1), degrees.get("pp", 1), degrees.get("cp", 1))
 
 
 def parse_layouts(text: str) -> list[Layout]:
@@ -93,15 +97,16 @@ class Job:
     dp: int
     tp: int
     pp: int
+    cp: int = 1
     aliases: tuple[str, ...] = ()
 
     @property
     def grid(self) -> str:
-        return f"dp{self.dp}×tp{self.tp}×pp{self.pp}"
+        return f"dp{self.dp}×" + (f"cp{self.cp}×" if self.cp > 1 else "") + f"tp{self.tp}×pp{self.pp}"
 
     @property
     def key(self) -> tuple:
-        return (self.nproc, self.strategy, self.dp, self.tp, self.pp)
+        return (self.nproc, self.strategy, self.dp, self.tp, self.pp, self.cp)
 
 
 def plan_jobs(nprocs: list[int], layouts: list[Layout]) -> tuple[list[Job], list[str]]:

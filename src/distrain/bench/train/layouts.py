@@ -4,8 +4,9 @@
 
 The layouts and the jobs planned from them are in ``layout_plan.py``.
 A layout is ``ddp``, ``zero1``/``zero2``/``zero3`` (ZeRO over all P ranks), or a grid
-``dpAxtpBxppC`` (any of the three parts, any order, e.g. ``tp2``, ``pp2``, ``dp2xtp2``,
-``tp2xpp2``), optionally after a strategy (``zero1xpp2``: ZeRO over the grid's dp group).
+``dpAxcpDxtpBxppC`` (any of the parts, any order, e.g. ``tp2``, ``pp2``, ``cp2``, ``dp2xtp2``,
+``tp2xpp2``; cp: context parallelism with ``--cp-algorithm`` ring or all-to-all), optionally
+after a strategy (``zero1xpp2``: ZeRO over the grid's dp group).
 A grid without ``dp`` fills the job with data parallelism, dp = P / (tp * pp), as
 ``distrain train --tp/--pp`` does, so ``tp2`` is dp1 x tp2 at P = 2 and dp2 x tp2 at P = 4.
 A layout that does not fit P (tp * pp does not divide P; or dp * tp * pp != P with an
@@ -87,13 +88,14 @@ class Settings:
     threads: int  # torch threads per rank (0: spawn's default, cpu_count // P)
     timeout: float  # seconds one job may take
     json_path: str | None = None  # where every record goes
+    cp_algorithm: str = "ring"  # attention of layouts with cp > 1: ring or all-to-all
 
 
 def _config(job: Job, opts: Settings, root: str) -> TrainConfig:
     pp = job.pp > 1
     return TrainConfig(model=opts.model, data="shakespeare", strategy=job.strategy, nproc=job.nproc, device="cpu",
                        **applicable(job.strategy, algorithm=opts.algorithm), transport=opts.transport, tp=job.tp,
-                       pp=job.pp,
+                       pp=job.pp, cp=job.cp, **({"cp_algorithm": opts.cp_algorithm} if job.cp > 1 else {}),
                        microbatches=opts.microbatches if pp else 1, schedule=opts.schedule,
                        steps=opts.warmup + opts.steps + MEMORY_STEPS, batch_size=opts.batch_size, seed=opts.seed,
                        dtype="float32", eval_every=0, sample_chars=0, progress=False, report=False,
@@ -198,7 +200,8 @@ def _measure(job: Job, cfg: TrainConfig, opts: Settings) -> dict:
     block = next(r["tokens_per_s"] * r["time_s"] for r in rows) / opts.batch_size  # tokens per sample
     peaks = [r["peak"] for r in per_rank]
     return {"nproc": job.nproc, "layout": job.layout, "aliases": list(job.aliases), "strategy": job.strategy,
-            "transport": cfg.transport, "dp": job.dp, "tp": job.tp, "pp": job.pp, "grid": job.grid,
+            "transport": cfg.transport, "dp": job.dp, "tp": job.tp, "pp": job.pp, "cp": job.cp,
+            **({"cp_algorithm": cfg.cp_algorithm} if job.cp > 1 else {}), "grid": job.grid,
             "microbatches": cfg.microbatches,
             "threads_per_rank": opts.threads or max(1, (os.cpu_count() or 1) // job.nproc),
             "step_ms": 1e3 * step_s, "samples_per_s": opts.batch_size / step_s,
@@ -264,6 +267,7 @@ def run(opts: Settings) -> int:
     if opts.json_path:
         write_json(opts.json_path, metadata(model=opts.model, batch_size=opts.batch_size, microbatches=opts.microbatches,
                                        schedule=opts.schedule, algorithm=opts.algorithm,
+                                       cp_algorithm=opts.cp_algorithm,
                                        transport=opts.transport, steps=opts.steps,
                                        warmup=opts.warmup, memory_steps=MEMORY_STEPS, rounds=opts.rounds,
                                        seed=opts.seed, dtype="float32", layouts=opts.layouts, nprocs=nprocs,

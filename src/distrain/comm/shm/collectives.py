@@ -150,9 +150,35 @@ def _check_same(sh, line: int, what: str) -> None:
     for q, seg in sh.peers.items():
         theirs = seg.line(SYMMETRIC)
         if theirs != line and theirs >> _CODE_BITS == tag:
-            raise CommError(f"{what} on rank {sh.me_global}: rank {sh.ranks[q]} passed {_kind(theirs)}, this rank "
-                            f"{_kind(line)}; every rank must pass its counterpart: a symmetric tensor "
-                            f"(comm.symmetric_empty, same allocation and offset) everywhere, or ordinary ones everywhere")
+            raise mismatch(sh, q, theirs, line, what)
+
+
+def mismatch(sh, q: int, theirs: int, line: int, what: str) -> CommError:
+    """The error when rank q declared another buffer than this rank (the compiled check's too)."""
+    return CommError(f"{what} on rank {sh.me_global}: rank {sh.ranks[q]} passed {_kind(theirs)}, this rank "
+                     f"{_kind(line)}; every rank must pass its counterpart: a symmetric tensor "
+                     f"(comm.symmetric_empty, same allocation and offset) everywhere, or ordinary ones everywhere")
+
+
+def _declared(sh) -> int | None:
+    """Where symmetric memory exists, declare that this collective works on ordinary memory (on
+    the step its first arrival carries); the caller checks the peers after that arrival."""
+    return _declare(sh, sh.step + 1, 0) if sh.heap is not None else None
+
+
+def _symmetric_steps(sh, alloc, offset: int, what: str, work) -> None:
+    """A collective on symmetric memory: declare it, arrive, check every peer passed the
+    counterpart, ``work()`` on the peers' memory, then a second wait (DONE) so that no rank
+    changes its buffer while a peer still reads it."""
+    _open(sh, what)
+    step = sh.begin()
+    line = _declare(sh, step, alloc.code(offset))
+    sh.post(ARRIVE, step)
+    sh.wait_all(ARRIVE, step, what)
+    _check_same(sh, line, what)
+    work()
+    sh.post(DONE, step)
+    sh.wait_all(DONE, step, what)
 
 
 def _all_reduce_symmetric(sh, buf: torch.Tensor, op: Op, alloc, offset: int, what: str) -> None:
@@ -166,30 +192,55 @@ def _all_reduce_symmetric(sh, buf: torch.Tensor, op: Op, alloc, offset: int, wha
     disjoint, so no rank reads what another writes until the DONE wait.
     """
     P, r, n, es = sh.size, sh.rank, buf.numel(), buf.element_size()
-    _open(sh, what)
-    step = sh.begin()
-    line = _declare(sh, step, alloc.code(offset))
-    sh.post(ARRIVE, step)
-    sh.wait_all(ARRIVE, step, what)
-    _check_same(sh, line, what)
-    bufs = [alloc.views[q][offset:offset + n * es].view(buf.dtype) for q in range(P)]
-    lo, hi = _bounds(n, P)[r]
-    c = max(1, sh.layout.slot_bytes // (2 * es))  # a chunk of each input and the result stay in cache
-    for a in range(lo, hi, c):
-        b = min(a + c, hi)
-        parts = [x[a:b] for x in bufs]
-        if r < 2:  # fold may write over its first or second input: straight into this rank's part
-            out = parts[r]
-        else:
-            if sh.scratch is None or sh.scratch.numel() < sh.layout.slot_bytes:
-                sh.scratch = torch.empty(sh.layout.slot_bytes, dtype=torch.uint8)
-            out = sh.scratch[:(b - a) * es].view(buf.dtype)
-        op.fold(out, parts)
+
+    def work() -> None:
+        bufs = [alloc.views[q][offset:offset + n * es].view(buf.dtype) for q in range(P)]
+        lo, hi = _bounds(n, P)[r]
+        c = max(1, sh.layout.slot_bytes // (2 * es))  # a chunk of each input and the result stay in cache
+        for a in range(lo, hi, c):
+            b = min(a + c, hi)
+            parts = [x[a:b] for x in bufs]
+            if r < 2:  # fold may write over its first or second input: straight into this rank's part
+                out = parts[r]
+            else:
+                if sh.scratch is None or sh.scratch.numel() < sh.layout.slot_bytes:
+                    sh.scratch = torch.empty(sh.layout.slot_bytes, dtype=torch.uint8)
+                out = sh.scratch[:(b - a) * es].view(buf.dtype)
+            op.fold(out, parts)
+            for q in range(P):
+                if parts[q] is not out:
+                    parts[q].copy_(out)
+
+    _symmetric_steps(sh, alloc, offset, what, work)
+
+
+def _all_gather_symmetric(sh, full: torch.Tensor, n: int, alloc, offset: int, what: str) -> None:
+    """all_gather into a (P, n) buffer in symmetric memory whose row r holds rank r's input:
+    each rank copies the P-1 other rows straight from their owners' buffers (no slot copies)."""
+    P, r, es = sh.size, sh.rank, full.element_size()
+
+    def work() -> None:
+        rows = full.view(P, n)
         for q in range(P):
-            if parts[q] is not out:
-                parts[q].copy_(out)
-    sh.post(DONE, step)
-    sh.wait_all(DONE, step, what)
+            if q != r:
+                rows[q].copy_(alloc.views[q][offset + q * n * es:offset + (q + 1) * n * es].view(full.dtype))
+
+    _symmetric_steps(sh, alloc, offset, what, work)
+
+
+def _reduce_scatter_symmetric(sh, out: torch.Tensor, full: torch.Tensor, op: Op, alloc, offset: int,
+                              what: str) -> None:
+    """reduce_scatter of a (P, n) input in symmetric memory: rank r folds block r of every rank's
+    input straight from their memory, in rank order, in cache-sized pieces."""
+    P, r, n, es = sh.size, sh.rank, out.numel(), out.element_size()
+
+    def work() -> None:
+        blocks = [alloc.views[q][offset + r * n * es:offset + (r + 1) * n * es].view(out.dtype) for q in range(P)]
+        c = max(1, sh.layout.slot_bytes // (2 * es))
+        for a in range(0, n, c):
+            op.fold(out[a:a + c], [x[a:a + c] for x in blocks])
+
+    _symmetric_steps(sh, alloc, offset, what, work)
 
 
 def all_reduce(pc, buf: torch.Tensor, op: Op) -> None:
@@ -281,13 +332,21 @@ def broadcast(pc, buf: torch.Tensor, root: int) -> None:
 def all_gather(pc, full: torch.Tensor, n: int) -> None:
     sh, what = _sh(pc), f"{pc.op}(transport=shm)"
     P, r = sh.size, sh.rank
+    where = sh.heap.locate(full) if sh.heap is not None else None
+    if where is not None:
+        _all_gather_symmetric(sh, full, n, *where, what)
+        return
     rows = full.view(P, n)
     m = _chunk(sh, full)
+    line = _declared(sh)
     for a in range(0, n, m):
         c = min(m, n - a)
         step = _step(sh, what)
         sh.slot(r, step, full.dtype)[:c].copy_(rows[r, a:a + c])
         _arrive(sh, step, what)
+        if line is not None:
+            _check_same(sh, line, what)
+            line = None
         for q in range(P):
             if q != r:
                 rows[q, a:a + c].copy_(sh.slot(q, step, full.dtype)[:c])
@@ -326,13 +385,27 @@ def scatter(pc, out: torch.Tensor, full: torch.Tensor | None, root: int) -> None
 def reduce_scatter(pc, out: torch.Tensor, full: torch.Tensor, op: Op) -> None:
     sh, what = _sh(pc), f"{pc.op}(transport=shm)"
     P, r, n = sh.size, sh.rank, out.numel()
+    where = sh.heap.locate(full) if sh.heap is not None and not _overlap(out, full) else None
+    if where is not None:
+        _reduce_scatter_symmetric(sh, out, full, op, *where, what)
+        return
     m = _chunk(sh, out, per=P)
+    line = _declared(sh)
     for a in range(0, n, m):
         c = min(m, n - a)
         step = _step(sh, what)
         sh.slot(r, step, out.dtype)[:P * c].view(P, c).copy_(full.view(P, n)[:, a:a + c])
         _arrive(sh, step, what)
+        if line is not None:
+            _check_same(sh, line, what)
+            line = None
         op.fold(out[a:a + c], [sh.slot(q, step, out.dtype)[r * c:(r + 1) * c] for q in range(P)])
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share memory (an output inside the input it reduces)."""
+    pa, pb = a.data_ptr(), b.data_ptr()
+    return pa < pb + b.numel() * b.element_size() and pb < pa + a.numel() * a.element_size()
 
 
 def traffic(coll: str, P: int, rank: int, count: int, root: int) -> tuple[int, int]:

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from distrain.comm.shm import segment as seg_mod
-from distrain.comm.shm import collectives, hierarchy
+from distrain.comm.shm import collectives, compiled, hierarchy
 from distrain.comm.shm.host import host_id, set_host_id, supported, unsupported  # noqa: F401  (this module's API)
 from distrain.comm.shm.p2p import Channels
 from distrain.comm.shm.symmetric import Heap
@@ -116,6 +116,10 @@ class ShmTransport:
         self._sleeping, self._sleep_lock = 0, threading.Lock()
         self._open_lock = threading.RLock()
         self._slots: dict[tuple, torch.Tensor] = {}  # (rank, buffer, dtype) -> view of a peer's slot
+        # the compiled data plane (compiled.py), built on the first collective when this transport uses it
+        self.kernels = compiled.kernels()
+        self.plane = None
+        self.fast = False  # whether the group is offered to the fast path (compiled.register)
         self._views: dict[tuple, list[torch.Tensor]] = {}  # (buffer, dtype, count) -> every rank's slot
         if self.size == 1:
             self.unlink_when_mapped()
@@ -145,10 +149,11 @@ class ShmTransport:
 
     def direct(self, collective: str):
         """What ``algorithm="native"`` runs: the direct shared-memory collectives when the whole
-        group is on this host; for a group over several hosts (auto) a hierarchical all_reduce,
-        and torch's native collectives otherwise."""
+        group is on this host (the compiled ones, compiled.py, or their Python reference); for a
+        group over several hosts (auto) a hierarchical all_reduce, and torch's native collectives
+        otherwise."""
         if self.strict or self.all_local():
-            return collectives
+            return compiled if self.kernels == "compiled" else collectives
         if collective == "all_reduce":
             return hierarchy
         return None
@@ -178,6 +183,13 @@ class ShmTransport:
 
     def open_all(self) -> list[Segment]:
         return [self.seg(q) for q in range(self.size)]
+
+    def compiled(self):
+        """The compiled data plane of this group (compiled.make_plane), built on first use."""
+        if self.plane is None:
+            self.coll = "collective"
+            self.plane = compiled.make_plane(self)
+        return self.plane
 
     def unlink_when_mapped(self) -> None:
         """Called after a step every rank arrived at: all peers have mapped our segment."""
@@ -245,6 +257,9 @@ class ShmTransport:
                 self._check_peers(peers, what, now - start)
 
     def _sleepers(self, delta: int) -> None:
+        if self.plane is not None:  # its waits count on the same line: one atomic count for both
+            self.plane.sleepers(delta)
+            return
         with self._sleep_lock:
             self._sleeping += delta
             self.me.set_line(SLEEPING, self._sleeping)
@@ -260,15 +275,24 @@ class ShmTransport:
         for q in peers:
             s = self.peers.get(q)
             if s is not None and s.line(ABORT):
-                raise PeerLostError(f"{what} on rank {self.me_global}: rank {self.ranks[q]} failed during this "
-                                f"collective (shared-memory transport); see that rank's error")
+                raise self.lost("aborted", q, what, peers)
             if q in self.pids and not seg_mod.pid_alive(self.pids[q]):
-                raise PeerLostError(f"{what} on rank {self.me_global}: rank {self.ranks[q]} (pid {self.pids[q]}) died "
-                                f"while this rank waited for it (shared-memory transport)")
+                raise self.lost("died", q, what, peers)
         if waited > self.timeout:
-            raise PeerLostError(f"{what} on rank {self.me_global}: timed out after {self.timeout:g}s waiting for "
-                            f"rank(s) {[self.ranks[q] for q in peers]} (shared-memory transport); a rank is stuck "
-                            f"or did not call the same collective")
+            raise self.lost("timeout", None, what, [q for q in peers if q != self.rank])
+
+    def lost(self, kind: str, q: int | None, what: str, peers) -> PeerLostError:
+        """The error of a wait that ends without its peers (the compiled waits report the same):
+        ``kind`` "aborted" (rank q failed), "died" (its process is gone) or "timeout"."""
+        if kind == "aborted":
+            return PeerLostError(f"{what} on rank {self.me_global}: rank {self.ranks[q]} failed during this "
+                                 f"collective (shared-memory transport); see that rank's error")
+        if kind == "died":
+            return PeerLostError(f"{what} on rank {self.me_global}: rank {self.ranks[q]} (pid {self.pids[q]}) died "
+                                 f"while this rank waited for it (shared-memory transport)")
+        return PeerLostError(f"{what} on rank {self.me_global}: timed out after {self.timeout:g}s waiting for "
+                             f"rank(s) {[self.ranks[p] for p in peers if p != self.rank]} (shared-memory transport); "
+                             f"a rank is stuck or did not call the same collective")
 
     def abort(self) -> None:
         """Tell every peer that this rank failed, so their waits end at once."""
@@ -331,7 +355,10 @@ class ShmTransport:
             return None, "the group spans several hosts"
         if self.heap is None:
             self.heap = Heap(self)
-        return self.heap.empty(nbytes)
+        t, why = self.heap.empty(nbytes)
+        if t is not None and self.plane is not None:
+            compiled.add_symmetric(self.plane, self, self.heap.allocs[-1])
+        return t, why
 
     # -- point-to-point ------------------------------------------------------------------
     def _channels(self):
@@ -356,6 +383,8 @@ class ShmTransport:
         return self._channels().irecv(tensor, q, tag)
 
     def close(self) -> None:
+        compiled.unregister(self)
+        self.plane = None  # it points into the mappings closed below
         self._slots, self._views = {}, {}
         if self.heap is not None:
             self.heap.close()

@@ -15,6 +15,10 @@ Layout contract (other parts of distrain rely on it; keep it when editing):
   ``n_local_heads = q_proj.out_features // head_dim``; so q/k/v may be replaced by
   column-parallel linears holding a subset of heads (and o_proj by a row-parallel
   one) without touching this file. Same for the MLP: nothing assumes fc's width.
+* ``Embedding.sequence`` and ``CausalSelfAttention.sequence`` (``models/sequence.py``): the
+  positions of the tokens the module holds and the attention over the whole sequence; the
+  one-process ``WHOLE`` unless a context-parallel plan (``plan.py`` ``gpt_cp_plan``) set this
+  rank's part of the sequence on the instance. The model's code is the same either way.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch.nn.functional as F
 
 from distrain.errors import ConfigError
 from distrain.models.outputs import logits_of
+from distrain.models.sequence import WHOLE
 
 
 @dataclass
@@ -64,6 +69,8 @@ class GPTConfig:
 class Embedding(nn.Module):
     """Token + learned position embedding: ids (B, T) -> (B, T, C)."""
 
+    sequence = WHOLE  # the positions of the T tokens held (models/sequence.py)
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.block_size = config.block_size
@@ -73,13 +80,15 @@ class Embedding(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.shape[-1]
-        if T > self.wpe.num_embeddings:
-            raise ConfigError(f"sequence length {T} exceeds block_size {self.wpe.num_embeddings}")
-        pos = torch.arange(T, device=idx.device)
+        if self.sequence.length(T) > self.wpe.num_embeddings:
+            raise ConfigError(f"sequence length {self.sequence.length(T)} exceeds block_size {self.wpe.num_embeddings}")
+        pos = self.sequence.positions(T, idx.device)                          # (T,)
         return self.drop(self.wte(idx) + self.wpe(pos))
 
 
 class CausalSelfAttention(nn.Module):
+    sequence = WHOLE  # attention over the whole sequence from the tokens held (models/sequence.py)
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         C = config.n_embd
@@ -102,8 +111,7 @@ class CausalSelfAttention(nn.Module):
         q = self.q_proj(x).view(B, T, n_local_heads, hd).transpose(1, 2)  # (B, h, T, hd)
         k = self.k_proj(x).view(B, T, n_local_heads, hd).transpose(1, 2)
         v = self.v_proj(x).view(B, T, n_local_heads, hd).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                           is_causal=True)
+        y = self.sequence.attend(q, k, v, causal=True, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, n_local_heads * hd)
         return self.resid_drop(self.o_proj(y))
 

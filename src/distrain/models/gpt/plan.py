@@ -16,18 +16,27 @@ The attention reads its head count from ``q_proj.out_features`` at run time, so 
 q/k/v by whole heads needs no change to the model. Also here: the GPT's sizes for the one tp size
 check (:func:`~distrain.parallel.tensor_parallel.check_tp_divides`, naming n_head, n_embd,
 4*n_embd, vocab_size) and the exact list of all-reduces of one step.
+
+Context parallelism (:func:`gpt_cp_plan`, :mod:`distrain.parallel.context_parallel`): the modules
+that read the sequence layout are the Embedding (``layers.0``: the learned positions of the
+tokens this rank holds) and every attention (``attn``: ring or all-to-all over the cp group)::
+
+    layers.0   wpe(positions of this rank's chunks i and 2N-1-i), the block-size check on N x T
+    attn       sequence.attend(q, k, v): ring attention, or the all-to-all (N | n_head per tp rank)
 """
 
 from __future__ import annotations
 
 import torch.nn as nn
 
-from distrain.models.gpt.model import Block, Embedding, Head
+from distrain.errors import ConfigError
+from distrain.models.gpt.model import Block, CausalSelfAttention, Embedding, Head
+from distrain.parallel.context_parallel import CPPlan, check_cp_heads
 from distrain.parallel.tensor_parallel import (
     ColwiseParallel, CopyInput, RowwiseParallel, TPPlan, check_tp_divides, vocab_parallel_cross_entropy,
 )
 
-__all__ = ["check_gpt_tp", "check_tp_sizes", "gpt_tp_plan", "tp_all_reduces_per_step"]
+__all__ = ["check_gpt_cp", "check_gpt_tp", "check_tp_sizes", "gpt_cp_plan", "gpt_tp_plan", "tp_all_reduces_per_step"]
 
 
 def check_tp_sizes(tp: int, *, n_head: int | None = None, n_embd: int | None = None,
@@ -98,3 +107,23 @@ def tp_all_reduces_per_step(n_layer: int, b: int, s: int, h: int, elem_size: int
     if head:
         fwd += [("loss max", tok), ("loss target logit", tok), ("loss sum exp", tok)]
     return {"forward": fwd, "backward": bwd}
+
+
+def check_gpt_cp(model: nn.Module, cp: int, variant: str, tp: int = 1) -> None:
+    """The GPT against context parallelism (pure): no attention dropout (each rank would draw its own
+    masks over blocks of the sequence), and for the all-to-all, cp dividing the heads each rank
+    attends with (the attentions' heads as they are now, divided by ``tp`` when tensor parallelism
+    is still to come)."""
+    attns = [m for m in model.modules() if isinstance(m, CausalSelfAttention)]
+    drop = sorted({m.dropout for m in attns if m.dropout})
+    if drop:
+        raise ConfigError(f"context parallelism (cp={cp}) does not support the GPT's attention dropout ({drop[0]}): "
+                          f"each rank would draw its own masks over blocks of the sequence; use dropout 0")
+    if variant == "all-to-all" and attns:
+        check_cp_heads(cp, {"n_head": min(a.n_local_heads for a in attns) // tp}, "the GPT", tp)
+
+
+def gpt_cp_plan() -> CPPlan:
+    """Context parallelism for :class:`~distrain.models.GPT` (or a pipeline stage of it): the
+    Embedding's positions and every attention read this rank's part of the sequence."""
+    return CPPlan(modules=("layers.0", "attn"), check=check_gpt_cp)

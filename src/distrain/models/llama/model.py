@@ -35,6 +35,10 @@ Layout contract (as the GPT's, :mod:`distrain.models.gpt`; keep it when editing)
   ``n_local_heads = wq.out_features // head_dim``, ``n_local_kv_heads = wk.out_features //
   head_dim``, so wq/wk/wv may be replaced by column-parallel linears holding whole heads (and wo
   by a row-parallel one) without touching this file (the plan: :mod:`.plan`).
+* ``LlamaEmbedding.sequence`` and ``Attention.sequence`` (``models/sequence.py``): the positions
+  of the tokens the module holds (RoPE angles, the block-size check) and the attention over the
+  whole sequence; the one-process ``WHOLE`` unless a context-parallel plan (``plan.py``
+  ``llama_cp_plan``) set this rank's part of the sequence on the instance.
 * Tied head: ``tied_output`` holds a (hidden) reference to the LlamaEmbedding and reads its
   ``tok_embeddings.weight`` at each forward, so the weight has one Parameter (one gradient, the
   sum of both uses) and a vocab-parallel embedding is read by the head as its own shard. A
@@ -53,6 +57,7 @@ import torch.nn.functional as F
 
 from distrain.errors import ConfigError
 from distrain.models.llama.rope import LLAMA3_KEYS, apply_rotary, cos_sin, inv_frequencies
+from distrain.models.sequence import WHOLE
 
 
 def swiglu_hidden(n_embd: int, multiple_of: int = 32) -> int:
@@ -156,6 +161,8 @@ class RMSNorm(nn.Module):
 class LlamaEmbedding(nn.Module):
     """Token embedding: ids (B, T) -> (B, T, C). No positions here: RoPE acts inside attention."""
 
+    sequence = WHOLE  # how many tokens the whole sequence has (the block-size check; models/sequence.py)
+
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.block_size = config.block_size
@@ -163,14 +170,17 @@ class LlamaEmbedding(nn.Module):
         self.ran_forward = False  # read by a tied head (see TiedOutput)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        if idx.shape[-1] > self.block_size:
-            raise ConfigError(f"sequence length {idx.shape[-1]} exceeds block_size {self.block_size}")
+        if self.sequence.length(idx.shape[-1]) > self.block_size:
+            raise ConfigError(f"sequence length {self.sequence.length(idx.shape[-1])} exceeds block_size "
+                              f"{self.block_size}")
         self.ran_forward = True
         return self.tok_embeddings(idx)                           # (B, T, C)
 
 
 class Attention(nn.Module):
     """Causal grouped-query self-attention with RoPE on q and k (no biases)."""
+
+    sequence = WHOLE  # positions of the tokens held, attention over the whole sequence (models/sequence.py)
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -198,13 +208,10 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, h, hd).transpose(1, 2)                  # (B, h, T, hd)
         k = self.wk(x).view(B, T, kv, hd).transpose(1, 2)                 # (B, kv, T, hd)
         v = self.wv(x).view(B, T, kv, hd).transpose(1, 2)                 # (B, kv, T, hd)
-        cos, sin = cos_sin(self.inv_freq, T, q.dtype)                     # (T, hd) each
+        cos, sin = cos_sin(self.inv_freq, self.sequence.positions(T, x.device), q.dtype)  # (T, hd) each
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if kv != h:  # kv head j serves query heads j*r .. j*r+r-1
-            r = h // kv
-            k = k[:, :, None].expand(B, kv, r, T, hd).reshape(B, h, T, hd)  # (B, h, T, hd)
-            v = v[:, :, None].expand(B, kv, r, T, hd).reshape(B, h, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)      # (B, h, T, hd)
+        y = self.sequence.attend(q, k, v, causal=True)                   # (B, h, T, hd); kv head j serves
+        # query heads j*r .. j*r+r-1, r = h / kv (grouped-query attention: models/sequence.py)
         return self.wo(y.transpose(1, 2).reshape(B, T, h * hd))           # (B, T, C)
 
 

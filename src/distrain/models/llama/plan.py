@@ -25,6 +25,12 @@ That requires P to divide n_kv_head (replicating kv heads when P > n_kv_head is 
 Sequence parallel (Korthikanti et al. 2022): the RMSNorms run on sequence shards, the embedding's
 output is split, and the f/g above become all-gathers / reduce-scatters, as in the GPT's plan.
 A block costs 2 all-reduces of B*T*C forward and 2 backward, as the GPT's.
+
+Context parallelism (:func:`llama_cp_plan`, :mod:`distrain.parallel.context_parallel`): the
+embedding (``layers.0``: the block-size check on the whole sequence) and every attention
+(``attention``: RoPE at the global positions of this rank's chunks i and 2N-1-i, then ring
+attention or the all-to-all; the ring passes the n_kv_head key/value heads, not the expanded
+ones; the all-to-all needs cp | n_head and cp | n_kv_head per tp rank).
 """
 
 from __future__ import annotations
@@ -33,11 +39,12 @@ import torch.nn as nn
 
 from distrain.errors import ConfigError
 from distrain.models.llama.model import Attention, FeedForward, LlamaEmbedding, LlamaHead
+from distrain.parallel.context_parallel import CPPlan, check_cp_heads
 from distrain.parallel.tensor_parallel import (
     ColwiseParallel, CopyInput, RowwiseParallel, TPPlan, check_tp_divides, vocab_parallel_cross_entropy,
 )
 
-__all__ = ["check_llama_tp", "check_llama_tp_sizes", "llama_tp_plan"]
+__all__ = ["check_llama_cp", "check_llama_tp", "check_llama_tp_sizes", "llama_cp_plan", "llama_tp_plan"]
 
 _RULES = {
     "n_head": "every rank holds whole query heads",
@@ -106,3 +113,18 @@ def llama_tp_plan(gather_logits: bool = False, sequence_parallel: bool = False) 
                        "ffn_norm": "sequence_parallel", "norm": "sequence_parallel"})
     return TPPlan(layers, loss=None if gather_logits else vocab_parallel_cross_entropy,
                   check=lambda model, tp: check_llama_tp(model, tp, gather_logits), sequence_dim=1)
+
+
+def check_llama_cp(model: nn.Module, cp: int, variant: str, tp: int = 1) -> None:
+    """The Llama against context parallelism (pure): for the all-to-all, cp divides the query and the
+    key/value heads each rank attends with (as the attentions hold them now, divided by ``tp`` when
+    tensor parallelism is still to come). The ring takes any head count."""
+    attns = [m for m in model.modules() if isinstance(m, Attention)]
+    if variant == "all-to-all" and attns:
+        check_cp_heads(cp, {"n_head": min(a.n_local_heads for a in attns) // tp,
+                            "n_kv_head": min(a.n_local_kv_heads for a in attns) // tp}, "the Llama", tp)
+
+
+def llama_cp_plan() -> CPPlan:
+    """Context parallelism for :class:`~distrain.models.llama.Llama` (or a pipeline stage of it)."""
+    return CPPlan(modules=("layers.0", "attention"), check=check_llama_cp)

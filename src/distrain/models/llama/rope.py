@@ -43,11 +43,16 @@ def inv_frequencies(head_dim: int, base: float, scaling: dict | None = None) -> 
     return torch.where(medium, smoothed, scaled)
 
 
-def cos_sin(inv_freq: torch.Tensor, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the angles ``m * theta_i`` for positions m in [0, T), each (T, head_dim),
-    in ``dtype``. Angles are computed in float32 (as HF does) unless the model runs in float64."""
+def cos_sin(inv_freq: torch.Tensor, positions: int | torch.Tensor,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the angles ``m * theta_i`` for positions m in [0, T) (``positions`` an int T),
+    or for the given positions (a (T,) int tensor: a context-parallel rank's tokens), each (T,
+    head_dim), in ``dtype``. Angles are computed in float32 (as HF does) unless the model runs in
+    float64."""
     work = torch.float64 if dtype == torch.float64 else torch.float32
-    pos = torch.arange(T, device=inv_freq.device, dtype=work)                            # (T,)
+    if isinstance(positions, int):
+        positions = torch.arange(positions, device=inv_freq.device)
+    pos = positions.to(device=inv_freq.device, dtype=work)                                # (T,)
     freqs = pos[:, None] * inv_freq.to(work)[None, :]                                     # (T, d/2)
     emb = torch.cat((freqs, freqs), dim=-1)                                               # (T, d)
     return emb.cos().to(dtype), emb.sin().to(dtype)

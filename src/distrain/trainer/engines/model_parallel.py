@@ -1,19 +1,21 @@
-"""Model parallelism: ``--dp A --tp B --pp C`` (B > 1 or C > 1) on the dp × tp × pp grid.
+"""Model parallelism: ``--dp A --cp D --tp B --pp C`` (B, C or D > 1) on the dp × cp × tp × pp grid.
 
 Every rank builds the same seeded full model; ``parallelize()`` applies tensor parallel
-(tp group), the pipeline split (pp group) and data parallel (dp group), in that order.
-Each data-parallel replica reads its slice of the global batch; first-stage ranks feed
-the inputs, last-stage ranks the targets.
+(tp group), context parallel (cp group), the pipeline split (pp group) and data parallel
+(dp × cp group), in that order. Each data-parallel replica reads its slice of the global batch;
+first-stage ranks feed the inputs, last-stage ranks the targets; with --cp each rank of the cp
+group keeps its two chunks of every sequence (parallelize's ``split``).
 
 The loss exists on the last stage (identical on its tp ranks): those ranks of tp rank 0
-contribute loss / dp, which sums over the world to the global batch's loss. Every (tp, pp)
-coordinate holds a different shard: dp rank 0 of each writes ``tp{t}-pp{p}``.
+contribute loss / (dp × cp) -- each cp rank's loss is the mean over its equal share of the
+tokens -- which sums over the world to the global batch's loss. Every (tp, pp) coordinate
+holds a different shard: the rank with dp and cp rank 0 of each writes ``tp{t}-pp{p}``.
 
 ``--strategy zero1|zero2|zero3`` with --dp/--tp/--pp puts ZeRO over the dp group in place of
 DDP (parallelize's ``zero_stage``): each dp rank then holds its own part of the (tp, pp)
 shard's optimizer state (and gradients, and parameters), so every rank writes
-``tp{t}-pp{p}-dp{d}``; clipping takes the whole model's norm over every rank's shards. Validation
-runs on every layout (``evaluate``: each replica its slice of every batch, through the
+``tp{t}-pp{p}-dp{d}`` (d: its rank in the dp × cp group); clipping takes the whole model's norm
+over every rank's shards. Validation runs on every layout (``evaluate``: each replica its slice of every batch, through the
 pipeline's forward-only schedule when pp > 1; every rank takes part); text sampling is not
 done (the model is sharded).
 """
@@ -30,12 +32,12 @@ from distrain.trainer.engines.base import Engine, clip_coefficient, part_loss
 
 class ModelParallelEngine(Engine):
     def __init__(self, cfg, model, loss_fn, optimizer_factory):
-        from distrain.models.registry import model_tp_plan
+        from distrain.models.registry import model_cp_plan, model_tp_plan
         from distrain.parallel import parallelize
 
         super().__init__(cfg, model, loss_fn, optimizer_factory)
         self.zero_stage = zero_stage_of(cfg)
-        self.topo = topo = Topology.from_world(dp=cfg.dp_size, tp=cfg.tp, pp=cfg.pp)
+        self.topo = topo = Topology.from_world(dp=cfg.dp_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp)
         # the plan lives beside the model (models/gpt_plan.py, models/mlp_plan.py, models/hf/plan.py);
         # a user's model brings its own as ``model.tp_plan`` when tp > 1 (a Hugging Face model's
         # ``tp_plan`` is HF's, in HF's styles: model_tp_plan gives distrain's plan for it instead)
@@ -44,11 +46,14 @@ class ModelParallelEngine(Engine):
         self.pm = parallelize(model, topo, loss_fn=self.loss_fn, tp_plan=plan, algorithm=cfg.algorithm,
                               microbatches=cfg.microbatches, schedule=cfg.schedule,
                               bucket_cap_mb=cfg.bucket_cap_mb, zero_stage=self.zero_stage,
-                              optimizer=optimizer_factory)
+                              optimizer=optimizer_factory, cp_plan=model_cp_plan(model) if cfg.cp > 1 else None,
+                              cp_algorithm=cfg.cp_algorithm)
         self.optimizer = self.pm.optimizer or optimizer_factory(self.pm.parameters())
         self.dp_rank, self.dp_size = topo.dp_rank, topo.dp
-        self.loss_weight = 1.0 / topo.dp if (self.pm.has_loss and topo.tp_rank == 0) else 0.0
-        self.label = f"dp{topo.dp}×tp{topo.tp}×pp{topo.pp}" + (f" zero{self.zero_stage}" if self.zero_stage else "")
+        self.loss_weight = 1.0 / (topo.dp * topo.cp) if (self.pm.has_loss and topo.tp_rank == 0) else 0.0
+        self.label = (f"dp{topo.dp}×" + (f"cp{topo.cp}×" if topo.cp > 1 else "") + f"tp{topo.tp}×pp{topo.pp}"
+                      + (f" {cfg.cp_algorithm}" if topo.cp > 1 else "")
+                      + (f" zero{self.zero_stage}" if self.zero_stage else ""))
 
     def train_step(self, x, y, commit=None):
         zero = self.pm.zero
@@ -101,7 +106,7 @@ class ModelParallelEngine(Engine):
     def _clip(self, max_norm: float) -> None:
         """Clip by the norm of the WHOLE model's gradient: sum of squares over this rank's shard
         (a parameter replicated over the tp group, dim None, counted on tp rank 0 only), summed
-        over the world and divided by dp (the dp replicas hold the same averaged gradients)."""
+        over the world and divided by dp x cp (the dp x cp ranks hold the same averaged gradients)."""
         from distrain.parallel.tensor_parallel import tp_shard_info
 
         info = tp_shard_info(self.pm.module)
@@ -111,7 +116,7 @@ class ModelParallelEngine(Engine):
             if info[name].dim is not None or self.topo.tp_rank == 0:
                 sq += g.double().pow(2).sum()
         comm.all_reduce(sq, op="sum", algorithm="native")
-        coef = clip_coefficient(sq / self.topo.dp, max_norm)
+        coef = clip_coefficient(sq / (self.topo.dp * self.topo.cp), max_norm)
         for _, g in grads:
             g.mul_(coef.to(g.dtype))
 
@@ -134,7 +139,10 @@ class ModelParallelEngine(Engine):
         dp replica runs the same number of forwards (ZeRO-3's all-gathers need that). A batch
         that n does not divide is refused with a ConfigError (the trainer's always divide:
         --microbatches divides batch_size / dp). Accuracy is left out when tp > 1 and the plan
-        keeps the output sharded (its own loss on shards, e.g. the GPT's vocab-parallel logits)."""
+        keeps the output sharded (its own loss on shards, e.g. the GPT's vocab-parallel logits).
+        With --cp every rank of the cp group scores its chunks of the micro-batch (the mean over its
+        equal share of the tokens) in its own column of the table, and a micro-batch's loss is the
+        mean of the cp columns."""
         from distrain.errors import ConfigError
         from distrain.parallel.pipeline_parallel import evaluation_mode, forward_only, split_microbatches
 
@@ -148,8 +156,9 @@ class ModelParallelEngine(Engine):
                 raise ConfigError(f"evaluate: validation batch {b} has {x.shape[0]} samples ({y.shape[0]} targets), "
                                   f"which dp {t.dp} x --microbatches {m} = {n} equal micro-batches cannot share; "
                                   f"use a --batch-size that {n} divides")
-            xs += split_microbatches(x, n)[t.dp_rank * m:(t.dp_rank + 1) * m]
-            ys += split_microbatches(y, n, what="batch of targets")[t.dp_rank * m:(t.dp_rank + 1) * m]
+            xs += [pm.split(u, "input") for u in split_microbatches(x, n)[t.dp_rank * m:(t.dp_rank + 1) * m]]
+            ys += [pm.split(u, "target") for u in split_microbatches(y, n, what="batch of targets")[
+                t.dp_rank * m:(t.dp_rank + 1) * m]]
 
         # the unscaled loss (training's may carry part_loss's factor); a plan that keeps the output
         # sharded brings its own loss on shards (pm.loss_fn then calls it, unscaled)
@@ -172,13 +181,14 @@ class ModelParallelEngine(Engine):
             s = pm.stage
             rows = forward_only(s, xs if s.is_first else None, ys if s.is_last else None,
                                 score if s.is_last else None, num_microbatches=len(xs))
-        table = torch.zeros(len(batches), n, 3, dtype=torch.float64, device=self.device)
+        table = torch.zeros(len(batches), n, t.cp, 3, dtype=torch.float64, device=self.device)
         if pm.has_loss and t.tp_rank == 0:  # the tp ranks of the last stage hold the same rows: one writes
-            table[:, t.dp_rank * m:(t.dp_rank + 1) * m] = torch.stack(rows).view(len(batches), m, 3).to(self.device)
+            table[:, t.dp_rank * m:(t.dp_rank + 1) * m, t.cp_rank] = \
+                torch.stack(rows).view(len(batches), m, 3).to(self.device)
         comm.all_reduce(table, op="sum", algorithm="native")  # one contributor per entry: exact
-        losses = table[:, :, 0].mean(dim=1).tolist()  # each batch's mean over its n equal micro-batches
+        losses = table[..., 0].mean(dim=2).mean(dim=1).tolist()  # mean over cp, then the n equal micro-batches
         out = {"val_loss": sum(losses) / len(losses)}
-        right, seen = table[:, :, 1].sum().item(), table[:, :, 2].sum().item()
+        right, seen = table[..., 1].sum().item(), table[..., 2].sum().item()
         if seen:
             out["val_accuracy"] = right / seen
         return out
@@ -186,16 +196,18 @@ class ModelParallelEngine(Engine):
     @classmethod
     def layout_of(cls, cfg) -> dict:
         z = zero_stage_of(cfg)
-        return {"dp": cfg.dp_size, "tp": cfg.tp, "pp": cfg.pp, **({"zero": z} if z else {})}
+        return {"dp": cfg.dp_size, "tp": cfg.tp, "pp": cfg.pp, **({"cp": cfg.cp} if cfg.cp > 1 else {}),
+                **({"zero": z} if z else {})}
 
     @property
     def shard(self):
         t = self.topo
-        return f"tp{t.tp_rank}-pp{t.pp_rank}" + (f"-dp{t.dp_rank}" if self.zero_stage else "")
+        d = t.dp_rank * t.cp + t.cp_rank  # its rank in the dp x cp group, ZeRO's
+        return f"tp{t.tp_rank}-pp{t.pp_rank}" + (f"-dp{d}" if self.zero_stage else "")
 
     @property
     def writes_shard(self) -> bool:
-        return self.topo.dp_rank == 0 or self.zero_stage > 0
+        return (self.topo.dp_rank == 0 and self.topo.cp_rank == 0) or self.zero_stage > 0
 
     def _names(self) -> dict[str, str]:
         """{name in this rank's module: name in the whole model} for what its checkpoint holds."""

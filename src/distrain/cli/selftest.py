@@ -1,0 +1,46 @@
+"""``distrain selftest``: every way of training checked against one process, then throughput on GPUs.
+
+    distrain selftest                      # CPU: Gloo and shm; with CUDA devices: NCCL, then tokens/s and MFU
+    distrain selftest --only ddp,tp2 --transports gloo --out runs/st
+
+The work is :func:`distrain.selftest.run`; this module parses the flags and prints its table.
+The exit status is 1 when a check fails (a skipped check does not fail).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from distrain.errors import ConfigError
+
+
+def add_parser(sub) -> None:
+    """``distrain selftest`` on the subparsers ``sub``."""
+    p = sub.add_parser("selftest", help="check every strategy against one process on this machine (Gloo and shm; "
+                                        "NCCL and throughput with GPUs); writes a JSON and a table")
+    p.description = ("Train llama-small for 5 fp64 steps with every strategy and layout and compare each loss with "
+                     "the single-process CPU run; on CUDA devices also measure tokens/s and MFU of a "
+                     "Llama-3.2-1B-shaped model in bf16. At most about 8 minutes.")
+    p.add_argument("--out", default="runs/selftest", help="folder for the runs and selftest.json (default "
+                                                          "runs/selftest)")
+    p.add_argument("--only", default=None, help="comma-separated checks to run (default: all of them)")
+    p.add_argument("--transports", default=None, help="CPU only: comma-separated gloo, shm (default both)")
+    p.add_argument("--no-throughput", action="store_true", help="skip the GPU throughput runs")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from distrain import selftest
+
+    names = [n for n, _ in selftest.CHECKS]
+    only = args.only.split(",") if args.only else None
+    bad = [n for n in only or [] if n not in names]
+    if bad:
+        raise ConfigError(f"--only {','.join(bad)}: no such check; choose from {', '.join(names)}")
+    transports = args.transports.split(",") if args.transports else None
+    if transports and any(t not in ("gloo", "shm") for t in transports):
+        raise ConfigError(f"--transports {args.transports}: choose from gloo, shm")
+    result = selftest.run(args.out, only=only, transports=transports, throughput_runs=not args.no_throughput)
+    print(selftest.format_table(result))
+    print(f"# {args.out}/selftest.json")
+    return 0 if result["passed"] else 1

@@ -1,0 +1,912 @@
+// The compiled data plane of the shared-memory transport: the per-call hot path of every direct
+// collective (flag protocol, waits, copies, reductions) and the byte copies of point-to-point.
+//
+// The Python modules beside this file are the reference: collectives.py (the algorithms),
+// transport.py (the waits and the wake-up protocol), segment.py (the layout of a rank's
+// segment), symmetric.py (symmetric allocations), p2p.py (the byte rings). This file follows
+// them step for step (same steps, same slots, same control lines, same order of reduction), so
+// a result has the same bits whichever runs, and the two interoperate on one segment layout.
+// Read the Python first; the comments here say only what differs or why the C++ is shaped so.
+//
+// Memory ordering. The Python relies on x86-64 TSO and on each access being a separate call.
+// Here the flags are explicit atomics: a flag is stored with release semantics after the data
+// it publishes and loaded with acquire semantics before the data is read, and the "announce
+// that I sleep, then re-check" / "publish, then look for sleepers" pair is separated by full
+// fences (a locked read-modify-write and atomic_thread_fence(seq_cst)), which rules out the
+// lost wake-up exactly as transport.fence() does in Python.
+//
+// Every entry point takes the GIL only to read its arguments and releases it for the copies,
+// reductions and waits, so the group's worker thread and the rank's backward run meanwhile.
+
+#include <torch/extension.h>
+
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <time.h>
+#include <unistd.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace dataplane {
+
+// ---------------------------------------------------------------------------------------------
+// Constants shared with the Python (segment.py, transport.py, collectives.py)
+// ---------------------------------------------------------------------------------------------
+
+constexpr int I64_PER_LINE = 8;  // 64-byte control lines of int64
+enum Line : int { ARRIVE = 0, DONE = 1, ABORT = 2, PID = 3, RESULT = 4, SLEEPING = 5, CONSUMED = 6, SYMMETRIC = 7 };
+// What an entry point returns; Python turns each into its typed exception (compiled.py).
+enum Status : int { OK = 0, UNSUPPORTED = 1, PEER_ABORTED = 2, PEER_DIED = 3, TIMED_OUT = 4, MISMATCH = 5 };
+// Reduction codes (compiled.py maps op names to them). AVG = SUM, then a division by P.
+enum Op : int { SUM = 0, PROD = 1, MIN = 2, MAX = 3, BAND = 4, BOR = 5, BXOR = 6, AVG = 7 };
+
+constexpr int64_t SMALL_BYTES = 32 << 10;  // collectives.SMALL_BYTES
+constexpr double SPIN_MAX_S = 1e-3;        // transport.SPIN_MAX_S
+constexpr double SPIN_MIN_S = 5e-6;        // transport.SPIN_MIN_S
+constexpr int MAX_BLOCK_MS = 50;           // transport.MAX_BLOCK
+constexpr double CHECK_EVERY_S = 0.05;     // transport.CHECK_EVERY
+constexpr int CODE_BITS = 56;              // collectives._CODE_BITS
+
+#define TRY(expr)                 \
+  do {                            \
+    int _st = (expr);             \
+    if (_st != OK) return _st;    \
+  } while (0)
+
+inline double now_s() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__)
+  _mm_pause();
+#endif
+}
+
+// True if process `pid` exists and is not a zombie (segment.pid_alive).
+bool pid_alive(int64_t pid) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%lld/stat", (long long)pid);
+  int fd = open(path, O_RDONLY);
+  if (fd < 0) return errno != ENOENT && errno != ESRCH;
+  char buf[512];
+  ssize_t n = read(fd, buf, sizeof buf - 1);
+  close(fd);
+  if (n <= 0) return true;
+  buf[n] = 0;
+  const char* paren = strrchr(buf, ')');
+  if (!paren || !paren[1] || !paren[2]) return true;
+  char state = paren[2];
+  return state != 'Z' && state != 'X';
+}
+
+// chunk_sizes(N, P) of core/util.py: the sizes of torch.tensor_split(t, P).
+inline void bounds(int64_t n, int P, int r, int64_t* lo, int64_t* hi) {
+  int64_t q = n / P, rem = n % P;
+  *lo = r * q + std::min<int64_t>(r, rem);
+  *hi = *lo + q + (r < rem ? 1 : 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reductions: out <- in[0] (op) in[1] (op) ... (op) in[P-1], left to right, element-wise.
+//
+// Same bits as ops.Op.fold: every partial result is rounded to the element type, so bfloat16
+// and float16 add in float and round after each term, as torch's add does. The work runs in
+// blocks of 8 KiB: the first two inputs are combined into `out`, then each further input into
+// `out` while the block is still in L1. `out` may be in[0] or in[1] (never a later input).
+// The element loops are plain loops the compiler vectorises (-O3, this machine's ISA); the
+// float16 conversions use F16C where the compiler has it.
+// ---------------------------------------------------------------------------------------------
+
+inline float bf16_to_f(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t f_to_bf16(float f) {  // round to nearest even, NaN stays NaN (c10::BFloat16)
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if (f != f) return 0x7fc0;
+  u += 0x7fff + ((u >> 16) & 1);
+  return uint16_t(u >> 16);
+}
+
+// torch.minimum/maximum: NaN if either is NaN. On equal values (+0/-0) torch's vectorised
+// kernel returns the second argument; so do these.
+template <typename T> inline T tmin(T a, T b) {
+  if constexpr (std::is_floating_point_v<T>) return (a != a) ? a : (b != b) ? b : (a < b ? a : b);
+  else return a < b ? a : b;
+}
+template <typename T> inline T tmax(T a, T b) {
+  if constexpr (std::is_floating_point_v<T>) return (a != a) ? a : (b != b) ? b : (a > b ? a : b);
+  else return a > b ? a : b;
+}
+
+template <int OP, typename T> inline T combine(T a, T b) {
+  if constexpr (OP == SUM || OP == AVG) return T(a + b);
+  else if constexpr (OP == PROD) return T(a * b);
+  else if constexpr (OP == MIN) return tmin(a, b);
+  else if constexpr (OP == MAX) return tmax(a, b);
+  else if constexpr (OP == BAND) return T(a & b);
+  else if constexpr (OP == BOR) return T(a | b);
+  else return T(a ^ b);
+}
+
+// o[i] = a[i] (op) b[i]; o may equal a or b (the same element is read before it is written).
+template <int OP, typename T> void binop(T* o, const T* a, const T* b, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) o[i] = combine<OP, T>(a[i], b[i]);
+}
+
+template <int OP> void binop_bf16(uint16_t* o, const uint16_t* a, const uint16_t* b, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) o[i] = f_to_bf16(combine<OP, float>(bf16_to_f(a[i]), bf16_to_f(b[i])));
+}
+
+template <int OP> void binop_f16(c10::Half* o, const c10::Half* a, const c10::Half* b, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+  if constexpr (OP == SUM || OP == AVG || OP == PROD) {  // 8 at a time: convert, combine in float, round
+    for (; i + 8 <= n; i += 8) {
+      __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i)));
+      __m256 y = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i)));
+      __m256 z = (OP == PROD) ? _mm256_mul_ps(x, y) : _mm256_add_ps(x, y);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), _mm256_cvtps_ph(z, _MM_FROUND_TO_NEAREST_INT));
+    }
+  }
+#endif
+  for (; i < n; ++i) o[i] = c10::Half(combine<OP, float>(float(a[i]), float(b[i])));
+}
+
+template <int OP, typename T> void binop_any(T* o, const T* a, const T* b, int64_t n) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    binop_bf16<OP>(reinterpret_cast<uint16_t*>(o), reinterpret_cast<const uint16_t*>(a),
+                   reinterpret_cast<const uint16_t*>(b), n);
+  else if constexpr (std::is_same_v<T, c10::Half>)
+    binop_f16<OP>(o, a, b, n);
+  else
+    binop<OP, T>(o, a, b, n);
+}
+
+template <int OP, typename T> void fold_t(void* out_, const void* const* in_, int P, int64_t n) {
+  T* out = static_cast<T*>(out_);
+  constexpr int64_t B = (8 << 10) / sizeof(T);
+  if (P == 1) {
+    if (out != in_[0]) memcpy(out, in_[0], n * sizeof(T));
+    return;
+  }
+  for (int64_t s = 0; s < n; s += B) {
+    int64_t m = std::min(B, n - s);
+    binop_any<OP, T>(out + s, static_cast<const T*>(in_[0]) + s, static_cast<const T*>(in_[1]) + s, m);
+    for (int q = 2; q < P; ++q) binop_any<OP, T>(out + s, out + s, static_cast<const T*>(in_[q]) + s, m);
+  }
+}
+
+using FoldFn = void (*)(void*, const void* const*, int, int64_t);
+
+template <typename T> FoldFn fold_for_float(int op) {
+  switch (op) {
+    case SUM: case AVG: return fold_t<SUM, T>;
+    case PROD: return fold_t<PROD, T>;
+    case MIN: return fold_t<MIN, T>;
+    case MAX: return fold_t<MAX, T>;
+    default: return nullptr;  // bitwise ops are not defined on floats (ops.resolve_op refuses them)
+  }
+}
+
+template <typename T> FoldFn fold_for_int(int op) {
+  switch (op) {
+    case SUM: return fold_t<SUM, T>;
+    case PROD: return fold_t<PROD, T>;
+    case MIN: return fold_t<MIN, T>;
+    case MAX: return fold_t<MAX, T>;
+    case BAND: return fold_t<BAND, T>;
+    case BOR: return fold_t<BOR, T>;
+    case BXOR: return fold_t<BXOR, T>;
+    default: return nullptr;  // avg of integers is refused (it would truncate)
+  }
+}
+
+// The reduction of `op` on `dtype`, or nullptr where Python would refuse the pair.
+FoldFn fold_for(at::ScalarType dtype, int op) {
+  switch (dtype) {
+    case at::kFloat: return fold_for_float<float>(op);
+    case at::kDouble: return fold_for_float<double>(op);
+    case at::kHalf: return fold_for_float<c10::Half>(op);
+    case at::kBFloat16: return fold_for_float<c10::BFloat16>(op);
+    case at::kByte: return fold_for_int<uint8_t>(op);
+    case at::kChar: return fold_for_int<int8_t>(op);
+    case at::kShort: return fold_for_int<int16_t>(op);
+    case at::kInt: return fold_for_int<int32_t>(op);
+    case at::kLong: return fold_for_int<int64_t>(op);
+    case at::kBool:  // as Gloo: bytes saturated to 0/1; sum is OR, product AND (ops._BOOL_OPS)
+      switch (op) {
+        case SUM: case BOR: case MAX: return fold_t<BOR, uint8_t>;
+        case PROD: case BAND: case MIN: return fold_t<BAND, uint8_t>;
+        case BXOR: return fold_t<BXOR, uint8_t>;
+        default: return nullptr;
+      }
+    default: return nullptr;
+  }
+}
+
+bool supported_dtype(at::ScalarType d) {
+  switch (d) {
+    case at::kFloat: case at::kDouble: case at::kHalf: case at::kBFloat16: case at::kByte:
+    case at::kChar: case at::kShort: case at::kInt: case at::kLong: case at::kBool: return true;
+    default: return false;
+  }
+}
+
+// avg's finish step (ops.Op.finish: t.div_(P)), in the element type.
+void divide(void* p, int64_t n, at::ScalarType dtype, int P) {
+  switch (dtype) {
+    case at::kFloat: { float* x = static_cast<float*>(p); float d = float(P); for (int64_t i = 0; i < n; ++i) x[i] /= d; break; }
+    case at::kDouble: { double* x = static_cast<double*>(p); double d = double(P); for (int64_t i = 0; i < n; ++i) x[i] /= d; break; }
+    case at::kHalf: { c10::Half* x = static_cast<c10::Half*>(p); float d = float(P); for (int64_t i = 0; i < n; ++i) x[i] = c10::Half(float(x[i]) / d); break; }
+    case at::kBFloat16: { uint16_t* x = static_cast<uint16_t*>(p); float d = float(P); for (int64_t i = 0; i < n; ++i) x[i] = f_to_bf16(bf16_to_f(x[i]) / d); break; }
+    default: break;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One symmetric allocation (symmetric.py): its index and every rank's mapping of it.
+// ---------------------------------------------------------------------------------------------
+
+struct Symmetric {
+  int64_t index, nbytes;
+  std::vector<char*> bases;  // group rank -> that rank's copy, mapped here
+  int64_t code(int64_t offset) const { return (index + 1) << 40 | offset; }
+};
+
+// ---------------------------------------------------------------------------------------------
+// The plane of one group: pointers into every rank's segment (mapped by Python, which keeps the
+// mappings alive as long as this object), the step counter and the adaptive spin.
+// ---------------------------------------------------------------------------------------------
+
+class Plane {
+ public:
+  Plane(int rank, int size, int slots, int64_t slot_bytes, std::vector<int64_t> ctrl, std::vector<int64_t> coll,
+        std::vector<int64_t> wake_fds, std::vector<int64_t> pids, double timeout, int64_t main_thread)
+      : rank_(rank), size_(size), slots_(slots), slot_bytes_(slot_bytes), timeout_(timeout),
+        main_thread_(static_cast<pthread_t>(main_thread)), pids_(pids) {
+    TORCH_CHECK(int(ctrl.size()) == size && int(coll.size()) == size && int(wake_fds.size()) == size &&
+                int(pids.size()) == size, "dataplane.Plane: one address, descriptor and pid per rank");
+    for (int q = 0; q < size; ++q) {
+      ctrl_.push_back(reinterpret_cast<int64_t*>(ctrl[q]));
+      coll_.push_back(reinterpret_cast<char*>(coll[q]));
+      wake_.push_back(int(wake_fds[q]));
+    }
+    scratch_.resize(slot_bytes);
+  }
+
+  int64_t step = 0;         // collective steps done (transport.step)
+  double spin = SPIN_MAX_S; // seconds a wait spins before it blocks (transport.spin)
+  int err_peer = -1;        // after an error: the group rank it concerns (-1: none in particular)
+  int64_t err_theirs = 0, err_mine = 0;  // after MISMATCH: the two SYMMETRIC lines
+
+  void add_symmetric(int64_t index, int64_t nbytes, std::vector<int64_t> bases) {
+    Symmetric s{index, nbytes, {}};
+    for (int64_t b : bases) s.bases.push_back(reinterpret_cast<char*>(b));
+    sym_.push_back(s);
+  }
+
+  // -- the collectives (tensors as Python passes them: flat, contiguous, on the CPU) -----------
+
+  int all_reduce(const at::Tensor& t, int op) {
+    FoldFn f;
+    if (!usable(t) || !(f = fold_for(t.scalar_type(), op))) return UNSUPPORTED;
+    int64_t n = t.numel(), es = t.element_size();
+    char* buf = static_cast<char*>(t.data_ptr());
+    at::ScalarType dt = t.scalar_type();
+    if (n == 0) return OK;
+    pybind11::gil_scoped_release nogil;
+    int st = all_reduce_raw(buf, n, es, f);
+    if (st == OK && op == AVG) divide(buf, n, dt, size_);
+    return st;
+  }
+
+  int reduce(const at::Tensor& t, int root, int op) {
+    FoldFn f;
+    if (!usable(t) || !(f = fold_for(t.scalar_type(), op)) || root < 0 || root >= size_) return UNSUPPORTED;
+    int64_t n = t.numel(), es = t.element_size();
+    char* buf = static_cast<char*>(t.data_ptr());
+    at::ScalarType dt = t.scalar_type();
+    if (n == 0) return OK;
+    pybind11::gil_scoped_release nogil;
+    int64_t m = chunk(es, 1);
+    std::vector<const void*> in(size_);
+    for (int64_t a = 0; a < n; a += m) {
+      int64_t c = std::min(m, n - a);
+      char* x = buf + a * es;
+      int64_t s = begin();
+      memcpy(slot(rank_, s), x, c * es);
+      TRY(arrive(s));
+      if (rank_ == root) {
+        for (int q = 0; q < size_; ++q) in[q] = slot(q, s);
+        f(x, in.data(), size_, c);
+      }
+    }
+    if (rank_ == root && op == AVG) divide(buf, n, dt, size_);
+    return OK;
+  }
+
+  int broadcast(const at::Tensor& t, int root) {
+    if (!usable(t) || root < 0 || root >= size_) return UNSUPPORTED;
+    int64_t n = t.numel(), es = t.element_size();
+    char* buf = static_cast<char*>(t.data_ptr());
+    if (n == 0) return OK;
+    pybind11::gil_scoped_release nogil;
+    int64_t m = chunk(es, 1);
+    for (int64_t a = 0; a < n; a += m) {
+      int64_t c = std::min(m, n - a);
+      int64_t s = begin();
+      if (rank_ == root) memcpy(slot(root, s), buf + a * es, c * es);
+      TRY(arrive(s));
+      if (rank_ != root) memcpy(buf + a * es, slot(root, s), c * es);
+    }
+    return OK;
+  }
+
+  // full: P*n elements, row r already holding this rank's input (api.all_gather puts it there).
+  int all_gather(const at::Tensor& full, int64_t n) {
+    if (!usable(full) || full.numel() != n * size_) return UNSUPPORTED;
+    int64_t es = full.element_size();
+    std::vector<char*> rows(size_);
+    for (int q = 0; q < size_; ++q) rows[q] = static_cast<char*>(full.data_ptr()) + q * n * es;
+    if (n == 0) return OK;
+    pybind11::gil_scoped_release nogil;
+    return all_gather_rows(rows.data(), rows[rank_], n, es);
+  }
+
+  // The fast path's form (api.all_gather): every rank's piece straight into the caller's list.
+  int all_gather_list(const std::vector<at::Tensor>& outs, const at::Tensor& in) {
+    if (int(outs.size()) != size_ || !usable(in)) return UNSUPPORTED;
+    std::vector<char*> rows(size_);
+    for (int q = 0; q < size_; ++q) {
+      const at::Tensor& t = outs[q];
+      if (!usable(t) || t.scalar_type() != in.scalar_type() || t.numel() != in.numel()) return UNSUPPORTED;
+      rows[q] = static_cast<char*>(t.data_ptr());
+    }
+    int64_t n = in.numel(), es = in.element_size();
+    const char* src = static_cast<const char*>(in.data_ptr());
+    if (n == 0) return OK;
+    pybind11::gil_scoped_release nogil;
+    return all_gather_rows(rows.data(), src, n, es);
+  }
+
+  int gather(const at::Tensor& inp, const c10::optional<at::Tensor>& full, int root) {
+    if (!usable(inp) || root < 0 || root >= size_) return UNSUPPORTED;
+    int64_t n = inp.numel(), es = inp.element_size();
+    if (rank_ == root && (!full.has_value() || !usable(*full) || full->numel() != n * size_)) return UNSUPPORTED;
+    const char* in = static_cast<const char*>(inp.data_ptr());
+    char* rows = rank_ == root ? static_cast<char*>(full->data_ptr()) : nullptr;
+    if (n == 0) return OK;
+    pybind11::gil_scoped_release nogil;
+    int64_t m = chunk(es, 1);
+    for (int64_t a = 0; a < n; a += m) {
+      int64_t c = std::min(m, n - a);
+      int64_t s = begin();
+      memcpy(slot(rank_, s), in + a * es, c * es);
+      TRY(arrive(s));
+      if (rows)
+        for (int q = 0; q < size_; ++q)
+          if (q != rank_) memcpy(rows + (q * n + a) * es, slot(q, s), c * es);
+    }
+    return OK;
+  }
+
+  int scatter(const at::Tensor& out, const c10::optional<at::Tensor>& full, int root) {
+    if (!usable(out) || root < 0 || root >= size_) return UNSUPPORTED;
+    int64_t n = out.numel(), es = out.element_size();
+    if (rank_ == root && (!full.has_value() || !usable(*full) || full->numel() != n * size_)) return UNSUPPORTED;
+    char* o = static_cast<char*>(out.data_ptr());
+    const char* rows = rank_ == root ? static_cast<const char*>(full->data_ptr()) : nullptr;
+    if (n == 0) return OK;
+    pybind11::gil_scoped_release nogil;
+    int64_t m = chunk(es, size_);
+    for (int64_t a = 0; a < n; a += m) {
+      int64_t c = std::min(m, n - a);
+      int64_t s = begin();
+      if (rows)
+        for (int q = 0; q < size_; ++q) memcpy(slot(rank_, s) + q * c * es, rows + (q * n + a) * es, c * es);
+      TRY(arrive(s));
+      if (rank_ != root) memcpy(o + a * es, slot(root, s) + rank_ * c * es, c * es);
+    }
+    return OK;
+  }
+
+  // full: P*n elements (block q goes to rank q), read only; out: n elements.
+  int reduce_scatter(const at::Tensor& out, const at::Tensor& full, int op) {
+    if (!usable(full) || full.scalar_type() != out.scalar_type() || full.numel() != out.numel() * size_)
+      return UNSUPPORTED;
+    std::vector<const char*> ins(size_);
+    int64_t n = out.numel(), es = out.element_size();
+    for (int q = 0; q < size_; ++q) ins[q] = static_cast<const char*>(full.data_ptr()) + q * n * es;
+    return reduce_scatter_entry(out, ins, op);
+  }
+
+  // The fast path's form (api.reduce_scatter): the caller's list of P inputs, read in place.
+  int reduce_scatter_list(const at::Tensor& out, const std::vector<at::Tensor>& inputs, int op) {
+    if (int(inputs.size()) != size_) return UNSUPPORTED;
+    std::vector<const char*> ins(size_);
+    for (int q = 0; q < size_; ++q) {
+      const at::Tensor& t = inputs[q];
+      if (!usable(t) || t.scalar_type() != out.scalar_type() || t.numel() != out.numel()) return UNSUPPORTED;
+      ins[q] = static_cast<const char*>(t.data_ptr());
+    }
+    return reduce_scatter_entry(out, ins, op);
+  }
+
+  // -- pieces Python's waits share -----------------------------------------------------------
+
+  // SLEEPING is a count of this rank's threads blocked on its pipe; Python's waits (p2p.py)
+  // change it through here too, so concurrent waits of both kinds keep an exact count.
+  void sleepers(int delta) { __atomic_fetch_add(line(rank_, SLEEPING), delta, __ATOMIC_SEQ_CST); }
+
+ private:
+  int rank_, size_, slots_;
+  int64_t slot_bytes_;
+  double timeout_;
+  pthread_t main_thread_;
+  std::vector<int64_t*> ctrl_;
+  std::vector<char*> coll_;
+  std::vector<int> wake_;
+  std::vector<int64_t> pids_;
+  std::vector<Symmetric> sym_;
+  std::vector<char> scratch_;
+
+  static bool usable(const at::Tensor& t) {
+    return t.device().is_cpu() && t.layout() == at::kStrided && t.is_contiguous() && supported_dtype(t.scalar_type());
+  }
+
+  int64_t chunk(int64_t es, int per) const { return std::max<int64_t>(1, slot_bytes_ / (es * per)); }
+
+  // -- control lines ---------------------------------------------------------------------------
+  int64_t* line(int q, int i) const { return ctrl_[q] + i * I64_PER_LINE; }
+  int64_t get(int q, int i) const { return __atomic_load_n(line(q, i), __ATOMIC_ACQUIRE); }
+  void set(int i, int64_t v) { __atomic_store_n(line(rank_, i), v, __ATOMIC_RELEASE); }
+  char* slot(int q, int64_t s) const { return coll_[q] + (s % slots_) * slot_bytes_; }
+
+  void wake_peers() {
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    for (int q = 0; q < size_; ++q) {
+      if (q != rank_ && get(q, SLEEPING)) {
+        char b = 0;
+        ssize_t w = write(wake_[q], &b, 1);  // a full pipe wakes it already
+        (void)w;
+      }
+    }
+  }
+
+  void post(int i, int64_t s) {
+    set(i, s);
+    wake_peers();
+  }
+
+  bool all_at_least(int i, int64_t s) const {
+    for (int q = 0; q < size_; ++q)
+      if (get(q, i) < s) return false;
+    return true;
+  }
+
+  int64_t begin() {  // transport.begin
+    set(CONSUMED, step);
+    return ++step;
+  }
+
+  int arrive(int64_t s) {
+    post(ARRIVE, s);
+    return wait_all(ARRIVE, s);
+  }
+
+  int wait_all(int i, int64_t s) {
+    return wait([&] { return all_at_least(i, s); });
+  }
+
+  void drain() {
+    char buf[256];
+    while (read(wake_[rank_], buf, sizeof buf) > 0) {
+    }
+  }
+
+  // transport.wait: spin (on the main thread only, adaptively), then block on the wake-up pipe.
+  template <class Ready> int wait(Ready ready) {
+    if (ready()) return OK;
+    double sp = pthread_equal(pthread_self(), main_thread_) ? spin : 0.0;
+    if (sp > 0) {
+      double end = now_s() + sp;
+      do {
+        for (int k = 0; k < 32; ++k) {
+          if (ready()) {
+            if (sp < SPIN_MAX_S) spin = std::min(SPIN_MAX_S, sp * 2);
+            return OK;
+          }
+          cpu_relax();
+        }
+      } while (now_s() < end);
+      spin = std::max(SPIN_MIN_S, sp / 2);
+    }
+    double start = now_s(), last = start;
+    int block = 1;
+    while (true) {
+      sleepers(+1);  // a locked add: every later load sees what peers stored before it
+      bool r = ready();
+      if (!r) {
+        pollfd p{wake_[rank_], POLLIN, 0};
+        poll(&p, 1, block);
+        drain();
+      }
+      sleepers(-1);
+      if (r || ready()) return OK;
+      block = std::min(block * 2, MAX_BLOCK_MS);
+      double t = now_s();
+      if (t - last >= CHECK_EVERY_S) {
+        last = t;
+        TRY(check_peers(t - start));
+      }
+    }
+  }
+
+  int check_peers(double waited) {
+    for (int q = 0; q < size_; ++q) {
+      if (q == rank_) continue;
+      if (get(q, ABORT)) { err_peer = q; return PEER_ABORTED; }
+      if (!pid_alive(pids_[q])) { err_peer = q; return PEER_DIED; }
+    }
+    if (waited > timeout_) { err_peer = -1; return TIMED_OUT; }
+    return OK;
+  }
+
+  // -- what each rank works on (collectives._declare / _check_same) ---------------------------
+  int64_t declare(int64_t s, int64_t code) {
+    int64_t l = (s & 0x7F) << CODE_BITS | code;
+    set(SYMMETRIC, l);
+    return l;
+  }
+
+  int check_same(int64_t l) {
+    int64_t tag = l >> CODE_BITS;
+    for (int q = 0; q < size_; ++q) {
+      int64_t theirs = get(q, SYMMETRIC);
+      if (theirs != l && (theirs >> CODE_BITS) == tag) {
+        err_peer = q, err_theirs = theirs, err_mine = l;
+        return MISMATCH;
+      }
+    }
+    return OK;
+  }
+
+  bool locate(const char* p, int64_t nbytes, const Symmetric** a, int64_t* off) const {
+    for (const Symmetric& s : sym_) {
+      const char* b = s.bases[rank_];
+      if (b <= p && p < b + s.nbytes) {
+        if (p + nbytes > b + s.nbytes) return false;
+        *a = &s, *off = p - b;
+        return true;
+      }
+    }
+    return false;
+  }
+
+  // -- all_reduce (collectives.all_reduce) -----------------------------------------------------
+  int all_reduce_raw(char* buf, int64_t n, int64_t es, FoldFn f) {
+    const Symmetric* a;
+    int64_t off;
+    if (locate(buf, n * es, &a, &off)) return all_reduce_symmetric(*a, off, n, es, f);
+    int P = size_, r = rank_;
+    int64_t m = chunk(es, 1);
+    std::vector<const void*> in(P);
+    if (P == 2 || n * es < SMALL_BYTES) {
+      auto count = [&](int64_t i) { return std::min(m, n - i * m); };
+      return pipelined(
+          (n + m - 1) / m,
+          [&](int64_t i, int64_t s) { memcpy(slot(r, s), buf + i * m * es, count(i) * es); },
+          [&](int64_t i, int64_t s) {
+            for (int q = 0; q < P; ++q) in[q] = slot(q, s);
+            f(buf + i * m * es, in.data(), P, count(i));
+          });
+    }
+    for (int64_t s0 = 0; s0 < n; s0 += m) {
+      char* x = buf + s0 * es;
+      int64_t c = std::min(m, n - s0);
+      int64_t s = begin();
+      if (!s0 && !sym_.empty()) declare(s, 0);
+      if (c * es < SMALL_BYTES) {
+        memcpy(slot(r, s), x, c * es);
+        TRY(arrive(s));
+        for (int q = 0; q < P; ++q) in[q] = slot(q, s);
+        f(x, in.data(), P, c);
+        continue;
+      }
+      TRY(reduce_parts(x, c, es, s, f));
+    }
+    return OK;
+  }
+
+  // -- all_gather / reduce_scatter (collectives.all_gather / reduce_scatter) -------------------
+  bool adjacent(const char* const* rows, int64_t bytes) const {
+    for (int q = 1; q < size_; ++q)
+      if (rows[q] != rows[0] + q * bytes) return false;
+    return true;
+  }
+
+  // rows[q]: where rank q's piece lands on this rank; in: this rank's piece (may be rows[r]).
+  int all_gather_rows(char* const* rows, const char* in, int64_t n, int64_t es) {
+    int r = rank_;
+    if (in != rows[r]) memcpy(rows[r], in, n * es);
+    const Symmetric* a;
+    int64_t off;
+    if (adjacent(rows, n * es) && locate(rows[0], n * size_ * es, &a, &off)) return all_gather_symmetric(*a, off, n, es);
+    int64_t l = sym_.empty() ? -1 : declare(step + 1, 0);
+    int64_t m = chunk(es, 1);
+    for (int64_t s0 = 0; s0 < n; s0 += m) {
+      int64_t c = std::min(m, n - s0);
+      int64_t s = begin();
+      memcpy(slot(r, s), rows[r] + s0 * es, c * es);
+      TRY(arrive(s));
+      if (l >= 0) {
+        TRY(check_same(l));
+        l = -1;
+      }
+      for (int q = 0; q < size_; ++q)
+        if (q != r) memcpy(rows[q] + s0 * es, slot(q, s), c * es);
+    }
+    return OK;
+  }
+
+  int reduce_scatter_entry(const at::Tensor& out, const std::vector<const char*>& ins, int op) {
+    FoldFn f;
+    if (!usable(out) || !(f = fold_for(out.scalar_type(), op))) return UNSUPPORTED;
+    int64_t n = out.numel(), es = out.element_size();
+    char* o = static_cast<char*>(out.data_ptr());
+    at::ScalarType dt = out.scalar_type();
+    if (n == 0) return OK;
+    pybind11::gil_scoped_release nogil;
+    int st = reduce_scatter_rows(o, ins.data(), n, es, f);
+    if (st == OK && op == AVG) divide(o, n, dt, size_);
+    return st;
+  }
+
+  int reduce_scatter_rows(char* o, const char* const* ins, int64_t n, int64_t es, FoldFn f) {
+    int r = rank_, P = size_;
+    const Symmetric* a;
+    int64_t off;
+    bool inside = ins[0] < o + n * es && o < ins[0] + n * P * es;  // an output inside the input: the slots
+    if (!inside && adjacent(ins, n * es) && locate(ins[0], n * P * es, &a, &off))
+      return reduce_scatter_symmetric(*a, off, o, n, es, f);
+    int64_t l = sym_.empty() ? -1 : declare(step + 1, 0);
+    int64_t m = chunk(es, P);
+    std::vector<const void*> in(P);
+    for (int64_t s0 = 0; s0 < n; s0 += m) {
+      int64_t c = std::min(m, n - s0);
+      int64_t s = begin();
+      for (int q = 0; q < P; ++q) memcpy(slot(r, s) + q * c * es, ins[q] + s0 * es, c * es);
+      TRY(arrive(s));
+      if (l >= 0) {
+        TRY(check_same(l));
+        l = -1;
+      }
+      for (int q = 0; q < P; ++q) in[q] = slot(q, s) + r * c * es;
+      f(o + s0 * es, in.data(), P, c);
+    }
+    return OK;
+  }
+
+  // collectives._pipelined: one-phase steps with up to slots - 1 chunks in flight.
+  template <class CopyIn, class Fold> int pipelined(int64_t chunks, CopyIn copy_in, Fold fold) {
+    int64_t K = slots_, base = step;
+    set(CONSUMED, base);
+    int64_t l = sym_.empty() ? -1 : declare(base + 1, 0);
+    int64_t posted = 0, folded = 0;
+    while (folded < chunks) {
+      while (posted < chunks && posted - folded < K - 1) {
+        int64_t s = base + 1 + posted;
+        if (!all_at_least(CONSUMED, s - K)) {
+          if (posted > folded) break;  // fold what is here first: the peer may be waiting for that
+          TRY(wait_all(CONSUMED, s - K));
+        }
+        copy_in(posted, s);
+        step = s;
+        post(ARRIVE, s);
+        ++posted;
+      }
+      int64_t s = base + 1 + folded;
+      TRY(wait_all(ARRIVE, s));
+      if (!folded && l >= 0) TRY(check_same(l));
+      fold(folded, s);
+      ++folded;
+      post(CONSUMED, s);
+    }
+    return OK;
+  }
+
+  // collectives._reduce_parts: the two-phase all_reduce of one large chunk (P > 2).
+  int reduce_parts(char* x, int64_t c, int64_t es, int64_t s, FoldFn f) {
+    int P = size_, r = rank_;
+    int64_t lo, hi;
+    bounds(c, P, r, &lo, &hi);
+    char* mine = slot(r, s);
+    if (lo > 0) memcpy(mine, x, lo * es);
+    if (hi < c) memcpy(mine + hi * es, x + hi * es, (c - hi) * es);
+    TRY(arrive(s));
+    if (hi > lo) {
+      std::vector<const void*> in(P);
+      for (int q = 0; q < P; ++q) in[q] = (q == r ? x : slot(q, s)) + lo * es;
+      f(mine + lo * es, in.data(), P, hi - lo);
+      memcpy(x + lo * es, mine + lo * es, (hi - lo) * es);
+    }
+    post(DONE, s);
+    TRY(wait_all(DONE, s));
+    for (int q = 0; q < P; ++q) {
+      int64_t qlo, qhi;
+      bounds(c, P, q, &qlo, &qhi);
+      if (q != r && qhi > qlo) memcpy(x + qlo * es, slot(q, s) + qlo * es, (qhi - qlo) * es);
+    }
+    return OK;
+  }
+
+  // collectives._all_reduce_symmetric: rank r reduces part r of all P copies and writes it into
+  // every copy; two waits for the whole tensor.
+  int all_reduce_symmetric(const Symmetric& a, int64_t off, int64_t n, int64_t es, FoldFn f) {
+    int P = size_, r = rank_;
+    int64_t s = begin();
+    int64_t l = declare(s, a.code(off));
+    TRY(arrive(s));
+    TRY(check_same(l));
+    int64_t lo, hi;
+    bounds(n, P, r, &lo, &hi);
+    int64_t c = std::max<int64_t>(1, slot_bytes_ / (2 * es));
+    std::vector<const void*> in(P);
+    for (int64_t x = lo; x < hi; x += c) {
+      int64_t e = std::min(x + c, hi);
+      for (int q = 0; q < P; ++q) in[q] = a.bases[q] + off + x * es;
+      char* out = r < 2 ? a.bases[r] + off + x * es : scratch_.data();
+      f(out, in.data(), P, e - x);
+      for (int q = 0; q < P; ++q)
+        if (in[q] != out) memcpy(a.bases[q] + off + x * es, out, (e - x) * es);
+    }
+    post(DONE, s);
+    return wait_all(DONE, s);
+  }
+
+  // all_gather on symmetric memory: row r of every rank's buffer holds that rank's input; after
+  // every rank arrived, each copies the P-1 other rows straight from their owners' buffers, and
+  // the DONE wait keeps a rank from rewriting its row while a peer still reads it.
+  int all_gather_symmetric(const Symmetric& a, int64_t off, int64_t n, int64_t es) {
+    int64_t s = begin();
+    int64_t l = declare(s, a.code(off));
+    TRY(arrive(s));
+    TRY(check_same(l));
+    char* mine = a.bases[rank_] + off;
+    for (int q = 0; q < size_; ++q)
+      if (q != rank_) memcpy(mine + q * n * es, a.bases[q] + off + q * n * es, n * es);
+    post(DONE, s);
+    return wait_all(DONE, s);
+  }
+
+  // reduce_scatter on symmetric memory: rank r folds block r of every rank's input in place of
+  // the copy through the slots; the DONE wait keeps the inputs unchanged until every rank read.
+  int reduce_scatter_symmetric(const Symmetric& a, int64_t off, char* o, int64_t n, int64_t es, FoldFn f) {
+    int64_t s = begin();
+    int64_t l = declare(s, a.code(off));
+    TRY(arrive(s));
+    TRY(check_same(l));
+    std::vector<const void*> in(size_);
+    int64_t c = std::max<int64_t>(1, slot_bytes_ / (2 * es));
+    for (int64_t x = 0; x < n; x += c) {
+      int64_t e = std::min(x + c, n);
+      for (int q = 0; q < size_; ++q) in[q] = a.bases[q] + off + (rank_ * n + x) * es;
+      f(o + x * es, in.data(), size_, e - x);
+    }
+    post(DONE, s);
+    return wait_all(DONE, s);
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Point-to-point: the byte copies of p2p.py's rings (the matching of messages stays in Python).
+// ---------------------------------------------------------------------------------------------
+
+// Copy `n` bytes from `src` into a ring of `R` bytes at stream position `pos` (wrapping).
+void ring_write(int64_t ring, int64_t R, int64_t pos, const at::Tensor& src, int64_t src_off, int64_t n) {
+  const char* s = static_cast<const char*>(src.data_ptr()) + src_off;
+  char* r = reinterpret_cast<char*>(ring);
+  pybind11::gil_scoped_release nogil;
+  int64_t p = pos % R, k = std::min(n, R - p);
+  memcpy(r + p, s, k);
+  if (n > k) memcpy(r, s + k, n - k);
+}
+
+void ring_read(int64_t ring, int64_t R, int64_t pos, const at::Tensor& dst, int64_t dst_off, int64_t n) {
+  char* d = static_cast<char*>(dst.data_ptr()) + dst_off;
+  const char* r = reinterpret_cast<const char*>(ring);
+  pybind11::gil_scoped_release nogil;
+  int64_t p = pos % R, k = std::min(n, R - p);
+  memcpy(d, r + p, k);
+  if (n > k) memcpy(d + k, r, n - k);
+}
+
+// out <- fold of `inputs` (for tests and the reduction benchmark against torch's kernels).
+int fold(const at::Tensor& out, const std::vector<at::Tensor>& inputs, int op) {
+  FoldFn f = fold_for(out.scalar_type(), op);
+  if (!f || inputs.empty() || !out.is_contiguous()) return UNSUPPORTED;
+  std::vector<const void*> in;
+  for (const at::Tensor& t : inputs) {
+    if (t.scalar_type() != out.scalar_type() || t.numel() != out.numel() || !t.is_contiguous()) return UNSUPPORTED;
+    in.push_back(t.data_ptr());
+  }
+  void* o = out.data_ptr();
+  for (size_t q = 2; q < in.size(); ++q)
+    if (in[q] == o) return UNSUPPORTED;  // out may be the first or second input only
+  int64_t n = out.numel();
+  at::ScalarType dt = out.scalar_type();
+  int P = int(in.size());
+  pybind11::gil_scoped_release nogil;
+  f(o, in.data(), P, n);
+  if (op == AVG) divide(o, n, dt, P);
+  return OK;
+}
+
+std::string isa() {
+  std::string s;
+#if defined(__AVX512F__)
+  s += "avx512f ";
+#endif
+#if defined(__AVX2__)
+  s += "avx2 ";
+#endif
+#if defined(__F16C__)
+  s += "f16c ";
+#endif
+  if (!s.empty()) s.pop_back();
+  return s.empty() ? "baseline" : s;
+}
+
+}  // namespace dataplane
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace dataplane;
+  m.doc() = "distrain's compiled shared-memory data plane (see _dataplane.cpp and compiled.py)";
+  pybind11::class_<Plane>(m, "Plane")
+      .def(pybind11::init<int, int, int, int64_t, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
+                          std::vector<int64_t>, double, int64_t>())
+      .def_readwrite("step", &Plane::step)
+      .def_readwrite("spin", &Plane::spin)
+      .def_readonly("err_peer", &Plane::err_peer)
+      .def_readonly("err_theirs", &Plane::err_theirs)
+      .def_readonly("err_mine", &Plane::err_mine)
+      .def("add_symmetric", &Plane::add_symmetric)
+      .def("all_reduce", &Plane::all_reduce)
+      .def("reduce", &Plane::reduce)
+      .def("broadcast", &Plane::broadcast)
+      .def("all_gather", &Plane::all_gather)
+      .def("all_gather_list", &Plane::all_gather_list)
+      .def("gather", &Plane::gather)
+      .def("scatter", &Plane::scatter)
+      .def("reduce_scatter", &Plane::reduce_scatter)
+      .def("reduce_scatter_list", &Plane::reduce_scatter_list)
+      .def("sleepers", &Plane::sleepers);
+  m.def("ring_write", &ring_write);
+  m.def("ring_read", &ring_read);
+  m.def("fold", &fold);
+  m.def("isa", &isa);
+  m.attr("OK") = int(OK);
+  m.attr("UNSUPPORTED") = int(UNSUPPORTED);
+  m.attr("PEER_ABORTED") = int(PEER_ABORTED);
+  m.attr("PEER_DIED") = int(PEER_DIED);
+  m.attr("TIMED_OUT") = int(TIMED_OUT);
+  m.attr("MISMATCH") = int(MISMATCH);
+}

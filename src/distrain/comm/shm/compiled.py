@@ -1,0 +1,274 @@
+"""The compiled data plane: the shared-memory collectives run by a C++ extension (_dataplane.cpp).
+
+Why: a 4 KiB all_reduce through the Python collectives costs about 105 Python calls, and the
+time went to them, not to waiting for the peer. The extension does one call's whole hot path
+(the flag protocol, spin-then-block waits, copies and reductions) with the GIL released, and
+:class:`FastPath` lets ``comm.all_reduce``, ``broadcast``, ``all_gather``, ``reduce_scatter``
+and ``barrier`` reach it in a handful of Python operations when nothing else is needed (a
+blocking call, native algorithm, no debug fingerprint, no async call queued before it).
+
+The Python modules stay the readable reference and the fallback: ``collectives.py`` is what the
+C++ does, step for step, on the same segment layout, so a result has the same bits either way;
+the tests run every equivalence check with both (``set_kernels``).
+
+Kernels of a new group's shared-memory transport (:func:`set_kernels`, job-wide, or
+``DISTRAIN_SHM_KERNELS`` through ``distrain.runtime.init``):
+
+* ``"auto"`` (default): compiled when the extension was built at install, else Python;
+* ``"compiled"``: the extension, or a ConfigError saying why it is missing;
+* ``"python"``: the Python reference.
+
+Contract of the module-level collectives (what :meth:`ShmTransport.direct` hands the
+dispatcher in compiled mode): the same signatures as collectives.py; a call the extension
+cannot take (a dtype or layout it does not know) runs the Python version, with the step counter
+handed over both ways. A failure raises the same typed errors as the Python waits do.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+from distrain.comm.core import ledger as _ledger
+from distrain.comm.core import watchdog
+from distrain.comm.core.ops import Op
+from distrain.comm.shm import collectives
+from distrain.errors import ConfigError
+
+try:
+    from distrain.comm.shm import _dataplane as ext
+    MISSING: str | None = None
+except ImportError as e:  # not built: no compiler at install, or a source checkout never installed
+    ext = None
+    MISSING = (f"the C++ extension distrain.comm.shm._dataplane is not built ({e}); `make install` (pip install "
+               f"--no-build-isolation -e .) builds it where g++ is present")
+
+KERNELS = ("auto", "compiled", "python")
+_choice = "auto"
+READS_INPUT_ONLY = True  # as collectives.py: reduce_scatter reads its input in place
+
+# Reduction codes of _dataplane.cpp. The dispatcher finishes avg itself (a division after the
+# sum), so its calls pass sum for avg; the fast path lets the C++ divide (AVG).
+OP_CODES = {"sum": 0, "prod": 1, "min": 2, "max": 3, "band": 4, "bor": 5, "bxor": 6, "avg": 0}
+AVG = 7
+OK, UNSUPPORTED, PEER_ABORTED, PEER_DIED, TIMED_OUT, MISMATCH = range(6)
+
+
+def set_kernels(name: str) -> None:
+    """Which kernels new shared-memory transports use: "auto", "compiled" or "python"."""
+    global _choice
+    if name not in KERNELS:
+        raise ConfigError(f"shm kernels {name!r} unknown; use one of {', '.join(KERNELS)}")
+    if name == "compiled" and ext is None:
+        raise ConfigError(f"shm kernels 'compiled' asked for, but {MISSING}; or use 'python'")
+    _choice = name
+
+
+def kernels() -> str:
+    """What a transport built now uses: "compiled" or "python"."""
+    return "python" if _choice == "python" or ext is None else "compiled"
+
+
+def status() -> str:
+    """One line for reports: the kernels in use and the instruction set they were built for."""
+    if ext is None:
+        return f"python ({MISSING})"
+    return f"{kernels()} (extension built for {ext.isa()})"
+
+
+def make_plane(sh):
+    """The extension's Plane for transport ``sh``, every peer's segment open (addresses of the
+    mappings sh keeps alive), its step and spin handed over, its symmetric allocations known."""
+    segs = sh.open_all()
+    lay = sh.layout
+    base = [s.bytes.data_ptr() for s in segs]
+    plane = ext.Plane(sh.rank, sh.size, lay.slots, lay.slot_bytes, base, [b + lay.coll_offset for b in base],
+                      [s.wake_fd for s in segs], [sh.pids[q] for q in range(sh.size)], float(sh.timeout),
+                      threading.main_thread().ident)
+    plane.step, plane.spin = sh.step, sh.spin
+    for a in (sh.heap.allocs if sh.heap is not None else ()):
+        add_symmetric(plane, sh, a)
+    return plane
+
+
+def add_symmetric(plane, sh, alloc) -> None:
+    plane.add_symmetric(alloc.index, alloc.nbytes, [alloc.views[q].data_ptr() for q in range(sh.size)])
+
+
+# ---------------------------------------------------------------------------------------------
+# The collectives the dispatcher calls (collectives.py's signatures)
+# ---------------------------------------------------------------------------------------------
+
+def _code(op: Op) -> int:
+    return OP_CODES[op.name]
+
+
+def _done(pc, rc: int, fallback) -> None:
+    """After a call of the extension: nothing to do, the Python version, or the typed error."""
+    sh = pc.transport
+    if rc == OK:
+        if not sh.fast:  # every rank arrived at a step: each has mapped this rank's segment
+            sh.unlink_when_mapped()
+            register(sh)
+        return
+    if rc == UNSUPPORTED:
+        plane = sh.plane
+        sh.step, sh.spin = plane.step, plane.spin
+        try:
+            fallback()
+        finally:
+            plane.step, plane.spin = sh.step, sh.spin
+        return
+    raise error(sh, rc, f"{pc.op}(transport={sh.name})")
+
+
+def all_reduce(pc, buf: torch.Tensor, op: Op) -> None:
+    _done(pc, pc.transport.compiled().all_reduce(buf, _code(op)), lambda: collectives.all_reduce(pc, buf, op))
+
+
+def reduce(pc, buf: torch.Tensor, root: int, op: Op) -> None:
+    _done(pc, pc.transport.compiled().reduce(buf, root, _code(op)), lambda: collectives.reduce(pc, buf, root, op))
+
+
+def broadcast(pc, buf: torch.Tensor, root: int) -> None:
+    _done(pc, pc.transport.compiled().broadcast(buf, root), lambda: collectives.broadcast(pc, buf, root))
+
+
+def all_gather(pc, full: torch.Tensor, n: int) -> None:
+    _done(pc, pc.transport.compiled().all_gather(full, n), lambda: collectives.all_gather(pc, full, n))
+
+
+def gather(pc, inp: torch.Tensor, full: torch.Tensor | None, root: int) -> None:
+    _done(pc, pc.transport.compiled().gather(inp, full, root), lambda: collectives.gather(pc, inp, full, root))
+
+
+def scatter(pc, out: torch.Tensor, full: torch.Tensor | None, root: int) -> None:
+    _done(pc, pc.transport.compiled().scatter(out, full, root), lambda: collectives.scatter(pc, out, full, root))
+
+
+def reduce_scatter(pc, out: torch.Tensor, full: torch.Tensor, op: Op) -> None:
+    _done(pc, pc.transport.compiled().reduce_scatter(out, full, _code(op)),
+          lambda: collectives.reduce_scatter(pc, out, full, op))
+
+
+traffic = collectives.traffic
+
+
+def error(sh, rc: int, what: str) -> Exception:
+    """The typed error for a failed call of the extension (the Python waits raise the same)."""
+    plane = sh.plane
+    q = plane.err_peer
+    if rc == MISMATCH:
+        return collectives.mismatch(sh, q, plane.err_theirs, plane.err_mine, what)
+    kind = {PEER_ABORTED: "aborted", PEER_DIED: "died", TIMED_OUT: "timeout"}[rc]
+    return sh.lost(kind, q if q >= 0 else None, what, range(sh.size))
+
+
+# ---------------------------------------------------------------------------------------------
+# The fast path: api.py's blocking native calls, straight to the extension
+# ---------------------------------------------------------------------------------------------
+
+# group object -> its FastPath, for groups whose shared-memory transport has a Plane. The world
+# group is registered under its object; api looks ``None`` up as dist.group.WORLD.
+FAST: dict = {}
+
+_FAST_OPS: dict = {}  # op as the caller passes it (a name or a ReduceOp.X) -> (code, name)
+for _name, _code_ in (("sum", 0), ("prod", 1), ("min", 2), ("max", 3), ("band", 4), ("bor", 5), ("bxor", 6),
+                      ("avg", AVG)):
+    _FAST_OPS[_name] = (_code_, _name)
+for _native, _name in ((dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.PRODUCT, "prod"), (dist.ReduceOp.MIN, "min"),
+                       (dist.ReduceOp.MAX, "max"), (dist.ReduceOp.BAND, "band"), (dist.ReduceOp.BOR, "bor"),
+                       (dist.ReduceOp.BXOR, "bxor"), (dist.ReduceOp.AVG, "avg")):
+    _FAST_OPS[_native] = _FAST_OPS[_name]
+
+
+class FastPath:
+    """A group's blocking native collectives in a few Python operations (see the module doc).
+
+    Each method returns True when it ran the collective, False when the caller must take the
+    ordinary path (an async call queued on the group's worker, an op given as a ReduceOp
+    object, a tensor or dtype the extension does not take: the ordinary path then also raises
+    the proper error for bad arguments). What the ordinary path does besides, it does too: the
+    group's call number, the ledger's call count, the watchdog's bracket, the abort on failure.
+    """
+
+    __slots__ = ("state", "sh", "plane", "descs", "rank_of")
+
+    def __init__(self, state, sh):
+        self.state, self.sh, self.plane = state, sh, sh.plane
+        me = f"on rank {state.ranks[state.rank]} (group rank {state.rank} of {state.size})"
+        self.descs = {c: f"{c}(algorithm=native, transport={sh.name}) {me}"
+                      for c in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier")}
+        self.rank_of = {g: i for i, g in enumerate(state.ranks)}
+
+    def _call(self, name: str, fn, *args) -> int:
+        wd = watchdog._active
+        if wd is not None:
+            wd.enter(self.descs[name])
+        try:
+            return fn(*args)
+        finally:
+            if wd is not None:
+                wd.leave()
+
+    def _end(self, name: str, rc: int, payload: int) -> bool:
+        if rc:
+            if rc == UNSUPPORTED:
+                return False
+            self.sh.abort()  # peers waiting on this rank stop at once
+            raise error(self.sh, rc, f"{name}(transport={self.sh.name})")
+        self.state.seq += 1
+        if _ledger._active:
+            _ledger.record(name, "native", calls=1, payload=payload)
+        return True
+
+    def all_reduce(self, t, op) -> bool:
+        o = _FAST_OPS.get(op) if isinstance(op, (str, dist.ReduceOp.RedOpType)) else None
+        if o is None or self.state.pending or not isinstance(t, torch.Tensor):
+            return False
+        return self._end("all_reduce", self._call("all_reduce", self.plane.all_reduce, t, o[0]),
+                         t.numel() * t.element_size())
+
+    def broadcast(self, t, src) -> bool:
+        root = self.rank_of.get(src) if isinstance(src, int) else None
+        if root is None or self.state.pending or not isinstance(t, torch.Tensor):
+            return False
+        return self._end("broadcast", self._call("broadcast", self.plane.broadcast, t, root),
+                         t.numel() * t.element_size())
+
+    def all_gather(self, outs, t) -> bool:
+        if self.state.pending or not isinstance(t, torch.Tensor) or not isinstance(outs, list) or \
+                len(outs) != self.state.size:
+            return False
+        return self._end("all_gather", self._call("all_gather", self.plane.all_gather_list, outs, t),
+                         t.numel() * t.element_size())
+
+    def reduce_scatter(self, out, ins, op) -> bool:
+        o = _FAST_OPS.get(op) if isinstance(op, (str, dist.ReduceOp.RedOpType)) else None
+        if o is None or self.state.pending or not isinstance(out, torch.Tensor) or not isinstance(ins, list) or \
+                len(ins) != self.state.size:
+            return False
+        return self._end("reduce_scatter", self._call("reduce_scatter", self.plane.reduce_scatter_list, out, ins, o[0]),
+                         out.numel() * out.element_size() * self.state.size)
+
+    def barrier(self) -> bool:
+        if self.state.pending:
+            return False
+        return self._end("barrier", self._call("barrier", self.plane.all_reduce, _TOKEN, 0), 0)
+
+
+_TOKEN = torch.zeros(1, dtype=torch.uint8)  # a barrier is an all_reduce of one byte (api.barrier)
+
+
+def register(sh) -> None:
+    """Offer ``sh``'s group to the fast path (its Plane exists and its segments are unlinked)."""
+    FAST[sh.state.group] = FastPath(sh.state, sh)
+    sh.fast = True
+
+
+def unregister(sh) -> None:
+    for g, fp in list(FAST.items()):
+        if fp.sh is sh:
+            del FAST[g]
