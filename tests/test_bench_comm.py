@@ -223,3 +223,28 @@ def test_symmetric_column_end_to_end(tmp_path, capsys):
     cells = [(r["op"], r["algorithm"], r["transport"], r["size_bytes"]) for r in data["records"]]
     assert cells == [(op, alg, t, size) for op in ("all_reduce", "all_gather") for size in (4096, 1 << 20)
                      for alg, t in (("native", "torch"), ("native@shm", "shm"), ("native@shm+sym", "shm+sym"))]
+
+
+@pytest.mark.timeout(120)
+def test_python_kernels_and_deepspeed_columns(tmp_path, capsys):
+    """shm-python times the Python reference beside the compiled plane, in the same rounds; the
+    deepspeed column is DeepSpeed's op when it is importable, and refused in one line where it is
+    not or where its op cannot do the asked collective."""
+    from distrain.bench.comm import columns
+
+    out = tmp_path / "k.json"
+    transports = "torch,shm,shm-python" + ("" if columns.deepspeed_missing() else ",deepspeed")
+    rc = cli.main(["bench", "comm", "--nproc", "2", "--ops", "all_reduce", "--algorithms", "native",
+                   "--transport", transports, "--sizes", "4K", "--iters", "3", "--burst", "2", "--warmup", "1",
+                   "--json", str(out), "--timeout", "90"])
+    assert rc == 0
+    records = json.loads(out.read_text())["records"]
+    want = [("native", "torch"), ("native@shm", "shm"), ("native@shm-python", "shm-python")]
+    want += [] if columns.deepspeed_missing() else [("deepspeed", "deepspeed")]
+    assert [(r["algorithm"], r["transport"]) for r in records] == want
+    assert all(r["time_us"] > 0 for r in records)
+    capsys.readouterr()
+    assert cli.main(["bench", "comm", "--transport", "torch,deepspeed", "--ops", "broadcast"]) == 2
+    err = capsys.readouterr().err
+    assert ("--transport deepspeed: DeepSpeed's shared-memory op is an all_reduce (sum) of float32, bfloat16, "
+            "float16 only" in err) or "--transport deepspeed: deepspeed is not importable" in err

@@ -216,6 +216,146 @@ def test_list_and_symmetric_all_reduce_equal_gloo(P, kernels):
     assert not bad, "\n".join(bad)
 
 
+def _gather_scatter_symmetric(rank: int, kernels: str) -> list[str]:
+    """all_gather into, and reduce_scatter out of, a (P, n) buffer in symmetric memory equal Gloo's
+    (the symmetric paths copy straight from the peers' buffers); ordinary buffers still work beside
+    them; a rank passing an ordinary output against symmetric ones is named, not answered wrongly."""
+    import torch.distributed as dist
+
+    P, gloo = _shm_world_beside_gloo(kernels)
+    bad = []
+    g = torch.Generator().manual_seed(300 + rank)
+    for dtype in (torch.float32, torch.float64, torch.int64, torch.bfloat16):
+        for n in (1, 777, 3 * SMALL_SLOT // 4 + 5):
+            x = torch.randint(-50, 50, (n,), generator=g).to(dtype)
+            for sym in (True, False):
+                out = comm.symmetric_empty(P, n, dtype=dtype) if sym else torch.empty(P, n, dtype=dtype)
+                if sym != _symmetric(out):
+                    bad.append(f"rank {rank}: symmetric_empty({P}, {n}) symmetric={_symmetric(out)}")
+                ref = torch.empty(P, n, dtype=dtype)
+                comm.all_gather(list(out), x)
+                comm.all_gather(list(ref), x, group=gloo)
+                if not torch.equal(out, ref):
+                    bad.append(f"P={P} rank {rank} all_gather {dtype} n={n} symmetric={sym} differs from Gloo's")
+                full = comm.symmetric_empty(P, n, dtype=dtype) if sym else torch.empty(P, n, dtype=dtype)
+                full.copy_(torch.randint(-50, 50, (P, n), generator=g).to(dtype))
+                for op in ("sum", "max"):
+                    mine, theirs = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+                    comm.reduce_scatter(theirs, list(full.clone()), op=op, group=gloo)
+                    comm.reduce_scatter(mine, list(full), op=op)
+                    if not torch.equal(mine, theirs):
+                        bad.append(f"P={P} rank {rank} reduce_scatter({op}) {dtype} n={n} symmetric={sym} differs")
+    # last, on a group of its own (a failed collective aborts its group)
+    odd = dist.new_group(list(range(P)))
+    comm.set_transport("shm", odd)
+    out = comm.symmetric_empty(P, 10, group=odd)  # allocated together (collective); rank 0 alone passes it
+    out = out if rank == 0 else torch.empty(P, 10)
+    try:
+        comm.all_gather(list(out), torch.ones(10), group=odd)
+        bad.append(f"rank {rank}: all_gather into symmetric memory against ordinary memory was not refused")
+    except CommError as e:
+        named = "rank 1 passed an ordinary tensor" if rank == 0 else "rank 0 passed symmetric allocation 0"
+        if named not in str(e):
+            bad.append(f"rank {rank}: unclear error for a symmetric/ordinary all_gather mix: {e}")
+    comm.barrier(group=gloo)
+    return bad
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("P", [2, 3])
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_symmetric_all_gather_and_reduce_scatter_equal_gloo(P, kernels):
+    bad = [x for r in distrain.spawn(_gather_scatter_symmetric, P, args=(kernels,), timeout=150) for x in r]
+    assert not bad, "\n".join(bad)
+
+
+def _compiled_bits_equal_python(rank: int) -> list[str]:
+    """Random floats (rounding differs with the order of a sum): the compiled plane and the Python
+    reference give the same bits for all_reduce, reduce_scatter and their symmetric forms, because
+    both fold the ranks' parts in the same order with the same rounding; the compiled group's calls
+    take the extension's fast path (its counter moves), the Python group's do not."""
+    import torch.distributed as dist
+
+    P = dist.get_world_size()
+    shm.SLOT_BYTES = SMALL_SLOT
+    groups = {}
+    for k in ("compiled", "python"):
+        groups[k] = dist.new_group(list(range(P)))
+        comm.set_shm_kernels(k)
+        comm.set_transport("shm", groups[k])
+        comm.barrier(group=groups[k])  # a transport is built at its group's first call, with the kernels set then
+    bad = []
+    g = torch.Generator().manual_seed(rank)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        for n in (1, 1001, BIG // 2):
+            for op in ("sum", "avg", "prod", "max"):
+                x = torch.randn(P, n, generator=g).to(dtype)
+                got = {}
+                for k, grp in groups.items():
+                    a = x[0].clone()
+                    comm.all_reduce(a, op=op, group=grp)
+                    s = comm.symmetric_empty(n, dtype=dtype, group=grp)
+                    s.copy_(x[1])
+                    comm.all_reduce(s, op=op, group=grp)
+                    full = comm.symmetric_empty(P, n, dtype=dtype, group=grp)
+                    full.copy_(x)
+                    rs, rs_sym = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+                    comm.reduce_scatter(rs, list(x.clone()), op=op, group=grp)
+                    comm.reduce_scatter(rs_sym, list(full), op=op, group=grp)
+                    got[k] = (a, s.clone(), rs, rs_sym)
+                for name, c, p in zip(("all_reduce", "symmetric all_reduce", "reduce_scatter",
+                                       "symmetric reduce_scatter"), got["compiled"], got["python"]):
+                    if not torch.equal(c, p):
+                        d = (c.double() - p.double()).abs().max().item()
+                        bad.append(f"P={P} rank {rank} {name}({op}) {dtype} n={n}: compiled differs from python by {d}")
+    fast = compiled.FAST.get(groups["compiled"])  # a plane is made, and its group offered, at the first call
+    if fast is None or groups["python"] in compiled.FAST or fast.calls < 4 * 3 * 4 * 3:
+        bad.append(f"rank {rank}: the compiled group's calls did not take the fast path "
+                   f"({fast.calls if fast else 0} calls), or the python group has one")
+    return bad
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(compiled.ext is None, reason=str(compiled.MISSING))
+def test_compiled_plane_gives_the_python_references_bits():
+    bad = [x for r in distrain.spawn(_compiled_bits_equal_python, 3, timeout=280) for x in r]
+    assert not bad, "\n".join(bad[:20])
+
+
+def test_compiled_kernels_without_the_extension_are_refused(monkeypatch):
+    monkeypatch.setattr(compiled, "ext", None)
+    monkeypatch.setattr(compiled, "MISSING", "the C++ extension distrain.comm.shm._dataplane is not built (test)")
+    with pytest.raises(ConfigError, match="shm kernels 'compiled' asked for, but the C[+][+] extension .* not built"):
+        comm.set_shm_kernels("compiled")
+    with pytest.raises(ConfigError, match="shm kernels 'fast' unknown; use one of auto, compiled, python"):
+        comm.set_shm_kernels("fast")
+    assert compiled.kernels() == "python"
+
+
+@pytest.mark.skipif(compiled.ext is None, reason=str(compiled.MISSING))
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=str)
+def test_compiled_fold_equals_torch_for_every_op(dtype):
+    """The extension's vectorised fold (out = x0 op x1 op ... in rank order) gives torch's bits for
+    every dtype and op Gloo supports, over lengths that leave vector tails."""
+    g = torch.Generator().manual_seed(5)
+    for n in (1, 15, 64 + 33, 4099):
+        for op in _ops(dtype):
+            if dtype.is_floating_point:
+                xs = [(torch.rand(n, generator=g) + 0.5).to(dtype) for _ in range(3)]
+            else:
+                xs = [_x(k, n, n, dtype, op) for k in range(3)]
+            ref = xs[0].clone()
+            for x in xs[1:]:
+                ref = {"sum": torch.add, "avg": torch.add, "prod": torch.mul, "min": torch.minimum,
+                       "max": torch.maximum, "band": torch.bitwise_and, "bor": torch.bitwise_or,
+                       "bxor": torch.bitwise_xor}[op](ref, x)
+            out = torch.empty(n, dtype=dtype)
+            compiled.fold(out, xs, op)
+            if op == "avg":
+                ref = ref / 3 if dtype.is_floating_point else ref
+            assert torch.equal(out, ref.to(dtype)), f"{dtype} {op} n={n}"
+
+
 def _p2p(rank: int, kernels: str) -> list:
     """Ordered per pair and tag, other tags overtaking, messages larger than the ring."""
     import torch.distributed as dist

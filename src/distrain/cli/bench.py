@@ -18,6 +18,7 @@ import os
 from typing import Any
 
 from distrain.bench import background, common
+from distrain.bench.comm import columns
 from distrain.bench.comm.timing import _DTYPES, BURST_S, MAX_BURST, MAX_ITERS, MIN_ITERS, TARGET_S
 from distrain.bench.train.throughput import STRATEGIES as TRAIN_STRATEGIES
 from distrain.bench.train.zero import STRATEGIES as ZERO_STRATEGIES
@@ -80,7 +81,10 @@ def add_comm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algorithms", default=COMM_ALGORITHMS,
                    help=f"algorithms, comma-separated or 'all' (default {COMM_ALGORITHMS})")
     p.add_argument("--transport", default=COMM_TRANSPORTS,
-                   help=f"transports to compare, comma-separated: {', '.join(TRANSPORT_NAMES)} (default torch)")
+                   help=f"transports to compare, comma-separated: {', '.join(TRANSPORT_NAMES)} (default torch); also "
+                        f"shm-python (shm with its Python kernels, beside the compiled ones) and deepspeed "
+                        f"(DeepSpeed's C++ shared-memory all_reduce when deepspeed is importable: sum of "
+                        f"float32/bfloat16/float16, one column)")
     p.add_argument("--symmetric", action="store_true",
                    help="also time native on buffers in symmetric memory (comm.symmetric_empty: every peer maps "
                         "them, so all_reduce works in place, no copy through the slots): a native@shm+sym column for "
@@ -134,8 +138,8 @@ def comm_config(args: argparse.Namespace) -> dict[str, Any]:
         "nprocs": common.parse_ints(args.nproc, "--nproc", minimum=1),
         "ops": common.parse_choices(args.ops, COLLECTIVES, "--ops"),
         "algorithms": common.parse_choices(args.algorithms, ALGORITHM_NAMES, "--algorithms"),
-        "transports": common.parse_choices(getattr(args, "transport", COMM_TRANSPORTS), TRANSPORT_NAMES,
-                                           "--transport"),
+        "transports": common.parse_choices(getattr(args, "transport", COMM_TRANSPORTS),
+                                           (*TRANSPORT_NAMES, *columns.EXTRA), "--transport"),
         "sizes": common.parse_sizes(args.sizes),
         "symmetric": bool(getattr(args, "symmetric", False)),
         "dtype": dtype,
@@ -148,13 +152,14 @@ def comm_config(args: argparse.Namespace) -> dict[str, Any]:
         "predict": getattr(args, "predict", None),
         "background_load": background.parse(getattr(args, "background_load", 0)),
     }
+    columns.check(cfg["transports"], cfg["ops"], dtype)
     if cfg["symmetric"] and not ("native" in cfg["algorithms"] and {"shm", "auto"} & set(cfg["transports"])):
         raise ConfigError("--symmetric: times native on symmetric buffers of a shared-memory transport; add shm (or "
                           "auto) to --transport and native to --algorithms")
     bind = getattr(args, "bind_cores", "auto")
     # auto: ranks polling shared memory are bound when P cores are free at the start (launch/cores.py)
     cfg["bind_cores"] = (bind == "on") if bind != "auto" else \
-        (None if any(t in ("shm", "auto") for t in cfg["transports"]) else False)
+        (None if any(t in ("shm", "auto", *columns.EXTRA) for t in cfg["transports"]) else False)
     if cfg["predict"] not in (None, "auto") and not os.path.isfile(cfg["predict"]):
         raise ConfigError(f"--predict: no calibration file {cfg['predict']!r}; write one with "
                           f"`distrain bench link --json {cfg['predict']}` or give --predict alone to calibrate now")

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from distrain.bench import background, common
-from distrain.bench.comm import predict
+from distrain.bench.comm import columns, predict
 from distrain.bench.comm.report import bandwidths, busbw_factor, full_size, per_rank_count
 from distrain.comm.core.ops import SUPPORTED_DTYPES
 from distrain.errors import ConfigError
@@ -34,7 +34,9 @@ SYMMETRIC = "+sym"  # column suffix: native on buffers in symmetric memory (comm
 def labels(algorithms: list[str], transports: list[str], symmetric: bool = False) -> list[str]:
     """Column labels: the algorithm on torch, ``alg@transport`` on the others, and with
     ``symmetric`` a ``native@transport+sym`` column for each shared-memory transport."""
-    out = [a if t == "torch" else f"{a}@{t}" for t in transports for a in algorithms]
+    out = [a if t == "torch" else f"{a}@{t}" for t in transports if t != columns.DEEPSPEED for a in algorithms]
+    if columns.DEEPSPEED in transports:
+        out.append(columns.DEEPSPEED)
     if symmetric and "native" in algorithms:
         out += [f"native@{t}{SYMMETRIC}" for t in transports if t in ("shm", "auto")]
     return out
@@ -51,9 +53,14 @@ def _make_call(op: str, n: int, P: int, rank: int, dtype: torch.dtype, groups: d
     sym = {t: _make_call_on(op, n, P, rank, _cutter(arena, op, n, P, rank, dtype, groups[t]))
            for t, arena in (symmetric or {}).items()}
 
+    ds = groups.get(columns.DEEPSPEED)
+    ds_buf = torch.zeros(n, dtype=dtype) if ds is not None else None
+
     def call(label: str) -> None:
         alg, _, t = label.partition("@")
-        if t.endswith(SYMMETRIC):
+        if alg == columns.DEEPSPEED:
+            ds(ds_buf)
+        elif t.endswith(SYMMETRIC):
             t = t.removesuffix(SYMMETRIC)
             sym[t](alg, groups[t])
         else:
@@ -169,7 +176,7 @@ def _case(rank: int, P: int, op: str, size: int, cfg: dict, dist, groups: dict,
         dist.barrier()
         with comm.ledger() as led:
             call(a)
-        traffic[k, 0] = led.bytes_sent(op, a.partition("@")[0])
+        traffic[k, 0] = led.bytes_sent(op, a.partition("@")[0])  # deepspeed: 0 (outside our ledger)
         traffic[k, 1] = led.bytes_recv(op, a.partition("@")[0])
 
     all_times = [torch.empty_like(times) for _ in range(P)]
@@ -185,9 +192,9 @@ def _case(rank: int, P: int, op: str, size: int, cfg: dict, dist, groups: dict,
         algbw, busbw = bandwidths(op, S, P, sec)
         sent = [int(t[k, 0]) for t in all_traffic]
         recv = [int(t[k, 1]) for t in all_traffic]
-        native = a.startswith("native")
+        native = a.startswith("native") or a == columns.DEEPSPEED
         records.append({
-            "P": P, "op": op, "algorithm": a, "dtype": cfg["dtype"], "transport": a.partition("@")[2] or "torch",
+            "P": P, "op": op, "algorithm": a, "dtype": cfg["dtype"], "transport": a if a == columns.DEEPSPEED else a.partition("@")[2] or "torch",
             "size_bytes": S, "requested_size_bytes": size if op != "barrier" else 0, "count": n,
             "iters": iters, "burst": bursts[k], "warmup": cfg["warmup"],
             "time_us": sec * 1e6, "algbw_GBps": algbw, "busbw_GBps": busbw,
@@ -208,10 +215,18 @@ def _worker(rank: int, cfg: dict) -> list[dict] | None:
 
     P = dist.get_world_size()
     groups: dict[str, Any] = {}
-    for i, t in enumerate(cfg["transports"]):  # one group of all ranks per transport
+    for i, t in enumerate(t for t in cfg["transports"] if t != columns.DEEPSPEED):  # a group of all ranks each
         g = None if i == 0 else dist.new_group(list(range(P)))
-        comm.set_transport(t, g)
+        if t == columns.PYTHON_SHM:  # the kernels are fixed when the group's transport is built: build it now
+            comm.set_shm_kernels("python")
+            comm.set_transport("shm", g)
+            comm.barrier(group=g)
+            comm.set_shm_kernels("auto")
+        else:
+            comm.set_transport(t, g)
         groups[t] = g
+    if columns.DEEPSPEED in cfg["transports"]:
+        groups[columns.DEEPSPEED] = columns.deepspeed_open(P, rank)
     # each shared-memory transport's symmetric arena for the +sym columns, kept across cells
     arenas = {t: {} for t in cfg["transports"] if t in ("shm", "auto")} if cfg.get("symmetric") else None
     records: list[dict] = []
@@ -232,4 +247,8 @@ def _worker(rank: int, cfg: dict) -> list[dict] | None:
                 cells = "  ".join(f"{r['algorithm']} {r['time_us']:.0f}us" for r in recs)
                 common.progress(f"[P={P}] {op} {common.format_size(size) if size else '-'}: iters={recs[0]['iters']}  "
                                 f"{cells}  ({time.perf_counter() - t0:.1f}s, total {time.perf_counter() - t_start:.0f}s)")
+    if columns.DEEPSPEED in groups:
+        dist.barrier()
+        if rank == 0:
+            columns.deepspeed_close()
     return records if rank == 0 else None

@@ -194,10 +194,11 @@ class FastPath:
     group's call number, the ledger's call count, the watchdog's bracket, the abort on failure.
     """
 
-    __slots__ = ("state", "sh", "plane", "descs", "rank_of")
+    __slots__ = ("state", "sh", "plane", "descs", "rank_of", "calls")
 
     def __init__(self, state, sh):
         self.state, self.sh, self.plane = state, sh, sh.plane
+        self.calls = 0  # collectives this fast path ran (tests check that a group's calls came here)
         me = f"on rank {state.ranks[state.rank]} (group rank {state.rank} of {state.size})"
         self.descs = {c: f"{c}(algorithm=native, transport={sh.name}) {me}"
                       for c in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier")}
@@ -220,6 +221,7 @@ class FastPath:
             self.sh.abort()  # peers waiting on this rank stop at once
             raise error(self.sh, rc, f"{name}(transport={self.sh.name})")
         self.state.seq += 1
+        self.calls += 1
         if _ledger._active:
             _ledger.record(name, "native", calls=1, payload=payload)
         return True
@@ -257,6 +259,15 @@ class FastPath:
         if self.state.pending:
             return False
         return self._end("barrier", self._call("barrier", self.plane.all_reduce, _TOKEN, 0), 0)
+
+
+def fold(out: torch.Tensor, inputs: list[torch.Tensor], op: str) -> None:
+    """out = inputs[0] op inputs[1] op ... (in list order, avg divided by their number) by the
+    extension's vectorised loops: the reduction every compiled collective runs (tests hold it to
+    torch's bits). Contiguous CPU tensors of one dtype and length."""
+    rc = ext.fold(out, inputs, _FAST_OPS[op][0])
+    if rc:
+        raise ConfigError(f"fold({op}) of {out.dtype} is not supported by the compiled kernels")
 
 
 _TOKEN = torch.zeros(1, dtype=torch.uint8)  # a barrier is an all_reduce of one byte (api.barrier)
