@@ -74,7 +74,7 @@ def test_trainer_context_parallel_equals_one_process(tmp_path, tmp_path_factory,
     (dict(cp=2, nproc=3), r"dp*cp*tp*pp = 1*2*1*1 = 2 does not equal the world size 3"),
     (dict(cp=2, nproc=2, cp_algorithm="stripes"), "--cp-algorithm 'stripes' is unknown; use ring or all-to-all"),
     (dict(cp=2, nproc=2, strategy="ps-sync"), "--dp/--tp/--pp/--cp compose with --strategy ddp only"),
-    (dict(cp=0, nproc=2), "--tp, --pp, --cp and --microbatches must be >= 1"),
+    (dict(cp=0, nproc=2), "--tp, --pp, --cp, --ep and --microbatches must be >= 1"),
 ])
 def test_bad_cp_is_refused_before_any_rank_starts(tmp_path, kw, message):
     cfg = trainer_config(tmp_path / "bad", **{k: v for k, v in kw.items()})

@@ -33,9 +33,9 @@ def test_readme_example_runs_as_written(tmp_path):
     (tmp_path / "example.py").write_text(code)
     p = _python(["example.py"], tmp_path, timeout=90)
     assert p.returncode == 0, p.stderr[-2000:]
-    # 4 ranks, tree all-reduce of 1000 fp32 elements: the ledger's bytes per rank are printed in rank order
-    got = eval(p.stdout.strip().splitlines()[-1])
-    assert len(got) == 4 and all(isinstance(b, int) and b > 0 for b in got)
+    # ddp on 2 ranks learns the rule of the example's data: the held-out loss and accuracy it prints
+    loss, accuracy = map(float, p.stdout.strip().splitlines()[-1].split())
+    assert loss < 0.5 and accuracy > 0.85, p.stdout[-2000:]
 
 
 @pytest.mark.slow  # a fresh interpreter and fork server: 6-8 s

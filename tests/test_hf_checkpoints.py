@@ -147,7 +147,7 @@ def test_export_refuses_other_models_and_leaves_nothing_on_failure(hf, tmp_path,
     import_file(tmp_path / "w.pt", tmp_path / "gpt", model="gpt-tiny")
     assert _cli("checkpoint", "export", tmp_path / "gpt", "--hf", tmp_path / "out") == 2
     assert _error(capsys) == (f"checkpoint export: {tmp_path / 'gpt'} trained --model gpt-tiny; --hf writes Llama "
-                              f"models only: llama-tiny, llama-small, or one from Hugging Face (`distrain checkpoint "
+                              f"models only: llama-tiny, llama-small, llama-moe-tiny, or one from Hugging Face (`distrain checkpoint "
                               f"import --hf`, `distrain train --init-from HF_DIR`)")
     assert not (tmp_path / "out").exists()
 
@@ -270,7 +270,7 @@ KV = ("tensor 'model.layers.0.self_attn.k_proj.weight' has shape (64, 64), but t
       "num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128, tie_word_embeddings=False); "
       "fix the config to match the checkpoint")
 BERT = ("config.json describes BertModel (model_type 'bert'), not LlamaForCausalLM; distrain reads and writes "
-        "Llama-family checkpoints (model_type 'llama'): give such a model folder")
+        "Llama-family checkpoints (model_type 'llama', or 'mixtral': MixtralForCausalLM): give such a model folder")
 BAD = [  # (folder, extra train flags, the error after the prefix); {d}: tmp_path, {lost}: the missing shard
     ("bert", [], "{d}/bert/" + BERT),
     ("cut", [], "{d}/cut/model.safetensors.index.json names {lost}, which is not in {d}/cut; the download is "

@@ -211,9 +211,9 @@ def test_mlp_shapes_and_layout():
 
 
 def test_registry_and_param_counts():
-    assert list_models() == ["gpt-small", "gpt-tiny", "llama-3-8b", "llama-3.2-1b", "llama-small", "llama-tiny", "mlp",
-                             "mlp-tiny", "smollm2-135m"]
-    counts = {"gpt-tiny": 67_776, "gpt-small": 867_072, "mlp": 4_754_698, "mlp-tiny": 6_570}
+    assert list_models() == ["gpt-small", "gpt-tiny", "llama-3-8b", "llama-3.2-1b", "llama-moe-tiny", "llama-small",
+                             "llama-tiny", "mixtral-8x7b", "mlp", "mlp-tiny", "smollm2-135m"]
+    counts = {"gpt-tiny": 67_776, "gpt-small": 867_072, "mlp": 4_754_698, "mlp-tiny": 6_570, "llama-moe-tiny": 254_784}
     for name, n in counts.items():
         assert count_parameters(build_model(name)) == n, name
     m = build_model("gpt-tiny", n_layer=2)

@@ -46,7 +46,10 @@ RUNS = {
     # context parallelism: each sequence split over 2 ranks (ring attention, or the head all-to-all)
     "cp2 ring P=2": dict(strategy="ddp", nproc=2, cp=2),
     "cp2 all-to-all P=2": dict(strategy="ddp", nproc=2, cp=2, cp_algorithm="all-to-all"),
+    # expert parallelism: llama-moe-tiny's 4 experts, 2 per rank, tokens sent to them all-to-all
+    "ep2 P=2": dict(strategy="ddp", nproc=2, ep=2),
 }
+PRESET = {"ep2 P=2": "llama-moe-tiny"}  # the model a run trains (and its one-process reference), else gpt-tiny
 # float32 over 4 AdamW steps: reordered sums move the loss by ~1e-6 relative; the shared-weights
 # bug moved it by 1e-2 and more from the second step on
 RTOL = 2e-5
@@ -59,9 +62,9 @@ def _config(out, **kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
-def _model() -> nn.Module:
+def _model(preset: str = "gpt-tiny") -> nn.Module:
     torch.manual_seed(0)
-    return build_model("gpt-tiny")  # an nn.Module in the caller, float32, as a user would build it
+    return build_model(preset)  # an nn.Module in the caller, float32, as a user would build it
 
 
 def _losses(out) -> list[float]:
@@ -75,19 +78,19 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
 _REF: dict = {}
 
 
-def _reference(tmp_path_factory) -> list[float]:
-    if "losses" not in _REF:
+def _reference(tmp_path_factory, preset: str = "gpt-tiny") -> list[float]:
+    if preset not in _REF:
         out = tmp_path_factory.mktemp("single")
-        distrain.train(model=_model(), config=_config(out, strategy="single", nproc=1))
-        _REF["losses"] = _losses(out)
-    return _REF["losses"]
+        distrain.train(model=_model(preset), config=_config(out, strategy="single", nproc=1))
+        _REF[preset] = _losses(out)
+    return _REF[preset]
 
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("name", list(RUNS))
 def test_python_api_float32_equals_one_process(tmp_path, tmp_path_factory, name):
-    ref = _reference(tmp_path_factory)
-    model = _model()
+    ref = _reference(tmp_path_factory, PRESET.get(name, "gpt-tiny"))
+    model = _model(PRESET.get(name, "gpt-tiny"))
     before = _state(model)
     distrain.train(model=model, config=_config(tmp_path / "run", **RUNS[name]))
     got = _losses(tmp_path / "run")
@@ -185,12 +188,15 @@ def _table(names) -> None:  # pragma: no cover - a report for the issue, not a t
     from pathlib import Path
 
     root = Path(tempfile.mkdtemp())
-    distrain.train(model=_model(), config=_config(root / "single", strategy="single", nproc=1))
-    ref = torch.tensor(_losses(root / "single"))
+    refs = {}
+    for preset in {PRESET.get(n, "gpt-tiny") for n in names}:
+        distrain.train(model=_model(preset), config=_config(root / f"single-{preset}", strategy="single", nproc=1))
+        refs[preset] = torch.tensor(_losses(root / f"single-{preset}"))
     print(f"| run | max rel. loss difference to one process (float32, 4 steps) | caller's model unchanged |")
     print("|---|---|---|")
     for name in names:
-        model = _model()
+        model = _model(PRESET.get(name, "gpt-tiny"))
+        ref = refs[PRESET.get(name, "gpt-tiny")]
         before = _state(model)
         distrain.train(model=model, config=_config(root / name.replace(" ", "_"), **RUNS[name]))
         got = torch.tensor(_losses(root / name.replace(" ", "_")))

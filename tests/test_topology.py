@@ -148,8 +148,9 @@ def test_invalid_config(kwargs, match):
 
 def test_invalid_axis_and_coords():
     t = Topology(2, 2)
-    with pytest.raises(ConfigError, match=r"unknown axis 'ep'.*'dp', 'tp', 'pp'"):
-        t.groups_of("ep")
+    with pytest.raises(ConfigError, match=r"unknown axis 'xp'.*'dp', 'tp', 'pp'"):
+        t.groups_of("xp")
+    assert t.groups_of("ep") == [[0], [1], [2], [3]]  # ep = 1: every rank holds every expert
     with pytest.raises(ConfigError, match="unknown axis"):
         t.ring_next("x")
     with pytest.raises(ConfigError, match=r"tp coordinate 2 is out of range \[0, 2\)"):

@@ -241,6 +241,9 @@ class _CountingEngine:
     def set_lr(self, lr):
         pass
 
+    def step_metrics(self):
+        return {}
+
     def train_step(self, x, y, commit=None):
         self.step += 1
         return torch.tensor(float(self.step - 1))

@@ -48,6 +48,21 @@ With context parallelism, dp=2, cp=2, tp=1, pp=1 (4 ranks)::
     cp:   0 1 0 1
 
     cp groups: [0,1] [2,3]      dp groups: [0,2] [1,3]      dp_cp group: [0,1,2,3]
+
+Expert parallelism (``ep``, distrain.parallel.expert_parallel) is not a fifth factor of the world: it
+borrows ranks from dp x cp, as torchtitan's and Megatron-Core's do. The ranks of a dp_cp group hold
+the same non-expert parameters and read different tokens; numbered i = dp_rank * cp + cp_rank, they
+split into consecutive blocks of ep (the ``ep`` groups: ep ranks that pool their experts, E/ep
+each, and exchange tokens all-to-all) and, across the blocks, the ranks at the same place in their
+block (the ``edp`` groups, dp*cp/ep ranks: replicas of the same experts, whose gradients they sum).
+So ep must divide dp * cp. Why borrow rather than add an axis: expert parallelism splits only the
+experts, while every rank of the ep group still reads its own tokens -- exactly what a data-parallel
+rank does -- so a separate axis would only replicate the tokens' work. Consecutive blocks put ep
+peers on neighbouring dp_cp ranks (with ep = cp the ep groups are the cp groups).
+
+With dp=4, ep=2 (4 ranks)::
+
+    ep groups: [0,1] [2,3]      edp groups: [0,2] [1,3]     (rank 0 and 2 hold experts 0..E/2-1)
 """
 
 from __future__ import annotations
@@ -63,6 +78,7 @@ from distrain.errors import ConfigError
 AXES = ("dp", "tp", "pp", "cp")
 ORDER = ("pp", "dp", "cp", "tp")  # the rank's digits, outermost (slowest) first
 JOINT = {"dp_cp": ("dp", "cp")}  # groups over several axes: name -> axes
+EXPERT = ("ep", "edp")  # groups carved out of dp_cp by ep (module docstring)
 # Order in which from_world creates groups; every rank must use the same one.
 _GROUP_CREATION_ORDER = ("tp", "cp", "dp", "pp")
 
@@ -106,6 +122,7 @@ class Topology:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1  # expert parallelism: borrows ranks from dp x cp (module docstring)
     _: dataclasses.KW_ONLY
     rank: int = 0
     world_size: int | None = None
@@ -115,7 +132,7 @@ class Topology:
     )
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "cp", "rank"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "rank"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
                 raise ConfigError(f"{name} must be an int, got {v!r} ({type(v).__name__})")
@@ -137,6 +154,10 @@ class Topology:
             )
         if not 0 <= self.rank < ws:
             raise ConfigError(f"rank {self.rank} is out of range [0, {ws}) for world size {ws}")
+        if (self.dp * self.cp) % self.ep:
+            fit = [d for d in range(1, self.dp * self.cp + 1) if (self.dp * self.cp) % d == 0]
+            raise ConfigError(f"ep={self.ep} does not divide dp*cp = {self.dp * self.cp}: expert parallelism borrows "
+                              f"its ranks from the data-parallel ones; choose ep among {', '.join(map(str, fit))}")
 
     def stride(self, axis: str) -> int:
         """How far apart in rank two neighbours along ``axis`` are: the product of the sizes of
@@ -160,8 +181,25 @@ class Topology:
     cp_rank = property(lambda self: self.coords.cp, doc="This rank's index along cp (its chunks of the sequence).")
 
     def size_of(self, axis: str) -> int:
-        """Size of ``axis`` (one of "dp", "tp", "pp", "cp"), or of a joint group ("dp_cp": dp * cp)."""
+        """Size of ``axis`` (one of "dp", "tp", "pp", "cp"), of a joint group ("dp_cp": dp * cp), or of
+        an expert group ("ep": ep, "edp": dp * cp / ep)."""
+        if axis in EXPERT:
+            return self.ep if axis == "ep" else self.dp * self.cp // self.ep
         return math.prod(getattr(self, a) for a in self._axes(axis))
+
+    def _expert_ranks(self, axis: str, c: Coords) -> list[int]:
+        """The ep or edp group of the rank at ``c``: its dp_cp group (in rank order: i = dp * cp + cp)
+        cut into consecutive blocks of ep (ep), or every ep-th of it from its place in its block (edp)."""
+        ranks = self._ranks_along("dp_cp", c)
+        i = c.dp * self.cp + c.cp
+        block = i // self.ep * self.ep
+        return ranks[block:block + self.ep] if axis == "ep" else ranks[i % self.ep::self.ep]
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's index in its ep group: which E/ep experts it holds."""
+        c = self.coords
+        return (c.dp * self.cp + c.cp) % self.ep
 
     def rank_of(self, *, dp: int = 0, tp: int = 0, pp: int = 0, cp: int = 0) -> int:
         """Global rank at the given coordinates; each must lie in [0, axis size)."""
@@ -190,7 +228,9 @@ class Topology:
 
     def _ranks_along(self, axis: str, c: Coords) -> list[int]:
         """Ranks sharing every coordinate of ``c`` except those of ``axis`` (a joint group: all of
-        its axes), in rank order (for one axis: axis order)."""
+        its axes), in rank order (for one axis: axis order); an expert group: :meth:`_expert_ranks`."""
+        if axis in EXPERT:
+            return self._expert_ranks(axis, c)
         axes, fixed = self._axes(axis), c._asdict()
         out = []
         for values in itertools.product(*(range(getattr(self, a)) for a in axes)):
@@ -205,6 +245,9 @@ class Topology:
         The order depends only on the sizes, never on ``rank``, so all ranks see the
         same list -- required because ``new_group`` must be called identically everywhere.
         """
+        if axis in EXPERT:
+            seen = dict.fromkeys(tuple(self._expert_ranks(axis, self.coords_of(r))) for r in range(self.world_size))
+            return sorted(list(g) for g in seen)
         axes = self._axes(axis)
         groups = []
         for r in range(self.world_size):
@@ -223,6 +266,8 @@ class Topology:
     cp_ranks = property(lambda self: self.ranks_of("cp"), doc="Ranks of this rank's cp group.")
     dp_cp_ranks = property(lambda self: self.ranks_of("dp_cp"),
                            doc="Ranks holding this rank's parameter shard: its dp x cp group.")
+    ep_ranks = property(lambda self: self.ranks_of("ep"), doc="Ranks pooling their experts with this one.")
+    edp_ranks = property(lambda self: self.ranks_of("edp"), doc="Ranks holding the same experts as this one.")
 
     @property
     def is_first_stage(self) -> bool:
@@ -256,19 +301,23 @@ class Topology:
         """Short multi-line description: the grid (one block per pp stage) and this rank."""
         c = self.coords
         cp = f" cp={self.cp}" if self.cp > 1 else ""
-        lines = [f"Topology dp={self.dp}{cp} tp={self.tp} pp={self.pp} (world size {self.world_size})"]
+        lines = [f"Topology dp={self.dp}{cp} tp={self.tp} pp={self.pp}" + (f" ep={self.ep}" if self.ep > 1 else "")
+                 + f" (world size {self.world_size})"]
         cols = "cp x tp" if self.cp > 1 else "tp"
         for p in range(self.pp):
             rows = [[self.rank_of(dp=d, cp=k, tp=t, pp=p) for k in range(self.cp) for t in range(self.tp)]
                     for d in range(self.dp)]
             lines.append(f"  pp stage {p} (rows dp, columns {cols}): {rows}")
         lines.append(f"  this rank {self.rank}: pp={c.pp} dp={c.dp}" + (f" cp={c.cp}" if self.cp > 1 else "")
-                     + f" tp={c.tp}")
+                     + f" tp={c.tp}" + (f" ep={self.ep_rank}" if self.ep > 1 else ""))
+        if self.ep > 1:
+            lines.append(f"  ep={self.ep} (borrowed from dp x cp): ep groups {self.groups_of('ep')}, expert replicas "
+                         f"(edp) {self.groups_of('edp')}")
         return "\n".join(lines)
 
     @classmethod
     def from_world(
-        cls, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, *,
+        cls, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, *,
         backend_timeout: timedelta | float | None = None
     ) -> Topology:
         """Build the topology of the initialised world and create its process groups.
@@ -276,7 +325,8 @@ class Topology:
         Collective: every rank must call it with the same sizes. Every rank calls
         ``torch.distributed.new_group`` for every group of every axis (order: tp, cp, dp,
         pp; groups in ``groups_of`` order), then, when cp > 1, for every dp_cp group (with
-        cp = 1 it is the dp group), and keeps the groups it belongs to.
+        cp = 1 it is the dp group), then, when ep > 1, for every ep and edp group, and keeps the groups
+        it belongs to.
         ``backend_timeout`` (timedelta or seconds) is passed to ``new_group``.
         """
         import torch.distributed as dist  # only the distributed part needs torch
@@ -287,7 +337,7 @@ class Topology:
                 "call distrain.runtime.init() or use distrain.spawn first "
                 "(or build a pure Topology(dp, tp, pp, rank=..., world_size=...))"
             )
-        topo = cls(dp, tp, pp, cp, rank=dist.get_rank(), world_size=dist.get_world_size())
+        topo = cls(dp, tp, pp, cp, ep, rank=dist.get_rank(), world_size=dist.get_world_size())
         kwargs: dict[str, Any] = {}
         if backend_timeout is not None:
             if not isinstance(backend_timeout, timedelta):
@@ -295,7 +345,8 @@ class Topology:
             kwargs["timeout"] = backend_timeout
         groups: dict[str, Any] = {}
         for axis in _GROUP_CREATION_ORDER + tuple(j for j, axes in JOINT.items() if topo.size_of(j) > max(
-                getattr(topo, a) for a in axes)):  # a joint group equal to one axis's is that axis's
+                getattr(topo, a) for a in axes)) + (EXPERT if topo.ep > 1 else ()):  # a joint group equal to one
+            # axis's is that axis's
             for ranks in topo.groups_of(axis):
                 # new_group is collective over the whole world: call it for every group,
                 # even those this rank is not in, or the ranks deadlock / mismatch.
@@ -308,12 +359,14 @@ class Topology:
     def group(self, axis: str) -> Any:
         """This rank's ProcessGroup along ``axis`` (or joint group: "dp_cp"); only on a Topology
         from from_world."""
-        axes = self._axes(axis)
+        axes = self._axes(axis) if axis not in EXPERT else ()
         if self._groups is None:
             raise ConfigError(
                 f"{axis}_group exists only on a Topology built with Topology.from_world(...); "
                 "this one is pure (no process groups)"
             )
+        if axis in EXPERT and axis not in self._groups:  # ep = 1: no expert groups (None: one rank, nothing sent)
+            return None if axis == "ep" else self.group("dp_cp")
         if axis not in self._groups:  # a joint group that equals one of its axes' (the others have size 1)
             return self._groups[max(axes, key=lambda a: getattr(self, a))]
         return self._groups[axis]
@@ -324,3 +377,7 @@ class Topology:
     cp_group = property(lambda self: self.group("cp"), doc="This rank's context-parallel ProcessGroup.")
     dp_cp_group = property(lambda self: self.group("dp_cp"),
                            doc="This rank's dp x cp ProcessGroup: the ranks that average one shard's gradients.")
+    ep_group = property(lambda self: self.group("ep"),
+                        doc="This rank's expert-parallel ProcessGroup (None when ep is 1).")
+    edp_group = property(lambda self: self.group("edp"),
+                         doc="The ranks holding this rank's experts (the dp x cp group when ep is 1).")

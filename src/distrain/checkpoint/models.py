@@ -21,7 +21,7 @@ from distrain.factories import CUSTOM, is_spec, load_object
 
 HF = "hf:"
 # presets that train (and so export) as they are; shape-only presets are for the cost model
-EXPORTABLE = ("llama-tiny", "llama-small")
+EXPORTABLE = ("llama-tiny", "llama-small", "llama-moe-tiny")
 
 
 # -- checking the tensors against the model the run trains ------------------------------------------

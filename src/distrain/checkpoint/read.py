@@ -28,6 +28,7 @@ from distrain.checkpoint.form import FULL
 
 CONFIG, SINGLE, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 ARCH = "LlamaForCausalLM"
+ARCHS = {"llama": ARCH, "mixtral": "MixtralForCausalLM"}  # model_type -> architecture (Mixtral: a Llama with moe)
 IMPORT = "checkpoint import"
 WHAT_IMPORT_READS = ("give a file written by `distrain checkpoint consolidate`, a torch.save(model.state_dict()) "
                      "file or a .safetensors file")
@@ -40,7 +41,8 @@ def is_hf_folder(path: str | os.PathLike) -> bool:
 
 
 def read_config(folder: str | os.PathLike, who: str) -> dict:
-    """``folder/config.json`` of a LlamaForCausalLM, or a one-line ConfigError naming the file."""
+    """``folder/config.json`` of a LlamaForCausalLM (or MixtralForCausalLM), or a one-line ConfigError naming the
+    file."""
     path = Path(folder) / CONFIG
     if not path.is_file():
         raise ConfigError(f"{who}: {folder} has no {CONFIG}, so it is no Hugging Face model folder; give the folder "
@@ -53,11 +55,12 @@ def read_config(folder: str | os.PathLike, who: str) -> dict:
         raise ConfigError(f"{who}: {path} is not a Hugging Face model config (it has no model_type or architectures); "
                           f"give the folder that save_pretrained wrote")
     archs = config.get("architectures") or []
-    if (archs and ARCH not in archs) or config.get("model_type", "llama") != "llama":
+    kind = config.get("model_type", "llama")
+    if kind not in ARCHS or (archs and ARCHS[kind] not in archs):
         what = ", ".join(archs) or "no architecture"
         raise ConfigError(f"{who}: {path} describes {what} (model_type {config.get('model_type')!r}), not {ARCH}; "
-                          f"distrain reads and writes Llama-family checkpoints (model_type 'llama'): give such a model "
-                          f"folder")
+                          f"distrain reads and writes Llama-family checkpoints (model_type 'llama', or 'mixtral': "
+                          f"MixtralForCausalLM): give such a model folder")
     return config
 
 

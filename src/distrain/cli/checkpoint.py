@@ -123,8 +123,9 @@ def run_hf(args, settings: dict) -> int:
     """``checkpoint export`` and ``checkpoint import --hf``."""
     if args.action == "export":
         config = export_hf(args.run, args.hf)
-        print(f"{args.hf}: {ARCH} ({config['num_hidden_layers']} layers, hidden {config['hidden_size']}, vocab "
-              f"{config['vocab_size']}, {config['dtype']}); load it with LlamaForCausalLM.from_pretrained({args.hf!r})")
+        arch = (config.get("architectures") or [ARCH])[0]  # MixtralForCausalLM for a mixture of experts
+        print(f"{args.hf}: {arch} ({config['num_hidden_layers']} layers, hidden {config['hidden_size']}, vocab "
+              f"{config['vocab_size']}, {config['dtype']}); load it with {arch}.from_pretrained({args.hf!r})")
         return 0
     if args.file is not None:
         raise ConfigError(f"{IMPORT}: give FILE or --hf HF_DIR, not both")

@@ -81,7 +81,9 @@ def broadcast(tensor: torch.Tensor, src: int = None, group=None, async_op: bool 
     fp = _fast(group, async_op, algorithm) if not kwargs else None
     if fp is not None and fp.broadcast(tensor, src):
         return None
-    return _broadcast(tensor, src, group, async_op, algorithm, **kwargs)
+    if src is not None:  # else torch's group_src= (in kwargs) names the root
+        kwargs["src"] = src
+    return _broadcast(tensor, group=group, async_op=async_op, algorithm=algorithm, **kwargs)
 
 
 def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = False, algorithm: str = "native"):

@@ -115,16 +115,18 @@ class Shape:
     def tensor_sizes(self) -> list[int]:
         """Elements of every parameter tensor in the order of distrain's GPT / Llama modules
         (``model.parameters()``: embeddings, each block's norm and attention, norm and MLP, the
-        head), for DDP's buckets without building the model. Dense models only."""
+        head), for DDP's buckets without building the model. A mixture (Llama only): the router (E x h),
+        then each expert's w1, w3, w2."""
         h, q, kv, f = self.hidden, self.heads * self.d, self.kv_heads * self.d, self.ffn
-        if self.moe:
-            raise ConfigError(f"{self.name}: tensor_sizes() lists dense GPT/Llama blocks only")
+        if self.moe and self.bias:
+            raise ConfigError(f"{self.name}: tensor_sizes() lists Llama mixtures of experts only (no biases)")
         out = [self.vocab * h] + ([self.positions * h] if self.positions else [])
         for _ in range(self.layers):
             if self.bias:  # GPT: ln_1 (w, b), q, k, v, o (w, b each), ln_2 (w, b), fc (w, b), proj (w, b)
                 out += [h, h, q * h, q, kv * h, kv, kv * h, kv, h * q, h, h, h, f * h, f, h * f, h]
-            else:  # Llama: attention_norm, wq, wk, wv, wo, ffn_norm, w1, w3, w2
-                out += [h, q * h, kv * h, kv * h, h * q, h, f * h, f * h, h * f]
+            else:  # Llama: attention_norm, wq, wk, wv, wo, ffn_norm, w1, w3, w2 (a mixture: gate, then per expert)
+                mlp = [self.experts * h] + [f * h, f * h, h * f] * self.experts if self.moe else [f * h, f * h, h * f]
+                out += [h, q * h, kv * h, kv * h, h * q, h] + mlp
         out += [h, h] if self.bias else [h]
         return out + ([] if self.tied else [self.vocab * h])
 
@@ -177,9 +179,16 @@ def preset_shape(name: str) -> Shape:
                     "models/registry.py")
     from distrain.models.llama.model import swiglu_hidden
 
-    return _llama(name, kw["n_layer"], kw["n_embd"], kw["n_head"], kw.get("n_kv_head") or kw["n_head"],
-                  kw.get("intermediate_size") or swiglu_hidden(kw["n_embd"]), kw["vocab_size"],
-                  tied=bool(kw.get("tie_word_embeddings", False)), source="models/registry.py")
+    ffn = kw.get("intermediate_size") or swiglu_hidden(kw["n_embd"])
+    shape = _llama(name, kw["n_layer"], kw["n_embd"], kw["n_head"], kw.get("n_kv_head") or kw["n_head"], ffn,
+                   kw["vocab_size"], tied=bool(kw.get("tie_word_embeddings", False)), source="models/registry.py")
+    moe = kw.get("moe")  # a mixture of experts (models/moe.py): E experts of width expert_size, top-k; no shared one
+    if moe and not moe.get("shared_expert_size"):
+        shape = replace(shape, ffn=moe.get("expert_size") or ffn, experts=moe["num_experts"], top_k=moe["top_k"])
+    elif moe:
+        raise ConfigError(f"--model {name!r}: a shared expert is not in the planner's MoE shape; give the shape "
+                          f"(--experts, --top-k, ...)")
+    return shape
 
 
 def with_positions(shape: Shape, seq: int) -> Shape:

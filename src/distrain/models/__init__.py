@@ -6,6 +6,8 @@ One folder per model, the model and its tensor-parallel plan side by side: ``gpt
 ``llama/`` (model.py + plan.py; llama/ also rope.py and hf.py, its Hugging Face state-dict
 adapter); ``hf_transformers/``: Hugging Face transformers models (LlamaForCausalLM, Mistral,
 Qwen2) under our tensor and pipeline parallelism. ``registry.py``: presets and the plan lookup.
+``sampling.py``: ``generate`` (temperature, top-k, top-p, greedy), with the KV cache of
+``kv_cache.py`` for our GPT and Llama (``new_cache`` / ``forward_cached``).
 """
 
 from distrain.models.gpt import (
@@ -16,12 +18,12 @@ from distrain.models.gpt import (
     GPTConfig,
     Head,
     MLPBlock,
-    generate,
     lm_loss,
 )
 from distrain.models.llama import Llama, LlamaConfig
 from distrain.models.mlp import MLP, classification_loss
 from distrain.models.outputs import logits_of
+from distrain.models.sampling import generate
 from distrain.models.registry import (
     MODEL_PRESETS,
     build_model,

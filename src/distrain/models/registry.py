@@ -9,8 +9,9 @@ Parameter counts (from :func:`count_parameters`):
 * ``mlp-tiny``  (64 -> 64 -> 32 -> 10, for 8x8 digits):          6,570
 * ``llama-tiny``  (block 32, 2 layers, 4 heads / 2 KV heads, C=64, F=192, V=256):   131,392
 * ``llama-small`` (block 64, 4 layers, 4 heads / 2 KV heads, C=128, F=384, V=256):  853,120
+* ``llama-moe-tiny`` (llama-tiny's attention, 4 SwiGLU experts of F=128, top-2, C=64, V=256): 254,784
 * shape-only (published sizes; build them on the meta device): ``smollm2-135m`` (134,515,008),
-  ``llama-3.2-1b`` (1,235,814,400), ``llama-3-8b`` (8,030,261,248)
+  ``llama-3.2-1b`` (1,235,814,400), ``llama-3-8b`` (8,030,261,248), ``mixtral-8x7b`` (46,702,792,704)
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ MODEL_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                                  intermediate_size=192)),
     "llama-small": ("llama", dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_kv_head=2, n_embd=128,
                                   intermediate_size=384)),
+    # a mixture of experts (models/moe.py): 4 SwiGLU experts of width 128 per block, top-2, softmax gating
+    "llama-moe-tiny": ("llama", dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=64,
+                                     intermediate_size=128, moe=dict(num_experts=4, top_k=2, gating="softmax",
+                                                                     aux_loss_coef=0.01, capacity_factor=0.0))),
     # published sizes (HF config.json of each); block_size: the pretraining context
     "smollm2-135m": ("llama", dict(vocab_size=49152, block_size=8192, n_layer=30, n_head=9, n_kv_head=3, n_embd=576,
                                    intermediate_size=1536, rope_theta=100000.0, tie_word_embeddings=True)),
@@ -46,9 +51,13 @@ MODEL_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                                                      original_max_position_embeddings=8192))),
     "llama-3-8b": ("llama", dict(vocab_size=128256, block_size=8192, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096,
                                  intermediate_size=14336, rope_theta=500000.0)),
+    # mistralai/Mixtral-8x7B-v0.1: 8 experts of width 14336, top-2 (46.7B parameters, 12.9B active per token)
+    "mixtral-8x7b": ("llama", dict(vocab_size=32000, block_size=32768, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096,
+                                   intermediate_size=14336, rope_theta=1000000.0,
+                                   moe=dict(num_experts=8, top_k=2, gating="softmax", aux_loss_coef=0.02))),
 }
 # presets with published sizes only: too big to measure or train here (distrain plan needs --compute-ms)
-SHAPE_ONLY_PRESETS = frozenset({"smollm2-135m", "llama-3.2-1b", "llama-3-8b"})
+SHAPE_ONLY_PRESETS = frozenset({"smollm2-135m", "llama-3.2-1b", "llama-3-8b", "mixtral-8x7b"})
 
 _VALID_KEYS: dict[str, list[str]] = {
     "gpt": GPTConfig.field_names(),
@@ -148,6 +157,36 @@ def model_cp_plan(model: nn.Module):
 
         return llama_cp_plan()
     return None
+
+
+def model_ep_plan(model: nn.Module):
+    """The expert-parallel plan the trainer applies: the model's own ``ep_plan`` attribute (a
+    ``distrain.parallel.expert_parallel.EPPlan``), else the Llama's when it has experts, else None."""
+    own = getattr(model, "ep_plan", None)
+    if own is not None:
+        return own
+    if isinstance(model, Llama) and model.config.moe is not None:
+        from distrain.models.llama.plan import llama_ep_plan
+
+        return llama_ep_plan()
+    return None
+
+
+def num_experts_of(model: nn.Module) -> int | None:
+    """Experts per mixture layer of ``model`` (its config's ``moe``), None for a model without experts."""
+    moe = getattr(getattr(model, "config", None), "moe", None)
+    return getattr(moe, "num_experts", None)
+
+
+def check_ep_fits(model: nn.Module, ep: int, data_ranks: int) -> None:
+    """``distrain.train(model=..., config=TrainConfig(ep=N))`` in the caller, before any rank starts: an
+    expert-parallel plan that names mixture layers, and ep dividing their experts and dp x cp; each a
+    one-line ConfigError."""
+    from distrain.parallel.expert_parallel import check_ep_sizes
+
+    plan = model_ep_plan(model)
+    layers = plan.layers(model) if plan is not None else []
+    check_ep_sizes(ep, layers[0][1].num_experts if layers else None, data_ranks, type(model).__name__)
 
 
 def check_cp_fits(model: nn.Module, cp: int, variant: str, tp: int = 1) -> None:

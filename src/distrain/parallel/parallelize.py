@@ -1,4 +1,4 @@
-"""``parallelize()``: tensor, then context, then pipeline, then data parallelism, in that fixed order.
+"""``parallelize()``: tensor, then context, then expert, then pipeline, then data parallelism, in that fixed order.
 
 The model (``layers`` = a list of modules run in a loop, e.g. the GPT's [Embedding, Block x n,
 Head]) knows nothing of parallelism; its tensor-parallel plan sits beside it. Every rank
@@ -19,6 +19,12 @@ Why this order:
    (distrain.parallel.context_parallel: chunks i and 2N-1-i, ring or all-to-all attention),
    inside the layers, so the layer list stays intact as well. ``train_step`` then keeps this
    rank's tokens of the inputs and targets (``ContextParallel.split``, the plan's sequence dims).
+2b. **Expert parallel** (``topo.ep_group``, when the model has mixture-of-experts layers and an
+   ``ep_plan``): every mixture layer keeps this rank's E/ep experts and sends tokens to the others'
+   by all-to-all (distrain.parallel.expert_parallel); the router's counts are summed over dp x cp
+   (the step's tokens), so the load-balancing loss is the one-process loss even with ep = 1. After
+   backward the expert gradients are summed over ``topo.edp_group`` (the replicas of the same experts)
+   and divided by dp x cp; DDP below leaves them alone.
 3. **Pipeline split third** (``topo.pp_group``): the rank keeps the contiguous slice of
    layers of stage ``topo.pp_rank``; activations go to the same tp rank of the next stage.
    Balancing by parameter count is the same on every tp rank, since every tp rank holds
@@ -58,6 +64,9 @@ import torch.nn as nn
 from distrain.errors import ConfigError
 from distrain.parallel.context_parallel import ContextParallel, CPPlan, apply_context_parallel
 from distrain.parallel.data_parallel import DistributedDataParallel
+from distrain.parallel.expert_parallel import (
+    EPPlan, ExpertParallel, apply_expert_parallel, check_ep_layout, expert_parameter_names, reduce_expert_gradients,
+)
 from distrain.parallel.pipeline_parallel import PipelineStage, partition, pipeline_step
 from distrain.parallel.pipeline_parallel.schedule import SPLIT_BACKWARD
 from distrain.parallel.tensor_parallel import TPGroup, apply_tensor_parallel, tp_shard_info
@@ -85,6 +94,8 @@ class ParallelModel:
     tp_info: dict | None = None         # {name in module: ShardInfo}, taken before ZeRO-3 removes the parameters
     cp: ContextParallel | None = None   # this rank's part of the sequence (cp > 1)
     cp_plan: CPPlan | None = None
+    ep: ExpertParallel | None = None    # the mixture layers' dispatch (a model with experts, ep_plan given)
+    expert_params: list | None = None  # this rank's experts' parameters, reduced over edp (ep > 1)
 
     def split(self, x: torch.Tensor | None, what: str = "input") -> torch.Tensor | None:
         """This rank's tokens of a whole batch tensor (inputs or targets: the plan's dims); as it is
@@ -121,6 +132,8 @@ class ParallelModel:
             net = self.ddp if self.ddp is not None else self.module
             loss = self.loss_fn(net(x), y)
             loss.backward()
+            if self.expert_params:
+                reduce_expert_gradients(self.expert_params, self.topo.edp_group, self.topo.dp * self.topo.cp)
             return loss.detach()
         # ZeRO reduces once per step for stage 1, and for stage 2 when the schedule splits the
         # backward (zb-h1's W passes accumulate weight gradients outside autograd, where no
@@ -145,9 +158,10 @@ class ParallelModel:
 def parallelize(model: nn.Module, topo: Topology, *, loss_fn: Loss, tp_plan=None, algorithm: str = "native",
                 microbatches: int = 1, schedule: str = "1f1b", bucket_cap_mb: float = 25.0,
                 zero_stage: int = 0, optimizer=None, cp_plan: CPPlan | None = None,
-                cp_algorithm: str = "ring") -> ParallelModel:
+                cp_algorithm: str = "ring", ep_plan: EPPlan | None = None) -> ParallelModel:
     """Apply ``tp_plan`` on ``topo.tp_group``, ``cp_plan`` on ``topo.cp_group`` (``cp_algorithm``:
-    "ring" or "all-to-all"), cut the pipeline stage of ``topo.pp_rank``, wrap it in DDP over
+    "ring" or "all-to-all"), ``ep_plan`` on ``topo.ep_group`` (the mixture layers' experts; with ep = 1 it
+    only sums the router's counts over dp x cp), cut the pipeline stage of ``topo.pp_rank``, wrap it in DDP over
     ``topo.dp_cp_group`` (or ZeRO ``zero_stage`` with the ``optimizer`` factory).
     ``loss_fn(output, target)``: the loss on the model's full output (a plan that keeps the
     output sharded brings its own loss on shards, used when tp > 1).
@@ -168,6 +182,10 @@ def parallelize(model: nn.Module, topo: Topology, *, loss_fn: Loss, tp_plan=None
     if topo.cp > 1 and cp_plan is None:
         raise ConfigError(f"parallelize: cp={topo.cp} needs cp_plan= (the modules that read the sequence layout); the "
                           f"GPT's is distrain.models.gpt.plan.gpt_cp_plan()")
+    if topo.ep > 1 and ep_plan is None:
+        raise ConfigError(f"parallelize: ep={topo.ep} needs ep_plan= (the mixture-of-experts layers); the Llama's is "
+                          f"distrain.models.llama.plan.llama_ep_plan()")
+    check_ep_layout(topo.ep, tp=topo.tp, pp=topo.pp, zero_stage=zero_stage)
     plan = as_plan(tp_plan) if tp_plan is not None else None
     # 0. the pipeline cut is decided on the whole model, before any sharding: the same on
     #    every rank whatever tp is (layers per stage, balanced by parameter count)
@@ -180,6 +198,14 @@ def parallelize(model: nn.Module, topo: Topology, *, loss_fn: Loss, tp_plan=None
     if topo.cp > 1:
         cp = ContextParallel(topo.cp_group, cp_algorithm)
         apply_context_parallel(model, cp, plan=cp_plan)
+    # 2b. expert parallel: this rank's experts, tokens to the others' by all-to-all, on the ep group
+    ep = None
+    if ep_plan is not None and (topo.ep > 1 or topo.dp * topo.cp > 1) and ep_plan.layers(model):
+        ep = ExpertParallel(topo.ep_group, topo.dp_cp_group if topo.dp * topo.cp > 1 else None)
+        apply_expert_parallel(model, ep, plan=ep_plan)
+    experts = expert_parameter_names(model) if topo.ep > 1 else []
+    if experts:  # they differ between the dp x cp ranks: DDP leaves them to reduce_expert_gradients
+        model._ddp_params_and_buffers_to_ignore = experts
     # 3. pipeline: keep this stage's layers; neighbours are the same (dp, tp) on pp_rank -/+ 1
     stage = PipelineStage.from_topology(model, topo, balance=cut) if topo.pp > 1 else None
     module = stage if stage is not None else model
@@ -199,8 +225,9 @@ def parallelize(model: nn.Module, topo: Topology, *, loss_fn: Loss, tp_plan=None
     elif topo.dp * topo.cp > 1:
         ddp = DistributedDataParallel(module, group=topo.dp_cp_group, algorithm=algorithm,
                                       bucket_cap_mb=bucket_cap_mb)
+    params = dict(module.named_parameters())
     return ParallelModel(topo, module, stage, ddp, algorithm, microbatches, schedule, loss_fn, plan, zero, tp_info,
-                         cp, cp_plan if cp is not None else None)
+                         cp, cp_plan if cp is not None else None, ep, [params[n] for n in experts])
 
 
 def check_zero_layout(zero_stage: int, dp: int, pp: int, cp: int = 1) -> None:

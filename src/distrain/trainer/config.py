@@ -30,7 +30,7 @@ CP_ALGORITHMS = ("ring", "all-to-all")  # --cp-algorithm: parallel/context_paral
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")  # zb-h1: zero bubble (B / W split), parallel/pipeline_parallel/zero_bubble.py
 # which data each model preset reads (input sizes must match)
 MODEL_DATA = {"gpt-tiny": "text", "gpt-small": "text", "mlp": "fashion-mnist", "mlp-tiny": "digits",
-              "llama-tiny": "text", "llama-small": "text"}
+              "llama-tiny": "text", "llama-small": "text", "llama-moe-tiny": "text"}
 
 
 # --seed: torch.manual_seed took up to 2**64-1 (beyond, the ranks died with "Overflow when unpacking long long"), an
@@ -108,6 +108,9 @@ class TrainConfig:
     cp_algorithm: str = opt("ring", "attention across the cp ranks: ring (keys and values passed around the ring, "
                                     "any head count) or all-to-all (Ulysses: heads exchanged for sequence; cp must "
                                     "divide the query and key/value heads per tp rank)", choices=CP_ALGORITHMS)
+    ep: int = opt(1, "expert-parallel size (mixture-of-experts models, e.g. llama-moe-tiny): each expert on one of ep "
+                     "ranks, tokens sent to it all-to-all; borrows ranks from dp x cp, so ep must divide dp x cp and "
+                     "the number of experts")
     microbatches: int = opt(1, "micro-batches per pipeline step; must divide the per-replica batch")
     schedule: str = opt("1f1b", "pipeline schedule (zb-h1: zero bubble, backward split into input- and "
                                 "weight-gradient passes)", choices=SCHEDULES)
@@ -163,7 +166,7 @@ class TrainConfig:
     # -- derived ---------------------------------------------------------------------------
     @property
     def model_parallel(self) -> bool:
-        return self.tp > 1 or self.pp > 1 or self.cp > 1
+        return self.tp > 1 or self.pp > 1 or self.cp > 1 or self.ep > 1
 
     @property
     def dp_size(self) -> int:
@@ -227,6 +230,15 @@ class TrainConfig:
         if self.cp_algorithm == "all-to-all":
             check_cp_heads(self.cp, {k: c[k] // self.tp for k in ("n_head", "n_kv_head") if c.get(k)}, self.model,
                            self.tp)
+
+    def _validate_experts(self) -> None:
+        """A mixture-of-experts preset and --ep against the layout (parallel/expert_parallel/sizes.py:
+        check_ep_flags, one line each)."""
+        from distrain.models import preset_config
+        from distrain.parallel.expert_parallel import check_ep_flags
+
+        moe = None if self.custom_model else preset_config(self.model).get("moe")
+        check_ep_flags(self, moe)
 
     def _validate_shards(self, need) -> None:
         """--data DIR holding meta.json (token shards): every shard file there, the preset's vocabulary
@@ -382,8 +394,9 @@ class TrainConfig:
              f"(got --autocast {self.autocast}); use --schedule 1f1b with autocast")
         self._validate_features(need)
         self._validate_applies(need)
-        need(min(self.tp, self.pp, self.cp, self.microbatches) >= 1 and self.dp >= 0,
-             "--tp, --pp, --cp and --microbatches must be >= 1, --dp >= 0 (0: whatever is left of --nproc)")
+        need(min(self.tp, self.pp, self.cp, self.ep, self.microbatches) >= 1 and self.dp >= 0,
+             "--tp, --pp, --cp, --ep and --microbatches must be >= 1, --dp >= 0 (0: whatever is left of --nproc)")
+        self._validate_experts()
         need(self.cp_algorithm in CP_ALGORITHMS,
              f"--cp-algorithm {self.cp_algorithm!r} is unknown; use ring or all-to-all")
         need(self.cp > 1 or self.cp_algorithm == "ring",
@@ -393,7 +406,7 @@ class TrainConfig:
             from distrain.topology import Topology
 
             need(self.strategy == "ddp" or self.strategy.startswith("zero"),
-                 f"--dp/--tp/--pp{'/--cp' if self.cp > 1 else ''} compose with --strategy ddp only, or with "
+                 f"--dp/--tp/--pp{'/--cp' if self.cp > 1 else ''}{'/--ep' if self.ep > 1 else ''} compose with --strategy ddp only, or with "
                  f"zero1/zero2/zero3 (ZeRO over the dp group); got {self.strategy}")
             Topology(dp=self.dp_size, tp=self.tp, pp=self.pp, cp=self.cp, world_size=self.nproc)  # product == nproc
             if self.strategy.startswith("zero") and self.model_parallel:

@@ -77,6 +77,10 @@ def train(cfg: TrainConfig | None = None, *, model=None, train_data=None, val_da
         from distrain.models.registry import check_cp_fits
 
         check_cp_fits(model, cfg.cp, cfg.cp_algorithm, cfg.tp)
+    if model is not None and cfg.ep > 1:  # your model's experts against --ep, before any rank
+        from distrain.models.registry import check_ep_fits
+
+        check_ep_fits(model, cfg.ep, cfg.dp_size * cfg.cp)
     if cfg.resume == "auto":  # restarts under distrain launch: resume if there is a checkpoint, else start afresh
         cfg.resume = (Path(cfg.out) / checkpoint.MANIFEST).exists()
         cfg.overwrite = cfg.overwrite or not cfg.resume
@@ -347,6 +351,7 @@ def train_steps(cfg: TrainConfig, engine: Engine, task: Task, start: int, guard:
                 loss = engine.train_step(x, y, guard.commit_hook(step, engine))
                 rec = step_record(step, loss, time.perf_counter() - t0, engine.comm_wait_s, task.unit,
                                   cfg.batch_size * task.units_per_sample, lr)
+                rec.update(engine.step_metrics())
                 guard.end(step, engine, rec)  # (elastic: the loss is summed already)
                 pending.append(rec)
                 step += 1

@@ -1,7 +1,7 @@
 """The GPT: the model (``model.py``) and its tensor-parallel plan beside it (``plan.py``).
 
-    model.py   GPT, GPTConfig and its layers (Embedding, Block, Head, ...), lm_loss, generate;
-               knows nothing of parallelism
+    model.py   GPT, GPTConfig and its layers (Embedding, Block, Head, ...), lm_loss, the KV-cache
+               forward, generate (from models/sampling.py); knows nothing of parallelism
     plan.py    gpt_tp_plan (Megatron's layout), the GPT's tp size check and its all-reduce count
 
 ``from distrain.models.gpt import GPT, GPTConfig`` reads the model; the plan's names are

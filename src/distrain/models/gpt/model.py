@@ -19,6 +19,10 @@ Layout contract (other parts of distrain rely on it; keep it when editing):
   positions of the tokens the module holds and the attention over the whole sequence; the
   one-process ``WHOLE`` unless a context-parallel plan (``plan.py`` ``gpt_cp_plan``) set this
   rank's part of the sequence on the instance. The model's code is the same either way.
+* Incremental decoding (one process, inference): ``GPT.new_cache()`` and
+  ``GPT.forward_cached(idx, cache)`` (:mod:`distrain.models.kv_cache`) run only the new tokens, at
+  the positions after the cached ones, each block reading and extending its stored keys/values.
+  ``forward`` (training, every parallel layout) does not touch a cache.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distrain.errors import ConfigError
+from distrain.models.kv_cache import KVCache, attend_cached, check_whole
 from distrain.models.outputs import logits_of
+from distrain.models.sampling import generate  # noqa: F401 (re-exported: distrain.models.gpt.generate)
 from distrain.models.sequence import WHOLE
 
 
@@ -85,6 +91,11 @@ class Embedding(nn.Module):
         pos = self.sequence.positions(T, idx.device)                          # (T,)
         return self.drop(self.wte(idx) + self.wpe(pos))
 
+    def forward_cached(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """ids (B, T) of the tokens after the cached ones -> (B, T, C), at positions ``cache.length ..``."""
+        check_whole(self)
+        return self.drop(self.wte(idx) + self.wpe(cache.positions(idx.shape[-1], idx.device)))
+
 
 class CausalSelfAttention(nn.Module):
     sequence = WHOLE  # attention over the whole sequence from the tokens held (models/sequence.py)
@@ -106,14 +117,30 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
+        q, k, v = self._qkv(x)                                                # (B, h, T, hd) each
+        y = self.sequence.attend(q, k, v, causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(B, T, -1)                               # (B, T, h * hd)
+        return self.resid_drop(self.o_proj(y))
+
+    def forward_cached(self, x: torch.Tensor, cache: KVCache, i: int) -> torch.Tensor:
+        """x (B, T, C) of the tokens after the ``cache.length`` cached ones -> (B, T, C); their keys and
+        values are stored as block ``i``'s (inference: no dropout)."""
+        check_whole(self)
+        B, T, _ = x.shape
+        q, k, v = self._qkv(x)                                                # (B, h, T, hd) each
+        k, v = cache.update(i, k, v)                                          # (B, h, length + T, hd) each
+        y = attend_cached(q, k, v, cache.length).transpose(1, 2).reshape(B, T, -1)   # (B, T, h * hd)
+        return self.resid_drop(self.o_proj(y))
+
+    def _qkv(self, x: torch.Tensor):
+        """q, k, v (B, h, T, hd) of x (B, T, C), h this rank's heads (all without tensor parallelism)."""
+        B, T, _ = x.shape
         n_local_heads = self.q_proj.out_features // self.head_dim
         hd = self.head_dim
         q = self.q_proj(x).view(B, T, n_local_heads, hd).transpose(1, 2)  # (B, h, T, hd)
         k = self.k_proj(x).view(B, T, n_local_heads, hd).transpose(1, 2)
         v = self.v_proj(x).view(B, T, n_local_heads, hd).transpose(1, 2)
-        y = self.sequence.attend(q, k, v, causal=True, dropout_p=self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).reshape(B, T, n_local_heads * hd)
-        return self.resid_drop(self.o_proj(y))
+        return q, k, v
 
 
 class MLPBlock(nn.Module):
@@ -145,6 +172,11 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x))
         x = x + self.mlp(self.ln_2(x))
         return x
+
+    def forward_cached(self, x: torch.Tensor, cache: KVCache, i: int) -> torch.Tensor:
+        """``forward`` of the new tokens x (B, T, C), attending to block ``i``'s cached keys/values."""
+        x = x + self.attn.forward_cached(self.ln_1(x), cache, i)
+        return x + self.mlp(self.ln_2(x))
 
 
 class Head(nn.Module):
@@ -198,45 +230,23 @@ class GPT(nn.Module):
             x = layer(x)
         return x
 
+    def new_cache(self) -> KVCache:
+        """An empty KV cache for :meth:`forward_cached` (up to block_size tokens)."""
+        return KVCache(self.config.n_layer, self.config.block_size)
+
+    def forward_cached(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits (B, T, V) of the tokens idx (B, T) that follow the ``cache.length`` cached ones, equal to
+        the last T rows of ``forward`` over the whole sequence; their keys/values join the cache. One
+        process, inference (the whole model in this process: ``self.layers`` intact)."""
+        emb, *blocks, head = self.layers
+        x = emb.forward_cached(idx, cache)                                    # (B, T, C)
+        for i, block in enumerate(blocks):
+            x = block.forward_cached(x, cache, i)
+        cache.advance(idx.shape[-1])
+        return head(x)                                                        # (B, T, V)
+
 
 def lm_loss(output, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross entropy of the logits (..., V) in ``output`` (models/outputs.py) against int targets (...)."""
     logits = logits_of(output)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
-@torch.no_grad()
-def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Append ``max_new_tokens`` sampled tokens to ``idx`` (B, T) and return (B, T + new).
-
-    The context is cropped to the model's block size. ``temperature == 0`` means greedy
-    (argmax); ``top_k`` keeps the k most likely tokens; ``generator`` makes sampling
-    reproducible. The model is put in eval mode during sampling and restored after.
-    """
-    if temperature < 0:
-        raise ConfigError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ConfigError(f"top_k must be >= 1 or None, got {top_k}")
-    if idx.dim() == 1:
-        idx = idx.unsqueeze(0)
-    block_size = model.config.block_size if hasattr(model, "config") else model.layers[0].wpe.num_embeddings
-    was_training = model.training
-    model.eval()
-    try:
-        for _ in range(max_new_tokens):
-            logits = logits_of(model(idx[:, -block_size:]))[:, -1, :].float()
-            if temperature == 0:
-                nxt = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    k = min(top_k, logits.shape[-1])
-                    kth = torch.topk(logits, k, dim=-1).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                probs = torch.softmax(logits, dim=-1)
-                nxt = torch.multinomial(probs, 1, generator=generator)
-            idx = torch.cat([idx, nxt.to(idx.dtype)], dim=1)
-    finally:
-        model.train(was_training)
-    return idx

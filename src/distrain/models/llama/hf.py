@@ -26,6 +26,10 @@ Tied embeddings: HF's ``state_dict()`` lists ``lm_head.weight`` (the embedding i
 (the same tensor), so ``load_state_dict(strict=True)`` works. ``safetensors.torch.save_file``
 refuses tensors that share memory: drop ``lm_head.weight`` before saving (HF re-ties on load).
 
+Mixtral (``model_type`` "mixtral", ``MixtralForCausalLM``): a Llama with ``moe``; its router and
+experts are mapped by :mod:`.mixtral` (transformers 5's fused ``mlp.experts.gate_up_proj`` /
+``down_proj``, and the published per-expert ``block_sparse_moe.experts.{e}.w1/w2/w3`` on import).
+
 Config: ``rope_theta`` and the llama3 scaling are read from transformers 5's ``rope_parameters``
 or from the older top-level ``rope_theta`` / ``rope_scaling``; ``to_hf`` writes both forms.
 """
@@ -38,6 +42,7 @@ from typing import Any, Mapping
 import torch
 
 from distrain.errors import ConfigError
+from distrain.models.llama import mixtral
 from distrain.models.llama.model import LlamaConfig
 from distrain.models.llama.rope import LLAMA3_KEYS
 
@@ -65,9 +70,9 @@ _ROTARY_BUFFER = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # old checkpoints s
 def config_from_hf(hf_config: Mapping[str, Any] | Any) -> LlamaConfig:
     """Our LlamaConfig from an HF ``LlamaConfig`` (its ``to_dict()``, a config.json dict, or the object)."""
     c = dict(hf_config.to_dict() if hasattr(hf_config, "to_dict") else hf_config)
-    if c.get("model_type", "llama") != "llama":
-        raise ConfigError(f"from_hf: model_type {c['model_type']!r} is not 'llama'; this adapter reads Llama-family "
-                          f"checkpoints (LlamaForCausalLM)")
+    if c.get("model_type", "llama") not in ("llama", "mixtral"):
+        raise ConfigError(f"from_hf: model_type {c['model_type']!r} is not 'llama' or 'mixtral'; this adapter reads "
+                          f"Llama-family checkpoints (LlamaForCausalLM, MixtralForCausalLM)")
     need = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
     missing = [k for k in need if c.get(k) is None]
     if missing:
@@ -94,12 +99,15 @@ def config_from_hf(hf_config: Mapping[str, Any] | Any) -> LlamaConfig:
                        n_kv_head=c.get("num_key_value_heads") or heads, n_embd=hidden,
                        intermediate_size=c["intermediate_size"], norm_eps=float(c.get("rms_norm_eps", 1e-6)),
                        rope_theta=float(theta), rope_scaling=scaling,
-                       tie_word_embeddings=bool(c.get("tie_word_embeddings", False)))
+                       tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+                       moe=mixtral.moe_config_from_hf(c) if c.get("model_type") == "mixtral" else None)
 
 
 def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
     """The HF ``LlamaConfig`` fields (a config.json dict): ``LlamaConfig(**d)`` in transformers 4 or 5."""
     scaling = dict(cfg.rope_scaling, rope_type="llama3") if cfg.rope_scaling else None
+    if cfg.moe is not None:
+        mixtral.check_exportable(cfg.moe, cfg.intermediate_size)
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.n_embd, "intermediate_size": cfg.intermediate_size,
             "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
@@ -107,7 +115,8 @@ def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
             "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps,
             "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
             "rope_parameters": dict(scaling or {"rope_type": "default"}, rope_theta=cfg.rope_theta),
-            "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": False, "mlp_bias": False}
+            "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": False, "mlp_bias": False,
+            **(mixtral.moe_config_to_hf(cfg.moe) if cfg.moe is not None else {})}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,8 +132,11 @@ def state_dict_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         out.update({p + "attention_norm.weight": (C,), p + "attention.wq.weight": (cfg.n_head * hd, C),
                     p + "attention.wk.weight": (cfg.n_kv_head * hd, C),
                     p + "attention.wv.weight": (cfg.n_kv_head * hd, C),
-                    p + "attention.wo.weight": (C, cfg.n_head * hd), p + "ffn_norm.weight": (C,),
-                    p + "feed_forward.w1.weight": (cfg.intermediate_size, C),
+                    p + "attention.wo.weight": (C, cfg.n_head * hd), p + "ffn_norm.weight": (C,)})
+        if cfg.moe is not None:
+            out.update(mixtral.moe_shapes(p, C, cfg.intermediate_size, cfg.moe))
+            continue
+        out.update({p + "feed_forward.w1.weight": (cfg.intermediate_size, C),
                     p + "feed_forward.w3.weight": (cfg.intermediate_size, C),
                     p + "feed_forward.w2.weight": (C, cfg.intermediate_size)})
     out[f"layers.{L + 1}.norm.weight"] = (C,)
@@ -145,7 +157,7 @@ def _hf_name(ours: str, L: int) -> str:
     back = {v: k for k, v in _BLOCK.items()}
     if m and m.group(2) in back and 1 <= int(m.group(1)) <= L:
         return f"model.layers.{int(m.group(1)) - 1}.{back[m.group(2)]}"
-    return ""
+    return ours if ".feed_forward." in ours else ""  # a mixture's tensors (stacked by mixtral.experts_to_hf)
 
 
 def _our_name(hf: str, L: int) -> str:
@@ -188,6 +200,8 @@ def from_hf(state_dict: Mapping[str, torch.Tensor], hf_config) -> tuple[LlamaCon
     cfg = config_from_hf(hf_config)
     L = cfg.n_layer
     ours: dict[str, torch.Tensor] = {}
+    if cfg.moe is not None:  # the router and experts first (either Mixtral layout), then the Llama's names
+        ours, state_dict = mixtral.experts_from_hf(state_dict)
     for hf, t in state_dict.items():
         if _ROTARY_BUFFER.search(hf):
             continue
@@ -221,7 +235,9 @@ def to_hf(state_dict: Mapping[str, torch.Tensor], cfg: LlamaConfig) -> tuple[dic
                           f"pass the whole model's state dict (a tp or pp shard must be gathered first) with the "
                           f"config it was built from")
     _check_shapes(state_dict, want, lambda n: n, "to_hf", _note(cfg))
-    hf = {_hf_name(n, L): state_dict[n] for n in want}
+    hf = {_hf_name(n, L): state_dict[n] for n in want if ".feed_forward." not in n or cfg.moe is None}
+    if cfg.moe is not None:
+        hf.update(mixtral.experts_to_hf(state_dict, L, cfg.moe))
     if cfg.tie_word_embeddings:
         hf["lm_head.weight"] = hf["model.embed_tokens.weight"]  # as HF's own state_dict() lists it
     return hf, config_to_hf(cfg)

@@ -27,6 +27,10 @@ Layout contract (as the GPT's, :mod:`distrain.models.gpt`; keep it when editing)
       layers.N.attention.wq / wk / wv / wo       (self_attn.q/k/v/o_proj)       H*d x C, K*d x C, K*d x C, C x H*d
       layers.N.ffn_norm                          (post_attention_layernorm)     C
       layers.N.feed_forward.w1 / w3 / w2         (mlp.gate_proj / up_proj / down_proj)  F x C, F x C, C x F
+      with ``moe`` (a mixture of experts, models/moe.py; Mixtral's names, hf.py):
+      layers.N.feed_forward.gate                 (mlp.gate)                     E x C
+      layers.N.feed_forward.experts.e.w1/w3/w2   (mlp.experts.gate_up_proj[e] / down_proj[e])
+      layers.N.feed_forward.shared_expert.w1/w3/w2  (no Mixtral counterpart)
       layers.{n+1}.norm                          (model.norm)                   C
       layers.{n+1}.output                        (lm_head; untied only)         V x C
       layers.{n+1}.tied_output                   (tied: no parameter, reads tok_embeddings.weight)
@@ -39,6 +43,11 @@ Layout contract (as the GPT's, :mod:`distrain.models.gpt`; keep it when editing)
   of the tokens the module holds (RoPE angles, the block-size check) and the attention over the
   whole sequence; the one-process ``WHOLE`` unless a context-parallel plan (``plan.py``
   ``llama_cp_plan``) set this rank's part of the sequence on the instance.
+* Incremental decoding (one process, inference): ``Llama.new_cache()`` and
+  ``Llama.forward_cached(idx, cache)`` (:mod:`distrain.models.kv_cache`) run only the new tokens,
+  each block's ``forward_cached`` reading and extending the keys/values of the tokens before them,
+  RoPE at the positions after the cached ones. ``forward`` (training, every parallel layout) does
+  not touch a cache.
 * Tied head: ``tied_output`` holds a (hidden) reference to the LlamaEmbedding and reads its
   ``tok_embeddings.weight`` at each forward, so the weight has one Parameter (one gradient, the
   sum of both uses) and a vocab-parallel embedding is read by the head as its own shard. A
@@ -56,6 +65,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distrain.errors import ConfigError
+from distrain.models.kv_cache import KVCache, attend_cached, check_whole
+from distrain.models.moe import MoEConfig, MoEFeedForward
 from distrain.models.llama.rope import LLAMA3_KEYS, apply_rotary, cos_sin, inv_frequencies
 from distrain.models.sequence import WHOLE
 
@@ -84,6 +95,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None      # Llama 3: factor, low/high_freq_factor, original_max_position_embeddings
     tie_word_embeddings: bool = False
+    moe: MoEConfig | dict | None = None   # a mixture of experts in every block's feed-forward (models/moe.py)
 
     def __post_init__(self):
         if self.n_kv_head is None:
@@ -113,6 +125,7 @@ class LlamaConfig:
                               f"got {self.tie_word_embeddings!r}")
         if self.rope_scaling is not None:
             self.rope_scaling = _check_scaling(self.rope_scaling)
+        self.moe = MoEConfig.of(self.moe)
 
     @property
     def head_dim(self) -> int:
@@ -176,6 +189,13 @@ class LlamaEmbedding(nn.Module):
         self.ran_forward = True
         return self.tok_embeddings(idx)                           # (B, T, C)
 
+    def forward_cached(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """ids (B, T) of the tokens after the cached ones -> (B, T, C) (the block-size check: the cache's)."""
+        check_whole(self)
+        cache.positions(idx.shape[-1])
+        self.ran_forward = True
+        return self.tok_embeddings(idx)                           # (B, T, C)
+
 
 class Attention(nn.Module):
     """Causal grouped-query self-attention with RoPE on q and k (no biases)."""
@@ -203,16 +223,31 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
+        q, k, v = self._rotated_qkv(x, self.sequence.positions(T, x.device))
+        y = self.sequence.attend(q, k, v, causal=True)                   # (B, h, T, hd); kv head j serves
+        # query heads j*r .. j*r+r-1, r = h / kv (grouped-query attention: models/sequence.py)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))               # (B, T, C)
+
+    def forward_cached(self, x: torch.Tensor, cache: KVCache, i: int) -> torch.Tensor:
+        """x (B, T, C) of the tokens after the ``cache.length`` cached ones -> (B, T, C); their keys and
+        values (rotated at positions ``cache.length ..``) are stored as block ``i``'s."""
+        check_whole(self)
+        B, T, _ = x.shape
+        q, k, v = self._rotated_qkv(x, cache.positions(T, x.device))
+        k, v = cache.update(i, k, v)                                      # (B, kv, length + T, hd) each
+        y = attend_cached(q, k, v, cache.length)                          # (B, h, T, hd)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))               # (B, T, C)
+
+    def _rotated_qkv(self, x: torch.Tensor, positions: torch.Tensor):
+        """q (B, h, T, hd), k and v (B, kv, T, hd) of x (B, T, C), q and k rotated by RoPE at ``positions`` (T,)."""
+        B, T, _ = x.shape
         hd = self.head_dim
         h, kv = self.wq.out_features // hd, self.wk.out_features // hd   # this rank's heads (all: no TP)
         q = self.wq(x).view(B, T, h, hd).transpose(1, 2)                  # (B, h, T, hd)
         k = self.wk(x).view(B, T, kv, hd).transpose(1, 2)                 # (B, kv, T, hd)
         v = self.wv(x).view(B, T, kv, hd).transpose(1, 2)                 # (B, kv, T, hd)
-        cos, sin = cos_sin(self.inv_freq, self.sequence.positions(T, x.device), q.dtype)  # (T, hd) each
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = self.sequence.attend(q, k, v, causal=True)                   # (B, h, T, hd); kv head j serves
-        # query heads j*r .. j*r+r-1, r = h / kv (grouped-query attention: models/sequence.py)
-        return self.wo(y.transpose(1, 2).reshape(B, T, h * hd))           # (B, T, C)
+        cos, sin = cos_sin(self.inv_freq, positions, q.dtype)             # (T, hd) each
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
 
 class FeedForward(nn.Module):
@@ -239,10 +274,16 @@ class LlamaBlock(nn.Module):
         self.attention_norm = RMSNorm(config.n_embd, config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.n_embd, config.norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = FeedForward(config) if config.moe is None else \
+            MoEFeedForward(config.n_embd, config.intermediate_size, config.moe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+    def forward_cached(self, x: torch.Tensor, cache: KVCache, i: int) -> torch.Tensor:
+        """``forward`` of the new tokens x (B, T, C), attending to block ``i``'s cached keys/values."""
+        x = x + self.attention.forward_cached(self.attention_norm(x), cache, i)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -292,12 +333,13 @@ class Llama(nn.Module):
 
     def reset_parameters(self) -> None:
         """N(0, 0.02) for linear and embedding weights (HF's initializer_range), RMSNorm weights 1,
-        and the residual projections (wo, w2) N(0, 0.02 / sqrt(2 * n_layer)) (GPT-2's scaling).
+        and the residual projections (wo, every w2: the dense MLP's, each expert's) N(0, 0.02 /
+        sqrt(2 * n_layer)) (GPT-2's scaling).
         Deterministic under torch.manual_seed."""
         resid_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=resid_std if name.endswith(("attention.wo", "feed_forward.w2"))
+                nn.init.normal_(module.weight, std=resid_std if name.endswith(("attention.wo", ".w2"))
                                 else 0.02)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, std=0.02)
@@ -309,3 +351,18 @@ class Llama(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
+
+    def new_cache(self) -> KVCache:
+        """An empty KV cache for :meth:`forward_cached` (up to block_size tokens)."""
+        return KVCache(self.config.n_layer, self.config.block_size)
+
+    def forward_cached(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits (B, T, V) of the tokens idx (B, T) that follow the ``cache.length`` cached ones, equal to
+        the last T rows of ``forward`` over the whole sequence; their keys/values join the cache. One
+        process, inference (the whole model in this process: ``self.layers`` intact)."""
+        emb, *blocks, head = self.layers
+        x = emb.forward_cached(idx, cache)                                # (B, T, C)
+        for i, block in enumerate(blocks):
+            x = block.forward_cached(x, cache, i)
+        cache.advance(idx.shape[-1])
+        return head(x)                                                    # (B, T, V)

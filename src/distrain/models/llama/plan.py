@@ -31,6 +31,10 @@ embedding (``layers.0``: the block-size check on the whole sequence) and every a
 (``attention``: RoPE at the global positions of this rank's chunks i and 2N-1-i, then ring
 attention or the all-to-all; the ring passes the n_kv_head key/value heads, not the expanded
 ones; the all-to-all needs cp | n_head and cp | n_kv_head per tp rank).
+
+Expert parallelism (:func:`llama_ep_plan`, :mod:`distrain.parallel.expert_parallel`): a Llama with
+``moe`` has a mixture of experts as every block's ``feed_forward``; each ep rank keeps E/ep of its
+experts. The tensor-parallel plan above does not split experts (tp with ``moe`` is refused).
 """
 
 from __future__ import annotations
@@ -40,11 +44,13 @@ import torch.nn as nn
 from distrain.errors import ConfigError
 from distrain.models.llama.model import Attention, FeedForward, LlamaEmbedding, LlamaHead
 from distrain.parallel.context_parallel import CPPlan, check_cp_heads
+from distrain.parallel.expert_parallel import EPPlan
 from distrain.parallel.tensor_parallel import (
     ColwiseParallel, CopyInput, RowwiseParallel, TPPlan, check_tp_divides, vocab_parallel_cross_entropy,
 )
 
-__all__ = ["check_llama_cp", "check_llama_tp", "check_llama_tp_sizes", "llama_cp_plan", "llama_tp_plan"]
+__all__ = ["check_llama_cp", "check_llama_tp", "check_llama_tp_sizes", "llama_cp_plan", "llama_ep_plan",
+           "llama_tp_plan"]
 
 _RULES = {
     "n_head": "every rank holds whole query heads",
@@ -128,3 +134,9 @@ def check_llama_cp(model: nn.Module, cp: int, variant: str, tp: int = 1) -> None
 def llama_cp_plan() -> CPPlan:
     """Context parallelism for :class:`~distrain.models.llama.Llama` (or a pipeline stage of it)."""
     return CPPlan(modules=("layers.0", "attention"), check=check_llama_cp)
+
+
+def llama_ep_plan() -> EPPlan:
+    """Expert parallelism for a Llama with ``moe`` (:mod:`distrain.models.moe`): every block's
+    ``feed_forward`` is a mixture layer whose experts split across the ep ranks."""
+    return EPPlan(modules=("feed_forward",))

@@ -110,6 +110,7 @@ class DistributedDataParallel(nn.Module):
         opts = torch_options(module, device_ids, output_device, dim, broadcast_buffers, forward_sync_buffers,
                              check_reduction, process_group, group)
         self.module = module
+        self._ignored = frozenset(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))  # torch's; experts (ep)
         self.group = opts.group
         self.device_ids, self.output_device, self.dim = opts.device_ids, opts.output_device, dim
         self._input_device = opts.input_device
@@ -155,7 +156,8 @@ class DistributedDataParallel(nn.Module):
         (default: the group's first) to every rank: one broadcast per dtype of them all packed
         together (as torch's ``_broadcast_coalesced``), so a model with a buffer per layer pays
         one collective before each forward, not one per layer."""
-        tensors = (list(self.module.parameters()) if params else []) + (list(self.module.buffers()) if buffers else [])
+        tensors = ([p for n, p in self.module.named_parameters() if n not in self._ignored] if params else []) + \
+            ([b for n, b in self.module.named_buffers() if n not in self._ignored] if buffers else [])
         batches: dict[tuple, list[list[torch.Tensor]]] = {}  # (dtype, device) -> batches of <= 64 MiB
         for t in tensors:
             if t.numel():
@@ -171,7 +173,7 @@ class DistributedDataParallel(nn.Module):
                                                                             group)])
 
     def _build_buckets(self, cap_bytes: float) -> list[_Bucket]:
-        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad and n not in self._ignored]
         if not named:
             raise ConfigError("DistributedDataParallel: the module has no parameter that requires grad")
         buckets, cur, size = [], [], 0
@@ -350,7 +352,7 @@ class DistributedDataParallel(nn.Module):
     def _finish_backward(self) -> None:
         t0 = time.perf_counter()
         missing = [] if len(self._ready) == len(self._bucket_of) else \
-            [n for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in self._ready]
+            [n for n, p in self.module.named_parameters() if id(p) in self._bucket_of and id(p) not in self._ready]
         if missing and not (self.find_unused_parameters or self.static_graph):
             raise CommError(
                 f"DistributedDataParallel: parameter(s) {missing} received no gradient in this backward pass; "

@@ -61,6 +61,7 @@ class Engine(ABC):
         self.optimizer_factory = optimizer_factory
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = next(model.parameters(), torch.empty(0)).device  # this rank's device (the loop put it there)
+        self._moe_model = model  # read by step_metrics (a mixture of experts' drop tally)
         self.comm_wait_s: float | None = None  # seconds the last step waited on communication (None: not measured)
 
     # -- training -------------------------------------------------------------------------
@@ -102,6 +103,14 @@ class Engine(ABC):
 
     def end_training(self) -> None:
         """Called once right after the last step's ``train_step`` (e.g. a final pull of weights)."""
+
+    def step_metrics(self) -> dict:
+        """Extra numbers for the last step's metrics line: a mixture of experts' ``moe_dropped`` and
+        ``moe_routed`` (slots over capacity, slots routed; summed over the step's ranks where expert
+        parallelism sums the router's counts, else this rank's); {} for other models."""
+        from distrain.models.moe import moe_metrics
+
+        return moe_metrics(self._moe_model)
 
     @property
     def reads_data(self) -> bool:

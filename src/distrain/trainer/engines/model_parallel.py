@@ -18,6 +18,11 @@ shard's optimizer state (and gradients, and parameters), so every rank writes
 over every rank's shards. Validation runs on every layout (``evaluate``: each replica its slice of every batch, through the
 pipeline's forward-only schedule when pp > 1; every rank takes part); text sampling is not
 done (the model is sharded).
+
+``--ep N`` (a mixture of experts, parallel/expert_parallel): each rank of an ep group holds E/N of every
+mixture layer's experts (parallelize's step 2b); the ranks i < N of the dp x cp group (i = dp_rank * cp
++ cp_rank: one per ep rank) write ``tp{t}-pp{p}-ep{r}``, each the non-expert parameters and its own
+experts under their whole-model names, which consolidation joins by name.
 """
 
 from __future__ import annotations
@@ -32,12 +37,12 @@ from distrain.trainer.engines.base import Engine, clip_coefficient, part_loss
 
 class ModelParallelEngine(Engine):
     def __init__(self, cfg, model, loss_fn, optimizer_factory):
-        from distrain.models.registry import model_cp_plan, model_tp_plan
+        from distrain.models.registry import model_cp_plan, model_ep_plan, model_tp_plan
         from distrain.parallel import parallelize
 
         super().__init__(cfg, model, loss_fn, optimizer_factory)
         self.zero_stage = zero_stage_of(cfg)
-        self.topo = topo = Topology.from_world(dp=cfg.dp_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp)
+        self.topo = topo = Topology.from_world(dp=cfg.dp_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep)
         # the plan lives beside the model (models/gpt_plan.py, models/mlp_plan.py, models/hf/plan.py);
         # a user's model brings its own as ``model.tp_plan`` when tp > 1 (a Hugging Face model's
         # ``tp_plan`` is HF's, in HF's styles: model_tp_plan gives distrain's plan for it instead)
@@ -47,12 +52,12 @@ class ModelParallelEngine(Engine):
                               microbatches=cfg.microbatches, schedule=cfg.schedule,
                               bucket_cap_mb=cfg.bucket_cap_mb, zero_stage=self.zero_stage,
                               optimizer=optimizer_factory, cp_plan=model_cp_plan(model) if cfg.cp > 1 else None,
-                              cp_algorithm=cfg.cp_algorithm)
+                              cp_algorithm=cfg.cp_algorithm, ep_plan=model_ep_plan(model))
         self.optimizer = self.pm.optimizer or optimizer_factory(self.pm.parameters())
         self.dp_rank, self.dp_size = topo.dp_rank, topo.dp
         self.loss_weight = 1.0 / (topo.dp * topo.cp) if (self.pm.has_loss and topo.tp_rank == 0) else 0.0
         self.label = (f"dp{topo.dp}×" + (f"cp{topo.cp}×" if topo.cp > 1 else "") + f"tp{topo.tp}×pp{topo.pp}"
-                      + (f" {cfg.cp_algorithm}" if topo.cp > 1 else "")
+                      + (f" {cfg.cp_algorithm}" if topo.cp > 1 else "") + (f" ep{topo.ep}" if topo.ep > 1 else "")
                       + (f" zero{self.zero_stage}" if self.zero_stage else ""))
 
     def train_step(self, x, y, commit=None):
@@ -106,18 +111,21 @@ class ModelParallelEngine(Engine):
     def _clip(self, max_norm: float) -> None:
         """Clip by the norm of the WHOLE model's gradient: sum of squares over this rank's shard
         (a parameter replicated over the tp group, dim None, counted on tp rank 0 only), summed
-        over the world and divided by dp x cp (the dp x cp ranks hold the same averaged gradients)."""
+        over the world and divided by dp x cp (the dp x cp ranks hold the same averaged gradients; an
+        expert's are held by dp x cp / ep of them, so its squares count ep times)."""
         from distrain.parallel.tensor_parallel import tp_shard_info
 
         info = tp_shard_info(self.pm.module)
-        grads = [(name, p.grad) for name, p in self.pm.module.named_parameters() if p.grad is not None]
+        experts = {id(p) for p in self.pm.expert_params or ()}
+        grads = [(name, p.grad, self.topo.ep if id(p) in experts else 1)
+                 for name, p in self.pm.module.named_parameters() if p.grad is not None]
         sq = torch.zeros((), dtype=torch.float64, device=grads[0][1].device if grads else None)
-        for name, g in grads:
+        for name, g, copies in grads:
             if info[name].dim is not None or self.topo.tp_rank == 0:
-                sq += g.double().pow(2).sum()
+                sq += g.double().pow(2).sum() * copies
         comm.all_reduce(sq, op="sum", algorithm="native")
         coef = clip_coefficient(sq / (self.topo.dp * self.topo.cp), max_norm)
-        for _, g in grads:
+        for _, g, _ in grads:
             g.mul_(coef.to(g.dtype))
 
     def evaluate(self, batches):
@@ -197,17 +205,19 @@ class ModelParallelEngine(Engine):
     def layout_of(cls, cfg) -> dict:
         z = zero_stage_of(cfg)
         return {"dp": cfg.dp_size, "tp": cfg.tp, "pp": cfg.pp, **({"cp": cfg.cp} if cfg.cp > 1 else {}),
+                **({"ep": cfg.ep} if cfg.ep > 1 else {}),
                 **({"zero": z} if z else {})}
 
     @property
     def shard(self):
         t = self.topo
         d = t.dp_rank * t.cp + t.cp_rank  # its rank in the dp x cp group, ZeRO's
-        return f"tp{t.tp_rank}-pp{t.pp_rank}" + (f"-dp{d}" if self.zero_stage else "")
+        return f"tp{t.tp_rank}-pp{t.pp_rank}" + (f"-dp{d}" if self.zero_stage else "") + \
+            (f"-ep{t.ep_rank}" if t.ep > 1 else "")  # (ep: each holds other experts; consolidate joins them by name)
 
     @property
     def writes_shard(self) -> bool:
-        return (self.topo.dp_rank == 0 and self.topo.cp_rank == 0) or self.zero_stage > 0
+        return self.topo.dp_rank * self.topo.cp + self.topo.cp_rank < self.topo.ep or self.zero_stage > 0
 
     def _names(self) -> dict[str, str]:
         """{name in this rank's module: name in the whole model} for what its checkpoint holds."""

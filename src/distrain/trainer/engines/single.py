@@ -21,6 +21,8 @@ class SingleEngine(Engine):
     def __init__(self, cfg, model, loss_fn, optimizer_factory):
         super().__init__(cfg, model, loss_fn, optimizer_factory)
         self.model = model
+        if self.world > 1 and cfg.strategy in ("ddp", "torch-ddp"):
+            self._count_routing_over_the_world(model)
         self.net = self.wrap(model)
         self.optimizer = optimizer_factory(self.net.parameters())
         self.dp_rank, self.dp_size = self.rank, self.world
@@ -30,6 +32,19 @@ class SingleEngine(Engine):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
+
+    @staticmethod
+    def _count_routing_over_the_world(model: nn.Module) -> None:
+        """A mixture of experts under data parallelism: every expert on every rank (ep 1), the router's
+        counts summed over the world, so the load-balancing loss is the global batch's, as one process's."""
+        import torch.distributed as dist
+
+        from distrain.models.registry import model_ep_plan
+        from distrain.parallel.expert_parallel import ExpertParallel, apply_expert_parallel
+
+        plan = model_ep_plan(model)
+        if plan is not None and plan.layers(model):
+            apply_expert_parallel(model, ExpertParallel(None, dist.group.WORLD), plan=plan)
 
     def describe(self) -> str:
         return "single"

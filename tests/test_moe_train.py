@@ -1,0 +1,89 @@
+"""Expert parallelism through the trainer equals one process (fp64, rel 1e-10): llama-moe-tiny (4
+experts, top-2, load-balancing loss on) with capacity unlimited, plain ddp on 2 ranks, ep2 on 2 ranks,
+ep2 on 4 ranks (two ep groups: every expert on 2 ranks, its gradients summed over them) and ep2 with
+cp2 (ep borrows the cp ranks); training losses, the validation losses of a mid-run and a final
+evaluation, and the router's slot counts. A capacity factor drops slots and the metrics count them;
+the checkpoint of an ep run holds the whole model (consolidated from the ep ranks' shards); gradient
+clipping and activation checkpointing under ep equal one process."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import distrain
+from distrain.trainer.metrics import read_metrics
+
+from conftest import trainer_config
+
+EVAL = dict(steps=4, eval_every=2, eval_batches=2, log_every=1)  # evaluations after steps 2 and 4
+_SINGLE: dict = {}
+
+
+def _rows(cfg) -> list[dict]:
+    distrain.train(cfg)
+    return read_metrics(os.path.join(cfg.out, "metrics.jsonl"))
+
+
+def _single(tmp_path_factory) -> list[dict]:
+    if "rows" not in _SINGLE:
+        out = tmp_path_factory.mktemp("single-moe")
+        _SINGLE["rows"] = _rows(trainer_config(out, model="llama-moe-tiny", **EVAL, strategy="single", nproc=1))
+    return _SINGLE["rows"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("layout", [
+    dict(nproc=2),                # --strategy ddp: every expert on both ranks, the router's counts summed
+    dict(ep=2, nproc=2),
+    dict(ep=2, nproc=4),          # dp x cp = 4: ep groups [0,1] [2,3], expert replicas [0,2] [1,3]
+    dict(ep=2, cp=2, nproc=4),    # ep borrows from dp x cp: the ep groups are the cp groups
+], ids=lambda v: "-".join(f"{k}{v}" for k, v in v.items()))
+def test_trainer_expert_parallel_equals_one_process(tmp_path, tmp_path_factory, layout):
+    ref = _single(tmp_path_factory)
+    got = _rows(trainer_config(tmp_path / "ep", model="llama-moe-tiny", **EVAL, **layout))
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == [0, 1, 2, 3]
+    assert [r["step"] for r in got if "val_loss" in r] == [r["step"] for r in ref if "val_loss" in r] == [1, 3]
+    for g, r in zip(got, ref):
+        assert g["loss"] == pytest.approx(r["loss"], rel=1e-10, abs=0), f"training loss at step {g['step']}"
+        if "val_loss" in r:
+            assert g["val_loss"] == pytest.approx(r["val_loss"], rel=1e-10, abs=0), f"val_loss at step {g['step']}"
+        # every slot of the global batch counted once, none dropped: 2 layers x 12 x 32 tokens x top-2
+        assert (g["moe_dropped"], g["moe_routed"]) == (r["moe_dropped"], r["moe_routed"]) == (0, 2 * 12 * 32 * 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_capacity_factor_drops_slots_and_counts_them(tmp_path):
+    """Capacity 0.5 x the even share: at most ceil(0.5 * 192 * 2 / 4) = 48 slots per expert of a rank's 192
+    tokens, so at least half of the 768 slots of each layer drop; the count is summed over the ranks."""
+    from distrain.checkpoint import reshard
+
+    cfg = trainer_config(tmp_path / "cap", model="llama-moe-tiny", ep=2, nproc=2, steps=2, log_every=1)
+    from distrain.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("llama-moe-tiny", moe=dict(num_experts=4, top_k=2, capacity_factor=0.5)).double()
+    distrain.train(model=model, config=cfg)
+    rows = read_metrics(os.path.join(cfg.out, "metrics.jsonl"))
+    assert [r["moe_routed"] for r in rows] == [2 * 12 * 32 * 2] * 2
+    assert all(2 * 384 <= r["moe_dropped"] < 2 * 768 for r in rows)  # per layer: >= half of 768 slots dropped
+    whole = reshard.consolidate(cfg.out)["model"]  # the ep ranks' shards join into the whole model
+    assert sorted(k for k in whole if "experts" in k and k.startswith("layers.1.")) == sorted(
+        f"layers.1.feed_forward.experts.{e}.{w}.weight" for e in range(4) for w in ("w1", "w2", "w3"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_clipping_and_activation_checkpointing_under_ep_equal_one_process(tmp_path):
+    """--grad-clip takes the whole model's norm (an expert lives on dp x cp / ep ranks: its squares count ep
+    times); --activation-checkpointing re-runs the blocks' all-to-alls in backward, on every rank alike."""
+    kw = dict(model="llama-moe-tiny", grad_clip=0.5, steps=3, log_every=1)
+    ref = _rows(trainer_config(tmp_path / "one", strategy="single", nproc=1, **kw))
+    got = _rows(trainer_config(tmp_path / "ep", ep=2, nproc=4, activation_checkpointing=True, **kw))
+    assert [g["loss"] for g in got] == pytest.approx([r["loss"] for r in ref], rel=1e-10, abs=0)
+    unclipped = _rows(trainer_config(tmp_path / "free", strategy="single", nproc=1, **dict(kw, grad_clip=0.0)))
+    assert abs(unclipped[-1]["loss"] - ref[-1]["loss"]) > 1e-4  # the clip acted
