@@ -7,9 +7,9 @@ each panel's title or in docs/benchmarks.md beside the figure); nothing is typed
 which files and which rows to draw. Files drawn:
 
 * bench_collectives.png: busbw against size. (a) P=2 all_reduce, shm slots / symmetric memory /
-  Gloo (docs/bench_load/comm4_after_bg0_bound{1,2}.json, 2026-11-26); (b, c) four collectives at
-  P=2 and P=4, shm against the better of Gloo bound and unbound (docs/bench_shm/all_ops_slot1m*.json,
-  2026-11-23); (d) our star/ring/tree all_reduce over Gloo against Gloo's own (docs/bench_comm.json,
+  Gloo, its Python kernels and DeepSpeed's op (docs/bench_compiled/allreduce_quiet_{1,2}.json,
+  2026-11-27); (b, c) broadcast, all_gather and reduce_scatter at P=2 and P=4, shm against Gloo
+  (docs/bench_compiled/ops.json, 2026-11-27); (d) our star/ring/tree all_reduce over Gloo against Gloo's own (docs/bench_comm.json,
   2026-11-22).
 * bench_training.png: step time of local / ddp / zero2 / torch DDP on gpt-small at P=2 with 0, 2, 4
   busy processes (docs/bench_load/train4_gpt_bg*.json); step time and peak RSS beside FSDP2
@@ -85,36 +85,34 @@ def collectives():
 
     ax = axes[0][0]
     for run, style in ((1, "-"), (2, ":")):
-        recs = load(f"bench_load/comm4_after_bg0_bound{run}.json")["records"]
+        recs = load(f"bench_compiled/allreduce_quiet_{run}.json")["records"]
         label = run == 1
-        plot_series(ax, series(recs, transport="shm+sym"), color=COLORS["sym"], ls=style,
-                    label="shm, symmetric memory" if label else None)
-        plot_series(ax, series(recs, transport="shm"), color=COLORS["shm"], ls=style,
-                    label="shm, through the slots" if label else None)
-        plot_series(ax, series(recs, transport="torch"), color=COLORS["gloo"], ls=style,
-                    label="Gloo" if label else None)
+        for transport, color, name in (("shm+sym", COLORS["sym"], "shm, symmetric memory"),
+                                       ("shm", COLORS["shm"], "shm, compiled, through the slots"),
+                                       ("shm-python", COLORS["tree"], "shm, Python kernels"),
+                                       ("deepspeed", COLORS["ring"], "DeepSpeed's C++ shm op"),
+                                       ("torch", COLORS["gloo"], "Gloo")):
+            plot_series(ax, series(recs, transport=transport), color=color, ls=style, label=name if label else None)
     sizes = [s for s, _ in series(recs, transport="torch")]
     size_axis(ax, sizes)
-    ax.set_title("(a) all_reduce, P=2, quiet, ranks bound (2026-11-26)\n"
-                 "solid: run 1, dotted: run 2 (bench_load/comm4_after_bg0_bound*.json)")
-    ax.legend(loc="upper left")
+    ax.set_title("(a) all_reduce, P=2, float32, quiet (2026-11-27 04:05)\n"
+                 "solid: run 1, dotted: run 2 (bench_compiled/allreduce_quiet_*.json)")
+    ax.legend(loc="lower right", fontsize=7.5)
 
-    shm = load("bench_shm/all_ops_slot1m.json")["records"]
-    unbound = load("bench_shm/all_ops_slot1m_gloo_unbound.json")["records"]
+    ops = load("bench_compiled/ops.json")["records"]
     for ax, P in ((axes[0][1], 2), (axes[1][0], 4)):
         for op, color in OP_COLORS.items():
-            plot_series(ax, series(shm, P=P, op=op, transport="shm"), color=color, ls="-", label=op)
-            bound = dict(series(shm, P=P, op=op, transport="torch"))
-            free = dict(series(unbound, P=P, op=op, transport="torch"))
-            best = [(s, max(bound[s], free[s])) for s in sorted(bound)]
-            plot_series(ax, best, color=color, ls="--", mfc="white")
-        ax.plot([], [], color="k", ls="-", marker="o", ms=3.5, label="shm")
-        ax.plot([], [], color="k", ls="--", marker="o", ms=3.5, mfc="white", label="best Gloo")
-        size_axis(ax, sorted(bound))
-        note = "shm ranks bound to cores" if P == 2 else "4 ranks on 2 cores, nothing bound"
-        ax.set_title(f"({'b' if P == 2 else 'c'}) four collectives, P={P}: shm (solid) vs best Gloo (dashed)\n"
-                     f"2026-11-23, {note} (bench_shm/all_ops_slot1m*.json)")
-        ax.legend(loc="lower right", ncol=3, fontsize=7.5)
+            if op == "all_reduce":
+                continue
+            plot_series(ax, series(ops, P=P, op=op, transport="shm"), color=color, ls="-", label=op)
+            plot_series(ax, series(ops, P=P, op=op, transport="torch"), color=color, ls="--", mfc="white")
+        ax.plot([], [], color="k", ls="-", marker="o", ms=3.5, label="shm (compiled)")
+        ax.plot([], [], color="k", ls="--", marker="o", ms=3.5, mfc="white", label="Gloo")
+        size_axis(ax, [s for s, _ in series(ops, P=P, op="broadcast", transport="torch")])
+        note = "" if P == 2 else ", 4 ranks on 2 cores"
+        ax.set_title(f"({'b' if P == 2 else 'c'}) broadcast, all_gather, reduce_scatter, P={P}{note}\n"
+                     f"shm (solid) vs Gloo (dashed), 2026-11-27 (bench_compiled/ops.json)")
+        ax.legend(loc="lower right", ncol=2, fontsize=7.5)
 
     ax = axes[1][1]
     recs = load("bench_comm.json")["records"]
