@@ -84,3 +84,23 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int
         return F.scaled_dot_product_attention(q, k, v)
     keep = torch.arange(S, device=q.device)[None, :] <= offset + torch.arange(T, device=q.device)[:, None]  # (T, S)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+
+class CachedDecoding:
+    """Mixed into a decoder whose ``layers`` are [embedding, *blocks, head] and whose ``config`` has
+    n_layer and block_size (our GPT and Llama): each of those parts has its own ``forward_cached``."""
+
+    def new_cache(self) -> KVCache:
+        """An empty KV cache for :meth:`forward_cached` (up to block_size tokens)."""
+        return KVCache(self.config.n_layer, self.config.block_size)
+
+    def forward_cached(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits (B, T, V) of the tokens idx (B, T) that follow the ``cache.length`` cached ones, equal to
+        the last T rows of ``forward`` over the whole sequence; their keys/values join the cache. One
+        process, inference (the whole model in this process: ``self.layers`` intact)."""
+        emb, *blocks, head = self.layers
+        x = emb.forward_cached(idx, cache)                                # (B, T, C)
+        for i, block in enumerate(blocks):
+            x = block.forward_cached(x, cache, i)
+        cache.advance(idx.shape[-1])
+        return head(x)                                                    # (B, T, V)

@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distrain.errors import ConfigError
-from distrain.models.kv_cache import KVCache, attend_cached, check_whole
+from distrain.models.kv_cache import CachedDecoding, KVCache, attend_cached, check_whole
 from distrain.models.outputs import logits_of
 from distrain.models.sampling import generate  # noqa: F401 (re-exported: distrain.models.gpt.generate)
 from distrain.models.sequence import WHOLE
@@ -191,7 +191,7 @@ class Head(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-class GPT(nn.Module):
+class GPT(CachedDecoding, nn.Module):
     """Decoder-only transformer; ``forward(idx)`` returns logits (B, T, vocab_size).
 
     No weight tying between ``wte`` and ``lm_head``: tying would make the first and
@@ -229,21 +229,6 @@ class GPT(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
-
-    def new_cache(self) -> KVCache:
-        """An empty KV cache for :meth:`forward_cached` (up to block_size tokens)."""
-        return KVCache(self.config.n_layer, self.config.block_size)
-
-    def forward_cached(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Logits (B, T, V) of the tokens idx (B, T) that follow the ``cache.length`` cached ones, equal to
-        the last T rows of ``forward`` over the whole sequence; their keys/values join the cache. One
-        process, inference (the whole model in this process: ``self.layers`` intact)."""
-        emb, *blocks, head = self.layers
-        x = emb.forward_cached(idx, cache)                                    # (B, T, C)
-        for i, block in enumerate(blocks):
-            x = block.forward_cached(x, cache, i)
-        cache.advance(idx.shape[-1])
-        return head(x)                                                        # (B, T, V)
 
 
 def lm_loss(output, targets: torch.Tensor) -> torch.Tensor:

@@ -65,7 +65,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distrain.errors import ConfigError
-from distrain.models.kv_cache import KVCache, attend_cached, check_whole
+from distrain.models.kv_cache import CachedDecoding, KVCache, attend_cached, check_whole
 from distrain.models.moe import MoEConfig, MoEFeedForward
 from distrain.models.llama.rope import LLAMA3_KEYS, apply_rotary, cos_sin, inv_frequencies
 from distrain.models.sequence import WHOLE
@@ -320,7 +320,7 @@ class LlamaHead(nn.Module):
         return proj(self.norm(x))
 
 
-class Llama(nn.Module):
+class Llama(CachedDecoding, nn.Module):
     """Decoder-only Llama; ``forward(idx (B, T))`` returns logits (B, T, vocab_size)."""
 
     def __init__(self, config: LlamaConfig):
@@ -351,18 +351,3 @@ class Llama(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
-
-    def new_cache(self) -> KVCache:
-        """An empty KV cache for :meth:`forward_cached` (up to block_size tokens)."""
-        return KVCache(self.config.n_layer, self.config.block_size)
-
-    def forward_cached(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Logits (B, T, V) of the tokens idx (B, T) that follow the ``cache.length`` cached ones, equal to
-        the last T rows of ``forward`` over the whole sequence; their keys/values join the cache. One
-        process, inference (the whole model in this process: ``self.layers`` intact)."""
-        emb, *blocks, head = self.layers
-        x = emb.forward_cached(idx, cache)                                # (B, T, C)
-        for i, block in enumerate(blocks):
-            x = block.forward_cached(x, cache, i)
-        cache.advance(idx.shape[-1])
-        return head(x)                                                    # (B, T, V)
