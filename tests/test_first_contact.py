@@ -35,7 +35,7 @@ def test_readme_example_runs_as_written(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     # ddp on 2 ranks learns the rule of the example's data: the held-out loss and accuracy it prints
     loss, accuracy = map(float, p.stdout.strip().splitlines()[-1].split())
-    assert loss < 0.5 and accuracy > 0.85, p.stdout[-2000:]
+    assert loss < 0.2 and accuracy > 0.9, p.stdout[-2000:]  # seeded: 0.069 and 0.969 here
 
 
 @pytest.mark.slow  # a fresh interpreter and fork server: 6-8 s
