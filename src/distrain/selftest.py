@@ -49,6 +49,7 @@ CHECKS: list[tuple[str, dict]] = [
     ("pp2", dict(strategy="ddp", nproc=2, pp=2, microbatches=2)),
     ("dp2xtp2xpp2", dict(strategy="ddp", nproc=8, dp=2, tp=2, pp=2, microbatches=2)),
     ("cp2", dict(strategy="ddp", nproc=2, cp=2)),  # only where TrainConfig has cp (parallel/context_parallel)
+    ("ep2", dict(strategy="ddp", nproc=2, ep=2, model="llama-moe-tiny")),  # experts: against its own one process
 ]
 THROUGHPUT = [("ddp", dict(strategy="ddp")), ("zero3", dict(strategy="zero3")), ("tp", dict(strategy="ddp"))]
 
@@ -82,7 +83,14 @@ def _has_fields(kw: dict) -> bool:
 
 def correctness(out: Path, device: str, gpus: int, deadline: float, only=None, transports=None) -> list[dict]:
     """Every check against the single-process CPU fp64 run; one record per check and transport."""
-    ref = _losses_of(out / "reference", strategy="single", nproc=1, device="cpu")
+    refs: dict[str, list[float]] = {}  # model -> the single-process CPU losses, computed when first needed
+
+    def reference(model: str) -> list[float]:
+        if model not in refs:
+            where = out / ("reference" if model == MODEL else f"reference-{model}")
+            refs[model] = _losses_of(where, strategy="single", nproc=1, device="cpu", model=model)
+        return refs[model]
+
     rtol = GPU_RTOL if device == "cuda" else CPU_RTOL
     ways = ["nccl"] if device == "cuda" else (transports or ["gloo", "shm"])
     records = []
@@ -108,6 +116,7 @@ def correctness(out: Path, device: str, gpus: int, deadline: float, only=None, t
             except DistrainError as e:
                 rec.update(status="fail", reason=str(e).splitlines()[0][:300], seconds=round(time.monotonic() - t0, 1))
                 continue
+            ref = reference(kw.get("model", MODEL))
             diff = max((abs(a - b) / abs(b) for a, b in zip(got, ref)), default=float("inf"))
             ok = len(got) == len(ref) and diff <= rtol
             rec.update(status="pass" if ok else "fail", max_rel_diff=diff, seconds=round(time.monotonic() - t0, 1),
