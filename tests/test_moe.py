@@ -192,8 +192,10 @@ def test_topology_ep_and_edp_groups():
     (dict(ep=2, nproc=2, model="llama-tiny"), "--ep 2: llama-tiny has no experts to split (expert parallelism places "
                                               "a mixture of experts' experts on different ranks); use a "
                                               "mixture-of-experts model, e.g. --model llama-moe-tiny, or drop --ep"),
-    (dict(ep=2, nproc=4, tp=2), "--tp 2: llama-moe-tiny is a mixture of experts, which does not compose with --tp "
-                                "here (the tensor-parallel plan does not split experts); use --dp, --cp and --ep"),
+    (dict(ep=2, nproc=4, pp=2), "--pp 2: llama-moe-tiny is a mixture of experts, which does not compose with --pp "
+                                "here (the load-balancing loss's gradient is added once per forward, not per "
+                                "micro-batch); use --dp, --cp and --ep"),
+    (dict(ep=2, nproc=4, tp=2), None),  # tp x ep: the mixture whole on every tp rank (tests/test_moe_train.py)
     (dict(ep=2, nproc=2, strategy="zero2"), "--ep 2 does not compose with --strategy zero2"),
     (dict(ep=2, dp=2, nproc=4), "--ep 2 --dp 2 --nproc 4: expert parallelism borrows its ranks from dp x cp"),
     (dict(ep=2, nproc=2, accum_steps=2, strategy="ddp"), "--accum-steps 2: llama-moe-tiny's load-balancing loss"),
@@ -348,3 +350,18 @@ def test_a_run_exports_as_a_mixtral_folder_and_imports_back(tmp_path):
     with torch.no_grad():
         assert torch.allclose(hf(x).logits, ours(x), rtol=0, atol=1e-5)
     assert import_hf(tmp_path / "hf", tmp_path / "back")["model"] == "llama-moe-tiny"
+
+
+def test_tensor_parallel_plans_leave_the_mixture_whole():
+    """The Llama's tp plan splits attention but leaves every mixture (``tp_replicated``) and all it
+    contains alone; with sequence parallelism (activations as sequence shards) it is refused."""
+    from distrain.models import build_model
+    from distrain.models.llama.plan import llama_tp_plan
+    from distrain.parallel.tensor_parallel.plan import _resolve
+
+    model = build_model("llama-moe-tiny")
+    names = [n for n, _, _ in _resolve(model, llama_tp_plan())]
+    assert "layers.1.attention.wq" in names and not [n for n in names if ".feed_forward" in n]
+    with pytest.raises(ConfigError, match=r"^apply_tensor_parallel: layers\.1\.feed_forward is kept whole on every "
+                                          r"rank \(tp_replicated\).*use sequence_parallel=False$"):
+        _resolve(model, llama_tp_plan(sequence_parallel=True))

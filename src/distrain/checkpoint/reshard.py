@@ -192,12 +192,17 @@ def consolidate_pieces(pieces: list[tuple[int, int, dict]], step: int) -> dict:
 
 
 def _join(full: str, ps: list) -> tuple[torch.Tensor, dict]:
-    """A whole tensor (and its optimizer state) from its tensor-parallel slices."""
+    """A whole tensor (and its optimizer state) from its tensor-parallel slices. A slice that several
+    shards hold (the ep ranks of one tp coordinate each save the non-expert parameters, the same
+    replicated values) counts once."""
     info, t, st = ps[0]
     if info is None or info[0] is None:  # whole, or replicated over tp: every copy is the same
         return t.clone(), {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()}
     dim = info[0]
-    ps = sorted(ps, key=lambda p: p[0][1])
+    once: dict = {}
+    for p in ps:
+        once.setdefault(tuple(p[0][1:3]), p)
+    ps = sorted(once.values(), key=lambda p: p[0][1])
     if [p[0][1] for p in ps][1:] != [p[0][2] for p in ps][:-1] or ps[0][0][1] != 0:
         raise ConfigError(f"checkpoint: the tensor-parallel slices of {full} do not tile it "
                           f"({[tuple(p[0][1:]) for p in ps]}); the set is incomplete")

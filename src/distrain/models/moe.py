@@ -162,6 +162,10 @@ class MoEFeedForward(nn.Module):
     """(B, T, C) -> (B, T, C): the mixture in place of a dense SwiGLU (module docstring)."""
 
     dispatch = ALL_HERE  # where the experts run (models/experts.py); an expert-parallel plan sets its own
+    # Under tensor parallelism every rank keeps the whole mixture and runs it on the replicated
+    # activations (the same tokens on every tp rank): no tp messages, identical gradients on the tp
+    # ranks; its experts split by expert parallelism instead (parallel/tensor_parallel/plan.py).
+    tp_replicated = True
 
     def __init__(self, n_embd: int, intermediate_size: int, cfg: MoEConfig):
         super().__init__()

@@ -33,32 +33,31 @@ def check_ep_sizes(ep: int, num_experts: int | None, data_ranks: int, what: str 
 
 
 def check_ep_layout(ep: int, *, tp: int = 1, pp: int = 1, zero_stage: int = 0) -> None:
-    """What expert parallelism composes with here: dp and cp (the ranks it borrows). Not tp (the Llama's
-    tensor-parallel plan has no sharding of the experts: left out), not pp (the aux loss's gradient is
-    added once per forward, a pipeline's micro-batches would count it once each), not ZeRO (its flat
+    """What expert parallelism composes with here: dp and cp (the ranks it borrows) and tp (every tp
+    rank keeps the mixture whole, ``tp_replicated``; its ep group lies within its tp coordinate). Not
+    pp (the aux loss's gradient is added once per forward, a pipeline's micro-batches would count it
+    once each), not ZeRO (its flat
     shards would mix expert and non-expert parameters, reduced over different groups)."""
     if ep == 1:
         return
-    for n, flag, why in ((tp, "--tp", "the experts are not split by tensor parallelism here (tp x ep is left out)"),
-                         (pp, "--pp", "the load-balancing loss's gradient is added once per forward, not per "
+    for n, flag, why in ((pp, "--pp", "the load-balancing loss's gradient is added once per forward, not per "
                                       "micro-batch"),
                          (zero_stage, "--strategy zero", "ZeRO's flat shards would mix expert and other parameters, "
                                                          "whose gradients reduce over different groups")):
         if n > (0 if flag == "--strategy zero" else 1):
             shown = f"{flag}{n}" if flag == "--strategy zero" else f"{flag} {n}"
-            raise ConfigError(f"--ep {ep} does not compose with {shown}: {why}; use --ep with --dp/--cp and "
+            raise ConfigError(f"--ep {ep} does not compose with {shown}: {why}; use --ep with --dp/--cp/--tp and "
                               f"--strategy ddp")
 
 
 def check_ep_flags(cfg, moe: dict | None) -> None:
     """The trainer's flags (``cfg``: a TrainConfig) against a preset's mixture ``moe`` (None: no experts,
     or your own model, whose experts are checked once built), before any rank starts: a mixture does
-    not compose with --tp, --pp, --accum-steps or --elastic here; --ep counts no ranks of its own (it
+    not compose with --pp, --accum-steps or --elastic here; --ep counts no ranks of its own (it
     borrows from --dp); then :func:`check_ep_sizes` and, with ZeRO, :func:`check_ep_layout`."""
     if moe is not None:
-        for n, flag, why in ((cfg.tp, "--tp", "the tensor-parallel plan does not split experts"),
-                             (cfg.pp, "--pp", "the load-balancing loss's gradient is added once per forward, not "
-                                              "per micro-batch")):
+        for n, flag, why in ((cfg.pp, "--pp", "the load-balancing loss's gradient is added once per forward, not "
+                                              "per micro-batch"),):
             if n > 1:
                 raise ConfigError(f"{flag} {n}: {cfg.model} is a mixture of experts, which does not compose with "
                                   f"{flag} here ({why}); use --dp, --cp and --ep")

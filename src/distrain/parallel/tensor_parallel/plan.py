@@ -171,9 +171,23 @@ def _check_module(name: str, m: nn.Module, style: Style, P: int) -> None:
                           f"VocabParallelEmbedding does not support")
 
 
+def _replicated(model: nn.Module) -> list[str]:
+    """Names of the modules that declare ``tp_replicated = True``: under tensor parallelism every rank
+    keeps them whole and runs them on the same (replicated) input, so the plan leaves them and all
+    they contain alone (a mixture of experts: its experts' parallelism is expert parallelism)."""
+    return [n for n, m in model.named_modules() if n and getattr(m, "tp_replicated", False)]
+
+
 def _resolve(model: nn.Module, plan: TPPlan) -> list[tuple[str, nn.Module, Style]]:
     found = []
+    whole = _replicated(model)
+    if whole and any(isinstance(s, (SequenceParallel, SplitSequenceOutput)) for s in plan.styles.values()):
+        raise ConfigError(f"apply_tensor_parallel: {whole[0]} is kept whole on every rank (tp_replicated), which "
+                          f"needs the replicated activations of a plan without sequence parallelism; use "
+                          f"sequence_parallel=False")
     for name, m in model.named_modules():
+        if any(name == w or name.startswith(w + ".") for w in whole):
+            continue
         keys = plan.match(name) if name else []
         if len(keys) > 1:
             raise ConfigError(f"apply_tensor_parallel: module {name} matches several plan keys {keys}; "
