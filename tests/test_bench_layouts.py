@@ -107,3 +107,14 @@ def test_bench_layouts_bad_transport(capsys):
     assert main(["bench", "layouts", "--transport", "udp"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == \
         ["distrain: error: --transport 'udp': choose one of torch, shm, auto"]
+
+
+def test_expert_parallel_layouts_borrow_data_parallel_ranks():
+    assert parse_layout("tp2xep2") == Layout("tp2xep2", tp=2, ep=2)
+    jobs, notes = plan_jobs([2, 4], [parse_layout(s) for s in ("ep2", "ep4", "tp2xep2")])
+    got = [(j.nproc, j.layout, j.dp, j.tp, j.ep, j.grid) for j in jobs]
+    assert got == [(1, "single", 1, 1, 1, "dp1×tp1×pp1"), (2, "ep2", 2, 1, 2, "dp2×tp1×pp1×ep2"),
+                   (4, "ep2", 4, 1, 2, "dp4×tp1×pp1×ep2"), (4, "ep4", 4, 1, 4, "dp4×tp1×pp1×ep4"),
+                   (4, "tp2xep2", 2, 2, 2, "dp2×tp2×pp1×ep2")]
+    assert notes == ["ep4: ep4 does not divide dp*cp = 2 at P=2; skipped",
+                     "tp2xep2: ep2 does not divide dp*cp = 1 at P=2; skipped"]

@@ -292,7 +292,8 @@ def add_layouts_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", default="2,4", help="world sizes, comma-separated (single at P=1 always runs)")
     p.add_argument("--layouts", default=LAYOUTS,
                    help="comma-separated: ddp, zero1-3, or dpAxcpDxtpBxppC grids (tp2, pp2, cp2, dp2xtp2, tp2xpp2, "
-                        "dp2xcp2, zero1xpp2)")
+                        "dp2xcp2, zero1xpp2); epE adds expert parallelism to a mixture-of-experts model (ep2, "
+                        "tp2xep2)")
     p.add_argument("--batch-size", type=int, default=16, help="global batch of sequences (same for every job)")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step of layouts with pp > 1")
     p.add_argument("--schedule", default="1f1b", help="pipeline schedule of layouts with pp > 1 (gpipe, 1f1b, zb-h1)")

@@ -3,8 +3,9 @@ degrees, and the jobs (P, layout) planned from them, with notes on what was skip
 
 A layout is ``ddp``, ``zero1``/``zero2``/``zero3`` (ZeRO over all P ranks), or a grid
 ``dpAxcpDxtpBxppC`` (any of the four parts, any order; cp: context parallelism, its attention
-``Settings.cp_algorithm``), optionally after a strategy (``zero1xpp2``). A grid without ``dp``
-fills the job with data parallelism, dp = P / (cp * tp * pp). ``single`` (one
+``Settings.cp_algorithm``), optionally after a strategy (``zero1xpp2``), and ``epE`` (expert
+parallelism for a mixture-of-experts model: it borrows E of the dp x cp ranks, no ranks of its
+own). A grid without ``dp`` fills the job with data parallelism, dp = P / (cp * tp * pp). ``single`` (one
 process, P = 1) is always the first job, the baseline of the speedup.
 """
 
@@ -17,7 +18,7 @@ from distrain.bench.common import split_csv
 from distrain.errors import ConfigError
 
 STRATEGY_WORDS = ("ddp", "zero1", "zero2", "zero3")
-_PART = re.compile(r"^(dp|tp|pp|cp)(\d+)$")
+_PART = re.compile(r"^(dp|tp|pp|cp|ep)(\d+)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,17 +31,23 @@ class Layout:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
 
-    def grid(self, nproc: int) -> tuple[int, int, int, int] | None:
-        """(dp, tp, pp, cp) at ``nproc`` ranks, or None when the layout does not fit."""
+    def grid(self, nproc: int) -> tuple[int, int, int, int, int] | None:
+        """(dp, tp, pp, cp, ep) at ``nproc`` ranks, or None when the layout does not fit."""
         mp = self.tp * self.pp * self.cp
-        if self.dp is not None:
-            return (self.dp, self.tp, self.pp, self.cp) if self.dp * mp == nproc else None
-        return (nproc // mp, self.tp, self.pp, self.cp) if nproc % mp == 0 else None
+        dp = self.dp if self.dp is not None else (nproc // mp if nproc % mp == 0 else None)
+        if dp is None or dp * mp != nproc or (dp * self.cp) % self.ep:
+            return None
+        return (dp, self.tp, self.pp, self.cp, self.ep)
 
     def misfit(self, nproc: int) -> str:
         """Why the layout does not fit ``nproc`` ranks (one line)."""
         names = "dp*cp*tp*pp" if self.cp > 1 else "dp*tp*pp"
+        mp = self.tp * self.pp * self.cp
+        dp = self.dp if self.dp is not None else nproc // mp
+        if dp * mp == nproc and (dp * self.cp) % self.ep:
+            return f"{self.name}: ep{self.ep} does not divide dp*cp = {dp * self.cp} at P={nproc}; skipped"
         if self.dp is not None:
             need = self.dp * self.tp * self.pp * self.cp
             return f"{self.name} needs exactly {names} = {need} processes; skipped at P={nproc}"
@@ -66,7 +73,7 @@ def parse_layout(text: str) -> Layout:
     for p in parts:
         m = _PART.match(p)
         if not m:
-            bad = "a strategy must come first" if p in STRATEGY_WORDS else "not dpN, tpN or ppN (or cpN)"
+            bad = "a strategy must come first" if p in STRATEGY_WORDS else "not dpN, tpN or ppN (or cpN, epN)"
             raise ConfigError(f"--layouts: {text!r}: part {p!r} is {bad}; {hint}")
         kind, n = m.group(1), int(m.group(2))
         if n < 1:
@@ -74,7 +81,8 @@ def parse_layout(text: str) -> Layout:
         if kind in degrees:
             raise ConfigError(f"--layouts: {text!r} gives {kind} twice; {hint}")
         degrees[kind] = n
-    return Layout(name, strategy, degrees.get("dp"), degrees.get("tp", 1), degrees.get("pp", 1), degrees.get("cp", 1))
+    return Layout(name, strategy, degrees.get("dp"), degrees.get("tp", 1), degrees.get("pp", 1), degrees.get("cp", 1),
+                  degrees.get("ep", 1))
 
 
 def parse_layouts(text: str) -> list[Layout]:
@@ -98,15 +106,17 @@ class Job:
     tp: int
     pp: int
     cp: int = 1
+    ep: int = 1
     aliases: tuple[str, ...] = ()
 
     @property
     def grid(self) -> str:
-        return f"dp{self.dp}×" + (f"cp{self.cp}×" if self.cp > 1 else "") + f"tp{self.tp}×pp{self.pp}"
+        return (f"dp{self.dp}×" + (f"cp{self.cp}×" if self.cp > 1 else "") + f"tp{self.tp}×pp{self.pp}"
+                + (f"×ep{self.ep}" if self.ep > 1 else ""))
 
     @property
     def key(self) -> tuple:
-        return (self.nproc, self.strategy, self.dp, self.tp, self.pp, self.cp)
+        return (self.nproc, self.strategy, self.dp, self.tp, self.pp, self.cp, self.ep)
 
 
 def plan_jobs(nprocs: list[int], layouts: list[Layout]) -> tuple[list[Job], list[str]]:

@@ -96,6 +96,7 @@ def _config(job: Job, opts: Settings, root: str) -> TrainConfig:
     return TrainConfig(model=opts.model, data="shakespeare", strategy=job.strategy, nproc=job.nproc, device="cpu",
                        **applicable(job.strategy, algorithm=opts.algorithm), transport=opts.transport, tp=job.tp,
                        pp=job.pp, cp=job.cp, **({"cp_algorithm": opts.cp_algorithm} if job.cp > 1 else {}),
+                       **({"ep": job.ep} if job.ep > 1 else {}),
                        microbatches=opts.microbatches if pp else 1, schedule=opts.schedule,
                        steps=opts.warmup + opts.steps + MEMORY_STEPS, batch_size=opts.batch_size, seed=opts.seed,
                        dtype="float32", eval_every=0, sample_chars=0, progress=False, report=False,
@@ -200,7 +201,7 @@ def _measure(job: Job, cfg: TrainConfig, opts: Settings) -> dict:
     block = next(r["tokens_per_s"] * r["time_s"] for r in rows) / opts.batch_size  # tokens per sample
     peaks = [r["peak"] for r in per_rank]
     return {"nproc": job.nproc, "layout": job.layout, "aliases": list(job.aliases), "strategy": job.strategy,
-            "transport": cfg.transport, "dp": job.dp, "tp": job.tp, "pp": job.pp, "cp": job.cp,
+            "transport": cfg.transport, "dp": job.dp, "tp": job.tp, "pp": job.pp, "cp": job.cp, "ep": job.ep,
             **({"cp_algorithm": cfg.cp_algorithm} if job.cp > 1 else {}), "grid": job.grid,
             "microbatches": cfg.microbatches,
             "threads_per_rank": opts.threads or max(1, (os.cpu_count() or 1) // job.nproc),
