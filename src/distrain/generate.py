@@ -110,6 +110,7 @@ def _build(run: Path, name, manifest: dict, tok):
     import torch
 
     from distrain.checkpoint.models import hf_llama_config, is_hf_name
+    from distrain.data.vocab import vocab_override
     from distrain.factories import CUSTOM, is_spec, load_object
     from distrain.models import build_model, list_models, preset_config
 
@@ -123,9 +124,7 @@ def _build(run: Path, name, manifest: dict, tok):
         except ConfigError as e:
             raise ConfigError(f"{e} (the run's manifest records no model_config); restore that folder") from None
     if name in list_models():
-        overrides = {}
-        if tok.vocab_size > 256 and "vocab_size" in preset_config(name):  # trainer.task.model_overrides' rule
-            overrides["vocab_size"] = tok.vocab_size
+        overrides = vocab_override(tok.vocab_size) if "vocab_size" in preset_config(name) else {}
         return build_model(name, **overrides)
     if name == CUSTOM:
         raise ConfigError(f"{WHO}: the run {run} trained a model passed from Python to distrain.train, which nothing "

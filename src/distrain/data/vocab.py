@@ -1,7 +1,7 @@
 """``--data`` as a token shard folder, and the vocabulary it asks of the model.
 
 Which ``--data`` is a shard folder (:func:`shard_folder`), what a preset takes from it (its
-vocabulary, :func:`model_overrides`) and the error when a model's vocabulary is too small for its
+vocabulary, :func:`model_overrides`, by :func:`vocab_override`'s rule) and the error when a model's vocabulary is too small for its
 token ids (:func:`vocab_error`). ``cfg`` is a TrainConfig (read by attribute: this module sits below
 trainer/config.py, whose validation uses it, and imports nothing above distrain.data).
 """
@@ -27,7 +27,12 @@ def model_overrides(cfg) -> dict:
     folder = shard_folder(cfg)
     if folder is None or cfg.custom_model:
         return {}
-    vocab = int(read_meta(folder, check_files=False)["vocab_size"])
+    return vocab_override(int(read_meta(folder, check_files=False)["vocab_size"]))
+
+
+def vocab_override(vocab: int) -> dict:
+    """A preset's overrides for a tokenizer of ``vocab`` ids: its vocabulary when it exceeds the 256
+    bytes every text preset is built for, nothing otherwise (the trainer's and generate's rule)."""
     return {"vocab_size": vocab} if vocab > 256 else {}
 
 

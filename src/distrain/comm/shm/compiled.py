@@ -49,10 +49,10 @@ KERNELS = ("auto", "compiled", "python")
 _choice = "auto"
 READS_INPUT_ONLY = True  # as collectives.py: reduce_scatter reads its input in place
 
-# Reduction codes of _dataplane.cpp. The dispatcher finishes avg itself (a division after the
-# sum), so its calls pass sum for avg; the fast path lets the C++ divide (AVG).
-OP_CODES = {"sum": 0, "prod": 1, "min": 2, "max": 3, "band": 4, "bor": 5, "bxor": 6, "avg": 0}
-AVG = 7
+# Reduction codes of _dataplane.cpp (its enum Op). The dispatcher finishes avg itself (a division
+# after the sum), so its calls pass sum for avg (OP_CODES); the fast path lets the C++ divide.
+CODES = {"sum": 0, "prod": 1, "min": 2, "max": 3, "band": 4, "bor": 5, "bxor": 6, "avg": 7}
+OP_CODES = {**CODES, "avg": CODES["sum"]}
 OK, UNSUPPORTED, PEER_ABORTED, PEER_DIED, TIMED_OUT, MISMATCH = range(6)
 
 
@@ -174,14 +174,10 @@ def error(sh, rc: int, what: str) -> Exception:
 # group is registered under its object; api looks ``None`` up as dist.group.WORLD.
 FAST: dict = {}
 
-_FAST_OPS: dict = {}  # op as the caller passes it (a name or a ReduceOp.X) -> (code, name)
-for _name, _code_ in (("sum", 0), ("prod", 1), ("min", 2), ("max", 3), ("band", 4), ("bor", 5), ("bxor", 6),
-                      ("avg", AVG)):
-    _FAST_OPS[_name] = (_code_, _name)
-for _native, _name in ((dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.PRODUCT, "prod"), (dist.ReduceOp.MIN, "min"),
-                       (dist.ReduceOp.MAX, "max"), (dist.ReduceOp.BAND, "band"), (dist.ReduceOp.BOR, "bor"),
-                       (dist.ReduceOp.BXOR, "bxor"), (dist.ReduceOp.AVG, "avg")):
-    _FAST_OPS[_native] = _FAST_OPS[_name]
+# op as the caller passes it (a name or a ReduceOp.X) -> its code
+_FAST_OPS: dict = {**CODES, dist.ReduceOp.SUM: CODES["sum"], dist.ReduceOp.PRODUCT: CODES["prod"],
+                   dist.ReduceOp.MIN: CODES["min"], dist.ReduceOp.MAX: CODES["max"], dist.ReduceOp.BAND: CODES["band"],
+                   dist.ReduceOp.BOR: CODES["bor"], dist.ReduceOp.BXOR: CODES["bxor"], dist.ReduceOp.AVG: CODES["avg"]}
 
 
 class FastPath:
@@ -230,7 +226,7 @@ class FastPath:
         o = _FAST_OPS.get(op) if isinstance(op, (str, dist.ReduceOp.RedOpType)) else None
         if o is None or self.state.pending or not isinstance(t, torch.Tensor):
             return False
-        return self._end("all_reduce", self._call("all_reduce", self.plane.all_reduce, t, o[0]),
+        return self._end("all_reduce", self._call("all_reduce", self.plane.all_reduce, t, o),
                          t.numel() * t.element_size())
 
     def broadcast(self, t, src) -> bool:
@@ -252,7 +248,7 @@ class FastPath:
         if o is None or self.state.pending or not isinstance(out, torch.Tensor) or not isinstance(ins, list) or \
                 len(ins) != self.state.size:
             return False
-        return self._end("reduce_scatter", self._call("reduce_scatter", self.plane.reduce_scatter_list, out, ins, o[0]),
+        return self._end("reduce_scatter", self._call("reduce_scatter", self.plane.reduce_scatter_list, out, ins, o),
                          out.numel() * out.element_size() * self.state.size)
 
     def barrier(self) -> bool:
@@ -265,7 +261,7 @@ def fold(out: torch.Tensor, inputs: list[torch.Tensor], op: str) -> None:
     """out = inputs[0] op inputs[1] op ... (in list order, avg divided by their number) by the
     extension's vectorised loops: the reduction every compiled collective runs (tests hold it to
     torch's bits). Contiguous CPU tensors of one dtype and length."""
-    rc = ext.fold(out, inputs, _FAST_OPS[op][0])
+    rc = ext.fold(out, inputs, CODES[op])
     if rc:
         raise ConfigError(f"fold({op}) of {out.dtype} is not supported by the compiled kernels")
 

@@ -187,7 +187,7 @@ class ShmTransport:
     def compiled(self):
         """The compiled data plane of this group (compiled.make_plane), built on first use."""
         if self.plane is None:
-            self.coll = "collective"
+            self.coll = "collective"  # opening the peers' segments serves every collective of the plane
             self.plane = compiled.make_plane(self)
         return self.plane
 
