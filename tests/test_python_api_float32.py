@@ -48,8 +48,10 @@ RUNS = {
     "cp2 all-to-all P=2": dict(strategy="ddp", nproc=2, cp=2, cp_algorithm="all-to-all"),
     # expert parallelism: llama-moe-tiny's 4 experts, 2 per rank, tokens sent to them all-to-all
     "ep2 P=2": dict(strategy="ddp", nproc=2, ep=2),
+    # tp x ep: the attention split by tp, the mixture whole on both tp ranks, its experts split by ep
+    "tp2xep2 P=4": dict(strategy="ddp", nproc=4, tp=2, ep=2),
 }
-PRESET = {"ep2 P=2": "llama-moe-tiny"}  # the model a run trains (and its one-process reference), else gpt-tiny
+PRESET = {"ep2 P=2": "llama-moe-tiny", "tp2xep2 P=4": "llama-moe-tiny"}  # the model a run trains (and its one-process reference), else gpt-tiny
 # float32 over 4 AdamW steps: reordered sums move the loss by ~1e-6 relative; the shared-weights
 # bug moved it by 1e-2 and more from the second step on
 RTOL = 2e-5
