@@ -2,7 +2,7 @@
 
     comm/       distrain bench comm: collectives.py (flags, ranks, report), timing.py (the
                 per-rank side), report.py (nccl-tests conventions, tables, plot), predict.py
-                (--predict: the cost model beside each measurement; python -m for its table)
+                (--predict: the cost model beside each measurement; bench predict for its table)
     link/       distrain bench link: calibrate.py (alpha, beta of every link, gamma of the adds)
     pipeline/   distrain bench pipeline: bubbles.py (measured bubble against the formula)
     tp/         distrain bench tp: blocks.py (all-reduce payload and activation bytes per block)
@@ -12,7 +12,7 @@
     common.py   sizes, statistics, metadata, JSON and tables every tool shares
     background.py  --background-load N: busy processes beside a benchmark (comm and train)
 
-The command line (distrain/cli/bench.py) parses every tool's flags and calls the tool's typed
-``run``; the tools do not parse ``argv`` (except the ``python -m`` scripts step_predict,
-activation_memory and comm/predict, run by hand for the documents' tables).
+The command line (distrain/cli/bench.py, and cli/bench_studies.py for the studies behind the
+documents' tables: cp-memory, activation-memory, predict, step-predict) parses every tool's
+flags and calls the tool's typed ``run``; no module here parses ``argv``.
 """

@@ -85,6 +85,17 @@ def parse_choices(text: str, allowed: Sequence[str], flag: str) -> list[str]:
     return _dedup(items)
 
 
+def parse_int(text, flag: str, minimum: int) -> int:
+    """One integer >= ``minimum`` (a flag's value), else a one-line ConfigError naming ``flag``."""
+    try:
+        v = int(text)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{flag}: expected an integer, got {text!r}") from None
+    if v < minimum:
+        raise ConfigError(f"{flag}: must be >= {minimum}, got {v}")
+    return v
+
+
 def parse_ints(text: str, flag: str, minimum: int = 1) -> list[int]:
     """``"2,4"`` -> ``[2, 4]``; every value must be an integer >= minimum."""
     out = []

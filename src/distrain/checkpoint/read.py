@@ -172,6 +172,15 @@ def _is_safetensors(path: Path) -> bool:
     return head[8:9] == b"{" and 2 <= n <= path.stat().st_size - 8
 
 
+
+def _pickled_objects(path) -> bool:
+    """Whether the zip checkpoint at ``path`` names Python globals that a weights-only load refuses
+    (decided by torch's own scan of the pickle, not by its error's text)."""
+    try:
+        return bool(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
+    except Exception:  # noqa: BLE001 -- not a zip checkpoint, or a damaged one: not "pickled objects"
+        return False
+
 def read_file(path: str | Path, who: str = IMPORT, what: str = WHAT_IMPORT_READS) -> tuple[str, dict]:
     """FILE as ``("full", consolidated form)`` or ``("weights", {name: tensor})``; anything else
     is a one-line ConfigError (``who: ...``) saying what the file is and what is read (``what``)."""
@@ -200,7 +209,7 @@ def read_file(path: str | Path, who: str = IMPORT, what: str = WHAT_IMPORT_READS
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        if "Weights only load failed" in str(e):  # a pickled object: torch.save(model), a custom class...
+        if _pickled_objects(path):  # torch.save(model), a custom class...: globals weights_only refuses
             raise ConfigError(f"{who}: {path} holds pickled Python objects, not only tensors (e.g. a whole "
                               f"module saved with torch.save(model)); save the weights alone: "
                               f"torch.save(model.state_dict(), path)") from None

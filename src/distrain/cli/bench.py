@@ -1,4 +1,5 @@
-"""``distrain bench comm|link|ps|train|pipeline|tp|zero|layouts|elastic``: every benchmark's flags.
+"""``distrain bench comm|link|ps|train|pipeline|tp|zero|layouts|elastic`` and the studies of
+:mod:`distrain.cli.bench_studies`: every benchmark's flags.
 
     distrain bench comm --nproc 4 --ops all_reduce --algorithms native,ring --sizes 4K,4M
     distrain bench train --nproc 1,2,4 --strategies ddp,torch-ddp,ps-sync --model mlp
@@ -18,6 +19,7 @@ import os
 from typing import Any
 
 from distrain.bench import background, common
+from distrain.cli import bench_studies
 from distrain.bench.comm import columns
 from distrain.bench.comm.timing import _DTYPES, BURST_S, MAX_BURST, MAX_ITERS, MIN_ITERS, TARGET_S
 from distrain.bench.train.throughput import STRATEGIES as TRAIN_STRATEGIES
@@ -55,6 +57,7 @@ def add_parser(sub) -> None:
                     "rank", add_layouts_arguments, run_layouts),
         ("elastic", "what --elastic costs per step (fixed vs elastic, alternated), its recovery and join times",
          add_elastic_arguments, run_elastic),
+        *bench_studies.TOOLS,
     ):
         p = bsub.add_parser(name, help=help_text)
         add(p)
@@ -113,16 +116,6 @@ def add_comm_arguments(p: argparse.ArgumentParser) -> None:
     add_background_argument(p)
 
 
-def _int(text, flag: str, minimum: int) -> int:
-    try:
-        v = int(text)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{flag}: expected an integer, got {text!r}") from None
-    if v < minimum:
-        raise ConfigError(f"{flag}: must be >= {minimum}, got {v}")
-    return v
-
-
 def comm_config(args: argparse.Namespace) -> dict[str, Any]:
     """Validate every flag of ``bench comm`` (ConfigError with a clear message) into a plain, picklable dict."""
     dtype = str(args.dtype).removeprefix("torch.")
@@ -143,9 +136,9 @@ def comm_config(args: argparse.Namespace) -> dict[str, Any]:
         "sizes": common.parse_sizes(args.sizes),
         "symmetric": bool(getattr(args, "symmetric", False)),
         "dtype": dtype,
-        "warmup": _int(args.warmup, "--warmup", 0),
-        "iters": None if args.iters in (None, "", "auto") else _int(args.iters, "--iters", 1),
-        "burst": None if getattr(args, "burst", None) in (None, "", "auto") else _int(args.burst, "--burst", 1),
+        "warmup": common.parse_int(args.warmup, "--warmup", 0),
+        "iters": None if args.iters in (None, "", "auto") else common.parse_int(args.iters, "--iters", 1),
+        "burst": None if getattr(args, "burst", None) in (None, "", "auto") else common.parse_int(args.burst, "--burst", 1),
         "timeout": timeout,
         "bind_cores": None,
         "target_s": TARGET_S,
@@ -385,4 +378,5 @@ def run_elastic(args: argparse.Namespace) -> int:
                            steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, dtype=args.dtype,
                            rounds=args.rounds, kill_step=args.kill_step, extra=extra, json_path=args.json))
     return 0
+
 

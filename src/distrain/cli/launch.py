@@ -21,6 +21,8 @@ def add_parser(sub) -> None:
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, help="HOST:PORT reachable by every node")
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
                    help="restart the job on failure; `train` jobs then resume from their newest checkpoint")
+    p.add_argument("--rdzv-id", "--rdzv_id", default="distrain",
+                   help="the rendezvous's job id, the same on every node (default distrain)")
     p.add_argument("script", nargs=argparse.REMAINDER,
                    help="script.py and its arguments, or `train ...` / `-- distrain train ...`")
     p.set_defaults(func=run)
@@ -30,4 +32,4 @@ def run(args: argparse.Namespace) -> int:
     from distrain.launch import launch
 
     return launch(args.nproc_per_node, args.script, nnodes=args.nnodes, node_rank=args.node_rank,
-                  rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts)
+                  rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts, rdzv_id=args.rdzv_id)

@@ -3,6 +3,8 @@
     distrain plan --model gpt-small --nodes 4 --procs-per-node 2 --link eth-1g
     distrain plan --model llama-3-8b --device h100 --nodes 4 --gpus-per-node 8 --link ib-400g --seq-len 4096
     distrain plan --validate docs/cost_model_data/published_runs.toml
+    distrain plan --fit-efficiency docs/cost_model_data/mosaicml_benchmarks.csv
+    distrain plan --measure-host docs/cost_model_data/cpu_host.json
 
 Without ``--device`` it ranks DDP / parameter servers / dp x tp x pp on ranks whose compute is
 measured here or given (``--compute-ms``) and whose links are α-β presets or a ``bench link``
@@ -64,6 +66,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--validate", default=None, metavar="FILE",
                    help="predict every published run in FILE (TOML) and print published, predicted and error")
     g.add_argument("--markdown", action="store_true", help="with --validate: the table as Markdown")
+    g.add_argument("--fit-efficiency", default=None, metavar="CSV",
+                   help="fit the sustained-efficiency multipliers on MosaicML's llm-foundry table (the runs "
+                        "--validate does not hold out) and print them (docs/cost_model.md)")
+    g.add_argument("--measure-host", nargs="?", const="", default=None, metavar="JSON",
+                   help="measure this host as a device (matmul, attention, memory copy) and print it (write JSON)")
     s = p.add_argument_group("a model shape instead of --model")
     s.add_argument("--arch", choices=("llama", "gpt"), default="llama",
                    help="llama: SwiGLU, RMSNorm, rotary, no biases; gpt: GELU 4h MLP, LayerNorm, biases, learned "
@@ -87,6 +94,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.fit_efficiency:
+        from distrain.costmodel import calibration
+
+        return calibration.report(args.fit_efficiency)
+    if args.measure_host is not None:
+        from distrain.costmodel import devices
+
+        return devices.report_host(args.measure_host or None)
     if args.validate:
         return _validate(args.validate, args.markdown)
     if args.device or args.gpus_per_node:

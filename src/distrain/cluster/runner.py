@@ -1,7 +1,7 @@
 """``distrain cluster run``: start one command on every node of an emulated cluster.
 
 On node i (inside netns NAME-i) this runs ``distrain launch --nproc-per-node K --nnodes N
---node-rank i --rdzv-endpoint 10.251.0.1:29400 -m distrain.cluster.command`` (torch's
+--node-rank i --rdzv-endpoint 10.251.0.1:29400 --rdzv-id distrain-cluster -- -m distrain.cluster.command`` (torch's
 elastic agent, c10d rendezvous hosted by node 0), whose ranks run CMD (see
 :mod:`distrain.cluster.command`), so every rank gets the launcher's environment (RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...) and ``distrain train``/``distrain bench comm``
@@ -142,9 +142,10 @@ def run(spec: netns.ClusterSpec, cmd: list[str], procs_per_node: int = 1, max_re
         for i in range(spec.nodes):
             env = node_env(spec, i, cmd, procs_per_node)
             if elastic is None:
-                argv = ["ip", "netns", "exec", spec.netns(i), sys.executable, "-m", "distrain.cluster",
-                        str(procs_per_node), str(spec.nodes), str(i), endpoint, str(max_restarts),
-                        "-m", "distrain.cluster.command"]
+                argv = ["ip", "netns", "exec", spec.netns(i), sys.executable, "-m", "distrain", "launch",
+                        "--nproc-per-node", str(procs_per_node), "--nnodes", str(spec.nodes), "--node-rank", str(i),
+                        "--rdzv-endpoint", endpoint, "--max-restarts", str(max_restarts),
+                        "--rdzv-id", "distrain-cluster", "--", "-m", "distrain.cluster.command"]
             else:  # `distrain train --elastic`: its own agents, not torchrun (distrain/elastic/nodes.py)
                 argv = ["ip", "netns", "exec", spec.netns(i), sys.executable, "-m", "distrain", *elastic]
                 env[ELASTIC_NODES_ENV] = f"{i}/{spec.nodes}@{endpoint}"

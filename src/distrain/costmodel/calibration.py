@@ -96,11 +96,12 @@ def calibrated_devices(multipliers: dict[str, tuple[float, float, float]]) -> di
     return {n: d.sustained(multipliers.get(d.family, (1.0, 1.0, 1.0))) for n, d in DEVICES.items()}
 
 
-if __name__ == "__main__":  # python -m distrain.costmodel.calibration docs/cost_model_data/mosaicml_benchmarks.csv
-    import sys
-
-    runs = [r for r in mosaicml_runs(sys.argv[1]) if not held_out(r)]
+def report(csv_path: str) -> int:
+    """Fit the multipliers on the MosaicML rows that the validation does not hold out and print them
+    (``distrain plan --fit-efficiency CSV``)."""
+    runs = [r for r in mosaicml_runs(csv_path) if not held_out(r)]
     fitted = fit(runs)
     counts = {f: sum(r.case.cluster.device.family == f for r in runs) for f in fitted}
     for family, x in fitted.items():
         print(f"{family}: {counts[family]} runs, multipliers (matmul, attention, element-wise) = {x}")
+    return 0

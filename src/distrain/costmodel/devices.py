@@ -157,12 +157,12 @@ def _measure(torch, seconds: float) -> dict:
     return out
 
 
-if __name__ == "__main__":  # python -m distrain.costmodel.devices [OUT.json]: measure this host
-    import sys
-
+def report_host(json_path: str | None = None) -> int:
+    """Measure this host, print the record as JSON, write it to ``json_path`` (``distrain plan --measure-host``)."""
     res = measure_host()
     res["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(json.dumps(res, indent=1))
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(res, f, indent=1)
+    return 0

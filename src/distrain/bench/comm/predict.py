@@ -127,15 +127,11 @@ def repredict(calibration: str, paths: list[str]) -> None:
             json.dump(data, f, indent=1)
 
 
-if __name__ == "__main__":
-    # python -m distrain.bench.comm.predict OUT.md OUT.png SIZE A.json B.json ...   (table and figure)
-    # python -m distrain.bench.comm.predict --repredict LINK.json A.json ...          (predictions again)
-    import sys
-
-    if sys.argv[1] == "--repredict":
-        repredict(sys.argv[2], sys.argv[3:])
-        sys.exit(0)
-    recs = load(sys.argv[4:])
-    with open(sys.argv[1], "w") as f:
+def write_table(table_path: str, plot_path: str, size: int, paths: list[str]) -> int:
+    """The markdown table of the records in ``paths`` to ``table_path``; measured against predicted by
+    node count at ``size`` bytes to ``plot_path`` (``distrain bench predict --table --plot``)."""
+    recs = load(paths)
+    with open(table_path, "w") as f:
         f.write(markdown(recs) + "\n")
-    plot_nodes(recs, common.parse_size(sys.argv[3]), sys.argv[2])
+    plot_nodes(recs, size, plot_path)
+    return 0

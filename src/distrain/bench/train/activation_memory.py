@@ -1,9 +1,9 @@
 """Memory kept for backward with and without activation checkpointing, in one process.
 
-``python -m distrain.bench.train.activation_memory [--model gpt-small] [--layers 8] [--batch 64]``
+``distrain bench activation-memory [--model gpt-small] [--layers 8] [--batch 64]``
 
-Each variant runs in a fresh subprocess (so one's peak does not hide the other's) with
-``MALLOC_MMAP_THRESHOLD_=65536``: glibc then returns freed activation buffers to the OS, and
+Each variant runs in a fresh process (multiprocessing's spawn, so one's peak does not hide the
+other's) that first sets glibc's M_MMAP_THRESHOLD to 64 KiB: freed activation buffers then go back to the OS, and
 the peak RSS (VmHWM) shows the live peak instead of heap that was freed but kept. Reported:
 bytes autograd keeps for backward (counted exactly by a saved-tensor hook), peak RSS above
 the model's, and the forward+backward time (median of ``--reps``). Prints a table; ``--json``
@@ -12,13 +12,14 @@ writes the rows.
 
 from __future__ import annotations
 
-import argparse
+import ctypes
 import json
-import os
+import multiprocessing
 import statistics
-import subprocess
-import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+
+MMAP_THRESHOLD = 64 * 1024
 
 
 def _vm_hwm_mib() -> float:
@@ -58,34 +59,23 @@ def measure(model: str, layers: int, batch: int, checkpointing: bool, reps: int)
             "fwd_bwd_s_median": statistics.median(times)}
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="gpt-small")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--json", default="")
-    p.add_argument("--one", choices=("on", "off"), help=argparse.SUPPRESS)  # a variant, in its subprocess
-    a = p.parse_args(argv)
-    if a.one:
-        print(json.dumps(measure(a.model, a.layers, a.batch, a.one == "on", a.reps)))
-        return
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+def _fresh(model: str, layers: int, batch: int, checkpointing: bool, reps: int) -> dict:
+    ctypes.CDLL("libc.so.6").mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD, before any tensor exists
+    return measure(model, layers, batch, checkpointing, reps)
+
+
+def run(model: str = "gpt-small", layers: int = 8, batch: int = 64, reps: int = 3, json_path: str | None = None) -> int:
+    """Both variants (off, then on), each in a fresh process; prints the table, writes ``json_path``."""
     rows = []
-    for one in ("off", "on"):
-        out = subprocess.run([sys.executable, "-m", "distrain.bench.train.activation_memory", "--one", one,
-                              "--model", a.model, "--layers", str(a.layers), "--batch", str(a.batch),
-                              "--reps", str(a.reps)], env=env, check=True, capture_output=True, text=True).stdout
-        rows.append(json.loads(out.strip().splitlines()[-1]))
-    print(f"{a.model}, {a.layers} layers, batch {a.batch}, fp32, one process")
+    for checkpointing in (False, True):
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            rows.append(pool.submit(_fresh, model, layers, batch, checkpointing, reps).result())
+    print(f"{model}, {layers} layers, batch {batch}, fp32, one process")
     print(f"{'checkpointing':>14} {'kept for backward':>18} {'peak RSS above model':>21} {'fwd+bwd (median)':>17}")
     for r in rows:
         print(f"{'on' if r['checkpointing'] else 'off':>14} {r['saved_mib']:>14.1f} MiB {r['peak_rss_above_model_mib']:>17.0f}"
               f" MiB {r['fwd_bwd_s_median']:>15.2f} s")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"model": a.model, "layers": a.layers, "batch": a.batch, "rows": rows}, f, indent=2)
-
-
-if __name__ == "__main__":
-    main()
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"model": model, "layers": layers, "batch": batch, "rows": rows}, f, indent=2)
+    return 0

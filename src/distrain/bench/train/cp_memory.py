@@ -1,6 +1,6 @@
 """Context parallelism on one long sequence: activation memory, peak memory, time and bytes per rank.
 
-``python -m distrain.bench.train.cp_memory [--model gpt-small] [--seq 4096] [--cp 2,4]
+``distrain bench cp-memory [--model gpt-small] [--seq 4096] [--cp 2,4]
 [--algorithms ring,all-to-all] [--reps 3] [--json FILE]``
 
 One process (the whole sequence), then every cp size and attention (N ranks, each holding 2
@@ -25,7 +25,6 @@ Prints a table; ``--json`` writes the rows.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import os
@@ -102,24 +101,17 @@ def measure(model: str, seq: int, batch: int, N: int, variant: str, reps: int, t
             "formula_bytes": ranks[0]["formula_bytes"]}
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="gpt-small")
-    p.add_argument("--seq", type=int, default=4096, help="tokens per sequence (the model's block size is set to it)")
-    p.add_argument("--batch", type=int, default=1, help="sequences per step")
-    p.add_argument("--cp", default="2,4", help="cp sizes, comma-separated (one process always runs)")
-    p.add_argument("--algorithms", default="ring,all-to-all")
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cpu_count // N)")
-    p.add_argument("--rounds", type=int, default=1, help="repeat every layout, order rotated; median step time")
-    p.add_argument("--json", default="")
-    a = p.parse_args(argv)
-    layouts = [(1, "ring")] + [(int(n), v) for n in a.cp.split(",") for v in a.algorithms.split(",")]
+def run(model: str = "gpt-small", seq: int = 4096, batch: int = 1, cps: tuple[int, ...] = (2, 4),
+        algorithms: tuple[str, ...] = ("ring", "all-to-all"), reps: int = 3, threads: int = 0, rounds: int = 1,
+        json_path: str | None = None) -> int:
+    """One process, then every (cp size, attention) pair, ``rounds`` times in rotated order; prints the
+    table, writes ``json_path``."""
+    layouts = [(1, "ring")] + [(n, v) for n in cps for v in algorithms]
     runs: dict[int, list[dict]] = {}
-    for rnd in range(a.rounds):
+    for rnd in range(rounds):
         k = rnd % len(layouts)
         for i in list(range(len(layouts)))[k:] + list(range(len(layouts)))[:k]:
-            runs.setdefault(i, []).append(measure(a.model, a.seq, a.batch, *layouts[i], a.reps, a.threads))
+            runs.setdefault(i, []).append(measure(model, seq, batch, *layouts[i], reps, threads))
     rows = []
     for i in range(len(layouts)):
         row = dict(runs[i][0])
@@ -128,8 +120,8 @@ def main(argv=None) -> None:
         rows.append(row)
     one = rows[0]
     mb = 1e6
-    print(f"{a.model}, {a.seq} tokens x {a.batch} sequence(s) per step, fp32, forward + backward, "
-          f"{a.threads or 'cpu_count // N'} torch thread(s) per rank, median step of {a.rounds} round(s); per rank, "
+    print(f"{model}, {seq} tokens x {batch} sequence(s) per step, fp32, forward + backward, "
+          f"{threads or 'cpu_count // N'} torch thread(s) per rank, median step of {rounds} round(s); per rank, "
           f"max over ranks; MB = 1e6 bytes")
     print(f"{'layout':>22} {'activations MB':>15} {'/ one':>6} {'peak MB':>8} {'/ one':>6} {'step ms':>8} "
           f"{'cp MB sent':>11} {'formula MB':>11}")
@@ -138,11 +130,8 @@ def main(argv=None) -> None:
         print(f"{name:>22} {r['saved_bytes_max'] / mb:>15.1f} {r['saved_bytes_max'] / one['saved_bytes_max']:>6.3f} "
               f"{r['peak_bytes_max'] / mb:>8.1f} {r['peak_bytes_max'] / one['peak_bytes_max']:>6.3f} "
               f"{1e3 * r['step_s']:>8.0f} {r['cp_bytes_sent_max'] / mb:>11.3f} {r['formula_bytes'] / mb:>11.3f}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"model": a.model, "seq": a.seq, "batch": a.batch, "threads": a.threads, "rounds": a.rounds,
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"model": model, "seq": seq, "batch": batch, "threads": threads, "rounds": rounds,
                        "load_avg_end": list(os.getloadavg()), "rows": rows}, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -3,7 +3,7 @@
 Usage (after ``distrain cluster run -- distrain train ... --out RUN`` on an emulated cluster,
 one rank per node, and ``distrain bench link --json CAL`` on the same cluster)::
 
-    python -m distrain.bench.train.step_predict CAL.json LINK RUN [RUN ...] > table.md
+    distrain bench step-predict CAL.json LINK RUN [RUN ...] > table.md
 
 For every run folder: the run's settings come from its ``config.json`` (model, strategy,
 nproc, servers, batch size, algorithm); measured = the median of ``time_s`` over its
@@ -19,10 +19,10 @@ workers for ps-sync), each with the threads ``distrain cluster run`` gives a ran
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from distrain.bench import common
+from distrain.errors import ConfigError
 
 WARMUP = 2
 
@@ -66,23 +66,23 @@ def row(cal: str, link: str, run: Path, compute=measured_compute) -> list[str]:
         p = plan.plan_ps(spec, fabric, c, cfg["batch_size"], cfg["servers"])
         name = f"ps-sync S={cfg['servers']}"
     else:
-        raise SystemExit(f"{run}: strategy {strategy!r} is not modelled here (ddp, ps-sync)")
+        raise ConfigError(f"{run}: strategy {strategy!r} is not modelled here (ddp, ps-sync)")
     meas = common.median(steps)
     return [cfg["model"], name, link, str(P), f"{meas * 1e3:.0f}", f"{p.step_s * 1e3:.0f}",
             f"{p.compute_s * 1e3:.0f} + {(p.step_s - p.compute_s) * 1e3:.0f}",
             f"{100 * (p.step_s - meas) / meas:+.0f}%"]
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) < 3:
-        print(__doc__.split("\n\n")[1], file=sys.stderr)
-        return 2
-    cal, link, runs = argv[0], argv[1], [Path(a) for a in argv[2:]]
+def run(cal: str, link: str, runs: list[str]) -> int:
+    """Prints the markdown table: one row per run folder (see the module's docstring)."""
+    if not Path(cal).is_file():
+        raise ConfigError(f"bench step-predict: no calibration file {cal}; write one with distrain bench link --json")
+    for r in runs:
+        missing = [f for f in ("config.json", "metrics.jsonl") if not (Path(r) / f).is_file()]
+        if missing:
+            raise ConfigError(f"bench step-predict: {r} is not a distrain train run folder (no {missing[0]}); "
+                              f"give folders written by distrain train --out")
     head = ["model", "strategy", "link", "P", "measured ms", "predicted ms", "compute + exposed comm", "error"]
-    rows = [row(cal, link, r) for r in runs]
+    rows = [row(cal, link, Path(r)) for r in runs]
     print(common.markdown_table(head, rows))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
