@@ -99,10 +99,17 @@ def _equivalence(rank: int, kind: str, opt_name: str, stages: list[int], alg: st
     import torch.distributed as dist
 
     P = dist.get_world_size()
+    shm = alg == "native-shm"  # the shared-memory transport: stages 1-2 on symmetric memory
+    if shm:
+        comm.set_transport("shm")
+        alg = "native"
     ref_losses, ref_model, ref_opt = _reference(P * LOCAL_B, kind, opt_name)
     bad = []
     for stage in stages:
         engine = Zero(_model(kind), _opt(opt_name), stage=stage, algorithm=alg, bucket_cap_mb=0.005)
+        if shm and stage < 3 and not (engine.impl.symmetric and len(engine.impl.pool) == 2 and
+                                      len(engine.impl.units) > 2):
+            bad.append(f"P={P} stage {stage}: not on symmetric memory with a pool of 2 reused buffers")
         losses = _train(engine, kind, rank, P, P * LOCAL_B, STEPS)
         x, _ = _data(P * LOCAL_B, kind, 99)
         with torch.no_grad():  # evaluation: no autograd, stage 3 still gathers layer by layer
@@ -115,7 +122,8 @@ def _equivalence(rank: int, kind: str, opt_name: str, stages: list[int], alg: st
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("P,opt_name,alg", [(2, "adamw", "ring"), (3, "sgd", "ring"), (3, "adamw", "native")])
+@pytest.mark.parametrize("P,opt_name,alg", [(2, "adamw", "ring"), (3, "sgd", "ring"), (3, "adamw", "native"),
+                                             (3, "adamw", "native-shm"), (2, "sgd", "native-shm")])
 def test_every_stage_equals_one_process_mlp(P, opt_name, alg):
     # mlp-tiny's units (4160, 2080, 330 elements; buckets of 5 KB) are not divisible by 3
     bad = [x for r in distrain.spawn(_equivalence, P, args=("mlp", opt_name, [1, 2, 3], alg), timeout=250) for x in r]

@@ -60,12 +60,20 @@ class FlatUnit:
         """The parameters' shapes as views into a padded flat tensor of this unit."""
         return [flat[o:o + s.numel()].view(s) for o, s in zip(self.offsets, self.shapes)]
 
-    def flatten(self, tensors: list[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:
-        """A new padded flat tensor (P*S,) from one tensor per parameter (None -> zeros)."""
-        out = torch.zeros(self.padded, dtype=like.dtype, device=like.device)
+    def flatten(self, tensors: list[torch.Tensor | None], like: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """A padded flat tensor (P*S,) from one tensor per parameter (None -> zeros): a new one like
+        ``like``, or ``out`` (P*S elements, e.g. in symmetric memory) overwritten."""
+        fresh = out is None
+        if fresh:
+            out = torch.zeros(self.padded, dtype=like.dtype, device=like.device)
+        else:
+            out[self.numel:].zero_()  # the padding (the views cover [0, numel) without gaps)
         for v, t in zip(self.views(out), tensors):
             if t is not None:
                 v.copy_(t)
+            elif not fresh:
+                v.zero_()
         return out
 
     def describe(self) -> dict:

@@ -13,6 +13,13 @@ full-size gradient tensors (zeroed, e Psi bytes, as the paper's P_os) beside the
 After the optimizer updated the shards, ``after_step`` all-gathers every bucket's flat
 tensor, which writes the new values straight into the parameters (they are views of it).
 
+On the shared-memory transport (native algorithm, CPU) both exchanges work on symmetric
+memory (``comm.symmetric_empty``: every peer maps the buffer): the parameters' flat tensors
+live there, so the all-gather copies each shard straight from its owner's flat tensor, and the
+gradients are flattened into a fixed pool of two bucket-sized symmetric buffers, so the
+reduce-scatter folds each rank's part straight from the P owners' buffers (no slots either
+way). A pool buffer is reused two buckets later, after that bucket's reduce-scatter is done.
+
 Shapes: unit u has N_u real elements, S_u = ceil(N_u / P); flat (P*S_u,), shard (S_u,).
 """
 
@@ -36,9 +43,15 @@ class Stage12:
         self.params = [[by_name[n] for n in u.names] for u in self.units]
         self.flats: list[torch.Tensor] = []
         self.shards: list[nn.Parameter] = []
+        like = named[0][1] if named else None
+        self.symmetric = like is not None and like.device.type == "cpu" and algorithm == "native" and \
+            world > 1 and comm.transport_of(group) == "shm"
+        # the gradient pool: two buffers of the largest unit, used in turn (see the module doc)
+        self.pool = [self._buffer(max(u.padded for u in self.units), like) for _ in range(2)] \
+            if self.symmetric else []
         with torch.no_grad():
             for u, ps in zip(self.units, self.params):
-                flat = u.flatten([p.detach() for p in ps], ps[0])
+                flat = u.flatten([p.detach() for p in ps], ps[0], out=self._buffer(u.padded, ps[0]))
                 comm.broadcast(flat, src=src, group=group, algorithm=algorithm)  # replicas start equal
                 for p, v in zip(ps, u.views(flat)):
                     p.data = v  # the parameter now lives in the flat tensor
@@ -53,6 +66,11 @@ class Stage12:
             for p in ps:
                 p.register_post_accumulate_grad_hook(self._on_grad)
         self._reset()
+
+    def _buffer(self, n: int, like: torch.Tensor) -> torch.Tensor | None:
+        """n elements in symmetric memory (a collective allocation: every rank builds the same units in
+        the same order), or None (a fresh tensor is made) off the shared-memory path."""
+        return comm.symmetric_empty(n, dtype=like.dtype, group=self.group) if self.symmetric else None
 
     # -- backward ---------------------------------------------------------------------------
     def _reset(self) -> None:
@@ -74,8 +92,13 @@ class Stage12:
 
     def _launch(self, i: int) -> None:
         u, ps = self.units[i], self.params[i]
+        buf = None
+        if self.pool:
+            if len(self._handles) >= 2:  # the pool buffer's last bucket must be reduced before it is rewritten
+                self._handles[-2][1].wait()
+            buf = self.pool[len(self._handles) % 2][:u.padded]
         with torch.no_grad():
-            flat = u.flatten([p.grad for p in ps], self.flats[i])  # missing gradients count as zero
+            flat = u.flatten([p.grad for p in ps], self.flats[i], out=buf)  # missing gradients count as zero
             flat.div_(self.world)  # pre-divide, then sum: the average
             for p in ps:
                 if self.stage >= 2 or p.grad is None:
