@@ -189,12 +189,18 @@ def add_link_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed round trips per size (default 2)")
     p.add_argument("--iters", type=int, default=7, help="timed round trips per size (default 7)")
     p.add_argument("--json", default=None, metavar="PATH", help="write records and the fitted model as JSON")
+    p.add_argument("--transport", default="torch",
+                   help=f"transports to ping-pong over, comma-separated: {', '.join(TRANSPORT_NAMES)}, "
+                        f"{columns.PYTHON_SHM} (default torch); the first is the fitted link, the others' one-way "
+                        f"times are printed beside it")
 
 
 def run_link(args: argparse.Namespace) -> int:
     from distrain.bench.link import calibrate
 
-    return calibrate.run(common.parse_sizes(args.sizes), args.warmup, args.iters, args.nproc, json_path=args.json)
+    transports = common.parse_choices(args.transport, (*TRANSPORT_NAMES, columns.PYTHON_SHM), "--transport")
+    return calibrate.run(common.parse_sizes(args.sizes), args.warmup, args.iters, args.nproc, json_path=args.json,
+                         transports=tuple(transports))
 
 
 def add_ps_arguments(p: argparse.ArgumentParser) -> None:

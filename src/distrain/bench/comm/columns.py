@@ -67,3 +67,26 @@ def deepspeed_close() -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+def transport_groups(transports: list[str], P: int) -> dict:
+    """One group of all P ranks per transport (the world for the first), each transport set before
+    its first message: {name: group}. ``shm-python`` is the shared-memory transport built with the
+    Python kernels (they are fixed when a group's transport is built). DeepSpeed is not a group:
+    left out here. Collective: every rank calls it with the same list."""
+    import torch.distributed as dist
+
+    from distrain import comm
+
+    groups = {}
+    for i, t in enumerate(t for t in transports if t != DEEPSPEED):
+        g = None if i == 0 else dist.new_group(list(range(P)))
+        if t == PYTHON_SHM:
+            comm.set_shm_kernels("python")
+            comm.set_transport("shm", g)
+            comm.barrier(group=g)
+            comm.set_shm_kernels("auto")
+        else:
+            comm.set_transport(t, g)
+        groups[t] = g
+    return groups

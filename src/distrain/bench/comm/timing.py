@@ -211,20 +211,8 @@ def _worker(rank: int, cfg: dict) -> list[dict] | None:
     """Runs on every rank of one spawn; rank 0 returns the records."""
     import torch.distributed as dist
 
-    from distrain import comm
-
     P = dist.get_world_size()
-    groups: dict[str, Any] = {}
-    for i, t in enumerate(t for t in cfg["transports"] if t != columns.DEEPSPEED):  # a group of all ranks each
-        g = None if i == 0 else dist.new_group(list(range(P)))
-        if t == columns.PYTHON_SHM:  # the kernels are fixed when the group's transport is built: build it now
-            comm.set_shm_kernels("python")
-            comm.set_transport("shm", g)
-            comm.barrier(group=g)
-            comm.set_shm_kernels("auto")
-        else:
-            comm.set_transport(t, g)
-        groups[t] = g
+    groups: dict[str, Any] = columns.transport_groups(cfg["transports"], P)  # a group of all ranks each
     if columns.DEEPSPEED in cfg["transports"]:
         groups[columns.DEEPSPEED] = columns.deepspeed_open(P, rank)
     # each shared-memory transport's symmetric arena for the +sym columns, kept across cells

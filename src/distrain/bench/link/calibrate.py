@@ -24,6 +24,10 @@ where they do not, something they share is the limit. In an emulated cluster tha
 host's cores, which process every node's packets (``model["shift"]`` also records how busy
 rank 0's host was, from /proc/stat; docs/cost_model.md).
 
+``--transport torch,shm,shm-python`` ping-pongs each pair over each transport in turn (a group
+of all ranks per transport, as ``bench comm`` builds them) and prints the one-way times side by
+side (``latency`` in the JSON); the first transport's times are the ones fitted.
+
 Run it under a launcher (``distrain cluster run -- distrain bench link``) to measure a
 cluster; without one it spawns ``--nproc`` local ranks (loopback: the "intra" link).
 """
@@ -38,6 +42,7 @@ import time
 import torch
 
 from distrain.bench import common
+from distrain.bench.comm.columns import DEEPSPEED, transport_groups
 from distrain.errors import ConfigError
 
 FIT_FROM = 256 << 10
@@ -77,7 +82,8 @@ def gamma_add(nbytes: int = 16 << 20, reps: int = 7) -> float:
     return common.median(ts) / nbytes
 
 
-def _pingpong(rank: int, peer: int, sizes: list[int], warmup: int, iters: int) -> list[float]:
+def _pingpong(rank: int, peer: int, sizes: list[int], warmup: int, iters: int, group=None) -> list[float]:
+    """One-way seconds per size (median round trip / 2) between rank 0 and ``peer`` over ``group``."""
     from distrain import comm
 
     out = []
@@ -87,11 +93,11 @@ def _pingpong(rank: int, peer: int, sizes: list[int], warmup: int, iters: int) -
         for i in range(warmup + iters):
             t0 = time.perf_counter()
             if rank == 0:
-                comm.send(buf, peer, tag=7)
-                comm.recv(buf, peer, tag=7)
+                comm.send(buf, peer, tag=7, group=group)
+                comm.recv(buf, peer, tag=7, group=group)
             else:
-                comm.recv(buf, 0, tag=7)
-                comm.send(buf, 0, tag=7)
+                comm.recv(buf, 0, tag=7, group=group)
+                comm.send(buf, 0, tag=7, group=group)
             if i >= warmup:
                 ts.append(time.perf_counter() - t0)
         out.append(common.median(ts) / 2)
@@ -138,19 +144,26 @@ def _worker(rank: int, cfg: dict) -> dict | None:
 
     where = placement()
     P = dist.get_world_size()
-    records = []
+    groups = transport_groups(cfg["transports"], P)
+    records, latency = [], []
     for peer in range(1, P):
         dist.barrier()
-        if rank in (0, peer):
-            t = _pingpong(rank, peer, cfg["sizes"], cfg["warmup"], cfg["iters"])
-            if rank == 0:
-                alpha, beta = fit(cfg["sizes"], t)
-                kind = "intra" if where[0] == where[peer] else "inter"
-                records.append({"pair": [0, peer], "nodes": [where[0], where[peer]], "kind": kind,
-                                "sizes": cfg["sizes"], "one_way_us": [x * 1e6 for x in t],
-                                "alpha_us": alpha * 1e6, "bandwidth_GBps": 1 / beta / 1e9})
-                common.progress(f"[link] 0 <-> {peer} ({kind}): alpha {alpha * 1e6:.1f} us, "
-                                f"{1 / beta / 1e9:.4f} GB/s ({8 / beta / 1e6:.0f} Mbit/s)")
+        if rank not in (0, peer):
+            continue
+        times = {name: _pingpong(rank, peer, cfg["sizes"], cfg["warmup"], cfg["iters"], groups[name])
+                 for name in cfg["transports"]}
+        if rank != 0:
+            continue
+        latency += [{"pair": [0, peer], "transport": name, "sizes": cfg["sizes"], "one_way_us": [x * 1e6 for x in t]}
+                    for name, t in times.items()]
+        t = times[cfg["transports"][0]]  # the first transport's times are the link the model fits
+        alpha, beta = fit(cfg["sizes"], t)
+        kind = "intra" if where[0] == where[peer] else "inter"
+        records.append({"pair": [0, peer], "nodes": [where[0], where[peer]], "kind": kind,
+                        "sizes": cfg["sizes"], "one_way_us": [x * 1e6 for x in t],
+                        "alpha_us": alpha * 1e6, "bandwidth_GBps": 1 / beta / 1e9})
+        common.progress(f"[link] 0 <-> {peer} ({kind}): alpha {alpha * 1e6:.1f} us, "
+                        f"{1 / beta / 1e9:.4f} GB/s ({8 / beta / 1e6:.0f} Mbit/s)")
     dist.barrier()
     shift = _shift(rank, P, max(cfg["sizes"]), cfg["iters"])
     if rank != 0:
@@ -162,7 +175,7 @@ def _worker(rank: int, cfg: dict) -> dict | None:
             model[kind] = {"alpha_us": common.median([r["alpha_us"] for r in rs]),
                            "bandwidth_GBps": common.median([r["bandwidth_GBps"] for r in rs]),
                            "source": f"distrain bench link, median of {len(rs)} pair(s)"}
-    return {"records": records, "model": model, "placement": where}
+    return {"records": records, "model": model, "placement": where, "latency": latency}
 
 
 def calibrate(cfg: dict) -> dict:
@@ -182,12 +195,17 @@ def calibrate(cfg: dict) -> dict:
     return distrain.spawn(_worker, cfg["nproc"], args=(cfg,), timeout=600)[0]
 
 
-def run(sizes: list[int], warmup: int, iters: int, nproc: int, json_path: str | None = None) -> int:
+def run(sizes: list[int], warmup: int, iters: int, nproc: int, json_path: str | None = None,
+        transports: tuple[str, ...] = ("torch",)) -> int:
     """Calibrate with messages of ``sizes`` bytes (``warmup`` untimed and ``iters`` timed round trips
-    each, ``nproc`` local ranks when not launched); print the fitted links and write ``json_path``."""
+    each, ``nproc`` local ranks when not launched) over ``transports`` (the first is fitted); print the
+    fitted links and the one-way times, write ``json_path``."""
     if nproc < 2:
         raise ConfigError(f"--nproc must be >= 2 (a ping-pong needs two ranks), got {nproc}")
-    cfg = {"sizes": list(sizes), "warmup": warmup, "iters": iters, "nproc": nproc}
+    if DEEPSPEED in transports:
+        raise ConfigError(f"--transport {DEEPSPEED}: DeepSpeed's shared-memory op is an all_reduce; it has no "
+                          f"point-to-point messages to time")
+    cfg = {"sizes": list(sizes), "warmup": warmup, "iters": iters, "nproc": nproc, "transports": list(transports)}
     if iters < 1 or warmup < 0:
         raise ConfigError("--iters must be >= 1 and --warmup >= 0")
     res = calibrate(cfg)
@@ -198,6 +216,13 @@ def run(sizes: list[int], warmup: int, iters: int, nproc: int, json_path: str | 
         if m:
             print(f"{kind}: alpha = {m['alpha_us']:.1f} us, bandwidth = {m['bandwidth_GBps']:.4f} GB/s")
     print(f"gamma (float32 add) = {res['model']['gamma_ns_per_byte']:.3f} ns/byte")
+    if len(transports) > 1:
+        print("one-way time, us (rank 0 <-> " + ", ".join(str(r["pair"][1]) for r in res["records"]) + "; median)")
+        print(f"{'size':>8} " + " ".join(f"{t:>12}" for t in transports))
+        for i, n in enumerate(sizes):
+            cells = [common.median([r["one_way_us"][i] for r in res["latency"] if r["transport"] == t])
+                     for t in transports]
+            print(f"{common.format_size(n):>8} " + " ".join(f"{c:>12.1f}" for c in cells))
     sh = res["model"]["shift"]
     busy = (f"; rank 0's host CPU {sh['host_busy']:.0%} busy ({sh['host_softirq']:.0%} softirq)"
             if "host_busy" in sh else "")
@@ -205,8 +230,9 @@ def run(sizes: list[int], warmup: int, iters: int, nproc: int, json_path: str | 
           f"link, {sh['aggregate_GBps']:.4f} GB/s in all{busy}")
     if json_path:
         meta = common.metadata(benchmark="link", sizes=cfg["sizes"], warmup=cfg["warmup"], iters=cfg["iters"],
-                               placement=res["placement"])
+                               placement=res["placement"], transports=cfg["transports"])
         with open(json_path, "w") as f:
-            json.dump({"meta": meta, "records": res["records"], "model": res["model"]}, f, indent=1)
+            json.dump({"meta": meta, "records": res["records"], "model": res["model"], "latency": res["latency"]},
+                      f, indent=1)
         common.progress(f"wrote {json_path}")
     return 0

@@ -1,5 +1,6 @@
 // The compiled data plane of the shared-memory transport: the per-call hot path of every direct
-// collective (flag protocol, waits, copies, reductions) and the byte copies of point-to-point.
+// collective (flag protocol, waits, copies, reductions) and of point-to-point messages (the byte
+// rings, and a whole blocking send or receive in one call).
 //
 // The Python modules beside this file are the reference: collectives.py (the algorithms),
 // transport.py (the waits and the wake-up protocol), segment.py (the layout of a rank's
@@ -19,6 +20,7 @@
 // reductions and waits, so the group's worker thread and the rank's backward run meanwhile.
 
 #include <torch/extension.h>
+#include <pybind11/stl.h>
 
 #include <fcntl.h>
 #include <poll.h>
@@ -34,6 +36,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <utility>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -91,6 +95,55 @@ bool pid_alive(int64_t pid) {
   if (!paren || !paren[1] || !paren[2]) return true;
   char state = paren[2];
   return state != 'Z' && state != 'X';
+}
+
+// Empty this rank's wake-up pipe (segment.Segment.drain).
+inline void drain(int fd) {
+  char buf[256];
+  while (read(fd, buf, sizeof buf) > 0) {
+  }
+}
+
+// transport.wait, for the collectives (Plane) and point-to-point (Rings) alike: spin (on the
+// main thread only, adaptively: `spin` doubles after a wait that ended spinning and halves after
+// one that had to block), then block on this rank's wake-up pipe `fd`, announced on its SLEEPING
+// line `sleeping`; every CHECK_EVERY_S `check(seconds blocked)` may end the wait with its status.
+template <class Ready, class Check>
+int spin_then_block(Ready ready, Check check, double& spin, bool may_spin, int64_t* sleeping, int fd) {
+  if (ready()) return OK;
+  double sp = may_spin ? spin : 0.0;
+  if (sp > 0) {
+    double end = now_s() + sp;
+    do {
+      for (int k = 0; k < 32; ++k) {
+        if (ready()) {
+          if (sp < SPIN_MAX_S) spin = std::min(SPIN_MAX_S, sp * 2);
+          return OK;
+        }
+        cpu_relax();
+      }
+    } while (now_s() < end);
+    spin = std::max(SPIN_MIN_S, sp / 2);
+  }
+  double start = now_s(), last = start;
+  int block = 1;
+  while (true) {
+    __atomic_fetch_add(sleeping, 1, __ATOMIC_SEQ_CST);  // a locked add: every later load sees what peers stored before it
+    bool r = ready();
+    if (!r) {
+      pollfd p{fd, POLLIN, 0};
+      poll(&p, 1, block);
+      drain(fd);
+    }
+    __atomic_fetch_add(sleeping, -1, __ATOMIC_SEQ_CST);
+    if (r || ready()) return OK;
+    block = std::min(block * 2, MAX_BLOCK_MS);
+    double t = now_s();
+    if (t - last >= CHECK_EVERY_S) {
+      last = t;
+      TRY(check(t - start));
+    }
+  }
 }
 
 // chunk_sizes(N, P) of core/util.py: the sizes of torch.tensor_split(t, P).
@@ -516,48 +569,10 @@ class Plane {
     return wait([&] { return all_at_least(i, s); });
   }
 
-  void drain() {
-    char buf[256];
-    while (read(wake_[rank_], buf, sizeof buf) > 0) {
-    }
-  }
-
   // transport.wait: spin (on the main thread only, adaptively), then block on the wake-up pipe.
   template <class Ready> int wait(Ready ready) {
-    if (ready()) return OK;
-    double sp = pthread_equal(pthread_self(), main_thread_) ? spin : 0.0;
-    if (sp > 0) {
-      double end = now_s() + sp;
-      do {
-        for (int k = 0; k < 32; ++k) {
-          if (ready()) {
-            if (sp < SPIN_MAX_S) spin = std::min(SPIN_MAX_S, sp * 2);
-            return OK;
-          }
-          cpu_relax();
-        }
-      } while (now_s() < end);
-      spin = std::max(SPIN_MIN_S, sp / 2);
-    }
-    double start = now_s(), last = start;
-    int block = 1;
-    while (true) {
-      sleepers(+1);  // a locked add: every later load sees what peers stored before it
-      bool r = ready();
-      if (!r) {
-        pollfd p{wake_[rank_], POLLIN, 0};
-        poll(&p, 1, block);
-        drain();
-      }
-      sleepers(-1);
-      if (r || ready()) return OK;
-      block = std::min(block * 2, MAX_BLOCK_MS);
-      double t = now_s();
-      if (t - last >= CHECK_EVERY_S) {
-        last = t;
-        TRY(check_peers(t - start));
-      }
-    }
+    return spin_then_block(ready, [&](double waited) { return check_peers(waited); }, spin,
+                           pthread_equal(pthread_self(), main_thread_), line(rank_, SLEEPING), wake_[rank_]);
   }
 
   int check_peers(double waited) {
@@ -817,27 +832,257 @@ class Plane {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Point-to-point: the byte copies of p2p.py's rings (the matching of messages stays in Python).
+// Point-to-point (p2p.py): the byte rings, and a whole blocking send or receive in one call.
+//
+// The protocol is p2p.py's, byte for byte: ring q of rank s's segment carries s's messages to q,
+// s alone writes its bytes and its head (line 8 + 2q of s's ctrl), q alone its tail (line 9 + 2q);
+// a message is a 16-byte header [tag, nbytes] and its bytes padded to 16 (padding not written), so
+// every head, tail and free space is a multiple of 16 and a header never straddles the end of the
+// ring. Bytes are written before the head that covers them (release store) and read after it
+// (acquire load); a tail is stored after the bytes it frees were copied out, and the writer loads
+// it (acquire) before overwriting them. The matching of messages to receives, the stash and every
+// handle stay in Python: p2p.Channels calls push/header/pull as the inner loops of its progress
+// engine, and send/recv for a blocking transfer when nothing else is pending (see there).
+//
+// Why send and recv cannot deadlock: they run only when the Python engine has nothing to do but
+// this one transfer (p2p.Channels._fast checks that), and they *wait* only while that still holds:
+// no unread bytes in another incoming ring (for a send: in any incoming ring, the peer's own
+// included), and no other thread of this rank asking for the channels (`want`). The moment one
+// of those appears, the call returns UNSUPPORTED with its progress (the offset), and the Python
+// engine, which drains every direction while it waits, carries on from there. So in every state
+// the C++ waits in, the Python engine would also do nothing but wait for this same transfer: the
+// compiled path waits no more than the reference does, and the reference cannot deadlock (two
+// ranks sending each other more than a ring holds each stash what the other sends).
 // ---------------------------------------------------------------------------------------------
 
-// Copy `n` bytes from `src` into a ring of `R` bytes at stream position `pos` (wrapping).
-void ring_write(int64_t ring, int64_t R, int64_t pos, const at::Tensor& src, int64_t src_off, int64_t n) {
-  const char* s = static_cast<const char*>(src.data_ptr()) + src_off;
-  char* r = reinterpret_cast<char*>(ring);
-  pybind11::gil_scoped_release nogil;
-  int64_t p = pos % R, k = std::min(n, R - p);
-  memcpy(r + p, s, k);
-  if (n > k) memcpy(r, s + k, n - k);
-}
+constexpr int64_t HEADER = 16;                // p2p.HEADER
+constexpr int64_t GIL_FREE_BYTES = 64 << 10;  // copies at least this large release the GIL
 
-void ring_read(int64_t ring, int64_t R, int64_t pos, const at::Tensor& dst, int64_t dst_off, int64_t n) {
-  char* d = static_cast<char*>(dst.data_ptr()) + dst_off;
-  const char* r = reinterpret_cast<const char*>(ring);
-  pybind11::gil_scoped_release nogil;
-  int64_t p = pos % R, k = std::min(n, R - p);
-  memcpy(d, r + p, k);
-  if (n > k) memcpy(d + k, r, n - k);
-}
+inline int64_t pad16(int64_t n) { return (n + HEADER - 1) / HEADER * HEADER; }
+
+class Rings {
+ public:
+  Rings(int rank, int size, int64_t ring_bytes, int64_t chan_offset, double timeout, int64_t main_thread)
+      : rank_(rank), size_(size), R_(ring_bytes), chan_(chan_offset), timeout_(timeout),
+        main_thread_(static_cast<pthread_t>(main_thread)), peers_(size) {
+    TORCH_CHECK(ring_bytes > 0 && ring_bytes % HEADER == 0, "dataplane.Rings: ring size must be a multiple of 16");
+  }
+
+  double spin = SPIN_MAX_S;  // seconds a wait spins before it blocks (adapted as transport.wait does)
+  int err_peer = -1;         // after an error: the peer it concerns (-1: none in particular)
+
+  // Rank q's segment is mapped at `base` (q == rank: this rank's own; before anything else).
+  void add_peer(int q, int64_t base, int64_t wake_fd, int64_t pid) {
+    TORCH_CHECK(q >= 0 && q < size_, "dataplane.Rings.add_peer: no rank ", q);
+    peers_[q] = Peer{reinterpret_cast<char*>(base), int(wake_fd), pid};
+    if (q != rank_ && std::find(open_.begin(), open_.end(), q) == open_.end()) open_.push_back(q);
+  }
+
+  // SLEEPING counts this rank's threads blocked on its pipe, whoever waits (transport._sleepers).
+  void sleepers(int delta) { __atomic_fetch_add(ctrl(rank_, SLEEPING), delta, __ATOMIC_SEQ_CST); }
+
+  // Another thread of this rank waits for the channels (p2p.Channels' lock), or stops waiting:
+  // a blocking send/recv in flight hands back as soon as it sees a positive count.
+  void want(int delta) {
+    __atomic_fetch_add(&want_, delta, __ATOMIC_SEQ_CST);
+    if (delta > 0) {
+      char b = 0;
+      ssize_t w = write(peers_[rank_].wake, &b, 1);  // the owner's own pipe: ends a blocked wait
+      (void)w;
+    }
+  }
+
+  // -- the inner loops of p2p.Channels._push / _pull ------------------------------------------
+
+  // Write what fits of one message to q (`off` -1: its header is not written yet); returns the
+  // new offset into the padded message (p2p._Send.off). Never waits.
+  int64_t push(int q, int64_t tag, const at::Tensor& data, int64_t off) {
+    const char* p = bytes_of(data);
+    int64_t n = nbytes(data);
+    if (n - std::max<int64_t>(off, 0) >= GIL_FREE_BYTES) {
+      pybind11::gil_scoped_release nogil;
+      return push_raw(q, tag, p, n, off);
+    }
+    return push_raw(q, tag, p, n, off);
+  }
+
+  // The next header from q, consumed: (tag, nbytes), or None when no message has begun.
+  std::optional<std::pair<int64_t, int64_t>> header(int q) {
+    if (avail_in(q) < HEADER) return std::nullopt;
+    int64_t h[2];
+    read_header(q, h);
+    consume(q, HEADER);
+    return std::make_pair(h[0], h[1]);
+  }
+
+  // Copy what has arrived of the current message from q into `data` from offset `off` of its
+  // padded size `total`; returns the new offset.
+  int64_t pull(int q, const at::Tensor& data, int64_t off, int64_t total) {
+    char* p = bytes_of(data);
+    int64_t n = nbytes(data);
+    if (std::min(avail_in(q), total - off) >= GIL_FREE_BYTES) {
+      pybind11::gil_scoped_release nogil;
+      return pull_raw(q, p, n, off, total);
+    }
+    return pull_raw(q, p, n, off, total);
+  }
+
+  // -- a whole blocking transfer ---------------------------------------------------------------
+
+  // Send one message to q from offset `off` until all is written: (OK, total), or (status, offset
+  // reached) when it hands back (UNSUPPORTED: the Python engine carries on) or fails.
+  std::pair<int, int64_t> send(int q, int64_t tag, const at::Tensor& data, int64_t off) {
+    const char* p = bytes_of(data);
+    int64_t n = nbytes(data), total = pad16(n);
+    pybind11::gil_scoped_release nogil;
+    while (true) {
+      off = push_raw(q, tag, p, n, off);
+      if (off == total) return {OK, off};
+      int st = wait([&] { return space_out(q) > 0 || busy(-1); }, q);
+      if (st != OK) return {st, off};
+      if (busy(-1)) return {UNSUPPORTED, off};
+    }
+  }
+
+  // Receive the next message from q into `data`, which must be the oldest receive posted for
+  // (q, tag): from offset `off` (-1: its header is not read yet). A header of another tag or size
+  // is left unread (UNSUPPORTED, -1): the Python engine stashes it or reports the wrong size.
+  std::pair<int, int64_t> recv(int q, int64_t tag, const at::Tensor& data, int64_t off) {
+    char* p = bytes_of(data);
+    int64_t n = nbytes(data), total = pad16(n);
+    pybind11::gil_scoped_release nogil;
+    while (true) {
+      if (off < 0 && avail_in(q) >= HEADER) {
+        int64_t h[2];
+        read_header(q, h);
+        if (h[0] != tag || h[1] != n) return {UNSUPPORTED, -1};
+        consume(q, HEADER);
+        off = 0;
+      }
+      if (off >= 0) {
+        off = pull_raw(q, p, n, off, total);
+        if (off == total) return {OK, off};
+      }
+      int64_t need = off < 0 ? HEADER : 1;
+      int st = wait([&] { return avail_in(q) >= need || busy(q); }, q);
+      if (st != OK) return {st, off};
+      if (avail_in(q) < need) return {UNSUPPORTED, off};  // something else needs this rank
+    }
+  }
+
+ private:
+  struct Peer {
+    char* base = nullptr;  // the mapped segment; its ctrl lines at offset 0
+    int wake = -1;         // its wake-up pipe (this rank's own: the read end)
+    int64_t pid = 0;
+  };
+  int rank_, size_;
+  int64_t R_, chan_;
+  double timeout_;
+  pthread_t main_thread_;
+  std::vector<Peer> peers_;
+  std::vector<int> open_;  // the peers added, in order
+  int want_ = 0;
+
+  static char* bytes_of(const at::Tensor& t) {
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "dataplane.Rings: a contiguous CPU tensor is needed");
+    return static_cast<char*>(t.data_ptr());
+  }
+  static int64_t nbytes(const at::Tensor& t) { return t.numel() * t.element_size(); }
+
+  int64_t* ctrl(int q, int i) const { return reinterpret_cast<int64_t*>(peers_[q].base) + i * I64_PER_LINE; }
+  // ring to q: in this rank's segment; ring from q: in q's (segment.Layout.head_line/tail_line)
+  int64_t* out_head(int q) const { return ctrl(rank_, 8 + 2 * q); }
+  int64_t* out_tail(int q) const { return ctrl(rank_, 9 + 2 * q); }
+  char* out_ring(int q) const { return peers_[rank_].base + chan_ + q * R_; }
+  int64_t* in_head(int q) const { return ctrl(q, 8 + 2 * rank_); }
+  int64_t* in_tail(int q) const { return ctrl(q, 9 + 2 * rank_); }
+  char* in_ring(int q) const { return peers_[q].base + chan_ + rank_ * R_; }
+
+  static int64_t load(const int64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+  static void store(int64_t* p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+
+  int64_t space_out(int q) const { return R_ - (*out_head(q) - load(out_tail(q))); }
+  int64_t avail_in(int q) const { return load(in_head(q)) - *in_tail(q); }
+
+  // Whether anything but the transfer with `except` needs this rank (see the section comment).
+  bool busy(int except) const {
+    if (__atomic_load_n(&want_, __ATOMIC_ACQUIRE) > 0) return true;
+    for (int p : open_)
+      if (p != except && avail_in(p) > 0) return true;
+    return false;
+  }
+
+  void read_header(int q, int64_t* h) const { memcpy(h, in_ring(q) + *in_tail(q) % R_, HEADER); }
+
+  void consume(int q, int64_t k) {
+    store(in_tail(q), *in_tail(q) + k);  // after the bytes are copied out: the sender may reuse them
+    wake(q);
+  }
+
+  // transport.wake_peers((q,)): a byte to q's pipe if one of its threads blocks on it.
+  void wake(int q) {
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (load(ctrl(q, SLEEPING))) {
+      char b = 0;
+      ssize_t w = write(peers_[q].wake, &b, 1);  // a full pipe wakes it already
+      (void)w;
+    }
+  }
+
+  int64_t push_raw(int q, int64_t tag, const char* p, int64_t n, int64_t off) {
+    int64_t head = *out_head(q), space = R_ - (head - load(out_tail(q))), total = pad16(n);
+    char* ring = out_ring(q);
+    bool moved = false;
+    if (off < 0) {
+      if (space < HEADER) return off;
+      int64_t h[2] = {tag, n};
+      memcpy(ring + head % R_, h, HEADER);
+      head += HEADER, space -= HEADER, off = 0, moved = true;
+    }
+    while (off < total && space > 0) {
+      int64_t pos = head % R_;
+      int64_t k = std::min({total - off, space, R_ - pos});
+      int64_t real = std::min(k, n - off);
+      if (real > 0) memcpy(ring + pos, p + off, real);
+      off += k, head += k, space -= k, moved = true;
+    }
+    if (moved) {
+      store(out_head(q), head);  // after the bytes it covers
+      wake(q);
+    }
+    return off;
+  }
+
+  int64_t pull_raw(int q, char* p, int64_t n, int64_t off, int64_t total) {
+    int64_t tail = *in_tail(q), avail = load(in_head(q)) - tail;
+    if (avail <= 0 || off >= total) return off;
+    const char* ring = in_ring(q);
+    int64_t start = tail;
+    while (off < total && avail > 0) {
+      int64_t pos = tail % R_;
+      int64_t k = std::min({total - off, avail, R_ - pos});
+      int64_t real = std::min(k, n - off);
+      if (real > 0) memcpy(p + off, ring + pos, real);
+      off += k, tail += k, avail -= k;
+    }
+    consume(q, tail - start);
+    return off;
+  }
+
+  template <class Ready> int wait(Ready ready, int q) {
+    return spin_then_block(ready, [&](double waited) { return check(q, waited); }, spin,
+                           pthread_equal(pthread_self(), main_thread_), ctrl(rank_, SLEEPING), peers_[rank_].wake);
+  }
+
+  // transport._check_peers for a point-to-point wait: only its peer counts.
+  int check(int q, double waited) {
+    if (load(ctrl(q, ABORT))) { err_peer = q; return PEER_ABORTED; }
+    if (!pid_alive(peers_[q].pid)) { err_peer = q; return PEER_DIED; }
+    if (waited > timeout_) { err_peer = q; return TIMED_OUT; }
+    return OK;
+  }
+};
 
 // out <- fold of `inputs` (for tests and the reduction benchmark against torch's kernels).
 int fold(const at::Tensor& out, const std::vector<at::Tensor>& inputs, int op) {
@@ -899,8 +1144,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("reduce_scatter", &Plane::reduce_scatter)
       .def("reduce_scatter_list", &Plane::reduce_scatter_list)
       .def("sleepers", &Plane::sleepers);
-  m.def("ring_write", &ring_write);
-  m.def("ring_read", &ring_read);
+  pybind11::class_<Rings>(m, "Rings")
+      .def(pybind11::init<int, int, int64_t, int64_t, double, int64_t>())
+      .def_readwrite("spin", &Rings::spin)
+      .def_readonly("err_peer", &Rings::err_peer)
+      .def("add_peer", &Rings::add_peer)
+      .def("sleepers", &Rings::sleepers)
+      .def("want", &Rings::want)
+      .def("push", &Rings::push)
+      .def("header", &Rings::header)
+      .def("pull", &Rings::pull)
+      .def("send", &Rings::send)
+      .def("recv", &Rings::recv);
   m.def("fold", &fold);
   m.def("isa", &isa);
   m.attr("OK") = int(OK);

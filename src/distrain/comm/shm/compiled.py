@@ -279,3 +279,31 @@ def unregister(sh) -> None:
     for g, fp in list(FAST.items()):
         if fp.sh is sh:
             del FAST[g]
+
+
+# ---------------------------------------------------------------------------------------------
+# Point-to-point: the extension's byte rings (p2p.Channels drives them)
+# ---------------------------------------------------------------------------------------------
+
+def make_rings(sh):
+    """The extension's Rings for transport ``sh``'s point-to-point channels, this rank's own segment
+    known (peers are added as they are opened: a pair never waits for ranks it does not talk to)."""
+    rings = ext.Rings(sh.rank, sh.size, sh.layout.ring_bytes, sh.layout.chan_offset, float(sh.timeout),
+                      threading.main_thread().ident)
+    add_peer(rings, sh, sh.rank)
+    # The SLEEPING line counts this rank's blocked threads, C++ waits and Python waits alike: the
+    # transport's Python count (a plain store until a Plane exists) would overwrite the extension's
+    # atomic adds, so from now on the transport counts through the same atomic add.
+    sh.count_sleepers_with(rings.sleepers)
+    return rings
+
+
+def add_peer(rings, sh, q: int) -> None:
+    s = sh.peers[q]
+    rings.add_peer(q, s.bytes.data_ptr(), s.wake_fd, sh.pids[q])
+
+
+def p2p_error(sh, rc: int, q: int, what: str) -> Exception:
+    """The typed error of a failed blocking send/recv of the Rings (what transport.wait raises)."""
+    kind = {PEER_ABORTED: "aborted", PEER_DIED: "died", TIMED_OUT: "timeout"}[rc]
+    return sh.lost(kind, None if kind == "timeout" else q, what, [q])

@@ -14,6 +14,24 @@ block it. There is no background thread: whichever thread waits on any handle dr
 progress for all channels of the group (both directions), so two ranks sending to each
 other before receiving cannot deadlock. Visibility: data is written before the head that
 covers it, read after the head that covers it (see transport.py).
+
+Compiled kernels (compiled.kernels() == "compiled"): the same protocol, byte for byte, with the
+copies and head/tail accesses done by the extension's Rings (_dataplane.cpp), so a compiled rank
+and a Python rank can talk to each other. Three things change, never the semantics:
+
+* ``_push``/``_pull`` copy through ``Rings.push/header/pull`` (one call per message piece);
+* an ``isend`` with nothing queued before it on its channel writes what fits at once, and is
+  complete when the whole message fitted (no progress call);
+* waiting on a handle first tries the whole transfer in one C++ call with the GIL released
+  (:meth:`Channels._fast`): a send that is the only one pending, or the receive that the next
+  message from its peer goes to (the oldest posted of its (peer, tag), nothing else pending to
+  send). The call waits only while the Python engine would have nothing else to do, and hands
+  back its progress otherwise; why that cannot deadlock is said in _dataplane.cpp ("Point-to-point").
+  Anything else (a stashed message, another tag first, several messages pending, a wrong size)
+  runs the Python engine below. ``fast_sent``/``fast_received`` count what the C++ completed.
+
+A tensor outside CPU memory turns the group's channels to the Python copies for good (the
+extension copies host memory); the protocol being the same, the switch may happen anywhere.
 """
 
 from __future__ import annotations
@@ -23,6 +41,7 @@ from collections import deque
 
 import torch
 
+from distrain.comm.shm import compiled
 from distrain.errors import CommError
 
 HEADER = 16
@@ -39,10 +58,18 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 class ShmWork:
     """Handle of one shared-memory isend/irecv."""
 
-    def __init__(self, chans: "Channels", desc: str, peer: int):
-        self.chans, self.desc, self.peer = chans, desc, peer
+    def __init__(self, chans: "Channels", send: bool, peer: int, tag: int):
+        self.chans, self.send, self.peer, self.tag = chans, send, peer, tag
         self.done = False
         self.error: str | None = None
+        self.op: _Send | _Recv | None = None  # the message it waits for
+
+    @property
+    def desc(self) -> str:  # built when needed: a message's handle is made on the hot path
+        sh = self.chans.sh
+        if self.send:
+            return f"isend from rank {sh.me_global} to rank {sh.ranks[self.peer]} (tag {self.tag})"
+        return f"irecv on rank {sh.me_global} from rank {sh.ranks[self.peer]} (tag {self.tag})"
 
     def wait(self, timeout=None) -> bool:
         self.chans.wait(self)
@@ -68,30 +95,73 @@ class _Recv:
         self.waiter: _Recv | None = None  # an irecv that took this stashed message while it streamed
 
 
+class _Guard:
+    """The channels' lock. A thread that finds it taken first asks a blocking compiled transfer
+    holding it to hand back (``Rings.want``): that transfer may wait for a long time, and this
+    thread's message may be what its peer waits for."""
+
+    __slots__ = ("chans", "lock")
+
+    def __init__(self, chans: "Channels"):
+        self.chans, self.lock = chans, threading.RLock()
+
+    def __enter__(self) -> None:
+        if not self.lock.acquire(False):
+            rings = self.chans.rings
+            if rings is None:
+                self.lock.acquire()
+                return
+            rings.want(1)
+            try:
+                self.lock.acquire()
+            finally:
+                rings.want(-1)
+
+    def __exit__(self, *exc) -> None:
+        self.lock.release()
+
+
 class Channels:
     """All shared-memory P2P channels of one group, seen from this rank."""
 
     def __init__(self, sh):
         self.sh = sh
         self.R = sh.layout.ring_bytes
-        self.lock = threading.RLock()
+        self.guard = _Guard(self)
+        self.lock = self.guard.lock
         self.sends: dict[int, deque[_Send]] = {}
         self.posted: dict[tuple[int, int], deque[_Recv]] = {}
         self.stash: dict[tuple[int, int], deque[_Recv]] = {}
         self.current: dict[int, tuple[_Recv, int, int]] = {}  # peer -> (message, bytes read, padded size)
+        self.rings = compiled.make_rings(sh) if sh.kernels == "compiled" else None
+        self.known = {sh.rank}  # the peers whose segment the rings know
+        self.fast_sent = self.fast_received = 0  # messages the compiled path completed (tests check it)
 
     # -- posting -------------------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, q: int, tag: int) -> ShmWork:
-        w = ShmWork(self, f"isend from rank {self.sh.me_global} to rank {self.sh.ranks[q]} (tag {tag})", q)
-        with self.lock:
-            self.sends.setdefault(q, deque()).append(_Send(w, _bytes(tensor), tag))
+        w = ShmWork(self, True, q, tag)
+        m = w.op = _Send(w, _bytes(tensor), tag)
+        with self.guard:
+            pending = self.sends.setdefault(q, deque())
+            rings = self._rings_for(tensor)
+            if rings is not None and not pending and self._knows(q):
+                m.off = rings.push(q, tag, m.data, -1)
+                self.sh.unlink_if_all_opened()
+                if m.off == m.total:
+                    w.done = True
+                    self.fast_sent += 1
+                    return w
+            pending.append(m)
+            if rings is not None:
+                return w  # the rest waits for a wait (in one C++ call when nothing else is pending)
             self.progress()
         return w
 
     def irecv(self, tensor: torch.Tensor, q: int, tag: int) -> ShmWork:
-        w = ShmWork(self, f"irecv on rank {self.sh.me_global} from rank {self.sh.ranks[q]} (tag {tag})", q)
-        r = _Recv(w, _bytes(tensor), tag)
-        with self.lock:
+        w = ShmWork(self, False, q, tag)
+        r = w.op = _Recv(w, _bytes(tensor), tag)
+        with self.guard:
+            rings = self._rings_for(tensor)
             stashed = self.stash.get((q, tag))
             if stashed:
                 m = stashed.popleft()
@@ -101,6 +171,8 @@ class Channels:
                     m.waiter = r
             else:
                 self.posted.setdefault((q, tag), deque()).append(r)
+                if rings is not None:
+                    return w  # the wait moves it (in one C++ call when nothing else is pending)
             self.progress()
         return w
 
@@ -114,9 +186,8 @@ class Channels:
 
     # -- progress ------------------------------------------------------------------------
     def progress(self) -> None:
-        if not self.sh._unlinked:
-            self.sh._unlink_if_all_opened()
-        with self.lock:
+        self.sh.unlink_if_all_opened()
+        with self.guard:
             for q, pending in self.sends.items():
                 if pending:
                     self._push(q, pending)
@@ -125,6 +196,16 @@ class Channels:
                     self._pull(q, s)
 
     def _push(self, q: int, pending: deque) -> None:
+        rings = self.rings
+        if rings is not None:
+            while pending and self._knows(q):
+                m = pending[0]
+                m.off = rings.push(q, m.tag, m.data, m.off)
+                if m.off != m.total:
+                    return
+                pending.popleft()
+                m.work.done = True
+            return
         me = self.sh.me
         head_line, tail_line = me.layout.head_line(q), me.layout.tail_line(q)
         head = me.line(head_line)
@@ -154,6 +235,10 @@ class Channels:
             self.sh.wake_peers((q,))
 
     def _pull(self, q: int, s) -> None:
+        if self.rings is not None:
+            if self._knows(q):
+                self._pull_compiled(q)
+            return
         head_line, tail_line = s.layout.head_line(self.sh.rank), s.layout.tail_line(self.sh.rank)
         tail = s.line(tail_line)
         avail = s.line(head_line) - tail
@@ -185,6 +270,30 @@ class Channels:
         s.set_line(tail_line, tail)  # after the bytes are copied out: the sender may reuse them
         self.sh.wake_peers((q,))
 
+    def _pull_compiled(self, q: int) -> None:
+        """_pull with the extension's copies (the same steps)."""
+        rings = self.rings
+        while True:
+            cur = self.current.get(q)
+            if cur is None:
+                h = rings.header(q)
+                if h is None:
+                    return
+                tag, n = h
+                m = self._match(q, tag, n)
+                if n == 0:
+                    self._complete(m)
+                    continue
+                cur = (m, 0, _pad(n))
+            m, off, total = cur
+            off = rings.pull(q, m.data, off, total)
+            if off == total:
+                self.current.pop(q, None)
+                self._complete(m)
+            else:
+                self.current[q] = (m, off, total)
+                return
+
     def _match(self, q: int, tag: int, n: int) -> _Recv:
         posted = self.posted.get((q, tag))
         if posted:
@@ -209,11 +318,77 @@ class Channels:
 
     # -- waiting -------------------------------------------------------------------------
     def wait(self, w: ShmWork) -> None:
+        if not w.done and self.rings is not None:
+            self._fast(w)
         def ready() -> bool:
             if not w.done:
                 self.progress()
             return w.done
 
-        self.sh.wait(ready, [w.peer], w.desc)
+        if not w.done:
+            self.sh.wait(ready, [w.peer], w.desc)
         if w.error:
             raise CommError(w.error)
+
+    # -- the compiled path -----------------------------------------------------------------
+    def _fast(self, w: ShmWork) -> None:
+        """Finish ``w`` in one call of the extension if the Python engine has nothing else to do:
+        a send that is the only message pending, or the receive that the next message from its
+        peer goes to, with no send pending. Whatever the call did not finish (it hands back when
+        something else needs this rank, see _dataplane.cpp) stays recorded for the engine."""
+        sh = self.sh
+        with self.guard:
+            rings, q, m = self.rings, w.peer, w.op
+            if w.done or rings is None or sh.me is None or not self._knows(q):
+                return
+            if len(self.known) != len(sh.peers):  # the call watches every ring the engine would drain
+                self._knows(-1)
+            if w.send:
+                pending = self.sends.get(q)
+                if not pending or pending[0] is not m or sum(map(len, self.sends.values())) != 1:
+                    return
+                rc, m.off = rings.send(q, m.tag, m.data, m.off)
+                if rc == compiled.OK:
+                    pending.popleft()
+                    w.done = True
+                    self.fast_sent += 1
+            else:
+                cur = self.current.get(q)
+                if cur is None:
+                    posted = self.posted.get((q, m.tag))
+                    if not posted or posted[0] is not m:
+                        return
+                elif cur[0] is not m:
+                    return
+                if any(self.sends.values()):
+                    return
+                rc, off = rings.recv(q, m.tag, m.data, -1 if cur is None else cur[1])
+                if off >= 0:  # its header is read: the message is this receive's
+                    if cur is None:
+                        posted.popleft()
+                    self.current[q] = (m, off, _pad(m.data.numel()))
+                if rc == compiled.OK:
+                    del self.current[q]
+                    w.done = True
+                    self.fast_received += 1
+            sh.unlink_if_all_opened()  # as progress() does: the peer that sent has mapped this rank's segment
+            if rc not in (compiled.OK, compiled.UNSUPPORTED):
+                raise compiled.p2p_error(sh, rc, rings.err_peer, w.desc)
+
+    def _rings_for(self, tensor: torch.Tensor):
+        """The rings, or None: a tensor outside CPU memory turns them off for good (see the module
+        doc), and so does a closed transport (the rings point into its unmapped segments)."""
+        if self.rings is not None and (not tensor.is_cpu or self.sh.me is None):
+            self.rings = None
+        return self.rings
+
+    def _knows(self, q: int) -> bool:
+        """Whether the rings know peer q's segment, adding every segment the transport has opened
+        (the engine looks at the rings of all of them, so must the compiled waits)."""
+        if q in self.known:
+            return True
+        for p in list(self.sh.peers):
+            if p not in self.known:
+                compiled.add_peer(self.rings, self.sh, p)
+                self.known.add(p)
+        return q in self.known

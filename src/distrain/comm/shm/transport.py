@@ -119,6 +119,7 @@ class ShmTransport:
         # the compiled data plane (compiled.py), built on the first collective when this transport uses it
         self.kernels = compiled.kernels()
         self.plane = None
+        self._atomic_sleepers = None  # count_sleepers_with
         self.fast = False  # whether the group is offered to the fast path (compiled.register)
         self._views: dict[tuple, list[torch.Tensor]] = {}  # (buffer, dtype, count) -> every rank's slot
         if self.size == 1:
@@ -197,7 +198,10 @@ class ShmTransport:
             self._unlinked = True
             self.me.unlink()
 
-    def _unlink_if_all_opened(self) -> None:
+    def unlink_if_all_opened(self) -> None:
+        """Unlink our segment's file once every peer says it opened it (cheap when already done)."""
+        if self._unlinked:
+            return
         lay = self.layout
         if all(self.me.line(lay.opened_line(q)) for q in range(self.size) if q != self.rank):
             self.unlink_when_mapped()
@@ -233,8 +237,7 @@ class ShmTransport:
                 break
         if spin:
             self.spin = max(SPIN_MIN_S, spin / 2)
-        if not self._unlinked:
-            self._unlink_if_all_opened()
+        self.unlink_if_all_opened()
         start = last = time.monotonic()
         block = 1e-3
         me = self.me
@@ -256,9 +259,18 @@ class ShmTransport:
                 last = now
                 self._check_peers(peers, what, now - start)
 
+    def count_sleepers_with(self, add) -> None:
+        """From now on count this rank's blocked threads with ``add(delta)``, the extension's atomic add
+        on the SLEEPING line (compiled.make_rings): its C++ waits count there too, and the plain store
+        below would overwrite their adds."""
+        self._atomic_sleepers = add
+
     def _sleepers(self, delta: int) -> None:
         if self.plane is not None:  # its waits count on the same line: one atomic count for both
             self.plane.sleepers(delta)
+            return
+        if self._atomic_sleepers is not None:
+            self._atomic_sleepers(delta)
             return
         with self._sleep_lock:
             self._sleeping += delta
@@ -332,8 +344,7 @@ class ShmTransport:
     def post(self, line: int, step: int, peers=None) -> None:
         self.me.set_line(line, step)
         self.wake_peers(peers)
-        if not self._unlinked:
-            self._unlink_if_all_opened()
+        self.unlink_if_all_opened()
 
     def all_at_least(self, line: int, step: int) -> bool:
         """Whether every rank's ``line`` has reached ``step`` (no waiting)."""
