@@ -190,6 +190,7 @@ class ShmTransport:
         if self.plane is None:
             self.coll = "collective"  # opening the peers' segments serves every collective of the plane
             self.plane = compiled.make_plane(self)
+            self.count_sleepers_with(self.plane.sleepers)  # its waits count on the same line
         return self.plane
 
     def unlink_when_mapped(self) -> None:
@@ -261,14 +262,11 @@ class ShmTransport:
 
     def count_sleepers_with(self, add) -> None:
         """From now on count this rank's blocked threads with ``add(delta)``, the extension's atomic add
-        on the SLEEPING line (compiled.make_rings): its C++ waits count there too, and the plain store
+        on the SLEEPING line (its Plane's or Rings'): its C++ waits count there too, and the plain store
         below would overwrite their adds."""
         self._atomic_sleepers = add
 
     def _sleepers(self, delta: int) -> None:
-        if self.plane is not None:  # its waits count on the same line: one atomic count for both
-            self.plane.sleepers(delta)
-            return
         if self._atomic_sleepers is not None:
             self._atomic_sleepers(delta)
             return
@@ -395,7 +393,7 @@ class ShmTransport:
 
     def close(self) -> None:
         compiled.unregister(self)
-        self.plane = None  # it points into the mappings closed below
+        self.plane = self._atomic_sleepers = None  # they point into the mappings closed below
         self._slots, self._views = {}, {}
         if self.heap is not None:
             self.heap.close()
