@@ -130,6 +130,54 @@ def test_every_stage_equals_one_process_mlp(P, opt_name, alg):
     assert not bad, "\n".join(bad[:20])
 
 
+class _Mixed(nn.Module):
+    """A float64 layer (registered first), then a float32 one: ZeRO's units are split by dtype."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(16, 24).double(), nn.Linear(24, 10)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x.double())).float())
+
+
+def _mixed_dtypes(rank: int) -> list[str]:
+    import torch.distributed as dist
+
+    comm.set_transport("shm")
+    P = dist.get_world_size()
+    g = torch.Generator().manual_seed(7)
+    xs = [torch.randn(P * LOCAL_B, 16, generator=g) for _ in range(STEPS)]
+    ys = [torch.randint(0, 10, (P * LOCAL_B,), generator=g) for _ in range(STEPS)]
+    ref = _Mixed()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in zip(xs, ys):
+        opt.zero_grad()
+        classification_loss(ref(x), y).backward()
+        opt.step()
+    engine = Zero(_Mixed(), lambda ps: torch.optim.SGD(ps, lr=0.1), stage=2, algorithm="native", bucket_cap_mb=0.001)
+    mine = slice(rank * LOCAL_B, (rank + 1) * LOCAL_B)
+    for x, y in zip(xs, ys):
+        engine.zero_grad()
+        classification_loss(engine(x[mine]), y[mine]).backward()
+        engine.step()
+    bad = [] if engine.impl.symmetric and {u[0].dtype for u in engine.impl.params} == {torch.float32, torch.float64} \
+        else ["not on symmetric memory with units of both dtypes"]
+    full = engine.full_state_dict()["model"]
+    for n, p in ref.named_parameters():  # float32 in the chain: the halves' sums are reordered, 1e-5
+        if full[n].dtype != p.dtype or not torch.allclose(full[n], p, rtol=1e-5, atol=0):
+            bad.append(f"{n}: {full[n].dtype} vs {p.dtype}, max diff {(full[n].double() - p.double()).abs().max():.3e}")
+    return bad
+
+
+@pytest.mark.timeout(120)
+def test_units_of_two_dtypes_share_the_symmetric_gradient_pool():
+    """The pool holds bytes: each unit views it in its own dtype (a float32 unit beside float64 ones)."""
+    bad = [x for r in distrain.spawn(_mixed_dtypes, 2, timeout=100) for x in r]
+    assert not bad, "\n".join(bad)
+
+
 @pytest.mark.timeout(300)
 def test_every_stage_equals_one_process_gpt_adamw_clipped():
     bad = [x for r in distrain.spawn(_equivalence, 3, args=("gpt", "adamw", [1, 2, 3], "tree"), timeout=250)

@@ -46,12 +46,14 @@ class Stage12:
         like = named[0][1] if named else None
         self.symmetric = like is not None and like.device.type == "cpu" and algorithm == "native" and \
             world > 1 and comm.transport_of(group) == "shm"
-        # the gradient pool: two buffers of the largest unit, used in turn (see the module doc)
-        self.pool = [self._buffer(max(u.padded for u in self.units), like) for _ in range(2)] \
-            if self.symmetric else []
+        # the gradient pool: two byte buffers of the largest unit, used in turn (see the module doc); a unit
+        # views its front in its own dtype (units are split by dtype)
+        nbytes = [u.padded * ps[0].element_size() for u, ps in zip(self.units, self.params)]
+        self.pool = [self._buffer(max(nbytes)) for _ in range(2)] if self.symmetric else []
         with torch.no_grad():
-            for u, ps in zip(self.units, self.params):
-                flat = u.flatten([p.detach() for p in ps], ps[0], out=self._buffer(u.padded, ps[0]))
+            for u, ps, n in zip(self.units, self.params, nbytes):
+                own = self._buffer(n)
+                flat = u.flatten([p.detach() for p in ps], ps[0], out=None if own is None else own.view(ps[0].dtype))
                 comm.broadcast(flat, src=src, group=group, algorithm=algorithm)  # replicas start equal
                 for p, v in zip(ps, u.views(flat)):
                     p.data = v  # the parameter now lives in the flat tensor
@@ -67,10 +69,10 @@ class Stage12:
                 p.register_post_accumulate_grad_hook(self._on_grad)
         self._reset()
 
-    def _buffer(self, n: int, like: torch.Tensor) -> torch.Tensor | None:
-        """n elements in symmetric memory (a collective allocation: every rank builds the same units in
-        the same order), or None (a fresh tensor is made) off the shared-memory path."""
-        return comm.symmetric_empty(n, dtype=like.dtype, group=self.group) if self.symmetric else None
+    def _buffer(self, nbytes: int) -> torch.Tensor | None:
+        """``nbytes`` bytes in symmetric memory (a collective allocation: every rank builds the same units
+        in the same order), or None (a fresh tensor is made) off the shared-memory path."""
+        return comm.symmetric_empty(nbytes, dtype=torch.uint8, group=self.group) if self.symmetric else None
 
     # -- backward ---------------------------------------------------------------------------
     def _reset(self) -> None:
@@ -96,7 +98,8 @@ class Stage12:
         if self.pool:
             if len(self._handles) >= 2:  # the pool buffer's last bucket must be reduced before it is rewritten
                 self._handles[-2][1].wait()
-            buf = self.pool[len(self._handles) % 2][:u.padded]
+            dtype = ps[0].dtype
+            buf = self.pool[len(self._handles) % 2][:u.padded * dtype.itemsize].view(dtype)
         with torch.no_grad():
             flat = u.flatten([p.grad for p in ps], self.flats[i], out=buf)  # missing gradients count as zero
             flat.div_(self.world)  # pre-divide, then sum: the average
