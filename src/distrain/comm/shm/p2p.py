@@ -21,7 +21,8 @@ and a Python rank can talk to each other. Three things change, never the semanti
 
 * ``_push``/``_pull`` copy through ``Rings.push/header/pull`` (one call per message piece);
 * an ``isend`` with nothing queued before it on its channel writes what fits at once, and is
-  complete when the whole message fitted (no progress call);
+  complete when the whole message fitted; what did not fit, like an ``irecv``, is left to a wait
+  (no progress call when posting);
 * waiting on a handle first tries the whole transfer in one C++ call with the GIL released
   (:meth:`Channels._fast`): a send that is the only one pending, or the receive that the next
   message from its peer goes to (the oldest posted of its (peer, tag), nothing else pending to
@@ -128,7 +129,6 @@ class Channels:
         self.sh = sh
         self.R = sh.layout.ring_bytes
         self.guard = _Guard(self)
-        self.lock = self.guard.lock
         self.sends: dict[int, deque[_Send]] = {}
         self.posted: dict[tuple[int, int], deque[_Recv]] = {}
         self.stash: dict[tuple[int, int], deque[_Recv]] = {}
@@ -320,6 +320,7 @@ class Channels:
     def wait(self, w: ShmWork) -> None:
         if not w.done and self.rings is not None:
             self._fast(w)
+
         def ready() -> bool:
             if not w.done:
                 self.progress()
@@ -341,8 +342,7 @@ class Channels:
             rings, q, m = self.rings, w.peer, w.op
             if w.done or rings is None or sh.me is None or not self._knows(q):
                 return
-            if len(self.known) != len(sh.peers):  # the call watches every ring the engine would drain
-                self._knows(-1)
+            self._add_opened_peers()  # the call watches every ring the engine would drain
             if w.send:
                 pending = self.sends.get(q)
                 if not pending or pending[0] is not m or sum(map(len, self.sends.values())) != 1:
@@ -383,12 +383,16 @@ class Channels:
         return self.rings
 
     def _knows(self, q: int) -> bool:
-        """Whether the rings know peer q's segment, adding every segment the transport has opened
-        (the engine looks at the rings of all of them, so must the compiled waits)."""
-        if q in self.known:
-            return True
-        for p in list(self.sh.peers):
-            if p not in self.known:
-                compiled.add_peer(self.rings, self.sh, p)
-                self.known.add(p)
+        """Whether the rings know peer q's segment (after adding what the transport has opened)."""
+        if q not in self.known:
+            self._add_opened_peers()
         return q in self.known
+
+    def _add_opened_peers(self) -> None:
+        """Give the rings every segment the transport has opened (the engine looks at the rings of all
+        of them, so must the compiled waits)."""
+        if len(self.known) != len(self.sh.peers):
+            for p in list(self.sh.peers):
+                if p not in self.known:
+                    compiled.add_peer(self.rings, self.sh, p)
+                    self.known.add(p)
