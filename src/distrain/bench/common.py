@@ -166,6 +166,19 @@ def bandwidth_GBps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / GB if seconds > 0 else float("nan")
 
 
+def unmap_freed_blocks(threshold: int = 64 << 10, trim: bool = True):
+    """glibc from now on unmaps every freed block above ``threshold`` bytes (mallopt M_MMAP_THRESHOLD)
+    and, with ``trim``, returns the heap it keeps now (malloc_trim), so the RSS high-water mark follows
+    the live tensors rather than freed heap. Returns libc (for a later ``malloc_trim(0)``)."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD
+    if trim:
+        libc.malloc_trim(0)
+    return libc
+
+
 def memcpy_GBps(nbytes: int = 64 << 20, reps: int = 10) -> float:
     """This machine's memory copy rate now, in GB/s: the median of ``reps`` copies of ``nbytes``
     on one thread (torch's copy_). Printed beside bandwidths so that results taken on machines

@@ -172,7 +172,6 @@ def _is_safetensors(path: Path) -> bool:
     return head[8:9] == b"{" and 2 <= n <= path.stat().st_size - 8
 
 
-
 def _pickled_objects(path) -> bool:
     """Whether the zip checkpoint at ``path`` names Python globals that a weights-only load refuses
     (decided by torch's own scan of the pickle, not by its error's text)."""
@@ -180,6 +179,7 @@ def _pickled_objects(path) -> bool:
         return bool(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
     except Exception:  # noqa: BLE001 -- not a zip checkpoint, or a damaged one: not "pickled objects"
         return False
+
 
 def read_file(path: str | Path, who: str = IMPORT, what: str = WHAT_IMPORT_READS) -> tuple[str, dict]:
     """FILE as ``("full", consolidated form)`` or ``("weights", {name: tensor})``; anything else

@@ -12,12 +12,13 @@ writes the rows.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import multiprocessing
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
+
+from distrain.bench.common import unmap_freed_blocks
 
 MMAP_THRESHOLD = 64 * 1024
 
@@ -60,7 +61,7 @@ def measure(model: str, layers: int, batch: int, checkpointing: bool, reps: int)
 
 
 def _fresh(model: str, layers: int, batch: int, checkpointing: bool, reps: int) -> dict:
-    ctypes.CDLL("libc.so.6").mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD, before any tensor exists
+    unmap_freed_blocks(MMAP_THRESHOLD, trim=False)  # before any tensor exists
     return measure(model, layers, batch, checkpointing, reps)
 
 

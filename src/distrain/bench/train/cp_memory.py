@@ -25,11 +25,12 @@ Prints a table; ``--json`` writes the rows.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import statistics
 import time
+
+from distrain.bench.common import unmap_freed_blocks
 
 MMAP_THRESHOLD = 64 * 1024
 
@@ -49,8 +50,7 @@ def _rank(rank: int, model_name: str, seq: int, batch: int, variant: str, reps: 
     from distrain.parallel.context_parallel import ring_bytes, ulysses_bytes
     from distrain.topology import Topology
 
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD: freed blocks go back to the OS
+    libc = unmap_freed_blocks(MMAP_THRESHOLD, trim=False)  # freed blocks go back to the OS
     N = torch.distributed.get_world_size()
     torch.manual_seed(0)
     model = build_model(model_name, block_size=seq)

@@ -59,7 +59,7 @@ import statistics
 import tempfile
 from dataclasses import dataclass
 
-from distrain.bench.common import format_table, metadata, progress, write_json
+from distrain.bench.common import format_table, metadata, progress, unmap_freed_blocks, write_json
 from distrain.bench.train.layout_plan import Job, Layout, parse_layout, parse_layouts, plan_jobs  # noqa: F401 (API)
 from distrain.errors import ConfigError
 from distrain.trainer.config import MODEL_DATA, TrainConfig, applicable
@@ -141,8 +141,6 @@ def _preload() -> None:
 def _rank(rank: int, cfg_dict: dict, timed_steps: int) -> dict:
     """One rank: run_rank(cfg) as distrain.train's ranks do, the engine's train_step wrapped so
     that the memory steps after the first ``timed_steps`` steps measure the RSS peak."""
-    import ctypes
-
     from distrain.trainer import loop
 
     _preload()
@@ -158,9 +156,7 @@ def _rank(rank: int, cfg_dict: dict, timed_steps: int) -> dict:
         def train_step(x, y, commit=None):
             i = seen["calls"]
             if i == timed_steps:  # first memory step: from now on glibc unmaps freed blocks
-                libc = ctypes.CDLL("libc.so.6")
-                libc.mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
-                libc.malloc_trim(0)
+                unmap_freed_blocks(MMAP_THRESHOLD)
             if i == timed_steps + 1:  # the measured step: high-water mark := RSS now
                 with open("/proc/self/clear_refs", "w") as f:
                     f.write("5")

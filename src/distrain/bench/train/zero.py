@@ -28,7 +28,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from distrain.bench.common import format_table, metadata, progress, write_json
+from distrain.bench.common import format_table, metadata, progress, unmap_freed_blocks, write_json
 from distrain.errors import ConfigError
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "torch-ddp", "torch-zero1", "torch-fsdp")
@@ -97,8 +97,6 @@ def _wrap(strategy: str, model, opts: Settings):
 
 
 def _job(rank: int, strategy: str, opts: Settings) -> dict:
-    import ctypes
-
     import torch
     import torch.distributed as dist
 
@@ -135,9 +133,7 @@ def _job(rank: int, strategy: str, opts: Settings) -> dict:
     # Memory pass: glibc now unmaps every freed block above 128 KiB (M_MMAP_THRESHOLD = -3) and
     # returns what it kept, so the RSS high-water mark follows the live tensors. (Not during the
     # timed steps: fresh mappings fault their pages in again, which slowed sharded runs 2-4x.)
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(-3, 128 * 1024)
-    libc.malloc_trim(0)
+    unmap_freed_blocks(128 * 1024)
     one_step()
     peak = PeakRSS()
     peak.start()
