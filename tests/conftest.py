@@ -101,6 +101,52 @@ def trainer_config(out, **kw):
     return TrainConfig(**base)
 
 
+def train_rows(cfg) -> list[dict]:
+    """Train ``cfg`` and return every line of its metrics.jsonl (steps, evaluations, counters)."""
+    from distrain.trainer import train
+    from distrain.trainer.metrics import read_metrics
+
+    train(cfg)
+    return read_metrics(os.path.join(cfg.out, "metrics.jsonl"))
+
+
+# 4 steps with evaluations after steps 2 and 4 (logged as steps 1 and 3): the layouts' equivalence runs
+EVAL = dict(steps=4, eval_every=2, eval_batches=2, log_every=1)
+_REFERENCE_ROWS: dict = {}
+
+
+def reference_rows(tmp_path_factory, **kw) -> list[dict]:
+    """The metrics lines of the single-process run of ``trainer_config(**EVAL, **kw)``, once per session."""
+    key = tuple(sorted(kw.items()))
+    if key not in _REFERENCE_ROWS:
+        out = tmp_path_factory.mktemp("reference-rows")
+        _REFERENCE_ROWS[key] = train_rows(trainer_config(out, **EVAL, **kw, strategy="single", nproc=1))
+    return _REFERENCE_ROWS[key]
+
+
+def assert_rows_equal(got: list[dict], ref: list[dict], rel: float = 1e-10) -> None:
+    """An ``EVAL`` run's steps 0-3 and its evaluations at steps 1 and 3 equal the reference's: the
+    training loss and the validation loss within ``rel``."""
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == [0, 1, 2, 3]
+    assert [r["step"] for r in got if "val_loss" in r] == [r["step"] for r in ref if "val_loss" in r] == [1, 3]
+    for g, r in zip(got, ref):
+        assert g["loss"] == pytest.approx(r["loss"], rel=rel, abs=0), f"training loss at step {g['step']}"
+        if "val_loss" in r:
+            assert g["val_loss"] == pytest.approx(r["val_loss"], rel=rel, abs=0), f"val_loss at step {g['step']}"
+
+
+def assert_refused(cfg, message: str | None) -> None:
+    """``cfg.validate()`` passes (``message`` None) or raises a one-line ConfigError containing ``message``."""
+    from distrain.errors import ConfigError
+
+    if message is None:
+        cfg.validate()
+        return
+    with pytest.raises(ConfigError) as e:
+        cfg.validate()
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
 _REFERENCES: dict = {}
 
 
@@ -111,3 +157,43 @@ def reference_losses(tmp_path_factory, **kw) -> list[float]:
         out = tmp_path_factory.mktemp("reference")
         _REFERENCES[key] = train_losses(trainer_config(out, **kw, strategy="single", nproc=1))
     return _REFERENCES[key]
+
+
+# -- ranks without a launcher (a rank may SIGKILL itself; nothing restarts or blames it) ------------
+def raw_ranks(target, world: int, out_dir, kernels: str) -> list:
+    """``target(rank, port, world, out_dir, kernels)`` in ``world`` processes of multiprocessing's
+    spawn around a fresh TCPStore on 127.0.0.1; returns them joined (90 s each)."""
+    import multiprocessing as mp
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timedelta(seconds=60),
+                          wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, store.port, world, str(out_dir), kernels)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(90)
+    return procs
+
+
+def init_raw_rank(rank: int, port: int, world: int, kernels: str) -> None:
+    """In a :func:`raw_ranks` process: join the world over the shared-memory transport with ``kernels``."""
+    import torch
+
+    from distrain import runtime
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      DISTRAIN_TRANSPORT="shm", DISTRAIN_SHM_KERNELS=kernels, TORCHELASTIC_USE_AGENT_STORE="True")
+    torch.set_num_threads(1)
+    runtime.init("gloo", timeout=60)
+
+
+def shm_files_of(procs) -> list[str]:
+    """The /dev/shm files created by any of ``procs`` that are still there."""
+    from distrain.comm.shm import segment
+
+    pids = {str(p.pid) for p in procs}
+    return [n for n in os.listdir(segment.SHM_DIR) if n.startswith("distrain-") and n.split("-")[1] in pids]

@@ -6,30 +6,13 @@ starts, and --elastic along dp with cp in the model replica."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 import distrain
 from distrain.errors import ConfigError
 from distrain.trainer.metrics import read_metrics
 
-from conftest import trainer_config
-
-EVAL = dict(steps=4, eval_every=2, eval_batches=2, log_every=1)  # evaluations after steps 2 and 4
-_SINGLE: dict = {}
-
-
-def _rows(cfg) -> list[dict]:
-    distrain.train(cfg)
-    return read_metrics(os.path.join(cfg.out, "metrics.jsonl"))
-
-
-def _single(tmp_path_factory, model: str) -> list[dict]:
-    if model not in _SINGLE:
-        out = tmp_path_factory.mktemp(f"single-{model}")
-        _SINGLE[model] = _rows(trainer_config(out, model=model, **EVAL, strategy="single", nproc=1))
-    return _SINGLE[model]
+from conftest import EVAL, assert_refused, assert_rows_equal, reference_rows, train_rows, trainer_config
 
 
 @pytest.mark.slow
@@ -46,14 +29,9 @@ def _single(tmp_path_factory, model: str) -> list[dict]:
     ("llama-tiny", dict(cp=2, tp=2, nproc=4)),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{v}" for k, v in v.items()))
 def test_trainer_context_parallel_equals_one_process(tmp_path, tmp_path_factory, model, layout):
-    ref = _single(tmp_path_factory, model)
-    got = _rows(trainer_config(tmp_path / "cp", model=model, **EVAL, **layout))
-    assert [r["step"] for r in got] == [r["step"] for r in ref] == [0, 1, 2, 3]
-    assert [r["step"] for r in got if "val_loss" in r] == [r["step"] for r in ref if "val_loss" in r] == [1, 3]
-    for g, r in zip(got, ref):
-        assert g["loss"] == pytest.approx(r["loss"], rel=1e-10, abs=0), f"training loss at step {g['step']}"
-        if "val_loss" in r:
-            assert g["val_loss"] == pytest.approx(r["val_loss"], rel=1e-10, abs=0), f"val_loss at step {g['step']}"
+    ref = reference_rows(tmp_path_factory, model=model)
+    got = train_rows(trainer_config(tmp_path / "cp", model=model, **EVAL, **layout))
+    assert_rows_equal(got, ref, rel=1e-10)
 
 
 @pytest.mark.parametrize("kw,message", [
@@ -77,13 +55,7 @@ def test_trainer_context_parallel_equals_one_process(tmp_path, tmp_path_factory,
     (dict(cp=0, nproc=2), "--tp, --pp, --cp, --ep and --microbatches must be >= 1"),
 ])
 def test_bad_cp_is_refused_before_any_rank_starts(tmp_path, kw, message):
-    cfg = trainer_config(tmp_path / "bad", **{k: v for k, v in kw.items()})
-    if message is None:
-        cfg.validate()
-        return
-    with pytest.raises(ConfigError) as e:
-        cfg.validate()
-    assert message in str(e.value) and "\n" not in str(e.value)
+    assert_refused(trainer_config(tmp_path / "bad", **kw), message)
 
 
 def test_your_model_is_checked_against_cp_in_the_caller(tmp_path):

@@ -16,22 +16,7 @@ import torch
 import distrain
 from distrain.trainer.metrics import read_metrics
 
-from conftest import trainer_config
-
-EVAL = dict(steps=4, eval_every=2, eval_batches=2, log_every=1)  # evaluations after steps 2 and 4
-_SINGLE: dict = {}
-
-
-def _rows(cfg) -> list[dict]:
-    distrain.train(cfg)
-    return read_metrics(os.path.join(cfg.out, "metrics.jsonl"))
-
-
-def _single(tmp_path_factory) -> list[dict]:
-    if "rows" not in _SINGLE:
-        out = tmp_path_factory.mktemp("single-moe")
-        _SINGLE["rows"] = _rows(trainer_config(out, model="llama-moe-tiny", **EVAL, strategy="single", nproc=1))
-    return _SINGLE["rows"]
+from conftest import EVAL, assert_rows_equal, reference_rows, train_rows, trainer_config
 
 
 @pytest.mark.slow
@@ -45,14 +30,10 @@ def _single(tmp_path_factory) -> list[dict]:
     dict(ep=2, tp=2, nproc=4),    # tp x ep: ep groups [0,2] [1,3], one per tp coordinate
 ], ids=lambda v: "-".join(f"{k}{v}" for k, v in v.items()))
 def test_trainer_expert_parallel_equals_one_process(tmp_path, tmp_path_factory, layout):
-    ref = _single(tmp_path_factory)
-    got = _rows(trainer_config(tmp_path / "ep", model="llama-moe-tiny", **EVAL, **layout))
-    assert [r["step"] for r in got] == [r["step"] for r in ref] == [0, 1, 2, 3]
-    assert [r["step"] for r in got if "val_loss" in r] == [r["step"] for r in ref if "val_loss" in r] == [1, 3]
+    ref = reference_rows(tmp_path_factory, model="llama-moe-tiny")
+    got = train_rows(trainer_config(tmp_path / "ep", model="llama-moe-tiny", **EVAL, **layout))
+    assert_rows_equal(got, ref, rel=1e-10)
     for g, r in zip(got, ref):
-        assert g["loss"] == pytest.approx(r["loss"], rel=1e-10, abs=0), f"training loss at step {g['step']}"
-        if "val_loss" in r:
-            assert g["val_loss"] == pytest.approx(r["val_loss"], rel=1e-10, abs=0), f"val_loss at step {g['step']}"
         # every slot of the global batch counted once, none dropped: 2 layers x 12 x 32 tokens x top-2
         assert (g["moe_dropped"], g["moe_routed"]) == (r["moe_dropped"], r["moe_routed"]) == (0, 2 * 12 * 32 * 2)
 
@@ -84,10 +65,10 @@ def test_clipping_and_activation_checkpointing_under_ep_equal_one_process(tmp_pa
     """--grad-clip takes the whole model's norm (an expert lives on dp x cp / ep ranks: its squares count ep
     times); --activation-checkpointing re-runs the blocks' all-to-alls in backward, on every rank alike."""
     kw = dict(model="llama-moe-tiny", grad_clip=0.5, steps=3, log_every=1)
-    ref = _rows(trainer_config(tmp_path / "one", strategy="single", nproc=1, **kw))
-    got = _rows(trainer_config(tmp_path / "ep", ep=2, nproc=4, activation_checkpointing=True, **kw))
+    ref = train_rows(trainer_config(tmp_path / "one", strategy="single", nproc=1, **kw))
+    got = train_rows(trainer_config(tmp_path / "ep", ep=2, nproc=4, activation_checkpointing=True, **kw))
     assert [g["loss"] for g in got] == pytest.approx([r["loss"] for r in ref], rel=1e-10, abs=0)
-    unclipped = _rows(trainer_config(tmp_path / "free", strategy="single", nproc=1, **dict(kw, grad_clip=0.0)))
+    unclipped = train_rows(trainer_config(tmp_path / "free", strategy="single", nproc=1, **dict(kw, grad_clip=0.0)))
     assert abs(unclipped[-1]["loss"] - ref[-1]["loss"]) > 1e-4  # the clip acted
 
 

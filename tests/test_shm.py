@@ -6,7 +6,6 @@ peer that never comes, a full /dev/shm, leftovers of a crashed run)."""
 from __future__ import annotations
 
 import errno
-import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -21,6 +20,8 @@ from distrain.comm.shm import transport as shm
 from distrain.comm.shm import segment as shm_segment
 from distrain.comm.core.ops import SUPPORTED_DTYPES
 from distrain.errors import CommError, ConfigError
+
+from conftest import init_raw_rank, raw_ranks, shm_files_of
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory transport needs x86-64 and /dev/shm")
 
@@ -540,13 +541,8 @@ def test_wait_honours_the_timeout_and_names_the_peer(kernels):
         or msg.startswith("all_reduce(transport=shm) on rank 0: timed out after 1.5s waiting for rank(s) [1]"), msg
 
 
-def _victim_run(rank: int, port: int, out_dir: str, kernels: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="3",
-                      DISTRAIN_TRANSPORT="shm", DISTRAIN_SHM_KERNELS=kernels, TORCHELASTIC_USE_AGENT_STORE="True")
-    torch.set_num_threads(1)
-    from distrain import runtime
-
-    runtime.init("gloo", timeout=60)
+def _victim_run(rank: int, port: int, world: int, out_dir: str, kernels: str) -> None:
+    init_raw_rank(rank, port, world, kernels)
     t = torch.ones(1 << 20)
     for _ in range(3):
         comm.all_reduce(t)
@@ -566,27 +562,14 @@ def _victim_run(rank: int, port: int, out_dir: str, kernels: str) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_killed_peer_is_named_and_leaves_no_files(tmp_path, kernels):
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
-    port = store.port
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_victim_run, args=(r, port, str(tmp_path), kernels)) for r in range(3)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(90)
+    procs = raw_ranks(_victim_run, 3, tmp_path, kernels)
     assert procs[2].exitcode == -signal.SIGKILL
     for r in (0, 1):
         msg = (tmp_path / f"rank{r}").read_text()
         assert msg.startswith(f"all_reduce(transport=shm) on rank {r}: rank 2 (pid {procs[2].pid}) died") or \
             msg.startswith(f"all_reduce(transport=shm) on rank {r}: rank "), msg
         assert "rank 2" in msg or "failed during this collective" in msg, msg
-    pids = {str(p.pid) for p in procs}
-    left = [n for n in os.listdir(shm_segment.SHM_DIR) if n.startswith("distrain-") and n.split("-")[1] in pids]
-    assert left == []
+    assert shm_files_of(procs) == []
 
 
 def test_full_dev_shm_says_how_much_and_how_to_fall_back(monkeypatch):

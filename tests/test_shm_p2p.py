@@ -7,7 +7,6 @@ and interleaved tags, two threads of a rank sharing the channels, and a peer tha
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -19,9 +18,10 @@ import torch
 import distrain
 from distrain import comm
 from distrain.comm.shm import compiled
-from distrain.comm.shm import segment as shm_segment
 from distrain.comm.shm import transport as shm
 from distrain.errors import CommError
+
+from conftest import init_raw_rank, raw_ranks, shm_files_of
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory transport needs x86-64 and /dev/shm")
 
@@ -195,13 +195,8 @@ def test_a_blocked_receive_hands_the_channels_to_another_thread(kernels):
     assert distrain.spawn(_two_threads, 2, args=(kernels,), timeout=60) == [[6.0], [3.0]]
 
 
-def _dies_mid_message(rank: int, port: int, out_dir: str, kernels: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      DISTRAIN_TRANSPORT="shm", DISTRAIN_SHM_KERNELS=kernels, TORCHELASTIC_USE_AGENT_STORE="True")
-    torch.set_num_threads(1)
-    from distrain import runtime
-
-    runtime.init("gloo", timeout=60)
+def _dies_mid_message(rank: int, port: int, world: int, out_dir: str, kernels: str) -> None:
+    init_raw_rank(rank, port, world, kernels)
     comm.barrier()  # both segments mapped by the peer, so unlinked: a SIGKILL then leaves no file (segment.py)
     n = 3 * RING // 4
     if rank == 1:
@@ -221,23 +216,12 @@ def _dies_mid_message(rank: int, port: int, out_dir: str, kernels: str) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_a_peer_dying_mid_message_is_a_peer_lost_error(tmp_path, kernels):
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_dies_mid_message, args=(r, store.port, str(tmp_path), kernels)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(90)
+    procs = raw_ranks(_dies_mid_message, 2, tmp_path, kernels)
     assert procs[1].exitcode == -signal.SIGKILL
     msg = (tmp_path / "rank0").read_text()
     assert msg == (f"PeerLostError: irecv on rank 0 from rank 1 (tag 7) on rank 0: rank 1 (pid {procs[1].pid}) "
                    f"died while this rank waited for it (shared-memory transport)"), msg
-    pids = {str(p.pid) for p in procs}
-    assert [n for n in os.listdir(shm_segment.SHM_DIR) if n.startswith("distrain-") and n.split("-")[1] in pids] == []
+    assert shm_files_of(procs) == []
 
 
 @NEEDS_EXT
