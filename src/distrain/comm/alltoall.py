@@ -2,6 +2,7 @@
 
     all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None)
     all_to_all(output_tensor_list, input_tensor_list)
+    exchange(pieces, shapes, ranks, rank, group, tag, label)   (direct, on point-to-point: below)
 
 Split sizes count rows of dim 0 (None = equal blocks), as in torch.distributed. ``native``
 is Gloo's alltoall. Ours (star, ring, tree) is composed from that algorithm's own pieces,
@@ -136,3 +137,27 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
         return None
     from distrain.comm.forms import _chain
     return _chain(h, copy_out, list(output_tensor_list), name)
+
+
+def exchange(pieces: list[torch.Tensor], shapes: list, ranks: list[int], rank: int, group=None, tag: int = 0,
+             label: str | None = None) -> list[torch.Tensor]:
+    """A direct all-to-all on point-to-point messages: ``pieces[p]`` goes to global rank ``ranks[p]``, and
+    what that rank sends here arrives in a new tensor of ``shapes[p]`` (``pieces``' dtype); returns them in
+    group-rank order, this rank's own piece (index ``rank``) as it is. Each pair exchanges only its own
+    blocks (no padding, no relay through rank 0, unlike ``all_to_all_single``'s composed algorithms), and
+    empty blocks are not sent: both sides know every size. Every rank posts its receives, then its sends,
+    then waits; the ledger counts the messages under ``label``. Collective over ``ranks``."""
+    from distrain.comm.core.p2p import irecv, isend
+
+    got, works = list(pieces), []
+    for p, shape in enumerate(shapes):
+        if p != rank:
+            got[p] = pieces[rank].new_empty(shape)
+            if got[p].numel():
+                works.append(irecv(got[p], ranks[p], group, tag, label=label))
+    for p, piece in enumerate(pieces):
+        if p != rank and piece.numel():
+            works.append(isend(piece.contiguous(), ranks[p], group, tag, label=label))
+    for w in works:
+        w.wait()
+    return got

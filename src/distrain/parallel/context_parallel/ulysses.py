@@ -14,7 +14,7 @@ So N must divide the heads this rank attends with: h and g (the key/value heads)
 rank p takes query heads [p*h/N, (p+1)*h/N) and key/value heads [p*g/N, (p+1)*g/N), which are
 exactly the ones those queries use (query head i reads kv head i // (h/g)).
 
-Each all-to-all is written on distrain.comm's ``isend``/``irecv``, one message to every other rank
+Each all-to-all is ``distrain.comm.exchange`` (``isend``/``irecv``), one message to every other rank
 of the cp group (a direct exchange, as a pairwise all-to-all does): a rank sends (N-1)/N of its
 tensor and receives as much. Four all-to-alls forward (q, k, v, out) and four backward (their
 gradients), per attention call: :func:`ulysses_bytes`. Label ``"cp-all-to-all"`` in the ledger.
@@ -37,19 +37,9 @@ TAG = tags.CONTEXT_PARALLEL.at(3)
 
 
 def _exchange(pieces: list[torch.Tensor], cp) -> list[torch.Tensor]:
-    """pieces[p] goes to rank p of the cp group; returns what every rank p sent here (this
-    rank's own piece stays). Every rank posts its receives, then its sends, then waits."""
-    got, works = list(pieces), []
-    for p in range(cp.size):
-        if p != cp.rank:
-            got[p] = torch.empty_like(pieces[p])
-            works.append(comm.irecv(got[p], cp.ranks[p], cp.group, TAG, label=LABEL))
-    for p in range(cp.size):
-        if p != cp.rank:
-            works.append(comm.isend(pieces[p], cp.ranks[p], cp.group, TAG, label=LABEL))
-    for w in works:
-        w.wait()
-    return got
+    """pieces[p] goes to rank p of the cp group; returns what every rank p sent here, each the shape of
+    the piece sent to it (this rank's own piece stays)."""
+    return comm.exchange(pieces, [t.shape for t in pieces], cp.ranks, cp.rank, cp.group, TAG, label=LABEL)
 
 
 def _seq_to_heads(x: torch.Tensor, cp) -> torch.Tensor:

@@ -17,7 +17,7 @@ Backward is the same two all-to-alls mirrored (autograd: :class:`_Exchange`). Wi
 unlimited the result is the one-process layer's exactly (every token meets the same experts with the
 same weights; only the order of sums differs).
 
-Every message goes through distrain.comm's ``isend``/``irecv`` (one to each other rank of the group
+Every message goes through ``distrain.comm.exchange`` (``isend``/``irecv``, one to each other rank of the group
 with a non-empty block: a direct exchange), so the ledger counts them: label ``ep-all-to-all`` for
 the tokens, ``ep-counts`` for the count exchange. :func:`ep_bytes` is the formula from the routing
 matrix, checked byte for byte in tests/test_moe.py.
@@ -45,21 +45,9 @@ TAG, COUNTS_TAG = tags.EXPERT_PARALLEL.at(0), tags.EXPERT_PARALLEL.at(1)
 def _exchange(pieces: list[torch.Tensor], recv_rows: list[int], ep: "ExpertParallel", tag: int,
               label: str) -> list[torch.Tensor]:
     """pieces[p] (rows, ...) goes to rank p of the group; returns what each rank p sent here
-    (recv_rows[p] rows each; this rank's own piece stays). Empty blocks are not sent: both sides
-    know the sizes. Every rank posts its receives, then its sends, then waits."""
-    got, works = list(pieces), []
+    (recv_rows[p] rows each; this rank's own piece stays; empty blocks are not sent)."""
     tail = pieces[ep.rank].shape[1:]
-    for p in range(ep.size):
-        if p != ep.rank:
-            got[p] = pieces[p].new_empty((recv_rows[p], *tail))
-            if recv_rows[p]:
-                works.append(comm.irecv(got[p], ep.ranks[p], ep.group, tag, label=label))
-    for p in range(ep.size):
-        if p != ep.rank and pieces[p].shape[0]:
-            works.append(comm.isend(pieces[p].contiguous(), ep.ranks[p], ep.group, tag, label=label))
-    for w in works:
-        w.wait()
-    return got
+    return comm.exchange(pieces, [(r, *tail) for r in recv_rows], ep.ranks, ep.rank, ep.group, tag, label=label)
 
 
 def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], ep: "ExpertParallel") -> torch.Tensor:
