@@ -610,11 +610,16 @@ def test_symmetric_memory_falls_back_on_every_rank_when_one_cannot_allocate():
         assert not symmetric and right, rank
         assert len(seen) == 1 and seen[0].startswith(f"symmetric_empty: ordinary memory on rank {rank} (group of 2 "
                                                      f"ranks): "), seen
-        assert "rank 1: shared-memory transport: cannot allocate 4096 bytes in /dev/shm (No space left on device" \
+        # 4096 bytes of data and the page holding the allocation's token (symmetric.py)
+        assert "rank 1: shared-memory transport: cannot allocate 8192 bytes in /dev/shm (No space left on device" \
             in seen[0], seen
 
 
 def test_stale_segments_of_dead_processes_are_swept():
+    """A segment whose creator is gone (nobody holds its lock) is swept; one whose creator holds the
+    lock stays, even with a pid of ours in its name (liveness is the lock: tests/test_shm_trust.py)."""
+    import fcntl
+
     dead = subprocess.Popen(["true"])
     dead.wait()
     stale = os.path.join(shm_segment.SHM_DIR, f"distrain-{dead.pid}-deadbeef-g0-r0")
@@ -623,11 +628,14 @@ def test_stale_segments_of_dead_processes_are_swept():
     mine = os.path.join(shm_segment.SHM_DIR, f"distrain-{os.getpid()}-cafecafe-g0-r0")
     with open(mine, "wb") as f:
         f.write(b"x")
+    held = os.open(mine, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_SH)
     try:
         removed = shm_segment.sweep_stale()
         assert os.path.basename(stale) in removed and not os.path.exists(stale)
         assert os.path.exists(mine)  # a live process's segment stays
     finally:
+        os.close(held)
         os.unlink(mine)
 
 

@@ -1,6 +1,7 @@
 """The shared-memory transport between the ranks of one host (as NCCL's and MPI's shm paths).
 
-    segment.py      one rank's /dev/shm segment: control lines, slots, byte rings, wake-up pipe
+    files.py        the /dev/shm files: name pattern, safe creation and opening, owner locks, sweep
+    segment.py      one rank's /dev/shm segment: control lines, slots, byte rings, wake-up pipe, record
     transport.py    ShmTransport: segments per group, adaptive waits, abort, dead-peer checks
     host.py         which host a rank is on; whether this host can use the transport
     symmetric.py    symmetric memory: buffers every rank allocates alike and every peer maps
@@ -14,8 +15,10 @@ host leaders) instead of importing one.
 """
 
 from distrain.comm.core import transport as _core_transport
+from distrain.comm.shm.segment import PeerCorruptError, SegmentRefusedError
 from distrain.comm.shm.transport import ShmTransport, host_id, set_host_id, supported, unsupported
 
 _core_transport.register_shm(unsupported, ShmTransport)
 
-__all__ = ["ShmTransport", "host_id", "set_host_id", "supported", "unsupported"]
+__all__ = ["PeerCorruptError", "SegmentRefusedError", "ShmTransport", "host_id", "set_host_id", "supported",
+           "unsupported"]

@@ -24,6 +24,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/file.h>
 #include <pthread.h>
 #include <time.h>
 #include <unistd.h>
@@ -51,7 +52,11 @@ namespace dataplane {
 constexpr int I64_PER_LINE = 8;  // 64-byte control lines of int64
 enum Line : int { ARRIVE = 0, DONE = 1, ABORT = 2, PID = 3, RESULT = 4, SLEEPING = 5, CONSUMED = 6, SYMMETRIC = 7 };
 // What an entry point returns; Python turns each into its typed exception (compiled.py).
-enum Status : int { OK = 0, UNSUPPORTED = 1, PEER_ABORTED = 2, PEER_DIED = 3, TIMED_OUT = 4, MISMATCH = 5 };
+// CORRUPT: a peer wrote words into shared memory that break the protocol (p2p: a ring's head or tail, a
+// message's byte count); the Python reference raises the same segment.PeerCorruptError for them.
+enum Status : int {
+  OK = 0, UNSUPPORTED = 1, PEER_ABORTED = 2, PEER_DIED = 3, TIMED_OUT = 4, MISMATCH = 5, CORRUPT = 6
+};
 // Reduction codes (compiled.py maps op names to them). AVG = SUM, then a division by P.
 enum Op : int { SUM = 0, PROD = 1, MIN = 2, MAX = 3, BAND = 4, BOR = 5, BXOR = 6, AVG = 7 };
 
@@ -80,21 +85,15 @@ inline void cpu_relax() {
 #endif
 }
 
-// True if process `pid` exists and is not a zombie (segment.pid_alive).
-bool pid_alive(int64_t pid) {
-  char path[64];
-  snprintf(path, sizeof path, "/proc/%lld/stat", (long long)pid);
-  int fd = open(path, O_RDONLY);
-  if (fd < 0) return errno != ENOENT && errno != ESRCH;
-  char buf[512];
-  ssize_t n = read(fd, buf, sizeof buf - 1);
-  close(fd);
-  if (n <= 0) return true;
-  buf[n] = 0;
-  const char* paren = strrchr(buf, ')');
-  if (!paren || !paren[1] || !paren[2]) return true;
-  char state = paren[2];
-  return state != 'Z' && state != 'X';
+// False once the owner of a peer's segment no longer holds its lock (segment.Segment.owner_alive):
+// `fd` is this rank's own descriptor of that segment; taking the lock exclusively succeeds only
+// when no one holds it (the kernel drops a dead process's locks, whatever its PID namespace). Any
+// other failure cannot tell, and reads as alive (the deadline still ends the wait).
+bool owner_alive(int fd) {
+  if (fd < 0) return true;
+  if (flock(fd, LOCK_EX | LOCK_NB) != 0) return true;
+  flock(fd, LOCK_UN);
+  return false;
 }
 
 // Empty this rank's wake-up pipe (segment.Segment.drain).
@@ -332,11 +331,11 @@ struct Symmetric {
 class Plane {
  public:
   Plane(int rank, int size, int slots, int64_t slot_bytes, std::vector<int64_t> ctrl, std::vector<int64_t> coll,
-        std::vector<int64_t> wake_fds, std::vector<int64_t> pids, double timeout, int64_t main_thread)
+        std::vector<int64_t> wake_fds, std::vector<int64_t> lock_fds, double timeout, int64_t main_thread)
       : rank_(rank), size_(size), slots_(slots), slot_bytes_(slot_bytes), timeout_(timeout),
-        main_thread_(static_cast<pthread_t>(main_thread)), pids_(pids) {
+        main_thread_(static_cast<pthread_t>(main_thread)), lock_fds_(lock_fds) {
     TORCH_CHECK(int(ctrl.size()) == size && int(coll.size()) == size && int(wake_fds.size()) == size &&
-                int(pids.size()) == size, "dataplane.Plane: one address, descriptor and pid per rank");
+                int(lock_fds.size()) == size, "dataplane.Plane: one address and two descriptors per rank");
     for (int q = 0; q < size; ++q) {
       ctrl_.push_back(reinterpret_cast<int64_t*>(ctrl[q]));
       coll_.push_back(reinterpret_cast<char*>(coll[q]));
@@ -517,7 +516,7 @@ class Plane {
   std::vector<int64_t*> ctrl_;
   std::vector<char*> coll_;
   std::vector<int> wake_;
-  std::vector<int64_t> pids_;
+  std::vector<int64_t> lock_fds_;  // this rank's descriptor of each peer's segment (owner_alive)
   std::vector<Symmetric> sym_;
   std::vector<char> scratch_;
 
@@ -579,7 +578,7 @@ class Plane {
     for (int q = 0; q < size_; ++q) {
       if (q == rank_) continue;
       if (get(q, ABORT)) { err_peer = q; return PEER_ABORTED; }
-      if (!pid_alive(pids_[q])) { err_peer = q; return PEER_DIED; }
+      if (!owner_alive(int(lock_fds_[q]))) { err_peer = q; return PEER_DIED; }
     }
     if (waited > timeout_) { err_peer = -1; return TIMED_OUT; }
     return OK;
@@ -844,6 +843,14 @@ class Plane {
 // handle stay in Python: p2p.Channels calls push/header/pull as the inner loops of its progress
 // engine, and send/recv for a blocking transfer when nothing else is pending (see there).
 //
+// Words read from shared memory are data: a peer maps the whole segment and may write anything
+// into it. Each head and tail is loaded once, checked (segment.words_ok: multiples of 16, 0 <= tail <=
+// head < 2^62, head - tail <= the ring) and only then used as an offset; a header's byte count must
+// lie in [0, this host's memory]. A failed check ends the call with BAD_WORDS (push, pull, header)
+// or CORRUPT (send, recv) and the words in err_*; Python raises segment.ring_error's PeerCorruptError,
+// as its own engine does for the same words. A wait's predicate reads invalid words as "ready", so
+// the step after it reports them instead of waiting for the deadline.
+//
 // Why send and recv cannot deadlock: they run only when the Python engine has nothing to do but
 // this one transfer (p2p.Channels._fast checks that), and they *wait* only while that still holds:
 // no unread bytes in another incoming ring (for a send: in any incoming ring, the peer's own
@@ -857,24 +864,34 @@ class Plane {
 
 constexpr int64_t HEADER = 16;                // p2p.HEADER
 constexpr int64_t GIL_FREE_BYTES = 64 << 10;  // copies at least this large release the GIL
+constexpr int64_t WORD_LIMIT = int64_t(1) << 62;  // segment.WORD_LIMIT: no head reaches it (2^62 bytes sent)
+constexpr int64_t BAD_WORDS = -2;             // push/pull's offset, header's byte count: invalid ring words
+constexpr int64_t INVALID = INT64_MAX;        // space_out/avail_in of invalid words: "ready", the next step tells
 
 inline int64_t pad16(int64_t n) { return (n + HEADER - 1) / HEADER * HEADER; }
 
 class Rings {
  public:
-  Rings(int rank, int size, int64_t ring_bytes, int64_t chan_offset, double timeout, int64_t main_thread)
-      : rank_(rank), size_(size), R_(ring_bytes), chan_(chan_offset), timeout_(timeout),
+  Rings(int rank, int size, int64_t ring_bytes, int64_t chan_offset, double timeout, int64_t main_thread,
+        int64_t max_message)
+      : rank_(rank), size_(size), R_(ring_bytes), chan_(chan_offset), max_message_(max_message), timeout_(timeout),
         main_thread_(static_cast<pthread_t>(main_thread)), peers_(size) {
     TORCH_CHECK(ring_bytes > 0 && ring_bytes % HEADER == 0, "dataplane.Rings: ring size must be a multiple of 16");
+    TORCH_CHECK(max_message >= 0 && max_message < WORD_LIMIT, "dataplane.Rings: max_message out of range");
   }
 
   double spin = SPIN_MAX_S;  // seconds a wait spins before it blocks (adapted as transport.wait does)
   int err_peer = -1;         // after an error: the peer it concerns (-1: none in particular)
+  // after BAD_WORDS / CORRUPT: which ring (to err_peer, in this rank's segment, or from it), the
+  // head and tail read, and whether it was a header's byte count (err_count) that was wrong
+  bool err_out = false, err_header = false;
+  int64_t err_head = 0, err_tail = 0, err_count = 0;
 
-  // Rank q's segment is mapped at `base` (q == rank: this rank's own; before anything else).
-  void add_peer(int q, int64_t base, int64_t wake_fd, int64_t pid) {
+  // Rank q's segment is mapped at `base` (q == rank: this rank's own; before anything else); `lock_fd`:
+  // this rank's descriptor of it (owner_alive; -1 for this rank's own).
+  void add_peer(int q, int64_t base, int64_t wake_fd, int64_t lock_fd) {
     TORCH_CHECK(q >= 0 && q < size_, "dataplane.Rings.add_peer: no rank ", q);
-    peers_[q] = Peer{reinterpret_cast<char*>(base), int(wake_fd), pid};
+    peers_[q] = Peer{reinterpret_cast<char*>(base), int(wake_fd), int(lock_fd)};
     if (q != rank_ && std::find(open_.begin(), open_.end(), q) == open_.end()) open_.push_back(q);
   }
 
@@ -895,7 +912,7 @@ class Rings {
   // -- the inner loops of p2p.Channels._push / _pull ------------------------------------------
 
   // Write what fits of one message to q (`off` -1: its header is not written yet); returns the
-  // new offset into the padded message (p2p._Send.off). Never waits.
+  // new offset into the padded message (p2p._Send.off), or BAD_WORDS. Never waits.
   int64_t push(int q, int64_t tag, const at::Tensor& data, int64_t off) {
     const char* p = bytes_of(data);
     int64_t n = nbytes(data);
@@ -906,17 +923,21 @@ class Rings {
     return push_raw(q, tag, p, n, off);
   }
 
-  // The next header from q, consumed: (tag, nbytes), or None when no message has begun.
+  // The next header from q, consumed: (tag, nbytes); None when no message has begun; (0, BAD_WORDS)
+  // when the ring's words or the byte count are invalid (nothing consumed).
   std::optional<std::pair<int64_t, int64_t>> header(int q) {
-    if (avail_in(q) < HEADER) return std::nullopt;
+    int64_t head = load(in_head(q)), tail = relaxed(in_tail(q));
+    if (!words_ok(head, tail)) return std::make_pair(int64_t(0), bad(q, false, head, tail));
+    if (head - tail < HEADER) return std::nullopt;
     int64_t h[2];
-    read_header(q, h);
-    consume(q, HEADER);
+    read_header(q, tail, h);
+    if (!count_ok(h[1])) return std::make_pair(int64_t(0), bad_count(q, head, tail, h[1]));
+    consume(q, tail + HEADER);
     return std::make_pair(h[0], h[1]);
   }
 
   // Copy what has arrived of the current message from q into `data` from offset `off` of its
-  // padded size `total`; returns the new offset.
+  // padded size `total`; returns the new offset, or BAD_WORDS.
   int64_t pull(int q, const at::Tensor& data, int64_t off, int64_t total) {
     char* p = bytes_of(data);
     int64_t n = nbytes(data);
@@ -936,7 +957,9 @@ class Rings {
     int64_t n = nbytes(data), total = pad16(n);
     pybind11::gil_scoped_release nogil;
     while (true) {
-      off = push_raw(q, tag, p, n, off);
+      int64_t o = push_raw(q, tag, p, n, off);
+      if (o == BAD_WORDS) return {CORRUPT, off};
+      off = o;
       if (off == total) return {OK, off};
       int st = wait([&] { return space_out(q) > 0 || busy(-1); }, q);
       if (st != OK) return {st, off};
@@ -952,15 +975,28 @@ class Rings {
     int64_t n = nbytes(data), total = pad16(n);
     pybind11::gil_scoped_release nogil;
     while (true) {
-      if (off < 0 && avail_in(q) >= HEADER) {
-        int64_t h[2];
-        read_header(q, h);
-        if (h[0] != tag || h[1] != n) return {UNSUPPORTED, -1};
-        consume(q, HEADER);
-        off = 0;
+      if (off < 0) {
+        int64_t head = load(in_head(q)), tail = relaxed(in_tail(q));
+        if (!words_ok(head, tail)) {
+          bad(q, false, head, tail);
+          return {CORRUPT, off};
+        }
+        if (head - tail >= HEADER) {
+          int64_t h[2];
+          read_header(q, tail, h);
+          if (!count_ok(h[1])) {
+            bad_count(q, head, tail, h[1]);
+            return {CORRUPT, off};
+          }
+          if (h[0] != tag || h[1] != n) return {UNSUPPORTED, -1};
+          consume(q, tail + HEADER);
+          off = 0;
+        }
       }
       if (off >= 0) {
-        off = pull_raw(q, p, n, off, total);
+        int64_t o = pull_raw(q, p, n, off, total);
+        if (o == BAD_WORDS) return {CORRUPT, off};
+        off = o;
         if (off == total) return {OK, off};
       }
       int64_t need = off < 0 ? HEADER : 1;
@@ -974,10 +1010,10 @@ class Rings {
   struct Peer {
     char* base = nullptr;  // the mapped segment; its ctrl lines at offset 0
     int wake = -1;         // its wake-up pipe (this rank's own: the read end)
-    int64_t pid = 0;
+    int lock_fd = -1;      // this rank's descriptor of its segment (owner_alive)
   };
   int rank_, size_;
-  int64_t R_, chan_;
+  int64_t R_, chan_, max_message_;
   double timeout_;
   pthread_t main_thread_;
   std::vector<Peer> peers_;
@@ -999,11 +1035,36 @@ class Rings {
   int64_t* in_tail(int q) const { return ctrl(q, 9 + 2 * rank_); }
   char* in_ring(int q) const { return peers_[q].base + chan_ + rank_ * R_; }
 
+  // Every word of shared memory is read exactly once per use (an atomic load: the compiler may not
+  // read it again between the check and the use); relaxed for this rank's own words (a plain mov).
   static int64_t load(const int64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+  static int64_t relaxed(const int64_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
   static void store(int64_t* p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 
-  int64_t space_out(int q) const { return R_ - (*out_head(q) - load(out_tail(q))); }
-  int64_t avail_in(int q) const { return load(in_head(q)) - *in_tail(q); }
+  // segment.words_ok: a head and tail that index the ring safely (a few compares per call).
+  bool words_ok(int64_t head, int64_t tail) const {
+    return ((head | tail) & (HEADER - 1)) == 0 && tail >= 0 && tail <= head && head < WORD_LIMIT && head - tail <= R_;
+  }
+  bool count_ok(int64_t n) const { return n >= 0 && n <= max_message_; }
+
+  int64_t bad(int q, bool out, int64_t head, int64_t tail) {
+    err_peer = q, err_out = out, err_head = head, err_tail = tail, err_header = false, err_count = 0;
+    return BAD_WORDS;
+  }
+  int64_t bad_count(int q, int64_t head, int64_t tail, int64_t n) {
+    bad(q, false, head, tail);
+    err_header = true, err_count = n;
+    return BAD_WORDS;
+  }
+
+  int64_t space_out(int q) const {
+    int64_t head = relaxed(out_head(q)), tail = load(out_tail(q));
+    return words_ok(head, tail) ? R_ - (head - tail) : INVALID;
+  }
+  int64_t avail_in(int q) const {
+    int64_t head = load(in_head(q)), tail = relaxed(in_tail(q));
+    return words_ok(head, tail) ? head - tail : INVALID;
+  }
 
   // Whether anything but the transfer with `except` needs this rank (see the section comment).
   bool busy(int except) const {
@@ -1013,10 +1074,11 @@ class Rings {
     return false;
   }
 
-  void read_header(int q, int64_t* h) const { memcpy(h, in_ring(q) + *in_tail(q) % R_, HEADER); }
+  // `tail`: checked by words_ok, so the header lies inside the ring (16 | tail, 16 | R)
+  void read_header(int q, int64_t tail, int64_t* h) const { memcpy(h, in_ring(q) + tail % R_, HEADER); }
 
-  void consume(int q, int64_t k) {
-    store(in_tail(q), *in_tail(q) + k);  // after the bytes are copied out: the sender may reuse them
+  void consume(int q, int64_t tail) {
+    store(in_tail(q), tail);  // after the bytes are copied out: the sender may reuse them
     wake(q);
   }
 
@@ -1031,7 +1093,9 @@ class Rings {
   }
 
   int64_t push_raw(int q, int64_t tag, const char* p, int64_t n, int64_t off) {
-    int64_t head = *out_head(q), space = R_ - (head - load(out_tail(q))), total = pad16(n);
+    int64_t head = relaxed(out_head(q)), tail = load(out_tail(q));
+    if (!words_ok(head, tail)) return bad(q, true, head, tail);
+    int64_t space = R_ - (head - tail), total = pad16(n);
     char* ring = out_ring(q);
     bool moved = false;
     if (off < 0) {
@@ -1055,10 +1119,11 @@ class Rings {
   }
 
   int64_t pull_raw(int q, char* p, int64_t n, int64_t off, int64_t total) {
-    int64_t tail = *in_tail(q), avail = load(in_head(q)) - tail;
+    int64_t tail = relaxed(in_tail(q)), head = load(in_head(q));
+    if (!words_ok(head, tail)) return bad(q, false, head, tail);
+    int64_t avail = head - tail;
     if (avail <= 0 || off >= total) return off;
     const char* ring = in_ring(q);
-    int64_t start = tail;
     while (off < total && avail > 0) {
       int64_t pos = tail % R_;
       int64_t k = std::min({total - off, avail, R_ - pos});
@@ -1066,7 +1131,7 @@ class Rings {
       if (real > 0) memcpy(p + off, ring + pos, real);
       off += k, tail += k, avail -= k;
     }
-    consume(q, tail - start);
+    consume(q, tail);
     return off;
   }
 
@@ -1078,7 +1143,7 @@ class Rings {
   // transport._check_peers for a point-to-point wait: only its peer counts.
   int check(int q, double waited) {
     if (load(ctrl(q, ABORT))) { err_peer = q; return PEER_ABORTED; }
-    if (!pid_alive(peers_[q].pid)) { err_peer = q; return PEER_DIED; }
+    if (!owner_alive(peers_[q].lock_fd)) { err_peer = q; return PEER_DIED; }
     if (waited > timeout_) { err_peer = q; return TIMED_OUT; }
     return OK;
   }
@@ -1145,9 +1210,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("reduce_scatter_list", &Plane::reduce_scatter_list)
       .def("sleepers", &Plane::sleepers);
   pybind11::class_<Rings>(m, "Rings")
-      .def(pybind11::init<int, int, int64_t, int64_t, double, int64_t>())
+      .def(pybind11::init<int, int, int64_t, int64_t, double, int64_t, int64_t>())
       .def_readwrite("spin", &Rings::spin)
       .def_readonly("err_peer", &Rings::err_peer)
+      .def_readonly("err_out", &Rings::err_out)
+      .def_readonly("err_header", &Rings::err_header)
+      .def_readonly("err_head", &Rings::err_head)
+      .def_readonly("err_tail", &Rings::err_tail)
+      .def_readonly("err_count", &Rings::err_count)
       .def("add_peer", &Rings::add_peer)
       .def("sleepers", &Rings::sleepers)
       .def("want", &Rings::want)
@@ -1164,4 +1234,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("PEER_DIED") = int(PEER_DIED);
   m.attr("TIMED_OUT") = int(TIMED_OUT);
   m.attr("MISMATCH") = int(MISMATCH);
+  m.attr("CORRUPT") = int(CORRUPT);
+  m.attr("BAD_WORDS") = BAD_WORDS;
+  m.attr("WORD_LIMIT") = WORD_LIMIT;
 }

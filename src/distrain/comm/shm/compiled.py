@@ -35,6 +35,7 @@ from distrain.comm.core import ledger as _ledger
 from distrain.comm.core import watchdog
 from distrain.comm.core.ops import Op
 from distrain.comm.shm import collectives
+from distrain.comm.shm.segment import MAX_MESSAGE, ring_error
 from distrain.errors import ConfigError
 
 try:
@@ -53,7 +54,8 @@ READS_INPUT_ONLY = True  # as collectives.py: reduce_scatter reads its input in 
 # after the sum), so its calls pass sum for avg (OP_CODES); the fast path lets the C++ divide.
 CODES = {"sum": 0, "prod": 1, "min": 2, "max": 3, "band": 4, "bor": 5, "bxor": 6, "avg": 7}
 OP_CODES = {**CODES, "avg": CODES["sum"]}
-OK, UNSUPPORTED, PEER_ABORTED, PEER_DIED, TIMED_OUT, MISMATCH = range(6)
+OK, UNSUPPORTED, PEER_ABORTED, PEER_DIED, TIMED_OUT, MISMATCH, CORRUPT = range(7)  # _dataplane.cpp's Status
+BAD_WORDS = -2  # Rings.push/pull's offset, Rings.header's byte count: the ring's words are invalid (err_*)
 
 
 def set_kernels(name: str) -> None:
@@ -85,12 +87,18 @@ def make_plane(sh):
     lay = sh.layout
     base = [s.bytes.data_ptr() for s in segs]
     plane = ext.Plane(sh.rank, sh.size, lay.slots, lay.slot_bytes, base, [b + lay.coll_offset for b in base],
-                      [s.wake_fd for s in segs], [sh.pids[q] for q in range(sh.size)], float(sh.timeout),
+                      [s.wake_fd for s in segs], [_lock_fd(s) for s in segs], float(sh.timeout),
                       threading.main_thread().ident)
     plane.step, plane.spin = sh.step, sh.spin
     for a in (sh.heap.allocs if sh.heap is not None else ()):
         add_symmetric(plane, sh, a)
     return plane
+
+
+def _lock_fd(seg) -> int:
+    """The descriptor the extension tests a segment's owner through (segment.Segment.owner_alive):
+    a peer's; -1 for this rank's own (never tested: its lock is this rank's)."""
+    return -1 if seg.owner or seg.fd is None else seg.fd
 
 
 def add_symmetric(plane, sh, alloc) -> None:
@@ -287,9 +295,10 @@ def unregister(sh) -> None:
 
 def make_rings(sh):
     """The extension's Rings for transport ``sh``'s point-to-point channels, this rank's own segment
-    known (peers are added as they are opened: a pair never waits for ranks it does not talk to)."""
+    known (peers are added as they are opened: a pair never waits for ranks it does not talk to);
+    a message header announcing more than segment.MAX_MESSAGE bytes is refused, as in Python."""
     rings = ext.Rings(sh.rank, sh.size, sh.layout.ring_bytes, sh.layout.chan_offset, float(sh.timeout),
-                      threading.main_thread().ident)
+                      threading.main_thread().ident, MAX_MESSAGE)
     add_peer(rings, sh, sh.rank)
     # The SLEEPING line counts this rank's blocked threads, C++ waits and Python waits alike: the
     # transport's Python count (a plain store until a Plane exists) would overwrite the extension's
@@ -300,10 +309,20 @@ def make_rings(sh):
 
 def add_peer(rings, sh, q: int) -> None:
     s = sh.peers[q]
-    rings.add_peer(q, s.bytes.data_ptr(), s.wake_fd, sh.pids[q])
+    rings.add_peer(q, s.bytes.data_ptr(), s.wake_fd, _lock_fd(s))
+
+
+def checked(sh, rings, value: int) -> int:
+    """``value`` (an offset or byte count from ``rings``), or, for BAD_WORDS, the PeerCorruptError of
+    the words the Rings found invalid (segment.ring_error: what the Python engine raises for them)."""
+    if value == BAD_WORDS:
+        raise ring_error(sh, rings.err_peer, rings.err_out, rings.err_head, rings.err_tail,
+                         rings.err_count if rings.err_header else None)
+    return value
 
 
 def p2p_error(sh, rc: int, q: int, what: str) -> Exception:
-    """The typed error of a failed blocking send/recv of the Rings (what transport.wait raises)."""
+    """The typed error of a failed blocking send/recv of the Rings (what transport.wait raises);
+    CORRUPT is :func:`checked`'s."""
     kind = {PEER_ABORTED: "aborted", PEER_DIED: "died", TIMED_OUT: "timeout"}[rc]
     return sh.lost(kind, None if kind == "timeout" else q, what, [q])

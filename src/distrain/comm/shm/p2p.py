@@ -15,6 +15,10 @@ progress for all channels of the group (both directions), so two ranks sending t
 other before receiving cannot deadlock. Visibility: data is written before the head that
 covers it, read after the head that covers it (see transport.py).
 
+Words a peer can write are data: heads and tails are checked (segment.words_ok) before they index
+a ring, a header's byte count (at most this host's memory) before anything is allocated for it; both
+kernels raise segment.ring_error's PeerCorruptError for the same words.
+
 Compiled kernels (compiled.kernels() == "compiled"): the same protocol, byte for byte, with the
 copies and head/tail accesses done by the extension's Rings (_dataplane.cpp), so a compiled rank
 and a Python rank can talk to each other. Three things change, never the semantics:
@@ -43,10 +47,8 @@ from collections import deque
 import torch
 
 from distrain.comm.shm import compiled
+from distrain.comm.shm.segment import HEADER, MAX_MESSAGE, ring_error, words_ok
 from distrain.errors import CommError
-
-HEADER = 16
-
 
 def _pad(n: int) -> int:
     return -(-n // HEADER) * HEADER
@@ -145,7 +147,7 @@ class Channels:
             pending = self.sends.setdefault(q, deque())
             rings = self._rings_for(tensor)
             if rings is not None and not pending and self._knows(q):
-                m.off = rings.push(q, tag, m.data, -1)
+                m.off = compiled.checked(self.sh, rings, rings.push(q, tag, m.data, -1))
                 self.sh.unlink_if_all_opened()
                 if m.off == m.total:
                     w.done = True
@@ -200,7 +202,7 @@ class Channels:
         if rings is not None:
             while pending and self._knows(q):
                 m = pending[0]
-                m.off = rings.push(q, m.tag, m.data, m.off)
+                m.off = compiled.checked(self.sh, rings, rings.push(q, m.tag, m.data, m.off))
                 if m.off != m.total:
                     return
                 pending.popleft()
@@ -208,8 +210,10 @@ class Channels:
             return
         me = self.sh.me
         head_line, tail_line = me.layout.head_line(q), me.layout.tail_line(q)
-        head = me.line(head_line)
-        space = self.R - (head - me.line(tail_line))
+        head, tail = me.line(head_line), me.line(tail_line)
+        if not words_ok(head, tail, self.R):
+            raise ring_error(self.sh, q, True, head, tail)
+        space = self.R - (head - tail)
         ring = me.ring(q)
         moved = False
         while pending and space > 0:
@@ -240,8 +244,10 @@ class Channels:
                 self._pull_compiled(q)
             return
         head_line, tail_line = s.layout.head_line(self.sh.rank), s.layout.tail_line(self.sh.rank)
-        tail = s.line(tail_line)
-        avail = s.line(head_line) - tail
+        head, tail = s.line(head_line), s.line(tail_line)
+        if not words_ok(head, tail, self.R):
+            raise ring_error(self.sh, q, False, head, tail)
+        avail = head - tail
         if avail <= 0:
             return
         ring = s.ring(self.sh.rank)
@@ -250,6 +256,8 @@ class Channels:
             if cur is None:
                 pos = tail % self.R
                 tag, n = ring[pos:pos + HEADER].view(torch.int64).tolist()
+                if not 0 <= n <= MAX_MESSAGE:
+                    raise ring_error(self.sh, q, False, head, tail, n)
                 tail, avail = tail + HEADER, avail - HEADER
                 cur = (self._match(q, tag, n), 0, _pad(n))
                 if n == 0:
@@ -280,13 +288,14 @@ class Channels:
                 if h is None:
                     return
                 tag, n = h
+                compiled.checked(self.sh, rings, n)
                 m = self._match(q, tag, n)
                 if n == 0:
                     self._complete(m)
                     continue
                 cur = (m, 0, _pad(n))
             m, off, total = cur
-            off = rings.pull(q, m.data, off, total)
+            off = compiled.checked(self.sh, rings, rings.pull(q, m.data, off, total))
             if off == total:
                 self.current.pop(q, None)
                 self._complete(m)
@@ -372,6 +381,8 @@ class Channels:
                     w.done = True
                     self.fast_received += 1
             sh.unlink_if_all_opened()  # as progress() does: the peer that sent has mapped this rank's segment
+            if rc == compiled.CORRUPT:
+                compiled.checked(sh, rings, compiled.BAD_WORDS)
             if rc not in (compiled.OK, compiled.UNSUPPORTED):
                 raise compiled.p2p_error(sh, rc, rings.err_peer, w.desc)
 

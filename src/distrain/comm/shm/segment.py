@@ -1,10 +1,16 @@
-"""Shared-memory segments in /dev/shm: creation, lookup through the store, and cleanup.
+"""Shared-memory segments in /dev/shm: the layout of one, creating it, and opening a peer's.
 
 Each rank of a shared-memory group creates ONE segment (a file in /dev/shm, mapped with
-mmap) and publishes its name and size in the process group's store; peers open it by
-that name when they first need it. Names are unique per run and carry the creator's pid:
+mmap) and publishes a record of it in the process group's store; peers open it by that record
+when they first need it. The record is ``<name> <size> <host> <pid> <token>``: the token is 16
+random bytes the owner also wrote into the segment (:class:`Layout`'s token line). A peer parses
+the record strictly (:func:`parse_record`) and opens the file only as files.py allows (its name
+fits the pattern for that rank, no link followed, fstat: a regular file of our uid, mode 0600,
+the size this rank's own layout implies, then the token): a forged record or a planted file is
+refused with a SegmentRefusedError, and left untouched. Names are unique per run and carry the
+creator's pid (for people and tools only; nothing judges liveness by it):
 
-    /dev/shm/distrain-<pid>-<random 8 hex>-g<group>-r<rank>
+    /dev/shm/distrain-<pid>-<random 8 hex>-g<group tag>-r<rank>
 
 Cleanup, so that no run leaves files behind and no run trips over an older one's:
 
@@ -13,10 +19,12 @@ Cleanup, so that no run leaves files behind and no run trips over an older one's
   each peer sets its own "opened" line in the segment), so once every pair has talked
   nothing is left on disk even if ranks are later killed with SIGKILL: the kernel frees
   the memory when the last mapping goes;
-* until then, the creator unlinks it on group destroy and at process exit (atexit), and a
-  survivor unlinks the files of peers whose process is dead when it exits;
-* creating a segment first sweeps /dev/shm for distrain files whose creator process no
-  longer exists on this host (left by a run killed during setup).
+* until then, the creator unlinks it on group destroy and at process exit (atexit);
+* creating a file first sweeps /dev/shm for our files whose creator no longer holds its lock
+  (files.sweep_stale: left by a run killed during setup; a survivor's exit sweeps too).
+
+Liveness of a segment's owner is its lock (files.OwnerLock): a peer that can take it is told its
+owner died (:meth:`Segment.owner_alive`, and the extension's waits with the same descriptor).
 
 Layout of a segment (offsets in bytes, every region 64-byte aligned, one writer per line)
 is described in :class:`Layout`. Beside each segment a FIFO (``<name>.wake``) lets a rank
@@ -26,27 +34,57 @@ that has waited too long to keep polling block in the kernel until a peer writes
 
 from __future__ import annotations
 
-import atexit
+import fcntl
 import mmap
-import multiprocessing.util
 import os
 import re
 import secrets
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from distrain.errors import CommError
+from distrain.comm.shm import files
+# SHM_DIR, new_name, sweep_stale, SegmentRefusedError: this module's API as before files.py took them over
+from distrain.comm.shm.files import SHM_DIR, TOKEN_BYTES, SegmentRefusedError, new_name, sweep_stale  # noqa: F401
+from distrain.errors import PeerLostError
 
-SHM_DIR = "/dev/shm"
-PREFIX = "distrain-"
 LINE = 64  # bytes per cache line: every flag sits alone on its line (no false sharing)
 _I64_PER_LINE = LINE // 8
 # ctrl lines of a segment (see Layout): which line each flag lives on
 ARRIVE, DONE, ABORT, PID, RESULT, SLEEPING, CONSUMED, SYMMETRIC = 0, 1, 2, 3, 4, 5, 6, 7
-_NAME_RE = re.compile(r"^distrain-(\d+)-[0-9a-f]{8}-")
+
+
+class PeerCorruptError(PeerLostError):
+    """A peer wrote a value into shared memory that breaks the protocol (a ring's head or tail, a
+    message header): it is treated as a failed peer, whichever kernels read the value."""
+
+
+HEADER = 16  # bytes of a ring message's header (p2p.py): every head and tail is a multiple of it
+WORD_LIMIT = 1 << 62  # no head reaches it (2^62 bytes sent); keeps head + ring within an int64
+MAX_MESSAGE = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # no message is larger than the host
+
+
+def words_ok(head: int, tail: int, ring_bytes: int) -> bool:
+    """Whether a ring's head and tail, as read from shared memory, index it safely: multiples of 16,
+    0 <= tail <= head < WORD_LIMIT, at most a ring apart (the extension's Rings::words_ok)."""
+    return not (head | tail) & (HEADER - 1) and 0 <= tail <= head < WORD_LIMIT and head - tail <= ring_bytes
+
+
+def ring_error(sh, q: int, outgoing: bool, head: int, tail: int, count: int | None = None) -> PeerCorruptError:
+    """The error for invalid words in the ring between this rank and group rank q of transport ``sh``
+    (``outgoing``: the ring to q, in this rank's segment), or for a header's byte count ``count``;
+    both kernels raise it (p2p.py)."""
+    me, peer = sh.me_global, sh.ranks[q]
+    ring = f"the ring from rank {me} to rank {peer}" if outgoing else f"the ring from rank {peer} to rank {me}"
+    if count is not None:
+        why = (f"a message header in {ring} announces {count} bytes (0 to {MAX_MESSAGE}, this host's memory, "
+               f"expected)")
+    else:
+        why = (f"{ring} has head {head} and tail {tail} (multiples of 16 with 0 <= tail <= head < 2^62 and head - "
+               f"tail <= {sh.layout.ring_bytes} expected)")
+    return PeerCorruptError(f"point-to-point on rank {me}: rank {peer} wrote invalid words into shared memory: {why}; "
+                            f"that rank is treated as failed (shared-memory transport)")
 
 
 @dataclass(frozen=True)
@@ -66,6 +104,7 @@ class Layout:
       8 + 2q:   head of the channel to rank q (bytes written so far by the owner)
       9 + 2q:   tail of that channel (bytes read so far; written by rank q, the reader)
       8 + 2P + q: 1 once rank q has mapped this segment (written by rank q)
+      8 + 3P:   the owner's token (TOKEN_BYTES), written once before the segment is published
     coll: ``slots`` buffers of ``slot_bytes`` for the direct collectives, used round robin
       (step s in slot s % slots): at least double buffering, more for pipelined all_reduce
     chan: ``size`` rings of ``ring_bytes``, ring q carries the owner's messages to rank q
@@ -78,10 +117,14 @@ class Layout:
 
     @property
     def ctrl_lines(self) -> int:
-        return 8 + 3 * self.size
+        return 9 + 3 * self.size
 
     def opened_line(self, q: int) -> int:
         return 8 + 2 * self.size + q
+
+    @property
+    def token_offset(self) -> int:
+        return (8 + 3 * self.size) * LINE
 
     @staticmethod
     def head_line(q: int) -> int:
@@ -106,19 +149,21 @@ class Layout:
 
 class Segment:
     """One mapped segment: int64 control lines (numpy, cheap single-element access) and
-    byte views (torch) of the collective slots and channel rings."""
+    byte views (torch) of the collective slots and channel rings.
 
-    def __init__(self, name: str, layout: Layout, fd: int, owner: bool):
-        self.name, self.layout, self.owner = name, layout, owner
-        self.path = os.path.join(SHM_DIR, name)
-        self.mm = mmap.mmap(fd, layout.total)
-        self.linked = owner  # the owner is responsible for unlinking the file
+    The owner's segment holds its :class:`files.OwnerLock`; a peer's holds the descriptor it was
+    opened through (the test of :meth:`owner_alive`). ``wake_fd``: the wake-up FIFO, read-write
+    for the owner (it never sees EOF), write-only for a peer (one byte wakes the owner)."""
+
+    def __init__(self, name: str, layout: Layout, mm: mmap.mmap, wake_fd: int, token: bytes,
+                 lock: files.OwnerLock | None = None, fd: int | None = None):
+        self.name, self.layout, self.mm, self.token = name, layout, mm, token
+        self.owner = lock is not None
+        self.lock, self.fd, self.wake_fd = lock, fd, wake_fd
+        self.path = os.path.join(SHM_DIR, name)  # for messages; files are reached through files.dir_fd()
+        self.linked = self.owner  # the owner is responsible for unlinking the file
         self.ctrl = np.frombuffer(self.mm, dtype=np.int64, count=layout.ctrl_lines * _I64_PER_LINE)
         self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
-        # the wake-up pipe: the owner reads it (opened read-write, so it never sees EOF),
-        # peers write one byte to wake it
-        flags = (os.O_RDWR if owner else os.O_WRONLY) | os.O_NONBLOCK
-        self.wake_fd = os.open(self.path + ".wake", flags)
 
     def line(self, i: int) -> int:
         return int(self.ctrl[i * _I64_PER_LINE])
@@ -135,6 +180,19 @@ class Segment:
         lay = self.layout
         start = lay.chan_offset + q * lay.ring_bytes
         return self.bytes[start:start + lay.ring_bytes]
+
+    def owner_alive(self) -> bool:
+        """For a peer's segment: False once its owner no longer holds its lock (it died, or closed
+        the segment), whatever PID namespace it ran in. A lock held by a third process that tests
+        at the same moment reads as alive (the next test decides)."""
+        if self.owner or self.fd is None:
+            return True
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        return False
 
     def wake(self) -> None:
         """Wake the owner if it blocks on its pipe (a full pipe already wakes it)."""
@@ -153,8 +211,8 @@ class Segment:
     def unlink(self) -> None:
         if self.linked:
             self.linked = False
-            for p in (self.path, self.path + ".wake"):
-                unlink_file(p)
+            for n in (self.name, self.name + ".wake"):
+                files.unlink_file(n)
 
     def close(self) -> None:
         self.unlink()
@@ -163,143 +221,105 @@ class Segment:
         if self.wake_fd is not None:
             os.close(self.wake_fd)
             self.wake_fd = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if self.lock is not None:
+            self.lock.release()  # peers' owner_alive says False from now on
         try:
             self.mm.close()
         except BufferError:  # a view is still alive somewhere: the GC closes the map later
             pass
 
 
-def new_name(group_tag: str, rank: int) -> str:
-    return f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}-g{group_tag}-r{rank}"
-
-
 def create(name: str, layout: Layout) -> Segment:
-    """Create and map a new segment; a full /dev/shm raises a CommError saying how much was needed."""
-    path = os.path.join(SHM_DIR, name)
-    os.mkfifo(path + ".wake", 0o600)
-    _remember(path + ".wake")
-    fd = allocate_file(name, layout.total, extra=(path + ".wake",))
+    """Create, lock and map a new segment with a fresh token, then its wake-up FIFO (after the
+    segment: a sweeper removes a FIFO only when its segment is gone). A full /dev/shm raises a
+    CommError saying how much was needed."""
+    lock, mm = files.create_file(name, layout.total)
     try:
-        seg = Segment(name, layout, fd, owner=True)
-    finally:
-        os.close(fd)
-    seg.set_line(3, os.getpid())
+        token = secrets.token_bytes(TOKEN_BYTES)
+        mm[layout.token_offset:layout.token_offset + TOKEN_BYTES] = token
+        wake_fd = files.make_fifo(name + ".wake")
+    except BaseException:
+        mm.close()
+        lock.release()
+        files.unlink_file(name)
+        raise
+    seg = Segment(name, layout, mm, wake_fd, token, lock=lock)
+    seg.set_line(PID, os.getpid())
     return seg
 
 
-def allocate_file(name: str, size: int, extra: tuple[str, ...] = ()) -> int:
-    """Create /dev/shm/<name> with ``size`` bytes reserved and return its open descriptor
-    (remembered for unlinking at exit). A full /dev/shm raises a CommError saying how much was
-    needed; then the file and the ``extra`` paths are removed."""
-    sweep_stale()
-    path = os.path.join(SHM_DIR, name)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    _remember(path)
+def open_peer(name: str, layout: Layout, token: bytes, where: str, who: str) -> Segment:
+    """Map a peer's segment after every check of files.map_peer_file (``layout``: this rank's own,
+    so the size is never the record's alone; ``token``: the one its record carries), and open its
+    wake-up FIFO (checked likewise). Nothing is written into it here.
+
+    Raises SegmentRefusedError (a check failed) or PeerLostError (the file is gone).
+    """
+    fd, mm = files.map_peer_file(name, layout.total, token, layout.token_offset, where, who)
     try:
-        os.posix_fallocate(fd, 0, size)  # reserve the pages now: ENOSPC here, not SIGBUS later
-    except OSError as e:
+        wake_fd = files.open_peer_fifo(name + ".wake", where, who)
+    except BaseException:
+        mm.close()
         os.close(fd)
-        for p in (path, *extra):
-            _forget(p)
-            os.unlink(p)
-        st = os.statvfs(SHM_DIR)
-        raise CommError(
-            f"shared-memory transport: cannot allocate {size} bytes in {SHM_DIR} ({e.strerror}; "
-            f"{st.f_bavail * st.f_frsize} bytes free); free space in {SHM_DIR} or use --transport torch "
-            f"(DISTRAIN_TRANSPORT=torch)"
-        ) from None
-    return fd
+        raise
+    return Segment(name, layout, mm, wake_fd, token, fd=fd)
 
 
-def unlink_file(path: str) -> None:
-    """Remove a file this process created (or a peer's, once mapped) and forget it."""
-    _forget(path)
+@dataclass(frozen=True)
+class Record:
+    """A segment's record in the store, parsed (see :func:`parse_record`)."""
+
+    name: str
+    size: int
+    host: str
+    pid: int
+    token: bytes
+
+
+def record(seg: Segment, host: str) -> str:
+    """The store record of this rank's segment: ``<name> <size> <host> <pid> <token hex>``."""
+    return f"{seg.name} {seg.layout.total} {host} {os.getpid()} {seg.token.hex()}"
+
+
+MAX_RECORD = 1024
+_HOST = re.compile(r"[^\s]{1,512}")
+_SIZE = re.compile(r"[1-9][0-9]{0,15}")
+_PID = re.compile(r"[1-9][0-9]{0,9}")
+_TOKEN = re.compile(rf"[0-9a-f]{{{2 * TOKEN_BYTES}}}")
+
+
+def parse_record(raw: bytes, group_name: str, rank: int, where: str, who: str) -> Record:
+    """Parse group rank ``rank``'s record strictly: five fields; the name fits that rank's pattern
+    in this group (files.name_pattern) and carries the record's pid; size, pid and token in range.
+
+    Raises SegmentRefusedError naming ``who`` and what is wrong.
+    """
+    def refuse(why: str) -> SegmentRefusedError:
+        shown = raw[:120].decode("utf-8", "replace")
+        return SegmentRefusedError(f"{where}: refused {who}'s shared-memory record in the store ({why}): {shown!r}; "
+                                   f"another user or job may be tampering with the store")
+
+    if len(raw) > MAX_RECORD:
+        raise refuse(f"{len(raw)} bytes, at most {MAX_RECORD}")
     try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def open_existing(name: str, layout: Layout, who: str) -> Segment:
-    path = os.path.join(SHM_DIR, name)
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except FileNotFoundError:
-        raise CommError(f"shared-memory transport: {who}'s segment {path} is gone (did that rank exit or "
-                        f"were the ranks started on different hosts?); use --transport torch") from None
-    try:
-        return Segment(name, layout, fd, owner=False)
-    finally:
-        os.close(fd)
-
-
-def pid_alive(pid: int) -> bool:
-    """True if process ``pid`` exists on this host and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    except OSError:
-        return True
-
-
-def sweep_stale() -> list[str]:
-    """Unlink distrain segments whose creator process is dead (a crashed run's leftovers)."""
-    removed = []
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return removed
-    for n in names:
-        m = _NAME_RE.match(n)
-        if m and not pid_alive(int(m.group(1))):
-            try:
-                os.unlink(os.path.join(SHM_DIR, n))
-                removed.append(n)
-            except OSError:
-                pass
-    return removed
-
-
-# Files this process created and has not unlinked yet: removed at exit whatever happens.
-_linked: set[str] = set()
-_linked_lock = threading.Lock()
-
-
-def _remember(path: str) -> None:
-    _register_finalizer()
-    with _linked_lock:
-        _linked.add(path)
-
-
-def _forget(path: str) -> None:
-    with _linked_lock:
-        _linked.discard(path)
-
-
-def _cleanup_at_exit() -> None:
-    with _linked_lock:
-        paths = list(_linked)
-        _linked.clear()
-    for p in paths:
-        try:
-            os.unlink(p)
-        except OSError:
-            pass
-    sweep_stale()
-
-
-atexit.register(_cleanup_at_exit)
-_finalizer_pid = 0
-
-
-def _register_finalizer() -> None:
-    """Processes started by multiprocessing (distrain.spawn) leave through os._exit, which
-    skips atexit; multiprocessing runs its own exit finalizers (cleared in each new child,
-    hence registered on first use in this process)."""
-    global _finalizer_pid
-    if _finalizer_pid != os.getpid():
-        _finalizer_pid = os.getpid()
-        multiprocessing.util.Finalize(None, _cleanup_at_exit, exitpriority=0)
+        fields = raw.decode("utf-8").split(" ")
+    except UnicodeDecodeError:
+        raise refuse("not UTF-8") from None
+    if len(fields) != 5:
+        raise refuse(f"{len(fields)} fields, 5 expected: name size host pid token")
+    name, size, host, pid, token = fields
+    m = files.name_pattern(group_name, rank).fullmatch(name)
+    if m is None:
+        raise refuse(f"the name is not a segment name of rank {rank} of this group")
+    if not _SIZE.fullmatch(size):
+        raise refuse("the size is not a positive integer")
+    if not _HOST.fullmatch(host):
+        raise refuse("the host is empty or too long")
+    if not _PID.fullmatch(pid) or int(pid) >= 1 << 31 or m.group("pid") != pid:
+        raise refuse("the pid is out of range or differs from the name's")
+    if not _TOKEN.fullmatch(token):
+        raise refuse(f"the token is not {TOKEN_BYTES} bytes of hex")
+    return Record(name, int(size), host, int(pid), bytes.fromhex(token))

@@ -8,9 +8,10 @@ allocation k has the same index and size on every rank, and a tensor at byte off
 allocation k on one rank has its counterpart at offset o of allocation k on each peer.
 
 One allocation = one file ``/dev/shm/<segment name>-s<k>`` per rank, created and reserved
-(fallocate: a full /dev/shm fails here, not with SIGBUS later), published in the group's store,
-mapped by every peer, and unlinked by its owner once every peer has said it mapped it (the
-mappings live on; the kernel frees the memory with the last one). If any rank cannot
+(fallocate: a full /dev/shm fails here, not with SIGBUS later) with a page after the data that
+holds a random token, published in the group's store (``<name> <size> <token>``), mapped by every
+peer after files.map_peer_file's checks, and unlinked by its owner once every peer has said it
+mapped it (the mappings live on; the kernel frees the memory with the last one). If any rank cannot
 allocate, every rank gets None and the reason (the caller falls back to ordinary memory on
 every rank alike: a symmetric buffer on some ranks only would make the ranks take different
 paths in the collectives).
@@ -22,14 +23,17 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
+import secrets
 from dataclasses import dataclass, field
 
 import torch
 
-from distrain.comm.shm import segment as seg_mod
+from distrain.comm.shm import files
 from distrain.errors import CommError
 
 ALIGN = 4096  # every allocation starts on a page
+MAX_RECORD = 1024  # bytes of a peer's record read at most
 
 
 @dataclass
@@ -60,59 +64,82 @@ class Heap:
         """Allocate ``nbytes`` on every rank (call on every rank, same order, same size).
 
         Returns (this rank's uint8 tensor of the allocation, "") or (None, why not) on every rank.
+        A peer's allocation is mapped only after the checks of files.map_peer_file (its name is that
+        peer's segment name and ``-s<k>``, its record's size is this rank's, its file is its own with
+        the token its record carries); a failed check raises SegmentRefusedError.
         """
         sh = self.sh
         k = len(self.allocs) + self.failed
         size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
         name = f"{sh.me.name}-s{k}"
-        fd, why = None, ""
+        lock = mm = None
+        why = ""
         try:
-            fd = seg_mod.allocate_file(name, size)
+            lock, mm = files.create_file(name, size + ALIGN)  # the data, then a page holding the token
         except (CommError, OSError) as e:
             why = f"rank {sh.me_global}: {e}"
-        sh.store.set(self._key(k, sh.rank), f"! {why}" if fd is None else f"{name} {size}")
-        others = {}
-        for q in range(sh.size):
-            if q != sh.rank:
-                sh.store.wait([self._key(k, q)])
-                others[q] = sh.store.get(self._key(k, q)).decode()
-        path = os.path.join(seg_mod.SHM_DIR, name)
-        bad = next((v[2:] for v in others.values() if v.startswith("!")), None)
-        if fd is None or bad is not None:
-            if fd is not None:
-                os.close(fd)
-                seg_mod.unlink_file(path)
-            self.failed += 1
-            return None, why or bad
+        token = secrets.token_bytes(files.TOKEN_BYTES)
+        if mm is not None:
+            mm[size:size + files.TOKEN_BYTES] = token
+        sh.store.set(self._key(k, sh.rank), f"! {why}" if mm is None else f"{name} {size} {token.hex()}")
+        maps = [] if mm is None else [mm]
         try:
-            mm = mmap.mmap(fd, size)
+            others = {q: self._record(q, k) for q in range(sh.size) if q != sh.rank}
+            bad = next((v for v in others.values() if isinstance(v, str)), None)
+            if mm is None or bad is not None:
+                self.failed += 1
+                if mm is not None:
+                    mm.close()
+                return None, why or bad
+            mine = torch.frombuffer(mm, dtype=torch.uint8, count=size)
+            alloc = Allocation(k, size, mine.data_ptr(), {sh.rank: mine}, maps)
+            where = f"symmetric memory on rank {sh.me_global}"
+            for q, (peer_name, peer_size, peer_token) in others.items():
+                if peer_size != size:
+                    raise CommError(f"{where}: rank {sh.ranks[q]} allocated {peer_size} bytes as allocation {k}, this "
+                                    f"rank {size}; every rank must allocate the same sizes in the same order")
+                fd, pm = files.map_peer_file(peer_name, size + ALIGN, peer_token, size, where, f"rank {sh.ranks[q]}",
+                                             f"symmetric allocation {k}")
+                os.close(fd)
+                maps.append(pm)
+                alloc.views[q] = torch.frombuffer(pm, dtype=torch.uint8, count=size)
+            # every peer mapped this rank's file: unlink it (the mappings stay; no sweeper may take it now)
+            sh.store.set(self._key(k, sh.rank, "/mapped"), "1")
+            sh.store.wait([self._key(k, q, "/mapped") for q in range(sh.size)])
+        except BaseException:
+            for m in maps:
+                try:
+                    m.close()
+                except BufferError:
+                    pass
+            raise
         finally:
-            os.close(fd)
-        mine = torch.frombuffer(mm, dtype=torch.uint8)
-        alloc = Allocation(k, size, mine.data_ptr(), {sh.rank: mine}, [mm])
-        for q, v in others.items():
-            peer_name, peer_size = v.split(" ")
-            if int(peer_size) != size:
-                raise CommError(f"symmetric memory on rank {sh.me_global}: rank {sh.ranks[q]} allocated {peer_size} "
-                                f"bytes as allocation {k}, this rank {size}; every rank must allocate the same sizes "
-                                f"in the same order")
-            try:
-                pfd = os.open(os.path.join(seg_mod.SHM_DIR, peer_name), os.O_RDWR)
-            except FileNotFoundError:
-                raise CommError(f"symmetric memory on rank {sh.me_global}: rank {sh.ranks[q]}'s allocation "
-                                f"{peer_name} is gone (did that rank exit?)") from None
-            try:
-                pm = mmap.mmap(pfd, size)
-            finally:
-                os.close(pfd)
-            alloc.maps.append(pm)
-            alloc.views[q] = torch.frombuffer(pm, dtype=torch.uint8)
-        # every peer mapped this rank's file: unlink it (the mappings stay)
-        sh.store.set(self._key(k, sh.rank, "/mapped"), "1")
-        sh.store.wait([self._key(k, q, "/mapped") for q in range(sh.size)])
-        seg_mod.unlink_file(path)
+            if lock is not None:
+                files.unlink_file(name)
+                lock.release()
         self.allocs.append(alloc)
         return mine[:nbytes], ""
+
+    _RECORD = re.compile(rf"(\S+) ([1-9][0-9]{{0,15}}) ([0-9a-f]{{{2 * files.TOKEN_BYTES}}})")
+
+    def _record(self, q: int, k: int) -> tuple[str, int, bytes] | str:
+        """Peer q's record of allocation k, parsed strictly: (name, size, token), or the reason it
+        could not allocate (a one-line string). The name must be q's segment name and ``-s<k>``."""
+        sh = self.sh
+        key = self._key(k, q)
+        sh.store.wait([key])
+        raw = sh.store.get(key)[:MAX_RECORD]
+        text = raw.decode("utf-8", "replace")
+        if text.startswith("! "):
+            return " ".join(text[2:].split())  # one line, whatever it carried
+        m = self._RECORD.fullmatch(text)
+        expected = f"{sh._info(q)[0]}-s{k}"
+        if m is None or m.group(1) != expected:
+            raise files.SegmentRefusedError(
+                f"symmetric memory on rank {sh.me_global}: refused rank {sh.ranks[q]}'s record of allocation {k} in "
+                f"the store ({text[:120]!r}; '{expected} <size> <token>' expected); another user or job may be "
+                f"tampering with the store")
+        return m.group(1), int(m.group(2)), bytes.fromhex(m.group(3))
 
     def locate(self, t: torch.Tensor) -> tuple[Allocation, int] | None:
         """(allocation, byte offset) if contiguous ``t`` lies wholly inside one of this rank's allocations."""

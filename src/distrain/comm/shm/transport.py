@@ -1,10 +1,12 @@
 """The shared-memory transport: ranks of one host exchange bytes through /dev/shm.
 
 One :class:`ShmTransport` per process group. On first use it creates this rank's segment
-(segment.py), publishes ``name size host pid`` in the process group's store under
+(segment.py), publishes ``name size host pid token`` in the process group's store under
 ``distrain-shm/<group name>/<group rank>``, and later opens a peer's segment by reading
 that key (blocking until the peer has published it). Lazy, per peer: a point-to-point
-pair never waits for ranks it does not talk to.
+pair never waits for ranks it does not talk to. What a peer publishes is checked before use
+(segment.parse_record, files.map_peer_file: the name's pattern, no link, owner, mode, size,
+token); a peer that dies is told by its segment's lock, not by its pid (files.py).
 
 * Collectives (``algorithm="native"`` on this transport) are the direct ones of
   collectives.py: each rank copies its contribution into its slot once, publishes a step
@@ -49,7 +51,7 @@ from distrain.comm.shm import collectives, compiled, hierarchy
 from distrain.comm.shm.host import host_id, set_host_id, supported, unsupported  # noqa: F401  (this module's API)
 from distrain.comm.shm.p2p import Channels
 from distrain.comm.shm.symmetric import Heap
-from distrain.comm.shm.segment import ABORT, ARRIVE, CONSUMED, SLEEPING, Layout, Segment
+from distrain.comm.shm.segment import ABORT, ARRIVE, CONSUMED, SLEEPING, Layout, Segment, SegmentRefusedError
 from distrain.errors import CommError, PeerLostError
 
 # A collective step moves at most this much per rank. 1 MiB: a rank's slot fits its L2, so
@@ -100,11 +102,12 @@ class ShmTransport:
                                       dist.distributed_c10d._get_default_store())
         self.host = host_id()
         self.me: Segment = seg_mod.create(seg_mod.new_name(state.group.group_name, self.rank), self.layout)
-        self.store.set(str(self.rank), f"{self.me.name} {self.layout.total} {self.host} {os.getpid()}")
+        self.store.set(str(self.rank), seg_mod.record(self.me, self.host))
         self.peers: dict[int, Segment] = {self.rank: self.me}
-        self.pids: dict[int, int] = {self.rank: os.getpid()}
+        self.pids: dict[int, int] = {self.rank: os.getpid()}  # for messages only (liveness: the owner's lock)
         self.hosts: dict[int, str] = {self.rank: self.host}
-        self._names: dict[int, tuple[str, int]] = {self.rank: (self.me.name, self.layout.total)}
+        self.records: dict[int, seg_mod.Record] = {  # group rank -> its parsed store record
+            self.rank: seg_mod.Record(self.me.name, self.layout.total, self.host, os.getpid(), self.me.token)}
         self.step = 0  # collective steps done; identical on every rank (same calls, same order)
         self.spin = SPIN_MAX_S  # seconds a wait spins before it blocks, adapted in wait()
         self.coll = "collective"  # what the current wait is for, for error messages
@@ -127,17 +130,20 @@ class ShmTransport:
 
     # -- peers ---------------------------------------------------------------------------
     def _info(self, q: int) -> tuple[str, int, str, int]:
-        if q not in self.hosts:
+        """(segment name, size, host, pid) of group rank q, from its store record (parsed strictly,
+        seg_mod.parse_record; a bad record raises SegmentRefusedError)."""
+        rec = self.records.get(q)
+        if rec is None:
             try:
                 self.store.wait([str(q)])
             except Exception as e:
                 raise CommError(f"{self.coll} on rank {self.me_global}: rank {self.ranks[q]} never joined the "
                                 f"shared-memory transport ({e})") from None
-            name, total, host, pid = self.store.get(str(q)).decode().split(" ")
-            self.hosts[q], self.pids[q] = host, int(pid)
-            self._names[q] = (name, int(total))
-        name, total = self._names[q]
-        return name, total, self.hosts[q], self.pids[q]
+            rec = seg_mod.parse_record(self.store.get(str(q)), self.state.group.group_name, q,
+                                       f"{self.coll} on rank {self.me_global}", f"rank {self.ranks[q]}")
+            self.records[q] = rec
+            self.hosts[q], self.pids[q] = rec.host, rec.pid
+        return rec.name, rec.size, rec.host, rec.pid
 
     def local(self, q: int) -> bool:
         """True if group rank q is on this host (reached through shared memory)."""
@@ -175,10 +181,13 @@ class ShmTransport:
                                 f"host, but rank {self.ranks[q]} is on {host} and this rank on {self.host}; use "
                                 f"transport 'auto' (shared memory inside a host, torch between hosts) or 'torch'")
             if total != self.layout.total:
-                raise CommError(f"{self.coll} on rank {self.me_global}: rank {self.ranks[q]}'s segment has "
-                                f"{total} bytes, this rank expects {self.layout.total}; run the same distrain "
-                                f"version on every rank")
-            s = self.peers[q] = seg_mod.open_existing(name, self.layout, f"rank {self.ranks[q]}")
+                raise SegmentRefusedError(f"{self.coll} on rank {self.me_global}: refused rank {self.ranks[q]}'s "
+                                          f"segment {seg_mod.SHM_DIR}/{name}: its record claims {total} bytes, this "
+                                          f"rank's layout needs {self.layout.total}; run the same distrain version "
+                                          f"on every rank")
+            s = seg_mod.open_peer(name, self.layout, self.records[q].token, f"{self.coll} on rank {self.me_global}",
+                                  f"rank {self.ranks[q]}")
+            self.peers[q] = s
             s.set_line(self.layout.opened_line(self.rank), 1)  # the owner may unlink the file now
         return s
 
@@ -286,7 +295,7 @@ class ShmTransport:
             s = self.peers.get(q)
             if s is not None and s.line(ABORT):
                 raise self.lost("aborted", q, what, peers)
-            if q in self.pids and not seg_mod.pid_alive(self.pids[q]):
+            if s is not None and not s.owner_alive():
                 raise self.lost("died", q, what, peers)
         if waited > self.timeout:
             raise self.lost("timeout", None, what, [q for q in peers if q != self.rank])
