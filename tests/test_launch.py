@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -24,8 +25,11 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _launch(*args: str, timeout: float = 120) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+def _launch(*args: str, timeout: float = 120, secret: str | None = None) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DISTRAIN_JOB_SECRET")}
+    if secret is not None:
+        env["DISTRAIN_JOB_SECRET"] = secret
     return subprocess.Popen([sys.executable, "-m", "distrain.cli", "launch", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -59,13 +63,49 @@ def test_launch_two_nodes_rendezvous(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}"]
-    nodes = [_launch(*common, "--node-rank", str(n), str(script), str(tmp_path)) for n in range(2)]
+    secret = "7" * 64  # every node of one job: the same secret (distrain.sealed)
+    nodes = [_launch(*common, "--node-rank", str(n), str(script), str(tmp_path), secret=secret) for n in range(2)]
     results = [_finish(p) for p in nodes]
     for code, out in results:
         assert code == 0, out
     lines = sorted((tmp_path / f"rank{r}.txt").read_text() for r in range(2))
     # each node has one process: local rank 0 on both, global ranks 0 and 1
     assert lines == ["0 2 0 1.0", "1 2 0 1.0"]
+
+
+@pytest.mark.timeout(150)
+def test_launch_two_nodes_needs_one_secret(tmp_path):
+    """Without DISTRAIN_JOB_SECRET a multi-node launch is refused in one line before anything starts; a node
+    with another secret cannot read the rendezvous state (its tag does not match) and fails, unpickling nothing."""
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    code, out = _finish(_launch(*common, "--node-rank", "0", str(script), str(tmp_path)))
+    assert (code, out) == (2, "distrain: error: launch: a job over several nodes needs a shared secret, so that nobody "
+                              "else on the network can join or read its stores: set DISTRAIN_JOB_SECRET to the same "
+                              "value on every node (make one with `distrain secret`)\n")
+    host = _launch(*common, "--node-rank", "0", str(script), str(tmp_path), secret="a" * 64)
+    deadline = time.monotonic() + 60
+    while True:  # node 0 hosts the rendezvous store (and writes the state) before node 1 comes
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline and host.poll() is None, "node 0 never listened"
+            time.sleep(0.1)
+    try:
+        code, out = _finish(_launch(*common, "--node-rank", "1", str(script), str(tmp_path), secret="b" * 64))
+    finally:
+        host.kill()
+        first = host.communicate()[0]
+    # whichever node reads the other's state refuses it (node 1 fails either way: it reads node 0's state, or
+    # loses node 0's store when node 0 refused node 1's)
+    assert code != 0 and "the rendezvous state in the store is not tagged with this job's secret" in out + first, \
+        out + first
+    assert not list(tmp_path.glob("rank*.txt"))
 
 
 @pytest.mark.timeout(150)

@@ -192,8 +192,10 @@ def _listening(pid: int) -> list[tuple[str, int]]:
 
 
 def _launch(tmp_path: Path, *args: str) -> subprocess.Popen:
+    # (nodes of one job share its secret: distrain.sealed)
     return subprocess.Popen([sys.executable, "-m", "distrain.cli", "launch", *args, str(tmp_path / "job.py"),
-                             str(tmp_path)], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             str(tmp_path)], env=_env(DISTRAIN_JOB_SECRET="5" * 64), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
 
 
 def _when_ready(tmp_path: Path, ranks: int, procs: list[subprocess.Popen]) -> None:

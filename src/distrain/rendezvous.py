@@ -1,17 +1,26 @@
-"""torchrun's c10d rendezvous with its stores bound to one address: the ``distrain-c10d`` backend.
+"""torchrun's c10d rendezvous with its stores bound to one address and its state authenticated: the
+``distrain-c10d`` backend; and :func:`listening_store`, a TCPStore server on one address.
 
 ``distrain launch`` registers it (:func:`register`) and names it with ``--rdzv-backend``, so a
 one-node job listens on 127.0.0.1 only and a multi-node job only on the endpoint's address
-(torch's own c10d backend binds every interface; see ``_rendezvous_handler``).
+(torch's own c10d backend binds every interface; see ``_rendezvous_handler``). torch's rendezvous
+keeps its state in the store as a *pickle*, which its handler unpickles: a stranger who can reach the
+port could make every launcher run code. Here the state carries an HMAC under the job's secret
+(distrain.sealed; the launcher puts it in ``DISTRAIN_JOB_SECRET`` before torchrun starts), and a state
+whose tag does not match is refused before torch unpickles it.
 """
 
 from __future__ import annotations
 
+import hmac
+import os
 import socket
 import sys
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from distrain import sealed
 
 RDZV_BACKEND = "distrain-c10d"  # torchrun's c10d rendezvous, its stores on one address (below)
 
@@ -35,14 +44,17 @@ def _listener(host: str, port: int) -> socket.socket | None:
     return None
 
 
-def _store_server(host: str, port: int, timeout: timedelta) -> dist.TCPStore | None:
-    """A TCPStore server listening on ``host``'s address only (TCPStore alone binds every
-    interface), or None where :func:`_listener` finds none."""
+def listening_store(host: str, port: int, timeout: timedelta, world: int | None = None,
+                    multi_tenant: bool = False) -> dist.TCPStore | None:
+    """A TCPStore server listening on ``host``'s address only, or None where :func:`_listener`
+    finds none (``host`` is no address of this machine, or the port is taken). TCPStore binds
+    every interface when it opens the port itself (``*:PORT``); handed a socket already bound
+    and listening (``master_listen_fd``), it serves that one. ``port`` 0: one the OS picks."""
     sock = _listener(host, port)
     if sock is None:
         return None
-    return dist.TCPStore(host, sock.getsockname()[1], is_master=True, multi_tenant=True, timeout=timeout,
-                         wait_for_workers=False, master_listen_fd=sock.detach())
+    return dist.TCPStore(host, sock.getsockname()[1], world, is_master=True, multi_tenant=multi_tenant,
+                         timeout=timeout, wait_for_workers=False, master_listen_fd=sock.detach())
 
 
 def address_toward(endpoint: str) -> str | None:
@@ -60,6 +72,37 @@ def address_toward(endpoint: str) -> str | None:
             return probe.getsockname()[0]
     except (OSError, ValueError, IndexError):
         return None
+
+
+def tagged_backend(store: dist.Store, run_id: str, secret: bytes):
+    """torch's c10d rendezvous backend over ``store``, its state (a pickle, which torch's handler
+    unpickles) carrying an HMAC under the job's secret: a state whose tag does not match is refused
+    with RendezvousStateError before anything reads it."""
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as c10d
+    from torch.distributed.elastic.rendezvous.api import RendezvousStateError
+
+    class Backend(c10d.C10dRendezvousBackend):
+        @property
+        def name(self) -> str:  # the registry checks that the handler's backend has the name asked for
+            return RDZV_BACKEND
+
+        def set_state(self, state: bytes, token=None):
+            got = super().set_state(sealed.tag(secret, state, "rdzv") + state, token)
+            return None if got is None else (got[0], got[1], got[0] == state)
+
+        def _decode_state(self, base64_state: bytes):
+            got = super()._decode_state(base64_state)
+            if got is None:
+                return None
+            state, token = got
+            if len(state) < 32 or not hmac.compare_digest(state[:32], sealed.tag(secret, state[32:], "rdzv")):
+                raise RendezvousStateError(
+                    "distrain launch: the rendezvous state in the store is not tagged with this job's secret (written "
+                    "by a process outside the job, or a node started with another DISTRAIN_JOB_SECRET); refused "
+                    "unread")
+            return state[32:], token
+
+    return Backend(store, run_id)
 
 
 def _rendezvous_handler(params):
@@ -84,19 +127,15 @@ def _rendezvous_handler(params):
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-    class Backend(c10d.C10dRendezvousBackend):
-        @property
-        def name(self) -> str:  # the registry checks that the handler's backend has the name asked for
-            return RDZV_BACKEND
-
+    secret = sealed.check(os.environ.get(sealed.ENV, ""))  # (launch() puts it there before torchrun starts)
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=c10d.DEFAULT_PORT)
     timeout = timedelta(seconds=params.get_as_int("read_timeout", 60))
-    store = _store_server(host, port, timeout) or dist.TCPStore(host, port, is_master=False, multi_tenant=True,
-                                                                timeout=timeout)
-    handler = create_handler(store, Backend(store, params.run_id), params)
+    store = listening_store(host, port, timeout, multi_tenant=True) or \
+        dist.TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timeout)
+    handler = create_handler(store, tagged_backend(store, params.run_id, secret), params)
 
     def workers_store(master_addr: str, master_port: int) -> dist.TCPStore:
-        server = _store_server(master_addr, master_port, timedelta(seconds=300))
+        server = listening_store(master_addr, master_port, timedelta(seconds=300), multi_tenant=True)
         if server is None:
             print(f"distrain launch: {master_addr} (this node's address for the ranks) is no address of this machine; "
                   f"the ranks' store listens on every interface", file=sys.stderr)

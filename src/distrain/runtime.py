@@ -8,7 +8,9 @@ node)-1, which picks its GPU.
 ``DISTRAIN_DEBUG``, ``DISTRAIN_TRANSPORT``, ``DISTRAIN_SHM_KERNELS``: comm.configure_from_env) (torchrun / ``distrain launch``
 set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; ``distrain.spawn`` sets the
 same for its children), so it is called once at the top of a script, never deep inside
-models. Rendezvous goes through a TCPStore at MASTER_ADDR:MASTER_PORT. Before creating the
+models. Rendezvous goes through a TCPStore at MASTER_ADDR:MASTER_PORT, sealed with the job's secret
+when the launcher gave one (``DISTRAIN_JOB_SECRET``: distrain.spawn, ``distrain launch`` and the elastic
+coordinator always do; see distrain.sealed). Before creating the
 process group every rank registers itself in the store and waits for the others, so a
 rank that never joins gives an error naming it instead of an anonymous time-out.
 
@@ -42,7 +44,7 @@ from typing import Callable, NoReturn
 import torch
 import torch.distributed as dist
 
-from distrain import comm, lifeline
+from distrain import comm, lifeline, rendezvous, sealed
 from distrain.comm.core import watchdog
 from distrain.errors import CommError, ConfigError
 
@@ -116,7 +118,9 @@ def init(backend: str = "auto", timeout: float | timedelta = 300.0,
         torch.cuda.set_device(local_rank)
     # Under torchrun (and distrain.spawn) the launcher already hosts the store; else rank 0 does.
     hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    store = _connect_store(addr, port, world, rank, hosts_store, secs)
+    secret = sealed.check(os.environ[sealed.ENV]) if sealed.ENV in os.environ else None
+    store = sealed.seal(_connect_store(addr, port, world, rank, hosts_store, secs), secret)
+    _held.append(store)  # (a store written in Python must outlive the C++ PrefixStores that call it: shutdown)
     # A restarted job (torchrun --max-restarts) reuses the agent's store: keep each attempt's keys apart. A store
     # of our rank 0 is new for every attempt, and the restart count is per node (a node restarted for a membership
     # change does not count it: pytorch/pytorch#108158), so across nodes only the constant prefix agrees.
@@ -151,10 +155,14 @@ def _connect_store(addr: str, port: int, world: int, rank: int, hosts_store: boo
 
     def make() -> None:
         try:
-            # a local job's store listens on the loopback only (TCPStore alone would bind every interface)
-            fd = _loopback_listener(port) if hosts_store and addr in ("127.0.0.1", "localhost") else None
+            if hosts_store:  # on MASTER_ADDR's address only (TCPStore alone would bind every interface)
+                result["store"] = rendezvous.listening_store(addr, port, timedelta(seconds=secs), world)
+                if result["store"] is not None:
+                    return
+                print(f"distrain: rank 0: MASTER_ADDR {addr} is no address of this machine (or port {port} is taken "
+                      f"there); its store listens on every interface", file=sys.stderr, flush=True)
             result["store"] = dist.TCPStore(addr, port, world, is_master=hosts_store, timeout=timedelta(seconds=secs),
-                                            wait_for_workers=False, master_listen_fd=fd)
+                                            wait_for_workers=False)
         except Exception as e:  # noqa: BLE001 - reported below with the address
             result["error"] = e
 
@@ -208,6 +216,10 @@ def _wait_until_accepting(addr: str, port: int, rank: int, secs: float, deadline
 
 
 _abandoned: list[threading.Thread] = []
+# The group's store while the group lives. A SealedStore is a Python object that torch's C++ PrefixStore
+# (the group's, the watchdog's) calls back into; C++ keeps only its C++ half alive, and once the Python
+# object is collected a call fails ("Not implemented"), so this process holds it until shutdown().
+_held: list = []
 
 
 def _abandon(helper: threading.Thread) -> None:
@@ -230,14 +242,6 @@ def _abandon(helper: threading.Thread) -> None:
 
     leave_after_printing._distrain_leaves = True  # type: ignore[attr-defined]
     sys.excepthook = leave_after_printing
-
-
-def _loopback_listener(port: int) -> int:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", port))
-    sock.listen(128)
-    return sock.detach()
 
 
 def _wait_for_all(store, prefix: str, rank: int, world: int, secs: float, where: str) -> None:
@@ -280,6 +284,7 @@ def shutdown() -> None:
     if dist.is_initialized():
         comm.close_all()  # shared-memory segments go with the groups
         dist.destroy_process_group()
+    _held.clear()
 
 
 def leave(code: int) -> NoReturn:

@@ -5,9 +5,10 @@
     distrain bench comm --nproc 4 --ops all_reduce --algorithms native,ring --sizes 4K,4M
     distrain data prepare shakespeare --tokenizer bpe:2048 --out data/bpe   # then train --data data/bpe
     distrain generate runs/latest --prompt "ROMEO:" --max-new-tokens 200
+    distrain secret                                   # a job secret for DISTRAIN_JOB_SECRET (several nodes)
 
 Every command's argument parsing lives in this package, one module per command (launch, train,
-cluster, plan, bench, checkpoint, data, generate, selftest), each with ``add_parser(subparsers)``, which
+cluster, plan, bench, checkpoint, data, generate, selftest, secret), each with ``add_parser(subparsers)``, which
 declares the command's flags and sets ``func``, the function that turns the parsed flags into
 typed arguments of a library call; the library modules do not parse ``argv``. common.py holds
 the exit codes and the one-line error. Only the entry points import this package: ``distrain``
@@ -30,12 +31,12 @@ __all__ = ["build_parser", "exit_status", "main", "run_command"]
 
 def build_parser() -> argparse.ArgumentParser:
     from distrain import __version__
-    from distrain.cli import bench, checkpoint, cluster, data, generate, launch, plan, selftest, train
+    from distrain.cli import bench, checkpoint, cluster, data, generate, launch, plan, secret, selftest, train
 
     parser = argparse.ArgumentParser(prog="distrain", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"distrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (launch, train, cluster, plan, bench, checkpoint, data, generate, selftest):  # the order of --help
+    for command in (launch, train, cluster, plan, bench, checkpoint, data, generate, selftest, secret):  # the order of --help
         command.add_parser(sub)
     return parser
 

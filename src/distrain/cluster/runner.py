@@ -7,6 +7,8 @@ elastic agent, c10d rendezvous hosted by node 0), whose ranks run CMD (see
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...) and ``distrain train``/``distrain bench comm``
 run across the nodes unchanged. Per node the environment also carries:
 
+* ``DISTRAIN_JOB_SECRET``: the job's secret, the same on every node (yours when set, else a new
+  one): the job's stores are sealed with it (distrain.sealed);
 * ``GLOO_SOCKET_IFNAME=eth0``: Gloo's traffic between nodes takes the shaped link;
 * ``PET_LOCAL_ADDR`` = the node's address and ``PET_RDZV_CONF=is_host=1|0``: torchrun
   would otherwise look the node up by the host name, which all namespaces share;
@@ -40,6 +42,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from distrain import sealed
 from distrain.cluster import netns
 from distrain.errors import ConfigError
 
@@ -135,12 +138,13 @@ def run(spec: netns.ClusterSpec, cmd: list[str], procs_per_node: int = 1, max_re
         raise ConfigError(f"--procs-per-node must be >= 1, got {procs_per_node}")
     cmd = check_command(list(cmd))
     endpoint = f"{spec.address(0)}:{RDZV_PORT}"
+    secret = sealed.check(os.environ[sealed.ENV]).decode() if os.environ.get(sealed.ENV) else sealed.new()
     procs, pumps, out, lock = [], [], [], threading.Lock()
     t0 = time.monotonic()
     try:
         elastic = elastic_command(cmd, spec.nodes * procs_per_node)
         for i in range(spec.nodes):
-            env = node_env(spec, i, cmd, procs_per_node)
+            env = node_env(spec, i, cmd, procs_per_node) | {sealed.ENV: secret}  # (one job: one secret on every node)
             if elastic is None:
                 argv = ["ip", "netns", "exec", spec.netns(i), sys.executable, "-m", "distrain", "launch",
                         "--nproc-per-node", str(procs_per_node), "--nnodes", str(spec.nodes), "--node-rank", str(i),

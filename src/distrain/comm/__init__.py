@@ -18,7 +18,7 @@ Four layers, each a folder; imports run downward only (tests/test_import_graph.p
                   api.py       the eight collectives with torch.distributed's signatures
                   forms.py     *_into_tensor / *_tensor / coalesced forms, P2POp, batch_isend_irecv
                   alltoall.py  all_to_all, all_to_all_single, exchange (direct, on P2P)
-                  objects.py   the object collectives (pickled)
+                  objects.py   the object collectives (pickled, torch's API) and the data ones (distrain's own)
                   compat.py    init/destroy_process_group and the pass-through group helpers
 
 Old flat paths (``distrain.comm.ring``, ``distrain.comm.shm_coll``, ...) still import, with
@@ -65,8 +65,11 @@ from distrain.comm.core.failures import transport_errors
 from distrain.comm.core.group import close_all, close_group
 from distrain.comm.core.ledger import Counts, Ledger, ledger
 from distrain.comm.objects import (
+    all_gather_data,
     all_gather_object,
+    broadcast_data,
     broadcast_object_list,
+    gather_data,
     gather_object,
     recv_object_list,
     scatter_object_list,
@@ -88,10 +91,10 @@ def __getattr__(name: str):
 
 __all__ = [
     "ALGORITHM_NAMES", "COLLECTIVES", "CommHandle", "Counts", "Ledger", "P2POp", "TRANSPORT_NAMES", "Transport",
-    "all_gather", "all_gather_coalesced", "all_gather_into_tensor", "all_gather_object", "all_reduce",
+    "all_gather", "all_gather_coalesced", "all_gather_data", "all_gather_into_tensor", "all_gather_object", "all_reduce",
     "all_reduce_coalesced", "all_reduce_list", "all_to_all", "all_to_all_single", "exchange", "barrier", "batch_isend_irecv",
-    "broadcast", "broadcast_object_list", "close_all", "close_group", "configure_from_env", "debug_enabled", "destroy_process_group",
-    "gather", "gather_object", "has_list_all_reduce", "init_process_group", "irecv", "isend", "isend_tensor",
+    "broadcast", "broadcast_data", "broadcast_object_list", "close_all", "close_group", "configure_from_env", "debug_enabled", "destroy_process_group",
+    "gather", "gather_data", "gather_object", "has_list_all_reduce", "init_process_group", "irecv", "isend", "isend_tensor",
     "ledger", "recv", "recv_object_list", "recv_tensor", "reduce", "reduce_scatter", "reduce_scatter_tensor",
     "scatter", "scatter_object_list", "send", "send_object_list", "send_tensor", "set_debug",
     "set_default_transport", "set_shm_kernels", "set_transport", "symmetric_empty", "transport_of",

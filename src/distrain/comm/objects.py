@@ -1,17 +1,29 @@
-"""Collectives of picklable Python objects, with torch.distributed's signatures.
+"""Collectives of picklable Python objects, with torch.distributed's signatures; and of data.
 
     all_gather_object(object_list, obj)                 broadcast_object_list(object_list, src)
     gather_object(obj, object_gather_list, dst)         scatter_object_list(output, input_list, src)
     send_object_list(object_list, dst)                  recv_object_list(object_list, src=None) -> sender
 
+    all_gather_data(obj) -> [every rank's obj]          broadcast_data(obj, src) -> the source's obj
+    gather_data(obj, dst) -> [every rank's obj] on dst, None elsewhere
+
 An object travels as its pickle in a uint8 tensor. Sizes differ between ranks, so each call
 first moves the sizes (one int64 per object), then the bytes padded to the largest size, through
 the tensor collectives of api.py with the given ``algorithm=`` (the ledger records them under
-those names). Like torch's, these unpickle what peers send: use them only between trusted ranks.
+those names). Like torch's, the ``*_object*`` collectives unpickle what peers send, which runs any
+code a peer (or whoever reached its connection: Gloo does not authenticate) put in: they are
+torch's API for user code between trusted ranks, and distrain itself never calls them.
+
+The ``*_data`` collectives carry *data*: tensors, numbers, strings, None and lists, tuples and dicts
+of them (a state dict, an RNG state, metric records). They travel in torch's tensor format
+(``torch.save``) and are read back with ``torch.load(weights_only=True)``, torch's loader that
+rebuilds tensors and plain containers only and refuses anything that would import or call code,
+as distrain reads checkpoints. Every control message distrain exchanges between ranks uses them.
 """
 
 from __future__ import annotations
 
+import io
 import pickle
 
 import torch
@@ -43,6 +55,82 @@ def _padded(t: torch.Tensor, m: int) -> torch.Tensor:
     out = torch.zeros(m, dtype=torch.uint8)
     out[:t.numel()] = t
     return out
+
+
+def _own_storage(obj):
+    """``obj`` with every tensor that views a larger storage (a slice of a packed buffer) copied into its
+    own: torch.save writes whole storages, and refuses one storage viewed as two dtypes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone() if obj.untyped_storage().nbytes() != obj.numel() * obj.element_size() else obj
+    if isinstance(obj, dict):
+        return type(obj)((k, _own_storage(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_own_storage(v) for v in obj)
+    return obj
+
+
+def encode_data(obj) -> torch.Tensor:
+    """``obj`` (tensors, numbers, strings, None, lists/tuples/dicts of them) as bytes in a uint8 tensor."""
+    buf = io.BytesIO()
+    torch.save(_own_storage(obj), buf)
+    return torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+
+
+def decode_data(t: torch.Tensor, n: int):
+    """What :func:`encode_data` made, read with torch's weights-only loader (no code is run: anything
+    but data raises ``pickle.UnpicklingError``)."""
+    return torch.load(io.BytesIO(t[:n].numpy().tobytes()), weights_only=True)
+
+
+def _all_gather(out: list, t: torch.Tensor, group, algorithm: str | None) -> None:
+    if algorithm is None:  # torch.distributed's own: outside every traffic ledger
+        dist.all_gather(out, t, group=group)
+    else:
+        api.all_gather(out, t, group=group, algorithm=algorithm)
+
+
+def _gather_sizes(mine: torch.Tensor, group, algorithm: str | None) -> tuple[list[torch.Tensor], int]:
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(_size(group))]
+    _all_gather(sizes, torch.tensor([mine.numel()]), group, algorithm)
+    return sizes, max(int(s) for s in sizes)
+
+
+def all_gather_data(obj, group=None, algorithm: str | None = "native") -> list:
+    """Every rank's ``obj`` (data only, see the module docstring), in group rank order. ``algorithm``
+    None: torch.distributed's own all_gather, which the traffic ledger does not count (a checkpoint's
+    bookkeeping is not training traffic)."""
+    mine = encode_data(obj)
+    sizes, m = _gather_sizes(mine, group, algorithm)
+    bufs = [torch.empty(m, dtype=torch.uint8) for _ in sizes]
+    _all_gather(bufs, _padded(mine, m), group, algorithm)
+    return [decode_data(b, int(n)) for b, n in zip(bufs, sizes)]
+
+
+def gather_data(obj, dst: int = 0, group=None, algorithm: str | None = "native") -> list | None:
+    """Every rank's ``obj`` (data only) on global rank ``dst``, in group rank order; None elsewhere
+    (``algorithm`` None: torch.distributed's own gather, outside the ledger)."""
+    root = dist.get_group_rank(group, dst) if group is not None else dst
+    me = _my_group_rank(group)
+    mine = encode_data(obj)
+    sizes, m = _gather_sizes(mine, group, algorithm)
+    bufs = [torch.empty(m, dtype=torch.uint8) for _ in sizes] if me == root else None
+    if algorithm is None:
+        dist.gather(_padded(mine, m), bufs, dst=dst, group=group)
+    else:
+        api.gather(_padded(mine, m), bufs, dst=dst, group=group, algorithm=algorithm)
+    return [decode_data(b, int(n)) for b, n in zip(bufs, sizes)] if me == root else None
+
+
+def broadcast_data(obj, src: int = 0, group=None, algorithm: str = "native"):
+    """The source's ``obj`` (data only) on every rank (global rank ``src``; others pass anything)."""
+    is_src = dist.get_rank() == src
+    data = encode_data(obj) if is_src else None
+    size = torch.tensor([data.numel() if is_src else 0], dtype=torch.int64)
+    api.broadcast(size, src=src, group=group, algorithm=algorithm)
+    if not is_src:
+        data = torch.empty(int(size), dtype=torch.uint8)
+    api.broadcast(data, src=src, group=group, algorithm=algorithm)
+    return obj if is_src else decode_data(data, int(size))
 
 
 @torch_call()

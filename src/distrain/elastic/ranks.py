@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from distrain import sealed
 from distrain.elastic import faults
 from distrain.elastic import member as m
 from distrain.elastic.protocol import env_for
@@ -46,9 +47,11 @@ class Recipe:
     stride: int = 1  # ranks per node: a ZeRO replica goes one node on
     threads: int = 1
     extra_env: dict = field(default_factory=dict)
+    secret: str = field(default="", repr=False)  # the job's (distrain.sealed): the ranks seal the store with it
 
     def start(self, sup: Supervisor, ident: int, newcomer: bool) -> None:
         env = local_env() | env_for(self.port, ident, newcomer, self.run, self.host, self.stride)
+        env[sealed.ENV] = self.secret
         env[faults.ENV] = os.environ.get(faults.ENV, "")  # (the fork server's environment is older than ours)
         sup.start(ident, self.fn, self.args, env=env | self.extra_env, threads=self.threads,
                   setup=Enter(self.backend, self.timeout))

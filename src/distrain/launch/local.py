@@ -4,9 +4,10 @@ The user's code is the parent and forks a function into sub-processes (as
 torch.multiprocessing.spawn does). spawn's contract:
 
 * the parent hosts the rendezvous TCPStore on a free port of 127.0.0.1 (bound by the OS,
-  so there is no race for the port), starts ``nprocs`` processes, each of which sets the
-  launcher environment variables, calls :func:`distrain.runtime.init` and then
-  ``fn(rank, *args)``;
+  so there is no race for the port), sealed with a secret of this job (distrain.sealed: other
+  users of the host can connect to the loopback, not read or write the job's keys), starts
+  ``nprocs`` processes, each of which sets the launcher environment variables (the secret
+  among them), calls :func:`distrain.runtime.init` and then ``fn(rank, *args)``;
 * it returns fn's return values in rank order (they must be picklable);
 * if a rank raises (or dies), every other rank is ended and the parent raises
   :class:`RankFailedError` carrying that rank's number and traceback;
@@ -25,7 +26,7 @@ from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
-from distrain import lifeline, runtime
+from distrain import lifeline, rendezvous, runtime, sealed
 from distrain.blame import Failure, blame
 from distrain.errors import ConfigError, RankFailedError, SpawnTimeoutError
 from distrain.launch.cores import core_slices, free_core_slices
@@ -38,11 +39,13 @@ class _Rendezvous:
     """A spawned rank's setup (run in the rank before ``fn``): the launcher environment of a local job
     whose parent hosts the store, then (``init``) the process group, with hangs reported to the parent."""
 
-    def __init__(self, nprocs: int, port: int, backend: str, init_timeout: float, init: bool):
+    def __init__(self, nprocs: int, port: int, backend: str, init_timeout: float, init: bool, secret: str):
         self.nprocs, self.port, self.backend, self.init_timeout, self.init = nprocs, port, backend, init_timeout, init
+        self.secret = secret
 
     def __call__(self, rank: int, report) -> None:
         os.environ.update({
+            sealed.ENV: self.secret,  # the store's secret (runtime.init seals the store with it)
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.port), "RANK": str(rank),
             "WORLD_SIZE": str(self.nprocs), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(self.nprocs),
             "GROUP_RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True",  # the parent hosts the store
@@ -101,16 +104,9 @@ def _early_death(fn, store, nprocs: int, code: int | None, message: str) -> str 
 
 
 def local_store(world: int, timeout: float) -> dist.TCPStore:
-    """A rendezvous TCPStore listening on 127.0.0.1 only, on a port the OS picks.
-
-    TCPStore binds every interface when it opens the port itself; handing it a socket we
-    bound to the loopback keeps a local job unreachable from the network."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(max(128, 2 * world))
-    store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], world, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout), master_listen_fd=sock.detach())
-    return store
+    """A rendezvous TCPStore listening on 127.0.0.1 only, on a port the OS picks (unreachable from
+    the network; the callers seal it against the host's other users: distrain.sealed)."""
+    return rendezvous.listening_store("127.0.0.1", 0, timedelta(seconds=timeout), world)
 
 
 def local_env() -> dict[str, str]:
@@ -167,9 +163,10 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
         raise ConfigError(f"spawn: bind_cores=True needs a core per rank, but {nprocs} ranks share "
                           f"{len(os.sched_getaffinity(0))} core(s); pass bind_cores=None or False")
     threads = threads_per_rank or (len(slices[0]) if slices else max(1, (os.cpu_count() or 1) // nprocs))
-    store = local_store(nprocs, init_timeout)
+    secret = sealed.new()  # this job's: other users of the host can reach its loopback store, not its keys
+    store = sealed.SealedStore(local_store(nprocs, init_timeout), secret.encode())
     sup = Supervisor(start_method)
-    setup = _Rendezvous(nprocs, store.port, backend, init_timeout, init)
+    setup = _Rendezvous(nprocs, store.port, backend, init_timeout, init, secret)
     for r in range(nprocs):
         sup.start(r, fn, args, env=local_env() | dict(env or {}), threads=threads,
                   cores=slices[r] if slices else None, setup=setup)

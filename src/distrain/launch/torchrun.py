@@ -14,7 +14,7 @@ import socket
 import sys
 from typing import Sequence
 
-from distrain import lifeline, rendezvous
+from distrain import lifeline, rendezvous, sealed
 from distrain.errors import ConfigError
 
 
@@ -50,6 +50,20 @@ def _nproc_of(script_args: Sequence[str]) -> int | None:
         if a == "--nproc" and i + 1 < len(args) and args[i + 1].isdigit():
             return int(args[i + 1])
     return None
+
+
+def job_secret(several: bool) -> None:
+    """Put the job's secret in ``DISTRAIN_JOB_SECRET`` for torchrun's rendezvous and the ranks (they
+    inherit it): the user's (checked), or a new one for a job of one node. Nodes must share it, so a
+    job of several nodes without one is refused before anything starts (distrain.sealed)."""
+    if os.environ.get(sealed.ENV):
+        sealed.check(os.environ[sealed.ENV])
+    elif several:
+        raise ConfigError(f"launch: a job over several nodes needs a shared secret, so that nobody else on the network "
+                          f"can join or read its stores: set {sealed.ENV} to the same value on every node (make one "
+                          f"with `distrain secret`)")
+    else:
+        os.environ[sealed.ENV] = sealed.new()
 
 
 def launch(nproc_per_node: int | None, script_args: Sequence[str], nnodes: int | str = 1, node_rank: int = 0,
@@ -93,6 +107,7 @@ def launch(nproc_per_node: int | None, script_args: Sequence[str], nnodes: int |
         if "GLOO_SOCKET_IFNAME" not in os.environ and any(n == "lo" for _, n in socket.if_nameindex()):
             os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # one node: Gloo listens on the loopback only
     argv += _entrypoint(script_args, world)
+    job_secret(several=str(nnodes) != "1")
     os.environ[lifeline.PARENT_ENV] = str(os.getpid())  # the ranks inherit it and watch us
     if max_restarts > 0:
         os.environ.setdefault("DISTRAIN_RESUME", "auto")

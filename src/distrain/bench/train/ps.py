@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from distrain import comm
 from distrain.bench import common
 from distrain.errors import ConfigError
 
@@ -85,8 +86,7 @@ def _worker(rank: int, cfg: dict) -> list[dict]:
         for size in cfg["sizes"]:
             dist.barrier()
             mine = _round_times(_model(size, S), S, cfg["warmup"] + cfg["iters"])
-            every: list = [None] * P
-            dist.all_gather_object(every, mine)
+            every = comm.all_gather_data(mine, algorithm=None)
             per_round = common.slowest_rank_times([t[cfg["warmup"]:] for t in every if t])
             rec = {"op": "ps", "algorithm": f"ps S={S}", "P": P, "S": S, "W": P - S, "size_bytes": size,
                    "time_us": common.median(per_round) * 1e6, "times_us": [t * 1e6 for t in per_round]}

@@ -3,8 +3,8 @@
 Each rank records a :class:`StageTimeline` during ``pipeline_step`` (``stage.timeline``):
 its compute ops ``(kind "F"/"B"/"W", micro-batch, start, end)`` in ``time.perf_counter`` seconds,
 the time it spent blocked in receives, and the peaks of what it held for backward.
-:func:`collect_timeline` gathers the stages' timelines (``all_gather_object`` or
-``gather_object`` on the pipeline's group) into a :class:`PipelineTimeline`, which computes
+:func:`collect_timeline` gathers the stages' timelines (``comm.all_gather_data`` or
+``comm.gather_data`` on the pipeline's group) into a :class:`PipelineTimeline`, which computes
 the bubble fraction and writes a Chrome trace and a Gantt chart.
 
 The benchmark that measures the bubble of equal synthetic stages against (p - 1) / (m + p - 1)
@@ -17,6 +17,7 @@ their trace still shows each stage's own order, but the measured bubble is meani
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 
@@ -26,7 +27,7 @@ from distrain.parallel.pipeline_parallel.zero_bubble import zb_h1_bubble
 
 @dataclass
 class StageTimeline:
-    """One stage's record of one pipeline step (picklable: it travels by ``gather_object``)."""
+    """One stage's record of one pipeline step (it travels as a dict of data: ``gather_timeline``)."""
 
     stage: int
     rank: int
@@ -186,18 +187,16 @@ class PipelineTimeline:
 def collect_timeline(timeline: StageTimeline, group=None, dst: int | None = None) -> PipelineTimeline | None:
     """Gather every stage's timeline of one pipeline (collective over ``group``, its pp group).
 
-    ``dst=None``: ``all_gather_object``, every rank gets the :class:`PipelineTimeline`.
-    ``dst=<global rank>``: ``gather_object`` to that rank, the others get None.
+    ``dst=None``: every rank gets the :class:`PipelineTimeline` (``comm.all_gather_data``).
+    ``dst=<global rank>``: to that rank (``comm.gather_data``), the others get None.
     ``group`` must hold exactly the ranks of one pipeline (``topo.pp_group``; None = the world
     when the world is one pipeline).
     """
-    import torch.distributed as dist
+    from distrain import comm
 
-    n = dist.get_world_size(group)
+    mine = dataclasses.asdict(timeline)  # (data only: a record of numbers and strings)
     if dst is None:
-        out: list = [None] * n
-        dist.all_gather_object(out, timeline, group=group)
-        return PipelineTimeline(out)
-    out = [None] * n if dist.get_rank() == dst else None
-    dist.gather_object(timeline, out, dst=dst, group=group)
-    return PipelineTimeline(out) if out is not None else None
+        out = comm.all_gather_data(mine, group=group, algorithm=None)
+    else:
+        out = comm.gather_data(mine, dst=dst, group=group, algorithm=None)
+    return PipelineTimeline([StageTimeline(**d) for d in out]) if out is not None else None

@@ -159,8 +159,7 @@ class PSEngine(Engine):
         stats["ledger"] = {f"{lab}_{d}": getattr(self.ledger.get(lab, "p2p"), f"bytes_{d}")
                            for lab in ("ps_pull", "ps_push") for d in ("sent", "recv")}
         stats["steps"] = steps
-        every = [None] * self.world
-        dist.all_gather_object(every, stats)
+        every = comm.all_gather_data(stats, algorithm=None)  # (data only; outside the ledger, as before)
         L = self.ps_layout
         servers = [s for s in every if s and s.get("role") == "server"]
         expected = expected_ps_bytes(L, every[0]["steps"], final_pull=True)  # (rank 0: a worker)
