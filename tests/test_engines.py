@@ -57,10 +57,10 @@ def _interrupted_set(rank: int, out: str) -> list[str]:
     # step 2: both shards are written, then rank 0 dies before the manifest is committed
     real = checkpoint._atomic_write
     if rank == 0:
-        def no_manifest(path, write):
+        def no_manifest(path, write, *rest):
             if path.name == checkpoint.MANIFEST:
                 raise OSError("killed before the commit")
-            return real(path, write)
+            return real(path, write, *rest)
         checkpoint._atomic_write = no_manifest
     try:
         checkpoint.save_set(out, 2, {"dp": 1}, f"s{rank}", state(2))

@@ -154,7 +154,8 @@ def test_generate_on_a_factory_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{':'.join(sys.path)}")
     run = tmp_path / "run"
     _cli(capsys, "train", "--model", "gen_nets:make_gpt", "--data", "shakespeare", "--out", run, *TRAIN)
-    gen = ["generate", run, "--prompt", "KING", "--max-new-tokens", "30", "--seed", "3", "--top-p", "0.95"]
+    gen = ["generate", run, "--model", "gen_nets:make_gpt", "--prompt", "KING", "--max-new-tokens", "30", "--seed",
+           "3", "--top-p", "0.95"]  # (a factory is imported only when named: tests/test_trust_inputs.py)
     text = _cli(capsys, *gen)
     assert text.startswith("KING") and len(text.encode()) >= len("KING") + 30  # 30 bytes (some not UTF-8)
     assert _cli(capsys, *gen) == text and _cli(capsys, *gen, "--no-cache") == text

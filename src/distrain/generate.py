@@ -8,8 +8,9 @@ Which runs: every run whose model can be rebuilt from what the run records (:fun
 * a preset (``--model llama-small``), with the vocabulary the run trained with;
 * a Hugging Face Llama (``--model hf:DIR`` or ``--init-from HF_DIR``): our Llama built from the
   ``model_config`` the run's manifest records (DIR itself is not needed);
-* your factory (``--model pkg.mod:factory``): imported and called as the trainer did (it must be
-  importable here: on PYTHONPATH or installed).
+* your factory (``--model pkg.mod:factory``): imported and called as the trainer did, when you name
+  it again (``model="pkg.mod:factory"``, ``distrain generate RUN --model pkg.mod:factory``: a
+  checkpoint never makes distrain import code; it must be importable here: on PYTHONPATH or installed).
 
 The committed checkpoint (any layout: single, DDP, ZeRO, dp x tp x pp) is consolidated into the
 whole model (checkpoint/reshard.py) and loaded strictly. A run whose model cannot be rebuilt (a
@@ -72,13 +73,16 @@ def run_tokenizer(run: Path, config: dict, model_name: str | None = None):
                       f"{run / 'tokenizer.json'}; restore that tokenizer.json")
 
 
-def load_run_model(run: Path):
+def load_run_model(run: Path, model: str | None = None):
     """(model in eval mode, the run's tokenizer, the run's config dict) from the run's committed checkpoint
-    (see the module docstring for the models it rebuilds); a one-line ConfigError otherwise."""
+    (see the module docstring for the models it rebuilds); ``model``: the run's ``--model`` named again (needed
+    for a factory, which is imported only when named here); a one-line ConfigError otherwise."""
     import torch
 
     from distrain import checkpoint
+    from distrain.checkpoint.models import is_hf_name, recorded_model
     from distrain.checkpoint.reshard import as_command, consolidate
+    from distrain.factories import is_spec
 
     if not (run / checkpoint.MANIFEST).is_file():
         raise ConfigError(f"{WHO}: {run / checkpoint.MANIFEST} not found; give the --out of a training "
@@ -89,20 +93,25 @@ def load_run_model(run: Path):
     except ConfigError as e:
         raise ConfigError(as_command(str(e), WHO)) from None
     name = form["run"].get("model")
+    if model is not None and model != name:
+        raise ConfigError(f"{WHO}: the run {run} trained --model {name}, not --model {model}; give --model {name} (or "
+                          f"leave --model out for a preset or hf:DIR run)")
+    if model is None and is_spec(name) and not is_hf_name(name):
+        recorded_model(name, f"{WHO}: the run {run}", "generate from")  # a factory only when named: refused
     config = form["run"].get("config", {})
     tok = run_tokenizer(run, config, name)
     with torch.random.fork_rng(devices=[]):  # building draws initial weights: leave the caller's RNG as it was
         torch.manual_seed(int(config.get("seed", 0) or 0))
-        model = _build(run, name, manifest, tok)
+        net = _build(run, name, manifest, tok)
     floats = [t for t in form["model"].values() if t.is_floating_point()]
-    model = model.to(floats[0].dtype if floats else torch.float32)
+    net = net.to(floats[0].dtype if floats else torch.float32)
     try:
-        model.load_state_dict(form["model"])
+        net.load_state_dict(form["model"])
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0]
         raise ConfigError(f"{WHO}: the checkpoint of {run} does not fit --model {name} as rebuilt here "
                           f"(tokenizer {tok.spec}; {first}); was the factory changed since the run?") from None
-    return model.eval(), tok, config
+    return net.eval(), tok, config
 
 
 def _build(run: Path, name, manifest: dict, tok):
@@ -195,11 +204,13 @@ def sample_transformers(hf, idx, max_new_tokens: int, temperature: float, top_k:
 
 
 def generate_text(run, prompt: str = "\n", max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40,
-                  seed: int = 0, top_p: float = 1.0, use_cache: bool = True, use_transformers: bool = False) -> str:
+                  seed: int = 0, top_p: float = 1.0, use_cache: bool = True, use_transformers: bool = False,
+                  model: str | None = None) -> str:
     """The prompt followed by ``max_new_tokens`` tokens sampled from the run folder ``run``'s model
     (``temperature`` 0: greedy; ``top_k`` 0: no limit; ``top_p`` 1: no nucleus cut; ``use_cache``: our
     KV cache, the same text; ``use_transformers``: transformers' ``generate``), decoded with the run's
-    tokenizer; the same ``seed`` gives the same text. A one-line ConfigError for a folder that is no
+    tokenizer; the same ``seed`` gives the same text; ``model``: the run's ``--model`` named again (a factory
+    is imported only then: load_run_model). A one-line ConfigError for a folder that is no
     run, a model that cannot be rebuilt, a value out of range or a prompt of no token."""
     import torch
 
@@ -216,18 +227,18 @@ def generate_text(run, prompt: str = "\n", max_new_tokens: int = 200, temperatur
         raise ConfigError(f"--top-k must be >= 0 (0: no limit), got {top_k}")
     if not 0 < top_p <= 1:
         raise ConfigError(f"--top-p must be in (0, 1] (1: no cut), got {top_p}")
-    model, tok, _ = load_run_model(run_dir)
+    net, tok, _ = load_run_model(run_dir, model)
     ids = tok.encode(prompt)
     if not ids:
         raise ConfigError(f"--prompt {prompt!r} encodes to no token; give some text")
     idx = torch.tensor([ids], dtype=torch.long)
     if use_transformers:
-        out = sample_transformers(transformers_model(run_dir, model), idx, max_new_tokens, temperature, top_k,
+        out = sample_transformers(transformers_model(run_dir, net), idx, max_new_tokens, temperature, top_k,
                                   top_p, seed)
         return tok.decode(out[0].tolist())
-    use_cache = use_cache and hasattr(model, "forward_cached")  # a factory's model may have no cache
+    use_cache = use_cache and hasattr(net, "forward_cached")  # a factory's model may have no cache
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        out = generate(model, idx, max_new_tokens, temperature=temperature, top_k=top_k or None,
+        out = generate(net, idx, max_new_tokens, temperature=temperature, top_k=top_k or None,
                        top_p=top_p if top_p < 1 else None, generator=g, use_cache=use_cache)
     return tok.decode(out[0].tolist())

@@ -7,15 +7,31 @@ with a one-line error naming the holder. The kernel drops the lock when the hold
 descriptor closes, so a holder that dies, even by SIGKILL, never leaves a stale lock (unlike
 a pid file, nothing has to decide whether the old pid is still alive). The lock file itself
 stays behind on purpose: deleting it would let two runs lock two different inodes.
+
+Whose folder (:func:`check_owner`, before anything is written into it): ``out`` must belong
+to this process's user (its effective uid) and be writable by no one else: not by others
+(``o+w``, sticky bit or not: others could still create the names a run writes next, such as
+``checkpoint.json``), and not by its group unless that group is the user's private group
+(named as the user, the user's primary group, no other member listed: what ``umask 002``
+systems give every folder). Otherwise another user could plant or swap the files a run
+reads back (its checkpoint, its lock) while it runs.
+
+The lock file is opened with ``O_NOFOLLOW``: a symlink planted as ``.distrain.lock`` is refused
+(its target is never opened, let alone truncated), and so is anything but a regular file of
+this user with one link (a FIFO, a hard link to another file).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import grp
 import json
 import os
+import pwd
 import socket
+import stat
 import sys
 import time
 from pathlib import Path
@@ -26,22 +42,82 @@ from distrain.errors import ConfigError
 LOCK_NAME = ".distrain.lock"
 
 
+def _user(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _private_group(gid: int, uid: int) -> bool:
+    """``gid`` is the user-private group of ``uid``: named as the user, its primary group, no other member."""
+    try:
+        user, group = pwd.getpwuid(uid), grp.getgrgid(gid)
+    except KeyError:
+        return False
+    return group.gr_name == user.pw_name and user.pw_gid == gid and set(group.gr_mem) <= {user.pw_name}
+
+
+def check_owner(out: Path) -> None:
+    """``out`` (an existing folder) belongs to this user and no one else can write it (module docstring);
+    else a one-line ConfigError naming the folder, the owner or mode, and the fix."""
+    st = os.stat(out)
+    me = os.geteuid()
+    if st.st_uid != me:
+        raise ConfigError(f"--out {out} belongs to {_user(st.st_uid)}, not to this user {_user(me)}; a run writes "
+                          f"only into its own user's folders: choose another --out (or run as its owner)")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & stat.S_IWOTH:
+        raise ConfigError(f"--out {out} is writable by every user (mode {mode:o}), so another user could plant or "
+                          f"replace its checkpoint files; `chmod o-w {out}`, or choose another --out")
+    if mode & stat.S_IWGRP and not _private_group(st.st_gid, me):
+        try:
+            group = grp.getgrgid(st.st_gid).gr_name
+        except KeyError:
+            group = f"gid {st.st_gid}"
+        raise ConfigError(f"--out {out} is writable by the group {group} (mode {mode:o}), so another user could plant "
+                          f"or replace its checkpoint files; `chmod g-w {out}`, or choose another --out")
+
+
 def _prepare(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a folder; choose another --out")
+    if out.is_dir():
+        check_owner(out)  # before anything is written into it
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"--out {out}: cannot create the run folder ({e.strerror}); choose a writable path") from None
+    check_owner(out)  # (made now: ours, unless another user made it in between)
     if not os.access(out, os.W_OK | os.X_OK):
         raise ConfigError(f"--out {out} is not writable by this user; choose a writable folder or fix its permissions")
 
 
-def _holder(path: Path) -> str:
+def _open_lock(out: Path, path: Path) -> int:
+    """The lock file's descriptor: a regular file of this user with one link, never followed through a symlink."""
     try:
-        h = json.loads(path.read_text() or "{}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ConfigError(f"--out {out}: its lock file {path} is a symlink, which a run never follows; remove it "
+                              f"(rm {path}) and run again") from None
+        raise ConfigError(f"--out {out}: cannot open its lock file {path} ({e.strerror}); remove it, or choose "
+                          f"another --out") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_uid != os.geteuid():
+        os.close(fd)
+        what = ("not a regular file" if not stat.S_ISREG(st.st_mode) else
+                f"a file with {st.st_nlink} hard links" if st.st_nlink != 1 else f"owned by {_user(st.st_uid)}")
+        raise ConfigError(f"--out {out}: its lock file {path} is {what}, not one this user's runs made; remove it "
+                          f"(rm {path}) and run again")
+    return fd
+
+
+def _holder(fd: int) -> str:
+    try:
+        h = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
         return f"pid {h['pid']} on {h['host']}, started {h['started']}: {h['command']}"
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError):
         return "another process"
 
 
@@ -51,12 +127,12 @@ def hold(out: str | os.PathLike) -> Iterator[Path]:
     out = Path(out)
     _prepare(out)
     path = out / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock(out, path)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise ConfigError(f"--out {out} is in use by a running job ({_holder(path)}); wait for it to end, "
+            raise ConfigError(f"--out {out} is in use by a running job ({_holder(fd)}); wait for it to end, "
                               f"stop it, or choose another --out") from None
         me = {"pid": os.getpid(), "host": socket.gethostname(),
               "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv)[:300]}

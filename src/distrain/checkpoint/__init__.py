@@ -17,8 +17,9 @@ shards); it never imports the trainer. The store's functions are this package's 
 ``from distrain import checkpoint; checkpoint.save_set(...)``.
 """
 
-from distrain.checkpoint.store import (FORMAT_VERSION, MANIFEST, clean_temporaries, load, load_shard, read_manifest,
-                                       save, save_set, sha256, shard_file, verify, write_manifest)
+from distrain.checkpoint.store import (FORMAT_VERSION, MANIFEST, CheckpointWriteError, clean_temporaries, load,
+                                       load_shard, read_manifest, save, save_set, sha256, shard_file, verify,
+                                       write_manifest)
 
-__all__ = ["FORMAT_VERSION", "MANIFEST", "clean_temporaries", "load", "load_shard", "read_manifest", "save",
-           "save_set", "sha256", "shard_file", "verify", "write_manifest"]
+__all__ = ["FORMAT_VERSION", "MANIFEST", "CheckpointWriteError", "clean_temporaries", "load", "load_shard",
+           "read_manifest", "save", "save_set", "sha256", "shard_file", "verify", "write_manifest"]

@@ -47,7 +47,7 @@ import torch
 from distrain.checkpoint import reshard
 from distrain.checkpoint import store as checkpoint
 from distrain.checkpoint.models import (HF, check_weights, hf_llama_config, hf_record, is_hf_name, llama_model_name,
-                                        model_state, module_state)
+                                        model_state, module_state, recorded_model)
 from distrain.checkpoint.read import is_hf_folder, load_llama, read_file
 from distrain.data.vocab import model_overrides, shard_folder, vocab_error
 from distrain.errors import ConfigError
@@ -148,8 +148,8 @@ def resolve(cfg) -> None:
         if given is None and src.model == CUSTOM:
             raise ConfigError(f"{WHO} {cfg.init_from} was trained on a model passed from Python; pass it again: "
                               f"distrain.train(model=..., config=TrainConfig(init_from=...)), or give --model")
-        if given is None or src.model is None:
-            cfg.model = given or src.model
+        if given is None or src.model is None:  # the checkpoint's model: never a factory it names (recorded_model)
+            cfg.model = given or recorded_model(src.model, f"{WHO} {cfg.init_from}", "start from")
         elif given not in (src.model, CUSTOM):  # CUSTOM: your model from Python; its shapes are checked
             g, s = _llama_of(given), (_llama(src.model_config) if src.model_config else _llama_of(src.model))
             if g is None or g != s:
@@ -161,12 +161,15 @@ def resolve(cfg) -> None:
 
 
 def _recorded_model(manifest: Path) -> str:
+    """The model --resume continues: the manifest's, when distrain builds it from data alone (a factory it names
+    is refused until --model names it: recorded_model)."""
     import json
 
     try:
-        return json.loads(manifest.read_text()).get("model") or _default_model()
-    except (OSError, ValueError, AttributeError):
+        name = json.loads(manifest.read_text()).get("model")
+    except (OSError, ValueError, AttributeError, RecursionError):
         return _default_model()  # --resume's own checks say what is wrong with it
+    return recorded_model(name or None, f"--resume: {manifest.parent}", "resume") or _default_model()
 
 
 # -- building the model, in every rank -----------------------------------------------------------------------

@@ -6,6 +6,10 @@
 A model from Hugging Face that is no preset is named ``hf:DIR`` ("the Llama that DIR/config.json
 describes"; :func:`is_hf_name`, :func:`llama_model_name`, :func:`hf_record`). Used by ``distrain
 checkpoint`` (checkpoint/write.py, checkpoint/hf.py) and ``--init-from`` (checkpoint/init_from.py).
+
+A checkpoint never supplies code (:func:`recorded_model`): of the model name a manifest or a
+consolidated file records, only what distrain builds from data alone is taken (a preset, ``hf:DIR``,
+``custom``); a ``PKG.MOD:FACTORY`` is imported only when the user names it with ``--model``.
 """
 
 from __future__ import annotations
@@ -22,6 +26,24 @@ from distrain.factories import CUSTOM, is_spec, load_object
 HF = "hf:"
 # presets that train (and so export) as they are; shape-only presets are for the cost model
 EXPORTABLE = ("llama-tiny", "llama-small", "llama-moe-tiny")
+
+
+# -- which recorded model is taken ----------------------------------------------------------------------
+def recorded_model(name, where: str, verb: str):
+    """``name``, the model a checkpoint records, when it is one distrain builds from data alone: a preset, ``hf:DIR``
+    (our Llama, from the config the record holds or DIR's config.json), ``custom`` (rebuilt only from the model
+    passed again from Python) or None (weights alone). A ``PKG.MOD:FACTORY`` is code, which a checkpoint
+    never makes distrain import: a one-line ConfigError (``where was trained with ...; pass --model ... to
+    {verb} it``); anything else too (``where`` names the checkpoint)."""
+    from distrain.models import list_models
+
+    if name is None or name == CUSTOM or is_hf_name(name) or name in list_models():
+        return name
+    if is_spec(name):
+        raise ConfigError(f"{where} was trained with the model factory {name}, which distrain does not import from "
+                          f"a checkpoint; pass --model {name} to {verb} it")
+    raise ConfigError(f"{where} records the model {name!r}, which is no preset, hf:DIR or PKG.MOD:FACTORY; pass "
+                      f"--model to name the model to {verb} it with")
 
 
 # -- checking the tensors against the model the run trains ------------------------------------------

@@ -49,7 +49,7 @@ def read_config(folder: str | os.PathLike, who: str) -> dict:
                           f"that save_pretrained (or a download of the model) wrote")
     try:
         config = json.loads(path.read_text())
-    except (OSError, ValueError, UnicodeDecodeError) as e:
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:
         raise ConfigError(f"{who}: {path} is not readable JSON ({_first_line(e)}); download the model again") from None
     if not isinstance(config, dict) or not ("model_type" in config or "architectures" in config):
         raise ConfigError(f"{who}: {path} is not a Hugging Face model config (it has no model_type or architectures); "
@@ -74,9 +74,13 @@ def weight_files(folder: str | os.PathLike, who: str) -> dict[str, Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
             assert isinstance(weight_map, dict) and weight_map
-        except (OSError, ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError):
+        except (OSError, ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError, RecursionError):
             raise ConfigError(f"{who}: {index} is not a safetensors index (JSON with a non-empty \"weight_map\"); "
                               f"download the model again") from None
+        for name, f in weight_map.items():  # file names inside the folder, checked before any file is opened
+            if not _plain_name(f):
+                raise ConfigError(f"{who}: {index} puts tensor {name!r} in {f!r}, which is not a file name inside "
+                                  f"{folder} (no '/', no '..', never an absolute path); download the model again")
         files = {name: folder / f for name, f in weight_map.items()}
         absent = sorted({p.name for p in files.values() if not p.is_file()})
         if absent:
@@ -96,6 +100,14 @@ def weight_files(folder: str | os.PathLike, who: str) -> dict[str, Path]:
             f"save_pretrained(DIR) (safetensors, the default)" if other
             else f"give the folder that save_pretrained wrote")
     raise ConfigError(f"{who}: {folder} has neither {SINGLE} nor {INDEX}; {hint}")
+
+
+def _plain_name(name) -> bool:
+    """A file name that stays in its folder: a non-empty string without a separator or NUL, not ``.``/``..``
+    (so never absolute). A symlink in the folder is its owner's doing (the Hugging Face cache links every
+    file of a snapshot to its blobs); a name in an index is data."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\0" not in name)
 
 
 def read_weights(folder: str | os.PathLike, who: str, shapes_only: bool = False) -> tuple[dict, dict[str, Path]]:

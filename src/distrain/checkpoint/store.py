@@ -2,8 +2,11 @@
 committed as a SET by one manifest.
 
 One file (``save``/``load``): writing goes to a temporary file in the same folder, flushed
-and fsynced, then renamed over the target with ``os.replace`` (atomic on POSIX): a crash
-mid-write leaves the old file intact and no half-written file under the real name.
+and fsynced, then renamed over the target with ``os.replace`` (atomic on POSIX) and the
+folder fsynced (so the new name is on disk too): a crash mid-write leaves the old file intact
+and no half-written file under the real name. A write that fails (a full disk: ENOSPC, a
+quota: EDQUOT, an I/O error) removes its temporary and raises :class:`CheckpointWriteError`,
+one line naming the folder, about how many bytes were needed and the errno's name.
 Reading uses ``torch.load(weights_only=True)``, which only rebuilds tensors and plain
 containers, so a malicious or corrupt file cannot run code; a truncated or corrupt file
 gives a ConfigError naming it.
@@ -16,48 +19,150 @@ every way of training:
 
 Every owning rank writes its shard file under a name that includes the step, so the
 previous set's files are never overwritten; a barrier waits for all of them; rank 0 then
-commits the manifest atomically, and only after that deletes the previous set's files. A
-crash at any moment therefore leaves either the old set (manifest still names it) or the
-new one, both complete. Shards are named by what they hold: ``tp{t}-pp{p}`` for a model
-replica or model-parallel shard (DDP and one process write ``tp0-pp0``), ``server{s}`` for
-a parameter server's shard.
+commits the manifest atomically, fsyncs the folder, and only after that deletes the previous
+set's files. A crash at any moment therefore leaves either the old set (manifest still names
+it) or the new one, both complete. A write that fails on any rank fails the whole save on
+every rank alike (CheckpointWriteError): the files of the new set already written are
+deleted, and the previous set, still committed, stays as it was. Shards are named by what
+they hold: ``tp{t}-pp{p}`` for a model replica or model-parallel shard (DDP and one process
+write ``tp0-pp0``), ``server{s}`` for a parameter server's shard.
+
+A manifest is data: :func:`read_manifest` accepts only file names of the form the writer
+gives (``checkpoint-STEP-SHARD.pt``: no separator, no ``..``, never absolute), checked before
+any file is opened, and the fields the readers use by type.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from distrain.errors import ConfigError
+from distrain import comm
+from distrain.errors import ConfigError, DistrainError
 
 FORMAT_VERSION = 1
 MANIFEST = "checkpoint.json"
+SHARD_FILE = re.compile(r"checkpoint-\d{8,}-[A-Za-z0-9_-]+\.pt")  # what shard_file() names, and nothing else
 
 
-def _atomic_write(path: Path, write) -> Path:
+class CheckpointWriteError(DistrainError, OSError):
+    """A checkpoint file could not be written (``errno_name``: e.g. ENOSPC for a full disk): the message is one
+    line naming the folder, about how many bytes were needed and the errno; nothing of the failed write is left,
+    and a checkpoint set that was committed before stays committed and intact. An OSError too (what a failed
+    write was before it had a message of its own)."""
+
+    def __init__(self, message: str, errno_name: str, needed: int, placed: bool = False):
+        super().__init__(message)
+        self.errno_name, self.needed = errno_name, needed
+        self.placed = placed  # the file was renamed into place; only the folder's fsync failed
+
+
+class _Recorded:
+    """A file's ``write``/``flush`` that remember the OSError under them (torch.save reports a failed write as
+    a RuntimeError of its own; this says it was the file, and which errno)."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.f.flush()
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+
+def nbytes(obj) -> int:
+    """About how many bytes ``obj`` (tensors in dicts, lists and tuples) takes in a checkpoint file."""
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(nbytes(v) for v in obj.values()) + 64 * len(obj)
+    if isinstance(obj, (list, tuple)):
+        return sum(nbytes(v) for v in obj) + 8 * len(obj)
+    return 16
+
+
+def _amount(n: int) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB" if n >= 1e5 else f"{n:,} bytes"
+
+
+def _room(folder: Path, code: int | None) -> str:
+    """", N MB free" after a full disk or quota (what is left for this user), else ""."""
+    if code not in (errno.ENOSPC, errno.EDQUOT):
+        return ""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return ""
+    return f", {_amount(st.f_bavail * st.f_frsize)} free"
+
+
+def fsync_folder(folder: str | os.PathLike) -> None:
+    """Make the names just renamed into ``folder`` durable (fsync of the directory itself)."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _errno_name(code: int | None) -> str:
+    return errno.errorcode.get(code, f"errno {code}") if code else "EIO"
+
+
+def _atomic_write(path: Path, write, needed: int = 0) -> Path:
+    """``write(f)`` into a temporary beside ``path``, fsynced, renamed to ``path``, the folder fsynced; a failed
+    write (the file's OSError, however the writer reported it) leaves nothing and raises CheckpointWriteError."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    f, placed = _Recorded(None), False
     try:
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "wb") as raw:
+            f.f = raw
             write(f)
             f.flush()
-            os.fsync(f.fileno())
+            os.fsync(raw.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        placed = True
+        fsync_folder(path.parent)
+    except BaseException as e:
+        failed = e if isinstance(e, OSError) else f.error
+        if not placed:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        if failed is None:
+            raise
+        name = _errno_name(failed.errno)
+        kept = "it was renamed into place but may not be on disk" if placed else "nothing of it was kept"
+        raise CheckpointWriteError(f"checkpoint: writing {path.name} into {path.parent} failed with {name} "
+                                   f"({failed.strerror or failed}): it needs about {_amount(needed)}"
+                                   f"{_room(path.parent, failed.errno)}; {kept}: free some space there or write "
+                                   f"elsewhere", name, needed, placed) from None
     return path
 
 
 def save(path: str | os.PathLike, state: dict) -> Path:
-    return _atomic_write(Path(path), lambda f: torch.save({"format": FORMAT_VERSION, **state}, f))
+    """``state`` (plus the format number) into ``path``, atomically (module docstring); CheckpointWriteError
+    when the file cannot be written."""
+    return _atomic_write(Path(path), lambda f: torch.save({"format": FORMAT_VERSION, **state}, f), nbytes(state))
 
 
 def load(path: str | os.PathLike) -> dict:
@@ -106,30 +211,71 @@ def save_set(out: str | os.PathLike, step: int, layout: dict, shard: str | None,
 
     ``shard``/``state``: what this rank writes (None on ranks that hold a copy another rank
     writes, e.g. DDP replicas other than rank 0). ``meta`` (rank 0's) goes into the manifest.
-    Uses torch.distributed directly, not distrain.comm, so the traffic ledger only counts training.
+    Uses torch.distributed's own collectives (``comm.all_gather_data(..., algorithm=None)``: data only, no
+    pickle), so the traffic ledger only counts training.
     """
     out = Path(out)
-    mine = None
+    mine, path, fresh = None, None, False
     if shard is not None:
-        path = save(out / shard_file(step, shard), {"step": step, "shard": shard, **state})
-        mine = (path.name, sha256(path))
-    names: list = [None] * dist.get_world_size()
-    dist.all_gather_object(names, mine)  # doubles as the barrier: every shard is on disk
+        need, path = nbytes(state), out / shard_file(step, shard)
+        fresh = not path.exists()  # (not: the committed set's own file, when a resume saves its step again)
+        try:
+            save(path, {"step": step, "shard": shard, **state})
+            mine = ("ok", need, path.name, sha256(path), fresh)
+        except OSError as e:  # (a CheckpointWriteError, or any other) every rank learns of it below, and fails alike
+            mine = ("failed", need, _errno_of(e), dist.get_rank())
+    # doubles as the barrier: every shard is on disk (or failed)
+    written = [n for n in comm.all_gather_data(mine, algorithm=None) if n is not None]
+    need = sum(n[1] for n in written)
+    failed = next((n for n in written if n[0] == "failed"), None)
+    if failed is not None:
+        if fresh:
+            path.unlink(missing_ok=True)  # no file of a set that is never committed
+        dist.barrier()  # every rank's file of the failed set is gone
+        raise _set_failed(out, step, failed[2], need, f"rank {failed[3]}" if dist.get_world_size() > 1 else "")
+    outcome = None
     if dist.get_rank() == 0:
-        sums = dict(n for n in names if n is not None)
+        sums = {n[2]: n[3] for n in written}
         files = sorted(sums)
         manifest = {"format": FORMAT_VERSION, "step": step, "layout": layout, "files": files, "sha256": sums,
                     **(meta or {})}
-        write_manifest(out, manifest)
-        for old in out.glob("checkpoint-*.pt"):  # the previous sets, now superseded
-            if old.name not in files:
-                old.unlink(missing_ok=True)
-    dist.barrier()  # nobody goes on (or exits) before the set is committed
+        try:
+            write_manifest(out, manifest)  # (it fsyncs the folder: the new set is committed on disk)
+        except OSError as e:
+            if not getattr(e, "placed", False):  # (placed: the new manifest names them, only the folder's fsync failed)
+                for n in written:
+                    if n[4]:
+                        (out / n[2]).unlink(missing_ok=True)
+            outcome = (_errno_of(e), getattr(e, "needed", 0))
+        else:
+            for old in out.glob("checkpoint-*.pt"):  # the previous sets, now superseded
+                if old.name not in files:
+                    old.unlink(missing_ok=True)
+    # nobody goes on (or exits) before the set is committed (or given up); rank 0's outcome to all
+    outcome = comm.all_gather_data(outcome, algorithm=None)[0]
+    if outcome is not None:
+        raise _set_failed(out, step, outcome[0], need + outcome[1], "rank 0" if dist.get_world_size() > 1 else "")
+
+
+def _errno_of(e: OSError) -> str:
+    """The errno's name of a failed write (a CheckpointWriteError's, or the OSError's; EIO when none)."""
+    return getattr(e, "errno_name", None) or _errno_name(e.errno)
+
+
+def _set_failed(out: Path, step: int, errno_name: str, needed: int, rank: str) -> CheckpointWriteError:
+    """Every rank's error when the set of ``step`` could not be written (``rank``: where it failed)."""
+    code = getattr(errno, errno_name, None)
+    why = os.strerror(code) if isinstance(code, int) else errno_name
+    return CheckpointWriteError(f"checkpoint of step {step} into {out} failed with {errno_name} "
+                                f"({f'{rank}: ' if rank else ''}{why}): the set needs about {_amount(needed)}"
+                                f"{_room(out, code)}; nothing of it was kept and the previous checkpoint there is "
+                                f"intact: free some space or choose another --out", errno_name, needed)
 
 
 def write_manifest(out: str | os.PathLike, manifest: dict) -> Path:
     """Commit a set: write ``out/checkpoint.json`` atomically (after every file it names is on disk)."""
-    return _atomic_write(Path(out) / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
+    data = json.dumps(manifest, indent=2).encode()
+    return _atomic_write(Path(out) / MANIFEST, lambda f: f.write(data), len(data))
 
 
 def read_manifest(out: str | os.PathLike) -> dict:
@@ -138,17 +284,47 @@ def read_manifest(out: str | os.PathLike) -> dict:
     if not path.exists():
         raise ConfigError(f"--resume: checkpoint {path} does not exist; run without --resume to start afresh")
     try:
+        if not path.is_file():  # a FIFO would block the read
+            raise ValueError("not a regular file")
         manifest = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise ConfigError(f"--resume: {path} is corrupt ({e}); delete the run folder or start without "
                           f"--resume") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION or "step" not in manifest:
         raise ConfigError(f"--resume: {path} is not a distrain checkpoint manifest (format {FORMAT_VERSION})")
+    _check_fields(path, manifest)
     missing = [f for f in manifest.get("files", []) if not (Path(out) / f).exists()]
     if missing:
         raise ConfigError(f"--resume: {path} names {', '.join(missing)}, which do not exist; the checkpoint set is "
                           f"incomplete; start afresh")
     return manifest
+
+
+def _check_fields(path: Path, manifest: dict) -> None:
+    """The fields the readers use, by type; the file names as the writer gives them, before any is opened."""
+    def bad(field: str, why: str) -> ConfigError:
+        return ConfigError(f"--resume: {path} field {field} {why}; the manifest was not written by distrain (or was "
+                           f"edited): restore it or start afresh")
+
+    step = manifest["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise bad("step", f"is {step!r}, not a step number")
+    files = manifest.get("files", [])
+    if not isinstance(files, list):
+        raise bad("files", f"is {type(files).__name__}, not a list of file names")
+    for name in files:
+        if not (isinstance(name, str) and SHARD_FILE.fullmatch(name)):
+            raise bad("files", f"names {name!r}, not a checkpoint file of this folder (checkpoint-STEP-SHARD.pt: no "
+                               f"'/', no '..', never an absolute path)")
+    sums = manifest.get("sha256", {})
+    if not (isinstance(sums, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in sums.items())):
+        raise bad("sha256", "is not {file name: hex digest}")
+    for field in ("model", "strategy"):
+        if not isinstance(manifest.get(field), (str, type(None))):
+            raise bad(field, f"is {manifest[field]!r}, not a name")
+    for field in ("config", "model_config", "hf_config", "layout"):
+        if not isinstance(manifest.get(field), (dict, type(None))):
+            raise bad(field, f"is {type(manifest[field]).__name__}, not a JSON object")
 
 
 def verify(out: str | os.PathLike, manifest: dict, names: list[str] | None = None) -> None:

@@ -19,7 +19,7 @@ import torch
 from distrain import runlock
 from distrain.checkpoint import reshard, store
 from distrain.checkpoint.form import whole
-from distrain.checkpoint.models import check_weights, hf_record, hf_state, is_hf_name
+from distrain.checkpoint.models import check_weights, hf_record, hf_state, is_hf_name, recorded_model
 from distrain.checkpoint.read import IMPORT, read_file
 from distrain.errors import ConfigError
 from distrain.optim import DEFAULTS, OPTIMIZERS, make_optimizer
@@ -131,7 +131,7 @@ def import_file(path: str | Path, out: str | Path, model: str | None = None, opt
                      run={"model": model, "strategy": None, "layout": {"weights": Path(path).name}, "config": {}})
     else:
         form = {k: v for k, v in obj.items() if k not in ("format", "shard")}
-        model = model or form["run"].get("model")
+        model = model or recorded_model(form["run"].get("model"), f"{IMPORT}: {path}", "import")  # (no factory)
         if model is None:
             raise ConfigError(f"{IMPORT}: {path} does not name its model; name the model the run will train with "
                               f"--model")

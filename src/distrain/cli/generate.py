@@ -2,6 +2,7 @@
 
     distrain generate runs/bpe --prompt "ROMEO:" --max-new-tokens 200 --temperature 0.8 --top-k 40 --seed 0
     distrain generate runs/smollm --prompt "Once" --top-p 0.9 --use-transformers
+    distrain generate runs/mine --model mypkg.nets:make_net --prompt "Once"   # a run of your own factory
 
 Prints the prompt followed by the sampled continuation; the work (the run's model and
 tokenizer, the sampling) is :func:`distrain.generate.generate_text`.
@@ -36,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cache", dest="use_cache", action="store_false",
                    help="recompute the whole context for every token instead of using the KV cache of distrain's "
                         "GPT and Llama (the same text, slower; for comparison)")
+    p.add_argument("--model", default=None, metavar="PKG.MOD:FACTORY",
+                   help="the run's --model, named again: needed for a run of your own factory, which distrain never "
+                        "imports because a checkpoint names it (a preset or hf:DIR run needs none)")
     p.add_argument("--use-transformers", action="store_true",
                    help="sample with Hugging Face transformers' generate instead of distrain's sampler: Llama runs "
                         "(llama-tiny, llama-small, hf:DIR) and factories returning a transformers model")
@@ -46,5 +50,5 @@ def run(args: argparse.Namespace) -> int:
 
     print(generate_text(args.run, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                         top_k=args.top_k, seed=args.seed, top_p=args.top_p, use_cache=args.use_cache,
-                        use_transformers=args.use_transformers))
+                        use_transformers=args.use_transformers, model=args.model))
     return 0

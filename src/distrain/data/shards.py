@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import stat
 from pathlib import Path
 from typing import Sequence, Union
 
@@ -47,24 +48,105 @@ def _redo(folder: Path) -> str:
     return f"re-create it with `distrain data prepare INPUT... --tokenizer SPEC --out {folder} --overwrite`"
 
 
+# the token types `distrain data prepare` writes (prepare.token_dtype): nothing else is read from meta.json
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def plain_name(folder: Path, name, index: Path, field: str) -> Path:
+    """``folder / name`` for a file ``name`` that ``index`` lists (its ``field``), checked before anything is
+    opened: a plain file name (no separator, not ``.``/``..``, no NUL; so never absolute) naming a regular
+    file (not a symlink, FIFO or device) whose resolved path lies inside ``folder``; else a one-line
+    ConfigError naming the folder, the field and the fix. A file that does not exist passes (the callers
+    say "missing")."""
+    if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name
+            or os.path.basename(name) != name):
+        raise ConfigError(f"shard folder {folder}: {index.name} field {field} is {name!r}, not a plain file name "
+                          f"inside the folder (no '/', '..' or absolute path); {_redo(folder)}")
+    path = folder / name
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return path
+    except OSError as e:
+        raise ConfigError(f"shard folder {folder}: {path} (its {index.name} field {field}) cannot be read "
+                          f"({e.strerror}); {_redo(folder)}") from None
+    if not stat.S_ISREG(st.st_mode):
+        what = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+        raise ConfigError(f"shard folder {folder}: {path} (its {index.name} field {field}) is {what}; a shard folder "
+                          f"holds its own regular files: copy the file in instead of linking it, or {_redo(folder)}")
+    if path.resolve().parent != folder.resolve():
+        raise ConfigError(f"shard folder {folder}: {path} (its {index.name} field {field}) resolves outside the "
+                          f"folder; {_redo(folder)}")
+    return path
+
+
+def _check_meta(folder: Path, path: Path, meta: dict) -> None:
+    """Every field training reads from meta.json, by type and range, before any of it is used (module docstring
+    of data/prepare.py: what it writes)."""
+    def bad(field: str, why: str) -> ConfigError:
+        return ConfigError(f"shard folder {folder}: {path.name} field {field} {why}; {_redo(folder)}")
+
+    if not isinstance(meta["dtype"], str) or meta["dtype"] not in DTYPES:
+        raise bad("dtype", f"is {meta['dtype']!r}; `distrain data prepare` writes token files of "
+                           f"{' or '.join(DTYPES)} only")
+    limit = 1 << (8 * DTYPES[meta["dtype"]].itemsize)
+    if not _is_count(meta["vocab_size"]) or not 0 < meta["vocab_size"] <= limit:
+        raise bad("vocab_size", f"is {meta['vocab_size']!r}, not a positive integer that {meta['dtype']} holds "
+                                f"(at most {limit:,})")
+    if not isinstance(meta["fingerprint"], str):
+        raise bad("fingerprint", f"is {meta['fingerprint']!r}, not a sha256 in hex")
+    tok = meta["tokenizer"]
+    if not (isinstance(tok, dict) and isinstance(tok.get("spec"), str)):
+        raise bad("tokenizer", "is not {\"spec\": ..., \"file\": ...}")
+    plain_name(folder, tok.get("file", "tokenizer.json"), path, "tokenizer.file")
+    shards = meta["shards"]
+    if not isinstance(shards, list) or not shards:
+        raise bad("shards", "is not a non-empty list of {\"file\", \"tokens\"}")
+    for k, s in enumerate(shards):
+        if not isinstance(s, dict) or not _is_count(s.get("tokens")):
+            raise bad(f"shards[{k}]", f"is {s!r}, not {{\"file\": NAME, \"tokens\": COUNT}}")
+        plain_name(folder, s.get("file"), path, f"shards[{k}].file")
+    total = sum(s["tokens"] for s in shards)
+    if meta["tokens"] != total:
+        raise bad("tokens", f"is {meta['tokens']!r} but its shards hold {total:,} tokens")
+    splits = meta["splits"]
+    for name in SPLITS:
+        sp = splits.get(name) if isinstance(splits, dict) else None
+        if not (isinstance(sp, dict) and _is_count(sp.get("start")) and _is_count(sp.get("tokens"))):
+            raise bad(f"splits.{name}", f"is {sp!r}, not {{\"start\": INDEX, \"tokens\": COUNT}}")
+        if sp["start"] + sp["tokens"] > total:
+            raise bad(f"splits.{name}", f"ends at token {sp['start'] + sp['tokens']:,} but the shards hold "
+                                        f"{total:,}")
+
+
 def read_meta(folder: PathLike, check_files: bool = True) -> dict:
-    """``folder/meta.json``, checked: its keys, and (``check_files``) that every shard file is there
-    with the size its token count says. Errors are one line naming the file and the fix."""
+    """``folder/meta.json``, checked: its keys, each field's type and range (only the token types
+    ``data prepare`` writes; shard and tokenizer files are plain names of regular files inside the
+    folder; the split ranges within the shards' tokens), and (``check_files``) that every shard
+    file is there with the size its token count says. Errors are one line naming the folder, the
+    field and the fix."""
     folder = Path(folder)
     path = folder / META_FILE
     try:
+        if path.exists() and not path.is_file():  # a FIFO would block the read
+            raise ValueError("not a regular file")
         meta = json.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"--data {folder}: no {META_FILE} (not a shard folder); make one with `distrain data "
                           f"prepare INPUT... --tokenizer SPEC --out {folder}`") from None
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # (JSONDecodeError, UnicodeDecodeError, nested too deep)
         raise ConfigError(f"shard index {path} cannot be read ({e}); {_redo(folder)}") from None
-    need = ("format", "vocab_size", "dtype", "fingerprint", "shards", "splits")
+    need = ("format", "vocab_size", "dtype", "fingerprint", "tokenizer", "tokens", "shards", "splits")
     missing = [k for k in need if k not in meta] if isinstance(meta, dict) else list(need)
     if missing or meta.get("format") != FORMAT:
         why = f"lacks {', '.join(missing)}" if missing else f"has format {meta.get('format')!r}, not {FORMAT!r}"
         raise ConfigError(f"shard index {path} {why}; {_redo(folder)}")
-    itemsize = np.dtype(meta["dtype"]).itemsize
+    _check_meta(folder, path, meta)
+    itemsize = DTYPES[meta["dtype"]].itemsize
     if check_files:
         for s in meta["shards"]:
             f = folder / s["file"]
@@ -85,7 +167,7 @@ def shard_tokenizer(folder: PathLike, meta: dict | None = None):
 
     folder = Path(folder)
     meta = meta or read_meta(folder, check_files=False)
-    path = folder / meta.get("tokenizer", {}).get("file", TOKENIZER_FILE)
+    path = plain_name(folder, meta["tokenizer"].get("file", TOKENIZER_FILE), folder / META_FILE, "tokenizer.file")
     if not path.is_file():
         raise ConfigError(f"tokenizer file {path} (of the shard folder {folder}) is missing; {_redo(folder)}")
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
@@ -116,12 +198,13 @@ class ShardDataset:
         self.split, self.block_size, self.stride = split, block_size, stride
         self.name = split
         self.vocab_size = int(self.meta["vocab_size"])
-        self.dtype = np.dtype(self.meta["dtype"])
+        self.dtype = DTYPES[self.meta["dtype"]]  # (read_meta accepted it)
         sp = self.meta["splits"][split]
         self.start, self.tokens = int(sp["start"]), int(sp["tokens"])
-        counts = [int(s["tokens"]) for s in self.meta["shards"]]
-        self.files = [self.folder / s["file"] for s in self.meta["shards"]]
-        self.offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])  # shard k: [offsets[k], offsets[k+1])
+        self.counts = [int(s["tokens"]) for s in self.meta["shards"]]
+        self.files = [self.folder / s["file"] for s in self.meta["shards"]]  # (plain names: read_meta checked them)
+        # shard k holds tokens [offsets[k], offsets[k+1])
+        self.offsets = np.concatenate([[0], np.cumsum(self.counts, dtype=np.int64)])
         if self.start + self.tokens > int(self.offsets[-1]):
             raise ConfigError(f"{self.folder / META_FILE}: split {split} ends at token {self.start + self.tokens:,} "
                               f"but the shards hold {int(self.offsets[-1]):,}; {_redo(self.folder)}")
@@ -136,11 +219,16 @@ class ShardDataset:
     def _map(self, k: int) -> np.memmap:
         m = self._maps[k]
         if m is None:
-            try:
-                m = np.memmap(self.files[k], dtype=self.dtype, mode="r")
+            try:  # never through a symlink put there since read_meta checked the folder
+                with open(self.files[k], "rb", opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW)) as f:
+                    m = np.memmap(f, dtype=self.dtype, mode="r")
             except FileNotFoundError:
                 raise ConfigError(f"shard file {self.files[k]} (listed in {self.folder / META_FILE}) is missing; "
                                   f"restore it or {_redo(self.folder)}") from None
+            if m.size != self.counts[k]:  # replaced since read_meta checked its size
+                raise ConfigError(f"shard file {self.files[k]} holds {m.size:,} {self.meta['dtype']} tokens but "
+                                  f"{self.folder / META_FILE} lists {self.counts[k]:,}: it was truncated or replaced; "
+                                  f"{_redo(self.folder)}")
             raw = getattr(m, "_mmap", None)
             if raw is not None and hasattr(raw, "madvise") and hasattr(mmap, "MADV_RANDOM"):
                 raw.madvise(mmap.MADV_RANDOM)  # read just the pages a window needs
