@@ -92,8 +92,10 @@ def test_kill_during_a_heal_finishes_with_the_survivors_and_the_same_losses(tmp_
                                   elastic_replace=1, steps=5)
     assert isinstance(summary, dict), summary
     assert close(losses, reference_losses(tmp_path_factory)), (losses, reference_losses(tmp_path_factory))
-    (e,) = events  # the heal that failed never completed a step: one line, for the change that did
-    assert (e["event"], e["old_world"], e["new_world"], e["left"]) == ("membership", 4, 3, [1])
+    # the heal that failed never completed a step: one line for the whole change, from the group of 3 that last
+    # trained to the 3 it goes on with (id 1 left, the newcomer 3 joined; elastic/member.py whole_change)
+    (e,) = events
+    assert (e["event"], e["old_world"], e["new_world"], e["left"], e["joined"]) == ("membership", 3, 3, [1], [3])
     assert 1 <= e["step"] <= 3
     assert summary["world_final"] == 3 and summary["ranks_left"] == 1
     rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -381,6 +383,14 @@ def test_the_node_spec_of_a_multi_node_job(monkeypatch):
     from distrain.errors import ConfigError
 
     monkeypatch.setenv(nodes.ENV_NODES, "1/2@10.251.0.1:29400")
+    monkeypatch.delenv("DISTRAIN_JOB_SECRET", raising=False)
+    with pytest.raises(ConfigError, match=r"^DISTRAIN_ELASTIC_NODES is set \(an elastic job over several nodes\), but "
+                                          r"DISTRAIN_JOB_SECRET is not: every node needs the job's secret"):
+        nodes.from_env(4)
+    monkeypatch.setenv("DISTRAIN_JOB_SECRET", "short")
+    with pytest.raises(ConfigError, match=r"^DISTRAIN_JOB_SECRET holds 5 character\(s\); a job secret needs at least 32"):
+        nodes.from_env(4)
+    monkeypatch.setenv("DISTRAIN_JOB_SECRET", "c" * 64)
     spec = nodes.from_env(4)
     assert (spec.node, spec.nodes, spec.host, spec.port, spec.ids(4), spec.ids(4, 0)) == \
            (1, 2, "10.251.0.1", 29400, [2, 3], [0, 1])
@@ -531,3 +541,36 @@ def test_a_rank_that_missed_the_commit_gets_the_step_from_a_peer(tmp_path, tmp_p
     (e,) = events
     assert (e["old_world"], e["new_world"], e["left"], e["step"], e["rolled_back"], e["rolled_forward"]) == \
         (3, 3, [], 3, 3, 2)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("second", ["open", "load"])
+def test_zero3_a_second_loss_while_the_group_reopens_waits_for_no_time_out(tmp_path, tmp_path_factory, monkeypatch,
+                                                                            second):
+    """Issue 39's hang: zero3 at P=4 lost rank id 2, then rank id 0 during the recovery, and the survivors waited
+    for the group's time-out (300 s by default, the value here) in torch's rendezvous or in the new group's state
+    gather. Now the job finishes with the single-process losses, every step's line, one change from 4 to 2
+    (ids 2 and 0 left) that recovered in seconds."""
+    losses, events, summary = run(tmp_path, monkeypatch, f"2@3,0@2:{second}", nproc=4, elastic="2:4",
+                                  strategy="zero3", collective_timeout=300, steps=5, log_every=1)
+    assert isinstance(summary, dict), summary
+    assert close(losses, reference_losses(tmp_path_factory, log_every=1)), losses
+    (e,) = events
+    assert (e["old_world"], e["new_world"], sorted(e["left"]), e["joined"]) == (4, 2, [0, 2], [])
+    assert e["recover_s"] < 30, e
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("log_every", [1, 3])
+def test_rank_0_killed_leaves_every_committed_steps_line(tmp_path, tmp_path_factory, monkeypatch, log_every):
+    """Before: rank 0 killed right after its commit of step 5 lost the lines it had not written yet (the others
+    had dropped them at the same write point: step 5 missing with --log-every 1, steps 3-5 with 3). Now the next
+    rank 0 writes them: every step's line, exactly once, with the single-process losses."""
+    from distrain.trainer.metrics import read_metrics
+
+    losses, events, summary = run(tmp_path, monkeypatch, "0@5:commit", nproc=4, elastic="2:4", steps=8,
+                                  log_every=log_every)
+    assert isinstance(summary, dict), summary
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == list(range(8))
+    assert close(losses, reference_losses(tmp_path_factory, steps=8, log_every=log_every)), losses
+    assert [e["left"] for e in events] == [[0]]

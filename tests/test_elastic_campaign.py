@@ -7,14 +7,25 @@ signals, through DISTRAIN_ELASTIC_FAULTS; elastic/faults.py):
     one         one rank at the start of a random step
     two         two ranks at the start of the same step
     recovery    one rank at a random step, a second one as it begins the recovery from that loss
+    opening     one rank, a second one inside the recovery: past the new epoch's barrier, as its peers
+                open the new group with it (before: they waited --collective-timeout in torch's rendezvous)
+    loading     one rank, a second one inside the recovery: the new group open, its peers gathering the
+                state from it
+    frozen      one rank stops (SIGSTOP) with its connections open: the others must not wait for the
+                time-out (its heartbeat stops; the coordinator ends the epoch, blocked calls break)
     replace     one rank, a replacement started (--elastic-replace 1), then a rank (maybe the newcomer) later
 
+Trial k takes strategy k % 5 and pattern (k // 5) % 7, so the first 35 trials run every pattern with
+every strategy once; more trials (``DISTRAIN_ELASTIC_TRIALS``, 35 by default) draw other ranks and
+steps (the draw of trial k is ``random.Random(k)``, so a failing trial reruns alone).
+
 Each trial must end in one of two ways: the job finishes with the losses of the single-process run
-(fp64, rtol 1e-10), or it stops with one of the documented one-line errors (below MIN; a ZeRO piece
-lost with its replica and no checkpoint; a lost parameter server); and in both cases no process of the
-job is left and stderr holds no traceback or warning (e.g. no "leaked semaphore objects"). The draw
-of trial k is ``random.Random(k)``, so a failing trial reruns alone. ``DISTRAIN_ELASTIC_TRIALS`` sets
-how many trials run (30 by default: the slow tier runs them all).
+(fp64, rtol 1e-10), a line for every step exactly once in metrics.jsonl, every injected loss seen as a
+membership change (the ranks that left are the ranks killed: a trial whose faults stopped firing
+fails), and no change waiting for a time-out (each recovers in less than half of --collective-timeout);
+or it stops with one of the documented one-line errors (below MIN; a ZeRO piece lost with its replica
+and no checkpoint; a lost parameter server). In both cases no process of the job is left half a second
+after it exits, and stderr holds no traceback or warning (e.g. no "leaked semaphore objects").
 """
 
 from __future__ import annotations
@@ -33,8 +44,9 @@ import pytest
 from conftest import reference_losses
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "ps-sync")
-PATTERNS = ("one", "two", "recovery", "replace")
-TRIALS = int(os.environ.get("DISTRAIN_ELASTIC_TRIALS", "30"))
+PATTERNS = ("one", "two", "recovery", "opening", "loading", "frozen", "replace")
+TRIALS = int(os.environ.get("DISTRAIN_ELASTIC_TRIALS", str(len(STRATEGIES) * len(PATTERNS))))
+TIMEOUT_S = 30  # --collective-timeout
 STEPS, BATCH = 8, 12
 DOCUMENTED = ("elastic: stopped at step ", "elastic: the piece(s) of ZeRO rank(s) ",
               "elastic: parameter server rank id(s) ")
@@ -54,6 +66,12 @@ def draw(k: int) -> dict:
         plan = f"{a}@{s},{b}@{s}"
     elif pattern == "recovery":
         plan = f"{a}@{s},{b}@{s}:reform"
+    elif pattern == "opening":  # (a change goes on from the step under way or the one before: b's kill at s - 1 on)
+        plan = f"{a}@{s},{b}@{s - 1}:open"
+    elif pattern == "loading":
+        plan = f"{a}@{s},{b}@{s - 1}:load"
+    elif pattern == "frozen":
+        plan = f"{a}@{s}:stop"
     else:  # a replacement (id 4) joins after the first loss; then a kill later, of anyone, the newcomer too
         plan = f"{a}@{s},{rng.choice([b, 4])}@{rng.randint(s + 1, STEPS - 1)}"
         flags += ["--elastic-replace", "1"]
@@ -89,7 +107,7 @@ def run_trial(k: int, out: Path) -> dict:
     cmd = [sys.executable, "-m", "distrain", "train", "--model", "gpt-tiny", "--data", "shakespeare",
            "--dtype", "float64", "--steps", str(STEPS), "--batch-size", str(BATCH), "--lr", "1e-2",
            "--eval-every", "0", "--sample-chars", "0", "--no-progress", "--no-report", "--log-every", "2",
-           "--nproc", "4", "--elastic", "2:4", "--strategy", t["strategy"], "--collective-timeout", "30",
+           "--nproc", "4", "--elastic", "2:4", "--strategy", t["strategy"], "--collective-timeout", str(TIMEOUT_S),
            "--timeout", "200", "--out", str(out), *t["flags"]]
     t0 = time.monotonic()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=220)
@@ -97,14 +115,22 @@ def run_trial(k: int, out: Path) -> dict:
     time.sleep(0.5)  # (a rank's lifeline ends it within moments of its parent)
     errors = [ln.removeprefix("distrain: error: ") for ln in p.stderr.splitlines() if ln.startswith("distrain: error: ")]
     events = []
+    from distrain.trainer.metrics import read_metrics
+
     if (out / "metrics.jsonl").exists():
         from distrain.trainer.metrics import read_events
 
         events = [e for e in read_events(out / "metrics.jsonl") if e["event"] == "membership"]
     outcome = "finished" if p.returncode == 0 else next(
         (d.strip() for d in DOCUMENTED if errors and errors[-1].startswith(d)), "undocumented")
+    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl")] if (out / "metrics.jsonl").exists() else []
     return {"trial": k, **t, "code": p.returncode, "stderr": p.stderr, "left": _left_behind(tag), "wall_s": wall,
-            "outcome": outcome, "changes": len(events), "errors": errors}
+            "outcome": outcome, "changes": len(events), "errors": errors, "events": events, "steps": steps}
+
+
+def killed(plan: str) -> set[int]:
+    """The ids a plan ends (killed or stopped)."""
+    return {int(item.split("@")[0]) for item in plan.split(",")}
 
 
 @pytest.mark.slow
@@ -122,6 +148,16 @@ def test_random_elastic_kill(tmp_path, tmp_path_factory, k):
         got = _losses(tmp_path / "run")
         assert len(got) == len(want) and all(abs(g - w) <= RTOL * abs(w) for g, w in zip(got, want)), \
             f"losses {got} vs one process {want}; {what}"
+        assert r["steps"] == list(range(STEPS)), f"metrics.jsonl steps {r['steps']}; {what}"
+        left = {i for e in r["events"] for i in e["left"]}
+        gone = killed(r["plan"])
+        if r["pattern"] == "replace":  # (the second kill fires only if its rank is in the group at that step)
+            first = int(r["plan"].split("@")[0])
+            assert first in left and left <= gone, f"left {sorted(left)} of {sorted(gone)}; {what}"
+        else:
+            assert left == gone, f"the ranks that left {sorted(left)} are not the ranks ended {sorted(gone)}; {what}"
+        slow = [e["recover_s"] for e in r["events"] if e["recover_s"] >= TIMEOUT_S / 2]
+        assert not slow, f"a change waited for a time-out (recover_s {slow}); {what}"
     else:
         assert r["outcome"] != "undocumented", what
 

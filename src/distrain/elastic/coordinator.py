@@ -19,9 +19,13 @@ rank is seen at once through its sentinel) and the store:
 1. a change is wanted when a member dies, when a member arrives for the next epoch on its own (it saw
    its group break: a time-out, a reset connection), or when a newcomer is ready: ``change/E`` is set,
    which every member sees at its next step boundary (rank 0 reads it, the step's all-reduce spreads it);
-2. it waits for every live member to arrive (``arrive/E+1/ID`` with the steps it can offer); a member
-   still silent ``collective_timeout`` after the change began is dropped (counted as lost). If it comes
-   back later (it was frozen), or a rank arrives with another run's id, it is refused: ``refuse/ID``
+2. it waits for every live member to arrive (``arrive/E+1/ID`` with the steps it can offer). When the
+   change is a loss (a death, or a member that arrived: it left the group) it also sets ``lost/E``, and a
+   member blocked in a call of the epoch breaks the group (member.py) and arrives within seconds. A member
+   whose heartbeat (its watchdog's, every BEAT_S) has not moved for FROZEN_S is frozen and dropped at
+   once; one that is alive but silent (computing) is waited for, with one line saying for whom after a
+   few seconds, until ``collective_timeout`` after the change began, then dropped (counted as lost). If
+   a dropped member comes back later, or a rank arrives with another run's id, it is refused: ``refuse/ID``
    holds one line naming its step and the group's (or the two run ids), which the rank raises as its
    error; a refused rank does not fail the job;
 3. it decides: the step to go on from is the smallest any survivor offers (each can offer its live
@@ -40,8 +44,10 @@ import time
 import uuid
 from typing import Any, Callable, Sequence
 
+from distrain import sealed
 from distrain.blame import Failure, blame
 from distrain.elastic import protocol as m  # (the store's keys)
+from distrain.elastic.protocol import BEAT_S, FROZEN_S
 from distrain.elastic import nodes as multinode
 from distrain.elastic.ranks import Recipe, threads_per_rank
 from distrain.errors import SpawnTimeoutError, TrainingError
@@ -49,6 +55,7 @@ from distrain.launch import local_store
 from distrain.launch.supervisor import Outcome, Supervisor
 
 POLL_S = 0.01
+SAY_S = 5.0  # waiting this long for members to leave an ended epoch: say for whom
 
 
 class Coordinator:
@@ -76,6 +83,11 @@ class Coordinator:
         self.run_id = uuid.uuid4().hex[:12]  # a rank of another run (another store, same port) is refused
         self.dropped: dict[int, int] = {}  # members dropped while alive (silent): id -> the epoch they would arrive at
         self.refused: dict[int, str] = {}  # id -> the one-line refusal it was given
+        # the current epoch's heartbeats: member -> (its last beat seen, when it moved; this clock), the time the
+        # group opened (its first beat), the members found frozen (_watch_beats)
+        self.beats: dict[int, tuple] = {}
+        self.beats_read, self.opened, self.frozen = 0.0, 0.0, set()
+        self.said = -1  # the epoch whose wait was told
 
     # -- processes ----------------------------------------------------------------------------
     def _start(self, ident: int, newcomer: bool) -> None:
@@ -107,7 +119,7 @@ class Coordinator:
                        else f"signal {-code}" if code is not None and code < 0 else f"exit code {code}")
                 print(f"distrain: elastic: rank id {i} died without a word ({how})", flush=True)
                 self.lost[i] = time.time()
-                self._want()
+                self._want(lost=True)
             self.waiting.pop(i, None)
 
     def _poll(self) -> None:
@@ -115,10 +127,14 @@ class Coordinator:
             self.fold(o)
 
     # -- membership ---------------------------------------------------------------------------
-    def _want(self) -> None:
+    def _want(self, lost: bool = False) -> None:
+        """End the current epoch (``change/E``); ``lost``: it lost a member (``lost/E``: its blocked calls
+        cannot complete, member.py breaks them)."""
         if self.want is None:
             self.want = time.time()
             self.store.set(m.key("change", self.epoch), "1")
+        if lost:
+            self.store.set(m.key("lost", self.epoch), "1")
 
     def _step_membership(self) -> None:
         if any(i in self.results for i in self.members):
@@ -133,14 +149,17 @@ class Coordinator:
             survivors.remove(i)
             self._refuse(i, r, nxt)
             self.lost[i] = time.time()
-        if arrived or (ready and not self.stop and self.store.check([m.key("up", self.epoch, i) for i in survivors])):
+        if arrived:
+            self._want(lost=True)  # (a member left the epoch: the others' calls with it cannot complete)
+        elif ready and not self.stop and self.store.check([m.key("up", self.epoch, i) for i in survivors]):
             self._want()  # (a newcomer waits until the current group is open: its barrier must not be cut)
         if self.want is None:
             return
         late = [i for i in survivors if i not in arrived]
-        if late and time.time() - self.want < self.ctimeout:
+        if any(i not in self.frozen for i in late) and time.time() - self.want < self.ctimeout:
+            self._say_waiting(late)
             return
-        for i in late:  # alive but silent (stopped, frozen): dropped; if it comes back, it is refused (_admit)
+        for i in late:  # frozen, or alive but silent past the time-out: dropped; if it comes back, refused (_admit)
             self.lost[i], self.dropped[i] = time.time(), nxt
         stateless = [i for i, r in arrived.items() if r["live"] is None and r["snap"] is None]  # a failed heal
         offers = {i: r for i, r in arrived.items() if i not in stateless}
@@ -190,12 +209,61 @@ class Coordinator:
         holder = next((i for i in info["ids"] if i not in behind and i not in joiners), None)
         info.update(receive=behind + joiners, sender=info["ids"].index(holder) if holder is not None else 0)
         self.epoch, self.members, self.want = nxt, info["ids"], None
+        self.beats, self.opened = {}, 0.0
         self.store.set(m.key("members", nxt), json.dumps(info))
         for i in joiners:
             self.waiting.pop(i, None)
             self.store.set(m.key("invite", i), str(nxt))
             self.store.add(m.key("joins"), 1)
         self.events.append(info)
+
+    def _watch_beats(self) -> None:
+        """Every BEAT_S / 2: note when each member's heartbeat (its watchdog's record in ``wd/E/``, read on
+        this clock) last moved, from the moment the epoch's group opened (the first beat of any member). A
+        member silent for FROZEN_S since is frozen (stopped, or a machine that hangs): waiting for it is
+        waiting for the time-out. While the group runs, that is a loss: the epoch ends (its blocked calls
+        break, member.py), and the member is dropped when the others have arrived."""
+        now = time.time()
+        if now - self.beats_read < BEAT_S / 2:
+            return
+        self.beats_read = now
+        for k, i in enumerate(self.members):
+            if i in self.lost or i in self.gone:
+                continue
+            key = m.key("wd", self.epoch, "wd", k)
+            beat = self.store.get(key) if self.store.check([key]) else None
+            seen, moved = self.beats.get(i, (None, now))
+            if beat is not None and beat != seen:
+                self.beats[i] = (beat, now)
+                self.opened = self.opened or now
+            elif i not in self.beats:
+                self.beats[i] = (None, now)
+        if not self.opened:
+            return
+        frozen = [i for i in self.members if i in self.beats and i not in self.lost and i not in self.gone
+                  and now - max(self.beats[i][1], self.opened) > FROZEN_S
+                  and not self.store.check([m.key("arrive", self.epoch + 1, i)])]  # (one that left beats no more)
+        new = [i for i in frozen if i not in self.frozen]
+        if new:
+            print(f"distrain: elastic: rank id(s) {', '.join(map(str, new))} frozen (no heartbeat for {FROZEN_S:g}s in "
+                  f"epoch {self.epoch}): the group goes on without {'it' if len(new) == 1 else 'them'}", flush=True)
+            self.frozen |= set(new)
+            self._want(lost=True)
+
+    def _say_waiting(self, late: list[int]) -> None:
+        """One line, once per change, when members keep the others waiting for SAY_S: whom, doing what."""
+        if self.said == self.epoch or time.time() - self.want < SAY_S:
+            return
+        self.said = self.epoch
+        what = []
+        for i in late:
+            raw = self.beats.get(i, (None,))[0]
+            beat = json.loads(raw) if raw is not None else None
+            what.append(f"rank id {i} " + ("not yet in the group" if beat is None else
+                                           f"in {beat['op'].split('(')[0]} for {beat['blocked_s']:.0f}s" if beat["op"]
+                                           else "computing"))
+        print(f"distrain: elastic: epoch {self.epoch} ended {time.time() - self.want:.0f}s ago; waiting for "
+              f"{'; '.join(what)} to leave it (at most --collective-timeout {self.ctimeout:g}s)", flush=True)
 
     def _group_step(self) -> int | None:
         """The group's step: the last one rank 0 completed (``step``), else the last membership's."""
@@ -205,7 +273,7 @@ class Coordinator:
 
     def _refuse(self, ident: int, offer: dict, epoch: int) -> None:
         self.dropped.setdefault(ident, epoch)
-        why = self.refused[ident] = refusal(ident, offer, self.run_id, self._group_step())
+        why = self.refused[ident] = refusal(ident, offer, self.run_id, self._group_step(), ident in self.frozen)
         self.store.set(m.key("refuse", ident), why)
         print(f"distrain: {why}", flush=True)
 
@@ -226,21 +294,24 @@ class Coordinator:
 
     # -- the whole job ------------------------------------------------------------------------
     def run(self) -> dict[int, Any]:
-        if self.nodes is None:
-            self.store = local_store(self.hi + 1, self.ctimeout)
+        if self.nodes is None:  # the loopback's, sealed with a secret of this job (other users reach the port only)
+            secret = sealed.new()
+            self.store = sealed.SealedStore(local_store(self.hi + 1, self.ctimeout), secret.encode())
         else:  # node 0 of several: the store on its address, the other nodes' ranks reported by their agents
+            secret = self.nodes.secret
             self.store = multinode.serve_store(self.nodes, self.hi + self.nodes.nodes, self.ctimeout)
             self.remote = multinode.Remote(self.nodes, self.nproc)
         self.store.set(m.key("run"), self.run_id)  # (node agents give their ranks this run's id)
         self.recipe = Recipe(self.fn, self.args, self.backend, self.ctimeout, self.store.port, self.run_id,
                              host=self.nodes.host if self.nodes else "127.0.0.1",
                              stride=self.nproc // self.nodes.nodes if self.nodes else 1,
-                             threads=threads_per_rank(self.hi, self.nodes.nodes if self.nodes else 1))
+                             threads=threads_per_rank(self.hi, self.nodes.nodes if self.nodes else 1), secret=secret)
         self.store.set(m.key("members", 0), json.dumps({"ids": self.members, "step": None, "old": self.nproc,
                                                           "left": [], "joined": [], "t0": time.time()}))
         for i in self.members if self.nodes is None else self.nodes.ids(self.nproc):
             self._start(i, newcomer=False)
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        done = False
         try:
             while True:
                 self._poll()
@@ -251,11 +322,13 @@ class Coordinator:
                     self._grace()
                     raise blame(self.failures)
                 if all(i in self.results for i in self.members):
+                    done = True
                     return {i: self.results[i] for i in self.members}
                 if any(i in self.gone and i not in self.results and i not in self.lost for i in self.members):
                     raise TrainingError("elastic: a member ended without a result")
                 self._replace()
                 self._admit()
+                self._watch_beats()
                 self._step_membership()
                 if deadline is not None and time.monotonic() > deadline:
                     running = [i for i in self.sup.procs if i not in self.gone]
@@ -264,6 +337,8 @@ class Coordinator:
         finally:
             if self.remote is not None:
                 multinode.end_nodes(self.store)
+            if done:  # the ranks sent their results and are leaving: let them finish (their files, semaphores)
+                self.sup.join(10, [i for i in self.results if i in self.sup.procs])
             for i in self.sup.procs:
                 self.sup.kill(i)
             self.sup.close()
@@ -345,15 +420,16 @@ def sharded_target(offers: dict[int, dict]) -> tuple[int, str]:
     return min(ckpts), "checkpoint"
 
 
-def refusal(ident: int, offer: dict, run_id: str, group_step: int | None) -> str:
+def refusal(ident: int, offer: dict, run_id: str, group_step: int | None, frozen: bool = False) -> str:
     """The one line a rank coming back with a stale state gets: another run's, or an older step."""
     if offer.get("run", run_id) != run_id:
         return (f"elastic: rank id {ident} refused: its state is of run {offer.get('run')}, the group's of run "
                 f"{run_id}; a rank cannot join another run")
     step = offer["live"] if offer.get("live") is not None else offer.get("snap")
     group = f"at step {group_step}" if group_step is not None else "before its first completed step"
+    how = f"frozen: no heartbeat for {FROZEN_S:g}s" if frozen else "silent past --collective-timeout"
     return (f"elastic: rank id {ident} refused: its state is at step {step}, the group's {group}; "
-            f"it was dropped (silent past --collective-timeout) and cannot rejoin with a stale state")
+            f"it was dropped ({how}) and cannot rejoin with a stale state")
 
 
 def run(fn: Callable[..., Any], nproc: int, lo: int, hi: int, args: Sequence = (), replace: int = 0,

@@ -25,7 +25,11 @@ sent; the production hooks (``member.Hooks``) do nothing. When the variable is s
   others complete it: it is a step behind them and gets the state from one of them when the group
   re-forms (replicated state whose commit rides with the gradients);
 * ``:reform``: it SIGKILLs itself when it begins its first membership change at step STEP or later,
-  before it leaves its group (a second loss during a recovery).
+  before it leaves its group (a second loss during a recovery);
+* ``:open``: it SIGKILLs itself in the first change at step STEP or later once it passed the new
+  epoch's barrier, before it joins the new group (its peers are joining it: a loss inside the opening);
+* ``:load``: it SIGKILLs itself in the first change at step STEP or later once the new group is open
+  and its engine built, before the state is gathered (its peers are in the gather).
 """
 
 from __future__ import annotations
@@ -98,6 +102,17 @@ class Faults(Hooks):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def in_heal(self, member, step: int) -> None:
-        if any(a == "heal" and i == member.ident and s <= step for (i, s), a in self.plan.items()):
-            print(f"distrain elastic: id {member.ident} kill in the heal at step {step}", flush=True)
+        self._kill_in_change(member, "heal", step)
+
+    def in_open(self, member, epoch: int) -> None:
+        step = member.live if member.live is not None else member.snap_step
+        if epoch > 0 and step is not None:  # (epoch 0 is the job's start, not a change)
+            self._kill_in_change(member, "open", step)
+
+    def in_load(self, member, step: int) -> None:
+        self._kill_in_change(member, "load", step)
+
+    def _kill_in_change(self, member, action: str, step: int) -> None:
+        if any(a == action and i == member.ident and s <= step for (i, s), a in self.plan.items()):
+            print(f"distrain elastic: id {member.ident} kill in the {action} at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)

@@ -58,11 +58,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from distrain import comm
+from distrain import comm, sealed
 from distrain.comm.core import watchdog
+from distrain.elastic.epoch_store import EpochStore
 from distrain.elastic.pieces import Exchange, pack
-from distrain.elastic.protocol import (ENV_HOST, ENV_ID, ENV_NEW, ENV_PORT, ENV_RUN, ENV_STRIDE, POLL_S, Change,
-                                       Hooks, key)
+from distrain.elastic.protocol import (BEAT_S, ENV_HOST, ENV_ID, ENV_NEW, ENV_PORT, ENV_RUN, ENV_STRIDE, POLL_S,
+                                       STUCK_S, Change, Hooks, key)
 from distrain.elastic.sockets import sever
 from distrain.errors import CommError, PeerLostError
 
@@ -82,6 +83,9 @@ class Member:
         self.held: dict[int, dict] = {}
         self.whole = False  # replicated state: every rank holds all of it (any holder can send it to another)
         self.changes: list[dict] = []  # every membership event this rank went through
+        # the decisions of a change not yet complete (its first step not done): a second loss during the change
+        # makes it several decisions, reported as one change (_heal) from the last complete membership
+        self.cut: list[dict] = []
         # sharded state (ZeRO): each rank holds one piece, (world, rank) of the layout it was cut for; at
         # every step start it also keeps a copy of the previous rank's piece (the replica), so one lost
         # rank's piece survives on its successor. ``kept``: {step, world, rank, kind, tree} of the copies
@@ -92,13 +96,18 @@ class Member:
         self.pending = None  # (step, pieces.Exchange) in flight from ``begin`` to ``end``
         self.buffers: dict[int, tuple] = {}  # step parity -> (our piece's buffer, the replica's), this group's
         self.ckpt_step: int | None = None
+        self.group_store: EpochStore | None = None  # the current epoch's group's store (_open)
+        self.broke = -1  # the epoch whose group this rank's watchdog broke (_interrupt)
+        self.lost_seen = (-1, 0.0)  # (epoch, when this rank saw that it lost a member)
 
     @classmethod
     def from_env(cls, backend: str, timeout: float, hooks: Hooks | None = None) -> "Member":
-        """This rank's Member, from the environment :func:`env_for` made."""
+        """This rank's Member, from the environment :func:`env_for` made (and the job's secret, which
+        seals the coordinator's store: distrain.sealed)."""
         port = int(os.environ[ENV_PORT])
-        store = dist.TCPStore(os.environ.get(ENV_HOST, "127.0.0.1"), port, is_master=False,
-                              timeout=timedelta(seconds=timeout))
+        store = sealed.SealedStore(dist.TCPStore(os.environ.get(ENV_HOST, "127.0.0.1"), port, is_master=False,
+                                                 timeout=timedelta(seconds=timeout)),
+                                   sealed.check(os.environ.get(sealed.ENV, "")))
         return cls(store, int(os.environ[ENV_ID]), backend, timeout, os.environ.get(ENV_NEW) == "1", hooks,
                    os.environ.get(ENV_RUN, ""), int(os.environ.get(ENV_STRIDE, "1")))
 
@@ -135,6 +144,7 @@ class Member:
             self._wait([key("invite", self.ident)], "an invitation into the group")
             epoch = int(self.store.get(key("invite", self.ident)))
             info = self._get(key("members", epoch))
+            self.cut.append(info)
             try:
                 self._open(epoch, info)
                 return self._heal(info, None)
@@ -154,12 +164,35 @@ class Member:
         if not self._wait([key("up", epoch, i) for i in self.ids], f"the ranks of epoch {epoch}",
                           abort=key("change", epoch)):
             raise PeerLostError(f"elastic: epoch {epoch} ended before its group opened (a peer was lost)")
+        self.hooks.in_open(self, epoch)
+        # the group's rendezvous waits end when the epoch loses a member (lost after the barrier: epoch_store.py;
+        # not on a mere change: a newcomer waits for the group to open); held here for as long as the group lives
+        self.group_store = EpochStore(self.store, epoch, key("lost", epoch), self.timeout)
         with comm.transport_errors(f"elastic: opening the group of epoch {epoch}"):  # a peer lost meanwhile
-            dist.init_process_group(self.backend, store=dist.PrefixStore(key("pg", epoch) + "/", self.store),
+            dist.init_process_group(self.backend, store=dist.PrefixStore(key("pg", epoch) + "/", self.group_store),
                                     rank=self.rank, world_size=self.world, timeout=timedelta(seconds=self.timeout))
-        # past the group's own time-out: a hung peer surfaces as the backend's exception, handled here
-        watchdog.install(dist.PrefixStore(key("wd", epoch) + "/", self.store), self.rank, self.world,
-                         2 * self.timeout + 30)
+        # past the group's own time-out: a hung peer surfaces as the backend's exception, handled here; a beat
+        # every BEAT_S (the coordinator tells a frozen member by it), and the break of a group that lost a member
+        watchdog.install(dist.PrefixStore(key("wd", epoch), self.store), self.rank, self.world,
+                         2 * self.timeout + 30, interval=BEAT_S, interrupt=self._interrupt)
+
+    def _interrupt(self, blocked_s: float) -> None:
+        """The watchdog's thread, every beat: once the coordinator has marked the epoch as having lost a
+        member (``lost/E``: a death, a frozen member, or one already gone to the next epoch) and this rank
+        is still in the epoch STUCK_S later, or has been blocked in one call that long, shut the group's
+        connections down, so that what waits on the group fails now instead of at its time-out (a dead
+        peer's connections close by themselves, but one that left the group alive, froze, or never joined
+        it may keep them open; a point-to-point wait is not a bracketed call)."""
+        epoch = self.epoch
+        if self.broke == epoch:
+            return
+        if self.lost_seen[0] != epoch:
+            if not self.store.check([key("lost", epoch)]):
+                return
+            self.lost_seen = (epoch, time.monotonic())
+        if blocked_s >= STUCK_S or time.monotonic() - self.lost_seen[1] >= STUCK_S:
+            self.broke = epoch
+            sever(self.store.port)
 
     def _close(self, broken: bool = False) -> None:
         self.pending = None  # an exchange cut off with the group: its copy never counts
@@ -309,6 +342,7 @@ class Member:
                 print(f"distrain: error: {why}", file=sys.stderr, flush=True)
                 self.store.set(key("refused"), str(self.ident))  # (tests: a ``hold`` ends here)
                 raise CommError(why)
+            self.cut.append(info)
             target, source = info["step"], info.get("source", "peers")
             if self.ident in info.get("receive", ()):  # a holder of the step sends it (_heal)
                 state = None
@@ -349,16 +383,20 @@ class Member:
             # replicated state: the sender sends all of it; sharded: only the RNG (the loop gathers the pieces)
             src = info.get("sender", 0)
             sent = None if self.rank != src else state if not self.sharded else {"rng": state["rng"], "engine": None}
-            box = [sent]
-            comm.broadcast_object_list(box, src=src)
+            got = comm.broadcast_data(sent, src=src)  # (data only: tensors and containers, never a pickle)
             if state is None:
-                state = box[0] if not self.sharded else dict(box[0], pieces=[])
+                state = got if not self.sharded else dict(got, pieces=[])
         if state["rng"] is not None:  # (sharded, no state of ours at the step: the loop takes a peer's)
             torch.set_rng_state(state["rng"])
         self._settle(state, info["step"])  # the loop loads it into a new engine
-        return Change(self.epoch, info["step"], state, info["old"], len(info["ids"]), info["left"], info["joined"],
-                      info.get("rolled_back"), info["t0"], info.get("stop"), info.get("spawned", {}),
+        old, left, joined, t0, spawned = whole_change(self.cut)
+        return Change(self.epoch, info["step"], state, old, len(info["ids"]), left, joined,
+                      info.get("rolled_back"), t0, info.get("stop"), spawned,
                       source=info.get("source", "peers"), rolled_forward=info.get("rolled_forward"))
+
+    def settled(self) -> None:
+        """The first step after the last change is done: the change is complete (a later one starts anew)."""
+        self.cut = []
 
 
     def _settle(self, state: dict, step: int) -> None:
@@ -368,6 +406,18 @@ class Member:
             self.snap, self.snap_step, self.live = state, step, None
         else:
             self.held, self.live, self.in_step, self.ready = {step: state}, step, False, False
+
+
+def whole_change(cut: list[dict]) -> tuple[int, list, list, float, dict]:
+    """The decisions of one change, cut short by losses while the group re-formed, as one change from the
+    group before the first to the group of the last: (old world, left ids, joined ids, t0 (the first
+    loss), newcomers' start times). A newcomer of one decision that left in a later one is in neither."""
+    left, joined, spawned = [], [], {}
+    for info in cut:
+        left += [i for i in info["left"] if i not in joined and i not in left]
+        joined = [i for i in joined if i not in info["left"]] + [i for i in info["joined"] if i not in joined]
+        spawned.update(info.get("spawned", {}))
+    return cut[0]["old"], left, joined, min(info["t0"] for info in cut), spawned
 
 
 _current: Member | None = None

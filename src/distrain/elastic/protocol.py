@@ -8,7 +8,8 @@ The store is the coordinator's (the top process, coordinator.py), so it outlives
 (under ``elastic/``): ``members/E`` (the coordinator's decision: ids in rank order, the step to go
 on from, who left and joined, who receives the state and from whom), ``change/E`` (the coordinator wants epoch E to end), ``arrive/E/ID`` (a rank
 asks into epoch E with the steps it can offer), ``ready/ID`` and ``invite/ID`` (a newcomer), ``up/E/ID``
-(the barrier before the group opens), ``wd/E/`` (the watchdog's heartbeats), ``step`` (the group's
+(the barrier before the group opens), ``wd/E/`` (the watchdog's heartbeats), ``lost/E`` (epoch E
+lost a member: a rank blocked in one of its calls breaks the group at once), ``step`` (the group's
 step, written by rank 0 at each commit), ``refuse/ID`` (the coordinator's one-line refusal of a stale rank).
 ``end/ID`` and ``news`` (a node agent's report of a rank's end), ``hb/I`` (its heartbeat),
 ``kill/ID`` and ``job/end`` (the coordinator's word to node agents), ``joins`` and ``refused``
@@ -26,6 +27,9 @@ ENV_STRIDE = "DISTRAIN_ELASTIC_STRIDE"  # ranks per node (a ZeRO replica goes on
 ENV_PORT, ENV_ID, ENV_NEW, ENV_RUN = ("DISTRAIN_ELASTIC_PORT", "DISTRAIN_ELASTIC_ID", "DISTRAIN_ELASTIC_NEW",
                                       "DISTRAIN_ELASTIC_RUN")
 POLL_S = 0.005
+BEAT_S = 1.0  # a rank's heartbeat in an elastic group (its collective watchdog's, ``wd/E/``)
+STUCK_S = 2.0  # blocked this long in a call of an epoch that lost a member: the rank breaks the group
+FROZEN_S = 8.0  # a member whose heartbeat has not moved for this long (once its group opened) is frozen
 
 
 def key(*parts) -> str:
@@ -55,6 +59,12 @@ class Hooks:
 
     def in_reform(self, member: "Member", step: int | None) -> None:
         """A change begins on this rank (its state at boundary ``step``), before it leaves its group."""
+
+    def in_open(self, member: "Member", epoch: int) -> None:
+        """This rank passed the barrier of epoch ``epoch`` (a change), before it joins the epoch's group."""
+
+    def in_load(self, member: "Member", step: int) -> None:
+        """A change's new group is open and its engine built; the state at ``step`` is not yet gathered."""
 
 
 @dataclass

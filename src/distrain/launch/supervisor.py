@@ -133,11 +133,12 @@ class Supervisor:
                 p.kill()
                 p.join(1)
 
-    def join(self, timeout: float) -> None:
-        """Wait up to ``timeout`` s in all for the processes to exit by themselves (after their result)."""
+    def join(self, timeout: float, idents: Iterable[int] | None = None) -> None:
+        """Wait up to ``timeout`` s in all for the processes (all, or ``idents``) to exit by themselves
+        (after their result)."""
         deadline = time.monotonic() + timeout
-        for p in self.procs.values():
-            p.join(max(0.0, deadline - time.monotonic()))
+        for i in self.procs if idents is None else idents:
+            self.procs[i].join(max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         """End every process still running and release the pipes."""

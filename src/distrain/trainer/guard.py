@@ -158,6 +158,7 @@ class ElasticGuard(Guard):
         record.update(loss=total, world=self.q.world, copy_s=self.copy_s)
         if self.pending_event is not None:  # the first step at the new size is done: the change is complete
             e, self.pending_event = self.pending_event, None
+            self.q.settled()
             now = time.time()
             done = {k: v for k, v in e.items() if k not in ("t0", "spawned", "t_left")}
             done.update(recover_s=now - e["t0"], pause_s=now - (e["t_left"] or now), time=now)
@@ -246,9 +247,9 @@ class ElasticGuard(Guard):
         knows its loss), cut to the steps before the one the group goes on from; the new rank 0 leaves out
         those already written."""
         q = self.q
+        q.hooks.in_load(q, c.step)
         mine = (c.state.get("pieces", []), c.state["rng"]) if q.sharded else ([], None)
-        held = [None] * q.world
-        comm.all_gather_object(held, (*mine, records))
+        held = comm.all_gather_data((*mine, records))  # (data only: tensors, numbers, containers)
         if c.source == "checkpoint":
             self.load_from_checkpoint(engine)
         elif q.sharded:

@@ -309,11 +309,14 @@ def train_steps(cfg: TrainConfig, engine: Engine, task: Task, start: int, guard:
         (Path(cfg.out) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     bar = progress_bar(cfg, start, engine.label, log is not None)
     pending: list[dict] = []  # step records whose lines are not written yet
+    # the records rank 0 wrote at the last write point, kept by every rank until a later quorum proves that rank 0
+    # got past that point: a rank 0 lost before writing them leaves them to the next rank 0 (guard.recover)
+    unsure: list[dict] = []
 
     def after(step: int, rec: dict | None) -> None:
         """The work at boundary ``step`` (``rec``: the record of the step just done; None when a change
         brought the group here): the end of training, the lines, evaluation, checkpoint."""
-        nonlocal pending
+        nonlocal pending, unsure
         last = step == cfg.steps
         if last:
             engine.end_training()
@@ -329,7 +332,7 @@ def train_steps(cfg: TrainConfig, engine: Engine, task: Task, start: int, guard:
             # would otherwise resume past steps that metrics.jsonl never got (a resume drops lines >= its step)
             if pending:
                 write_records(pending, log, bar)
-            pending = []
+            unsure, pending = unsure + pending, []
             if do_ckpt:  # only finite losses reach a checkpoint
                 save_checkpoint(cfg, engine, step)
                 guard.checkpointed(step)
@@ -353,6 +356,7 @@ def train_steps(cfg: TrainConfig, engine: Engine, task: Task, start: int, guard:
                                   cfg.batch_size * task.units_per_sample, lr)
                 rec.update(engine.step_metrics())
                 guard.end(step, engine, rec)  # (elastic: the loss is summed already)
+                unsure = []  # (its quorum proves that rank 0 wrote the lines of the last write point)
                 pending.append(rec)
                 step += 1
             due = False
@@ -366,7 +370,8 @@ def train_steps(cfg: TrainConfig, engine: Engine, task: Task, start: int, guard:
         # a change (a peer lost, or the coordinator asked): a new group, a new engine, the step to go on from
         held = guard.keep(engine)
         engine = None  # (drop the engine and its hold on the old group)
-        engine, step, stop, pending, forward = guard.recover(held, pending)
+        engine, step, stop, pending, forward = guard.recover(held, unsure + pending)
+        unsure = []
         held = None
         due = forward or step >= cfg.steps  # (the group finished the step under way, or the last one)
         if engine.rank == 0:

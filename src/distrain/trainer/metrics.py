@@ -31,10 +31,11 @@ class MetricsLog:
             self.tensorboard.write(records)
 
     def rewind(self, step: int) -> set[int]:
-        """Drop the step lines from ``step`` on (an elastic job rolled them back), keep every event line;
-        returns the steps of the step lines kept."""
+        """Drop the step lines from ``step`` on (an elastic job rolled them back) and a torn line (a rank 0
+        killed while writing it: the next rank 0 writes that step again), keep every event line; returns the
+        steps of the step lines kept."""
         rows = [ln for ln in self.path.read_text().splitlines() if ln.strip()] if self.path.exists() else []
-        kept = [(ln, r) for ln in rows if "event" in (r := json.loads(ln)) or r["step"] < step]
+        kept = [(ln, r) for ln in rows if (r := _record(ln)) is not None and ("event" in r or r["step"] < step)]
         self.path.write_text("".join(ln + "\n" for ln, _ in kept))
         return {r["step"] for _, r in kept if "event" not in r}
 
@@ -45,6 +46,15 @@ class MetricsLog:
         rec.update(fields)
         lines[-1] = json.dumps(rec)
         self.path.write_text("".join(ln + "\n" for ln in lines))
+
+
+def _record(line: str) -> dict | None:
+    """A line's record, or None for a torn line."""
+    try:
+        r = json.loads(line)
+    except ValueError:
+        return None
+    return r if isinstance(r, dict) and ("event" in r or isinstance(r.get("step"), int)) else None
 
 
 def _step(line: str) -> float:

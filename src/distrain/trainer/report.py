@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from pathlib import Path
 
@@ -39,6 +40,9 @@ def progress_bar(cfg: TrainConfig, start: int, label: str, on: bool):
         return None
     from tqdm.auto import tqdm
 
+    # one process writes the bar; tqdm's default lock includes a multiprocessing one (a named semaphore in
+    # /dev/shm), which a rank killed with SIGKILL never unlinks ("leaked semaphore objects" at the job's end)
+    tqdm.set_lock(threading.RLock())
     return tqdm(total=cfg.steps, initial=start, desc=f"{label}/{cfg.model}", dynamic_ncols=True)
 
 

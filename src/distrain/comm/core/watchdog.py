@@ -15,6 +15,10 @@ reads every rank's heartbeat and classifies the others:
 * *not responding*: heartbeat older than ``STALE`` intervals: stopped (SIGSTOP), frozen, or
   dead.
 
+An elastic rank also hands the thread an ``interrupt(blocked_s)`` it calls every interval (0 when
+not in a call): the membership layer checks there whether its epoch has lost a member and, if so,
+breaks the group's connections so that a call that cannot complete fails at once (elastic/member.py).
+
 The report names the hung ranks, the call, and the flag to raise (``--collective-timeout``),
 is handed to ``report`` (spawn: to the parent over the result pipe; otherwise stderr), and
 the process exits. The backend's own time-out is set longer (runtime.init), so the watchdog
@@ -39,9 +43,11 @@ _active: "Watchdog | None" = None
 
 
 class Watchdog:
-    def __init__(self, store, rank: int, world: int, timeout: float, report: Callable[[str], None]):
+    def __init__(self, store, rank: int, world: int, timeout: float, report: Callable[[str], None],
+                 interval: float | None = None, interrupt: Callable[[float], None] | None = None):
         self.store, self.rank, self.world, self.timeout, self.report = store, rank, world, timeout, report
-        self.interval = max(0.2, min(5.0, timeout / 4))
+        self.interval = interval or max(0.2, min(5.0, timeout / 4))
+        self.interrupt = interrupt
         self.calls = 0  # blocking calls entered so far
         self.op: str | None = None  # the blocking call in progress
         self.since = 0.0  # time.monotonic() when it began
@@ -69,6 +75,11 @@ class Watchdog:
             except Exception:  # noqa: BLE001 - the store is gone: the job is ending anyway
                 return
             op, since = self.op, self.since
+            if self.interrupt is not None:
+                try:
+                    self.interrupt(time.monotonic() - since if op is not None else 0.0)
+                except Exception:  # noqa: BLE001 - the store is gone: the job is ending anyway
+                    return
             if op is not None and time.monotonic() - since > self.timeout:
                 time.sleep(1.5 * self.interval)  # let every rank publish a fresh heartbeat
                 if self.op is op and self.since == since:  # still the same call
@@ -122,11 +133,14 @@ def to_stderr(message: str) -> None:
     print(f"distrain: error: {message}", file=sys.stderr, flush=True)
 
 
-def install(store, rank: int, world: int, timeout: float, report: Callable[[str], None] | None = None) -> Watchdog:
-    """Start this process's watchdog (replacing any previous one); ``report`` defaults to stderr."""
+def install(store, rank: int, world: int, timeout: float, report: Callable[[str], None] | None = None,
+            interval: float | None = None, interrupt: Callable[[float], None] | None = None) -> Watchdog:
+    """Start this process's watchdog (replacing any previous one); ``report`` defaults to stderr;
+    ``interval``: seconds between heartbeats (default from ``timeout``); ``interrupt``: see the
+    module docstring."""
     global _active
     uninstall()
-    _active = Watchdog(store, rank, world, timeout, report or to_stderr).start()
+    _active = Watchdog(store, rank, world, timeout, report or to_stderr, interval, interrupt).start()
     return _active
 
 
