@@ -12,7 +12,8 @@ $(STAMP): pyproject.toml Makefile setup.py src/distrain/comm/shm/_dataplane.cpp
 	# torch first, pinned: a CPU build on local disk (an unpinned torch pulls a multi-GB CUDA build)
 	$(PIP) install -q torch==2.13.0
 	# the C++ shared-memory data plane compiles against that torch (setup.py), so no isolated build;
-	# without a C++ compiler the install goes on and the transport runs its Python version
+	# without a C++ compiler the install goes on and the transport runs its Python version, but with
+	# one a failed compile fails the install (CXX=none make install: the Python version on purpose)
 	$(PIP) install -q 'setuptools>=68' wheel ninja
 	$(PIP) install -q --no-build-isolation -e '.[test]'
 	$(PY) -c "from distrain.comm.shm import compiled; print('distrain: shared-memory kernels:', compiled.status())"

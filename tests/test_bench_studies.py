@@ -11,6 +11,7 @@ import pytest
 
 from distrain.bench.comm import predict
 from distrain.cli import main
+from distrain.cluster.fixture import emulated_cluster  # noqa: F401  (the fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 COMM_RECORDS = sorted(glob.glob(str(ROOT / "docs/cost_model_data/comm_*.json")))
@@ -67,3 +68,52 @@ def test_cp_memory_counts_the_formulas_bytes(tmp_path):
     for row in (ring, a2a):
         assert row["cp"] == 2 and row["cp_bytes_sent_max"] == row["formula_bytes"] > 0
         assert row["saved_bytes_max"] < one["saved_bytes_max"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_comm_predict_across_the_emulated_cluster_puts_the_prediction_beside_the_measurement(
+        emulated_cluster, tmp_path):
+    """``distrain bench comm --predict`` with no file (docs/cost_model.md): the links calibrated on the
+    spot across two nodes, then star against ring with the cost model's time beside each measured one."""
+    from distrain.cluster import runner
+
+    spec = emulated_cluster(nodes=2, link="1gbit")
+    out = tmp_path / "comm.json"
+    res = runner.run(spec, ["distrain", "bench", "comm", "--sizes", "1M", "--algorithms", "star,ring,native",
+                            "--warmup", "1", "--iters", "2", "--predict", "--json", str(out)], timeout=240, echo=False)
+    assert res.returncode == 0, "\n".join(res.output[-30:])
+    lines = [line.removeprefix("[node 0] ") for line in res.output if line.startswith("[node 0] ")]
+    # the calibration ran (one inter-node pair), then the table of measured against predicted
+    assert any(line.startswith("[link] 0 <-> 1 (inter): alpha ") for line in lines), "\n".join(lines)
+    head = lines.index(next(line for line in lines if line.lstrip("# ").rstrip() == "cost model vs measured"))
+    assert lines[head + 1].split() == ["#", "op", "algorithm", "P", "size", "measured_us", "predicted_us", "error"]
+    rows = {cells[1]: cells for cells in (line.split() for line in lines[head + 2:head + 5])}
+    assert set(rows) == {"star", "ring", "native"}
+    for alg in ("star", "ring"):
+        op, _, P, size, measured, predicted, error = rows[alg]
+        assert (op, P, size) == ("all_reduce", "2", "1M")
+        assert float(measured) > 0 and float(predicted) > 0 and error.endswith("%")
+    assert rows["native"][5:] == ["-", "-"]  # no schedule to model for Gloo's own
+    recs = {r["algorithm"]: r for r in json.loads(out.read_text())["records"]}
+    assert recs["native"]["predicted_us"] is None and recs["native"]["predicted_error_pct"] is None
+    for r in (recs["star"], recs["ring"]):
+        assert r["placement"] == [0, 1] and r["size_bytes"] == 1 << 20
+        assert r["predicted_error_pct"] == pytest.approx(100 * (r["predicted_us"] - r["time_us"]) / r["time_us"])
+    # the seeds' claim: at P = 2 the star moves N each way in turn, the ring N/2 twice each way at once
+    assert recs["star"]["predicted_us"] > 1.5 * recs["ring"]["predicted_us"]
+
+
+@pytest.mark.timeout(60)
+def test_bench_elastic_reports_a_replacement_that_did_not_join_in_time():
+    """``bench elastic`` scaled down (few steps after --kill-step) can end before the replacement joins: the
+    report says so instead of failing on the missing time (it crashed on None)."""
+    from distrain.bench.elastic import cost
+
+    s = cost.Settings(nproc=2, model="gpt-tiny", steps=8, kill_step=4)
+    summary = {"fixed_step_s": 0.033, "elastic_step_s": 0.048, "ratios": [1.43], "ratio_median": 1.43,
+               "recover_s": 0.093, "redone": False, "join_s": None, "join_recover_s": 0.05, "join_changes": 1}
+    assert cost.format_report(s, summary).splitlines()[-1].split("  ")[-1] == (
+        "none: the replacement had not joined when the run ended (give more --steps after --kill-step)")
+    joined = cost.format_report(s, dict(summary, join_s=1.25))
+    assert joined.splitlines()[-1].endswith("1.250 s (kill to the first step with it: 0.050 s)")

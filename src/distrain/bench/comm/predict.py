@@ -16,15 +16,16 @@ from distrain.bench.link import calibrate
 from distrain.costmodel import Fabric, predict
 from distrain.costmodel.links import calibrated_fabric, fabric_from_model
 
-QUICK = {"sizes": [8, 256 << 10, 1 << 20, 4 << 20], "warmup": 1, "iters": 5}
+# ``--predict`` alone: a short ping-pong over Gloo (the links the model's schedules cross)
+QUICK = calibrate.Settings(sizes=(8, 256 << 10, 1 << 20, 4 << 20), warmup=1, iters=5)
 
 
 def setup(spec: str, rank: int) -> Fabric | None:
     """Collective: every rank of the world must call it. Returns the fabric on rank 0, None elsewhere."""
     where = calibrate.placement()
     if spec == "auto":
-        res = calibrate._worker(rank, QUICK)
-        return fabric_from_model(res["model"], where) if rank == 0 else None
+        res = calibrate.measure(rank, QUICK)
+        return fabric_from_model(res["model"], where) if res is not None else None
     return calibrated_fabric(spec, where) if rank == 0 else None
 
 

@@ -146,15 +146,20 @@ def summarize(records: list[dict]) -> dict:
             "join_changes": join["changes"]}
 
 
+def _join(m: dict) -> str:
+    if m["join_s"] is None:  # the run ended before the replacement was ready
+        return "none: the replacement had not joined when the run ended (give more --steps after --kill-step)"
+    return f"{m['join_s']:.3f} s" + (f" (kill to the first step with it: {m['join_recover_s']:.3f} s)"
+                                     if m["join_changes"] == 1 else " (a change of its own, after the loss's)")
+
+
 def format_report(s: Settings, m: dict) -> str:
     rows = [("per step, fixed / elastic (medians)", f"{1e3 * m['fixed_step_s']:.2f} ms / {1e3 * m['elastic_step_s']:.2f} ms"),
             ("elastic / fixed, per round", ", ".join(f"{x:.3f}" for x in m["ratios"])),
             ("elastic / fixed, median", f"{m['ratio_median']:.3f}"),
             (f"rank {KILLED} killed at step {s.kill_step}: to the first step at {s.nproc - 1}",
              f"{m['recover_s']:.3f} s" + (" (the step cut in half redone)" if m["redone"] else "")),
-            ("killed and replaced: the replacement's join",
-             f"{m['join_s']:.3f} s" + (f" (kill to the first step with it: {m['join_recover_s']:.3f} s)"
-                                       if m["join_changes"] == 1 else " (a change of its own, after the loss's)"))]
+            ("killed and replaced: the replacement's join", _join(m))]
     width = max(len(k) for k, _ in rows)
     head = f"bench elastic: {s.strategy}, P={s.nproc}, {s.model} on {s.data}, batch {s.batch_size}, {s.dtype}"
     return "\n".join([head] + [f"  {k:<{width}}  {v}" for k, v in rows])

@@ -38,6 +38,8 @@ import json
 import os
 import socket
 import time
+from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 
@@ -48,16 +50,43 @@ from distrain.errors import ConfigError
 FIT_FROM = 256 << 10
 
 
+@dataclass(frozen=True)
+class Settings:
+    """What one calibration measures: messages of ``sizes`` bytes, ``warmup`` untimed and ``iters``
+    timed round trips each, over each of ``transports`` in turn (the first one's times are fitted)."""
+
+    sizes: tuple[int, ...]
+    warmup: int
+    iters: int
+    transports: tuple[str, ...] = ("torch",)
+
+    def __post_init__(self) -> None:
+        if not self.sizes:
+            raise ConfigError("--sizes: give at least one message size")
+        if self.iters < 1 or self.warmup < 0:
+            raise ConfigError("--iters must be >= 1 and --warmup >= 0")
+        if not self.transports:
+            raise ConfigError("--transport: give at least one transport")
+
+
+class Calibration(TypedDict):
+    """Rank 0's result of :func:`measure` (the module docstring says what each entry holds)."""
+
+    records: list[dict]  # one per pair (0, peer): placement, one-way times, fitted alpha and bandwidth
+    model: dict  # {inter, intra: {alpha_us, bandwidth_GBps, source}, gamma_ns_per_byte, shift}
+    placement: list[int]  # node index of every rank
+    latency: list[dict]  # one-way times per pair and transport
+
+
 def node_id() -> str:
     return os.environ.get("DISTRAIN_CLUSTER_NODE") or socket.gethostname()
 
 
 def placement() -> list[int]:
-    """Node index of every rank (nodes numbered in order of first appearance), via all_gather_object."""
-    import torch.distributed as dist
+    """Node index of every rank (nodes numbered in order of first appearance), via all_gather_data."""
+    from distrain import comm
 
-    names: list = [None] * dist.get_world_size()
-    dist.all_gather_object(names, node_id())
+    names = comm.all_gather_data(node_id(), algorithm=None)
     order = {n: i for i, n in enumerate(dict.fromkeys(names))}
     return [order[n] for n in names]
 
@@ -139,33 +168,37 @@ def _shift(rank: int, P: int, n: int, iters: int) -> dict:
     return res
 
 
-def _worker(rank: int, cfg: dict) -> dict | None:
+def measure(rank: int, settings: Settings) -> Calibration | None:
+    """Calibrate the links of the current world (module docstring). Collective: every rank of the
+    initialised world calls it with the same ``settings``; rank 0 gets the :class:`Calibration`,
+    the others None. ``bench link`` and ``bench comm --predict`` (no file) both run it."""
     import torch.distributed as dist
 
     where = placement()
     P = dist.get_world_size()
-    groups = transport_groups(cfg["transports"], P)
+    sizes, transports = list(settings.sizes), list(settings.transports)
+    groups = transport_groups(transports, P)
     records, latency = [], []
     for peer in range(1, P):
         dist.barrier()
         if rank not in (0, peer):
             continue
-        times = {name: _pingpong(rank, peer, cfg["sizes"], cfg["warmup"], cfg["iters"], groups[name])
-                 for name in cfg["transports"]}
+        times = {name: _pingpong(rank, peer, sizes, settings.warmup, settings.iters, groups[name])
+                 for name in transports}
         if rank != 0:
             continue
-        latency += [{"pair": [0, peer], "transport": name, "sizes": cfg["sizes"], "one_way_us": [x * 1e6 for x in t]}
+        latency += [{"pair": [0, peer], "transport": name, "sizes": sizes, "one_way_us": [x * 1e6 for x in t]}
                     for name, t in times.items()]
-        t = times[cfg["transports"][0]]  # the first transport's times are the link the model fits
-        alpha, beta = fit(cfg["sizes"], t)
+        t = times[transports[0]]  # the first transport's times are the link the model fits
+        alpha, beta = fit(sizes, t)
         kind = "intra" if where[0] == where[peer] else "inter"
         records.append({"pair": [0, peer], "nodes": [where[0], where[peer]], "kind": kind,
-                        "sizes": cfg["sizes"], "one_way_us": [x * 1e6 for x in t],
+                        "sizes": sizes, "one_way_us": [x * 1e6 for x in t],
                         "alpha_us": alpha * 1e6, "bandwidth_GBps": 1 / beta / 1e9})
         common.progress(f"[link] 0 <-> {peer} ({kind}): alpha {alpha * 1e6:.1f} us, "
                         f"{1 / beta / 1e9:.4f} GB/s ({8 / beta / 1e6:.0f} Mbit/s)")
     dist.barrier()
-    shift = _shift(rank, P, max(cfg["sizes"]), cfg["iters"])
+    shift = _shift(rank, P, max(sizes), settings.iters)
     if rank != 0:
         return None
     model: dict = {"gamma_ns_per_byte": gamma_add() * 1e9, "shift": shift}
@@ -175,11 +208,12 @@ def _worker(rank: int, cfg: dict) -> dict | None:
             model[kind] = {"alpha_us": common.median([r["alpha_us"] for r in rs]),
                            "bandwidth_GBps": common.median([r["bandwidth_GBps"] for r in rs]),
                            "source": f"distrain bench link, median of {len(rs)} pair(s)"}
-    return {"records": records, "model": model, "placement": where, "latency": latency}
+    return Calibration(records=records, model=model, placement=where, latency=latency)
 
 
-def calibrate(cfg: dict) -> dict:
-    """Run the calibration (under a launcher: this world; else ``cfg['nproc']`` spawned ranks)."""
+def calibrate(settings: Settings, nproc: int) -> Calibration | None:
+    """Run the calibration: under a launcher in this world (None on ranks other than 0), else on
+    ``nproc`` spawned local ranks."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         from distrain import runtime
 
@@ -187,12 +221,12 @@ def calibrate(cfg: dict) -> dict:
         import torch.distributed as dist
 
         try:
-            return _worker(dist.get_rank(), cfg) or {}
+            return measure(dist.get_rank(), settings)
         finally:
             runtime.shutdown()
     import distrain
 
-    return distrain.spawn(_worker, cfg["nproc"], args=(cfg,), timeout=600)[0]
+    return distrain.spawn(measure, nproc, args=(settings,), timeout=600)[0]
 
 
 def run(sizes: list[int], warmup: int, iters: int, nproc: int, json_path: str | None = None,
@@ -205,11 +239,9 @@ def run(sizes: list[int], warmup: int, iters: int, nproc: int, json_path: str | 
     if DEEPSPEED in transports:
         raise ConfigError(f"--transport {DEEPSPEED}: DeepSpeed's shared-memory op is an all_reduce; it has no "
                           f"point-to-point messages to time")
-    cfg = {"sizes": list(sizes), "warmup": warmup, "iters": iters, "nproc": nproc, "transports": list(transports)}
-    if iters < 1 or warmup < 0:
-        raise ConfigError("--iters must be >= 1 and --warmup >= 0")
-    res = calibrate(cfg)
-    if not res:  # not rank 0
+    settings = Settings(tuple(sizes), warmup, iters, tuple(transports))
+    res = calibrate(settings, nproc)
+    if res is None:  # not rank 0
         return 0
     for kind in ("inter", "intra"):
         m = res["model"].get(kind)
@@ -229,8 +261,8 @@ def run(sizes: list[int], warmup: int, iters: int, nproc: int, json_path: str | 
     print(f"shift (every rank sends {sh['bytes'] >> 10} KiB to the next at once): {sh['per_link_GBps']:.4f} GB/s per "
           f"link, {sh['aggregate_GBps']:.4f} GB/s in all{busy}")
     if json_path:
-        meta = common.metadata(benchmark="link", sizes=cfg["sizes"], warmup=cfg["warmup"], iters=cfg["iters"],
-                               placement=res["placement"], transports=cfg["transports"])
+        meta = common.metadata(benchmark="link", sizes=list(settings.sizes), warmup=settings.warmup,
+                               iters=settings.iters, placement=res["placement"], transports=list(settings.transports))
         with open(json_path, "w") as f:
             json.dump({"meta": meta, "records": res["records"], "model": res["model"], "latency": res["latency"]},
                       f, indent=1)
