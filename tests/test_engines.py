@@ -27,7 +27,9 @@ def test_every_strategy_has_an_engine():
     for name in STRATEGIES:
         cls = engine_class(trainer_config("x", strategy=name))
         assert issubclass(cls, Engine) and cls.__module__.startswith("distrain.trainer.engines.")
-    assert engine_class(trainer_config("x", nproc=4, tp=2, pp=2)).__name__ == "ModelParallelEngine"
+    for kw in [dict(nproc=4, tp=2, pp=2), dict(strategy="ddp", nproc=2), dict(strategy="zero3", nproc=3),
+               dict(strategy="zero1", nproc=4, tp=2), dict(nproc=2, cp=2)]:  # one engine for every layout
+        assert engine_class(trainer_config("x", **kw)).__name__ == "GridEngine", kw
 
 
 @pytest.mark.slow
@@ -126,7 +128,7 @@ def test_local_trains_unsynchronized_replicas_and_refuses_to_resume(tmp_path):
 
 
 def _local_weights(rank, out):
-    from distrain.trainer.engines.ddp import LocalEngine
+    from distrain.trainer.engines.baselines import LocalEngine
 
     torch.manual_seed(0)  # the same initial weights on both ranks
     model = torch.nn.Linear(4, 1, dtype=torch.float64)

@@ -4,7 +4,8 @@ ep2 on 4 ranks (two ep groups: every expert on 2 ranks, its gradients summed ove
 cp2 (ep borrows the cp ranks), tp2 and tp2 x ep2 (the mixture whole on the tp ranks); training losses, the validation losses of a mid-run and a final
 evaluation, and the router's slot counts. A capacity factor drops slots and the metrics count them;
 the checkpoint of an ep run holds the whole model (consolidated from the ep ranks' shards); gradient
-clipping and activation checkpointing under ep equal one process."""
+clipping and activation checkpointing under ep equal one process. ZeRO 1-3 and the synchronous
+parameter server count the router's slots over their data ranks too, so they equal one process as well."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ from conftest import EVAL, assert_rows_equal, reference_rows, train_rows, traine
     dict(ep=2, cp=2, nproc=4),    # ep borrows from dp x cp: the ep groups are the cp groups
     dict(tp=2, nproc=2),          # the mixture whole on both tp ranks (tp_replicated), attention split
     dict(ep=2, tp=2, nproc=4),    # tp x ep: ep groups [0,2] [1,3], one per tp coordinate
+    dict(strategy="zero1", nproc=2),  # ZeRO: the grid engine sums the router's counts over its data ranks
+    dict(strategy="zero2", nproc=3),
+    dict(strategy="zero3", nproc=2),
 ], ids=lambda v: "-".join(f"{k}{v}" for k, v in v.items()))
 def test_trainer_expert_parallel_equals_one_process(tmp_path, tmp_path_factory, layout):
     ref = reference_rows(tmp_path_factory, model="llama-moe-tiny")
@@ -36,6 +40,18 @@ def test_trainer_expert_parallel_equals_one_process(tmp_path, tmp_path_factory, 
     for g, r in zip(got, ref):
         # every slot of the global batch counted once, none dropped: 2 layers x 12 x 32 tokens x top-2
         assert (g["moe_dropped"], g["moe_routed"]) == (r["moe_dropped"], r["moe_routed"]) == (0, 2 * 12 * 32 * 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_synchronous_parameter_server_trains_a_mixture_as_one_process(tmp_path, tmp_path_factory):
+    """ps-sync, 2 workers and 1 server: the workers' routers count over both workers, so every step's loss
+    (load-balancing term included) and the slot counts are one process's (fp64, rel 1e-10)."""
+    kw = dict(model="llama-moe-tiny", steps=3, log_every=1)
+    ref = train_rows(trainer_config(tmp_path / "one", strategy="single", nproc=1, **kw))
+    got = train_rows(trainer_config(tmp_path / "ps", strategy="ps-sync", nproc=3, **kw))
+    assert [g["loss"] for g in got] == pytest.approx([r["loss"] for r in ref], rel=1e-10, abs=0)
+    assert [(g["moe_dropped"], g["moe_routed"]) for g in got] == [(0, 2 * 12 * 32 * 2)] * 3
 
 
 @pytest.mark.slow

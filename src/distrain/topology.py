@@ -349,8 +349,10 @@ class Topology:
             # axis's is that axis's
             for ranks in topo.groups_of(axis):
                 # new_group is collective over the whole world: call it for every group,
-                # even those this rank is not in, or the ranks deadlock / mismatch.
-                pg = dist.new_group(ranks, **kwargs)
+                # even those this rank is not in, or the ranks deadlock / mismatch. A group of
+                # every rank is the world's own (plain data parallelism: DDP and ZeRO on the
+                # default group, its transport and sequence numbers, not a copy of them)
+                pg = dist.group.WORLD if len(ranks) == topo.world_size else dist.new_group(ranks, **kwargs)
                 if topo.rank in ranks:
                     groups[axis] = pg
         object.__setattr__(topo, "_groups", groups)

@@ -293,6 +293,7 @@ def read_manifest(out: str | os.PathLike) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION or "step" not in manifest:
         raise ConfigError(f"--resume: {path} is not a distrain checkpoint manifest (format {FORMAT_VERSION})")
     _check_fields(path, manifest)
+    manifest["layout"] = grid_layout(manifest.get("layout"))
     missing = [f for f in manifest.get("files", []) if not (Path(out) / f).exists()]
     if missing:
         raise ConfigError(f"--resume: {path} names {', '.join(missing)}, which do not exist; the checkpoint set is "
@@ -340,9 +341,29 @@ def verify(out: str | os.PathLike, manifest: dict, names: list[str] | None = Non
                               f"or changed after it was written); restore it or start afresh")
 
 
+def grid_layout(layout: dict | None) -> dict | None:
+    """A manifest's layout as the grid engine records it: a set written by the ZeRO engine of before
+    (``{"zero": N, "dp": P}``) is the grid's ``{"dp": P, "tp": 1, "pp": 1, "zero": N}``."""
+    if isinstance(layout, dict) and "zero" in layout and "tp" not in layout:
+        return {"dp": layout.get("dp"), "tp": 1, "pp": 1, "zero": layout["zero"]}
+    return layout
+
+
+def _written_as(manifest: dict, shard: str) -> str:
+    """The file of ``shard`` in the committed set: its own name, or the name a set written before the grid
+    engine gave it (ZeRO's ``tp0-pp0-dp{d}`` was ``zero-rank{d}``)."""
+    name = shard_file(int(manifest["step"]), shard)
+    old = re.fullmatch(r"tp0-pp0-dp(\d+)", shard)
+    if name not in manifest["files"] and old:
+        legacy = shard_file(int(manifest["step"]), f"zero-rank{old.group(1)}")
+        if legacy in manifest["files"]:
+            return legacy
+    return name
+
+
 def load_shard(out: str | os.PathLike, manifest: dict, shard: str) -> dict:
     """This rank's shard of the committed set; checks it belongs to the manifest's step."""
-    name = shard_file(int(manifest["step"]), shard)
+    name = _written_as(manifest, shard)
     if name not in manifest["files"]:
         raise ConfigError(f"--resume: the checkpoint in {out} has no shard {shard!r} (it holds "
                           f"{', '.join(manifest['files'])}); resume with the layout it was written with")

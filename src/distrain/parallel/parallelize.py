@@ -124,17 +124,38 @@ class ParallelModel:
         """Whether this rank computes the loss (the last pipeline stage)."""
         return self.stage is None or self.stage.is_last
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    @property
+    def can_carry(self) -> bool:
+        """Whether ``train_step(carry=...)`` can pass a few values along with the gradients (DDP's last
+        bucket; no pipeline)."""
+        return self.stage is None and self.ddp is not None and self.ddp.can_carry
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, accum_steps: int = 1,
+                   carry: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor | None:
         """Forward and backward of this replica's batch; returns the loss where it is computed (with
-        context parallelism: the mean over this rank's tokens)."""
+        context parallelism: the mean over this rank's tokens).
+
+        Without a pipeline the batch runs as ``accum_steps`` equal chunks (gradient accumulation: the
+        gradients are synchronised on the last one only, DDP's ``no_sync`` before it), each chunk's loss
+        divided by ``accum_steps``; the loss returned is their sum in float64. ``carry(loss)`` (with
+        :attr:`can_carry`): values to all-reduce along with the last chunk's gradients (an elastic
+        job's commit, DDP's ``carry``; read them back with ``ddp.carried()``)."""
         x, y = self.split(x, "input"), self.split(y, "target")
         if self.stage is None:
             net = self.ddp if self.ddp is not None else self.module
-            loss = self.loss_fn(net(x), y)
-            loss.backward()
+            total = torch.zeros((), dtype=torch.float64, device=x.device)
+            for i, (xi, yi) in enumerate(zip(x.chunk(accum_steps), y.chunk(accum_steps))):
+                last = i == accum_steps - 1
+                quiet = self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext()
+                with quiet:
+                    loss = self.loss_fn(net(xi), yi) / accum_steps  # the mean over the slice: equal chunks
+                    if carry is not None and last:
+                        self.ddp.carry(carry(loss.detach()))
+                    loss.backward()
+                total += loss.detach().double()
             if self.expert_params:
                 reduce_expert_gradients(self.expert_params, self.topo.edp_group, self.topo.dp * self.topo.cp)
-            return loss.detach()
+            return total
         # ZeRO reduces once per step for stage 1, and for stage 2 when the schedule splits the
         # backward (zb-h1's W passes accumulate weight gradients outside autograd, where no
         # hook sees them); else stage 2 reduce-scatters per micro-batch, from the hooks
@@ -158,11 +179,13 @@ class ParallelModel:
 def parallelize(model: nn.Module, topo: Topology, *, loss_fn: Loss, tp_plan=None, algorithm: str = "native",
                 microbatches: int = 1, schedule: str = "1f1b", bucket_cap_mb: float = 25.0,
                 zero_stage: int = 0, optimizer=None, cp_plan: CPPlan | None = None,
-                cp_algorithm: str = "ring", ep_plan: EPPlan | None = None) -> ParallelModel:
+                cp_algorithm: str = "ring", ep_plan: EPPlan | None = None,
+                compression: str | None = None) -> ParallelModel:
     """Apply ``tp_plan`` on ``topo.tp_group``, ``cp_plan`` on ``topo.cp_group`` (``cp_algorithm``:
     "ring" or "all-to-all"), ``ep_plan`` on ``topo.ep_group`` (the mixture layers' experts; with ep = 1 it
     only sums the router's counts over dp x cp), cut the pipeline stage of ``topo.pp_rank``, wrap it in DDP over
-    ``topo.dp_cp_group`` (or ZeRO ``zero_stage`` with the ``optimizer`` factory).
+    ``topo.dp_cp_group`` (or ZeRO ``zero_stage`` with the ``optimizer`` factory); ``compression`` (None,
+    "bf16", "fp16") is DDP's gradient compression on the wire.
     ``loss_fn(output, target)``: the loss on the model's full output (a plan that keeps the
     output sharded brings its own loss on shards, used when tp > 1).
 
@@ -224,7 +247,7 @@ def parallelize(model: nn.Module, topo: Topology, *, loss_fn: Loss, tp_plan=None
                     bucket_cap_mb=bucket_cap_mb)
     elif topo.dp * topo.cp > 1:
         ddp = DistributedDataParallel(module, group=topo.dp_cp_group, algorithm=algorithm,
-                                      bucket_cap_mb=bucket_cap_mb)
+                                      bucket_cap_mb=bucket_cap_mb, compression=compression)
     params = dict(module.named_parameters())
     return ParallelModel(topo, module, stage, ddp, algorithm, microbatches, schedule, loss_fn, plan, zero, tp_info,
                          cp, cp_plan if cp is not None else None, ep, [params[n] for n in experts])

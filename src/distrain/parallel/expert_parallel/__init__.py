@@ -23,10 +23,10 @@ exactly (fp64 through the trainer: tests/test_moe_train.py).
 
 from distrain.parallel.expert_parallel.dispatch import COUNTS_LABEL, LABEL, ExpertParallel, ep_bytes
 from distrain.parallel.expert_parallel.plan import (
-    EPPlan, apply_expert_parallel, expert_parameter_names, reduce_expert_gradients,
+    EPPlan, apply_expert_parallel, expert_parameter_names, reduce_expert_gradients, sum_router_counts,
 )
 from distrain.parallel.expert_parallel.sizes import check_ep_flags, check_ep_layout, check_ep_sizes
 
 __all__ = ["COUNTS_LABEL", "EPPlan", "ExpertParallel", "LABEL", "apply_expert_parallel", "check_ep_flags",
            "check_ep_layout", "check_ep_sizes",
-           "ep_bytes", "expert_parameter_names", "reduce_expert_gradients"]
+           "ep_bytes", "expert_parameter_names", "reduce_expert_gradients", "sum_router_counts"]

@@ -42,7 +42,8 @@ from distrain import comm
 from distrain.errors import ConfigError
 from distrain.parallel.expert_parallel.dispatch import ExpertParallel
 
-__all__ = ["EPPlan", "apply_expert_parallel", "expert_parameter_names", "reduce_expert_gradients"]
+__all__ = ["EPPlan", "apply_expert_parallel", "expert_parameter_names", "reduce_expert_gradients",
+           "sum_router_counts"]
 
 
 @dataclass(frozen=True)
@@ -116,3 +117,15 @@ def reduce_expert_gradients(params: list[torch.Tensor], group, tokens: int) -> N
     flat.div_(tokens)
     for p, piece in zip(params, flat.split([p.numel() for p in params])):
         p.grad = piece.view_as(p).clone()
+
+
+def sum_router_counts(model: nn.Module, plan: EPPlan | None, group) -> bool:
+    """A mixture of experts trained by data ranks that each hold every expert (ep 1): route through an
+    ``ExpertParallel`` that only sums the router's counts over ``group`` (the ranks that read the step's
+    tokens), so the load-balancing loss is the global batch's, as one process's. ``parallelize`` does
+    this for the dp x cp group (its step 2b); engines outside the grid (torch's DDP, the parameter
+    server's workers) call it. Returns whether the model has mixture layers (False: left as it is)."""
+    if plan is None or not plan.layers(model):
+        return False
+    apply_expert_parallel(model, ExpertParallel(None, group), plan=plan)
+    return True

@@ -21,7 +21,6 @@ part, into a plain module).
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Callable
 
 import torch
@@ -30,6 +29,7 @@ import torch.nn as nn
 
 from distrain import comm
 from distrain.errors import ConfigError
+from distrain.parallel.clip import clip_grad_norm
 from distrain.parallel.zero.stage12 import Stage12
 from distrain.parallel.zero.stage3 import Stage3
 
@@ -148,18 +148,9 @@ class Zero:
         if not max_norm > 0:
             raise ConfigError(f"Zero.clip_grad_norm_: max_norm must be positive, got {max_norm}")
         masks = self._count_masks(count) if count is not None else [None] * len(self.units)
-        pairs = [(s.grad, m) for s, m in zip(self.impl.shards, masks) if s.grad is not None]
-        sq = torch.zeros(1, dtype=torch.float64)
-        for g, m in pairs:
-            sq += (g.double().pow(2) if m is None else g.double().pow(2) * m).sum()
-        comm.all_reduce(sq, op="sum", group=None if whole_world else self.group, algorithm=self.algorithm)
-        norm = math.sqrt(sq.item())
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            with torch.no_grad():
-                for g, _ in pairs:
-                    g.mul_(coef)
-        return norm
+        terms = [(s.grad, 1 if m is None else m) for s, m in zip(self.impl.shards, masks)]
+        return clip_grad_norm(terms, max_norm, reduce=True, group=None if whole_world else self.group,
+                              algorithm=self.algorithm)
 
     def step(self) -> None:
         self.optimizer.step()

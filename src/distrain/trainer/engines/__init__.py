@@ -1,13 +1,14 @@
-"""Engines: one small class per way of training, chosen by name (see base.py for the contract).
+"""Engines: one class per role in training, chosen by strategy (see base.py for the contract).
 
-    single.py          one process
-    ddp.py             data parallel by all-reduce: ours (ddp) and torch's (torch-ddp); local,
-                       the same ranks with no gradient exchange (a benchmark's floor)
-    model_parallel.py  dp × tp × pp (``--tp``/``--pp`` > 1)
-    ps.py              parameter server: workers train, servers serve (ps-sync, ps-async)
-    zero.py            ZeRO stages 1-3 (zero1, zero2, zero3)
+    grid.py       every data-parallel and model-parallel layout: ddp and zero1-3, alone or on the
+                  dp × cp × tp × pp grid with --ep (parallelize(), one Topology)
+    single.py     one process
+    ps.py         parameter server: workers train, servers serve (ps-sync, ps-async)
+    baselines.py  what benchmarks compare with: torch's DDP (torch-ddp), and local, the same ranks
+                  with no gradient exchange (a step's floor)
 
-Adding a way of training is one file here plus one line in ``ENGINES``.
+A new way of data or model parallelism belongs in ``parallelize()`` (distrain.parallel), which the
+grid engine applies; a new role (another kind of process) is one file here plus one line in ``ENGINES``.
 """
 
 from __future__ import annotations
@@ -16,23 +17,21 @@ import importlib
 
 from distrain.trainer.engines.base import Engine
 
+GRID = "distrain.trainer.engines.grid:GridEngine"
 # strategy -> "module:class" (imported on use, so reading the list imports no parallel code)
 ENGINES = {
     "single": "distrain.trainer.engines.single:SingleEngine",
-    "ddp": "distrain.trainer.engines.ddp:DDPEngine",
-    "torch-ddp": "distrain.trainer.engines.ddp:TorchDDPEngine",
-    "local": "distrain.trainer.engines.ddp:LocalEngine",
+    "ddp": GRID,
+    **{f"zero{s}": GRID for s in (1, 2, 3)},
     "ps-sync": "distrain.trainer.engines.ps:PSEngine",
     "ps-async": "distrain.trainer.engines.ps:PSEngine",
-    **{f"zero{s}": "distrain.trainer.engines.zero:ZeroEngine" for s in (1, 2, 3)},
+    "torch-ddp": "distrain.trainer.engines.baselines:TorchDDPEngine",
+    "local": "distrain.trainer.engines.baselines:LocalEngine",
 }
-# --tp > 1 or --pp > 1 (with --strategy ddp): the dp × tp × pp grid
-MODEL_PARALLEL = "distrain.trainer.engines.model_parallel:ModelParallelEngine"
 
 
 def engine_class(cfg) -> type[Engine]:
-    spec = MODEL_PARALLEL if cfg.model_parallel else ENGINES[cfg.strategy]
-    module, name = spec.split(":")
+    module, name = ENGINES[cfg.strategy].split(":")
     return getattr(importlib.import_module(module), name)
 
 

@@ -4,10 +4,11 @@ An engine owns the model as this rank holds it (whole, wrapped for data parallel
 tensor/pipeline shard), its optimizer, and its communication. The loop owns everything
 else: data, resume, logging, checkpoint sets, the report. Per global step the loop calls
 
-    loss = engine.train_step(x, y)   # forward, backward, gradient sync, optimizer step
+    engine.set_lr(lr)
+    loss = engine.train_step(x, y, commit)   # forward, backward, gradient sync, commit, optimizer step
 
-with this rank's part ``(dp_rank, dp_size)`` of the global batch (and ``end_training()``
-right after the last one), and logs
+with this rank's part ``(dp_rank, dp_size)`` of the global batch (``commit``: an elastic job's quorum
+hook, None in a fixed job; see ``train_step``), ``end_training()`` right after the last step, and logs
 ``sum over loss_group of loss * loss_weight`` (the global batch's mean loss).
 
 Parts may differ in size by one (an elastic job's live replicas need not divide the batch:
@@ -169,23 +170,32 @@ class Engine(ABC):
         return None
 
 
+def score(loss_fn: LossFn, output, target: torch.Tensor, accuracy: bool) -> torch.Tensor:
+    """One batch's evaluation row, (3,) float64: [its mean loss ``loss_fn(output, target)``, correct,
+    counted]: with ``accuracy`` and integer targets whose logits (models.logits_of) have one more dim
+    (class scores), the samples whose arg-max logit is the target; else 0, 0. Every engine's
+    evaluation scores with it (``evaluate_batches``, the grid engine's collective one)."""
+    loss = loss_fn(output, target).detach().double()
+    right = seen = torch.zeros((), dtype=torch.float64, device=loss.device)
+    if accuracy and not target.is_floating_point():
+        logits = logits_of(output)
+        if logits.dim() == target.dim() + 1:
+            right = (logits.argmax(dim=-1) == target).sum().double()
+            seen = torch.tensor(float(target.numel()), dtype=torch.float64, device=loss.device)
+    return torch.stack([loss, right, seen])
+
+
 @torch.no_grad()
 def evaluate_batches(net: nn.Module, loss_fn: LossFn, batches, accuracy: bool) -> dict:
     """Mean of ``loss_fn(net(x), y)`` over ``batches`` in eval mode; with ``accuracy``, also the
-    share of samples whose arg-max logit is the target (logits (B, classes), targets (B,)).
-    The loss gets the output as the model returns it; accuracy reads its logits (models.logits_of)."""
+    share of samples whose arg-max logit is the target (``score``)."""
     was = net.training
     net.eval()
-    losses, right, seen = [], 0, 0
-    for x, y in batches:
-        output = net(x)
-        losses.append(loss_fn(output, y).item())
-        logits = logits_of(output) if accuracy else None
-        if accuracy and not y.is_floating_point() and logits.dim() == y.dim() + 1:  # class scores
-            right += int((logits.argmax(dim=-1) == y).sum())
-            seen += y.numel()
+    rows = [score(loss_fn, net(x), y, accuracy) for x, y in batches]
     net.train(was)
+    losses = [float(r[0]) for r in rows]
     out = {"val_loss": sum(losses) / len(losses)}
+    right, seen = sum(int(r[1]) for r in rows), sum(int(r[2]) for r in rows)
     if seen:
         out["val_accuracy"] = right / seen
     return out
@@ -207,8 +217,3 @@ def part_loss(loss_fn: LossFn, batch: int, dp_size: int, dp_rank: int) -> LossFn
     lo, hi = part_bounds(batch, dp_size, dp_rank)
     scale = (hi - lo) * dp_size / batch
     return loss_fn if scale == 1 else _ScaledLoss(loss_fn, scale)
-
-
-def clip_coefficient(total_sq: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6), at most 1."""
-    return (max_norm / (total_sq.sqrt() + 1e-6)).clamp(max=1.0)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from distrain import comm
+from distrain.parallel.clip import clip_grad_norm
 from distrain.trainer.engines.base import Engine, evaluate_batches, part_loss
 
 
@@ -43,6 +44,8 @@ class PSEngine(Engine):
         self.serves = self.is_server and self.mode == "async"  # (sync: the servers run the loop step by step)
         if self.mode == "async":
             self.loss_group = dist.new_group(L.workers)  # every rank must create it
+        else:
+            self._count_routing_over_the_workers(model, L)
         self.label = f"{cfg.strategy} ({L.num_workers} workers, {L.num_servers} server{'s' * (L.num_servers > 1)})"
         self.stats: dict = {}
         self._k, self._t0 = 0, None  # steps this engine ran (the byte check counts them), when the first began
@@ -58,6 +61,21 @@ class PSEngine(Engine):
             self.loss_fn = part_loss(loss_fn, cfg.batch_size, self.dp_size, self.dp_rank)
             self.loss_weight = 1.0 / L.num_workers
             self._final = False
+
+    def _count_routing_over_the_workers(self, model, L) -> None:
+        """ps-sync with a mixture of experts: the workers' routers count over all workers (the step's
+        tokens), so the load-balancing loss is the global batch's and the servers average the gradients
+        one process would compute (the grid engine does the same over its data ranks). ps-async's workers
+        run at their own pace: a collective in every forward would tie them, so each counts its own."""
+        from distrain.models.registry import model_ep_plan
+        from distrain.parallel.expert_parallel import sum_router_counts
+
+        plan = model_ep_plan(model)
+        if plan is None or not plan.layers(model) or L.num_workers < 2:
+            return
+        workers = dist.new_group(L.workers)  # every rank must create it (the same model everywhere)
+        if not L.is_server(self.rank):
+            sum_router_counts(model, plan, workers)
 
     # -- server -----------------------------------------------------------------------------
     def serve(self, steps: int) -> None:
@@ -96,7 +114,7 @@ class PSEngine(Engine):
             loss = self.loss_fn(self.model(x), y)
         loss.backward()
         if self.cfg.grad_clip:  # each worker's own gradient, before the server averages them
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            clip_grad_norm([(p.grad, 1) for p in self.model.parameters()], self.cfg.grad_clip)
         w.push()
         self.comm_wait_s = w.pull_s + w.push_s - before
         if commit is not None:  # (a worker holds no state: nothing to update after it)

@@ -1,8 +1,9 @@
-"""One process, or the whole model on every rank: the base of the data-parallel engines.
+"""One process (``--strategy single``), and the base of the two comparison baselines (baselines.py).
 
-Every rank holds the whole model; ``wrap`` (none here) makes ``backward()`` average the
-gradients over the ranks (engines/ddp.py). Rank 0 evaluates and writes the checkpoint
-shard ``tp0-pp0`` (the replicas are identical), the same layout as ``--dp N --tp 1 --pp 1``.
+The model is whole; ``wrap`` (none here) may make ``backward()`` average the gradients over the
+ranks (torch's DDP). Rank 0 evaluates and writes the checkpoint shard ``tp0-pp0``, the grid
+engine's name for a whole replica, so a single-process run and ``--strategy ddp`` resume each
+other's checkpoints with ``--reshard``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
+from distrain.parallel.clip import clip_grad_norm
 from distrain.trainer.engines.base import Engine, evaluate_batches, part_loss
 
 
@@ -21,8 +23,6 @@ class SingleEngine(Engine):
     def __init__(self, cfg, model, loss_fn, optimizer_factory):
         super().__init__(cfg, model, loss_fn, optimizer_factory)
         self.model = model
-        if self.world > 1 and cfg.strategy in ("ddp", "torch-ddp"):
-            self._count_routing_over_the_world(model)
         self.net = self.wrap(model)
         self.optimizer = optimizer_factory(self.net.parameters())
         self.dp_rank, self.dp_size = self.rank, self.world
@@ -32,19 +32,6 @@ class SingleEngine(Engine):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
-
-    @staticmethod
-    def _count_routing_over_the_world(model: nn.Module) -> None:
-        """A mixture of experts under data parallelism: every expert on every rank (ep 1), the router's
-        counts summed over the world, so the load-balancing loss is the global batch's, as one process's."""
-        import torch.distributed as dist
-
-        from distrain.models.registry import model_ep_plan
-        from distrain.parallel.expert_parallel import ExpertParallel, apply_expert_parallel
-
-        plan = model_ep_plan(model)
-        if plan is not None and plan.layers(model):
-            apply_expert_parallel(model, ExpertParallel(None, dist.group.WORLD), plan=plan)
 
     def describe(self) -> str:
         return "single"
@@ -66,8 +53,8 @@ class SingleEngine(Engine):
                     self.net.carry(commit.values(loss.detach()))
                 loss.backward()
             total += loss.detach().double()
-        if self.cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        if self.cfg.grad_clip:  # the replicas hold the same (averaged) gradients: no sum over ranks
+            clip_grad_norm([(p.grad, 1) for p in self.model.parameters()], self.cfg.grad_clip)
         if ride:
             commit.averaged(self.net.carried())
         elif commit is not None:

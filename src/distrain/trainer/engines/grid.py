@@ -1,28 +1,27 @@
-"""Model parallelism: ``--dp A --cp D --tp B --pp C`` (B, C or D > 1) on the dp × cp × tp × pp grid.
+"""The grid engine: every layout of the dp × cp × tp × pp grid, with DDP or ZeRO over its data ranks.
 
-Every rank builds the same seeded full model; ``parallelize()`` applies tensor parallel
-(tp group), context parallel (cp group), the pipeline split (pp group) and data parallel
-(dp × cp group), in that order. Each data-parallel replica reads its slice of the global batch;
-first-stage ranks feed the inputs, last-stage ranks the targets; with --cp each rank of the cp
-group keeps its two chunks of every sequence (parallelize's ``split``).
+``--strategy ddp`` and ``--strategy zero1|zero2|zero3``, alone or with ``--dp A --cp D --tp B --pp C
+--ep E``, all run here: plain data parallelism is the grid with tp = pp = cp = 1. Every rank builds the
+same seeded full model; ``parallelize()`` applies tensor parallel (tp group), context parallel (cp
+group), expert parallel (ep group), the pipeline split (pp group) and data parallel (dp × cp group:
+DDP, or ZeRO stage N), in that order. Each data-parallel replica reads its part of the global batch
+(parts may differ by one sample in an elastic job: ``part_loss``); first-stage ranks feed the inputs,
+last-stage ranks the targets; with --cp each rank of the cp group keeps its two chunks of every
+sequence (parallelize's ``split``).
 
-The loss exists on the last stage (identical on its tp ranks): those ranks of tp rank 0
-contribute loss / (dp × cp) -- each cp rank's loss is the mean over its equal share of the
-tokens -- which sums over the world to the global batch's loss. Every (tp, pp) coordinate
-holds a different shard: the rank with dp and cp rank 0 of each writes ``tp{t}-pp{p}``.
+The loss exists on the last stage (identical on its tp ranks): those ranks of tp rank 0 contribute
+loss / (dp × cp) -- each cp rank's loss is the mean over its equal share of the tokens -- which sums
+over the world to the global batch's loss.
 
-``--strategy zero1|zero2|zero3`` with --dp/--tp/--pp puts ZeRO over the dp group in place of
-DDP (parallelize's ``zero_stage``): each dp rank then holds its own part of the (tp, pp)
-shard's optimizer state (and gradients, and parameters), so every rank writes
-``tp{t}-pp{p}-dp{d}`` (d: its rank in the dp × cp group); clipping takes the whole model's norm
-over every rank's shards. Validation runs on every layout (``evaluate``: each replica its slice of every batch, through the
-pipeline's forward-only schedule when pp > 1; every rank takes part); text sampling is not
-done (the model is sharded).
+Checkpoint shards, one naming for every layout: ``tp{t}-pp{p}`` (written by the rank with dp and cp
+rank 0 of each (tp, pp) coordinate: the replicas hold the same), ``tp{t}-pp{p}-dp{d}`` with ZeRO (d: the
+rank in the dp × cp group; every rank writes its own part), ``...-ep{r}`` with expert parallelism (the
+ranks i < ep of the dp × cp group each write the non-expert parameters and their own experts under their
+whole-model names). Runs written before the grid engine named ZeRO's shards ``zero-rank{r}``, with the
+layout ``{"zero": N, "dp": P}``: the checkpoint reader maps both (checkpoint/store.py).
 
-``--ep N`` (a mixture of experts, parallel/expert_parallel): each rank of an ep group holds E/N of every
-mixture layer's experts (parallelize's step 2b); the ranks i < N of the dp x cp group (i = dp_rank * cp
-+ cp_rank: one per ep rank) write ``tp{t}-pp{p}-ep{r}``, each the non-expert parameters and its own
-experts under their whole-model names, which consolidation joins by name.
+Clipping takes the whole model's norm (distrain.parallel.clip). Validation runs on every rank
+(``evaluate``); text samples come from rank 0 when every rank holds the whole model.
 """
 
 from __future__ import annotations
@@ -30,12 +29,13 @@ from __future__ import annotations
 import torch
 
 from distrain import comm
+from distrain.data.sampler import part_bounds
+from distrain.parallel.clip import clip_grad_norm
 from distrain.topology import Topology
-from distrain.models.outputs import logits_of
-from distrain.trainer.engines.base import Engine, clip_coefficient, part_loss
+from distrain.trainer.engines.base import Engine, part_loss, score
 
 
-class ModelParallelEngine(Engine):
+class GridEngine(Engine):
     def __init__(self, cfg, model, loss_fn, optimizer_factory):
         from distrain.models.registry import model_cp_plan, model_ep_plan, model_tp_plan
         from distrain.parallel import parallelize
@@ -43,43 +43,66 @@ class ModelParallelEngine(Engine):
         super().__init__(cfg, model, loss_fn, optimizer_factory)
         self.zero_stage = zero_stage_of(cfg)
         self.topo = topo = Topology.from_world(dp=cfg.dp_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep)
-        # the plan lives beside the model (models/gpt_plan.py, models/mlp_plan.py, models/hf/plan.py);
-        # a user's model brings its own as ``model.tp_plan`` when tp > 1 (a Hugging Face model's
-        # ``tp_plan`` is HF's, in HF's styles: model_tp_plan gives distrain's plan for it instead)
-        plan = model_tp_plan(model)
+        # the plan lives beside the model (models/gpt/plan.py, models/llama/plan.py, ...); a user's model
+        # brings its own as ``model.tp_plan`` when tp > 1 (a Hugging Face model's ``tp_plan`` is HF's, in
+        # HF's styles: model_tp_plan gives distrain's plan for it instead)
+        plan = model_tp_plan(model) if cfg.tp > 1 else None
         self.loss_fn = part_loss(loss_fn, cfg.batch_size, topo.dp, topo.dp_rank)  # (elastic: uneven replicas)
         self.pm = parallelize(model, topo, loss_fn=self.loss_fn, tp_plan=plan, algorithm=cfg.algorithm,
                               microbatches=cfg.microbatches, schedule=cfg.schedule,
                               bucket_cap_mb=cfg.bucket_cap_mb, zero_stage=self.zero_stage,
                               optimizer=optimizer_factory, cp_plan=model_cp_plan(model) if cfg.cp > 1 else None,
-                              cp_algorithm=cfg.cp_algorithm, ep_plan=model_ep_plan(model))
+                              cp_algorithm=cfg.cp_algorithm, ep_plan=model_ep_plan(model),
+                              compression=cfg.compression)
         self.optimizer = self.pm.optimizer or optimizer_factory(self.pm.parameters())
         self.dp_rank, self.dp_size = topo.dp_rank, topo.dp
         self.loss_weight = 1.0 / (topo.dp * topo.cp) if (self.pm.has_loss and topo.tp_rank == 0) else 0.0
-        self.label = (f"dp{topo.dp}×" + (f"cp{topo.cp}×" if topo.cp > 1 else "") + f"tp{topo.tp}×pp{topo.pp}"
-                      + (f" {cfg.cp_algorithm}" if topo.cp > 1 else "") + (f" ep{topo.ep}" if topo.ep > 1 else "")
-                      + (f" zero{self.zero_stage}" if self.zero_stage else ""))
+        # every rank holds the whole model and optimizer state (DDP replicas): an elastic job commits it as is
+        self.whole = topo.tp == topo.pp == topo.cp == topo.ep == 1
+        self.holds_whole_state = self.whole and not self.zero_stage
+        self.label = label_of(cfg, topo, self.zero_stage)
 
     def train_step(self, x, y, commit=None):
-        zero = self.pm.zero
+        """Forward/backward of this replica's part (``--accum-steps`` chunks without a pipeline,
+        ``--microbatches`` through it), the gradient sync, clipping by the whole model's norm, ``commit``
+        (an elastic job's quorum; with DDP its values ride in the last gradient bucket), the update."""
+        pm, zero = self.pm, self.pm.zero
         if zero is not None:
             zero.zero_grad()
         else:
             self.optimizer.zero_grad(set_to_none=True)
+        ride = commit is not None and self.cfg.accum_steps == 1 and pm.can_carry
         with self.autocast():
-            loss = self.pm.train_step(x, y)
-        if self.cfg.grad_clip and zero is not None:
-            # the whole model's norm: every rank's dp shard of its (tp, pp) shard, a tp-replicated
-            # parameter counted on tp rank 0 only
-            info, tp0 = self.pm.tp_info, self.topo.tp_rank == 0
-            zero.clip_grad_norm_(self.cfg.grad_clip, count=lambda n: tp0 or info[n].dim is not None, whole_world=True)
-        elif self.cfg.grad_clip:
-            self._clip(self.cfg.grad_clip)
-        if commit is not None:
+            loss = pm.train_step(x, y, **({} if pm.stage is not None else dict(
+                accum_steps=self.cfg.accum_steps, carry=commit.values if ride else None)))
+        if self.cfg.grad_clip:
+            self.clip(self.cfg.grad_clip)
+        if ride:
+            commit.averaged(pm.ddp.carried())
+        elif commit is not None:
             commit(loss)
         self.finish_step()
-        self.comm_wait_s = self.pm.comm_wait_s
+        self.comm_wait_s = pm.comm_wait_s
         return loss
+
+    def clip(self, max_norm: float) -> float:
+        """Clip by the norm of the WHOLE model's gradient (distrain.parallel.clip): a tp-replicated
+        parameter (ShardInfo dim None) counted on tp rank 0 only, an expert's gradient (held by dp x cp / ep
+        of the replicas) ep times; summed over the world and divided by the dp x cp replicas. With ZeRO each
+        rank's flat shards, with the same counting. Replicas of the whole model need no sum."""
+        pm, t = self.pm, self.topo
+        tp0 = t.tp_rank == 0
+        if pm.zero is not None:
+            info = pm.tp_info
+            return pm.zero.clip_grad_norm_(max_norm, count=None if self.whole else (
+                lambda n: tp0 or info[n].dim is not None), whole_world=not self.whole)
+        if self.whole:
+            return clip_grad_norm([(p.grad, 1) for p in pm.module.parameters()], max_norm)
+        info = pm.tp_info
+        experts = {id(p) for p in pm.expert_params or ()}
+        terms = [(p.grad, (t.ep if id(p) in experts else 1) if (info[n].dim is not None or tp0) else 0)
+                 for n, p in pm.module.named_parameters()]
+        return clip_grad_norm(terms, max_norm, reduce=True, replicas=t.dp * t.cp)
 
     def finish_step(self) -> None:
         if self.pm.zero is not None:
@@ -107,45 +130,25 @@ class ModelParallelEngine(Engine):
             timeline.plot_gantt(c.gantt, title=f"{self.label}, {c.schedule}, {c.microbatches} micro-batches, "
                                                f"last step")
 
-    @torch.no_grad()
-    def _clip(self, max_norm: float) -> None:
-        """Clip by the norm of the WHOLE model's gradient: sum of squares over this rank's shard
-        (a parameter replicated over the tp group, dim None, counted on tp rank 0 only), summed
-        over the world and divided by dp x cp (the dp x cp ranks hold the same averaged gradients; an
-        expert's are held by dp x cp / ep of them, so its squares count ep times)."""
-        from distrain.parallel.tensor_parallel import tp_shard_info
-
-        info = tp_shard_info(self.pm.module)
-        experts = {id(p) for p in self.pm.expert_params or ()}
-        grads = [(name, p.grad, self.topo.ep if id(p) in experts else 1)
-                 for name, p in self.pm.module.named_parameters() if p.grad is not None]
-        sq = torch.zeros((), dtype=torch.float64, device=grads[0][1].device if grads else None)
-        for name, g, copies in grads:
-            if info[name].dim is not None or self.topo.tp_rank == 0:
-                sq += g.double().pow(2).sum() * copies
-        comm.all_reduce(sq, op="sum", algorithm="native")
-        coef = clip_coefficient(sq / (self.topo.dp * self.topo.cp), max_norm)
-        for _, g, _ in grads:
-            g.mul_(coef.to(g.dtype))
-
     def evaluate(self, batches):
         """What one process's ``evaluate_batches`` gives on the same ``batches`` -- {"val_loss": mean
         over batches of the batch's mean loss, and "val_accuracy" for a classifier} -- on every
-        rank (equal in fp64 to rounding: a batch's loss is the mean of its micro-batches' mean
-        losses). Collective: every rank calls it with the same batches (the loop's
-        ``task.val_batches``).
+        rank (equal in fp64 to rounding). Collective: every rank calls it with the same batches (the
+        loop's ``task.val_batches``).
 
         Each batch (B, ...) is cut into n = dp x m equal micro-batches (m = --microbatches: a
         training micro-batch's size, B / (dp m), so evaluation holds no more at once than a
         training forward); dp replica d runs micro-batches d*m .. d*m + m - 1 of every batch --
         through its pipeline with :func:`~distrain.parallel.pipeline_parallel.forward_only` when
         pp > 1, else through its (tp-sharded, or ZeRO-3-gathering) module -- in eval mode, without
-        autograd, leaving the random generators and the last step's timeline as they were. The
-        last stage's tp rank 0 scores each micro-batch as [loss, correct, counted] and one
-        all-reduce over the world of the (batches, n, 3) float64 table, in which every entry has
+        autograd, leaving the random generators and the last step's timeline as they were. When dp
+        does not divide B (an elastic job's live replicas; m = 1) replica d runs its part
+        (``part_bounds``), and a batch's loss weighs each part by its samples. The last stage's tp rank
+        0 scores each micro-batch (``score``: [loss, correct, counted]) and one all-reduce over the
+        world of the (batches, n, cp, 4) float64 table ([score, samples]), in which every entry has
         exactly one non-zero contributor (so the sum is exact), brings it to every rank. Every
         dp replica runs the same number of forwards (ZeRO-3's all-gathers need that). A batch
-        that n does not divide is refused with a ConfigError (the trainer's always divide:
+        that neither way can share is refused with a ConfigError (the trainer's always share:
         --microbatches divides batch_size / dp). Accuracy is left out when tp > 1 and the plan
         keeps the output sharded (its own loss on shards, e.g. the GPT's vocab-parallel logits).
         With --cp every rank of the cp group scores its chunks of the micro-batch (the mean over its
@@ -158,43 +161,51 @@ class ModelParallelEngine(Engine):
         sharded = t.tp > 1 and pm.tp_plan is not None and pm.tp_plan.loss is not None
         accuracy = self.cfg.data_kind != "text" and not sharded
         batches, n = list(batches), t.dp * m
-        xs, ys = [], []  # this replica's micro-batches, batch-major: (B/n, ...) each
+        xs, ys, sizes = [], [], []  # this replica's micro-batches, batch-major: (B/n, ...) each
         for b, (x, y) in enumerate(batches):
-            if x.shape[0] % n or y.shape[0] != x.shape[0]:
-                raise ConfigError(f"evaluate: validation batch {b} has {x.shape[0]} samples ({y.shape[0]} targets), "
+            B = x.shape[0]
+            if y.shape[0] != B or (B % n and (m > 1 or B < t.dp)):
+                raise ConfigError(f"evaluate: validation batch {b} has {B} samples ({y.shape[0]} targets), "
                                   f"which dp {t.dp} x --microbatches {m} = {n} equal micro-batches cannot share; "
                                   f"use a --batch-size that {n} divides")
-            xs += [pm.split(u, "input") for u in split_microbatches(x, n)[t.dp_rank * m:(t.dp_rank + 1) * m]]
-            ys += [pm.split(u, "target") for u in split_microbatches(y, n, what="batch of targets")[
-                t.dp_rank * m:(t.dp_rank + 1) * m]]
+            if B % n:  # uneven replicas (m = 1): each its part
+                lo, hi = part_bounds(B, t.dp, t.dp_rank)
+                mine = [(x[lo:hi], y[lo:hi])]
+            else:
+                lo = t.dp_rank * m
+                mine = list(zip(split_microbatches(x, n)[lo:lo + m],
+                                split_microbatches(y, n, what="batch of targets")[lo:lo + m]))
+            xs += [pm.split(u, "input") for u, _ in mine]
+            ys += [pm.split(v, "target") for _, v in mine]
+            sizes += [float(u.shape[0]) for u, _ in mine]
 
         # the unscaled loss (training's may carry part_loss's factor); a plan that keeps the output
         # sharded brings its own loss on shards (pm.loss_fn then calls it, unscaled)
         loss_fn = pm.loss_fn if sharded else self.eval_loss_fn
 
-        def score(output, target):  # -> [mean loss, correct, counted] (3,) float64
-            loss = loss_fn(output, target).detach().double()
-            right = seen = torch.zeros((), dtype=torch.float64, device=loss.device)
-            if accuracy and not target.is_floating_point():
-                logits = logits_of(output)
-                if logits.dim() == target.dim() + 1:  # class scores, as evaluate_batches counts them
-                    right = (logits.argmax(dim=-1) == target).sum().double()
-                    seen = torch.tensor(float(target.numel()), dtype=torch.float64, device=loss.device)
-            return torch.stack([loss, right, seen])
+        def scored(output, target):
+            return score(loss_fn, output, target, accuracy)
 
         if pm.stage is None:
             with evaluation_mode(pm.module, self.device):  # ZeRO-3: the module holds no parameter
-                rows = [score(pm.module(x), y) for x, y in zip(xs, ys)]
+                rows = [scored(pm.module(x), y) for x, y in zip(xs, ys)]
         else:
             s = pm.stage
             rows = forward_only(s, xs if s.is_first else None, ys if s.is_last else None,
-                                score if s.is_last else None, num_microbatches=len(xs))
-        table = torch.zeros(len(batches), n, t.cp, 3, dtype=torch.float64, device=self.device)
+                                scored if s.is_last else None, num_microbatches=len(xs))
+        table = torch.zeros(len(batches), n, t.cp, 4, dtype=torch.float64, device=self.device)
         if pm.has_loss and t.tp_rank == 0:  # the tp ranks of the last stage hold the same rows: one writes
-            table[:, t.dp_rank * m:(t.dp_rank + 1) * m, t.cp_rank] = \
-                torch.stack(rows).view(len(batches), m, 3).to(self.device)
+            got = torch.stack(rows).view(len(batches), m, 3).to(self.device)
+            samples = torch.tensor(sizes, dtype=torch.float64, device=self.device).view(len(batches), m, 1)
+            table[:, t.dp_rank * m:(t.dp_rank + 1) * m, t.cp_rank] = torch.cat([got, samples], dim=-1)
         comm.all_reduce(table, op="sum", algorithm="native")  # one contributor per entry: exact
-        losses = table[..., 0].mean(dim=2).mean(dim=1).tolist()  # mean over cp, then the n equal micro-batches
+        per_mb = table[..., 0].mean(dim=2)  # (batches, n): a micro-batch's loss, the mean over its cp columns
+        samples = table[:, :, 0, 3]
+        losses = []
+        for b in range(len(batches)):
+            w = samples[b]
+            even = bool((w == w[0]).all())  # equal micro-batches: the mean of their means
+            losses.append((per_mb[b].mean() if even else (per_mb[b] * w).sum() / w.sum()).item())
         out = {"val_loss": sum(losses) / len(losses)}
         right, seen = table[..., 1].sum().item(), table[..., 2].sum().item()
         if seen:
@@ -270,7 +281,21 @@ class ModelParallelEngine(Engine):
                                                    f"MB, optimizer {m['optimizer'] / 1e6:.2f} MB"))
         return rows
 
+    def sample_model(self):
+        """The whole model for text samples when every rank holds it (DDP replicas), else None."""
+        return self.pm.module if self.holds_whole_state else None
+
 
 def zero_stage_of(cfg) -> int:
-    """--strategy zeroN -> N (ZeRO over the dp group), ddp -> 0."""
+    """--strategy zeroN -> N (ZeRO over the dp x cp group), ddp -> 0."""
     return int(cfg.strategy.removeprefix("zero")) if cfg.strategy.startswith("zero") else 0
+
+
+def label_of(cfg, topo: Topology, zero_stage: int) -> str:
+    """What the progress bar, plot and summary call the run: ``ddp (ring)`` / ``zero2 (ring)`` for plain
+    data parallelism, else the grid, e.g. ``dp1×tp2×pp2`` or ``dp2×cp2×tp1×pp1 ring ep2 zero1``."""
+    if topo.tp == topo.pp == topo.cp == topo.ep == 1:
+        return f"{cfg.strategy} ({cfg.algorithm})"
+    return (f"dp{topo.dp}×" + (f"cp{topo.cp}×" if topo.cp > 1 else "") + f"tp{topo.tp}×pp{topo.pp}"
+            + (f" {cfg.cp_algorithm}" if topo.cp > 1 else "") + (f" ep{topo.ep}" if topo.ep > 1 else "")
+            + (f" zero{zero_stage}" if zero_stage else ""))
