@@ -9,7 +9,10 @@ blocking call, native algorithm, no debug fingerprint, no async call queued befo
 
 The Python modules stay the readable reference and the fallback: ``collectives.py`` is what the
 C++ does, step for step, on the same segment layout, so a result has the same bits either way;
-the tests run every equivalence check with both (``set_kernels``).
+the tests run every equivalence check with both (``set_kernels``), and with both in one group.
+Every number the C++ restates (codes, control lines, ring and wait constants) the extension
+exports, and importing this module compares each with the Python one (:func:`check_extension`
+against :func:`reference`): a build from other source is one DataPlaneMismatchError at import.
 
 Kernels of a new group's shared-memory transport (:func:`set_kernels`, job-wide, or
 ``DISTRAIN_SHM_KERNELS`` through ``distrain.runtime.init``):
