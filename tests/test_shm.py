@@ -18,6 +18,7 @@ from distrain import comm
 from distrain.comm.shm import compiled
 from distrain.comm.shm import transport as shm
 from distrain.comm.shm import segment as shm_segment
+from distrain.comm.core.group import fast_path
 from distrain.comm.core.ops import SUPPORTED_DTYPES
 from distrain.errors import CommError, ConfigError
 
@@ -309,8 +310,8 @@ def _compiled_bits_equal_python(rank: int) -> list[str]:
                     if not torch.equal(c, p):
                         d = (c.double() - p.double()).abs().max().item()
                         bad.append(f"P={P} rank {rank} {name}({op}) {dtype} n={n}: compiled differs from python by {d}")
-    fast = compiled.FAST.get(groups["compiled"])  # a plane is made, and its group offered, at the first call
-    if fast is None or groups["python"] in compiled.FAST or fast.calls < 4 * 3 * 4 * 3:
+    fast = fast_path(groups["compiled"])  # a plane is made, and its group offered, at the first call
+    if fast is None or fast_path(groups["python"]) is not None or fast.calls < 4 * 3 * 4 * 3:
         bad.append(f"rank {rank}: the compiled group's calls did not take the fast path "
                    f"({fast.calls if fast else 0} calls), or the python group has one")
     return bad

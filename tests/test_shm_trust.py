@@ -49,7 +49,7 @@ def sh(monkeypatch):
 
     store = dist.HashStore()
     monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
-    state = SimpleNamespace(rank=0, size=2, ranks=[0, 1], group=SimpleNamespace(group_name=GROUP))
+    state = SimpleNamespace(rank=0, size=2, ranks=[0, 1], group=SimpleNamespace(group_name=GROUP), fast=None)
     t = shm.ShmTransport(state, timeout=5.0, strict=True, fallback=None)
     yield t
     t.close()

@@ -48,3 +48,9 @@ class TrainingError(DistrainError):
 class CollectiveTimeoutError(CommError, TimeoutError):
     """A collective did not complete within the collective time-out; the message names the
     ranks that did not arrive and the call they were expected at."""
+
+
+class DataPlaneMismatchError(ConfigError):
+    """The compiled shared-memory data plane (the C++ extension) was built from other source than the
+    Python beside it: a code or layout constant it exports differs from the Python reference's (checked
+    at import, distrain.comm.shm.compiled.check_extension). The message names both values; rebuild it."""

@@ -28,8 +28,8 @@ checks, the debug fingerprint and the dispatcher itself are in dispatch.py.
 
 The fast path: a blocking native ``all_reduce``, ``broadcast``, ``all_gather``,
 ``reduce_scatter`` or ``barrier`` on a group whose shared-memory transport runs the compiled
-data plane goes straight to it (shm/compiled.py ``FastPath``: a few Python operations instead
-of the dispatcher's hundred); anything it does not take (async, debug checks, other
+data plane goes straight to it (shm/compiled.py ``FastPath``, kept on the group's state and
+found with ``group.fast_path``: a few Python operations instead of the dispatcher's hundred); anything it does not take (async, debug checks, other
 algorithms, a ReduceOp object, odd arguments) takes the ordinary path below, which also
 raises the proper error for bad arguments.
 """
@@ -55,9 +55,7 @@ from distrain.comm.dispatch import (  # noqa: F401  (the public names, and helpe
     debug_enabled,
     set_debug,
 )
-from distrain.comm import dispatch as _dispatch
-from distrain.comm.core.group import resolve
-from distrain.comm.shm.compiled import FAST as _FAST
+from distrain.comm.core.group import fast_path, resolve
 from distrain.comm.core.ops import resolve_op
 from distrain.comm.core.p2p import scratch
 from distrain.comm.algorithms import ALGORITHM_NAMES  # noqa: F401  (re-exported)
@@ -71,9 +69,9 @@ API_SLOT = -1  # scratch() slot of this module's temporaries (the algorithms use
 
 def _fast(group, async_op: bool, algorithm: str):
     """The group's FastPath when this call may take it, else None."""
-    if async_op or algorithm != "native" or _dispatch._debug:
+    if async_op or algorithm != "native" or debug_enabled():
         return None
-    return _FAST.get(dist.group.WORLD if group is None else group)
+    return fast_path(group)
 
 
 def broadcast(tensor: torch.Tensor, src: int = None, group=None, async_op: bool = False,  # noqa: RUF013

@@ -63,6 +63,9 @@ class GroupState:
         self._lock = threading.Lock()
         self._transport_choice = None  # set_transport(); None = the job-wide default
         self._transport: transports.Transport | None = None
+        # The fast path of this group's blocking native calls (shm/compiled.FastPath), set by its
+        # shared-memory transport once the compiled plane runs (compiled.register), None otherwise.
+        self.fast = None
 
     @property
     def transport(self) -> transports.Transport:
@@ -147,6 +150,13 @@ def resolve(group, collective: str) -> GroupState:
         with _states_lock:
             st = _states.setdefault(group, GroupState(group))
     return st
+
+
+def fast_path(group):
+    """The fast path of ``group`` (None = the world): its state's ``fast``, or None when the group
+    has no state yet or no fast path. Creates nothing (api.py asks on every blocking call)."""
+    st = _states.get(dist.group.WORLD if group is None else group)
+    return None if st is None else st.fast
 
 
 def close_group(group=None) -> None:

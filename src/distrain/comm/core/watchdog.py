@@ -62,6 +62,12 @@ class Watchdog:
     def leave(self) -> None:
         self.op = None
 
+    def withdraw(self) -> None:
+        """Leave a call that was handed on before it waited (the compiled fast path declined it and the
+        dispatcher, which enters it again, runs it): it does not count, so the count stays one per call."""
+        self.calls -= 1
+        self.op = None
+
     # -- the thread ---------------------------------------------------------------------------
     def _beat(self) -> None:
         blocked = time.monotonic() - self.since if self.op is not None else 0.0

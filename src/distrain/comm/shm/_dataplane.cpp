@@ -61,11 +61,19 @@ enum Status : int {
 enum Op : int { SUM = 0, PROD = 1, MIN = 2, MAX = 3, BAND = 4, BOR = 5, BXOR = 6, AVG = 7 };
 
 constexpr int64_t SMALL_BYTES = 32 << 10;  // collectives.SMALL_BYTES
-constexpr double SPIN_MAX_S = 1e-3;        // transport.SPIN_MAX_S
-constexpr double SPIN_MIN_S = 5e-6;        // transport.SPIN_MIN_S
-constexpr int MAX_BLOCK_MS = 50;           // transport.MAX_BLOCK
-constexpr double CHECK_EVERY_S = 0.05;     // transport.CHECK_EVERY
-constexpr int CODE_BITS = 56;              // collectives._CODE_BITS
+constexpr double SPIN_MAX_S = 1e-3;        // segment.SPIN_MAX_S
+constexpr double SPIN_MIN_S = 5e-6;        // segment.SPIN_MIN_S
+constexpr int MAX_BLOCK_MS = 50;           // segment.MAX_BLOCK (seconds there)
+constexpr double CHECK_EVERY_S = 0.05;     // segment.CHECK_EVERY
+constexpr int CODE_BITS = 56;              // collectives.CODE_BITS
+constexpr int64_t STEP_MASK = 0x7F;        // collectives.STEP_MASK: a SYMMETRIC line's step bits
+constexpr int OFFSET_BITS = 40;            // symmetric.OFFSET_BITS: a symmetric code's offset bits
+constexpr int HEAD_LINE_0 = 8;             // segment.Layout.head_line(0): the channel to rank q's head is
+constexpr int TAIL_LINE_0 = 9;             // on line HEAD_LINE_0 + 2q, its tail on TAIL_LINE_0 + 2q
+constexpr int LINES_PER_CHANNEL = 2;
+// Every number above, and the ring constants further down, is exported to Python (the module's
+// attributes, at the end of this file); compiled.check_extension compares each with the Python
+// reference's own at import, so a build from other source is one error, not wrong bits.
 
 #define TRY(expr)                 \
   do {                            \
@@ -320,7 +328,7 @@ void divide(void* p, int64_t n, at::ScalarType dtype, int P) {
 struct Symmetric {
   int64_t index, nbytes;
   std::vector<char*> bases;  // group rank -> that rank's copy, mapped here
-  int64_t code(int64_t offset) const { return (index + 1) << 40 | offset; }
+  int64_t code(int64_t offset) const { return (index + 1) << OFFSET_BITS | offset; }
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -586,7 +594,7 @@ class Plane {
 
   // -- what each rank works on (collectives._declare / _check_same) ---------------------------
   int64_t declare(int64_t s, int64_t code) {
-    int64_t l = (s & 0x7F) << CODE_BITS | code;
+    int64_t l = (s & STEP_MASK) << CODE_BITS | code;
     set(SYMMETRIC, l);
     return l;
   }
@@ -1028,11 +1036,11 @@ class Rings {
 
   int64_t* ctrl(int q, int i) const { return reinterpret_cast<int64_t*>(peers_[q].base) + i * I64_PER_LINE; }
   // ring to q: in this rank's segment; ring from q: in q's (segment.Layout.head_line/tail_line)
-  int64_t* out_head(int q) const { return ctrl(rank_, 8 + 2 * q); }
-  int64_t* out_tail(int q) const { return ctrl(rank_, 9 + 2 * q); }
+  int64_t* out_head(int q) const { return ctrl(rank_, HEAD_LINE_0 + LINES_PER_CHANNEL * q); }
+  int64_t* out_tail(int q) const { return ctrl(rank_, TAIL_LINE_0 + LINES_PER_CHANNEL * q); }
   char* out_ring(int q) const { return peers_[rank_].base + chan_ + q * R_; }
-  int64_t* in_head(int q) const { return ctrl(q, 8 + 2 * rank_); }
-  int64_t* in_tail(int q) const { return ctrl(q, 9 + 2 * rank_); }
+  int64_t* in_head(int q) const { return ctrl(q, HEAD_LINE_0 + LINES_PER_CHANNEL * rank_); }
+  int64_t* in_tail(int q) const { return ctrl(q, TAIL_LINE_0 + LINES_PER_CHANNEL * rank_); }
   char* in_ring(int q) const { return peers_[q].base + chan_ + rank_ * R_; }
 
   // Every word of shared memory is read exactly once per use (an atomic load: the compiler may not
@@ -1228,6 +1236,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("recv", &Rings::recv);
   m.def("fold", &fold);
   m.def("isa", &isa);
+  // Every constant the Python reference also defines, under the name compiled.reference() gives it
+  // (compiled.check_extension compares them at import).
+  // statuses (enum Status)
   m.attr("OK") = int(OK);
   m.attr("UNSUPPORTED") = int(UNSUPPORTED);
   m.attr("PEER_ABORTED") = int(PEER_ABORTED);
@@ -1235,6 +1246,40 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("TIMED_OUT") = int(TIMED_OUT);
   m.attr("MISMATCH") = int(MISMATCH);
   m.attr("CORRUPT") = int(CORRUPT);
-  m.attr("BAD_WORDS") = BAD_WORDS;
+  // reduction codes (enum Op)
+  m.attr("OP_SUM") = int(SUM);
+  m.attr("OP_PROD") = int(PROD);
+  m.attr("OP_MIN") = int(MIN);
+  m.attr("OP_MAX") = int(MAX);
+  m.attr("OP_BAND") = int(BAND);
+  m.attr("OP_BOR") = int(BOR);
+  m.attr("OP_BXOR") = int(BXOR);
+  m.attr("OP_AVG") = int(AVG);
+  // the segment's control lines (enum Line) and the channels' head and tail lines
+  m.attr("LINE_BYTES") = I64_PER_LINE * int(sizeof(int64_t));
+  m.attr("LINE_ARRIVE") = int(ARRIVE);
+  m.attr("LINE_DONE") = int(DONE);
+  m.attr("LINE_ABORT") = int(ABORT);
+  m.attr("LINE_PID") = int(PID);
+  m.attr("LINE_RESULT") = int(RESULT);
+  m.attr("LINE_SLEEPING") = int(SLEEPING);
+  m.attr("LINE_CONSUMED") = int(CONSUMED);
+  m.attr("LINE_SYMMETRIC") = int(SYMMETRIC);
+  m.attr("HEAD_LINE_0") = HEAD_LINE_0;
+  m.attr("TAIL_LINE_0") = TAIL_LINE_0;
+  m.attr("LINES_PER_CHANNEL") = LINES_PER_CHANNEL;
+  // the collectives' and symmetric memory's numbers
+  m.attr("SMALL_BYTES") = SMALL_BYTES;
+  m.attr("CODE_BITS") = CODE_BITS;
+  m.attr("STEP_MASK") = STEP_MASK;
+  m.attr("OFFSET_BITS") = OFFSET_BITS;
+  // the byte rings
+  m.attr("HEADER") = HEADER;
   m.attr("WORD_LIMIT") = WORD_LIMIT;
+  m.attr("BAD_WORDS") = BAD_WORDS;
+  // the waits
+  m.attr("SPIN_MAX_S") = SPIN_MAX_S;
+  m.attr("SPIN_MIN_S") = SPIN_MIN_S;
+  m.attr("MAX_BLOCK_S") = MAX_BLOCK_MS / 1000.0;
+  m.attr("CHECK_EVERY_S") = CHECK_EVERY_S;
 }

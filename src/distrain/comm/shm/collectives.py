@@ -41,6 +41,7 @@ import torch
 
 from distrain.comm.core.ops import Op
 from distrain.comm.shm.segment import ARRIVE, CONSUMED, DONE, SYMMETRIC
+from distrain.comm.shm.symmetric import OFFSET_BITS
 from distrain.comm.core.util import chunk_sizes
 from distrain.errors import CommError
 
@@ -126,30 +127,31 @@ def _pipelined(sh, what: str, chunks: int, copy_in, fold) -> None:
         sh.post(CONSUMED, s)
 
 
-_CODE_BITS = 56  # SYMMETRIC line: (first step & 0x7F) << 56 | the tensor's code (0: slots); fits an int64
+CODE_BITS = 56  # SYMMETRIC line: (first step & STEP_MASK) << 56 | the tensor's code (0: slots); fits an int64
+STEP_MASK = 0x7F
 
 
 def _declare(sh, step: int, code: int) -> int:
     """Say what this rank's all_reduce starting at ``step`` works on (its SYMMETRIC line)."""
-    line = (step & 0x7F) << _CODE_BITS | code
+    line = (step & STEP_MASK) << CODE_BITS | code
     sh.me.set_line(SYMMETRIC, line)
     return line
 
 
 def _kind(code: int) -> str:
-    code &= (1 << _CODE_BITS) - 1
+    code &= (1 << CODE_BITS) - 1
     if not code:
         return "an ordinary tensor"
-    return f"symmetric allocation {(code >> 40) - 1} at byte offset {code & ((1 << 40) - 1)}"
+    return f"symmetric allocation {(code >> OFFSET_BITS) - 1} at byte offset {code & ((1 << OFFSET_BITS) - 1)}"
 
 
 def _check_same(sh, line: int, what: str) -> None:
     """After every peer arrived at the first step: each declared the same kind of buffer. (A peer
     whose line carries another step has finished this call and moved on: nothing to compare.)"""
-    tag = line >> _CODE_BITS
+    tag = line >> CODE_BITS
     for q, seg in sh.peers.items():
         theirs = seg.line(SYMMETRIC)
-        if theirs != line and theirs >> _CODE_BITS == tag:
+        if theirs != line and theirs >> CODE_BITS == tag:
             raise mismatch(sh, q, theirs, line, what)
 
 

@@ -9,7 +9,10 @@ blocking call, native algorithm, no debug fingerprint, no async call queued befo
 
 The Python modules stay the readable reference and the fallback: ``collectives.py`` is what the
 C++ does, step for step, on the same segment layout, so a result has the same bits either way;
-the tests run every equivalence check with both (``set_kernels``).
+the tests run every equivalence check with both (``set_kernels``), and with both in one group.
+Every number the C++ restates (codes, control lines, ring and wait constants) the extension
+exports, and importing this module compares each with the Python one (:func:`check_extension`
+against :func:`reference`): a build from other source is one DataPlaneMismatchError at import.
 
 Kernels of a new group's shared-memory transport (:func:`set_kernels`, job-wide, or
 ``DISTRAIN_SHM_KERNELS`` through ``distrain.runtime.init``):
@@ -31,12 +34,68 @@ import threading
 import torch
 import torch.distributed as dist
 
-from distrain.comm.core import ledger as _ledger
+from distrain.comm.core import ledger
 from distrain.comm.core import watchdog
 from distrain.comm.core.ops import Op
-from distrain.comm.shm import collectives
-from distrain.comm.shm.segment import MAX_MESSAGE, ring_error
-from distrain.errors import ConfigError
+from distrain.comm.shm import collectives, segment, symmetric
+from distrain.comm.shm.segment import MAX_MESSAGE, Layout, ring_error
+from distrain.errors import ConfigError, DataPlaneMismatchError
+
+KERNELS = ("auto", "compiled", "python")
+_choice = "auto"
+_fast_path = True  # set_fast_path
+READS_INPUT_ONLY = True  # as collectives.py: reduce_scatter reads its input in place
+
+# Reduction codes of the extension's calls (_dataplane.cpp's enum Op). The dispatcher finishes avg
+# itself (a division after the sum), so its calls pass sum for avg (OP_CODES); the fast path lets
+# the C++ divide.
+CODES = {"sum": 0, "prod": 1, "min": 2, "max": 3, "band": 4, "bor": 5, "bxor": 6, "avg": 7}
+OP_CODES = {**CODES, "avg": CODES["sum"]}
+# What the extension's calls return (_dataplane.cpp's enum Status); each failure becomes the typed
+# error the Python waits raise (error, p2p_error, checked).
+OK, UNSUPPORTED, PEER_ABORTED, PEER_DIED, TIMED_OUT, MISMATCH, CORRUPT = 0, 1, 2, 3, 4, 5, 6
+BAD_WORDS = -2  # Rings.push/pull's offset, Rings.header's byte count: the ring's words are invalid (err_*)
+
+
+def reference() -> dict[str, int | float]:
+    """Every number the extension restates, as the Python side defines it (the reference): the
+    codes of its calls above, the segment's layout (segment.py), the collectives' and symmetric
+    memory's constants and the waits' timings. Keys are the extension's attribute names."""
+    return {
+        **{name: code for name, code in zip(("OK", "UNSUPPORTED", "PEER_ABORTED", "PEER_DIED", "TIMED_OUT",
+                                             "MISMATCH", "CORRUPT"),
+                                            (OK, UNSUPPORTED, PEER_ABORTED, PEER_DIED, TIMED_OUT, MISMATCH, CORRUPT))},
+        **{f"OP_{op.upper()}": code for op, code in CODES.items()},
+        "LINE_BYTES": segment.LINE,
+        **{f"LINE_{name}": getattr(segment, name)
+           for name in ("ARRIVE", "DONE", "ABORT", "PID", "RESULT", "SLEEPING", "CONSUMED", "SYMMETRIC")},
+        "HEAD_LINE_0": Layout.head_line(0), "TAIL_LINE_0": Layout.tail_line(0),
+        "LINES_PER_CHANNEL": Layout.head_line(1) - Layout.head_line(0),
+        "SMALL_BYTES": collectives.SMALL_BYTES, "CODE_BITS": collectives.CODE_BITS,
+        "STEP_MASK": collectives.STEP_MASK, "OFFSET_BITS": symmetric.OFFSET_BITS,
+        "HEADER": segment.HEADER, "WORD_LIMIT": segment.WORD_LIMIT, "BAD_WORDS": BAD_WORDS,
+        "SPIN_MAX_S": segment.SPIN_MAX_S, "SPIN_MIN_S": segment.SPIN_MIN_S, "MAX_BLOCK_S": segment.MAX_BLOCK,
+        "CHECK_EVERY_S": segment.CHECK_EVERY,
+    }
+
+
+def check_extension(module) -> None:
+    """Raise DataPlaneMismatchError when ``module`` (the built extension) disagrees with
+    :func:`reference` on any number, or lacks one: it was built from other source than the Python
+    beside it (a stale build), and would read and write the segments at other places or misread
+    the codes. The first difference, in one line naming both values."""
+    where = getattr(module, "__file__", None) or getattr(module, "__name__", "the extension")
+    for name, ours in reference().items():
+        theirs = getattr(module, name, None)
+        if theirs is None:
+            raise DataPlaneMismatchError(
+                f"the compiled data plane ({where}) has no {name}, the Python kernels say {ours}: it was built from "
+                f"older source; rebuild it (make install)")
+        if type(theirs) is not type(ours) or theirs != ours:
+            raise DataPlaneMismatchError(
+                f"the compiled data plane ({where}) says {name}={theirs!r}, the Python kernels say {ours!r}; "
+                f"rebuild it (make install)")
+
 
 try:
     from distrain.comm.shm import _dataplane as ext
@@ -45,17 +104,8 @@ except ImportError as e:  # not built: no compiler at install, or a source check
     ext = None
     MISSING = (f"the C++ extension distrain.comm.shm._dataplane is not built ({e}); `make install` (pip install "
                f"--no-build-isolation -e .) builds it where g++ is present")
-
-KERNELS = ("auto", "compiled", "python")
-_choice = "auto"
-READS_INPUT_ONLY = True  # as collectives.py: reduce_scatter reads its input in place
-
-# Reduction codes of _dataplane.cpp (its enum Op). The dispatcher finishes avg itself (a division
-# after the sum), so its calls pass sum for avg (OP_CODES); the fast path lets the C++ divide.
-CODES = {"sum": 0, "prod": 1, "min": 2, "max": 3, "band": 4, "bor": 5, "bxor": 6, "avg": 7}
-OP_CODES = {**CODES, "avg": CODES["sum"]}
-OK, UNSUPPORTED, PEER_ABORTED, PEER_DIED, TIMED_OUT, MISMATCH, CORRUPT = range(7)  # _dataplane.cpp's Status
-BAD_WORDS = -2  # Rings.push/pull's offset, Rings.header's byte count: the ring's words are invalid (err_*)
+if ext is not None:
+    check_extension(ext)  # a build from other source: one error at import, never wrong bits later
 
 
 def set_kernels(name: str) -> None:
@@ -66,6 +116,14 @@ def set_kernels(name: str) -> None:
     if name == "compiled" and ext is None:
         raise ConfigError(f"shm kernels 'compiled' asked for, but {MISSING}; or use 'python'")
     _choice = name
+
+
+def set_fast_path(enabled: bool) -> None:
+    """Whether groups whose compiled plane is made from now on are offered to the fast path
+    (:class:`FastPath`; on by default). Off, their blocking calls take the dispatcher into this
+    module's collectives: the same results and bookkeeping, more Python per call (for comparisons)."""
+    global _fast_path
+    _fast_path = bool(enabled)
 
 
 def kernels() -> str:
@@ -178,10 +236,6 @@ def error(sh, rc: int, what: str) -> Exception:
 # The fast path: api.py's blocking native calls, straight to the extension
 # ---------------------------------------------------------------------------------------------
 
-# group object -> its FastPath, for groups whose shared-memory transport has a Plane. The world
-# group is registered under its object; api looks ``None`` up as dist.group.WORLD.
-FAST: dict = {}
-
 # op as the caller passes it (a name or a ReduceOp.X) -> its code
 _FAST_OPS: dict = {**CODES, dist.ReduceOp.SUM: CODES["sum"], dist.ReduceOp.PRODUCT: CODES["prod"],
                    dist.ReduceOp.MIN: CODES["min"], dist.ReduceOp.MAX: CODES["max"], dist.ReduceOp.BAND: CODES["band"],
@@ -195,7 +249,11 @@ class FastPath:
     ordinary path (an async call queued on the group's worker, an op given as a ReduceOp
     object, a tensor or dtype the extension does not take: the ordinary path then also raises
     the proper error for bad arguments). What the ordinary path does besides, it does too: the
-    group's call number, the ledger's call count, the watchdog's bracket, the abort on failure.
+    group's call number, the ledger's call count, the watchdog's bracket, the abort on failure
+    (tests/test_dataplane.py holds the two paths to the same state after the same calls).
+
+    It lives on its group's state (``GroupState.fast``, looked up by ``group.fast_path``): one
+    registry per group, dropped with the group.
     """
 
     __slots__ = ("state", "sh", "plane", "descs", "rank_of", "calls")
@@ -209,14 +267,20 @@ class FastPath:
         self.rank_of = {g: i for i, g in enumerate(state.ranks)}
 
     def _call(self, name: str, fn, *args) -> int:
-        wd = watchdog._active
-        if wd is not None:
-            wd.enter(self.descs[name])
-        try:
+        wd = watchdog.current()
+        if wd is None:
             return fn(*args)
-        finally:
-            if wd is not None:
-                wd.leave()
+        wd.enter(self.descs[name])
+        try:
+            rc = fn(*args)
+        except BaseException:
+            wd.leave()
+            raise
+        if rc == UNSUPPORTED:  # declined before any wait: the dispatcher runs the call and brackets it itself
+            wd.withdraw()
+        else:
+            wd.leave()
+        return rc
 
     def _end(self, name: str, rc: int, payload: int) -> bool:
         if rc:
@@ -224,10 +288,9 @@ class FastPath:
                 return False
             self.sh.abort()  # peers waiting on this rank stop at once
             raise error(self.sh, rc, f"{name}(transport={self.sh.name})")
-        self.state.seq += 1
+        self.state.next_seq()
         self.calls += 1
-        if _ledger._active:
-            _ledger.record(name, "native", calls=1, payload=payload)
+        ledger.record(name, "native", calls=1, payload=payload)
         return True
 
     def all_reduce(self, t, op) -> bool:
@@ -278,15 +341,18 @@ _TOKEN = torch.zeros(1, dtype=torch.uint8)  # a barrier is an all_reduce of one 
 
 
 def register(sh) -> None:
-    """Offer ``sh``'s group to the fast path (its Plane exists and its segments are unlinked)."""
-    FAST[sh.state.group] = FastPath(sh.state, sh)
+    """Offer ``sh``'s group to the fast path (its Plane exists and its segments are unlinked): its
+    FastPath goes on the group's state (unless :func:`set_fast_path` turned the fast path off)."""
+    if _fast_path:
+        sh.state.fast = FastPath(sh.state, sh)
     sh.fast = True
 
 
 def unregister(sh) -> None:
-    for g, fp in list(FAST.items()):
-        if fp.sh is sh:
-            del FAST[g]
+    """Withdraw ``sh``'s group from the fast path (its transport is closing)."""
+    fp = sh.state.fast
+    if fp is not None and fp.sh is sh:
+        sh.state.fast = None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -60,6 +60,14 @@ class PeerCorruptError(PeerLostError):
     message header): it is treated as a failed peer, whichever kernels read the value."""
 
 
+# The waits (transport.ShmTransport.wait, and the extension's): how long a wait spins before it blocks on
+# the wake-up pipe (adapted between these two), how long one block lasts at most, how often a waiting
+# rank checks for dead peers and the deadline. Seconds.
+SPIN_MAX_S = 1e-3  # the longest a wait spins before it blocks on the wake-up pipe ...
+SPIN_MIN_S = 5e-6  # ... and the shortest (spins that keep failing shrink to this)
+MAX_BLOCK = 0.05  # seconds one block lasts at most (then the deadline and peers are checked)
+CHECK_EVERY = 0.05  # seconds between checks for dead peers and the deadline
+
 HEADER = 16  # bytes of a ring message's header (p2p.py): every head and tail is a multiple of it
 WORD_LIMIT = 1 << 62  # no head reaches it (2^62 bytes sent); keeps head + ring within an int64
 MAX_MESSAGE = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # no message is larger than the host

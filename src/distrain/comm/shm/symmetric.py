@@ -33,6 +33,7 @@ from distrain.comm.shm import files
 from distrain.errors import CommError
 
 ALIGN = 4096  # every allocation starts on a page
+OFFSET_BITS = 40  # an allocation's code: (index + 1) << OFFSET_BITS | byte offset (Allocation.code)
 MAX_RECORD = 1024  # bytes of a peer's record read at most
 
 
@@ -46,7 +47,7 @@ class Allocation:
 
     def code(self, offset: int) -> int:
         """A nonzero number naming (allocation, byte offset), the same on every rank for counterparts."""
-        return (self.index + 1) << 40 | offset
+        return (self.index + 1) << OFFSET_BITS | offset
 
 
 class Heap:

@@ -52,6 +52,8 @@ from distrain.comm.shm.host import host_id, set_host_id, supported, unsupported 
 from distrain.comm.shm.p2p import Channels
 from distrain.comm.shm.symmetric import Heap
 from distrain.comm.shm.segment import ABORT, ARRIVE, CONSUMED, SLEEPING, Layout, Segment, SegmentRefusedError
+# the waits' timings (segment.py holds them: the extension is checked against them, compiled.reference)
+from distrain.comm.shm.segment import CHECK_EVERY, MAX_BLOCK, SPIN_MAX_S, SPIN_MIN_S
 from distrain.errors import CommError, PeerLostError
 
 # A collective step moves at most this much per rank. 1 MiB: a rank's slot fits its L2, so
@@ -70,10 +72,6 @@ RING_BYTES = 1 << 20  # per directed pair of ranks
 #   2 busy processes, 64 MiB: 2 slots 0.34-0.56, 4 slots 0.72-1.55, 8 slots 1.60-1.64
 # Four keep the quiet speed and most of the gain under load.
 SLOTS = 4
-SPIN_MAX_S = 1e-3  # the longest a wait spins before it blocks on the wake-up pipe ...
-SPIN_MIN_S = 5e-6  # ... and the shortest (spins that keep failing shrink to this)
-MAX_BLOCK = 0.05  # seconds one block lasts at most (then the deadline and peers are checked)
-CHECK_EVERY = 0.05  # seconds between checks for dead peers and the deadline
 _fence_lock = threading.Lock()
 _MAIN = threading.main_thread().ident  # waits on other threads (the group's worker) never spin
 
