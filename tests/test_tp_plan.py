@@ -21,6 +21,8 @@ from distrain.parallel.tensor_parallel import (
     ColwiseParallel, ColumnParallelLinear, RowParallelLinear, TPPlan, apply_tensor_parallel, tp_shard_info,
 )
 
+from conftest import run_ranks
+
 STEPS = 3
 B, T, D, C, H, K = 8, 5, 5, 12, 20, 8  # batch, tokens, input width, model width, hidden width, outputs
 
@@ -203,8 +205,7 @@ def _plan_errors(rank: int) -> list[str]:
 
 @pytest.mark.timeout(60)
 def test_plan_errors_before_any_change_or_collective():
-    bad = [x for r in distrain.spawn(_plan_errors, 2, timeout=45) for x in r]
-    assert not bad, "\n".join(bad)
+    run_ranks(_plan_errors, 2, timeout=45)
 
 
 def test_parallelize_needs_a_plan_for_tp():
