@@ -57,15 +57,17 @@ def expect_error(fn, exc, *fragments) -> str:
     return f"did not raise {exc.__name__}"
 
 
-def run_ranks(fn, nprocs: int, *args, timeout: float = 90) -> list:
-    """Run ``fn(rank, *args)`` on ``nprocs`` ranks; each returns a list of problems (strings).
+def run_ranks(fn, nprocs: int, *args, timeout: float = 90, env: dict | None = None) -> list:
+    """Run ``fn(rank, *args)`` on ``nprocs`` ranks (``env``: set in theirs); each returns a list of
+    problems (strings; an empty one is none).
 
-    Fails naming every rank's problems, so one run reports all of them at once."""
+    Fails naming every rank's problems (the first 40 of them, and how many), so one run reports them
+    at once."""
     import distrain
 
-    results = distrain.spawn(fn, nprocs, args=args, timeout=timeout)
-    bad = [f"rank {r}: {p}" for r, res in enumerate(results) for p in (res or [])]
-    assert not bad, "\n".join(bad)
+    results = distrain.spawn(fn, nprocs, args=args, timeout=timeout, env=env)
+    bad = [f"rank {r}: {p}" for r, res in enumerate(results) for p in (res or []) if p]
+    assert not bad, f"{len(bad)} problem(s):\n" + "\n".join(bad[:40])
     return results
 
 

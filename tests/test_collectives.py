@@ -13,9 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import distrain
 from distrain import comm
 from distrain.errors import ConfigError
+
+from conftest import run_ranks
 
 ALGS = list(comm.ALGORITHM_NAMES)  # "native" + every registered algorithm
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int32, torch.int64]
@@ -121,9 +122,7 @@ def _matrix(rank: int, transport: str = "torch") -> list[str]:
 @pytest.mark.parametrize("P", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("transport", ["torch", "shm"])
 def test_every_collective_every_algorithm(P, transport):
-    results = distrain.spawn(_matrix, P, args=(transport,), timeout=240)
-    bad = [line for r in results for line in r]
-    assert not bad, f"{len(bad)} mismatches, first ones:\n" + "\n".join(bad[:20])
+    run_ranks(_matrix, P, transport, timeout=240)  # (names the first 40 mismatches and how many)
 
 
 def _non_contiguous_and_bool(rank: int, transport: str = "torch") -> list[str]:
@@ -150,8 +149,7 @@ def _non_contiguous_and_bool(rank: int, transport: str = "torch") -> list[str]:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", ["torch", "shm"])
 def test_non_contiguous_and_bool(transport):
-    bad = [x for r in distrain.spawn(_non_contiguous_and_bool, 3, args=(transport,), timeout=90) for x in r]
-    assert not bad, bad
+    run_ranks(_non_contiguous_and_bool, 3, transport, timeout=90)
 
 
 def _async_many_in_flight(rank: int, transport: str = "torch") -> list[str]:
@@ -190,8 +188,7 @@ def _async_many_in_flight(rank: int, transport: str = "torch") -> list[str]:
 @pytest.mark.parametrize("P", [2, 3])
 @pytest.mark.parametrize("transport", ["torch", "shm"])
 def test_async_collectives(P, transport):
-    bad = [x for r in distrain.spawn(_async_many_in_flight, P, args=(transport,), timeout=90) for x in r]
-    assert not bad, bad
+    run_ranks(_async_many_in_flight, P, transport, timeout=90)
 
 
 def _subgroups(rank: int, transport: str = "torch") -> list[str]:
@@ -229,5 +226,4 @@ def _subgroups(rank: int, transport: str = "torch") -> list[str]:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", ["torch", "shm"])
 def test_subgroups(transport):
-    bad = [x for r in distrain.spawn(_subgroups, 5, args=(transport,), timeout=90) for x in r]
-    assert not bad, bad
+    run_ranks(_subgroups, 5, transport, timeout=90)

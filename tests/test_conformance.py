@@ -42,16 +42,67 @@ def test_torch_methods_pass_on_our_algorithms(tmp_path):
         assert not bad, f"{key}: {bad}"
 
 
-@pytest.mark.slow
-@pytest.mark.conformance
-@pytest.mark.timeout(7200)
-def test_every_method_every_algorithm_every_world_size(tmp_path):
-    report = _harness(tmp_path, "torch,native,star,ring,tree", "2,3,4", None, timeout=7000)
-    for ws in (2, 3, 4):
+ALGORITHMS = ("native", "star", "ring", "tree")
+SIZES = (2, 3, 4)
+
+
+def _selected(names: list[str] | None = None) -> list[str]:
+    """The methods the harness runs (``-k`` each of ``names``): its own ``--list``."""
+    cmd = [sys.executable, HARNESS, "--list"] + [a for n in names or [] for a in ("-k", n)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout.split()
+
+
+def check_long_report(report: dict, names: list[str], algorithms=ALGORITHMS, sizes=SIZES) -> None:
+    """The long run's verdict (AssertionError naming what is wrong): methods were selected; every
+    algorithm and torch itself ran every one of them at every world size, and at least one passed
+    there (a report that ran nothing, or whose process groups never started, proves nothing); none
+    hung; none failed where torch passes."""
+    assert names, "no torch test method was selected: the harness found none to run"
+    for ws in sizes:
+        for alg in ("torch", *algorithms):
+            key = f"{alg}/{ws}"
+            assert key in report, f"{key}: not in the report (it has {sorted(report)})"
+            rows = report[key]["rows"]
+            missing = sorted(set(names) - set(rows))
+            assert not missing, f"{key}: {len(missing)} of {len(names)} methods have no outcome: {missing[:10]}"
+            assert "pass" in rows.values(), f"{key}: no method passed ({sorted(set(rows.values()))})"
         base = report[f"torch/{ws}"]["rows"]
-        for alg in ("native", "star", "ring", "tree"):
+        for alg in algorithms:
             rows = report[f"{alg}/{ws}"]["rows"]
             hung = [n for n, v in rows.items() if v == "timeout"]
             assert not hung, f"{alg} P={ws}: hung in {hung}"
             worse = [n for n, v in rows.items() if v == "fail" and base.get(n) == "pass"]
             assert not worse, f"{alg} P={ws}: fail where torch passes: {worse}"
+
+
+def test_the_long_verdict_fails_on_a_report_that_ran_nothing():
+    """check_long_report on reports whose answer is known: only a complete one with passes passes."""
+    names = ["test_a", "test_b"]
+    good = {f"{a}/2": {"rows": {"test_a": "pass", "test_b": "skip"}} for a in ("torch", "ring")}
+    check_long_report(good, names, ("ring",), (2,))
+    bad = {
+        "empty report": ({}, names),
+        "nothing selected": (good, []),
+        "no rows": ({k: {"rows": {}} for k in good}, names),
+        "a method without outcome": (good | {"ring/2": {"rows": {"test_a": "pass"}}}, names),
+        "nothing passed": ({k: {"rows": {"test_a": "skip", "test_b": "skip"}} for k in good}, names),
+        "process groups never started": ({k: {"rows": {"test_a": "infra", "test_b": "infra"}} for k in good}, names),
+        "a hang": (good | {"ring/2": {"rows": {"test_a": "pass", "test_b": "timeout"}}}, names),
+        "a failure where torch passes": (good | {"ring/2": {"rows": {"test_a": "fail", "test_b": "skip"}}}, names),
+        "an algorithm missing": ({"torch/2": good["torch/2"]}, names),
+    }
+    for what, (report, selected) in bad.items():
+        with pytest.raises(AssertionError):
+            check_long_report(report, selected, ("ring",), (2,))
+            raise RuntimeError(f"check_long_report accepted a report with {what}")
+
+
+@pytest.mark.slow
+@pytest.mark.conformance
+@pytest.mark.timeout(7200)
+def test_every_method_every_algorithm_every_world_size(tmp_path):
+    names = _selected()
+    report = _harness(tmp_path, ",".join(("torch",) + ALGORITHMS), ",".join(map(str, SIZES)), None, timeout=7000)
+    check_long_report(report, names)

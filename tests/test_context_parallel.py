@@ -25,6 +25,8 @@ from distrain.parallel.context_parallel import (
 from distrain.parallel.context_parallel.ring import backward_step, expand_kv, forward_step, step_rows_cols
 from distrain.topology import Topology
 
+from conftest import run_ranks
+
 
 def _qkv(B, h, g, T, d, seed=0, dtype=torch.float64):
     gen = torch.Generator().manual_seed(seed)
@@ -184,8 +186,7 @@ def _attention_rank(rank: int, variant: str, h: int, g: int, causal: bool) -> li
     ("all-to-all", 2, 4, 2, True), ("all-to-all", 3, 6, 3, True),
 ])
 def test_attention_on_ranks_equals_one_process_and_the_byte_formulas(variant, N, h, g, causal):
-    bad = [b for r in distrain.spawn(_attention_rank, N, args=(variant, h, g, causal), timeout=75) for b in r]
-    assert not bad, "\n".join(bad)
+    run_ranks(_attention_rank, N, variant, h, g, causal, timeout=75)
 
 
 def test_byte_formulas():
@@ -235,8 +236,7 @@ def _bad_variant(rank: int) -> list[str]:
 
 @pytest.mark.timeout(60)
 def test_bad_attention_inputs_refused_before_any_message():
-    bad = [b for r in distrain.spawn(_bad_variant, 2, timeout=45) for b in r]
-    assert not bad, "\n".join(bad)
+    run_ranks(_bad_variant, 2, timeout=45)
 
 
 def _model_bytes_rank(rank: int, model: str, variant: str) -> dict:

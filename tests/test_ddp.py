@@ -12,7 +12,7 @@ from distrain.errors import CommError, ConfigError
 from distrain.models import build_model, classification_loss, lm_loss
 from distrain.parallel.data_parallel import DistributedDataParallel
 
-from conftest import one_process_losses
+from conftest import one_process_losses, run_ranks
 
 ALGS = ["native", "star", "ring", "tree"]
 STEPS = 4
@@ -86,17 +86,12 @@ def _ddp_matches_reference(rank: int, kind: str, opt_name: str, algs: list[str],
 @pytest.mark.parametrize("transport", ["torch", "shm"])
 def test_ddp_equals_single_process_every_algorithm(P, transport):
     # small buckets: several all-reduces per backward, launched while backward still runs
-    bad = [x for r in distrain.spawn(_ddp_matches_reference, P, args=("mlp", "sgd", ALGS, 0.005), timeout=200,
-                                     env={"DISTRAIN_TRANSPORT": transport})
-           for x in r]
-    assert not bad, "\n".join(bad[:20])
+    run_ranks(_ddp_matches_reference, P, "mlp", "sgd", ALGS, 0.005, timeout=200, env={"DISTRAIN_TRANSPORT": transport})
 
 
 @pytest.mark.timeout(240)
 def test_ddp_equals_single_process_gpt_adam():
-    bad = [x for r in distrain.spawn(_ddp_matches_reference, 3, args=("gpt", "adam", ["ring", "tree"], 0.05),
-                                     timeout=200) for x in r]
-    assert not bad, "\n".join(bad[:20])
+    run_ranks(_ddp_matches_reference, 3, "gpt", "adam", ["ring", "tree"], 0.05, timeout=200)
 
 
 def _no_sync_accumulation(rank: int) -> list[str]:
@@ -132,8 +127,7 @@ def _no_sync_accumulation(rank: int) -> list[str]:
 
 @pytest.mark.timeout(120)
 def test_no_sync_accumulation_equals_double_batch():
-    bad = [x for r in distrain.spawn(_no_sync_accumulation, 2, timeout=90) for x in r]
-    assert not bad, "\n".join(bad)
+    run_ranks(_no_sync_accumulation, 2, timeout=90)
 
 
 class _Branchy(nn.Module):
@@ -272,8 +266,7 @@ def _carry(rank: int) -> list[str]:
 
 @pytest.mark.timeout(60)
 def test_values_carried_with_the_gradients_arrive_averaged_and_change_nothing_else():
-    bad = [x for r in distrain.spawn(_carry, 3, timeout=50) for x in r]
-    assert not bad, "\n".join(bad)
+    run_ranks(_carry, 3, timeout=50)
 
 
 def _carry_refused(rank: int) -> list[str]:
@@ -286,5 +279,4 @@ def _carry_refused(rank: int) -> list[str]:
 
 @pytest.mark.timeout(60)
 def test_carry_is_refused_where_values_cannot_ride():
-    bad = [x for r in distrain.spawn(_carry_refused, 2, timeout=50) for x in r if x]
-    assert not bad, "\n".join(bad)
+    run_ranks(_carry_refused, 2, timeout=50)

@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
-import distrain
 from distrain.errors import CommError, ConfigError
 from distrain.parallel.data_parallel import DistributedDataParallel, GradBucket, comm_hooks
 from distrain.parallel.data_parallel.powersgd import PowerSGDState, powersgd_hook
@@ -240,9 +239,7 @@ def _shared_memory_vs_torch(rank: int) -> list[str]:
 
 @pytest.mark.timeout(60)
 def test_join_and_hooks_on_shared_memory_equal_torch():
-    results = distrain.spawn(_shared_memory_vs_torch, 2, timeout=50, env={"DISTRAIN_TRANSPORT": "shm"})
-    bad = [f"rank {r}: {p}" for r, res in enumerate(results) for p in res]
-    assert not bad, "\n".join(bad)
+    run_ranks(_shared_memory_vs_torch, 2, timeout=50, env={"DISTRAIN_TRANSPORT": "shm"})
 
 
 def _join_throws(rank: int) -> list[str]:

@@ -21,7 +21,8 @@ steps (the draw of trial k is ``random.Random(k)``, so a failing trial reruns al
 
 Each trial must end in one of two ways: the job finishes with the losses of the single-process run
 (fp64, rtol 1e-10), a line for every step exactly once in metrics.jsonl, every injected loss seen as a
-membership change (the ranks that left are the ranks killed: a trial whose faults stopped firing
+membership change (the ranks that left are the ranks killed, in as many membership lines and with as
+many kills taking effect as the pattern makes, ``expected``: a trial whose faults stopped firing
 fails), and no change waiting for a time-out (each recovers in less than half of --collective-timeout);
 or it stops with one of the documented one-line errors (below MIN; a ZeRO piece lost with its replica
 and no checkpoint; a lost parameter server). In both cases no process of the job is left half a second
@@ -133,6 +134,24 @@ def killed(plan: str) -> set[int]:
     return {int(item.split("@")[0]) for item in plan.split(",")}
 
 
+def expected(pattern: str, plan: str, events: list[dict]) -> tuple[int, int]:
+    """(membership lines, kills that took effect) of a trial that finished, from its pattern and plan.
+
+    Every pattern but replace is one change: one loss, or two at the same step (both gone before the
+    survivors' new epoch), or a second loss inside the recovery from the first (reform, open, load: a
+    change cut short is one line, elastic/member.py: whole_change); every id of the plan leaves once.
+    replace: the first loss; the replacement's join, when it joined before the end (its start-up time is
+    not the plan's: the lines say it); the second kill, which takes effect on an original rank always and
+    on the newcomer when it had joined by that step."""
+    if pattern != "replace":
+        return 1, len(killed(plan))
+    (_, second) = plan.split(",")
+    victim, step = (int(x) for x in second.split("@"))
+    joins = [e for e in events if e["joined"]]
+    fired = victim != 4 or any(4 in e["joined"] and e["step"] <= step for e in joins)
+    return 1 + len(joins) + fired, 1 + fired
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("k", range(TRIALS))
@@ -151,6 +170,10 @@ def test_random_elastic_kill(tmp_path, tmp_path_factory, k):
         assert r["steps"] == list(range(STEPS)), f"metrics.jsonl steps {r['steps']}; {what}"
         left = {i for e in r["events"] for i in e["left"]}
         gone = killed(r["plan"])
+        lines, kills = expected(r["pattern"], r["plan"], r["events"])
+        assert r["changes"] == lines, f"{r['changes']} membership line(s), expected {lines}: {r['events']}; {what}"
+        took = [i for e in r["events"] for i in e["left"]]
+        assert len(took) == kills, f"{len(took)} kill(s) took effect ({took}), expected {kills}; {what}"
         if r["pattern"] == "replace":  # (the second kill fires only if its rank is in the group at that step)
             first = int(r["plan"].split("@")[0])
             assert first in left and left <= gone, f"left {sorted(left)} of {sorted(gone)}; {what}"

@@ -12,7 +12,7 @@ import torch
 
 import distrain
 from distrain import comm
-from conftest import expect_error
+from conftest import expect_error, run_ranks
 from distrain.errors import CommError, ConfigError, RankFailedError, SpawnTimeoutError
 
 
@@ -56,8 +56,7 @@ def _bad_arguments(rank: int) -> list[str]:
 
 @pytest.mark.timeout(120)
 def test_bad_arguments_raise_clear_errors():
-    bad = [x for r in distrain.spawn(_bad_arguments, 3, timeout=90) for x in r]
-    assert not bad, "\n".join(bad)
+    run_ranks(_bad_arguments, 3, timeout=90)
 
 
 def _mismatched_shapes(rank: int) -> None:

@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import run_ranks
+
 transformers = pytest.importorskip("transformers")
 
 import distrain  # noqa: E402
@@ -122,8 +124,7 @@ def _tp_rank(rank: int) -> list[str]:
 
 @pytest.mark.timeout(120)
 def test_hf_tp2_equals_one_process():
-    bad = [b for r in distrain.spawn(_tp_rank, 2, timeout=110) for b in r]
-    assert not bad, "\n".join(bad)
+    run_ranks(_tp_rank, 2, timeout=110)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,8 +160,7 @@ def _pp_rank(rank: int) -> list[str]:
 
 @pytest.mark.timeout(120)
 def test_hf_pp2_from_its_decoder_layers_equals_one_process():
-    bad = [b for r in distrain.spawn(_pp_rank, 2, timeout=110) for b in r]
-    assert not bad, "\n".join(bad)
+    run_ranks(_pp_rank, 2, timeout=110)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,8 +190,7 @@ def _dp_tp_rank(rank: int) -> list[str]:
 
 @pytest.mark.timeout(120)
 def test_hf_dp2_tp2_equals_one_process():
-    bad = [b for r in distrain.spawn(_dp_tp_rank, 4, timeout=110) for b in r]
-    assert not bad, "\n".join(bad)
+    run_ranks(_dp_tp_rank, 4, timeout=110)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -314,10 +314,16 @@ def test_too_many_local_ranks_are_refused_with_the_limit_and_how_to_run_more(tmp
     TrainConfig(nproc=limit, batch_size=limit).validate()
     with pytest.raises(ConfigError, match=rf"^--nproc {limit + 1}: a local job runs at most {limit} ranks here"):
         TrainConfig(nproc=limit + 1, batch_size=limit + 1).validate()
-    # a rank of a launched job (RANK, WORLD_SIZE set) is one of many nodes' ranks: not limited here
+    # a rank of a launched job (RANK, WORLD_SIZE set) is one of many nodes' ranks: not limited here (what the
+    # environment says is read at the process edge and passed down, as the CLI and train() do)
+    from distrain import runtime
+
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "1000")
-    TrainConfig(nproc=1000, batch_size=1000).validate()
+    assert runtime.validate_args()["launched"] == (3, 1000)
+    TrainConfig(nproc=1000, batch_size=1000).validate(**runtime.validate_args())
+    with pytest.raises(ConfigError, match=rf"^--nproc 1000: a local job runs at most {limit} ranks here"):
+        TrainConfig(nproc=1000, batch_size=1000).validate()  # nothing passed down: a local job
 
     started = time.monotonic()
     p = _train_cli(tmp_path, "--nproc", "1000", "--steps", "1")

@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-import distrain
 from distrain import Topology
 from distrain.data import encode
 from distrain.errors import ConfigError
@@ -21,7 +20,7 @@ from distrain.models.registry import tp_plan_for
 from distrain.parallel import parallelize
 from distrain.parallel.tensor_parallel import TPGroup, apply_tensor_parallel, tp_shard_info
 
-from conftest import expect_error
+from conftest import expect_error, run_ranks
 
 DT = torch.float64
 STEPS, B, T = 3, 4, 16
@@ -326,8 +325,7 @@ def _tp_rank(rank: int) -> list[str]:
 
 @pytest.mark.timeout(90)
 def test_tp2_equals_one_process():
-    bad = [b for r in distrain.spawn(_tp_rank, 2, timeout=80) for b in r]
-    assert not bad, "\n".join(bad)
+    run_ranks(_tp_rank, 2, timeout=80)
 
 
 def _pp_rank(rank: int) -> list[str]:
@@ -361,8 +359,7 @@ def _pp_rank(rank: int) -> list[str]:
 
 @pytest.mark.timeout(90)
 def test_pp2_equals_one_process():
-    bad = [b for r in distrain.spawn(_pp_rank, 2, timeout=80) for b in r]
-    assert not bad, "\n".join(bad)
+    run_ranks(_pp_rank, 2, timeout=80)
 
 
 def test_tp_that_does_not_fit_the_kv_heads_is_refused():

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import distrain
 from distrain import Topology
 from distrain.models import build_model, lm_loss
 from distrain.parallel.parallelize import parallelize
 from distrain.parallel.tensor_parallel import tp_shard_info
 from distrain.models.gpt.plan import gpt_tp_plan
+
+from conftest import run_ranks
 
 STEPS = 3
 GLOBAL_B = 8
@@ -87,6 +88,4 @@ def _composed(rank: int, dp: int, tp: int, pp: int, schedule: str, alg: str) -> 
     (1, 2, 2, "zb-h1", "native"),  # zero bubble: the split linears sit between TP's f and g
 ])
 def test_composition_equals_single_process(dp, tp, pp, schedule, alg):
-    res = distrain.spawn(_composed, dp * tp * pp, args=(dp, tp, pp, schedule, alg), timeout=200)
-    bad = [b for r in res for b in r]
-    assert not bad, "\n".join(bad[:20])
+    run_ranks(_composed, dp * tp * pp, dp, tp, pp, schedule, alg, timeout=200)

@@ -22,6 +22,8 @@ from distrain.parallel.pipeline_parallel import (
 )
 from distrain.topology import Topology
 
+from conftest import run_ranks
+
 GPT_TINY_COSTS = [8704, 12704, 12704, 12704, 12704, 8256]  # Embedding, 4 Blocks, Head
 GLOBAL_B, T, M, STEPS = 8, 16, 4, 3
 
@@ -305,9 +307,7 @@ def _check_equivalence(rank: int, use_topology: bool, out_dir: str) -> list[str]
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("p, use_topology", [(2, False), (3, True), (4, True)])
 def test_pipeline_equals_single_process(p, use_topology, tmp_path):
-    bad = [b for r in distrain.spawn(_check_equivalence, p, args=(use_topology, str(tmp_path)), timeout=100)
-           for b in r]
-    assert not bad, "\n".join(bad[:20])
+    run_ranks(_check_equivalence, p, use_topology, str(tmp_path), timeout=100)
     if p == 2:
         for schedule, m in itertools.product(("gpipe", "1f1b"), (1, 4)):
             trace = json.loads((tmp_path / f"{schedule}_m{m}.json").read_text())
@@ -340,8 +340,7 @@ def _dp_times_pp(rank: int) -> list[str]:
 
 @pytest.mark.timeout(90)
 def test_composes_with_data_parallel():
-    bad = [b for r in distrain.spawn(_dp_times_pp, 4, timeout=80) for b in r]
-    assert not bad, bad
+    run_ranks(_dp_times_pp, 4, timeout=80)
 
 
 def _mismatched_m(rank: int):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import distrain
 from distrain import Topology
 from distrain.errors import ConfigError
 from distrain.models import build_model, lm_loss
@@ -14,7 +13,7 @@ from distrain.parallel.pipeline_parallel import (
     InterleavedStage, interleaved_bubble, interleaved_ops, interleaved_step, simulate_interleaved,
 )
 
-from conftest import one_process_losses
+from conftest import one_process_losses, run_ranks
 
 B, T, STEPS = 12, 8, 3
 
@@ -79,5 +78,4 @@ def _interleaved(rank: int, v: int, m: int) -> list[str]:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("p,v,m", [(2, 3, 2), (2, 3, 4), (3, 2, 6)])
 def test_interleaved_equals_one_process(p, v, m):
-    bad = [b for r in distrain.spawn(_interleaved, p, args=(v, m), timeout=200) for b in r]
-    assert not bad, "\n".join(bad[:20])
+    run_ranks(_interleaved, p, v, m, timeout=200)

@@ -19,6 +19,8 @@ from distrain.parallel.tensor_parallel import (
     apply_tensor_parallel, sequence_parallel_bytes_per_block, split_to_sequence, tp_loss, tp_shard_info,
 )
 
+from conftest import run_ranks
+
 B, T, STEPS = 4, 16, 3
 
 
@@ -74,8 +76,7 @@ def _sp_alone(rank: int, alg: str) -> list[str]:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("P,alg", [(2, "ring"), (4, "tree")])
 def test_sequence_parallel_equals_one_process(P, alg):
-    bad = [b for r in distrain.spawn(_sp_alone, P, args=(alg,), timeout=150) for b in r]
-    assert not bad, "\n".join(bad[:20])
+    run_ranks(_sp_alone, P, alg, timeout=150)
 
 
 def _sp_composed(rank: int, schedule: str) -> list[str]:
@@ -111,8 +112,7 @@ def _sp_composed(rank: int, schedule: str) -> list[str]:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])  # zb-h1: the split linears re-gather the shards in B
 def test_sequence_parallel_with_a_pipeline_equals_one_process(schedule):
-    bad = [b for r in distrain.spawn(_sp_composed, 4, args=(schedule,), timeout=200) for b in r]
-    assert not bad, "\n".join(bad[:20])
+    run_ranks(_sp_composed, 4, schedule, timeout=200)
 
 
 def _counts(rank: int) -> dict:

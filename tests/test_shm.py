@@ -22,7 +22,7 @@ from distrain.comm.core.group import fast_path
 from distrain.comm.core.ops import SUPPORTED_DTYPES
 from distrain.errors import CommError, ConfigError
 
-from conftest import init_raw_rank, raw_ranks, shm_files_of
+from conftest import init_raw_rank, raw_ranks, run_ranks, shm_files_of
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory transport needs x86-64 and /dev/shm")
 
@@ -129,8 +129,7 @@ def _vs_gloo(rank: int, sizes: list[int], kernels: str) -> list[str]:
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_direct_collectives_equal_gloo(P, kernels):
     sizes = [1, 13, BIG] if P != 5 else [1, 13, 4099]
-    bad = [x for r in distrain.spawn(_vs_gloo, P, args=(sizes, kernels), timeout=540) for x in r]
-    assert not bad, f"{len(bad)} mismatches:\n" + "\n".join(bad[:20])
+    run_ranks(_vs_gloo, P, sizes, kernels, timeout=540)
 
 
 def _symmetric(t: torch.Tensor, group=None) -> bool:
@@ -214,8 +213,7 @@ def _list_and_symmetric(rank: int, kernels: str) -> list[str]:
 @pytest.mark.parametrize("P", [2, 3])
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_list_and_symmetric_all_reduce_equal_gloo(P, kernels):
-    bad = [x for r in distrain.spawn(_list_and_symmetric, P, args=(kernels,), timeout=150) for x in r]
-    assert not bad, "\n".join(bad)
+    run_ranks(_list_and_symmetric, P, kernels, timeout=150)
 
 
 def _gather_scatter_symmetric(rank: int, kernels: str) -> list[str]:
@@ -267,8 +265,7 @@ def _gather_scatter_symmetric(rank: int, kernels: str) -> list[str]:
 @pytest.mark.parametrize("P", [2, 3])
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_symmetric_all_gather_and_reduce_scatter_equal_gloo(P, kernels):
-    bad = [x for r in distrain.spawn(_gather_scatter_symmetric, P, args=(kernels,), timeout=150) for x in r]
-    assert not bad, "\n".join(bad)
+    run_ranks(_gather_scatter_symmetric, P, kernels, timeout=150)
 
 
 def _compiled_bits_equal_python(rank: int) -> list[str]:
@@ -320,8 +317,7 @@ def _compiled_bits_equal_python(rank: int) -> list[str]:
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(compiled.ext is None, reason=str(compiled.MISSING))
 def test_compiled_plane_gives_the_python_references_bits():
-    bad = [x for r in distrain.spawn(_compiled_bits_equal_python, 3, timeout=280) for x in r]
-    assert not bad, "\n".join(bad[:20])
+    run_ranks(_compiled_bits_equal_python, 3, timeout=280)
 
 
 def test_compiled_kernels_without_the_extension_are_refused(monkeypatch):
@@ -445,8 +441,7 @@ def _pipelined_with_a_late_rank(rank: int, kernels: str) -> list[str]:
 @pytest.mark.parametrize("P", [2, 3])
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_pipelined_all_reduce_with_a_late_rank_equals_gloo(P, kernels):
-    bad = [x for r in distrain.spawn(_pipelined_with_a_late_rank, P, args=(kernels,), timeout=100) for x in r]
-    assert not bad, "\n".join(bad)
+    run_ranks(_pipelined_with_a_late_rank, P, kernels, timeout=100)
 
 
 @pytest.mark.timeout(180)
@@ -497,8 +492,7 @@ def _hierarchical(rank: int, hosts: list[str]) -> list[str]:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("hosts", [["a", "a", "b", "b", "b"], ["a", "b", "a", "c"]])
 def test_hierarchical_all_reduce_on_two_pretend_hosts(hosts):
-    bad = [x for r in distrain.spawn(_hierarchical, len(hosts), args=(hosts,), timeout=200) for x in r]
-    assert not bad, bad
+    run_ranks(_hierarchical, len(hosts), hosts, timeout=200)
 
 
 def _strict_refuses_other_host(rank: int) -> str:

@@ -29,6 +29,8 @@ from distrain.parallel.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 
+from conftest import run_ranks
+
 GPT_PLAN = gpt_tp_plan()
 
 B, T = 2, 16
@@ -136,16 +138,12 @@ def _replicated_grads_identical(model: nn.Module, tag: str) -> list[str]:
 
 @pytest.mark.timeout(90)
 def test_gpt_tp2_ring_tree_star_equals_one_process():
-    bad = [x for r in distrain.spawn(_gpt_matches_reference, 2, args=(["ring", "tree", "star"], ["sgd", "adam"]),
-                                     timeout=80) for x in r]
-    assert not bad, "\n".join(bad)
+    run_ranks(_gpt_matches_reference, 2, ["ring", "tree", "star"], ["sgd", "adam"], timeout=80)
 
 
 @pytest.mark.timeout(90)
 def test_gpt_tp4_native_equals_one_process():
-    bad = [x for r in distrain.spawn(_gpt_matches_reference, 4, args=(["native"], ["sgd", "adam"]), timeout=80)
-           for x in r]
-    assert not bad, "\n".join(bad)
+    run_ranks(_gpt_matches_reference, 4, ["native"], ["sgd", "adam"], timeout=80)
 
 
 # ---------------------------------------------------------------------------------------
@@ -392,5 +390,4 @@ def _bad_inputs(rank: int) -> list[str]:
 
 @pytest.mark.timeout(60)
 def test_apply_errors_before_any_collective():
-    bad = [x for r in distrain.spawn(_bad_inputs, 2, timeout=45) for x in r]
-    assert not bad, "\n".join(bad)
+    run_ranks(_bad_inputs, 2, timeout=45)

@@ -12,6 +12,8 @@ import torch
 import distrain
 import distrain.comm as dist  # the point: it reads like torch.distributed
 
+from conftest import run_ranks
+
 ALGS = ["native", "star", "ring", "tree"]
 
 
@@ -153,20 +155,17 @@ def _own_group(rank: int) -> list:
 
 @pytest.mark.timeout(300)
 def test_tensor_and_coalesced_forms_equal_torch():
-    bad = [x for r in distrain.spawn(_tensor_forms, 3, timeout=250) for x in r]
-    assert not bad, "\n".join(bad)
+    run_ranks(_tensor_forms, 3, timeout=250)
 
 
 @pytest.mark.timeout(300)
 def test_all_to_all_equals_torch_with_uneven_splits():
-    bad = [x for r in distrain.spawn(_alltoall, 3, timeout=250) for x in r]
-    assert not bad, "\n".join(bad)
+    run_ranks(_alltoall, 3, timeout=250)
 
 
 @pytest.mark.timeout(300)
 def test_object_collectives_and_batch_p2p():
-    bad = [x for r in distrain.spawn(_objects_and_p2p, 3, timeout=250) for x in r]
-    assert not bad, "\n".join(bad)
+    run_ranks(_objects_and_p2p, 3, timeout=250)
 
 
 @pytest.mark.timeout(120)

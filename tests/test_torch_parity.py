@@ -17,7 +17,7 @@ import torch
 
 import distrain
 from distrain import comm
-from conftest import expect_error
+from conftest import expect_error, run_ranks
 from distrain.errors import CommError, ConfigError
 
 ALGS = ["native", "star", "ring", "tree"]
@@ -193,20 +193,17 @@ def _own_init(rank: int) -> list:
 
 @pytest.mark.timeout(240)
 def test_parameters_and_grad_inputs_work_on_every_algorithm():
-    bad = [x for r in distrain.spawn(_leaf_and_grad, 3, timeout=200) for x in r]
-    assert not bad, "\n".join(bad)
+    run_ranks(_leaf_and_grad, 3, timeout=200)
 
 
 @pytest.mark.timeout(240)
 def test_complex_bool_reduceop_sparse_as_torch():
-    bad = [x for r in distrain.spawn(_dtypes_and_ops, 3, timeout=200) for x in r]
-    assert not bad, "\n".join(bad)
+    run_ranks(_dtypes_and_ops, 3, timeout=200)
 
 
 @pytest.mark.timeout(240)
 def test_groups_p2p_handles_as_torch():
-    bad = [x for r in distrain.spawn(_groups_and_p2p, 3, timeout=200) for x in r]
-    assert not bad, "\n".join(bad)
+    run_ranks(_groups_and_p2p, 3, timeout=200)
 
 
 @pytest.mark.timeout(120)

@@ -11,7 +11,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import distrain
 from distrain import Topology, comm
 from distrain.errors import ConfigError
 from distrain.models import MLP, classification_loss
@@ -20,6 +19,8 @@ from distrain.parallel import parallelize
 from distrain.parallel.tensor_parallel import (
     ColwiseParallel, ColumnParallelLinear, RowParallelLinear, TPPlan, apply_tensor_parallel, tp_shard_info,
 )
+
+from conftest import run_ranks
 
 STEPS = 3
 B, T, D, C, H, K = 8, 5, 5, 12, 20, 8  # batch, tokens, input width, model width, hidden width, outputs
@@ -150,9 +151,7 @@ def _run(rank: int, case: str, dp: int, tp: int, pp: int) -> list[str]:
     ("user", 1, 2, 2),
 ])
 def test_plan_on_a_model_that_is_not_the_gpt_equals_one_process(case, dp, tp, pp):
-    res = distrain.spawn(_run, dp * tp * pp, args=(case, dp, tp, pp), timeout=200)
-    bad = [b for r in res for b in r]
-    assert not bad, "\n".join(bad[:20])
+    run_ranks(_run, dp * tp * pp, case, dp, tp, pp, timeout=200)
 
 
 def test_mlp_plan_pairs_linears_column_then_row():
@@ -203,8 +202,7 @@ def _plan_errors(rank: int) -> list[str]:
 
 @pytest.mark.timeout(60)
 def test_plan_errors_before_any_change_or_collective():
-    bad = [x for r in distrain.spawn(_plan_errors, 2, timeout=45) for x in r]
-    assert not bad, "\n".join(bad)
+    run_ranks(_plan_errors, 2, timeout=45)
 
 
 def test_parallelize_needs_a_plan_for_tp():

@@ -13,6 +13,8 @@ from distrain.errors import ConfigError
 from distrain.models import build_model, classification_loss, lm_loss
 from distrain.parallel.zero import Zero
 
+from conftest import run_ranks
+
 STEPS = 4
 LOCAL_B = 3
 CLIP = 0.05  # small enough that clipping acts on every step
@@ -126,8 +128,7 @@ def _equivalence(rank: int, kind: str, opt_name: str, stages: list[int], alg: st
                                              (3, "adamw", "native-shm"), (2, "sgd", "native-shm")])
 def test_every_stage_equals_one_process_mlp(P, opt_name, alg):
     # mlp-tiny's units (4160, 2080, 330 elements; buckets of 5 KB) are not divisible by 3
-    bad = [x for r in distrain.spawn(_equivalence, P, args=("mlp", opt_name, [1, 2, 3], alg), timeout=250) for x in r]
-    assert not bad, "\n".join(bad[:20])
+    run_ranks(_equivalence, P, "mlp", opt_name, [1, 2, 3], alg, timeout=250)
 
 
 class _Mixed(nn.Module):
@@ -174,15 +175,12 @@ def _mixed_dtypes(rank: int) -> list[str]:
 @pytest.mark.timeout(120)
 def test_units_of_two_dtypes_share_the_symmetric_gradient_pool():
     """The pool holds bytes: each unit views it in its own dtype (a float32 unit beside float64 ones)."""
-    bad = [x for r in distrain.spawn(_mixed_dtypes, 2, timeout=100) for x in r]
-    assert not bad, "\n".join(bad)
+    run_ranks(_mixed_dtypes, 2, timeout=100)
 
 
 @pytest.mark.timeout(300)
 def test_every_stage_equals_one_process_gpt_adamw_clipped():
-    bad = [x for r in distrain.spawn(_equivalence, 3, args=("gpt", "adamw", [1, 2, 3], "tree"), timeout=250)
-           for x in r]
-    assert not bad, "\n".join(bad[:20])
+    run_ranks(_equivalence, 3, "gpt", "adamw", [1, 2, 3], "tree", timeout=250)
 
 
 def _bytes(rank: int, kind: str, input_grad: bool = False) -> dict:
@@ -266,8 +264,7 @@ def _accumulation(rank: int) -> list[str]:
 
 @pytest.mark.timeout(200)
 def test_gradient_accumulation_over_two_backward_passes():
-    bad = [x for r in distrain.spawn(_accumulation, 3, timeout=150) for x in r]
-    assert not bad, "\n".join(bad)
+    run_ranks(_accumulation, 3, timeout=150)
 
 
 def _save_full(rank: int, path: str, stage: int) -> list[float]:
@@ -331,8 +328,7 @@ def _sharded_roundtrip(rank: int, path: str) -> list[str]:
 
 @pytest.mark.timeout(200)
 def test_sharded_checkpoint_roundtrip_and_layout_check(tmp_path):
-    bad = [x for r in distrain.spawn(_sharded_roundtrip, 3, args=(str(tmp_path / "shard"),), timeout=150) for x in r]
-    assert not bad, "\n".join(bad)
+    run_ranks(_sharded_roundtrip, 3, str(tmp_path / "shard"), timeout=150)
 
 
 class _Frozen(nn.Module):
@@ -369,8 +365,7 @@ def _bad_args(rank: int) -> list[str]:
 
 @pytest.mark.timeout(120)
 def test_bad_arguments_are_refused_with_the_reason():
-    bad = [x for r in distrain.spawn(_bad_args, 2, timeout=90) for x in r]
-    assert not bad, "\n".join(bad)
+    run_ranks(_bad_args, 2, timeout=90)
 
 
 def _memory(rank: int) -> list[tuple]:

@@ -39,7 +39,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, NoReturn
+from typing import Callable, Mapping, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -81,11 +81,35 @@ def _seconds(timeout: float | timedelta) -> float:
     return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
 
 
-def _env_int(name: str) -> int:
+def _env_int(name: str, environ: Mapping[str, str] | None = None) -> int:
+    environ = os.environ if environ is None else environ
     try:
-        return int(os.environ[name])
+        return int(environ[name])
     except ValueError:
-        raise ConfigError(f"environment variable {name}={os.environ[name]!r} is not an integer") from None
+        raise ConfigError(f"environment variable {name}={environ[name]!r} is not an integer") from None
+
+
+def launched_rank(environ: Mapping[str, str] | None = None) -> tuple[int, int] | None:
+    """(rank, world size) when a launcher (``distrain launch``, torchrun, ``distrain cluster run``,
+    ``distrain.spawn``) started this process as one rank of a job, i.e. ``environ`` (default: this
+    process's environment) holds both RANK and WORLD_SIZE; None for a top process (one that
+    spawns its ranks, or runs alone). The one answer to "am I a launched rank?": read here, at the
+    process edge, and passed down. ConfigError when either is not an integer."""
+    environ = os.environ if environ is None else environ
+    if "RANK" not in environ or "WORLD_SIZE" not in environ:
+        return None
+    return _env_int("RANK", environ), _env_int("WORLD_SIZE", environ)
+
+
+FASHION_MNIST_ENV = "DISTRAIN_FASHION_MNIST"  # the Fashion-MNIST folder, when not the default (data.images)
+
+
+def validate_args(environ: Mapping[str, str] | None = None) -> dict:
+    """What :meth:`distrain.trainer.TrainConfig.validate` takes from the process's environment
+    (default: this process's), read at the edge: ``launched`` (:func:`launched_rank`) and
+    ``fashion_mnist_root`` ($DISTRAIN_FASHION_MNIST, None when unset)."""
+    environ = os.environ if environ is None else environ
+    return {"launched": launched_rank(environ), "fashion_mnist_root": environ.get(FASHION_MNIST_ENV)}
 
 
 def init(backend: str = "auto", timeout: float | timedelta = 300.0,

@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from distrain import lifeline
+    from distrain import lifeline, runtime
     from distrain.cli.train import apply_config_file
 
     parser = build_parser()
@@ -52,9 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     except DistrainError as e:
         return common.error(e)
     args = parser.parse_args(argv)
-    # the top process: SIGTERM/SIGHUP end the ranks, then us
-    previous = lifeline.stop_on_signals() if "RANK" not in os.environ else {}
+    previous = {}
     try:
+        if runtime.launched_rank(os.environ) is None:  # the top process: SIGTERM/SIGHUP end the ranks, then us
+            previous = lifeline.stop_on_signals()
         return args.func(args) or 0
     except DistrainError as e:
         return common.error(e)
@@ -68,10 +69,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_command(argv: list[str] | None = None) -> None:
     """``python -m distrain(.cli) ARGS``: :func:`main`, then exit with its status. A launched rank
-    (RANK set) leaves through :func:`distrain.runtime.leave`, skipping interpreter finalization."""
-    code = exit_status(main, argv)
-    if "RANK" in os.environ:
-        from distrain import runtime
+    (:func:`distrain.runtime.launched_rank`) leaves through :func:`distrain.runtime.leave`, skipping
+    interpreter finalization."""
+    from distrain import runtime
 
+    code = exit_status(main, argv)
+    try:
+        launched = runtime.launched_rank(os.environ) is not None
+    except DistrainError:  # RANK/WORLD_SIZE set but not integers: main said so; still a launcher's process
+        launched = True
+    if launched:
         runtime.leave(code)
     sys.exit(code)

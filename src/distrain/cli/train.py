@@ -92,7 +92,7 @@ def apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from distrain import checkpoint, runlock
+    from distrain import checkpoint, runlock, runtime
     from distrain.checkpoint import init_from
     from distrain.trainer import TrainConfig, train
 
@@ -100,13 +100,14 @@ def run(args: argparse.Namespace) -> int:
     if cfg.resume is False and os.environ.get("DISTRAIN_RESUME") == "auto":  # set by launch --max-restarts
         cfg.resume = "auto"
     init_from.resolve(cfg)  # a left-out --model: the default, or --init-from's / --resume's checkpoint's
-    cfg.validate()
+    cfg.validate(**runtime.validate_args(os.environ))
     if not cfg.resume:
         init_from.check(cfg)  # --init-from's weights fit the model: refused before --out is made
     from distrain.elastic.nodes import follower
 
     # one rank of a launched job, or a node other than 0 of an elastic one: rank 0 / node 0 holds the lock
-    if ("RANK" in os.environ and os.environ["RANK"] != "0") or (cfg.elastic and follower()):
+    launched = runtime.launched_rank(os.environ)
+    if (launched is not None and launched[0] != 0) or (cfg.elastic and follower()):
         train(cfg)
         return 0
     with runlock.hold(cfg.out):

@@ -8,7 +8,6 @@ rule it breaks. Nothing here starts a process or touches torch.distributed.
 
 from __future__ import annotations
 
-import os
 import re
 
 from distrain.errors import ConfigError
@@ -35,8 +34,10 @@ def parse(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def check(cfg) -> tuple[int, int] | None:
-    """The (MIN, MAX) of an elastic job, None for a fixed one; ConfigError on a broken rule."""
+def check(cfg, launched: tuple[int, int] | None = None) -> tuple[int, int] | None:
+    """The (MIN, MAX) of an elastic job, None for a fixed one; ConfigError on a broken rule.
+    ``launched``: (rank, world size) when this process is one rank of a launched job
+    (distrain.runtime.launched_rank, read at the process edge), None otherwise."""
     replace = getattr(cfg, "elastic_replace", 0)
     if not cfg.elastic:
         if replace:
@@ -75,7 +76,7 @@ def check(cfg) -> tuple[int, int] | None:
                           f"through the backend's own errors: use --transport torch")
     if getattr(cfg, "device", "cpu") == "cuda":
         raise ConfigError(f"{tag}: --device cuda is not supported yet (NCCL); use --device cpu (Gloo)")
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if launched is not None:
         raise ConfigError(f"{tag}: runs under `distrain train` (its top process watches the ranks and hosts the "
                           f"store); under `distrain launch`/torchrun it is not supported yet")
     return lo, hi

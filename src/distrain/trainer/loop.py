@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -68,7 +67,8 @@ def train(cfg: TrainConfig | None = None, *, model=None, train_data=None, val_da
         if val_data is None and train_data is not None:
             cfg.eval_every = 0  # nothing to evaluate on
     init_from.resolve(cfg)  # the model this run builds: --init-from's, --model hf:DIR, or a left-out --model
-    cfg.validate()
+    edge = runtime.validate_args()  # what this process's environment says (launched?), read at the edge
+    cfg.validate(**edge)
     if model is not None and cfg.tp > 1:  # your model's heads, sizes and vocabulary against --tp, before any rank
         from distrain.models.hf_transformers.checks import check_tp_fits
 
@@ -87,9 +87,9 @@ def train(cfg: TrainConfig | None = None, *, model=None, train_data=None, val_da
     if cfg.resume:
         check_resume(cfg)
     init_from.check(cfg, parts)  # --init-from's tensors fit the model; an hf:DIR Llama fits --tp/--pp
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by a launcher: we are one rank
+    if edge["launched"] is not None:  # started by a launcher: we are one rank
         if not cfg.resume:
-            check_out(cfg, remove=int(os.environ["RANK"]) == 0)
+            check_out(cfg, remove=edge["launched"][0] == 0)
         runtime.init(BACKENDS[cfg.device], timeout=cfg.collective_timeout)
         if dist.get_world_size() != cfg.nproc:
             raise ConfigError(f"the launcher started {dist.get_world_size()} ranks but --nproc is {cfg.nproc}")

@@ -108,7 +108,10 @@ def record_data(cfg: TrainConfig, meta: dict) -> None:
     """Rank 0: write ``--out/data.json`` (the shard folder, its tokenizer spec and fingerprint) and a copy of
     its tokenizer.json as ``--out/tokenizer.json``, so --resume can check the data and ``distrain generate``
     decodes with the run's tokenizer even once the shards are gone."""
-    if int(os.environ.get("RANK", "0")) != 0:
+    from distrain import runtime
+
+    launched = runtime.launched_rank()
+    if launched is not None and launched[0] != 0:
         return
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

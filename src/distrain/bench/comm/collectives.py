@@ -94,7 +94,7 @@ def measure(cfg: dict) -> list[dict]:
     """
     import distrain
 
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if distrain.runtime.launched_rank(os.environ) is not None:
         import torch.distributed as dist
 
         distrain.runtime.init(timeout=cfg["timeout"])
@@ -130,13 +130,16 @@ def run(cfg: dict[str, Any], json_path: str | None = None, plot_path: str | None
     """Measure ``cfg`` (the flags as distrain/cli/bench.py checks them: ``comm_config``), print the
     tables, and write the JSON (its metadata naming ``command``), the plot and the Markdown asked for."""
     # launched: one set of busy processes per host (local rank 0's); spawned: ours, around every spawn
-    starts_load = os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0"
+    from distrain import runtime
+
+    launched = runtime.launched_rank(os.environ)
+    starts_load = launched is None or os.environ.get("LOCAL_RANK", str(launched[0])) == "0"
     t0 = time.perf_counter()
     with background.BackgroundLoad(cfg["background_load"] if starts_load else 0):
         records = measure(cfg)
         memcpy = round(common.memcpy_GBps(), 2) if records else None  # under the same load, right after
     elapsed = time.perf_counter() - t0
-    if not records and "RANK" in os.environ:  # launched, not rank 0: rank 0 reports
+    if not records and launched is not None:  # launched, not rank 0: rank 0 reports
         return 0
     columns = labels(cfg["algorithms"], cfg["transports"], cfg["symmetric"])
     windows = _load_windows(records)

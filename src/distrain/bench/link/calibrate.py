@@ -214,9 +214,9 @@ def measure(rank: int, settings: Settings) -> Calibration | None:
 def calibrate(settings: Settings, nproc: int) -> Calibration | None:
     """Run the calibration: under a launcher in this world (None on ranks other than 0), else on
     ``nproc`` spawned local ranks."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        from distrain import runtime
+    from distrain import runtime
 
+    if runtime.launched_rank(os.environ) is not None:
         runtime.init(timeout=600)
         import torch.distributed as dist
 

@@ -107,7 +107,9 @@ def _config(job: Job, opts: Settings, root: str) -> TrainConfig:
 def _validated(job: Job, opts: Settings, root: str) -> TrainConfig:
     """The job's TrainConfig, checked by the trainer's own validation; its error names the layout and P."""
     try:
-        return _config(job, opts, root).validate()
+        from distrain import runtime
+
+        return _config(job, opts, root).validate(**runtime.validate_args())  # as train() will
     except ConfigError as e:
         raise ConfigError(f"--layouts {job.layout} at P={job.nproc} ({job.grid}, --strategy {job.strategy}): {e}") from None
 

@@ -102,9 +102,9 @@ def _worker(rank: int, cfg: dict) -> list[dict]:
 
 
 def _launched(cfg: dict) -> list[dict]:
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        from distrain import runtime
+    from distrain import runtime
 
+    if runtime.launched_rank(os.environ) is not None:
         runtime.init(timeout=900)
         import torch.distributed as dist
 
@@ -127,7 +127,10 @@ def run(sizes: list[int], servers: list[int], warmup: int, iters: int, nproc: in
            "predict": predict}
     if iters < 1 or warmup < 0:
         raise ConfigError("--iters must be >= 1 and --warmup >= 0")
-    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else nproc
+    from distrain import runtime
+
+    launched = runtime.launched_rank(os.environ)
+    world = launched[1] if launched is not None else nproc
     if max(cfg["servers"]) >= world:
         raise ConfigError(f"--servers: {max(cfg['servers'])} servers need at least {max(cfg['servers']) + 1} "
                           f"processes (S servers + at least 1 worker); this run has {world}")

@@ -158,7 +158,10 @@ def run(opts: Settings) -> int:
     results: dict[tuple[int, str, str], list[dict]] = {}
     windows: list[dict] = []  # every job's load average at its start and end
     with tempfile.TemporaryDirectory(prefix="distrain-bench-train-") as root:
-        configs = {j: _config(*j, opts, batch, root).validate() for j in jobs}  # all, before any runs
+        from distrain import runtime
+
+        edge = runtime.validate_args()  # as train() will validate each
+        configs = {j: _config(*j, opts, batch, root).validate(**edge) for j in jobs}  # all, before any runs
         with background.BackgroundLoad(load):
             for rnd in range(opts.rounds):
                 k = rnd % len(jobs)

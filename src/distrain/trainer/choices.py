@@ -1,0 +1,39 @@
+"""The values ``distrain train``'s flags may take and the limits they meet (pure constants).
+
+TrainConfig's fields (trainer/config.py) name their choices from here and the checks
+(trainer/checks/) test against them; both import this module, neither the other's.
+"""
+
+from __future__ import annotations
+
+import os
+
+STRATEGIES = ("single", "ddp", "torch-ddp", "ps-sync", "ps-async", "zero1", "zero2", "zero3", "local")
+DATASETS = ("shakespeare", "fashion-mnist", "digits")
+DTYPES = ("float32", "float64")
+DEVICES = ("auto", "cpu", "cuda")
+LR_SCHEDULES = ("constant", "cosine")
+AUTOCASTS = ("none", "bf16")
+CP_ALGORITHMS = ("ring", "all-to-all")  # --cp-algorithm: parallel/context_parallel/ring.py, ulysses.py
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")  # zb-h1: zero bubble (B / W split), parallel/pipeline_parallel/zero_bubble.py
+# which data each model preset reads (input sizes must match)
+MODEL_DATA = {"gpt-tiny": "text", "gpt-small": "text", "mlp": "fashion-mnist", "mlp-tiny": "digits",
+              "llama-tiny": "text", "llama-small": "text", "llama-moe-tiny": "text"}
+
+
+# --seed: torch.manual_seed took up to 2**64-1 (beyond, the ranks died with "Overflow when unpacking long long"), an
+# int64 tensor up to 2**63-1, and the batch sampler (numpy) refuses negative seeds: 0..2**63-1 fits all of them
+SEED_MAX = 2**63 - 1
+LOCAL_RANKS_PER_CORE = 16  # a spawned (one-machine) job: 64 ranks on 2 cores trained, slowly; 1000 did not start
+
+
+def local_rank_limit() -> tuple[int, int]:
+    """(the most ranks a local job may spawn, the cores this process may use)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return LOCAL_RANKS_PER_CORE * cores, cores
+
+
+def either(names) -> str:
+    """``a``, ``a or b``, ``a, b or c``: the names in a sentence."""
+    names = list(names)
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
