@@ -64,8 +64,8 @@ def test_bench_layouts_bad_layout_string(capsys):
 def test_bench_layouts_rejects_layouts_the_model_cannot_take(capsys):
     # tp3 fits P=3 but not llama-tiny's 4 heads: the trainer's own check, before any job runs
     assert main(["bench", "layouts", "--model", "llama-tiny", "--nproc", "3", "--layouts", "tp3"]) == 2
-    assert "--layouts tp3 at P=3 (dp1×tp3×pp1, --strategy ddp): --tp 3: llama-tiny has n_head=4, not divisible by 3" \
-        in capsys.readouterr().err
+    assert "--layouts tp3 at P=3 (dp1×tp3×pp1, --strategy ddp): tensor parallelism (tp=3) does not fit --model " \
+           "llama-tiny: n_head=4 is not divisible by tp=3" in capsys.readouterr().err
     assert main(["bench", "layouts", "--model", "mlp"]) == 2
 
 

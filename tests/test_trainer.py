@@ -217,7 +217,8 @@ def test_model_parallel_resume_continues_exactly(tmp_path):
 
 @pytest.mark.parametrize("kw,match", [
     (dict(nproc=4, tp=3, pp=1), "does not equal the world size 4"),
-    (dict(nproc=3, tp=3), "n_head=4, not divisible by 3"),
+    (dict(nproc=3, tp=3), "does not fit --model gpt-tiny: n_head=4 is not divisible by tp=3; choose tp among "
+                          "the divisors of 4: 1, 2, 4"),
     (dict(nproc=8, pp=8), "6 layers .* but 8 stages"),
     (dict(nproc=4, tp=2, pp=2, microbatches=5), "--microbatches 5 does not divide"),
     (dict(nproc=2, tp=2, strategy="torch-ddp"), "compose with --strategy ddp only"),

@@ -58,7 +58,7 @@ def check_preset_split(cfg) -> None:
     if not cfg.model_parallel or cfg.custom_model:
         return
     from distrain.models import preset_config
-    from distrain.parallel.tensor_parallel.sizes import divisors
+    from distrain.parallel.tensor_parallel.sizes import check_tp_divides
 
     need(MODEL_DATA[cfg.model] == "text", f"--tp/--pp/--cp split the GPT and Llama models; --model {cfg.model} "
                                           f"is not one")
@@ -66,13 +66,10 @@ def check_preset_split(cfg) -> None:
     n_layers = c["n_layer"] + 2  # embedding, blocks, head
     need(cfg.pp <= n_layers, f"--pp {cfg.pp}: {cfg.model} has {n_layers} layers (embedding, {c['n_layer']} "
                              f"blocks, head) but {cfg.pp} stages were asked for; use at most {n_layers}")
-    # a Llama's grouped-query attention splits its KV heads too, and its SwiGLU hidden size
-    # (not parallel/tensor_parallel's check_tp_divides: its message lacks the flag and the preset, which
-    # the tests of this refusal match)
-    sizes = [(k, c[k]) for k in ("n_head", "n_kv_head", "n_embd", "intermediate_size", "vocab_size") if c.get(k)]
-    for what, n in sizes:
-        need(n % cfg.tp == 0, f"--tp {cfg.tp}: {cfg.model} has {what}={n}, not divisible by {cfg.tp}; "
-                              f"choose --tp among {divisors(n)[:8]}")
+    # a Llama's grouped-query attention splits its KV heads too, and its SwiGLU hidden size: the library's
+    # one size check, before any rank starts (the plans run it again on the built model)
+    sizes = {k: c[k] for k in ("n_head", "n_kv_head", "n_embd", "intermediate_size", "vocab_size") if c.get(k)}
+    check_tp_divides(cfg.tp, sizes, f"--model {cfg.model}")
     if cfg.cp > 1:
         _check_context_parallel(cfg, c)
     local = cfg.batch_size // max(1, cfg.dp_size)
