@@ -26,12 +26,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from distrain.comm import api
 from distrain.comm.core import registry
 from distrain.comm.core.group import resolve
 from distrain.comm.core.p2p import PeerComm
 from distrain.comm.core.torchargs import torch_call
 from distrain.comm.core.util import nbytes
+from distrain.comm.dispatch import chain, checked_tensor, copy_back, flat_view, run_collective
 from distrain.errors import CommError, ConfigError
 
 NAME = "all_to_all"
@@ -84,18 +84,18 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     name = "all_to_all_single"
     mod = registry.get(algorithm, name)
     st = resolve(group, name)
-    out, inp = api._tensor(output, "output", name), api._tensor(input, "input", name)
+    out, inp = checked_tensor(output, "output", name), checked_tensor(input, "input", name)
     if out.dtype != inp.dtype:
         raise ConfigError(f"{name}: output is {out.dtype} but input is {inp.dtype}; they must match")
     cin = _counts(inp, input_split_sizes, st.size, "input", name)
     cout = _counts(out, output_split_sizes, st.size, "output", name)
     send = inp.reshape(-1).contiguous()
-    recv = api._flat(out)
+    recv = flat_view(out)
 
     def after() -> None:
         if st.size == 1 and algorithm != "native":
             recv.copy_(send)
-        api._copy_back(out, recv)
+        copy_back(out, recv)
 
     def native(a: bool):
         return dist.all_to_all_single(recv.view(out.shape), send.view(inp.shape),
@@ -104,7 +104,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
                                       group=st.group, async_op=a)
 
     dummy = torch.empty((), dtype=inp.dtype)  # same on every rank: blocks may be empty on some ranks only
-    return api._run(st, NAME, algorithm, async_op, nbytes(inp),
+    return run_collective(st, NAME, algorithm, async_op, nbytes(inp),
                     mod=mod, ours=lambda m, pc: _ours(pc, m, send, cin, recv, cout), native=native,
                     after=after, fp=("", dummy, -1), outputs=[output])
 
@@ -119,7 +119,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
         if not isinstance(lst, (list, tuple)) or len(lst) != P:
             raise ConfigError(f"{name}: {what} must be a list of {P} tensors (one per rank of the group)")
         for i, t in enumerate(lst):
-            api._tensor(t, f"{what}[{i}]", name)
+            checked_tensor(t, f"{what}[{i}]", name)
     inp = torch.cat([t.detach().reshape(-1) for t in input_tensor_list])
     out = torch.empty(sum(t.numel() for t in output_tensor_list), dtype=output_tensor_list[0].dtype)
 
@@ -135,8 +135,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
     if h is None:
         copy_out()
         return None
-    from distrain.comm.forms import _chain
-    return _chain(h, copy_out, list(output_tensor_list), name)
+    return chain(h, copy_out, list(output_tensor_list), name)
 
 
 def exchange(pieces: list[torch.Tensor], shapes: list, ranks: list[int], rank: int, group=None, tag: int = 0,

@@ -1,8 +1,8 @@
 """The dispatcher under the collectives of api.py: argument checks, the debug fingerprint, one
-``_run`` that records the call in the ledger and runs ours (inline or on the group's worker
+``run_collective`` that records the call in the ledger and runs ours (inline or on the group's worker
 thread), the transport's direct collectives, or torch.distributed's; and the async handle.
 
-Contract: every rank of the group calls ``_run`` for the same collectives in the same order
+Contract: every rank of the group calls ``run_collective`` for the same collectives in the same order
 (the call's sequence number is the P2P tag, see core/tags.py); with debug checks on, each call first
 all-gathers a fingerprint of (call number, collective, algorithm, op, dtype, root, shape) and a
 mismatch raises on every rank naming the rank that differs. Waits run under the collective
@@ -107,6 +107,10 @@ class CommHandle:
         self.wait()
         return self._outputs
 
+    def set_outputs(self, outputs: list) -> None:
+        """What result() and the future's value are (a form built on this call: its own output)."""
+        self._outputs = list(outputs)
+
     def exception(self) -> BaseException | None:
         """The error this operation ended with (None while running or after success)."""
         if self._error is None and self.is_completed() and not self._done:
@@ -140,6 +144,22 @@ class CommHandle:
         return fut
 
 
+def chain(h, then, outputs: list, desc: str) -> CommHandle:
+    """A handle that completes once ``h`` has and ``then()`` (the copy-out) has run."""
+    fut: Future = Future()
+
+    def done(tf) -> None:
+        try:
+            tf.value()
+            then()
+            fut.set_result(None)
+        except Exception as e:  # noqa: BLE001 - delivered to whoever waits
+            fut.set_exception(e)
+
+    h.get_future().add_done_callback(done)
+    return CommHandle(desc, future=fut, outputs=outputs)
+
+
 def _td(seconds: float):
     from datetime import timedelta
     return timedelta(seconds=seconds)
@@ -149,7 +169,7 @@ def _td(seconds: float):
 # Validation helpers
 # ---------------------------------------------------------------------------------------
 
-def _tensor(t, what: str, collective: str, op=None) -> torch.Tensor:
+def checked_tensor(t, what: str, collective: str, op=None) -> torch.Tensor:
     """The tensor the algorithms work on: detached (it shares t's storage, so results land in t,
     but autograd never sees our in-place writes: a leaf Parameter works as with torch), and a
     complex tensor as its real view (..., 2), which Gloo and our algorithms move and sum alike."""
@@ -166,7 +186,7 @@ def _tensor(t, what: str, collective: str, op=None) -> torch.Tensor:
     return t.detach()
 
 
-def _tensor_list(lst, ref: torch.Tensor, size: int, what: str, collective: str, rank: int) -> list[torch.Tensor]:
+def checked_tensor_list(lst, ref: torch.Tensor, size: int, what: str, collective: str, rank: int) -> list[torch.Tensor]:
     if not isinstance(lst, (list, tuple)):
         raise ConfigError(f"{collective}: {what} must be a list of {size} tensors, got {type(lst).__name__}")
     if len(lst) != size:
@@ -174,7 +194,7 @@ def _tensor_list(lst, ref: torch.Tensor, size: int, what: str, collective: str, 
             f"{collective}: {what} on rank {rank} has {len(lst)} tensors but the group has {size} ranks; "
             f"pass exactly one tensor per rank"
         )
-    lst = [_tensor(t, f"{what}[{i}]", collective) for i, t in enumerate(lst)]
+    lst = [checked_tensor(t, f"{what}[{i}]", collective) for i, t in enumerate(lst)]
     for i, t in enumerate(lst):
         if t.shape != ref.shape or t.dtype != ref.dtype:
             raise ConfigError(
@@ -184,26 +204,26 @@ def _tensor_list(lst, ref: torch.Tensor, size: int, what: str, collective: str, 
     return lst
 
 
-def _root_list(st: GroupState, root: int, lst, ref: torch.Tensor, what: str, role: str, root_global: int,
+def root_list(st: GroupState, root: int, lst, ref: torch.Tensor, what: str, role: str, root_global: int,
                collective: str) -> list[torch.Tensor] | None:
     """The list argument of scatter/gather: validated on the root, absent (None or []) elsewhere."""
     me = st.ranks[st.rank]
     if st.rank == root:
         if lst is None:
             raise ConfigError(f"{collective}: {what} is required on the {role} rank {root_global}")
-        return _tensor_list(lst, ref, st.size, what, collective, me)
+        return checked_tensor_list(lst, ref, st.size, what, collective, me)
     if lst:
         raise ConfigError(f"{collective}: {what} must be None or empty on rank {me}, which is not the {role} "
                           f"({root_global})")
     return None
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
+def flat_view(t: torch.Tensor) -> torch.Tensor:
     """A flat contiguous view of t if possible, else a flat copy (the caller copies back)."""
     return t.view(-1) if t.is_contiguous() else t.reshape(-1).clone()
 
 
-def _copy_back(dst: torch.Tensor, flat: torch.Tensor) -> None:
+def copy_back(dst: torch.Tensor, flat: torch.Tensor) -> None:
     if not (dst.is_contiguous() and flat.data_ptr() == dst.data_ptr()):
         dst.copy_(flat.view(dst.shape))
 
@@ -256,7 +276,7 @@ def _fingerprint_check(st: GroupState, seq: int, collective: str, algorithm: str
 _NO_WATCH = contextlib.nullcontext()
 
 
-def _run(st: GroupState, collective: str, algorithm: str, async_op: bool, payload: int, mod,
+def run_collective(st: GroupState, collective: str, algorithm: str, async_op: bool, payload: int, mod,
          ours: Callable[[object, PeerComm], None], native: Callable[[bool], object] | None,
          after: Callable[[], None] | None, fp: tuple, outputs: list | None = None) -> CommHandle | None:
     """Run one collective call: fingerprint, ledger, then ours (inline or on the worker) or native.
