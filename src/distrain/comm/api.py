@@ -131,9 +131,9 @@ def _broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = Fals
     flat = flat_view(tensor)
     after = (lambda: copy_back(tensor, flat)) if st.rank != root else None
     return run_collective(st, name, algorithm, async_op, nbytes(tensor),
-                mod=mod, ours=lambda m, pc: m.broadcast(pc, flat, root),
-                native=lambda a: dist.broadcast(flat, src, group=st.group, async_op=a),
-                after=after, fp=("", tensor, root))
+                          mod=mod, ours=lambda m, pc: m.broadcast(pc, flat, root),
+                          native=lambda a: dist.broadcast(flat, src, group=st.group, async_op=a),
+                          after=after, fp=("", tensor, root))
 
 
 @torch_call('dst')
@@ -152,9 +152,9 @@ def reduce(tensor: torch.Tensor, dst: int, op="sum", group=None, async_op: bool 
             copy_back(tensor, flat)
 
     return run_collective(st, name, algorithm, async_op, nbytes(tensor),
-                mod=mod, ours=lambda m, pc: m.reduce(pc, flat, root, o),
-                native=lambda a: dist.reduce(flat, dst, op=o.native, group=st.group, async_op=a),
-                after=after, fp=(o.name, tensor, root))
+                          mod=mod, ours=lambda m, pc: m.reduce(pc, flat, root, o),
+                          native=lambda a: dist.reduce(flat, dst, op=o.native, group=st.group, async_op=a),
+                          after=after, fp=(o.name, tensor, root))
 
 
 @torch_call()
@@ -174,9 +174,9 @@ def _all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = Fal
         copy_back(tensor, flat)
 
     return run_collective(st, name, algorithm, async_op, nbytes(tensor),
-                mod=mod, ours=lambda m, pc: m.all_reduce(pc, flat, o),
-                native=lambda a: dist.all_reduce(flat, op=o.native, group=st.group, async_op=a),
-                after=after, fp=(o.name, tensor, -1))
+                          mod=mod, ours=lambda m, pc: m.all_reduce(pc, flat, o),
+                          native=lambda a: dist.all_reduce(flat, op=o.native, group=st.group, async_op=a),
+                          after=after, fp=(o.name, tensor, -1))
 
 
 def has_list_all_reduce(group=None, algorithm: str = "native") -> bool:
@@ -207,9 +207,10 @@ def all_reduce_list(tensors: list[torch.Tensor], *, scale: float | None = None, 
     if scale is not None:
         flat.mul_(scale)
     return run_collective(st, name, "native", async_op, nbytes(flat), mod=None,
-                ours=lambda m, pc: m.all_reduce(pc, flat, o),
-                native=lambda a: dist.all_reduce(flat, op=o.native, group=st.group, async_op=a),
-                after=lambda: torch._foreach_copy_(dests, views), fp=(o.name, flat, -1), outputs=list(tensors))
+                          ours=lambda m, pc: m.all_reduce(pc, flat, o),
+                          native=lambda a: dist.all_reduce(flat, op=o.native, group=st.group, async_op=a),
+                          after=lambda: torch._foreach_copy_(dests, views), fp=(o.name, flat, -1),
+                          outputs=list(tensors))
 
 
 @torch_call('src')
@@ -226,11 +227,11 @@ def scatter(tensor: torch.Tensor, scatter_list=None, src: int = 0, group=None, a
     if lst is not None:
         out.copy_(lst[root].reshape(-1))  # the source's own slot (also the whole result when P == 1)
     return run_collective(st, name, algorithm, async_op, nbytes(tensor),
-                mod=mod, ours=lambda m, pc: m.scatter(pc, out, full, root),
-                native=lambda a: dist.scatter(out, list(full.view(st.size, -1)) if lst else None, src,
-                                              group=st.group, async_op=a),
-                after=lambda: copy_back(tensor, out),
-                fp=("", tensor, root))
+                          mod=mod, ours=lambda m, pc: m.scatter(pc, out, full, root),
+                          native=lambda a: dist.scatter(out, list(full.view(st.size, -1)) if lst else None, src,
+                                                        group=st.group, async_op=a),
+                          after=lambda: copy_back(tensor, out),
+                          fp=("", tensor, root))
 
 
 @torch_call('dst')
@@ -254,10 +255,10 @@ def gather(tensor: torch.Tensor, gather_list=None, dst: int = 0, group=None, asy
                 t.copy_(full[i * n:(i + 1) * n].view(t.shape))
 
     return run_collective(st, name, algorithm, async_op, nbytes(tensor),
-                mod=mod, ours=lambda m, pc: m.gather(pc, inp, full, root),
-                native=lambda a: dist.gather(inp, list(full.view(st.size, n)) if lst is not None else None, dst,
-                                             group=st.group, async_op=a),
-                after=after, fp=("", tensor, root), outputs=lst or [])
+                          mod=mod, ours=lambda m, pc: m.gather(pc, inp, full, root),
+                          native=lambda a: dist.gather(inp, list(full.view(st.size, n)) if lst is not None else None,
+                                                       dst, group=st.group, async_op=a),
+                          after=after, fp=("", tensor, root), outputs=lst or [])
 
 
 @torch_call()
@@ -285,8 +286,8 @@ def _all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = 
                                group=st.group, async_op=a)
 
     return run_collective(st, name, algorithm, async_op, nbytes(tensor),
-                mod=mod, ours=lambda m, pc: m.all_gather(pc, full, n), native=native,
-                after=after, fp=("", tensor, -1), outputs=lst)
+                          mod=mod, ours=lambda m, pc: m.all_gather(pc, full, n), native=native,
+                          after=after, fp=("", tensor, -1), outputs=lst)
 
 
 def _adjacent_views(lst: list[torch.Tensor], n: int) -> torch.Tensor | None:
@@ -334,9 +335,9 @@ def _reduce_scatter(output: torch.Tensor, input_list, op="sum", group=None, asyn
         copy_back(output, out)
 
     return run_collective(st, name, algorithm, async_op, nbytes(output) * st.size,
-                mod=mod, ours=lambda m, pc: m.reduce_scatter(pc, out, full(m), o),
-                native=lambda a: _reduce_scatter_native(out, full(), op=o.native, group=st.group, async_op=a),
-                after=after, fp=(o.name, output, -1))
+                          mod=mod, ours=lambda m, pc: m.reduce_scatter(pc, out, full(m), o),
+                          native=lambda a: _reduce_scatter_native(out, full(), op=o.native, group=st.group, async_op=a),
+                          after=after, fp=(o.name, output, -1))
 
 
 @torch_call()
@@ -348,9 +349,9 @@ def _barrier(group=None, async_op: bool = False, device_ids=None, algorithm: str
     token = torch.zeros(1, dtype=torch.uint8)
     sum_op = resolve_op("sum", token.dtype, name)
     h = run_collective(st, name, algorithm, async_op or timeout is not None, 0,
-             mod=mod, ours=lambda m, pc: m.all_reduce(pc, token, sum_op),
-             native=lambda a: dist.barrier(group=st.group, async_op=a),
-             after=None, fp=("", None, -1))
+                       mod=mod, ours=lambda m, pc: m.all_reduce(pc, token, sum_op),
+                       native=lambda a: dist.barrier(group=st.group, async_op=a),
+                       after=None, fp=("", None, -1))
     if timeout is None or async_op:
         return h
     h.wait(timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout))

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from distrain.comm.core import ledger as _ledger
-from distrain.comm.core import watchdog
+from distrain.comm.core import registry, watchdog
 from distrain.comm.core.group import GroupState
 from distrain.comm.core.ops import COMPLEX_DTYPES, OPS, check_complex_op, check_dtype
 from distrain.comm.core.p2p import PeerComm
@@ -31,6 +31,7 @@ from distrain.comm.core.failures import lost
 COLLECTIVES = ("broadcast", "reduce", "all_reduce", "scatter", "gather", "all_gather",
                "reduce_scatter", "barrier")
 _FP_NAMES = COLLECTIVES + ("all_to_all",)  # every collective a debug fingerprint can name
+_FP_ALGORITHMS = ALGORITHM_NAMES + (registry.P2P,)  # and every algorithm (p2p: all_to_all_single's)
 
 _debug = False
 
@@ -205,7 +206,7 @@ def checked_tensor_list(lst, ref: torch.Tensor, size: int, what: str, collective
 
 
 def root_list(st: GroupState, root: int, lst, ref: torch.Tensor, what: str, role: str, root_global: int,
-               collective: str) -> list[torch.Tensor] | None:
+              collective: str) -> list[torch.Tensor] | None:
     """The list argument of scatter/gather: validated on the root, absent (None or []) elsewhere."""
     me = st.ranks[st.rank]
     if st.rank == root:
@@ -240,7 +241,7 @@ _MAXD = 6
 def _fingerprint_check(st: GroupState, seq: int, collective: str, algorithm: str, op: str,
                        t: torch.Tensor | None, root: int) -> None:
     shape = tuple(t.shape) if t is not None else ()
-    fp = [seq, _FP_NAMES.index(collective), ALGORITHM_NAMES.index(algorithm),
+    fp = [seq, _FP_NAMES.index(collective), _FP_ALGORITHMS.index(algorithm),
           _OP_CODES[op] if op else -1,
           DTYPE_CODE.get(t.dtype, -2) if t is not None else -1, root,
           t.numel() if t is not None else -1, len(shape)]
@@ -253,7 +254,7 @@ def _fingerprint_check(st: GroupState, seq: int, collective: str, algorithm: str
         r = row.tolist()
         dt = next((dtype_name(d) for d, c in DTYPE_CODE.items() if c == r[4]), "none")
         shp = tuple(x for x in r[8:8 + min(r[7], _MAXD)])
-        alg = ALGORITHM_NAMES[r[2]] if 0 <= r[2] < len(ALGORITHM_NAMES) else "?"
+        alg = _FP_ALGORITHMS[r[2]] if 0 <= r[2] < len(_FP_ALGORITHMS) else "?"
         return (f"call #{r[0]} {_FP_NAMES[r[1]]}(algorithm={alg}) dtype={dt} shape={shp}"
                 + (f" root={r[5]}" if r[5] >= 0 else ""))
 
@@ -277,18 +278,21 @@ _NO_WATCH = contextlib.nullcontext()
 
 
 def run_collective(st: GroupState, collective: str, algorithm: str, async_op: bool, payload: int, mod,
-         ours: Callable[[object, PeerComm], None], native: Callable[[bool], object] | None,
-         after: Callable[[], None] | None, fp: tuple, outputs: list | None = None) -> CommHandle | None:
+                   ours: Callable[[object, PeerComm], None], native: Callable[[bool], object] | None,
+                   after: Callable[[], None] | None, fp: tuple, outputs: list | None = None,
+                   label: str | None = None) -> CommHandle | None:
     """Run one collective call: fingerprint, ledger, then ours (inline or on the worker) or native.
 
     ``mod`` is the registered algorithm, or None for "native": then the group's transport may
     provide its own (the direct shared-memory collectives), else torch.distributed's runs.
-    ``outputs``: what the handle's result() returns (default: the tensor of ``fp``).
+    ``outputs``: what the handle's result() returns (default: the tensor of ``fp``). ``label``: the
+    name the ledger counts the call and its messages under (default: the collective's).
     """
     seq = st.next_seq()
     if _debug:
         _fingerprint_check(st, seq, collective, algorithm, *fp)
-    _ledger.record(collective, algorithm, calls=1, payload=payload)
+    label = label or collective
+    _ledger.record(label, algorithm, calls=1, payload=payload)
     outs = outputs if outputs is not None else [t for t in fp[1:2] if t is not None]
     transport = st.transport
     key = (collective, algorithm, transport.name)  # the description is made once per kind of call
@@ -303,7 +307,7 @@ def run_collective(st: GroupState, collective: str, algorithm: str, async_op: bo
     if mod is None:
         return _run_native(desc, native, async_op, after, outs)
 
-    pc = PeerComm(st, collective, algorithm, st.tag(seq), transport)
+    pc = PeerComm(st, label, algorithm, st.tag(seq), transport)
     tensor = fp[1]  # an empty tensor moves nothing: every rank skips the algorithm alike
     skip = st.size == 1 or (tensor is not None and tensor.numel() == 0)
 

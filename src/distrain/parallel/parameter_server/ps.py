@@ -204,8 +204,8 @@ class ParameterServer:
         if getattr(self, "_bufs", None) is None:
             self._bufs = [torch.empty_like(self.flat) for _ in self.workers]
         bufs, what = self._bufs, f"push of step {step}"
-        recvs = [over_transport(self._me, f"worker rank {w}", what,
-                      lambda: comm.irecv(b, w, tag=TAG_PUSH, label="ps_push")) for w, b in zip(self.workers, bufs)]
+        recvs = [over_transport(self._me, f"worker rank {w}", what, lambda: comm.irecv(b, w, tag=TAG_PUSH, label="ps_push"))
+                 for w, b in zip(self.workers, bufs)]
         self._send_weights(self.workers, step, num_steps)  # fan-out
         for w, h in zip(self.workers, recvs):  # fan-in, in worker-rank order
             over_transport(self._me, f"worker rank {w}", what, h.wait)
@@ -238,7 +238,7 @@ class ParameterServer:
                 comm.recv(req, w, tag=TAG_REQ, label="ps_ctrl")
                 if int(req[0]) != step:
                     raise ProtocolError(f"pull request for step {int(req[0])}, expected step {step} (do all "
-                                         f"workers run the same number of steps as the server?)")
+                                        f"workers run the same number of steps as the server?)")
                 events.put(("req", w, step))
                 if step == num_steps:
                     break

@@ -56,7 +56,7 @@ class PSWorker:
         for s in range(L.num_servers):
             h = torch.empty(7, dtype=I64)
             over_transport(self._me, self._peer(s), "the hello",
-                 lambda: comm.recv(h, self._src[s], tag=TAG_HELLO, label="ps_ctrl"))
+                           lambda: comm.recv(h, self._src[s], tag=TAG_HELLO, label="ps_ctrl"))
             got, want = h.tolist(), [MAGIC, MODES.index(self.mode), L.num_servers, L.num_workers, s, L.shard_numel(s)]
             if got[:6] != want:
                 mode = MODES[got[1]] if 0 <= got[1] < len(MODES) else got[1]
