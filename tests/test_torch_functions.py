@@ -11,6 +11,7 @@ import torch
 
 import distrain
 import distrain.comm as dist  # the point: it reads like torch.distributed
+from distrain.errors import CommError, ConfigError
 
 from conftest import run_ranks
 
@@ -77,7 +78,7 @@ def _alltoall(rank: int) -> list[str]:
     eq_in = _x(rank, P * 4, dtype=torch.float32)
     eq_ref = torch.empty(P * 4, dtype=torch.float32)
     tdist.all_to_all_single(eq_ref, eq_in)
-    for alg in ALGS:
+    for alg in (*ALGS, "p2p"):  # p2p: the direct exchange (the all-to-alls only)
         out = torch.zeros_like(ref)
         dist.all_to_all_single(out, inp, outs_rows, ins_rows, algorithm=alg)
         if not torch.equal(out, ref):
@@ -92,11 +93,40 @@ def _alltoall(rank: int) -> list[str]:
             want = (P - 1) * 2 * P * P * 8 + (P - 1) * P * 4 * 4 if rank == 0 else 2 * P * 8 + P * 4 * 4
             if led.bytes_sent("all_to_all", "star") != want:
                 bad.append(f"star all_to_all sent {led.bytes_sent('all_to_all', 'star')} bytes, want {want}")
+        if alg == "p2p":  # one message of 4 float32 to each other rank, one call, nothing else
+            c = led.get("all_to_all", "p2p")
+            got = (c.calls, c.bytes_sent, c.bytes_recv, c.msgs_sent, c.msgs_recv, led.total().calls)
+            if got != (1, (P - 1) * 16, (P - 1) * 16, P - 1, P - 1, 1):
+                bad.append(f"p2p all_to_all ledger (calls, sent, recv, msgs sent, msgs recv, all calls) {got}")
         lst_in = [_x(rank, j + 1, 7) for j in range(P)]  # rank sends j+1 elements to rank j
         lst_out = [torch.zeros(rank + 1, dtype=torch.float64) for _ in range(P)]
         dist.all_to_all(lst_out, lst_in, algorithm=alg)
         if not all(torch.equal(lst_out[i], _x(i, rank + 1, 7)) for i in range(P)):
             bad.append(f"{alg}: all_to_all lists")
+    # p2p: label= names the call in the ledger; the debug fingerprint knows the algorithm by name
+    out = torch.zeros_like(ref)
+    with dist.ledger() as led:
+        dist.all_to_all_single(out, inp, outs_rows, ins_rows, algorithm="p2p", label="mine")
+    if not torch.equal(out, ref) or (led.get("mine", "p2p").calls, led.get("all_to_all", "p2p").calls) != (1, 0):
+        bad.append(f"p2p with label: {led.as_dict()}")
+    dist.set_debug(True)
+    try:
+        dist.all_to_all_single(out, inp, outs_rows, ins_rows, algorithm="p2p")  # all alike: passes
+        dist.all_to_all_single(torch.zeros_like(eq_ref), eq_in, algorithm="star" if rank == 2 else "p2p")
+        bad.append("debug: p2p here and star on rank 2 was not refused")
+    except CommError as e:
+        if "all_to_all(algorithm=p2p)" not in str(e) or "all_to_all(algorithm=star)" not in str(e):
+            bad.append(f"debug: the fingerprint does not name both algorithms: {e}")
+    finally:
+        dist.set_debug(False)
+    if not torch.equal(out, ref):
+        bad.append("p2p under debug checks")
+    try:
+        dist.all_to_all_single(out, inp, algorithm="bogus")
+        bad.append("an unknown algorithm was taken")
+    except ConfigError as e:
+        if "p2p" not in str(e):
+            bad.append(f"the unknown-algorithm error does not offer p2p: {e}")
     return bad
 
 

@@ -246,6 +246,9 @@ _abandoned: list[threading.Thread] = []
 _held: list = []
 
 
+_leave_hooks: list = []  # the excepthooks _abandon installed (one, unless something replaced it since)
+
+
 def _abandon(helper: threading.Thread) -> None:
     """``helper`` is still inside torch's C++ store client and cannot be stopped. Should it return
     while the interpreter finalizes, it asks for the GIL, CPython ends it with ``pthread_exit`` and
@@ -255,7 +258,7 @@ def _abandon(helper: threading.Thread) -> None:
     :func:`leave` with status 1, the interpreter's, skipping finalization. (The CLI's launched ranks
     always leave that way: distrain.cli.run_command.)"""
     _abandoned.append(helper)
-    if getattr(sys.excepthook, "_distrain_leaves", False):
+    if sys.excepthook in _leave_hooks:
         return
     previous = sys.excepthook
 
@@ -264,7 +267,7 @@ def _abandon(helper: threading.Thread) -> None:
         if any(t.is_alive() for t in _abandoned):
             leave(1)
 
-    leave_after_printing._distrain_leaves = True  # type: ignore[attr-defined]
+    _leave_hooks.append(leave_after_printing)
     sys.excepthook = leave_after_printing
 
 

@@ -53,7 +53,7 @@ def parse_size(text: str) -> int:
 
 def parse_sizes(text: str) -> list[int]:
     """A comma-separated list of sizes (see :func:`parse_size`), order kept, duplicates dropped."""
-    return _dedup(parse_size(s) for s in split_csv(text, "--sizes"))
+    return dedup(parse_size(s) for s in split_csv(text, "--sizes"))
 
 
 def format_size(nbytes: int) -> str:
@@ -82,7 +82,7 @@ def parse_choices(text: str, allowed: Sequence[str], flag: str) -> list[str]:
     if bad:
         raise ConfigError(f"{flag}: unknown value(s) {', '.join(map(repr, bad))}; choose from "
                           f"{', '.join(allowed)} (comma-separated) or 'all'")
-    return _dedup(items)
+    return dedup(items)
 
 
 def parse_int(text, flag: str, minimum: int) -> int:
@@ -107,10 +107,11 @@ def parse_ints(text: str, flag: str, minimum: int = 1) -> list[int]:
         if v < minimum:
             raise ConfigError(f"{flag}: values must be >= {minimum}, got {v}")
         out.append(v)
-    return _dedup(out)
+    return dedup(out)
 
 
-def _dedup(items: Iterable) -> list:
+def dedup(items: Iterable) -> list:
+    """The items in first-seen order, each once (they must be hashable)."""
     seen, out = set(), []
     for x in items:
         if x not in seen:

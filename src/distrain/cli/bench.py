@@ -21,7 +21,7 @@ from typing import Any
 from distrain.bench import background, common
 from distrain.cli import bench_studies
 from distrain.bench.comm import columns
-from distrain.bench.comm.timing import _DTYPES, BURST_S, MAX_BURST, MAX_ITERS, MIN_ITERS, TARGET_S
+from distrain.bench.comm.timing import DTYPES, BURST_S, MAX_BURST, MAX_ITERS, MIN_ITERS, TARGET_S
 from distrain.bench.train.throughput import STRATEGIES as TRAIN_STRATEGIES
 from distrain.bench.train.zero import STRATEGIES as ZERO_STRATEGIES
 from distrain.comm.api import ALGORITHM_NAMES, COLLECTIVES
@@ -94,7 +94,7 @@ def add_comm_arguments(p: argparse.ArgumentParser) -> None:
                         "each shared-memory transport")
     p.add_argument("--sizes", default=COMM_SIZES,
                    help=f"full-buffer sizes in bytes, K/M/G = powers of 1024 (default {COMM_SIZES})")
-    p.add_argument("--dtype", default="float32", help=f"element type, one of {', '.join(_DTYPES)} (default float32)")
+    p.add_argument("--dtype", default="float32", help=f"element type, one of {', '.join(DTYPES)} (default float32)")
     p.add_argument("--warmup", default="3", help="untimed rounds per (op, size) before timing (default 3)")
     p.add_argument("--iters", default=None,
                    help=f"timed rounds per (op, size); default adaptive: ceil({TARGET_S} s / slowest warm-up call) "
@@ -119,8 +119,8 @@ def add_comm_arguments(p: argparse.ArgumentParser) -> None:
 def comm_config(args: argparse.Namespace) -> dict[str, Any]:
     """Validate every flag of ``bench comm`` (ConfigError with a clear message) into a plain, picklable dict."""
     dtype = str(args.dtype).removeprefix("torch.")
-    if dtype not in _DTYPES:
-        raise ConfigError(f"--dtype: unknown or unsupported dtype {args.dtype!r}; use one of {', '.join(_DTYPES)}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype: unknown or unsupported dtype {args.dtype!r}; use one of {', '.join(DTYPES)}")
     try:
         timeout = float(args.timeout)
     except (TypeError, ValueError):

@@ -17,7 +17,7 @@ Four layers, each a folder; imports run downward only (tests/test_import_graph.p
                                ours, direct or native), async handles
                   api.py       the eight collectives with torch.distributed's signatures
                   forms.py     *_into_tensor / *_tensor / coalesced forms, P2POp, batch_isend_irecv
-                  alltoall.py  all_to_all, all_to_all_single, exchange (direct, on P2P)
+                  alltoall.py  all_to_all, all_to_all_single (p2p: the direct exchange)
                   objects.py   the object collectives (pickled, torch's API) and the data ones (distrain's own)
                   compat.py    init/destroy_process_group and the pass-through group helpers
 
@@ -30,7 +30,7 @@ import torch.distributed as _torch_dist
 from distrain.comm import algorithms as _algorithms  # noqa: F401  (registers star, ring, tree)
 from distrain.comm import shm as _shm  # noqa: F401  (registers the shared-memory transport)
 
-from distrain.comm.alltoall import all_to_all, all_to_all_single, exchange
+from distrain.comm.alltoall import all_to_all, all_to_all_single
 from distrain.comm.api import (
     ALGORITHM_NAMES,
     COLLECTIVES,
@@ -92,7 +92,7 @@ def __getattr__(name: str):
 __all__ = [
     "ALGORITHM_NAMES", "COLLECTIVES", "CommHandle", "Counts", "Ledger", "P2POp", "TRANSPORT_NAMES", "Transport",
     "all_gather", "all_gather_coalesced", "all_gather_data", "all_gather_into_tensor", "all_gather_object", "all_reduce",
-    "all_reduce_coalesced", "all_reduce_list", "all_to_all", "all_to_all_single", "exchange", "barrier", "batch_isend_irecv",
+    "all_reduce_coalesced", "all_reduce_list", "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv",
     "broadcast", "broadcast_data", "broadcast_object_list", "close_all", "close_group", "configure_from_env", "debug_enabled", "destroy_process_group",
     "gather", "gather_data", "gather_object", "has_list_all_reduce", "init_process_group", "irecv", "isend", "isend_tensor",
     "ledger", "recv", "recv_object_list", "recv_tensor", "reduce", "reduce_scatter", "reduce_scatter_tensor",

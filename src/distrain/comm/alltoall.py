@@ -1,12 +1,16 @@
 """All-to-all: rank i's block j goes to rank j, landing in its slot i (a transpose across ranks).
 
-    all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None)
+    all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, *, label=None)
     all_to_all(output_tensor_list, input_tensor_list)
-    exchange(pieces, shapes, ranks, rank, group, tag, label)   (direct, on point-to-point: below)
 
 Split sizes count rows of dim 0 (None = equal blocks), as in torch.distributed. ``native``
-is Gloo's alltoall. Ours (star, ring, tree) is composed from that algorithm's own pieces,
-through rank 0 like the other composed collectives:
+is Gloo's alltoall. ``p2p`` (the all-to-alls only) is the direct exchange on point-to-point:
+every rank posts its receives, then its sends, one message per pair with a non-empty block (no
+padding, no relay; both sides know every size from the split sizes, which must agree: a mismatch
+is the transport's error, no size exchange checks it); the ledger counts the messages. Context
+parallelism's all-to-all (Ulysses) and expert parallelism's token dispatch run on it.
+Ours (star, ring, tree) is composed from that algorithm's own pieces, through rank 0 like the
+other composed collectives:
 
 1. an all_gather of every rank's 2P block sizes (what it sends to each rank, what it expects
    from each), so every rank knows the whole P x P size matrix S and checks it alike (a
@@ -18,7 +22,8 @@ Traffic (payload elements, e = element size, N = P*m per rank): it is the algori
 plus its scatter of N, plus the size exchange (an all_gather of 2P int64 per rank); star:
 rank 0 receives and sends (P-1)*N; tree: rank 0 receives and sends (P-1)*N across ceil(log2 P)
 rounds; ring: rank at distance v from 0 relays (P-1-v)*N each way. The ledger records it under
-``all_to_all``. The price of padding is explicit: unequal splits move P*m, not their sum.
+``all_to_all`` (or the call's ``label=``). The price of padding is explicit: unequal splits move
+P*m, not their sum.
 """
 
 from __future__ import annotations
@@ -26,12 +31,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from distrain.comm import api
 from distrain.comm.core import registry
 from distrain.comm.core.group import resolve
-from distrain.comm.core.p2p import PeerComm
+from distrain.comm.core.p2p import PeerComm, waitall
 from distrain.comm.core.torchargs import torch_call
 from distrain.comm.core.util import nbytes
+from distrain.comm.dispatch import chain, checked_tensor, copy_back, flat_view, run_collective
 from distrain.errors import CommError, ConfigError
 
 NAME = "all_to_all"
@@ -50,6 +55,17 @@ def _counts(t: torch.Tensor, splits, P: int, what: str, name: str) -> list[int]:
         raise ConfigError(f"{name}: {what}_split_sizes={list(splits)} must be {P} non-negative row counts "
                           f"summing to {what}'s {rows} rows")
     return [int(s) * per_row for s in splits]
+
+
+def _direct(pc: PeerComm, send: torch.Tensor, cin: list[int], recv: torch.Tensor, cout: list[int]) -> None:
+    """``p2p``: block j of ``send`` (cin[j] elements) straight to group rank j, block i of ``recv``
+    (cout[i]) from rank i; every receive posted, then every send, then all waited on (PeerComm skips
+    empty blocks on both sides alike); this rank's own block is a copy."""
+    r, blocks_in, blocks_out = pc.rank, torch.split(send, cin), torch.split(recv, cout)
+    works = [pc.irecv(blocks_out[i], i) for i in range(pc.size) if i != r]
+    works += [pc.isend(blocks_in[j], j) for j in range(pc.size) if j != r]
+    blocks_out[r].copy_(blocks_in[r])
+    waitall(works)
 
 
 def _ours(pc: PeerComm, mod, send: torch.Tensor, cin: list[int], recv: torch.Tensor, cout: list[int]) -> None:
@@ -80,22 +96,32 @@ def _ours(pc: PeerComm, mod, send: torch.Tensor, cin: list[int], recv: torch.Ten
 
 @torch_call()
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,  # noqa: A002
-                      input_split_sizes=None, group=None, async_op: bool = False, algorithm: str = "native"):
+                      input_split_sizes=None, group=None, async_op: bool = False, algorithm: str = "native", *,
+                      label: str | None = None):
+    """torch's all_to_all_single, with ``algorithm=`` one of native, p2p (the direct exchange), star,
+    ring, tree; ``label``: the name the ledger counts it under (default ``all_to_all``)."""
     name = "all_to_all_single"
-    mod = registry.get(algorithm, name)
+    direct = algorithm == registry.P2P
+    mod = _direct if direct else _algorithm(algorithm, name)
     st = resolve(group, name)
-    out, inp = api._tensor(output, "output", name), api._tensor(input, "input", name)
+    out, inp = checked_tensor(output, "output", name), checked_tensor(input, "input", name)
     if out.dtype != inp.dtype:
         raise ConfigError(f"{name}: output is {out.dtype} but input is {inp.dtype}; they must match")
     cin = _counts(inp, input_split_sizes, st.size, "input", name)
     cout = _counts(out, output_split_sizes, st.size, "output", name)
     send = inp.reshape(-1).contiguous()
-    recv = api._flat(out)
+    recv = flat_view(out)
 
     def after() -> None:
         if st.size == 1 and algorithm != "native":
             recv.copy_(send)
-        api._copy_back(out, recv)
+        copy_back(out, recv)
+
+    def ours(m, pc: PeerComm) -> None:
+        if direct:
+            _direct(pc, send, cin, recv, cout)
+        else:
+            _ours(pc, m, send, cin, recv, cout)
 
     def native(a: bool):
         return dist.all_to_all_single(recv.view(out.shape), send.view(inp.shape),
@@ -104,9 +130,17 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
                                       group=st.group, async_op=a)
 
     dummy = torch.empty((), dtype=inp.dtype)  # same on every rank: blocks may be empty on some ranks only
-    return api._run(st, NAME, algorithm, async_op, nbytes(inp),
-                    mod=mod, ours=lambda m, pc: _ours(pc, m, send, cin, recv, cout), native=native,
-                    after=after, fp=("", dummy, -1), outputs=[output])
+    return run_collective(st, NAME, algorithm, async_op, nbytes(inp),
+                          mod=mod, ours=ours, native=native, after=after, fp=("", dummy, -1), outputs=[output],
+                          label=label)
+
+
+def _algorithm(name: str, collective: str):
+    """The registered algorithm ``name`` (None for native); an unknown name lists p2p among the choices."""
+    if name not in registry.names():
+        raise ConfigError(f"{collective}: unknown algorithm {name!r}; use one of "
+                          f"{', '.join((*registry.names(), registry.P2P))}")
+    return registry.get(name, collective)
 
 
 @torch_call()
@@ -119,7 +153,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
         if not isinstance(lst, (list, tuple)) or len(lst) != P:
             raise ConfigError(f"{name}: {what} must be a list of {P} tensors (one per rank of the group)")
         for i, t in enumerate(lst):
-            api._tensor(t, f"{what}[{i}]", name)
+            checked_tensor(t, f"{what}[{i}]", name)
     inp = torch.cat([t.detach().reshape(-1) for t in input_tensor_list])
     out = torch.empty(sum(t.numel() for t in output_tensor_list), dtype=output_tensor_list[0].dtype)
 
@@ -135,29 +169,4 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
     if h is None:
         copy_out()
         return None
-    from distrain.comm.forms import _chain
-    return _chain(h, copy_out, list(output_tensor_list), name)
-
-
-def exchange(pieces: list[torch.Tensor], shapes: list, ranks: list[int], rank: int, group=None, tag: int = 0,
-             label: str | None = None) -> list[torch.Tensor]:
-    """A direct all-to-all on point-to-point messages: ``pieces[p]`` goes to global rank ``ranks[p]``, and
-    what that rank sends here arrives in a new tensor of ``shapes[p]`` (``pieces``' dtype); returns them in
-    group-rank order, this rank's own piece (index ``rank``) as it is. Each pair exchanges only its own
-    blocks (no padding, no relay through rank 0, unlike ``all_to_all_single``'s composed algorithms), and
-    empty blocks are not sent: both sides know every size. Every rank posts its receives, then its sends,
-    then waits; the ledger counts the messages under ``label``. Collective over ``ranks``."""
-    from distrain.comm.core.p2p import irecv, isend
-
-    got, works = list(pieces), []
-    for p, shape in enumerate(shapes):
-        if p != rank:
-            got[p] = pieces[rank].new_empty(shape)
-            if got[p].numel():
-                works.append(irecv(got[p], ranks[p], group, tag, label=label))
-    for p, piece in enumerate(pieces):
-        if p != rank and piece.numel():
-            works.append(isend(piece.contiguous(), ranks[p], group, tag, label=label))
-    for w in works:
-        w.wait()
-    return got
+    return chain(h, copy_out, list(output_tensor_list), name)

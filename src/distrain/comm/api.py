@@ -43,16 +43,16 @@ import torch
 import torch.distributed as dist
 
 from distrain.comm.core import registry
-from distrain.comm.dispatch import (  # noqa: F401  (the public names, and helpers forms/alltoall/objects reuse)
+from distrain.comm.dispatch import (  # noqa: F401  (COLLECTIVES, CommHandle, debug_enabled, set_debug: re-exported)
     COLLECTIVES,
     CommHandle,
-    _copy_back,
-    _flat,
-    _root_list,
-    _run,
-    _tensor,
-    _tensor_list,
+    checked_tensor,
+    checked_tensor_list,
+    copy_back,
     debug_enabled,
+    flat_view,
+    root_list,
+    run_collective,
     set_debug,
 )
 from distrain.comm.core.group import fast_path, resolve
@@ -125,14 +125,14 @@ def _broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = Fals
     name = "broadcast"
     mod = registry.get(algorithm, name)
     st = resolve(group, name)
-    tensor = _tensor(tensor, "tensor", name)
+    tensor = checked_tensor(tensor, "tensor", name)
     root = st.group_rank(src, "src", name)
-    flat = _flat(tensor)
-    after = (lambda: _copy_back(tensor, flat)) if st.rank != root else None
-    return _run(st, name, algorithm, async_op, nbytes(tensor),
-                mod=mod, ours=lambda m, pc: m.broadcast(pc, flat, root),
-                native=lambda a: dist.broadcast(flat, src, group=st.group, async_op=a),
-                after=after, fp=("", tensor, root))
+    flat = flat_view(tensor)
+    after = (lambda: copy_back(tensor, flat)) if st.rank != root else None
+    return run_collective(st, name, algorithm, async_op, nbytes(tensor),
+                          mod=mod, ours=lambda m, pc: m.broadcast(pc, flat, root),
+                          native=lambda a: dist.broadcast(flat, src, group=st.group, async_op=a),
+                          after=after, fp=("", tensor, root))
 
 
 @torch_call('dst')
@@ -140,20 +140,20 @@ def reduce(tensor: torch.Tensor, dst: int, op="sum", group=None, async_op: bool 
     name = "reduce"
     mod = registry.get(algorithm, name)
     st = resolve(group, name)
-    tensor = _tensor(tensor, "tensor", name, op)
+    tensor = checked_tensor(tensor, "tensor", name, op)
     o = resolve_op(op, tensor.dtype, name)
     root = st.group_rank(dst, "dst", name)
-    flat = _flat(tensor)
+    flat = flat_view(tensor)
 
     def after() -> None:
         if st.rank == root:
             o.finish(flat, st.size)
-            _copy_back(tensor, flat)
+            copy_back(tensor, flat)
 
-    return _run(st, name, algorithm, async_op, nbytes(tensor),
-                mod=mod, ours=lambda m, pc: m.reduce(pc, flat, root, o),
-                native=lambda a: dist.reduce(flat, dst, op=o.native, group=st.group, async_op=a),
-                after=after, fp=(o.name, tensor, root))
+    return run_collective(st, name, algorithm, async_op, nbytes(tensor),
+                          mod=mod, ours=lambda m, pc: m.reduce(pc, flat, root, o),
+                          native=lambda a: dist.reduce(flat, dst, op=o.native, group=st.group, async_op=a),
+                          after=after, fp=(o.name, tensor, root))
 
 
 @torch_call()
@@ -164,18 +164,18 @@ def _all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = Fal
     if mod is None and isinstance(tensor, torch.Tensor) and tensor.is_sparse:  # Gloo sums sparse COO itself
         return dist.all_reduce(tensor, op=resolve_op(op, tensor.dtype, name).native, group=st.group,
                                async_op=async_op)
-    tensor = _tensor(tensor, "tensor", name, op)
+    tensor = checked_tensor(tensor, "tensor", name, op)
     o = resolve_op(op, tensor.dtype, name)
-    flat = _flat(tensor)
+    flat = flat_view(tensor)
 
     def after() -> None:
         o.finish(flat, st.size)
-        _copy_back(tensor, flat)
+        copy_back(tensor, flat)
 
-    return _run(st, name, algorithm, async_op, nbytes(tensor),
-                mod=mod, ours=lambda m, pc: m.all_reduce(pc, flat, o),
-                native=lambda a: dist.all_reduce(flat, op=o.native, group=st.group, async_op=a),
-                after=after, fp=(o.name, tensor, -1))
+    return run_collective(st, name, algorithm, async_op, nbytes(tensor),
+                          mod=mod, ours=lambda m, pc: m.all_reduce(pc, flat, o),
+                          native=lambda a: dist.all_reduce(flat, op=o.native, group=st.group, async_op=a),
+                          after=after, fp=(o.name, tensor, -1))
 
 
 def has_list_all_reduce(group=None, algorithm: str = "native") -> bool:
@@ -194,7 +194,7 @@ def all_reduce_list(tensors: list[torch.Tensor], *, scale: float | None = None, 
     LayerNorm weights). Every rank passes tensors of the same sizes, in the same order."""
     name = "all_reduce"
     st = resolve(group, name)
-    tensors = [_tensor(t, f"tensors[{i}]", name, "sum") for i, t in enumerate(tensors)]
+    tensors = [checked_tensor(t, f"tensors[{i}]", name, "sum") for i, t in enumerate(tensors)]
     bad = [i for i, t in enumerate(tensors) if t.dtype != tensors[0].dtype or not t.is_contiguous()]
     if not tensors or bad:
         raise ConfigError(f"{name}: all_reduce_list takes a non-empty list of contiguous tensors of one dtype; "
@@ -205,10 +205,11 @@ def all_reduce_list(tensors: list[torch.Tensor], *, scale: float | None = None, 
     torch._foreach_copy_(views, dests)
     if scale is not None:
         flat.mul_(scale)
-    return _run(st, name, "native", async_op, nbytes(flat), mod=None,
-                ours=lambda m, pc: m.all_reduce(pc, flat, o),
-                native=lambda a: dist.all_reduce(flat, op=o.native, group=st.group, async_op=a),
-                after=lambda: torch._foreach_copy_(dests, views), fp=(o.name, flat, -1), outputs=list(tensors))
+    return run_collective(st, name, "native", async_op, nbytes(flat), mod=None,
+                          ours=lambda m, pc: m.all_reduce(pc, flat, o),
+                          native=lambda a: dist.all_reduce(flat, op=o.native, group=st.group, async_op=a),
+                          after=lambda: torch._foreach_copy_(dests, views), fp=(o.name, flat, -1),
+                          outputs=list(tensors))
 
 
 @torch_call('src')
@@ -217,19 +218,19 @@ def scatter(tensor: torch.Tensor, scatter_list=None, src: int = 0, group=None, a
     name = "scatter"
     mod = registry.get(algorithm, name)
     st = resolve(group, name)
-    tensor = _tensor(tensor, "tensor", name)
+    tensor = checked_tensor(tensor, "tensor", name)
     root = st.group_rank(src, "src", name)
-    lst = _root_list(st, root, scatter_list, tensor, "scatter_list", "source", src, name)
+    lst = root_list(st, root, scatter_list, tensor, "scatter_list", "source", src, name)
     full = torch.cat([t.reshape(-1) for t in lst]) if lst is not None else None
-    out = _flat(tensor)
+    out = flat_view(tensor)
     if lst is not None:
         out.copy_(lst[root].reshape(-1))  # the source's own slot (also the whole result when P == 1)
-    return _run(st, name, algorithm, async_op, nbytes(tensor),
-                mod=mod, ours=lambda m, pc: m.scatter(pc, out, full, root),
-                native=lambda a: dist.scatter(out, list(full.view(st.size, -1)) if lst else None, src,
-                                              group=st.group, async_op=a),
-                after=lambda: _copy_back(tensor, out),
-                fp=("", tensor, root))
+    return run_collective(st, name, algorithm, async_op, nbytes(tensor),
+                          mod=mod, ours=lambda m, pc: m.scatter(pc, out, full, root),
+                          native=lambda a: dist.scatter(out, list(full.view(st.size, -1)) if lst else None, src,
+                                                        group=st.group, async_op=a),
+                          after=lambda: copy_back(tensor, out),
+                          fp=("", tensor, root))
 
 
 @torch_call('dst')
@@ -238,9 +239,9 @@ def gather(tensor: torch.Tensor, gather_list=None, dst: int = 0, group=None, asy
     name = "gather"
     mod = registry.get(algorithm, name)
     st = resolve(group, name)
-    tensor = _tensor(tensor, "tensor", name)
+    tensor = checked_tensor(tensor, "tensor", name)
     root = st.group_rank(dst, "dst", name)
-    lst = _root_list(st, root, gather_list, tensor, "gather_list", "destination", dst, name)
+    lst = root_list(st, root, gather_list, tensor, "gather_list", "destination", dst, name)
     n = tensor.numel()
     inp = tensor.reshape(-1).contiguous()
     full = torch.empty(st.size * n, dtype=tensor.dtype, device=tensor.device) if lst is not None else None
@@ -252,11 +253,11 @@ def gather(tensor: torch.Tensor, gather_list=None, dst: int = 0, group=None, asy
             for i, t in enumerate(lst):
                 t.copy_(full[i * n:(i + 1) * n].view(t.shape))
 
-    return _run(st, name, algorithm, async_op, nbytes(tensor),
-                mod=mod, ours=lambda m, pc: m.gather(pc, inp, full, root),
-                native=lambda a: dist.gather(inp, list(full.view(st.size, n)) if lst is not None else None, dst,
-                                             group=st.group, async_op=a),
-                after=after, fp=("", tensor, root), outputs=lst or [])
+    return run_collective(st, name, algorithm, async_op, nbytes(tensor),
+                          mod=mod, ours=lambda m, pc: m.gather(pc, inp, full, root),
+                          native=lambda a: dist.gather(inp, list(full.view(st.size, n)) if lst is not None else None,
+                                                       dst, group=st.group, async_op=a),
+                          after=after, fp=("", tensor, root), outputs=lst or [])
 
 
 @torch_call()
@@ -264,8 +265,8 @@ def _all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = 
     name = "all_gather"
     mod = registry.get(algorithm, name)
     st = resolve(group, name)
-    tensor = _tensor(tensor, "tensor", name)
-    lst = _tensor_list(tensor_list, tensor, st.size, "tensor_list", name, st.ranks[st.rank])
+    tensor = checked_tensor(tensor, "tensor", name)
+    lst = checked_tensor_list(tensor_list, tensor, st.size, "tensor_list", name, st.ranks[st.rank])
     n = tensor.numel()
     full = _adjacent_views(lst, n)  # gather straight into the caller's buffer when the list allows it
     direct = full is not None
@@ -283,9 +284,9 @@ def _all_gather(tensor_list, tensor: torch.Tensor, group=None, async_op: bool = 
         return dist.all_gather(list(full.view(st.size, n)), full[st.rank * n:(st.rank + 1) * n].clone(),
                                group=st.group, async_op=a)
 
-    return _run(st, name, algorithm, async_op, nbytes(tensor),
-                mod=mod, ours=lambda m, pc: m.all_gather(pc, full, n), native=native,
-                after=after, fp=("", tensor, -1), outputs=lst)
+    return run_collective(st, name, algorithm, async_op, nbytes(tensor),
+                          mod=mod, ours=lambda m, pc: m.all_gather(pc, full, n), native=native,
+                          after=after, fp=("", tensor, -1), outputs=lst)
 
 
 def _adjacent_views(lst: list[torch.Tensor], n: int) -> torch.Tensor | None:
@@ -306,10 +307,10 @@ def _reduce_scatter(output: torch.Tensor, input_list, op="sum", group=None, asyn
     name = "reduce_scatter"
     mod = registry.get(algorithm, name)
     st = resolve(group, name)
-    output = _tensor(output, "output", name, op)
+    output = checked_tensor(output, "output", name, op)
     o = resolve_op(op, output.dtype, name)
-    lst = _tensor_list(input_list, output, st.size, "input_list", name, st.ranks[st.rank])
-    out = _flat(output)
+    lst = checked_tensor_list(input_list, output, st.size, "input_list", name, st.ranks[st.rank])
+    out = flat_view(output)
     # The input as one flat (P*n) tensor. Most algorithms overwrite it, so they get a work copy;
     # one that only reads it (READS_INPUT_ONLY: the direct shared-memory one) gets the caller's
     # buffer itself when the list lies back to back in it (reduce_scatter_tensor's blocks): one
@@ -330,12 +331,12 @@ def _reduce_scatter(output: torch.Tensor, input_list, op="sum", group=None, asyn
         if st.size == 1:
             out.copy_(full())
         o.finish(out, st.size)
-        _copy_back(output, out)
+        copy_back(output, out)
 
-    return _run(st, name, algorithm, async_op, nbytes(output) * st.size,
-                mod=mod, ours=lambda m, pc: m.reduce_scatter(pc, out, full(m), o),
-                native=lambda a: _reduce_scatter_native(out, full(), op=o.native, group=st.group, async_op=a),
-                after=after, fp=(o.name, output, -1))
+    return run_collective(st, name, algorithm, async_op, nbytes(output) * st.size,
+                          mod=mod, ours=lambda m, pc: m.reduce_scatter(pc, out, full(m), o),
+                          native=lambda a: _reduce_scatter_native(out, full(), op=o.native, group=st.group, async_op=a),
+                          after=after, fp=(o.name, output, -1))
 
 
 @torch_call()
@@ -346,10 +347,10 @@ def _barrier(group=None, async_op: bool = False, device_ids=None, algorithm: str
     st = resolve(group, name)
     token = torch.zeros(1, dtype=torch.uint8)
     sum_op = resolve_op("sum", token.dtype, name)
-    h = _run(st, name, algorithm, async_op or timeout is not None, 0,
-             mod=mod, ours=lambda m, pc: m.all_reduce(pc, token, sum_op),
-             native=lambda a: dist.barrier(group=st.group, async_op=a),
-             after=None, fp=("", None, -1))
+    h = run_collective(st, name, algorithm, async_op or timeout is not None, 0,
+                       mod=mod, ours=lambda m, pc: m.all_reduce(pc, token, sum_op),
+                       native=lambda a: dist.barrier(group=st.group, async_op=a),
+                       after=None, fp=("", None, -1))
     if timeout is None or async_op:
         return h
     h.wait(timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout))

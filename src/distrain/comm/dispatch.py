@@ -1,8 +1,8 @@
 """The dispatcher under the collectives of api.py: argument checks, the debug fingerprint, one
-``_run`` that records the call in the ledger and runs ours (inline or on the group's worker
+``run_collective`` that records the call in the ledger and runs ours (inline or on the group's worker
 thread), the transport's direct collectives, or torch.distributed's; and the async handle.
 
-Contract: every rank of the group calls ``_run`` for the same collectives in the same order
+Contract: every rank of the group calls ``run_collective`` for the same collectives in the same order
 (the call's sequence number is the P2P tag, see core/tags.py); with debug checks on, each call first
 all-gathers a fingerprint of (call number, collective, algorithm, op, dtype, root, shape) and a
 mismatch raises on every rank naming the rank that differs. Waits run under the collective
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from distrain.comm.core import ledger as _ledger
-from distrain.comm.core import watchdog
+from distrain.comm.core import registry, watchdog
 from distrain.comm.core.group import GroupState
 from distrain.comm.core.ops import COMPLEX_DTYPES, OPS, check_complex_op, check_dtype
 from distrain.comm.core.p2p import PeerComm
@@ -31,6 +31,7 @@ from distrain.comm.core.failures import lost
 COLLECTIVES = ("broadcast", "reduce", "all_reduce", "scatter", "gather", "all_gather",
                "reduce_scatter", "barrier")
 _FP_NAMES = COLLECTIVES + ("all_to_all",)  # every collective a debug fingerprint can name
+_FP_ALGORITHMS = ALGORITHM_NAMES + (registry.P2P,)  # and every algorithm (p2p: all_to_all_single's)
 
 _debug = False
 
@@ -107,6 +108,10 @@ class CommHandle:
         self.wait()
         return self._outputs
 
+    def set_outputs(self, outputs: list) -> None:
+        """What result() and the future's value are (a form built on this call: its own output)."""
+        self._outputs = list(outputs)
+
     def exception(self) -> BaseException | None:
         """The error this operation ended with (None while running or after success)."""
         if self._error is None and self.is_completed() and not self._done:
@@ -140,6 +145,22 @@ class CommHandle:
         return fut
 
 
+def chain(h, then, outputs: list, desc: str) -> CommHandle:
+    """A handle that completes once ``h`` has and ``then()`` (the copy-out) has run."""
+    fut: Future = Future()
+
+    def done(tf) -> None:
+        try:
+            tf.value()
+            then()
+            fut.set_result(None)
+        except Exception as e:  # noqa: BLE001 - delivered to whoever waits
+            fut.set_exception(e)
+
+    h.get_future().add_done_callback(done)
+    return CommHandle(desc, future=fut, outputs=outputs)
+
+
 def _td(seconds: float):
     from datetime import timedelta
     return timedelta(seconds=seconds)
@@ -149,7 +170,7 @@ def _td(seconds: float):
 # Validation helpers
 # ---------------------------------------------------------------------------------------
 
-def _tensor(t, what: str, collective: str, op=None) -> torch.Tensor:
+def checked_tensor(t, what: str, collective: str, op=None) -> torch.Tensor:
     """The tensor the algorithms work on: detached (it shares t's storage, so results land in t,
     but autograd never sees our in-place writes: a leaf Parameter works as with torch), and a
     complex tensor as its real view (..., 2), which Gloo and our algorithms move and sum alike."""
@@ -166,7 +187,7 @@ def _tensor(t, what: str, collective: str, op=None) -> torch.Tensor:
     return t.detach()
 
 
-def _tensor_list(lst, ref: torch.Tensor, size: int, what: str, collective: str, rank: int) -> list[torch.Tensor]:
+def checked_tensor_list(lst, ref: torch.Tensor, size: int, what: str, collective: str, rank: int) -> list[torch.Tensor]:
     if not isinstance(lst, (list, tuple)):
         raise ConfigError(f"{collective}: {what} must be a list of {size} tensors, got {type(lst).__name__}")
     if len(lst) != size:
@@ -174,7 +195,7 @@ def _tensor_list(lst, ref: torch.Tensor, size: int, what: str, collective: str, 
             f"{collective}: {what} on rank {rank} has {len(lst)} tensors but the group has {size} ranks; "
             f"pass exactly one tensor per rank"
         )
-    lst = [_tensor(t, f"{what}[{i}]", collective) for i, t in enumerate(lst)]
+    lst = [checked_tensor(t, f"{what}[{i}]", collective) for i, t in enumerate(lst)]
     for i, t in enumerate(lst):
         if t.shape != ref.shape or t.dtype != ref.dtype:
             raise ConfigError(
@@ -184,26 +205,26 @@ def _tensor_list(lst, ref: torch.Tensor, size: int, what: str, collective: str, 
     return lst
 
 
-def _root_list(st: GroupState, root: int, lst, ref: torch.Tensor, what: str, role: str, root_global: int,
-               collective: str) -> list[torch.Tensor] | None:
+def root_list(st: GroupState, root: int, lst, ref: torch.Tensor, what: str, role: str, root_global: int,
+              collective: str) -> list[torch.Tensor] | None:
     """The list argument of scatter/gather: validated on the root, absent (None or []) elsewhere."""
     me = st.ranks[st.rank]
     if st.rank == root:
         if lst is None:
             raise ConfigError(f"{collective}: {what} is required on the {role} rank {root_global}")
-        return _tensor_list(lst, ref, st.size, what, collective, me)
+        return checked_tensor_list(lst, ref, st.size, what, collective, me)
     if lst:
         raise ConfigError(f"{collective}: {what} must be None or empty on rank {me}, which is not the {role} "
                           f"({root_global})")
     return None
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
+def flat_view(t: torch.Tensor) -> torch.Tensor:
     """A flat contiguous view of t if possible, else a flat copy (the caller copies back)."""
     return t.view(-1) if t.is_contiguous() else t.reshape(-1).clone()
 
 
-def _copy_back(dst: torch.Tensor, flat: torch.Tensor) -> None:
+def copy_back(dst: torch.Tensor, flat: torch.Tensor) -> None:
     if not (dst.is_contiguous() and flat.data_ptr() == dst.data_ptr()):
         dst.copy_(flat.view(dst.shape))
 
@@ -220,7 +241,7 @@ _MAXD = 6
 def _fingerprint_check(st: GroupState, seq: int, collective: str, algorithm: str, op: str,
                        t: torch.Tensor | None, root: int) -> None:
     shape = tuple(t.shape) if t is not None else ()
-    fp = [seq, _FP_NAMES.index(collective), ALGORITHM_NAMES.index(algorithm),
+    fp = [seq, _FP_NAMES.index(collective), _FP_ALGORITHMS.index(algorithm),
           _OP_CODES[op] if op else -1,
           DTYPE_CODE.get(t.dtype, -2) if t is not None else -1, root,
           t.numel() if t is not None else -1, len(shape)]
@@ -233,7 +254,7 @@ def _fingerprint_check(st: GroupState, seq: int, collective: str, algorithm: str
         r = row.tolist()
         dt = next((dtype_name(d) for d, c in DTYPE_CODE.items() if c == r[4]), "none")
         shp = tuple(x for x in r[8:8 + min(r[7], _MAXD)])
-        alg = ALGORITHM_NAMES[r[2]] if 0 <= r[2] < len(ALGORITHM_NAMES) else "?"
+        alg = _FP_ALGORITHMS[r[2]] if 0 <= r[2] < len(_FP_ALGORITHMS) else "?"
         return (f"call #{r[0]} {_FP_NAMES[r[1]]}(algorithm={alg}) dtype={dt} shape={shp}"
                 + (f" root={r[5]}" if r[5] >= 0 else ""))
 
@@ -256,19 +277,22 @@ def _fingerprint_check(st: GroupState, seq: int, collective: str, algorithm: str
 _NO_WATCH = contextlib.nullcontext()
 
 
-def _run(st: GroupState, collective: str, algorithm: str, async_op: bool, payload: int, mod,
-         ours: Callable[[object, PeerComm], None], native: Callable[[bool], object] | None,
-         after: Callable[[], None] | None, fp: tuple, outputs: list | None = None) -> CommHandle | None:
+def run_collective(st: GroupState, collective: str, algorithm: str, async_op: bool, payload: int, mod,
+                   ours: Callable[[object, PeerComm], None], native: Callable[[bool], object] | None,
+                   after: Callable[[], None] | None, fp: tuple, outputs: list | None = None,
+                   label: str | None = None) -> CommHandle | None:
     """Run one collective call: fingerprint, ledger, then ours (inline or on the worker) or native.
 
     ``mod`` is the registered algorithm, or None for "native": then the group's transport may
     provide its own (the direct shared-memory collectives), else torch.distributed's runs.
-    ``outputs``: what the handle's result() returns (default: the tensor of ``fp``).
+    ``outputs``: what the handle's result() returns (default: the tensor of ``fp``). ``label``: the
+    name the ledger counts the call and its messages under (default: the collective's).
     """
     seq = st.next_seq()
     if _debug:
         _fingerprint_check(st, seq, collective, algorithm, *fp)
-    _ledger.record(collective, algorithm, calls=1, payload=payload)
+    label = label or collective
+    _ledger.record(label, algorithm, calls=1, payload=payload)
     outs = outputs if outputs is not None else [t for t in fp[1:2] if t is not None]
     transport = st.transport
     key = (collective, algorithm, transport.name)  # the description is made once per kind of call
@@ -283,7 +307,7 @@ def _run(st: GroupState, collective: str, algorithm: str, async_op: bool, payloa
     if mod is None:
         return _run_native(desc, native, async_op, after, outs)
 
-    pc = PeerComm(st, collective, algorithm, st.tag(seq), transport)
+    pc = PeerComm(st, label, algorithm, st.tag(seq), transport)
     tensor = fp[1]  # an empty tensor moves nothing: every rank skips the algorithm alike
     skip = st.size == 1 or (tensor is not None and tensor.numel() == 0)
 

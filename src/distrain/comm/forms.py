@@ -14,12 +14,11 @@ The coalesced forms make one call for many tensors, which is their point: P*(lat
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-
 import torch
 import torch.distributed as dist
 
 from distrain.comm import api
+from distrain.comm.dispatch import chain
 from distrain.comm.core.p2p import irecv, isend
 from distrain.comm.core.torchargs import not_member, torch_call, warn_not_member
 from distrain.errors import ConfigError
@@ -47,22 +46,6 @@ def _blocks(big: torch.Tensor, small: torch.Tensor, P: int, what: str, name: str
     return list(big.detach().view(P, *small.shape).unbind(0))
 
 
-def _chain(h, then, outputs: list, desc: str) -> api.CommHandle:
-    """A handle that completes once ``h`` has and ``then()`` (the copy-out) has run."""
-    fut: Future = Future()
-
-    def done(tf) -> None:
-        try:
-            tf.value()
-            then()
-            fut.set_result(None)
-        except Exception as e:  # noqa: BLE001 - delivered to whoever waits
-            fut.set_exception(e)
-
-    h.get_future().add_done_callback(done)
-    return api.CommHandle(desc, future=fut, outputs=outputs)
-
-
 @torch_call()
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group=None,
                            async_op: bool = False, algorithm: str = "native"):
@@ -71,7 +54,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     outs = _blocks(output_tensor, input_tensor, _size(group), "output_tensor", name)
     h = api.all_gather(outs, input_tensor, group=group, async_op=async_op, algorithm=algorithm)
     if h is not None:
-        h._outputs = [output_tensor]
+        h.set_outputs([output_tensor])
     return h
 
 
@@ -117,7 +100,7 @@ def all_reduce_coalesced(tensors, op="sum", group=None, async_op: bool = False, 
     if h is None:
         _unflatten_into(flat, tensors)
         return None
-    return _chain(h, lambda: _unflatten_into(flat, tensors), list(tensors), name)
+    return chain(h, lambda: _unflatten_into(flat, tensors), list(tensors), name)
 
 
 @torch_call()
@@ -144,7 +127,7 @@ def all_gather_coalesced(output_tensor_lists, input_tensor_list, group=None, asy
     if h is None:
         copy_out()
         return None
-    return _chain(h, copy_out, [t for lst in output_tensor_lists for t in lst], name)
+    return chain(h, copy_out, [t for lst in output_tensor_lists for t in lst], name)
 
 
 def _is_p2p_op(p) -> bool:

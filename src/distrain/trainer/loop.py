@@ -18,6 +18,7 @@ uninterrupted run from step k on.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
@@ -198,8 +199,9 @@ def check_resume(cfg: TrainConfig) -> dict:
     return manifest
 
 
-def run_rank(cfg: TrainConfig, parts=None) -> dict:
-    """One rank of any job (fixed or elastic; ``cfg.elastic``: its guard re-forms the group)."""
+def run_rank(cfg: TrainConfig, parts=None, step_probe=None) -> dict:
+    """One rank of any job (fixed or elastic: its guard re-forms the group); a context manager
+    ``step_probe()``, if given, is entered around each engine step (bench train's memory probe)."""
     comm.set_default_transport(cfg.transport, timeout=cfg.collective_timeout)  # every group this run creates
     out = Path(cfg.out)
     if parts is None:  # --model/--data/--loss PKG.MOD:NAME, built here
@@ -234,7 +236,7 @@ def run_rank(cfg: TrainConfig, parts=None) -> dict:
         if engine.serves:
             engine.serve(cfg.steps - start)
         else:
-            engine, wall, stop = train_steps(cfg, engine, task, start, guard)
+            engine, wall, stop = train_steps(cfg, engine, task, start, guard, step_probe)
     if stop is not None:
         return {"stopped": stop} if dist.get_rank() == 0 else {}
     if engine.serves or start >= cfg.steps:  # a server's final shard, or a resume with no step left to run
@@ -291,16 +293,15 @@ def new_model(cfg: TrainConfig, parts, device: torch.device) -> torch.nn.Module:
     return model
 
 
-def train_steps(cfg: TrainConfig, engine: Engine, task: Task, start: int, guard: Guard | None = None):
+def train_steps(cfg: TrainConfig, engine: Engine, task: Task, start: int, guard: Guard | None = None, step_probe=None):
     """Steps ``start .. cfg.steps - 1``, through membership changes when the guard makes them; returns
     (the engine at the end, the wall time, the stop reason or None). Every training rank runs it.
 
-    Per step: the guard's start, this rank's part of the global batch (the sampler's ``part``, for the
-    engine's dp rank and size), the learning rate of the step, the engine's step (with the guard's
-    commit hook), the guard's end; then the work after the step (:func:`after`). The step lines are
-    written (with their losses summed over the ranks) every ``log_every`` steps and before an
-    evaluation or a checkpoint; the final checkpoint comes before the final evaluation, so a failing
-    evaluation leaves it committed."""
+    Per step: the guard's start, this rank's part of the global batch (the sampler's ``part``, for the engine's dp
+    rank and size), the learning rate of the step, the engine's step (with the guard's commit hook; inside
+    ``step_probe()`` if given), the guard's end; then the work after the step (:func:`after`). The step lines are
+    written (with their losses summed over the ranks) every ``log_every`` steps and before an evaluation or a
+    checkpoint; the final checkpoint comes before the final evaluation, so a failing evaluation leaves it committed."""
     guard = guard or Guard()
     sampler = DistributedBatchSampler(len(task.train), cfg.batch_size, seed=cfg.seed)
     path = Path(cfg.out) / "metrics.jsonl"
@@ -351,7 +352,8 @@ def train_steps(cfg: TrainConfig, engine: Engine, task: Task, start: int, guard:
                     if engine.reads_data else (None, None)
                 lr = lr_at(cfg, step)
                 engine.set_lr(lr)
-                loss = engine.train_step(x, y, guard.commit_hook(step, engine))
+                with step_probe() if step_probe is not None else contextlib.nullcontext():
+                    loss = engine.train_step(x, y, guard.commit_hook(step, engine))
                 rec = step_record(step, loss, time.perf_counter() - t0, engine.comm_wait_s, task.unit,
                                   cfg.batch_size * task.units_per_sample, lr)
                 rec.update(engine.step_metrics())

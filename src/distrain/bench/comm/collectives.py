@@ -74,7 +74,7 @@ from distrain.bench.comm import predict
 from distrain.bench.comm.report import (  # noqa: F401  (re-exported: the conventions are part of this API)
     bandwidths, busbw_factor, format_markdown, format_tables, full_size, per_rank_count, plot)
 from distrain.bench.comm.timing import (  # noqa: F401  (re-exported: the per-rank side, see timing.py)
-    _DTYPES, BURST_S, MAX_BURST, MAX_ITERS, MIN_ITERS, ROOT, TARGET_S, _case, _worker, labels)
+    DTYPES, BURST_S, MAX_BURST, MAX_ITERS, MIN_ITERS, ROOT, TARGET_S, labels, run_rank, time_case)
 from distrain.launch.cores import free_core_slices
 
 
@@ -99,7 +99,7 @@ def measure(cfg: dict) -> list[dict]:
 
         distrain.runtime.init(timeout=cfg["timeout"])
         try:
-            return _worker(dist.get_rank(), cfg) or []
+            return run_rank(dist.get_rank(), cfg) or []
         finally:
             distrain.runtime.shutdown()
 
@@ -109,7 +109,7 @@ def measure(cfg: dict) -> list[dict]:
                         f"{','.join(cfg['algorithms'])}; sizes {','.join(map(common.format_size, cfg['sizes']))}")
         t0 = time.perf_counter()
         bound = cfg.setdefault("bound", {})[str(P)] = _bound(cfg, P)  # decided once, recorded as decided
-        results = distrain.spawn(_worker, P, args=(cfg,), timeout=cfg["timeout"], bind_cores=bound)
+        results = distrain.spawn(run_rank, P, args=(cfg,), timeout=cfg["timeout"], bind_cores=bound)
         records += results[0]
         common.progress(f"[P={P}] done in {time.perf_counter() - t0:.1f}s")
     return records

@@ -59,7 +59,7 @@ def bandwidths(op: str, size: int, P: int, seconds: float) -> tuple[float | None
 # ---------------------------------------------------------------------------------------
 
 def _cases(records: list[dict]) -> list[tuple[int, str]]:
-    return common._dedup((r["P"], r["op"]) for r in records)
+    return common.dedup((r["P"], r["op"]) for r in records)
 
 
 def _rows(records: list[dict], P: int, op: str, algs: list[str]):
@@ -144,8 +144,8 @@ def plot(records: list[dict], algs: list[str], path: str) -> None:
     if not cases:
         common.progress("--plot: only barrier was measured; nothing to plot")
         return
-    Ps = common._dedup(P for P, _ in cases)
-    ops = common._dedup(op for _, op in cases)
+    Ps = common.dedup(P for P, _ in cases)
+    ops = common.dedup(op for _, op in cases)
     fig, axes = plt.subplots(len(Ps), len(ops), figsize=(4.2 * len(ops), 3.4 * len(Ps)), squeeze=False,
                              sharex=True)
     markers = {"native": "o", "star": "s", "ring": "^", "tree": "v"}

@@ -25,7 +25,7 @@ MIN_ITERS, MAX_ITERS = 5, 50  # ... but at least / at most this many iterations
 BURST_S, MAX_BURST = 2e-3, 200  # calls back to back per timed sample: about 2 ms, at most 200
 ROOT = 0
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in SUPPORTED_DTYPES if d != torch.bool}
+DTYPES = {str(d).removeprefix("torch."): d for d in SUPPORTED_DTYPES if d != torch.bool}
 
 
 SYMMETRIC = "+sym"  # column suffix: native on buffers in symmetric memory (comm.symmetric_empty)
@@ -149,11 +149,13 @@ def _choose(last: list[float] | None, cfg: dict, call, algs: list[str], dist) ->
     return iters, bursts
 
 
-def _case(rank: int, P: int, op: str, size: int, cfg: dict, dist, groups: dict,
-          arenas: dict | None = None) -> list[dict]:
+def time_case(rank: int, P: int, op: str, size: int, cfg: dict, dist, groups: dict,
+              arenas: dict | None = None) -> list[dict]:
+    """Time collective ``op`` on ``size`` bytes with every algorithm of cfg on this rank (collective:
+    every rank calls it alike): one record per algorithm, times of the slowest rank per iteration."""
     from distrain import comm
 
-    dtype = _DTYPES[cfg["dtype"]]
+    dtype = DTYPES[cfg["dtype"]]
     elem = torch.tensor([], dtype=dtype).element_size()
     algs = labels(cfg["algorithms"], cfg["transports"], cfg.get("symmetric", False))
     A = len(algs)
@@ -207,7 +209,7 @@ def _case(rank: int, P: int, op: str, size: int, cfg: dict, dist, groups: dict,
     return records
 
 
-def _worker(rank: int, cfg: dict) -> list[dict] | None:
+def run_rank(rank: int, cfg: dict) -> list[dict] | None:
     """Runs on every rank of one spawn; rank 0 returns the records."""
     import torch.distributed as dist
 
@@ -224,12 +226,12 @@ def _worker(rank: int, cfg: dict) -> list[dict] | None:
     for op in cfg["ops"]:
         for size in (sizes if op != "barrier" else [0]):
             t0, load0 = time.perf_counter(), background.loadavg()
-            recs = _case(rank, P, op, size, cfg, dist, groups, arenas)
+            recs = time_case(rank, P, op, size, cfg, dist, groups, arenas)
             load1 = background.loadavg()  # the cell is one measurement: its load at start and end
             for r in recs:
                 r["loadavg_start"], r["loadavg_end"] = load0, load1
             if fabric is not None:
-                predict.annotate(recs, fabric, torch.tensor([], dtype=_DTYPES[cfg["dtype"]]).element_size())
+                predict.annotate(recs, fabric, torch.tensor([], dtype=DTYPES[cfg["dtype"]]).element_size())
             records += recs
             if rank == 0:
                 cells = "  ".join(f"{r['algorithm']} {r['time_us']:.0f}us" for r in recs)

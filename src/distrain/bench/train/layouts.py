@@ -54,6 +54,7 @@ command line (distrain/cli/bench.py) parses the flags into :class:`Settings`, wh
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import tempfile
@@ -141,7 +142,7 @@ def _preload() -> None:
 
 
 def _rank(rank: int, cfg_dict: dict, timed_steps: int) -> dict:
-    """One rank: run_rank(cfg) as distrain.train's ranks do, the engine's train_step wrapped so
+    """One rank: run_rank(cfg) as distrain.train's ranks do, each engine step inside a probe, so
     that the memory steps after the first ``timed_steps`` steps measure the RSS peak."""
     from distrain.trainer import loop
 
@@ -149,33 +150,22 @@ def _rank(rank: int, cfg_dict: dict, timed_steps: int) -> dict:
     base = _status_bytes("VmRSS")  # before the model is built, after the code every job loads
     cfg = TrainConfig.from_dict(cfg_dict)
     seen = {"calls": 0, "peak": None}
-    build = loop.build_engine
 
-    def build_engine(*a, **kw):
-        engine = build(*a, **kw)
-        step = engine.train_step
+    @contextlib.contextmanager
+    def probe():
+        """Around each train_step: the memory steps after the first ``timed_steps`` measure the RSS peak."""
+        i = seen["calls"]
+        if i == timed_steps:  # first memory step: from now on glibc unmaps freed blocks
+            unmap_freed_blocks(MMAP_THRESHOLD)
+        if i == timed_steps + 1:  # the measured step: high-water mark := RSS now
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        yield
+        if i == timed_steps + 1:
+            seen["peak"] = _status_bytes("VmHWM") - base
+        seen["calls"] = i + 1
 
-        def train_step(x, y, commit=None):
-            i = seen["calls"]
-            if i == timed_steps:  # first memory step: from now on glibc unmaps freed blocks
-                unmap_freed_blocks(MMAP_THRESHOLD)
-            if i == timed_steps + 1:  # the measured step: high-water mark := RSS now
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
-            out = step(x, y, commit)
-            if i == timed_steps + 1:
-                seen["peak"] = _status_bytes("VmHWM") - base
-            seen["calls"] = i + 1
-            return out
-
-        engine.train_step = train_step
-        return engine
-
-    loop.build_engine = build_engine
-    try:
-        summary = loop.run_rank(cfg)
-    finally:
-        loop.build_engine = build
+    summary = loop.run_rank(cfg, step_probe=probe)
     if seen["peak"] is None:
         raise RuntimeError(f"rank {rank}: the engine ran {seen['calls']} train_step calls, fewer than the "
                            f"{timed_steps + MEMORY_STEPS} planned; no memory step was measured")

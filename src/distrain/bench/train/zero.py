@@ -90,7 +90,7 @@ def _wrap(strategy: str, model, opts: Settings):
         ps = list(model.parameters())
         out = {"params": ps, "grads": [p.grad for p in ps], "optimizer": optimizer_state_tensors(opt)}
         if strategy == "ddp":
-            out["buffers"] = [b.buffer for b in fwd._buckets]
+            out["buffers"] = [b.buffer for b in fwd.buckets]
         return out
 
     return fwd, opt.step, lambda: opt.zero_grad(set_to_none=True), tensors

@@ -86,6 +86,11 @@ def ledger() -> Ledger:
     return Ledger()
 
 
+def recording() -> bool:
+    """Whether any ledger is active (a caller on a hot path skips building its counts when none is)."""
+    return bool(_active)
+
+
 def record(op: str, algorithm: str, *, calls: int = 0, sent: int = 0, recv: int = 0,
            msgs_sent: int = 0, msgs_recv: int = 0, payload: int = 0) -> None:
     """Add counts to every active ledger (no-op when none is active: the hot path stays cheap)."""

@@ -56,6 +56,7 @@ class Algorithm(Protocol):
 
 REGISTRY: dict[str, Algorithm] = {}  # filled by comm/algorithms/*.py as they are imported
 NATIVE = "native"
+P2P = "p2p"  # all_to_all_single's direct exchange on point-to-point (comm/alltoall.py); no other collective has it
 
 
 def register(name: str, module) -> None:

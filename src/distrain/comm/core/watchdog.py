@@ -159,6 +159,7 @@ def uninstall() -> None:
 
 
 def current() -> Watchdog | None:
+    """The watchdog installed in this process, or None."""
     return _active
 
 

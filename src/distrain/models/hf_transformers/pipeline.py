@@ -105,8 +105,6 @@ class HFPipeline(nn.Module):
     """A Hugging Face decoder laid out as ``layers`` (see the module docstring); built by
     :func:`pipeline_layers`. ``forward(input_ids)`` returns the logits tensor."""
 
-    _distrain_hf_pipeline = True  # distrain.models.hf_transformers.plan: a Llama-family decoder, its plan applies
-
     def __init__(self, layers: list[nn.Module], config, hf_prefixes: dict[str, str]):
         super().__init__()
         self.layers = nn.ModuleList(layers)

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import weakref
 from typing import Mapping
 
 import torch
@@ -56,6 +57,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distrain.errors import ConfigError
+from distrain.models.hf_transformers.pipeline import HFPipeline
 from distrain.models.hf_transformers.sizes import split_rules
 from distrain.models.outputs import logits_of
 
@@ -102,7 +104,7 @@ def is_hf_decoder(model: nn.Module) -> bool:
     """A Hugging Face Llama-family decoder (LlamaForCausalLM, Mistral, Qwen2, Qwen3 ...) or its
     ``pipeline_layers`` wrapper: one token embedding, attentions with q/k/v/o_proj, MLPs with
     gate/up/down_proj (nn.Linear all)."""
-    if not (is_hf_model(model) or getattr(model, "_distrain_hf_pipeline", False)):
+    if not (is_hf_model(model) or isinstance(model, HFPipeline)):
         return False
     p = _parts(model)
     return len(p["embed"]) == 1 and bool(p["attn"]) and bool(p["mlp"])
@@ -185,6 +187,9 @@ class _SharedInputF:
         return args, {**kwargs, key: copy_to_tp(kwargs[key], tp)}
 
 
+_SHARED_F: weakref.WeakSet = weakref.WeakSet()  # the attentions and MLPs that have their _SharedInputF hook
+
+
 def _module_sizes(model: nn.Module) -> dict[str, set[int]]:
     """{HF name: sizes} of what the plan splits in ``model`` (a whole decoder or a pipeline wrapper)."""
     p = _parts(model)
@@ -225,9 +230,9 @@ def _prepare(model: nn.Module, tp: int, gather_logits: bool = False) -> None:
         return
     for role, child in (("attn", "q_proj"), ("mlp", "gate_proj")):
         for _, m in p[role]:
-            if not getattr(m, "_distrain_shared_f", False):
+            if m not in _SHARED_F:
                 m.register_forward_pre_hook(_SharedInputF(child), with_kwargs=True)
-                m._distrain_shared_f = True
+                _SHARED_F.add(m)
     if tied and _shards_vocab(model):
         for name, h in p["head"]:
             if type(h) is nn.Linear:

@@ -14,8 +14,8 @@ So N must divide the heads this rank attends with: h and g (the key/value heads)
 rank p takes query heads [p*h/N, (p+1)*h/N) and key/value heads [p*g/N, (p+1)*g/N), which are
 exactly the ones those queries use (query head i reads kv head i // (h/g)).
 
-Each all-to-all is ``distrain.comm.exchange`` (``isend``/``irecv``), one message to every other rank
-of the cp group (a direct exchange, as a pairwise all-to-all does): a rank sends (N-1)/N of its
+Each all-to-all is ``distrain.comm.all_to_all_single(algorithm="p2p")``, one message to every other
+rank of the cp group (a direct exchange, as a pairwise all-to-all does): a rank sends (N-1)/N of its
 tensor and receives as much. Four all-to-alls forward (q, k, v, out) and four backward (their
 gradients), per attention call: :func:`ulysses_bytes`. Label ``"cp-all-to-all"`` in the ledger.
 The attention's own autograd (torch's) runs between them.
@@ -27,37 +27,37 @@ import torch
 import torch.nn.functional as F
 
 from distrain import comm
-from distrain.comm.core import tags
 from distrain.parallel.context_parallel.load_balance import positions
 
 __all__ = ["LABEL", "heads_to_sequence", "sequence_to_heads", "ulysses_attention", "ulysses_bytes"]
 
 LABEL = "cp-all-to-all"
-TAG = tags.CONTEXT_PARALLEL.at(3)
 
 
-def _exchange(pieces: list[torch.Tensor], cp) -> list[torch.Tensor]:
-    """pieces[p] goes to rank p of the cp group; returns what every rank p sent here, each the shape of
-    the piece sent to it (this rank's own piece stays)."""
-    return comm.exchange(pieces, [t.shape for t in pieces], cp.ranks, cp.rank, cp.group, TAG, label=LABEL)
+def _all_to_all(blocks: torch.Tensor, cp) -> torch.Tensor:
+    """blocks (N, ...): block p goes to rank p of the cp group; returns (N, ...), block p from rank p."""
+    got = torch.empty_like(blocks)
+    comm.all_to_all_single(got, blocks, group=cp.group, algorithm="p2p", label=LABEL)
+    return got
 
 
 def _seq_to_heads(x: torch.Tensor, cp) -> torch.Tensor:
     """(B, H, L, d) -> (B, H/N, N*L, d): head group p to rank p; the tokens of rank p in slot p."""
-    n = x.shape[1] // cp.size
-    return torch.cat(_exchange([x[:, p * n:(p + 1) * n].contiguous() for p in range(cp.size)], cp), dim=2)
+    B, H, L, d = x.shape
+    N = cp.size
+    n = H // N
+    got = _all_to_all(x.view(B, N, n, L, d).transpose(0, 1).contiguous(), cp)   # (N, B, n, L, d) by rank
+    return got.permute(1, 2, 0, 3, 4).reshape(B, n, N * L, d)
 
 
 def _heads_to_seq(y: torch.Tensor, cp) -> torch.Tensor:
     """(B, H/N, N*L, d) -> (B, H, L, d): the tokens of rank p go back to rank p, head groups in rank order;
     laid out as (B, L, H, d), so that the caller's transpose(1, 2).reshape(B, L, H*d) is a view."""
     B, n, T, d = y.shape
-    L = T // cp.size
-    got = _exchange([y[:, :, p * L:(p + 1) * L].contiguous() for p in range(cp.size)], cp)
-    out = y.new_empty(B, L, n * cp.size, d)
-    for p, piece in enumerate(got):                                              # (B, n, L, d) each
-        out[:, :, p * n:(p + 1) * n] = piece.transpose(1, 2)
-    return out.transpose(1, 2)
+    N = cp.size
+    L = T // N
+    got = _all_to_all(y.view(B, n, N, L, d).permute(2, 0, 1, 3, 4).contiguous(), cp)  # (N, B, n, L, d)
+    return got.permute(1, 3, 0, 2, 4).reshape(B, L, N * n, d).transpose(1, 2)
 
 
 class _SeqToHeads(torch.autograd.Function):

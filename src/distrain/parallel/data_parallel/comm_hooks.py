@@ -87,35 +87,36 @@ class GradBucket:
 
 
 # ---------------------------------------------------------------------------------------
-# How our DDP runs a hook (ddp.py and join.py call these)
+# How our DDP runs a hook (ddp.py calls these)
 # ---------------------------------------------------------------------------------------
 
-def check_registration(ddp, hook) -> None:
-    """torch's rules for ``register_comm_hook``, with the fix in each message."""
+def check_registration(hook, registered, backward_seen: bool, wire_dtype) -> None:
+    """torch's rules for ``register_comm_hook`` (``registered``: the model's hook or None; ``wire_dtype``:
+    its compression or None), with the fix in each message."""
     where = "DistributedDataParallel.register_comm_hook"
-    if ddp._hook is not None:
-        raise ConfigError(f"{where}: a communication hook ({_name(ddp._hook)}) is already registered and a model "
+    if registered is not None:
+        raise ConfigError(f"{where}: a communication hook ({_name(registered)}) is already registered and a model "
                           f"takes only one; register a single hook, once, right after wrapping the model")
-    if ddp._backward_seen:
+    if backward_seen:
         raise ConfigError(f"{where}: called after a backward pass; register the hook before the first backward "
                           f"(right after wrapping the model), as torch DDP requires")
     if not callable(hook) or not _takes_two_arguments(hook):
         raise ConfigError(f"{where}: hook must be a callable hook(state, bucket) -> torch.futures.Future, "
                           f"got {hook!r}")
-    if ddp.wire_dtype is not None:
+    if wire_dtype is not None:
         raise ConfigError(f"{where}: compression= and a hook both decide what is all-reduced; drop compression= "
                           f"and register fp16_compress_hook or bf16_compress_hook (comm_hooks.py) instead")
 
 
-def run_hook(ddp, index: int, buffer: torch.Tensor) -> HookHandle:
-    """Call the registered hook on bucket ``index`` whose flat gradient is ``buffer``."""
-    bucket = GradBucket(index, len(ddp._buckets), buffer, ddp._buckets[index].params, ddp.group, ddp.algorithm)
-    fut = ddp._hook(ddp._hook_state, bucket)
+def run_hook(hook, state, bucket: GradBucket) -> HookHandle:
+    """Call ``hook(state, bucket)``, a model's registered hook, on one bucket."""
+    buffer = bucket.buffer()  # the bucket's own (a hook may set_buffer a compressed copy)
+    fut = hook(state, bucket)
     if not isinstance(fut, torch._C.Future):  # torch.futures.Future, or a Work's future
-        raise ConfigError(f"DistributedDataParallel: the communication hook {_name(ddp._hook)} returned "
+        raise ConfigError(f"DistributedDataParallel: the communication hook {_name(hook)} returned "
                           f"{type(fut).__name__}; a hook returns a torch.futures.Future whose value is the "
                           f"bucket's reduced flat gradient")
-    return HookHandle(fut, buffer, index)
+    return HookHandle(fut, buffer, bucket.index())
 
 
 class HookHandle:
@@ -154,11 +155,12 @@ def _takes_two_arguments(hook) -> bool:
 # Our hooks
 # ---------------------------------------------------------------------------------------
 
-def _group(state_group, bucket: GradBucket):
+def hook_group(state_group, bucket: GradBucket):
+    """The group a hook reduces over: its state's (torch's process_group), else the DDP's."""
     return state_group if state_group is not None else bucket.group
 
 
-def _all_reduce(tensor: torch.Tensor, group, algorithm: str) -> torch.futures.Future:
+def all_reduce_future(tensor: torch.Tensor, group, algorithm: str) -> torch.futures.Future:
     """Sum ``tensor`` over the group in place, asynchronously; the future's value is ``tensor``."""
     handle = comm.all_reduce(tensor, op="sum", group=group, async_op=True, algorithm=algorithm)
     return handle.get_future().then(lambda fut: fut.value()[0])
@@ -172,14 +174,14 @@ def allreduce_hook(process_group, bucket: GradBucket) -> torch.futures.Future:
     and x * (1/P) differ (the hook-less path multiplies while copying, as torch's reducer).
     ``process_group``: the group (None: the DDP's group).
     """
-    group = _group(process_group, bucket)
+    group = hook_group(process_group, bucket)
     buffer = bucket.buffer()
     buffer.div_(dist.get_world_size(group))
-    return _all_reduce(buffer, group, bucket.algorithm)
+    return all_reduce_future(buffer, group, bucket.algorithm)
 
 
 def _compress_hook(dtype: torch.dtype, process_group, bucket: GradBucket) -> torch.futures.Future:
-    group = _group(process_group, bucket)
+    group = hook_group(process_group, bucket)
     buffer = bucket.buffer()
     wire = buffer.to(dtype).div_(dist.get_world_size(group))  # cast, then divide in the wire dtype (as torch)
 

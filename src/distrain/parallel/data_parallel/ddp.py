@@ -67,7 +67,9 @@ _COMPRESSION = {None: None, "none": None, "bf16": torch.bfloat16, "fp16": torch.
 
 
 @dataclass
-class _Bucket:
+class Bucket:
+    """One bucket of gradients: the parameters it holds and the flat buffer reduced for them."""
+
     params: list[nn.Parameter]
     names: list[str]
     buffer: torch.Tensor  # flat, the dtype of the parameters
@@ -127,7 +129,7 @@ class DistributedDataParallel(nn.Module):
         self._sync = True
         self._step_sync = True
         self._queued = False
-        self._require_forward_buffer_sync = True  # torch's require_forward_param_sync
+        self.require_forward_buffer_sync = True  # torch's require_forward_param_sync (join() sets it too)
         self._hook, self._hook_state, self._join, self._backward_seen = None, None, None, False  # comm hook, join()
         self._div = self.world  # gradients are averaged over this many ranks (join() may lower it)
         self._carry: torch.Tensor | None = None  # values riding in the last bucket (carry())
@@ -135,7 +137,7 @@ class DistributedDataParallel(nn.Module):
         self._carry_slots = 0  # extra elements at the end of the last bucket, once carry() asked for them
 
         if init_sync:
-            self._broadcast_state(buffers=opts.init_sync_buffers)
+            self.broadcast_state(buffers=opts.init_sync_buffers)
         self._buckets = self._build_buckets(bucket_cap_mb * 2 ** 20)
         self._bucket_of: dict[int, int] = {}
         for b, bucket in enumerate(self._buckets):
@@ -151,7 +153,7 @@ class DistributedDataParallel(nn.Module):
         return self.forward_sync_buffers
 
     # -- set-up ------------------------------------------------------------------------------
-    def _broadcast_state(self, params: bool = True, buffers: bool = True, src: int | None = None) -> None:
+    def broadcast_state(self, params: bool = True, buffers: bool = True, src: int | None = None) -> None:
         """Parameters and/or buffers (BatchNorm running stats, ...) from global rank ``src``
         (default: the group's first) to every rank: one broadcast per dtype of them all packed
         together (as torch's ``_broadcast_coalesced``), so a model with a buffer per layer pays
@@ -172,7 +174,7 @@ class DistributedDataParallel(nn.Module):
                 torch._foreach_copy_(group, [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in group]),
                                                                             group)])
 
-    def _build_buckets(self, cap_bytes: float) -> list[_Bucket]:
+    def _build_buckets(self, cap_bytes: float) -> list[Bucket]:
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad and n not in self._ignored]
         if not named:
             raise ConfigError("DistributedDataParallel: the module has no parameter that requires grad")
@@ -196,7 +198,7 @@ class DistributedDataParallel(nn.Module):
             for p in params:
                 views.append(buf[off:off + p.numel()])
                 off += p.numel()
-            out.append(_Bucket(params=params, names=[n for n, _ in group], buffer=buf, views=views, index=len(out)))
+            out.append(Bucket(params=params, names=[n for n, _ in group], buffer=buf, views=views, index=len(out)))
         return out
 
     def _bucket_buffer(self, n: int, like: torch.Tensor) -> torch.Tensor:
@@ -206,6 +208,11 @@ class DistributedDataParallel(nn.Module):
         if like.device.type == "cpu" and self.wire_dtype is None and self.algorithm == "native":
             return comm.symmetric_empty(n, dtype=like.dtype, group=self.group).zero_()
         return torch.zeros(n, dtype=like.dtype, device=like.device)
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        """The gradient buckets, in launch order (to read: DDP fills and reduces them)."""
+        return self._buckets
 
     @property
     def bucket_sizes(self) -> list[int]:
@@ -254,10 +261,10 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         # As torch DDP: buffers come from the first rank before the forward, unless the previous
         # forward ran under no_sync() or without grad (torch's require_forward_param_sync).
-        sync_buffers = self.forward_sync_buffers and self._require_forward_buffer_sync
+        sync_buffers = self.forward_sync_buffers and self.require_forward_buffer_sync
         src = self._join.notify(self._sync and torch.is_grad_enabled(), sync_buffers) if self._join else self.src
         if sync_buffers:
-            self._broadcast_state(params=False, src=src)
+            self.broadcast_state(params=False, src=src)
         if self.device_ids:  # a single-device accelerator module: inputs go to device_ids[0]
             dev = self._input_device
             args, kwargs = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, (args, kwargs))
@@ -270,18 +277,32 @@ class DistributedDataParallel(nn.Module):
             b.pending = len(b.params)
             b.handle = None
         out = self.module(*args, **kwargs)
-        self._require_forward_buffer_sync = torch.is_grad_enabled() and self._sync
+        self.require_forward_buffer_sync = torch.is_grad_enabled() and self._sync
         return out
 
     def register_comm_hook(self, state, hook) -> None:
         """torch DDP's: ``hook(state, bucket) -> Future[Tensor]`` reduces each bucket (comm_hooks.py)."""
-        comm_hooks.check_registration(self, hook)
+        comm_hooks.check_registration(hook, self._hook, self._backward_seen, self.wire_dtype)
         self._hook, self._hook_state = hook, state
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Join:
         """torch DDP's: a rank out of data answers the others' all-reduces with zeros (join.py)."""
         return Join(self, divide_by_initial_world_size, enable, throw_on_early_termination)
+
+    def set_join(self, join: Join | None) -> None:
+        """The join() context this model's forward reports to (None: none, gradients divided by the
+        group size again); a second one while one is active is refused."""
+        if join is not None and self._join is not None:
+            raise ConfigError("DistributedDataParallel.join: already inside this model's join(); "
+                              "enter it once per training loop")
+        self._join = join
+        if join is None:
+            self._div = self.world
+
+    def set_grad_divisor(self, n: int) -> None:
+        """Average the next backward's gradients over ``n`` ranks (join(): the active ones, or the group size)."""
+        self._div = n
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -312,7 +333,7 @@ class DistributedDataParallel(nn.Module):
             self._launch(self._buckets[self._next_launch], wait)
             self._next_launch += 1
 
-    def _launch(self, b: _Bucket, wait: bool = False) -> None:
+    def _launch(self, b: Bucket, wait: bool = False) -> None:
         """Copy the bucket's gradients in and start its all-reduce: asynchronously during backward
         (the group's worker runs it while backward goes on), or with ``wait`` on this thread: at
         the end of backward nothing is left to overlap, and handing the bucket to the worker and
@@ -342,12 +363,19 @@ class DistributedDataParallel(nn.Module):
                 tail = b.buffer[-self._carry_slots:]
                 tail.copy_(self._carry if self._carry is not None else torch.zeros(self._carry_slots))
                 tail.mul_(1.0 / self._div)
-            b.wire = b.buffer if self.wire_dtype is None else b.buffer.to(self.wire_dtype)  # (None with a hook)
-            if self._hook is not None:
-                b.handle = comm_hooks.run_hook(self, b.index, b.buffer)
-            else:
-                b.handle = comm.all_reduce(b.wire, op="sum", group=self.group, async_op=not wait,
-                                           algorithm=self.algorithm)
+            b.wire, b.handle = self.reduce_bucket(b.index, b.buffer, wait)
+
+    def reduce_bucket(self, index: int, buffer: torch.Tensor, wait: bool = False) -> tuple[torch.Tensor, object]:
+        """Reduce bucket ``index`` whose flat gradient is ``buffer`` as backward does: through the
+        registered comm hook, else an all-reduce (sum) in the wire dtype with the model's algorithm.
+        Returns (the tensor reduced, its handle: None when ``wait`` ran it on this thread). join()'s
+        joined ranks call it with zeros, through the same collective as the active ranks."""
+        if self._hook is not None:  # (register_comm_hook refuses compression: the wire is the buffer)
+            bucket = comm_hooks.GradBucket(index, len(self._buckets), buffer, self._buckets[index].params, self.group,
+                                           self.algorithm)
+            return buffer, comm_hooks.run_hook(self._hook, self._hook_state, bucket)
+        wire = buffer if self.wire_dtype is None else buffer.to(self.wire_dtype)
+        return wire, comm.all_reduce(wire, op="sum", group=self.group, async_op=not wait, algorithm=self.algorithm)
 
     def _finish_backward(self) -> None:
         t0 = time.perf_counter()

@@ -41,8 +41,7 @@ import torch
 import torch.distributed as dist
 
 from distrain import comm
-from distrain.errors import CommError, ConfigError
-from distrain.parallel.data_parallel import comm_hooks
+from distrain.errors import CommError
 
 
 class Join:
@@ -60,10 +59,7 @@ class Join:
 
     def __enter__(self) -> Join:
         if self.enable:
-            if self.ddp._join is not None:
-                raise ConfigError("DistributedDataParallel.join: already inside this model's join(); "
-                                  "enter it once per training loop")
-            self.ddp._join = self
+            self.ddp.set_join(self)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -73,8 +69,7 @@ class Join:
             if exc_type is None:  # an error propagates at once (torch's rule): no shadowing
                 self._shadow_until_all_joined()
         finally:
-            self.ddp._join = None
-            self.ddp._div = self.ddp.world
+            self.ddp.set_join(None)
         return False
 
     # -- an active rank ----------------------------------------------------------------------
@@ -87,7 +82,7 @@ class Join:
                             "throw_on_early_termination=True; every rank stops (give ranks equal numbers of "
                             "batches, or leave throw_on_early_termination=False to train on with fewer ranks)")
         active = int(v[:len(self.ranks)].sum())
-        self.ddp._div = self.ddp.world if self.divide_by_initial_world_size else active
+        self.ddp.set_grad_divisor(self.ddp.world if self.divide_by_initial_world_size else active)
         return self._authoritative()
 
     # -- a joined rank -----------------------------------------------------------------------
@@ -102,31 +97,22 @@ class Join:
                 raise CommError(f"DistributedDataParallel.join: rank {self.ranks[self.me]} ran out of inputs "
                                 f"(throw_on_early_termination=True); every rank stops")
             if v[P + 1]:
-                self.ddp._broadcast_state(params=False, src=self._authoritative())
-            self.ddp._require_forward_buffer_sync = bool(v[P])  # as the active ranks' (torch's rule)
+                self.ddp.broadcast_state(params=False, src=self._authoritative())
+            self.ddp.require_forward_buffer_sync = bool(v[P])  # as the active ranks' (torch's rule)
             if v[P]:
                 self._shadow_backward()
         self._sync_final_model()
 
     def _shadow_backward(self) -> None:
         """Zeros for every bucket, through the same collectives the active ranks run."""
-        ddp = self.ddp
-        pending = []
-        for i, b in enumerate(ddp._buckets):
-            # the bucket itself: on shared memory it is the symmetric counterpart of the active
-            # ranks' buckets (ddp.py), which the collective needs on every rank
-            zeros = b.buffer.zero_()
-            if ddp._hook is not None:
-                pending.append(comm_hooks.run_hook(ddp, i, zeros))
-            else:
-                wire = zeros if ddp.wire_dtype is None else zeros.to(ddp.wire_dtype)
-                pending.append(comm.all_reduce(wire, op="sum", group=ddp.group, async_op=True,
-                                               algorithm=ddp.algorithm))
+        # each bucket itself: on shared memory it is the symmetric counterpart of the active
+        # ranks' buckets (ddp.py), which the collective needs on every rank
+        pending = [self.ddp.reduce_bucket(i, b.buffer.zero_())[1] for i, b in enumerate(self.ddp.buckets)]
         for h in pending:
             h.wait()
 
     def _sync_final_model(self) -> None:
-        self.ddp._broadcast_state(buffers=self.ddp.forward_sync_buffers, src=self._authoritative())
+        self.ddp.broadcast_state(buffers=self.ddp.forward_sync_buffers, src=self._authoritative())
 
     # -- the round ---------------------------------------------------------------------------
     def _round(self, active: bool, sync_backward: bool, sync_buffers: bool, stop: bool) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from distrain import comm
 from distrain.errors import ConfigError
-from distrain.parallel.data_parallel.comm_hooks import GradBucket, _all_reduce, _group
+from distrain.parallel.data_parallel.comm_hooks import GradBucket, all_reduce_future, hook_group
 
 class PowerSGDState:
     """PowerSGD's settings and memory, shared by every bucket of one model (torch's
@@ -126,13 +126,13 @@ def powersgd_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
     step 4's sum, and issuing it from a completion callback would let ranks issue a bucket's
     collectives in different orders relative to the next bucket's.
     """
-    group = _group(state.process_group, bucket)
+    group = hook_group(state.process_group, bucket)
     world = dist.get_world_size(group)
     grad = bucket.buffer()
     if state.iter < state.start_powerSGD_iter:  # 0. plain averaging first
         state.maybe_increase_iter(bucket)
         grad.div_(world)
-        return _all_reduce(grad, group, bucket.algorithm)
+        return all_reduce_future(grad, group, bucket.algorithm)
 
     i = bucket.index()
     if state.use_error_feedback:  # 1. compress gradient + last step's error

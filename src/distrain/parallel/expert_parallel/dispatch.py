@@ -17,8 +17,8 @@ Backward is the same two all-to-alls mirrored (autograd: :class:`_Exchange`). Wi
 unlimited the result is the one-process layer's exactly (every token meets the same experts with the
 same weights; only the order of sums differs).
 
-Every message goes through ``distrain.comm.exchange`` (``isend``/``irecv``, one to each other rank of the group
-with a non-empty block: a direct exchange), so the ledger counts them: label ``ep-all-to-all`` for
+Every all-to-all is ``distrain.comm.all_to_all_single(algorithm="p2p")`` (one message to each other rank of
+the group with a non-empty block: a direct exchange), so the ledger counts them: label ``ep-all-to-all`` for
 the tokens, ``ep-counts`` for the count exchange. :func:`ep_bytes` is the formula from the routing
 matrix, checked byte for byte in tests/test_moe.py.
 """
@@ -32,27 +32,23 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distrain import comm
-from distrain.comm.core import tags
 from distrain.errors import ConfigError
 
 __all__ = ["COUNTS_LABEL", "LABEL", "ExpertParallel", "ep_bytes"]
 
 LABEL = "ep-all-to-all"
 COUNTS_LABEL = "ep-counts"
-TAG, COUNTS_TAG = tags.EXPERT_PARALLEL.at(0), tags.EXPERT_PARALLEL.at(1)
 
 
-def _exchange(pieces: list[torch.Tensor], recv_rows: list[int], ep: "ExpertParallel", tag: int,
-              label: str) -> list[torch.Tensor]:
-    """pieces[p] (rows, ...) goes to rank p of the group; returns what each rank p sent here
-    (recv_rows[p] rows each; this rank's own piece stays; empty blocks are not sent)."""
-    tail = pieces[ep.rank].shape[1:]
-    return comm.exchange(pieces, [(r, *tail) for r in recv_rows], ep.ranks, ep.rank, ep.group, tag, label=label)
-
-
-def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], ep: "ExpertParallel") -> torch.Tensor:
-    """x (sum(send), C): rows send[p] to rank p -> (sum(recv), C), blocks in source-rank order."""
-    return torch.cat(_exchange(list(x.split(send)), recv, ep, TAG, LABEL))
+def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], ep: "ExpertParallel",
+                label: str = LABEL) -> torch.Tensor:
+    """x (sum(send), ...): rows send[p] to rank p -> (sum(recv), ...), blocks in source-rank order (empty
+    blocks are not sent). One rank (no group): x itself, copied."""
+    if ep.group is None:
+        return x.clone()
+    out = x.new_empty(sum(recv), *x.shape[1:])
+    comm.all_to_all_single(out, x, recv, send, group=ep.group, algorithm="p2p", label=label)
+    return out
 
 
 class _Exchange(torch.autograd.Function):
@@ -117,8 +113,7 @@ class ExpertParallel:
         slots = slots[order]                                                         # (M,) kept, expert-major
         tok = torch.div(slots, k, rounding_mode="floor")                             # (M,) each slot's token
         counts = torch.bincount(flat[slots], minlength=E).view(self.size, len(mine))  # (ep, E/ep) sent
-        got = _exchange(list(counts.split(1)), [1] * self.size, self, COUNTS_TAG, COUNTS_LABEL)  # (1, E/ep) each
-        recv = torch.stack(got).view(self.size, len(mine))                           # (ep, E/ep) received
+        recv = _all_to_all(counts, [1] * self.size, [1] * self.size, self, COUNTS_LABEL)  # (ep, E/ep) received
         send_rows, recv_rows = counts.sum(1).tolist(), recv.sum(1).tolist()
         rows = _Exchange.apply(x.index_select(0, tok), send_rows, recv_rows, self)   # (R, C) source-, expert-major
         # regroup: local expert j's rows from every source, experts in order (perm), and back (inverse)

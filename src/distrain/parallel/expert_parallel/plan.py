@@ -14,8 +14,8 @@ model (``models/llama/plan.py`` ``llama_ep_plan``)::
     apply_expert_parallel(model, ExpertParallel(topo.ep_group, topo.dp_cp_group), plan=plan)
 
 Applying it keeps, in every named layer, the experts of this rank (ids [r*E/ep, (r+1)*E/ep), under
-their global keys, so state-dict names stay the whole model's), marks their parameters
-(``p._expert_parallel = True``) and sets the layer's ``dispatch``. Name matching is
+their global keys, so state-dict names stay the whole model's), records their parameters as the
+experts' (:func:`expert_parameter_names` names them) and sets the layer's ``dispatch``. Name matching is
 :class:`~distrain.parallel.tensor_parallel.TPPlan`'s (a name equal to the key or ending in
 ``"." + key``, ``fnmatch`` wildcards). Every check runs before any module changes.
 
@@ -37,6 +37,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from distrain import comm
 from distrain.errors import ConfigError
@@ -44,6 +45,9 @@ from distrain.parallel.expert_parallel.dispatch import ExpertParallel
 
 __all__ = ["EPPlan", "apply_expert_parallel", "expert_parameter_names", "reduce_expert_gradients",
            "sum_router_counts"]
+
+# The parameters of the experts apply_expert_parallel kept on this rank (by identity; an entry goes with its parameter)
+_EXPERT_PARAMETERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -93,14 +97,14 @@ def apply_expert_parallel(model: nn.Module, ep: ExpertParallel, *, plan: EPPlan)
     for _, m in found:
         m.experts = nn.ModuleDict({str(e): m.experts[str(e)] for e in ep.local_ids(m.num_experts)})
         for p in m.experts.parameters():
-            p._expert_parallel = True
+            _EXPERT_PARAMETERS[p] = True
         m.dispatch = ep
     return model
 
 
 def expert_parameter_names(module: nn.Module) -> list[str]:
     """Names of the parameters an expert-parallel plan split (each rank holds its own experts')."""
-    return [n for n, p in module.named_parameters() if getattr(p, "_expert_parallel", False)]
+    return [n for n, p in module.named_parameters() if p in _EXPERT_PARAMETERS]
 
 
 @torch.no_grad()

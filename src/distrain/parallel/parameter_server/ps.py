@@ -82,8 +82,8 @@ from distrain.comm.core.util import check_int
 from distrain.errors import CommError, ConfigError
 from distrain.parallel.parameter_server.ps_layout import PSLayout, expected_ps_bytes
 from distrain.parallel.parameter_server.ps_protocol import (
-    _I64,
-    _MAGIC,
+    I64,
+    MAGIC,
     MODES,
     TAG_HELLO,
     TAG_PULL,
@@ -91,10 +91,10 @@ from distrain.parallel.parameter_server.ps_protocol import (
     TAG_PUSH_HDR,
     TAG_REQ,
     TAG_VERSION,
-    _ProtocolError,
-    _run,
-    _setup,
-    _step_name,
+    ProtocolError,
+    check_setup,
+    over_transport,
+    step_name,
 )
 from distrain.parallel.parameter_server.ps_worker import PSWorker
 
@@ -115,7 +115,7 @@ class ParameterServer:
                 raise ConfigError(f"ParameterServer: max_staleness must be None or an int >= 0, got {max_staleness!r}")
             if mode == "sync":
                 raise ConfigError("ParameterServer: max_staleness applies to mode='async' only (sync has staleness 0)")
-        self.rank, params = _setup("ParameterServer", model, layout, mode, want_server=True)
+        self.rank, params = check_setup("ParameterServer", model, layout, mode, want_server=True)
         self.layout, self.mode, self.max_staleness = layout, mode, max_staleness
         self.index = layout.server_index(self.rank)
         self.workers = layout.workers
@@ -167,22 +167,22 @@ class ParameterServer:
         self._pulls = self._pushes = self._deferred = 0
         self._deferred_s = 0.0
         L, K = self.layout, self.max_staleness
-        hello = torch.tensor([_MAGIC, MODES.index(self.mode), L.num_servers, L.num_workers, self.index,
-                              L.shard_numel(self.index), -1 if K is None else K], dtype=_I64)
+        hello = torch.tensor([MAGIC, MODES.index(self.mode), L.num_servers, L.num_workers, self.index,
+                              L.shard_numel(self.index), -1 if K is None else K], dtype=I64)
         self._fan_out([(w, [(hello, TAG_HELLO, "ps_ctrl")]) for w in self.workers], "the hello")
 
     def _fan_out(self, plan: list, what: str) -> None:
         """Send [(worker, [(tensor, tag, label), ...]), ...]: post every message, then wait in order."""
-        hs = [(w, _run(self._me, f"worker rank {w}", what, lambda: comm.isend(t, w, tag=tag, label=label)))
+        hs = [(w, over_transport(self._me, f"worker rank {w}", what, lambda: comm.isend(t, w, tag=tag, label=label)))
               for w, msgs in plan for t, tag, label in msgs]
         for w, h in hs:  # the weights are not updated before every send is complete
-            _run(self._me, f"worker rank {w}", what, h.wait)
+            over_transport(self._me, f"worker rank {w}", what, h.wait)
 
     def _send_weights(self, workers: list[int], step: int, num_steps: int) -> None:
         msgs = [(self.flat, TAG_PULL, "ps_pull")]
         if self.mode == "async":
-            msgs.insert(0, (torch.tensor([self.version], dtype=_I64), TAG_VERSION, "ps_ctrl"))
-        self._fan_out([(w, msgs) for w in workers], f"pull of {_step_name(step, num_steps)}")
+            msgs.insert(0, (torch.tensor([self.version], dtype=I64), TAG_VERSION, "ps_ctrl"))
+        self._fan_out([(w, msgs) for w in workers], f"pull of {step_name(step, num_steps)}")
         self._pulls += len(workers)
 
     def _step(self) -> None:
@@ -204,11 +204,11 @@ class ParameterServer:
         if getattr(self, "_bufs", None) is None:
             self._bufs = [torch.empty_like(self.flat) for _ in self.workers]
         bufs, what = self._bufs, f"push of step {step}"
-        recvs = [_run(self._me, f"worker rank {w}", what,
-                      lambda: comm.irecv(b, w, tag=TAG_PUSH, label="ps_push")) for w, b in zip(self.workers, bufs)]
+        recvs = [over_transport(self._me, f"worker rank {w}", what, lambda: comm.irecv(b, w, tag=TAG_PUSH, label="ps_push"))
+                 for w, b in zip(self.workers, bufs)]
         self._send_weights(self.workers, step, num_steps)  # fan-out
         for w, h in zip(self.workers, recvs):  # fan-in, in worker-rank order
-            _run(self._me, f"worker rank {w}", what, h.wait)
+            over_transport(self._me, f"worker rank {w}", what, h.wait)
         self._pushes += len(bufs)
         with torch.no_grad():  # sum in worker-rank order, then one division: deterministic
             self.grad.copy_(bufs[0])
@@ -233,21 +233,21 @@ class ParameterServer:
         step, what = 0, "pull request of step 0"
         try:
             for step in range(num_steps + (1 if final_pull else 0)):
-                what = f"pull request of {_step_name(step, num_steps)}"
-                req = torch.empty(1, dtype=_I64)
+                what = f"pull request of {step_name(step, num_steps)}"
+                req = torch.empty(1, dtype=I64)
                 comm.recv(req, w, tag=TAG_REQ, label="ps_ctrl")
                 if int(req[0]) != step:
-                    raise _ProtocolError(f"pull request for step {int(req[0])}, expected step {step} (do all "
-                                         f"workers run the same number of steps as the server?)")
+                    raise ProtocolError(f"pull request for step {int(req[0])}, expected step {step} (do all "
+                                        f"workers run the same number of steps as the server?)")
                 events.put(("req", w, step))
                 if step == num_steps:
                     break
                 what = f"push of step {step}"
-                hdr, g = torch.empty(2, dtype=_I64), torch.empty_like(self.flat)
+                hdr, g = torch.empty(2, dtype=I64), torch.empty_like(self.flat)
                 comm.recv(hdr, w, tag=TAG_PUSH_HDR, label="ps_ctrl")
                 comm.recv(g, w, tag=TAG_PUSH, label="ps_push")
                 if int(hdr[0]) != step:
-                    raise _ProtocolError(f"push for step {int(hdr[0])}, expected step {step}")
+                    raise ProtocolError(f"push for step {int(hdr[0])}, expected step {step}")
                 events.put(("push", w, step, int(hdr[1]), g))
         except BaseException as e:  # noqa: BLE001  (delivered to the main thread)
             events.put(("error", w, step, what, e))
@@ -274,7 +274,7 @@ class ParameterServer:
             kind, w, step = ev[:3]
             if kind == "error":
                 e = ev[4]
-                if isinstance(e, _ProtocolError):
+                if isinstance(e, ProtocolError):
                     raise CommError(f"{self._me}: protocol error from worker rank {w} ({ev[3]}): {e}") from e
                 raise CommError(f"{self._me}: worker rank {w} disconnected during {ev[3]}: {e}") from e
             if kind == "req":

@@ -1,7 +1,7 @@
 """What the parameter server (ps.py) and its workers (ps_worker.py) share: the message tags
 (the protocol's table is in ps.py's docstring), the set-up check both roles run on their
-arguments (``_setup``) and the wrapper that turns a transport failure into a CommError naming
-both roles (``_run``).
+arguments (``check_setup``) and the wrapper that turns a transport failure into a CommError naming
+both roles (``over_transport``).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from distrain.parallel.parameter_server.ps_layout import PSLayout
 MODES = ("sync", "async")
 # one tag per message kind, in the parameter server's range of distrain.comm.core.tags
 TAG_HELLO, TAG_REQ, TAG_VERSION, TAG_PULL, TAG_PUSH_HDR, TAG_PUSH = (tags.PARAMETER_SERVER.at(i) for i in range(6))
-_MAGIC = 0x5053  # "PS"
-_I64 = torch.int64
+MAGIC = 0x5053  # "PS"
+I64 = torch.int64
 
 
-def _setup(who: str, model: nn.Module, layout: PSLayout, mode: str, want_server: bool) -> tuple[int, list]:
+def check_setup(who: str, model: nn.Module, layout: PSLayout, mode: str, want_server: bool) -> tuple[int, list]:
     """This rank and the model's parameters, after checking the arguments against the job."""
     if not isinstance(layout, PSLayout):
         raise ConfigError(f"{who}: layout must be a PSLayout, got {type(layout).__name__}")
@@ -40,11 +40,11 @@ def _setup(who: str, model: nn.Module, layout: PSLayout, mode: str, want_server:
     return rank, layout.check_model(model, who)
 
 
-class _ProtocolError(CommError):
+class ProtocolError(CommError):
     """The peer sent something the protocol does not allow (not a transport failure)."""
 
 
-def _run(me: str, peer: str, what: str, fn):
+def over_transport(me: str, peer: str, what: str, fn):
     """Run a transport action; any failure becomes a CommError naming both roles."""
     try:
         return fn()
@@ -54,5 +54,6 @@ def _run(me: str, peer: str, what: str, fn):
         raise CommError(f"{me}: {peer} disconnected during {what}: {e}") from e
 
 
-def _step_name(step: int, num_steps: int) -> str:
+def step_name(step: int, num_steps: int) -> str:
+    """How messages name a step: "step k", or "the final pull" past the last one."""
     return "the final pull" if step >= num_steps else f"step {step}"

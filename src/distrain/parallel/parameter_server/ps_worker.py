@@ -13,8 +13,8 @@ from distrain import comm
 from distrain.errors import ConfigError
 from distrain.parallel.parameter_server.ps_layout import PSLayout
 from distrain.parallel.parameter_server.ps_protocol import (
-    _I64,
-    _MAGIC,
+    I64,
+    MAGIC,
     MODES,
     TAG_HELLO,
     TAG_PULL,
@@ -22,8 +22,8 @@ from distrain.parallel.parameter_server.ps_protocol import (
     TAG_PUSH_HDR,
     TAG_REQ,
     TAG_VERSION,
-    _run,
-    _setup,
+    check_setup,
+    over_transport,
 )
 
 __all__ = ["PSWorker"]
@@ -33,7 +33,7 @@ class PSWorker:
     """One worker rank: ``pull()`` weights into the local model, ``push()`` its gradients."""
 
     def __init__(self, model: nn.Module, layout: PSLayout, mode: str = "sync"):
-        self.rank, self.params = _setup("PSWorker", model, layout, mode, want_server=False)
+        self.rank, self.params = check_setup("PSWorker", model, layout, mode, want_server=False)
         self.layout, self.mode = layout, mode
         S = layout.num_servers
         self._slices = [layout.slices(s) for s in range(S)]
@@ -54,10 +54,10 @@ class PSWorker:
     def _hello(self) -> None:
         L, self.bounded = self.layout, False
         for s in range(L.num_servers):
-            h = torch.empty(7, dtype=_I64)
-            _run(self._me, self._peer(s), "the hello",
-                 lambda: comm.recv(h, self._src[s], tag=TAG_HELLO, label="ps_ctrl"))
-            got, want = h.tolist(), [_MAGIC, MODES.index(self.mode), L.num_servers, L.num_workers, s, L.shard_numel(s)]
+            h = torch.empty(7, dtype=I64)
+            over_transport(self._me, self._peer(s), "the hello",
+                           lambda: comm.recv(h, self._src[s], tag=TAG_HELLO, label="ps_ctrl"))
+            got, want = h.tolist(), [MAGIC, MODES.index(self.mode), L.num_servers, L.num_workers, s, L.shard_numel(s)]
             if got[:6] != want:
                 mode = MODES[got[1]] if 0 <= got[1] < len(MODES) else got[1]
                 raise ConfigError(
@@ -91,18 +91,18 @@ class PSWorker:
 
     def _ask(self, s: int, what: str) -> tuple:
         """Post the receives of server s's answer (async: [version] first) and, async, send the request."""
-        src, ver = self._src[s], torch.zeros(1, dtype=_I64)
+        src, ver = self._src[s], torch.zeros(1, dtype=I64)
         msgs = [(comm.irecv, self._wbuf[s], TAG_PULL, "ps_pull")]
         if self.mode == "async":
             msgs = [(comm.irecv, ver, TAG_VERSION, "ps_ctrl"), *msgs,
-                    (comm.isend, torch.tensor([self.step], dtype=_I64), TAG_REQ, "ps_ctrl")]
-        hs = [_run(self._me, self._peer(s), what, lambda: op(t, src, tag=tag, label=label))
+                    (comm.isend, torch.tensor([self.step], dtype=I64), TAG_REQ, "ps_ctrl")]
+        hs = [over_transport(self._me, self._peer(s), what, lambda: op(t, src, tag=tag, label=label))
               for op, t, tag, label in msgs]
         return s, hs, ver
 
     def _wait(self, s: int, handles: list, ver: torch.Tensor, what: str) -> None:
         for h in handles:
-            _run(self._me, self._peer(s), what, h.wait)
+            over_transport(self._me, self._peer(s), what, h.wait)
         self.versions[s] = int(ver[0])
 
     def push(self, zero_grad: bool = True) -> None:
@@ -123,11 +123,11 @@ class PSWorker:
         for s, dst in enumerate(self._src):
             msgs = [(self._gbuf[s], TAG_PUSH, "ps_push")]
             if self.mode == "async":
-                msgs.insert(0, (torch.tensor([self.step, self.versions[s]], dtype=_I64), TAG_PUSH_HDR, "ps_ctrl"))
-            hs += [(s, _run(self._me, self._peer(s), what, lambda: comm.isend(t, dst, tag=tag, label=label)))
+                msgs.insert(0, (torch.tensor([self.step, self.versions[s]], dtype=I64), TAG_PUSH_HDR, "ps_ctrl"))
+            hs += [(s, over_transport(self._me, self._peer(s), what, lambda: comm.isend(t, dst, tag=tag, label=label)))
                    for t, tag, label in msgs]
         for s, h in hs:
-            _run(self._me, self._peer(s), what, h.wait)
+            over_transport(self._me, self._peer(s), what, h.wait)
         if zero_grad:
             for p in self.params:
                 p.grad = None

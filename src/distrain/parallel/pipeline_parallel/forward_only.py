@@ -61,7 +61,7 @@ from distrain import comm
 from distrain.comm.core.util import check_int
 from distrain.errors import ConfigError
 from distrain.parallel.pipeline_parallel.interleaved import InterleavedStage
-from distrain.parallel.pipeline_parallel.pipeline import PipelineStage, _microbatches
+from distrain.parallel.pipeline_parallel.pipeline import PipelineStage, as_microbatches
 
 __all__ = ["MAX_SENDS_IN_FLIGHT", "evaluation_mode", "forward_only"]
 
@@ -124,8 +124,8 @@ def forward_only(stage: PipelineStage | InterleavedStage, micro_inputs=None, mic
         fix = "holds the last layers: pass micro_targets and loss_fn" if last else \
             "does not hold the last layers: pass micro_targets=None"
         raise ConfigError(f"{where} {fix}")
-    xs = _microbatches(micro_inputs, m, "batch") if first else None
-    ys = _microbatches(micro_targets, m, "batch of targets") if last else None
+    xs = as_microbatches(micro_inputs, m, "batch") if first else None
+    ys = as_microbatches(micro_targets, m, "batch of targets") if last else None
     if comm.debug_enabled():
         _check_agreement(stage, m)
     with evaluation_mode(stage):

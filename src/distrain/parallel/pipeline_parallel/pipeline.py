@@ -186,7 +186,8 @@ def _nbytes(t) -> int:
     return nbytes(t) if isinstance(t, torch.Tensor) else 0
 
 
-def _microbatches(value, m: int, what: str) -> list:
+def as_microbatches(value, m: int, what: str) -> list:
+    """``value`` as m micro-batches: a tensor (B, ...) split along dim 0, or a list of m taken as it is."""
     if isinstance(value, torch.Tensor):
         return split_microbatches(value, m, what=what)
     if isinstance(value, (list, tuple)):
@@ -232,8 +233,8 @@ def pipeline_step(stage: PipelineStage, micro_inputs=None, micro_targets=None, l
         raise ConfigError(f"pipeline_step: stage {s} of {p} " + (
             "is the last stage: pass micro_targets and loss_fn" if stage.is_last
             else "is not the last stage: pass micro_targets=None"))
-    inputs = _microbatches(micro_inputs, m, "batch") if stage.is_first else None
-    targets = _microbatches(micro_targets, m, "batch of targets") if stage.is_last else None
+    inputs = as_microbatches(micro_inputs, m, "batch") if stage.is_first else None
+    targets = as_microbatches(micro_targets, m, "batch of targets") if stage.is_last else None
     if comm.debug_enabled():
         _check_agreement(stage, m, schedule)
 

@@ -72,6 +72,7 @@ from distrain.parallel.tensor_parallel.plan import (
 from distrain.parallel.tensor_parallel.sizes import check_tp_divides, divisors
 from distrain.parallel.tensor_parallel.sequence import (
     gather_from_sequence,
+    is_sequence_parallel,
     reduce_scatter_to_sequence,
     sequence_parallel_bytes_per_block,
     split_to_sequence,
@@ -84,7 +85,7 @@ __all__ = [
     "BlockAllReduceBytes", "ColumnParallelLinear", "ColwiseParallel", "CopyInput", "RowParallelLinear",
     "RowwiseParallel", "SequenceParallel", "ShardInfo", "SplitSequenceOutput", "TPGroup", "TPModule", "TPPlan",
     "VocabParallel", "VocabParallelEmbedding", "apply_tensor_parallel", "check_tp_divides", "copy_to_tp",
-    "divisors", "gather_from_sequence",
+    "divisors", "gather_from_sequence", "is_sequence_parallel",
     "gather_from_tp", "megatron_bytes_per_block", "reduce_from_tp", "reduce_scatter_to_sequence", "scatter_to_tp",
     "sequence_parallel_bytes_per_block", "split_to_sequence", "sync_grads_over_tp", "tp_loss", "tp_shard_info",
     "vocab_parallel_cross_entropy",

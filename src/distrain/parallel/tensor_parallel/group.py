@@ -40,10 +40,12 @@ class TPGroup:
         return f"TPGroup(rank={self.rank}, size={self.size}, algorithm={self.algorithm!r})"
 
 
-def _tp(group, algorithm: str) -> TPGroup:
+def as_tp_group(group, algorithm: str) -> TPGroup:
+    """``group`` as a TPGroup: itself if it is one, else a TPGroup of that ProcessGroup (None: the world)."""
     return group if isinstance(group, TPGroup) else TPGroup(group, algorithm)
 
 
-def _divide(n: int, p: int, what: str) -> int:
+def divide_by_tp(n: int, p: int, what: str) -> int:
+    """n // p, the part of dimension ``what`` (n) on each of p tp ranks; a ConfigError if p does not divide n."""
     check_tp_divides(p, {what: n}, "a tensor-parallel layer")
     return n // p

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from distrain import comm
 from distrain.errors import ConfigError
-from distrain.parallel.tensor_parallel.group import TPGroup, _divide, _tp
+from distrain.parallel.tensor_parallel.group import TPGroup, as_tp_group, divide_by_tp
 from distrain.parallel.tensor_parallel.sequence import RegatherSaved, gather_from_sequence, reduce_scatter_to_sequence
 
 
@@ -94,25 +94,25 @@ def _trivial(tp: TPGroup) -> bool:
 
 def copy_to_tp(x: torch.Tensor, group=None, algorithm: str = "native") -> torch.Tensor:
     """f: the input of a column-parallel region (identity forward, all-reduce backward)."""
-    tp = _tp(group, algorithm)
+    tp = as_tp_group(group, algorithm)
     return x if _trivial(tp) else _CopyToTP.apply(x, tp)
 
 
 def reduce_from_tp(x: torch.Tensor, group=None, algorithm: str = "native") -> torch.Tensor:
     """g: the output of a row-parallel region (all-reduce forward, identity backward)."""
-    tp = _tp(group, algorithm)
+    tp = as_tp_group(group, algorithm)
     return x if _trivial(tp) else _ReduceFromTP.apply(x, tp)
 
 
 def gather_from_tp(x: torch.Tensor, group=None, algorithm: str = "native") -> torch.Tensor:
     """(..., O/P) shards -> (..., O) on every rank; backward keeps this rank's slice."""
-    tp = _tp(group, algorithm)
+    tp = as_tp_group(group, algorithm)
     return x if _trivial(tp) else _GatherFromTP.apply(x, tp)
 
 
 def scatter_to_tp(x: torch.Tensor, group=None, algorithm: str = "native") -> torch.Tensor:
     """(..., C) replicated -> this rank's (..., C/P) slice; backward all-gathers."""
-    tp = _tp(group, algorithm)
+    tp = as_tp_group(group, algorithm)
     return x if _trivial(tp) else _ScatterToTP.apply(x, tp)
 
 
@@ -159,11 +159,11 @@ class ColumnParallelLinear(TPModule):
                  algorithm: str = "native", gather_output: bool = False, sync_input: bool = True,
                  device=None, dtype=None, *, sequence_parallel: bool = False, seq_dim: int = 1):
         super().__init__()
-        tp = _tp(group, algorithm)
+        tp = as_tp_group(group, algorithm)
         self._setup(tp)
         self.in_features = in_features
         self.full_out_features = out_features
-        self.local_out_features = _divide(out_features, tp.size, "out_features")
+        self.local_out_features = divide_by_tp(out_features, tp.size, "out_features")
         self.out_features = out_features if gather_output else self.local_out_features
         self.gather_output = gather_output
         self.sync_input = sync_input
@@ -231,10 +231,10 @@ class RowParallelLinear(TPModule):
                  algorithm: str = "native", input_is_parallel: bool = True, device=None, dtype=None, *,
                  sequence_parallel: bool = False, seq_dim: int = 1):
         super().__init__()
-        tp = _tp(group, algorithm)
+        tp = as_tp_group(group, algorithm)
         self._setup(tp)
         self.full_in_features = in_features
-        self.local_in_features = _divide(in_features, tp.size, "in_features")
+        self.local_in_features = divide_by_tp(in_features, tp.size, "in_features")
         self.in_features = self.local_in_features if input_is_parallel else in_features
         self.out_features = out_features
         self.input_is_parallel = input_is_parallel
@@ -294,11 +294,11 @@ class VocabParallelEmbedding(TPModule):
     def __init__(self, num_embeddings: int, embedding_dim: int, group=None, algorithm: str = "native",
                  device=None, dtype=None):
         super().__init__()
-        tp = _tp(group, algorithm)
+        tp = as_tp_group(group, algorithm)
         self._setup(tp)
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.local_num_embeddings = _divide(num_embeddings, tp.size, "vocab_size")
+        self.local_num_embeddings = divide_by_tp(num_embeddings, tp.size, "vocab_size")
         self.vocab_start = tp.rank * self.local_num_embeddings
         self.vocab_end = self.vocab_start + self.local_num_embeddings
         self.weight = nn.Parameter(torch.empty(self.local_num_embeddings, embedding_dim,

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from distrain import comm
 from distrain.errors import ConfigError
-from distrain.parallel.tensor_parallel.group import _tp
+from distrain.parallel.tensor_parallel.group import as_tp_group
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -72,7 +72,7 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tens
     gathered logits (``lm_loss``), without ever gathering them. The result is the same scalar on
     every rank of the group. Backward: (softmax shard - one-hot shard) / tokens, no collective.
     """
-    tp = _tp(group, algorithm)
+    tp = as_tp_group(group, algorithm)
     if logits_shard.shape[:-1] != targets.shape:
         raise ConfigError(f"vocab_parallel_cross_entropy: logits shard {tuple(logits_shard.shape)} and targets "
                           f"{tuple(targets.shape)} disagree; logits must be targets' shape plus the vocab dim")

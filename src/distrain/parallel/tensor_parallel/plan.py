@@ -40,6 +40,7 @@ Every check runs before any module changes or any collective runs.
 from __future__ import annotations
 
 import fnmatch
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, NamedTuple, Union
 
@@ -156,7 +157,7 @@ _NEEDS = {ColwiseParallel: (nn.Linear, "out_features"), RowwiseParallel: (nn.Lin
 
 
 def _check_module(name: str, m: nn.Module, style: Style, P: int) -> None:
-    if isinstance(m, TPModule) or getattr(m, "_tp_hooked", False):
+    if isinstance(m, TPModule) or m in _HOOKED:
         raise ConfigError(f"apply_tensor_parallel: {name} is already tensor-parallel; apply a plan once, "
                           f"to a model built whole")
     if isinstance(style, _HOOK_STYLES):
@@ -233,6 +234,9 @@ class _SplitOutputHook:
         return split_to_sequence(out, self.tp, dim=self.dim)
 
 
+_HOOKED: weakref.WeakSet = weakref.WeakSet()  # the modules a hook style (CopyInput, ...) made tensor-parallel
+
+
 def _hook(m: nn.Module, style: Style, tp: TPGroup, dim: int) -> None:
     if isinstance(style, CopyInput):
         hook = _InputHook(tp, dim if style.sequence_parallel else None)
@@ -242,7 +246,7 @@ def _hook(m: nn.Module, style: Style, tp: TPGroup, dim: int) -> None:
         m.register_forward_hook(_SplitOutputHook(tp, dim))
     else:
         sync_grads_over_tp(m, tp)
-    m._tp_hooked = True
+    _HOOKED.add(m)
 
 
 def _replacement(m: nn.Module, style: Style, tp: TPGroup, dim: int) -> nn.Module:

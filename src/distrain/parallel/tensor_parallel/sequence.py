@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from distrain import comm
 from distrain.errors import ConfigError
-from distrain.parallel.tensor_parallel.group import TPGroup, _tp
+from distrain.parallel.tensor_parallel.group import TPGroup, as_tp_group
 
 
 def _rows(x: torch.Tensor, tp: TPGroup, dim: int) -> int:
@@ -95,19 +96,19 @@ class _SplitSeq(torch.autograd.Function):
 
 def gather_from_sequence(x: torch.Tensor, group=None, algorithm: str = "native", dim: int = 1) -> torch.Tensor:
     """(..., T/P, ...) sequence shards -> (..., T, ...) on every rank; backward reduce-scatters."""
-    tp = _tp(group, algorithm)
+    tp = as_tp_group(group, algorithm)
     return x if tp.size == 1 else _GatherSeq.apply(x, tp, dim)
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, group=None, algorithm: str = "native", dim: int = 1) -> torch.Tensor:
     """(..., T, ...) partial sums -> this rank's (..., T/P, ...) rows of the sum; backward all-gathers."""
-    tp = _tp(group, algorithm)
+    tp = as_tp_group(group, algorithm)
     return x if tp.size == 1 else _ReduceScatterSeq.apply(x, tp, dim)
 
 
 def split_to_sequence(x: torch.Tensor, group=None, algorithm: str = "native", dim: int = 1) -> torch.Tensor:
     """(..., T, ...) replicated -> this rank's (..., T/P, ...) rows; backward all-gathers."""
-    tp = _tp(group, algorithm)
+    tp = as_tp_group(group, algorithm)
     return x if tp.size == 1 else _SplitSeq.apply(x, tp, dim)
 
 
@@ -170,16 +171,31 @@ class _SumGradOverTP:
         return g
 
 
+# The parameters whose gradients sync_grads_over_tp sums over tp (by identity; an entry goes with its parameter)
+_SEQUENCE_PARALLEL: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def mark_sequence_parallel(p: torch.Tensor) -> None:
+    """Record that ``p`` runs on sequence shards and its gradient is summed over tp (by a hook on it)."""
+    _SEQUENCE_PARALLEL[p] = True
+    p._tp_sequence_parallel = True  # for parallelize.py until it asks is_sequence_parallel (the lead's change)
+
+
+def is_sequence_parallel(p: torch.Tensor) -> bool:
+    """Whether :func:`sync_grads_over_tp` made ``p``'s gradient a sum over tp (ZeRO-3 cannot keep that hook)."""
+    return p in _SEQUENCE_PARALLEL
+
+
 def sync_grads_over_tp(module: nn.Module, group=None, algorithm: str = "native") -> None:
     """Make every parameter of ``module`` (run on sequence shards) receive the gradient summed over
     the tp group: what the full sequence gives it in one process. Once per module."""
-    tp = _tp(group, algorithm)
+    tp = as_tp_group(group, algorithm)
     if tp.size == 1:
         return
     for p in module.parameters():
-        if p.requires_grad and not getattr(p, "_tp_sequence_parallel", False):
+        if p.requires_grad and not is_sequence_parallel(p):
             p.register_hook(_SumGradOverTP(tp))
-            p._tp_sequence_parallel = True
+            mark_sequence_parallel(p)
 
 
 def sequence_parallel_bytes_per_block(b: int, s: int, h: int, P: int, elem_size: int = 4) -> dict[str, int]:
