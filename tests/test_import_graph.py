@@ -337,22 +337,8 @@ def private_reaches() -> list[str]:
     return out
 
 
-# Reaches that wait for a change in a file owned elsewhere (the lead removes them after merging):
-# comm/shm/* (the C++ <-> Python seam renames group._states; compiled.py: watchdog.current() and
-# ledger.recording(); hierarchy.py and symmetric.py reach into the transport's _info and set _hier_plan
-# on it), parallel/parallelize.py (tensor_parallel.is_sequence_parallel(p) in place of the tag, after
-# which sequence.py stops setting it).
-ALLOWED: set[str] = {
-    "comm/core/torchargs.py: from distrain.comm.core.group import _states",
-    "comm/shm/compiled.py: distrain.comm.core.watchdog._active",
-    "comm/shm/compiled.py: distrain.comm.core.ledger._active",
-    "comm/shm/hierarchy.py: getattr(sh, '_hier_plan') (a field this module does not define)",
-    "comm/shm/hierarchy.py: sh._info (a field this module does not define)",
-    "comm/shm/hierarchy.py: sh._hier_plan (a field this module does not define)",
-    "comm/shm/symmetric.py: sh._info (a field this module does not define)",
-    "parallel/parallelize.py: getattr(p, '_tp_sequence_parallel') (a field this module does not define)",
-    "parallel/tensor_parallel/sequence.py: p._tp_sequence_parallel (a field this module does not define)",
-}
+# Reaches accepted for now, by ``path: reach`` (none: a reach gets a public name in its owner instead).
+ALLOWED: set[str] = set()  # (none: a reach is given a public name in its owner, not allowed here)
 
 
 def _without_line(reach: str) -> str:

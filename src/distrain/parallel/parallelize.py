@@ -69,7 +69,7 @@ from distrain.parallel.expert_parallel import (
 )
 from distrain.parallel.pipeline_parallel import PipelineStage, partition, pipeline_step
 from distrain.parallel.pipeline_parallel.schedule import SPLIT_BACKWARD
-from distrain.parallel.tensor_parallel import TPGroup, apply_tensor_parallel, tp_shard_info
+from distrain.parallel.tensor_parallel import TPGroup, apply_tensor_parallel, is_sequence_parallel, tp_shard_info
 from distrain.parallel.tensor_parallel.plan import TPPlan, as_plan
 from distrain.topology import Topology
 
@@ -238,7 +238,7 @@ def parallelize(model: nn.Module, topo: Topology, *, loss_fn: Loss, tp_plan=None
     if zero_stage:
         from distrain.parallel.zero import Zero
 
-        if zero_stage == 3 and any(getattr(p, "_tp_sequence_parallel", False) for p in module.parameters()):
+        if zero_stage == 3 and any(is_sequence_parallel(p) for p in module.parameters()):
             raise ConfigError("parallelize: ZeRO stage 3 does not compose with sequence parallelism: the hooks that sum "
                               "the sequence-parallel parameters' gradients over tp sit on the parameters stage 3 "
                               "replaces by gathered views; use zero_stage 1 or 2, or a plan without "

@@ -152,6 +152,11 @@ def resolve(group, collective: str) -> GroupState:
     return st
 
 
+def has_state(group) -> bool:
+    """Whether ``group`` already has distrain state (a collective ran on it here); creates nothing."""
+    return group in _states
+
+
 def fast_path(group):
     """The fast path of ``group`` (None = the world): its state's ``fast``, or None when the group
     has no state yet or no fast path. Creates nothing (api.py asks on every blocking call)."""

@@ -21,13 +21,13 @@ import warnings
 
 import torch.distributed as dist
 
-from distrain.comm.core.group import _states as _member_of
+from distrain.comm.core.group import has_state
 from distrain.errors import ConfigError
 
 
 def not_member(group) -> bool:
     """True when this process is not in ``group`` (None = world, of which every rank is a member)."""
-    if group is None or group in _member_of or not dist.is_initialized():
+    if group is None or has_state(group) or not dist.is_initialized():
         return False  # a group whose state exists (group.py) has this rank as a member: no c10d call
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         return True

@@ -35,14 +35,14 @@ from distrain.comm.core.util import chunk_sizes
 
 def _plan(sh) -> SimpleNamespace:
     """Who is on this host (group ranks, sorted), and the leaders of all hosts (cached)."""
-    plan = getattr(sh, "_hier_plan", None)
+    plan = sh.hier_plan
     if plan is None:
         hosts: dict[str, list[int]] = {}
         for q in range(sh.size):
-            hosts.setdefault(sh._info(q)[2], []).append(q)
+            hosts.setdefault(sh.info(q)[2], []).append(q)
         local = hosts[sh.host]
         leaders = sorted(ranks[0] for ranks in hosts.values())
-        plan = sh._hier_plan = SimpleNamespace(local=local, leaders=leaders, leader=local[0],
+        plan = sh.hier_plan = SimpleNamespace(local=local, leaders=leaders, leader=local[0],
                                                me=local.index(sh.rank))
         for q in local:
             sh.seg(q)

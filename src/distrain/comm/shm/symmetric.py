@@ -134,7 +134,7 @@ class Heap:
         if text.startswith("! "):
             return " ".join(text[2:].split())  # one line, whatever it carried
         m = self._RECORD.fullmatch(text)
-        expected = f"{sh._info(q)[0]}-s{k}"
+        expected = f"{sh.info(q)[0]}-s{k}"
         if m is None or m.group(1) != expected:
             raise files.SegmentRefusedError(
                 f"symmetric memory on rank {sh.me_global}: refused rank {sh.ranks[q]}'s record of allocation {k} in "

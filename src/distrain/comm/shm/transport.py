@@ -122,12 +122,13 @@ class ShmTransport:
         self.plane = None
         self._atomic_sleepers = None  # count_sleepers_with
         self.fast = False  # whether the group is offered to the fast path (compiled.register)
+        self.hier_plan = None  # hierarchy.py's plan of hosts and leaders, made on its first use
         self._views: dict[tuple, list[torch.Tensor]] = {}  # (buffer, dtype, count) -> every rank's slot
         if self.size == 1:
             self.unlink_when_mapped()
 
     # -- peers ---------------------------------------------------------------------------
-    def _info(self, q: int) -> tuple[str, int, str, int]:
+    def info(self, q: int) -> tuple[str, int, str, int]:
         """(segment name, size, host, pid) of group rank q, from its store record (parsed strictly,
         seg_mod.parse_record; a bad record raises SegmentRefusedError)."""
         rec = self.records.get(q)
@@ -145,7 +146,7 @@ class ShmTransport:
 
     def local(self, q: int) -> bool:
         """True if group rank q is on this host (reached through shared memory)."""
-        return self._info(q)[2] == self.host
+        return self.info(q)[2] == self.host
 
     def all_local(self) -> bool:
         if self._all_local is None:
@@ -173,7 +174,7 @@ class ShmTransport:
     def _open(self, q: int) -> Segment:
         s = self.peers.get(q)
         if s is None:
-            name, total, host, _ = self._info(q)
+            name, total, host, _ = self.info(q)
             if host != self.host:
                 raise CommError(f"{self.coll} on rank {self.me_global}: transport 'shm' needs every rank on one "
                                 f"host, but rank {self.ranks[q]} is on {host} and this rank on {self.host}; use "

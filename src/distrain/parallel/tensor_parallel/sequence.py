@@ -178,7 +178,6 @@ _SEQUENCE_PARALLEL: WeakIdKeyDictionary = WeakIdKeyDictionary()
 def mark_sequence_parallel(p: torch.Tensor) -> None:
     """Record that ``p`` runs on sequence shards and its gradient is summed over tp (by a hook on it)."""
     _SEQUENCE_PARALLEL[p] = True
-    p._tp_sequence_parallel = True  # for parallelize.py until it asks is_sequence_parallel (the lead's change)
 
 
 def is_sequence_parallel(p: torch.Tensor) -> bool:
