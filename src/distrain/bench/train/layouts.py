@@ -131,9 +131,9 @@ def _preload() -> None:
 
     import torch._dynamo  # noqa: F401
 
-    from distrain.trainer.engines import ENGINES, MODEL_PARALLEL
+    from distrain.trainer.engines import ENGINES
 
-    for spec in set(ENGINES.values()) | {MODEL_PARALLEL}:
+    for spec in set(ENGINES.values()):
         importlib.import_module(spec.split(":")[0])
     try:
         import torch.utils.tensorboard  # noqa: F401
