@@ -57,3 +57,33 @@ def test_validate_takes_the_environment_as_parameters(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"^--data fashion-mnist: data set not found; "):
         fm.validate(fashion_mnist_root=str(tmp_path / "absent"))
     fm.validate(**runtime.validate_args())  # what the CLI and train() pass: $DISTRAIN_FASHION_MNIST
+
+
+# Where a process starts, outside cli/, launch/ and runtime.py: each reads what its launcher put in the
+# environment, once, at its start, and passes it down (module -> why it is a process's edge).
+PROCESS_STARTS = {
+    "comm/compat.py": "init_process_group, torch's counterpart for a user's script, reads comm's switches",
+    "elastic/member.py": "Member.from_env: an elastic rank's start (the coordinator's address, its id)",
+    "elastic/nodes.py": "a node agent's start (the node list and the job secret)",
+    "elastic/faults.py": "the fault plan a test injects, read once as a rank starts",
+    "elastic/ranks.py": "hands the fault plan on to the ranks it forks",
+    "rendezvous.py": "torchrun's rendezvous handler, which torch builds inside the launched process",
+    "lifeline.py": "a rank's parent, read as the rank starts",
+    "cluster/runner.py": "an emulated node's start (passes the caller's environment to it)",
+    "cluster/command.py": "the command an emulated node runs, read as it starts",
+    "bench/": "each benchmark is a command's process (its ranks' launch environment)",
+}
+
+
+def test_the_environment_is_read_only_where_a_process_starts():
+    """os.environ / os.getenv appear only in cli/, launch/, runtime.py and the process starts listed (each with
+    its reason); a library module below them takes what it needs as a parameter."""
+    reads = re.compile(r"os\.environ|os\.getenv")
+    found = sorted({str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if reads.search(p.read_text())})
+    edge = ("cli/", "launch/", "runtime.py")
+    below = [f for f in found if not f.startswith(edge) and not any(f == s or (s.endswith("/") and f.startswith(s))
+                                                                     for s in PROCESS_STARTS)]
+    assert below == [], f"environment read below the process edge (pass the value down instead): {below}"
+    assert all(any(f == s or (s.endswith("/") and f.startswith(s)) for f in found) for s in PROCESS_STARTS), \
+        "a listed process start no longer reads the environment: remove it from PROCESS_STARTS"
+    assert reads.search("x = os.environ.get('A')") and not reads.search("environ = {}")  # (the pattern can fail)

@@ -43,8 +43,9 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
 
 
 def configure_from_env(timeout_s: float) -> None:
-    """distrain.comm's job-wide switches, from the environment a launcher passes down (the one
-    place they are read; ``distrain.runtime.init`` calls this too):
+    """distrain.comm's job-wide switches, from the environment a launcher passes down. The only place
+    comm reads the environment, and only at a process's start: ``distrain.runtime.init`` and this module's
+    ``init_process_group`` (torch's own counterpart reads MASTER_ADDR and the rest there too):
 
     * ``DISTRAIN_DEBUG=1``: the cross-rank fingerprint check before every collective;
     * ``DISTRAIN_TRANSPORT``: torch (default), shm or auto, with ``timeout_s`` for shm waits;

@@ -153,9 +153,10 @@ def load_fashion_mnist(root: PathLike | None = None, dtype: torch.dtype = torch.
                        ) -> tuple[ArrayDataset, ArrayDataset]:
     """(train 60000, test 10000); x ``(N, 1, 28, 28)`` in [0, 1], y int64.
 
-    ``root`` defaults to ``$DISTRAIN_FASHION_MNIST`` or /usr/share/datasets/fashion-mnist.
+    ``root`` defaults to /usr/share/datasets/fashion-mnist (the trainer passes ``$DISTRAIN_FASHION_MNIST``,
+    read at the process edge: ``distrain.runtime.validate_args``).
     """
-    root = Path(root if root is not None else os.environ.get("DISTRAIN_FASHION_MNIST", FASHION_MNIST_ROOT))
+    root = Path(root if root is not None else FASHION_MNIST_ROOT)
     out = []
     for split in ("train", "t10k"):
         files = {kind: _find(root, f"{split}-{kind}-ubyte") for kind in ("images-idx3", "labels-idx1")}

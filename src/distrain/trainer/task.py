@@ -18,6 +18,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from distrain import runtime
 from distrain.data import load_digits, load_fashion_mnist, load_text_datasets
 from distrain.data.vocab import shard_folder, vocab_error
 from distrain.errors import ConfigError
@@ -75,7 +76,10 @@ def build_task(cfg: TrainConfig, block_size: int | None, device: torch.device = 
     if cfg.data_kind == "text":
         train, val = load_text_datasets(None if cfg.data == "shakespeare" else cfg.data, block_size=block_size)
         return Task(train, val, lm_loss, "tokens", block_size, dtype, device)
-    train, val = load_fashion_mnist() if cfg.data == "fashion-mnist" else load_digits()
+    if cfg.data == "fashion-mnist":  # ($DISTRAIN_FASHION_MNIST, read at the process edge)
+        train, val = load_fashion_mnist(runtime.validate_args()["fashion_mnist_root"])
+    else:
+        train, val = load_digits()
     return Task(train, val, classification_loss, "samples", 1, dtype, device)
 
 
@@ -108,8 +112,6 @@ def record_data(cfg: TrainConfig, meta: dict) -> None:
     """Rank 0: write ``--out/data.json`` (the shard folder, its tokenizer spec and fingerprint) and a copy of
     its tokenizer.json as ``--out/tokenizer.json``, so --resume can check the data and ``distrain generate``
     decodes with the run's tokenizer even once the shards are gone."""
-    from distrain import runtime
-
     launched = runtime.launched_rank()
     if launched is not None and launched[0] != 0:
         return
