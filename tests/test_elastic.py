@@ -574,3 +574,23 @@ def test_rank_0_killed_leaves_every_committed_steps_line(tmp_path, tmp_path_fact
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == list(range(8))
     assert close(losses, reference_losses(tmp_path_factory, steps=8, log_every=log_every)), losses
     assert [e["left"] for e in events] == [[0]]
+
+
+def test_a_membership_change_is_written_once_whoever_becomes_rank_0(tmp_path):
+    """Every rank learns of each change; a rank that becomes rank 0 after another one wrote some of them writes
+    only the rest (once per epoch), and a resumed log keeps the epochs already on file."""
+    from distrain.trainer.metrics import MetricsLog, read_events
+
+    def change(epoch: int) -> dict:
+        return {"event": "membership", "epoch": epoch, "step": epoch, "left": [epoch], "joined": []}
+
+    first = MetricsLog(tmp_path / "metrics.jsonl")
+    first.write([change(1), {"step": 0, "loss": 1.0}, change(2)])  # rank 0 of epochs 1-2, then lost
+    second = MetricsLog(tmp_path / "metrics.jsonl", 2**62)  # the next rank 0 (keeps every line)
+    second.rewind(1)
+    second.write([change(1), change(2), change(3), {"event": "stop", "step": 3}])  # all it learned of
+    second.write([change(3)])
+    lines = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r.get("event"), r.get("epoch")) for r in lines] == [
+        ("membership", 1), (None, None), ("membership", 2), ("membership", 3), ("stop", None)]
+    assert [e["epoch"] for e in read_events(tmp_path / "metrics.jsonl") if e["event"] == "membership"] == [1, 2, 3]

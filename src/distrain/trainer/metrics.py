@@ -22,8 +22,13 @@ class MetricsLog:
             kept = [ln for ln in self.path.read_text().splitlines() if _step(ln) < start_step]
         self.path.write_text("".join(ln + "\n" for ln in kept))
         self.tensorboard = TensorBoardLog(self.path.parent) if tensorboard else None
+        # the membership changes on file, by epoch: every rank of an elastic job learns of each change, so a
+        # new rank 0 holds changes its predecessor wrote; each is written once
+        self.epochs = {r["epoch"] for ln in kept if (r := _record(ln)) is not None and _membership(r)}
 
     def write(self, records: list[dict]) -> None:
+        records = [r for r in records if not (_membership(r) and r["epoch"] in self.epochs)]
+        self.epochs |= {r["epoch"] for r in records if _membership(r)}
         with self.path.open("a") as f:
             for r in records:
                 f.write(json.dumps(r) + "\n")
@@ -37,6 +42,7 @@ class MetricsLog:
         rows = [ln for ln in self.path.read_text().splitlines() if ln.strip()] if self.path.exists() else []
         kept = [(ln, r) for ln in rows if (r := _record(ln)) is not None and ("event" in r or r["step"] < step)]
         self.path.write_text("".join(ln + "\n" for ln, _ in kept))
+        self.epochs = {r["epoch"] for _, r in kept if _membership(r)}
         return {r["step"] for _, r in kept if "event" not in r}
 
     def rewrite_last(self, **fields) -> None:
@@ -46,6 +52,11 @@ class MetricsLog:
         rec.update(fields)
         lines[-1] = json.dumps(rec)
         self.path.write_text("".join(ln + "\n" for ln in lines))
+
+
+def _membership(r: dict) -> bool:
+    """An elastic job's membership line (one per change, numbered by its epoch)."""
+    return r.get("event") == "membership" and isinstance(r.get("epoch"), int)
 
 
 def _record(line: str) -> dict | None:
