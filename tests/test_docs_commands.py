@@ -229,6 +229,9 @@ LONG: list[tuple[str, str, str, str]] = [
      "test_ddp_two_nodes_equals_one_node trains across 2 nodes"),
     ("docs/cluster.md", r"-- distrain bench comm", "command",
      "docs/cost_model.md's predicted-vs-measured block runs bench comm across the cluster (with --predict)"),
+    ("docs/cost_model.md", r"-- distrain bench comm --sizes 1M,4M,16M", "block",
+     "tests/test_cluster.py::test_bench_link_and_comm_across_nodes_with_prediction runs bench link, then bench comm "
+     "--predict with that calibration, across 2 emulated nodes"),
     ("docs/cost_model.md", r"bench ps --servers", "block",
      "the cluster, link calibration and predict table of the all_reduce block above it, here for bench ps"),
     ("docs/cost_model.md", r"--out runs/gpt-small_ddp_200mbit_2", "block",
