@@ -199,3 +199,38 @@ def shm_files_of(procs) -> list[str]:
 
     pids = {str(p.pid) for p in procs}
     return [n for n in os.listdir(segment.SHM_DIR) if n.startswith("distrain-") and n.split("-")[1] in pids]
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now (bound and released)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listening(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket process ``pid`` listens on; "0.0.0.0" / "::" is every interface."""
+    import socket
+    from pathlib import Path
+
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
+                continue
+            hexaddr, hexport = cols[1].split(":")
+            raw = bytes.fromhex(hexaddr)
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word is host-endian
+            found.append((socket.inet_ntop(family, raw), int(hexport, 16)))
+    return found

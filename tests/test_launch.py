@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from conftest import free_port
+
 SCRIPT = textwrap.dedent("""
     import sys, torch, distrain
     from distrain import comm
@@ -59,9 +61,7 @@ def test_launch_single_node(tmp_path):
 def test_launch_two_nodes_rendezvous(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}"]
     secret = "7" * 64  # every node of one job: the same secret (distrain.sealed)
     nodes = [_launch(*common, "--node-rank", str(n), str(script), str(tmp_path), secret=secret) for n in range(2)]
@@ -79,9 +79,7 @@ def test_launch_two_nodes_needs_one_secret(tmp_path):
     with another secret cannot read the rendezvous state (its tag does not match) and fails, unpickling nothing."""
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}"]
     code, out = _finish(_launch(*common, "--node-rank", "0", str(script), str(tmp_path)))
     assert (code, out) == (2, "distrain: error: launch: a job over several nodes needs a shared secret, so that nobody "

@@ -19,6 +19,8 @@ import torch
 
 from distrain.errors import ConfigError
 
+from conftest import listening
+
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                "DISTRAIN_PARENT_PID", "DISTRAIN_RESUME", "TORCHELASTIC_USE_AGENT_STORE")
@@ -168,29 +170,6 @@ WAIT_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _listening(pid: int) -> list[tuple[str, int]]:
-    """(address, port) of every TCP socket process ``pid`` listens on; "0.0.0.0" / "::" is every interface."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = []
-    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
-        for line in Path(table).read_text().splitlines()[1:]:
-            cols = line.split()
-            if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
-                continue
-            hexaddr, hexport = cols[1].split(":")
-            raw = bytes.fromhex(hexaddr)
-            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word is host-endian
-            found.append((socket.inet_ntop(family, raw), int(hexport, 16)))
-    return found
-
-
 def _launch(tmp_path: Path, *args: str) -> subprocess.Popen:
     # (nodes of one job share its secret: distrain.sealed)
     return subprocess.Popen([sys.executable, "-m", "distrain.cli", "launch", *args, str(tmp_path / "job.py"),
@@ -226,7 +205,7 @@ def test_a_single_node_launch_listens_on_the_loopback_only(tmp_path):
     (tmp_path / "job.py").write_text(WAIT_SCRIPT)
     p = _launch(tmp_path, "--nproc-per-node", "2")
     _when_ready(tmp_path, 2, [p])
-    sockets = _listening(p.pid)
+    sockets = listening(p.pid)
     outs = _finish(tmp_path, [p])
     assert len(sockets) == 2, sockets  # the rendezvous store and the ranks' store
     assert {addr for addr, _ in sockets} == {"127.0.0.1"}, sockets
@@ -266,7 +245,7 @@ def test_a_two_node_launch_listens_on_the_endpoint_address_only(tmp_path, where)
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"{host}:{port}"]
     procs = [_launch(tmp_path, *common, "--node-rank", str(n)) for n in range(2)]
     _when_ready(tmp_path, 2, procs)
-    sockets = [sock for p in procs for sock in _listening(p.pid)]
+    sockets = [sock for p in procs for sock in listening(p.pid)]
     outs = _finish(tmp_path, procs)
     assert {addr for addr, _ in sockets} == {host}, sockets
     assert (host, port) in sockets and len(sockets) == 2, sockets  # the endpoint's store and the ranks' store

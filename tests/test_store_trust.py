@@ -13,19 +13,19 @@ import base64
 import json
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 from distrain import sealed
 from distrain.rendezvous import listening_store, tagged_backend
+
+from conftest import free_port, listening
 
 SECRET = b"s" * 64
 
@@ -137,29 +137,6 @@ def test_a_forged_rendezvous_state_is_refused_before_torch_unpickles_it(tmp_path
 
 # -- a multi-node elastic job (two "nodes" on this machine) and a stranger on its store's port -------
 
-def _listening(pid: int) -> list[tuple[str, int]]:
-    """(address, port) of every TCP socket ``pid`` listens on."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = []
-    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
-        for line in Path(table).read_text().splitlines()[1:]:
-            cols = line.split()
-            if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
-                continue
-            hexaddr, hexport = cols[1].split(":")
-            raw = bytes.fromhex(hexaddr)
-            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-            found.append((socket.inet_ntop(family, raw), int(hexport, 16)))
-    return found
-
-
 def _stranger(port: int, marker: str, seen: dict, stop: threading.Event) -> None:
     """Another local user: once the port answers, write what the old coordinator would have unpickled
     (``end/ID`` with a bump of ``news``), ask a node agent to kill a rank and end the job, then keep
@@ -186,9 +163,7 @@ def _stranger(port: int, marker: str, seen: dict, stop: threading.Event) -> None
 @pytest.mark.timeout(240)
 def test_a_stranger_on_the_elastic_store_runs_nothing_and_kills_nothing(tmp_path):
     marker = str(tmp_path / "ran")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = []
     for node in range(2):
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "DISTRAIN_ELASTIC_FAULTS")}
@@ -200,10 +175,10 @@ def test_a_stranger_on_the_elastic_store_runs_nothing_and_kills_nothing(tmp_path
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         if node == 0:
             deadline = time.monotonic() + 60
-            while not any(p == port for _, p in _listening(procs[0].pid)):
+            while not any(p == port for _, p in listening(procs[0].pid)):
                 assert time.monotonic() < deadline and procs[0].poll() is None, procs[0].communicate()[0]
                 time.sleep(0.05)
-            sockets = _listening(procs[0].pid)
+            sockets = listening(procs[0].pid)
     seen, stop = {}, threading.Event()
     attacker = threading.Thread(target=_stranger, args=(port, marker, seen, stop), daemon=True)
     attacker.start()

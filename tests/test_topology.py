@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import socket
 import time
 from datetime import timedelta
 
@@ -12,6 +11,8 @@ import pytest
 
 from distrain.errors import ConfigError
 from distrain.topology import Coords, Topology
+
+from conftest import free_port
 
 SHAPES = [(1, 1, 1), (3, 1, 1), (1, 3, 1), (1, 1, 5), (2, 3, 1), (3, 2, 2), (2, 2, 2), (2, 1, 3)]
 
@@ -178,12 +179,6 @@ def test_from_world_requires_init():
 # ---- from_world on 4 real ranks -------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, port: int, world_size: int) -> None:
     """One rank: build from_world(dp=2, tp=2), all-reduce the rank over each group.
 
@@ -220,7 +215,7 @@ def test_from_world_four_ranks_gloo():
     import torch.multiprocessing as mp
 
     world_size = 4
-    port = _free_port()  # one port for all ranks: they rendezvous there
+    port = free_port()  # one port for all ranks: they rendezvous there
     ctx = mp.get_context("spawn")
     procs = [
         ctx.Process(target=_worker, args=(r, port, world_size), daemon=True)
