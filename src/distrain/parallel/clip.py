@@ -51,7 +51,7 @@ def clip_grad_norm(terms: Iterable[tuple[torch.Tensor | None, Weight]], max_norm
             sq += g.double().pow(2).sum() * w
     if reduce:
         comm.all_reduce(sq, op="sum", group=group, algorithm=algorithm)
-    norm = (sq / replicas).sqrt() if replicas != 1 else sq.sqrt()
+    norm = (sq / replicas).sqrt()  # (x / 1 is x: exact)
     coef = float((max_norm / (norm + 1e-6)).clamp(max=1.0))
     if coef < 1.0:
         for g, _ in terms:

@@ -63,7 +63,7 @@ import torch.nn as nn
 
 from distrain.errors import ConfigError
 from distrain.parallel.context_parallel import ContextParallel, CPPlan, apply_context_parallel
-from distrain.parallel.data_parallel import DistributedDataParallel
+from distrain.parallel.data_parallel import DistributedDataParallel, accumulate_gradients
 from distrain.parallel.expert_parallel import (
     EPPlan, ExpertParallel, apply_expert_parallel, check_ep_layout, expert_parameter_names, reduce_expert_gradients,
 )
@@ -135,27 +135,22 @@ class ParallelModel:
         """Forward and backward of this replica's batch; returns the loss where it is computed (with
         context parallelism: the mean over this rank's tokens).
 
-        Without a pipeline the batch runs as ``accum_steps`` equal chunks (gradient accumulation: the
-        gradients are synchronised on the last one only, DDP's ``no_sync`` before it), each chunk's loss
-        divided by ``accum_steps``; the loss returned is their sum in float64. ``carry(loss)`` (with
-        :attr:`can_carry`): values to all-reduce along with the last chunk's gradients (an elastic
+        Without a pipeline the batch runs as ``accum_steps`` equal chunks (``accumulate_gradients``: the
+        gradients are synchronised on the last one only), and the loss returned is their sum in float64;
+        a pipeline accumulates over its micro-batches instead (``accum_steps`` must be 1). ``carry(loss)``
+        (with :attr:`can_carry`): values to all-reduce along with the last chunk's gradients (an elastic
         job's commit, DDP's ``carry``; read them back with ``ddp.carried()``)."""
         x, y = self.split(x, "input"), self.split(y, "target")
         if self.stage is None:
             net = self.ddp if self.ddp is not None else self.module
-            total = torch.zeros((), dtype=torch.float64, device=x.device)
-            for i, (xi, yi) in enumerate(zip(x.chunk(accum_steps), y.chunk(accum_steps))):
-                last = i == accum_steps - 1
-                quiet = self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext()
-                with quiet:
-                    loss = self.loss_fn(net(xi), yi) / accum_steps  # the mean over the slice: equal chunks
-                    if carry is not None and last:
-                        self.ddp.carry(carry(loss.detach()))
-                    loss.backward()
-                total += loss.detach().double()
+            ride = None if carry is None else (lambda loss: self.ddp.carry(carry(loss)))
+            total = accumulate_gradients(net, self.loss_fn, x, y, accum_steps, before_last_backward=ride)
             if self.expert_params:
                 reduce_expert_gradients(self.expert_params, self.topo.edp_group, self.topo.dp * self.topo.cp)
             return total
+        if accum_steps != 1 or carry is not None:
+            raise ConfigError(f"ParallelModel.train_step: a pipeline accumulates over its {self.microbatches} "
+                              f"micro-batches; accum_steps must be 1 and carry None (got {accum_steps}, {carry!r})")
         # ZeRO reduces once per step for stage 1, and for stage 2 when the schedule splits the
         # backward (zb-h1's W passes accumulate weight gradients outside autograd, where no
         # hook sees them); else stage 2 reduce-scatters per micro-batch, from the hooks

@@ -12,8 +12,10 @@ Architecture" (the ring and tree all-reduce diagrams: which algorithm a bucket u
     comm_hooks.py  ``register_comm_hook``'s bucket and our hooks on distrain.comm: allreduce,
                    fp16/bf16 compression; powersgd.py: PowerSGD (Vogels et al. 2019).
     join.py        ``join()``: ranks with fewer batches answer the others' all-reduces with zeros.
+    accumulate.py  ``accumulate_gradients``: a part of the batch in equal chunks, synchronised once.
 """
 
+from distrain.parallel.data_parallel.accumulate import accumulate_gradients
 from distrain.parallel.data_parallel.comm_hooks import (
     GradBucket,
     allreduce_hook,
@@ -24,5 +26,5 @@ from distrain.parallel.data_parallel.ddp import DistributedDataParallel
 from distrain.parallel.data_parallel.join import Join
 from distrain.parallel.data_parallel.powersgd import PowerSGDState, powersgd_hook
 
-__all__ = ["DistributedDataParallel", "GradBucket", "Join", "PowerSGDState", "allreduce_hook",
+__all__ = ["DistributedDataParallel", "GradBucket", "Join", "PowerSGDState", "accumulate_gradients", "allreduce_hook",
            "bf16_compress_hook", "fp16_compress_hook", "powersgd_hook"]

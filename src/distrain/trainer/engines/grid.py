@@ -73,8 +73,7 @@ class GridEngine(Engine):
             self.optimizer.zero_grad(set_to_none=True)
         ride = commit is not None and self.cfg.accum_steps == 1 and pm.can_carry
         with self.autocast():
-            loss = pm.train_step(x, y, **({} if pm.stage is not None else dict(
-                accum_steps=self.cfg.accum_steps, carry=commit.values if ride else None)))
+            loss = pm.train_step(x, y, self.cfg.accum_steps, carry=commit.values if ride else None)
         if self.cfg.grad_clip:
             self.clip(self.cfg.grad_clip)
         if ride:

@@ -8,12 +8,11 @@ other's checkpoints with ``--reshard``.
 
 from __future__ import annotations
 
-import contextlib
 
-import torch
 import torch.nn as nn
 
 from distrain.parallel.clip import clip_grad_norm
+from distrain.parallel.data_parallel import accumulate_gradients
 from distrain.trainer.engines.base import Engine, evaluate_batches, part_loss
 
 
@@ -40,27 +39,12 @@ class SingleEngine(Engine):
         """Forward/backward of ``accum_steps`` equal micro-batches of this rank's slice (gradients
         synchronised on the last one only: no_sync before), clipping, ``commit``, optimizer step."""
         self.optimizer.zero_grad(set_to_none=True)
-        k = self.cfg.accum_steps
-        # our DDP can carry the commit's values in its last gradient bucket: no collective of their own
-        ride = commit is not None and k == 1 and getattr(self.net, "can_carry", False)
-        total = torch.zeros((), dtype=torch.float64, device=x.device)
-        for i, (xi, yi) in enumerate(zip(x.chunk(k), y.chunk(k))):
-            quiet = self.net.no_sync() if i < k - 1 and hasattr(self.net, "no_sync") else contextlib.nullcontext()
-            with quiet:
-                with self.autocast():
-                    loss = self.loss_fn(self.net(xi), yi) / k  # the mean over the slice: equal chunks
-                if ride:
-                    self.net.carry(commit.values(loss.detach()))
-                loss.backward()
-            total += loss.detach().double()
+        total = accumulate_gradients(self.net, self.loss_fn, x, y, self.cfg.accum_steps, forward_context=self.autocast)
         if self.cfg.grad_clip:  # the replicas hold the same (averaged) gradients: no sum over ranks
             clip_grad_norm([(p.grad, 1) for p in self.model.parameters()], self.cfg.grad_clip)
-        if ride:
-            commit.averaged(self.net.carried())
-        elif commit is not None:
+        if commit is not None:
             commit(total)
         self.finish_step()
-        self.comm_wait_s = getattr(self.net, "comm_wait_s", None)
         return total
 
     def finish_step(self) -> None:
