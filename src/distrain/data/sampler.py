@@ -168,12 +168,16 @@ class DistributedBatchSampler:
         lb = self.local_batch_size
         return self.global_batch(step)[self.dp_rank * lb:(self.dp_rank + 1) * lb].clone()
 
-    def part(self, step: int, dp_rank: int, dp_size: int) -> torch.Tensor:
+    def part(self, step: int, dp_rank: int, dp_size: int, unit: int = 1) -> torch.Tensor:
         """Replica ``dp_rank`` of ``dp_size``'s contiguous part of global step ``step`` (sizes differ by at
         most one: :func:`part_bounds`); equal to ``batch(step)`` of a sampler built with that rank and size
-        when ``dp_size`` divides the global batch."""
-        lo, hi = part_bounds(self.global_batch_size, dp_size, dp_rank)
-        return self.global_batch(step)[lo:hi].clone()
+        when ``dp_size`` divides the global batch. ``unit``: the batch is shared in whole units of this many
+        samples (it must divide the batch), so parts differ by at most one unit."""
+        if self.global_batch_size % unit:
+            raise ConfigError(f"part: a unit of {unit} samples does not divide the global batch of "
+                              f"{self.global_batch_size}")
+        lo, hi = part_bounds(self.global_batch_size // unit, dp_size, dp_rank)
+        return self.global_batch(step)[lo * unit:hi * unit].clone()
 
     def batches(self, start_step: int = 0, num_steps: int | None = None) -> Iterator[torch.Tensor]:
         """This rank's batches of steps ``start_step, start_step + 1, ...`` across epochs

@@ -111,6 +111,12 @@ class TrainConfig:
                                                 "same results)")
     autocast: str = opt("none", "mixed precision: run forward and loss under torch.autocast in bf16",
                         choices=AUTOCASTS)
+    layout_invariant: bool = opt(False, "the same bits whatever the layout: every step's loss, the gradient norm, the "
+                                        "parameters and optimizer state equal one process's bit for bit "
+                                        "(docs/determinism.md)")
+    units: int = opt(0, "--layout-invariant: the global batch as this many equal units of work, the same in every "
+                        "layout (at most this many data-parallel replicas); 0: the largest number up to 8 that "
+                        "divides --batch-size")
     # bookkeeping
     out: str = opt("runs/latest", "run folder: metrics.jsonl, loss.png, summary.json, checkpoints")
     overwrite: bool = opt(False, "replace the previous run's files in a non-empty --out")

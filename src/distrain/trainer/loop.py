@@ -348,10 +348,11 @@ def train_steps(cfg: TrainConfig, engine: Engine, task: Task, start: int, guard:
             if not due:
                 guard.begin(step, engine)
                 t0 = time.perf_counter()
-                x, y = task.batch(task.train, sampler.part(step, engine.dp_rank, engine.dp_size)) \
+                x, y = task.batch(task.train, sampler.part(step, engine.dp_rank, engine.dp_size, engine.part_unit)) \
                     if engine.reads_data else (None, None)
                 lr = lr_at(cfg, step)
                 engine.set_lr(lr)
+                engine.step_index = step
                 with step_probe() if step_probe is not None else contextlib.nullcontext():
                     loss = engine.train_step(x, y, guard.commit_hook(step, engine))
                 rec = step_record(step, loss, time.perf_counter() - t0, engine.comm_wait_s, task.unit,

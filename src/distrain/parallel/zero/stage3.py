@@ -95,6 +95,9 @@ class Stage3:
         self._needs_bwd = [False] * len(self.units)
         self._handles: list[tuple[int, object, torch.Tensor]] = []
         self._queued = False
+        # grad_sink(i, flat gradient), when set, receives each unit's gathered gradient instead of the
+        # reduce-scatter (distrain.parallel.invariant sums them in int64)
+        self.grad_sink = None
         self._hooks = None
         self._raw: torch.Tensor | None = None
 
@@ -177,6 +180,9 @@ class Stage3:
     def _grad_ready(self, i: int, grad_full: torch.Tensor) -> None:
         self._enter_backward()
         self._bwd.pop(i, None)  # unit i's backward is done: free its gathered parameters
+        if self.grad_sink is not None:  # (layout-invariant training sums the gradients itself)
+            self.grad_sink(i, grad_full.contiguous())
+            return
         u = self.units[i]
         with torch.no_grad():
             g = grad_full.contiguous()

@@ -5,6 +5,7 @@
 * strategy.py: the strategy's own rules (the flags it acts on, its process counts, --elastic)
 * features.py: training features against each other and the machine (autocast, zb-h1, activation
   checkpointing, --trace/--gantt, --device cuda)
+* invariant.py: --layout-invariant's coverage and its units of work
 * layout.py: ranks, the dp x cp x tp x pp grid, the model's split, the batch's division (--accum-steps)
 * data.py: model and data fit each other, and the data is installed
 
@@ -17,7 +18,7 @@ edge (distrain.runtime.validate_args).
 
 from __future__ import annotations
 
-from distrain.trainer.checks import data, features, flags, layout, start, strategy
+from distrain.trainer.checks import data, features, flags, invariant, layout, start, strategy
 
 
 def validate(cfg, launched: tuple[int, int] | None = None, fashion_mnist_root: str | None = None) -> None:
@@ -42,6 +43,7 @@ def validate(cfg, launched: tuple[int, int] | None = None, fashion_mnist_root: s
 
     features.check_features(cfg)
     features.check_device(cfg)
+    invariant.check_invariant(cfg)
 
     layout.check_local_ranks(cfg, launched)
     layout.check_experts(cfg)

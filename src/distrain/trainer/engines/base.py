@@ -54,6 +54,8 @@ class Engine(ABC):
     loss_group = None  # the ranks whose weighted losses sum to the logged loss (None: the world)
     loss_weight: float = 1.0
     label: str = ""  # what the progress bar, plot and summary call this run, e.g. "dp1×tp2×pp2"
+    part_unit: int = 1  # this rank's part of the batch is whole multiples of this many samples (--layout-invariant)
+    step_index: int = 0  # the global step train_step runs (the loop sets it; layout-invariant units draw by it)
 
     def __init__(self, cfg: TrainConfig, model: nn.Module, loss_fn: LossFn, optimizer_factory: OptimizerFactory):
         self.cfg = cfg

@@ -52,7 +52,10 @@ class GridEngine(Engine):
                               microbatches=cfg.microbatches, schedule=cfg.schedule,
                               bucket_cap_mb=cfg.bucket_cap_mb, zero_stage=self.zero_stage,
                               optimizer=optimizer_factory, cp_plan=model_cp_plan(model) if cfg.cp > 1 else None,
-                              cp_algorithm=cfg.cp_algorithm, ep_plan=model_ep_plan(model),
+                              cp_algorithm=cfg.cp_algorithm,
+                              # layout-invariant: a mixture's router counts stay the unit's own (its balancing
+                              # loss must not depend on which units share a rank)
+                              ep_plan=None if cfg.layout_invariant else model_ep_plan(model),
                               compression=cfg.compression)
         self.optimizer = self.pm.optimizer or optimizer_factory(self.pm.parameters())
         self.dp_rank, self.dp_size = topo.dp_rank, topo.dp
@@ -61,12 +64,27 @@ class GridEngine(Engine):
         self.whole = topo.tp == topo.pp == topo.cp == topo.ep == 1
         self.holds_whole_state = self.whole and not self.zero_stage
         self.label = label_of(cfg, topo, self.zero_stage)
+        self.invariant = None
+        if cfg.layout_invariant:  # (validated: data parallelism alone)
+            from distrain.trainer.engines.invariant import InvariantTraining
+
+            self.invariant = InvariantTraining(cfg, self.pm.module, self.eval_loss_fn, replicas=topo.dp,
+                                               replica=topo.dp_rank, group=topo.dp_cp_group, zero=self.pm.zero,
+                                               ddp=self.pm.ddp, forward_context=self.autocast)
+            self.part_unit = self.invariant.samples_per_unit
+            self.loss_weight = 1.0 if self.rank == 0 else 0.0  # every rank has the whole loss: exact
 
     def train_step(self, x, y, commit=None):
         """Forward/backward of this replica's part (``--accum-steps`` chunks without a pipeline,
         ``--microbatches`` through it), the gradient sync, clipping by the whole model's norm, ``commit``
         (an elastic job's quorum; with DDP its values ride in the last gradient bucket), the update."""
         pm, zero = self.pm, self.pm.zero
+        if self.invariant is not None:
+            loss = self.invariant.step(x, y, self.step_index)
+            if commit is not None:
+                commit(loss)
+            self.finish_step()
+            return loss
         if zero is not None:
             zero.zero_grad()
         else:

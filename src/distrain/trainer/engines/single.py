@@ -28,6 +28,13 @@ class SingleEngine(Engine):
         self.loss_fn = part_loss(loss_fn, cfg.batch_size, self.dp_size, self.dp_rank)
         self.loss_weight = 1.0 / self.world
         self.label = self.describe()
+        self.invariant = None
+        if cfg.layout_invariant:  # (validated: strategy single)
+            from distrain.trainer.engines.invariant import InvariantTraining
+
+            self.invariant = InvariantTraining(cfg, self.model, self.eval_loss_fn, replicas=1, replica=0,
+                                               forward_context=self.autocast)
+            self.part_unit = self.invariant.samples_per_unit
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
@@ -39,6 +46,12 @@ class SingleEngine(Engine):
         """Forward/backward of ``accum_steps`` equal micro-batches of this rank's slice (gradients
         synchronised on the last one only: no_sync before), clipping, ``commit``, optimizer step."""
         self.optimizer.zero_grad(set_to_none=True)
+        if self.invariant is not None:
+            total = self.invariant.step(x, y, self.step_index)
+            if commit is not None:
+                commit(total)
+            self.finish_step()
+            return total
         total = accumulate_gradients(self.net, self.loss_fn, x, y, self.cfg.accum_steps, forward_context=self.autocast)
         if self.cfg.grad_clip:  # the replicas hold the same (averaged) gradients: no sum over ranks
             clip_grad_norm([(p.grad, 1) for p in self.model.parameters()], self.cfg.grad_clip)

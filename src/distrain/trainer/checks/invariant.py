@@ -1,0 +1,53 @@
+"""--layout-invariant: what it covers today, and the unit of work every layout must share
+(docs/determinism.md)."""
+
+from __future__ import annotations
+
+from distrain.parallel.invariant.units import default_units
+from distrain.trainer.checks.need import need
+
+# the strategies whose every reduction distrain orders (torch's DDP reducer, an asynchronous server and a
+# run without gradient exchange cannot give one process's bits)
+INVARIANT_STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3")
+
+
+def units_of(cfg) -> int:
+    """U: --units, or its default for the batch."""
+    return cfg.units or default_units(cfg.batch_size)
+
+
+def check_invariant(cfg) -> None:
+    need(cfg.units >= 0, f"--units must be >= 0 (0: the default), got {cfg.units}")
+    if not cfg.layout_invariant:
+        need(cfg.units == 0, f"--units {cfg.units} only acts with --layout-invariant: add it, or drop --units")
+        return
+    u = units_of(cfg)
+    need(cfg.strategy in INVARIANT_STRATEGIES,
+         f"--layout-invariant: --strategy {cfg.strategy} is not covered (torch-ddp's reducer and ps-async's "
+         f"updates order sums outside distrain); use --strategy {', '.join(INVARIANT_STRATEGIES)}")
+    need(cfg.batch_size % u == 0,
+         f"--layout-invariant: --units {u} must divide --batch-size {cfg.batch_size}; "
+         f"use one of {', '.join(str(d) for d in range(1, cfg.batch_size + 1) if cfg.batch_size % d == 0)}")
+    grid = {"--tp": cfg.tp, "--pp": cfg.pp, "--cp": cfg.cp, "--ep": cfg.ep}
+    bad = [f"{k} {v}" for k, v in grid.items() if v > 1]
+    need(not bad, f"--layout-invariant covers data parallelism (single, ddp, zero1-3) today, not {', '.join(bad)}: "
+                  f"tensor, pipeline, context and expert parallel reductions are not ordered yet "
+                  f"(docs/determinism.md); drop {', '.join(bad)}")
+    need(cfg.accum_steps == 1,
+         f"--layout-invariant already accumulates: each replica runs its units of {cfg.batch_size // u} samples one "
+         f"at a time; drop --accum-steps {cfg.accum_steps} and set --units (now {u})")
+    need(cfg.compression is None, f"--layout-invariant sums gradients as integers; drop --compression {cfg.compression}")
+    need(cfg.device != "cuda", "--layout-invariant is checked on CPU only (GPU kernels' batch invariance is not "
+                               "verified here); use --device cpu")
+    replicas = cfg.workers
+    most = replicas
+    if cfg.elastic:
+        most = max(most, int(cfg.elastic.split(":")[1]))
+    fit = min(d for d in range(min(most, cfg.batch_size), cfg.batch_size + 1) if cfg.batch_size % d == 0)
+    need(most <= u, f"--layout-invariant: {most} data-parallel replicas cannot share {u} units (each needs at least "
+                    f"one); use --units {fit}" + (" with a larger --batch-size" if most > cfg.batch_size else "")
+                    + " or fewer ranks")
+    need(cfg.strategy != "zero3" or u % replicas == 0,
+         f"--layout-invariant with --strategy zero3: every replica must run the same number of units (its "
+         f"all-gathers are collective), so {replicas} replicas must divide --units {u}; use --units "
+         f"{replicas * max(1, u // replicas)} or another --nproc")

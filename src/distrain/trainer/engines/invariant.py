@@ -1,0 +1,86 @@
+"""``--layout-invariant`` inside the engines: one process, DDP and ZeRO 1-3 run the same units of work and
+sum them the same way (distrain.parallel.invariant; docs/determinism.md).
+
+``InvariantTraining.step(x, y, step)`` replaces an engine's forward/backward/sync/clip: this replica's units
+one at a time, the int64 sums over the replicas, back to ``.grad`` (replicas) or to ZeRO's shard grads,
+then the exact-norm clip. The engine then commits and steps its optimizer as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from distrain import comm
+from distrain.parallel.invariant import FixedPointGradients, InvariantStep, clip_exact, replica_units
+from distrain.parallel.zero.layout import make_unit
+from distrain.trainer.checks.invariant import units_of
+
+
+class InvariantTraining:
+    """Over ``module`` (whole on every replica, or ZeRO's ``zero`` around it; ``ddp``: the DDP wrapper whose
+    own hooks stay quiet), replica ``replica`` of ``replicas`` over ``group`` (None: one process)."""
+
+    def __init__(self, cfg, module, loss_fn, *, replicas: int, replica: int, group=None, zero=None, ddp=None,
+                 forward_context=contextlib.nullcontext):
+        torch.set_num_threads(1)  # a kernel's reduction order may depend on its thread count
+        self.cfg, self.zero = cfg, zero
+        self.units = units_of(cfg)
+        self.group = group if (group is not None and dist.get_world_size(group) > 1) else None
+        src = dist.get_process_group_ranks(group)[0] if self.group is not None else 0
+        quiet = contextlib.nullcontext
+        if zero is not None:
+            units, params = zero.units, (None if zero.stage == 3 else zero.impl.params)
+            if zero.stage < 3:
+                quiet = zero.no_sync
+        else:
+            named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+            units, params = [make_unit(0, named, 1)], [[p for _, p in named]]
+            if ddp is not None:
+                quiet = ddp.no_sync
+        self.grads = FixedPointGradients(units, params, addends=self.units, group=self.group, src=src)
+        if zero is not None and zero.stage == 3:
+            zero.impl.grad_sink = self.grads.take_flat
+        self.numel = sum(u.numel for u in units)  # the whole model's elements: the norm's headroom
+        self.run = InvariantStep(module, loss_fn, self.grads, units=self.units,
+                                 replica_units=replica_units(self.units, replicas, replica), seed=cfg.seed,
+                                 forward_context=forward_context, quiet=quiet)
+        self.params = params
+
+    @property
+    def samples_per_unit(self) -> int:
+        return self.cfg.batch_size // self.units
+
+    def _all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        comm.all_reduce(t, op=op, group=self.group, algorithm="native")
+        return t
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+        """Forward/backward of this replica's units, gradients summed, clipped: the step's loss (float64,
+        the same on every rank)."""
+        z = self.zero
+        if z is not None:
+            z.zero_grad()
+        else:
+            for ps in self.params:
+                for p in ps:
+                    p.grad = None
+        loss = self.run(x, y, step)
+        if z is not None:
+            shards = z.parameters()
+            rank = dist.get_rank(self.group) if self.group is not None else 0
+            world = dist.get_world_size(self.group) if self.group is not None else 1
+            for s, g in zip(shards, self.grads.shard_gradients(rank, world, [s.dtype for s in shards])):
+                s.grad = g
+            grads, reduce = [s.grad for s in shards], self._all_reduce if self.group is not None else None
+        else:
+            self.grads.gradients()
+            grads, reduce = [p.grad for ps in self.params for p in ps], None  # replicas: every element here
+        if self.cfg.grad_clip:
+            clip_exact(grads, self.cfg.grad_clip, addends=self.numel, all_reduce=reduce)
+        return torch.tensor(loss, dtype=torch.float64)
+
+
+__all__ = ["InvariantTraining"]
