@@ -26,6 +26,7 @@ def test_simulated_bubble_is_p_minus_1_over_v_m(p, v, mult):
     tl = simulate_interleaved(p, v, m)  # raises ScheduleDeadlock if any rank could block forever
     compute = tl.compute_time()
     assert (p * tl.makespan() - compute) / compute == pytest.approx(interleaved_bubble(p, v, m), abs=1e-12)
+    assert tl.bubble_fraction() == pytest.approx(tl.expected_bubble(), abs=1e-12)  # (p-1)/(v m + p - 1): --gantt's
     for r in range(p):  # every (chunk, micro-batch) forward once, backward once, forward first
         ops = interleaved_ops(p, r, v, m)
         fwd = [(c, k) for kind, c, k in ops if kind == "F"]

@@ -154,9 +154,10 @@ class InterleavedStage(nn.Module):
         """A local parameter or buffer name -> its name in the whole model: chunk c's
         ``chunks.c.i.x`` is ``layers.{start_c + i}.x`` (the model's ``layers`` list, as a
         :class:`~.pipeline.PipelineStage`'s ``layers.i.x`` is ``layers.{start + i}.x``)."""
-        head, c, i, rest = name.split(".", 3)
-        if head != "chunks":
+        parts = name.split(".", 3)
+        if len(parts) < 4 or parts[0] != "chunks":
             raise ConfigError(f"InterleavedStage.whole_name: {name!r} is not a name of this stage's chunks")
+        _, c, i, rest = parts
         return f"layers.{self.bounds[int(c)][0] + int(i)}.{rest}"
 
     @classmethod

@@ -133,7 +133,8 @@ class GridEngine(Engine):
         if c.trace:
             timeline.to_chrome_trace(c.trace)
         if c.gantt:
-            timeline.plot_gantt(c.gantt, title=f"{self.label}, {c.schedule}, {c.microbatches} micro-batches, "
+            chunks = f" ({c.virtual_stages} chunks per rank)" if interleaved(c) else ""
+            timeline.plot_gantt(c.gantt, title=f"{self.label}, {c.schedule}{chunks}, {c.microbatches} micro-batches, "
                                                f"last step")
 
     def evaluate(self, batches):
