@@ -287,7 +287,8 @@ def test_trainer_zb_h1_equals_single_process(tmp_path, tmp_path_factory):
 @pytest.mark.parametrize("kw,match", [
     (dict(schedule="zb-h1", autocast="bf16", dtype="float32"), r"--schedule zb-h1 defers weight gradients outside "
                                                                r"autocast's casts"),
-    (dict(schedule="zb-h2"), r"--schedule must be gpipe or 1f1b, or zb-h1 \(zero bubble\); got 'zb-h2'"),
+    (dict(schedule="zb-h2"), r"--schedule must be gpipe or 1f1b, interleaved \(--virtual-stages chunks per rank\) "
+                             r"or zb-h1 \(zero bubble\); got 'zb-h2'"),
 ])
 def test_trainer_refuses_bad_zb_config(tmp_path, kw, match):
     with pytest.raises(ConfigError, match=match):

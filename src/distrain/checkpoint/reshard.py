@@ -37,6 +37,7 @@ import torch
 from distrain.checkpoint import store
 from distrain.checkpoint.form import FULL, whole
 from distrain.errors import ConfigError
+from distrain.parallel.pipeline_parallel import InterleavedStage
 
 
 # -- what each shard file records ---------------------------------------------------------------
@@ -79,9 +80,12 @@ def _buffers(module) -> dict[str, torch.Tensor]:
 
 
 def stage_full_name(stage):
-    """local name -> the model's name: a pipeline stage's ``layers.i.x`` is ``layers.{start+i}.x``."""
+    """local name -> the model's name: a pipeline stage's ``layers.i.x`` is ``layers.{start+i}.x``; an
+    interleaved stage's chunk c ``chunks.c.i.x`` is ``layers.{start_c+i}.x`` (``InterleavedStage.whole_name``)."""
     if stage is None:
         return lambda n: n
+    if isinstance(stage, InterleavedStage):
+        return stage.whole_name
 
     def full(n: str) -> str:
         head, i, rest = n.split(".", 2)

@@ -27,6 +27,9 @@ Why this order:
    and divided by dp x cp; DDP below leaves them alone.
 3. **Pipeline split third** (``topo.pp_group``): the rank keeps the contiguous slice of
    layers of stage ``topo.pp_rank``; activations go to the same tp rank of the next stage.
+   With ``schedule="interleaved"`` the layers are cut into pp x v parts and the rank keeps
+   the v non-contiguous parts r, pp + r, 2 pp + r, ... (an ``InterleavedStage``: Megatron's
+   virtual stages, the bubble v times smaller; activations go round the ring of ranks v times).
    Balancing by parameter count is the same on every tp rank, since every tp rank holds
    the same share of each layer.
 4. **Data parallel last** (``topo.dp_cp_group``: the dp group when cp is 1): DDP wraps exactly
@@ -43,7 +46,8 @@ Why this order:
    ZeRO engine builds over this rank's flat shards (``pm.optimizer``). With a pipeline,
    stage 1 reduce-scatters once per step (micro-batches under ``no_sync``); stage 2
    reduce-scatters after every micro-batch's backward, so no full-size gradient outlives
-   it (M x stage 1's reduce-scatter volume), except under a split-backward schedule
+   it (M x stage 1's reduce-scatter volume; interleaved: after every chunk's backward of a
+   micro-batch, M x v x, the chunks' units that got no gradient reduced as zeros), except under a split-backward schedule
    (zb-h1: the deferred W passes write ``.grad`` outside autograd's hooks), where it too
    reduces once per step and holds full-size gradients until then; stage 3 is refused (it would all-gather each
    layer twice per micro-batch; DeepSpeed refuses ZeRO-2/3 with pipelines altogether).
@@ -67,7 +71,8 @@ from distrain.parallel.data_parallel import DistributedDataParallel, accumulate_
 from distrain.parallel.expert_parallel import (
     EPPlan, ExpertParallel, apply_expert_parallel, check_ep_layout, expert_parameter_names, reduce_expert_gradients,
 )
-from distrain.parallel.pipeline_parallel import PipelineStage, partition, pipeline_step
+from distrain.parallel.pipeline_parallel import InterleavedStage, PipelineStage, interleaved_step, partition, \
+    pipeline_step
 from distrain.parallel.pipeline_parallel.schedule import SPLIT_BACKWARD
 from distrain.parallel.tensor_parallel import TPGroup, apply_tensor_parallel, is_sequence_parallel, tp_shard_info
 from distrain.parallel.tensor_parallel.plan import TPPlan, as_plan
@@ -83,7 +88,7 @@ Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 class ParallelModel:
     topo: Topology
     module: nn.Module  # what this rank trains: the (TP-sharded) model or pipeline stage
-    stage: PipelineStage | None
+    stage: PipelineStage | InterleavedStage | None  # interleaved: schedule "interleaved", v chunks per rank
     ddp: DistributedDataParallel | None
     algorithm: str
     microbatches: int
@@ -157,9 +162,14 @@ class ParallelModel:
         once = self.zero is not None and (self.zero.stage == 1 or self.schedule in SPLIT_BACKWARD)
         sync = (self.ddp.no_sync() if self.ddp is not None else self.zero.no_sync() if once
                 else contextlib.nullcontext())
+        first, last = self.stage.is_first, self.stage.is_last
         with sync:
-            loss = pipeline_step(self.stage, x if self.stage.is_first else None, y if self.stage.is_last else None,
-                                 self.loss_fn, schedule=self.schedule, num_microbatches=self.microbatches)
+            if isinstance(self.stage, InterleavedStage):
+                loss = interleaved_step(self.stage, x if first else None, y if last else None,
+                                        self.loss_fn if last else None, num_microbatches=self.microbatches)
+            else:
+                loss = pipeline_step(self.stage, x if first else None, y if last else None, self.loss_fn,
+                                     schedule=self.schedule, num_microbatches=self.microbatches)
         if self.ddp is not None:
             self.ddp.allreduce_gradients()
         if once:
@@ -172,7 +182,7 @@ class ParallelModel:
 
 
 def parallelize(model: nn.Module, topo: Topology, *, loss_fn: Loss, tp_plan=None, algorithm: str = "native",
-                microbatches: int = 1, schedule: str = "1f1b", bucket_cap_mb: float = 25.0,
+                microbatches: int = 1, schedule: str = "1f1b", virtual_stages: int = 2, bucket_cap_mb: float = 25.0,
                 zero_stage: int = 0, optimizer=None, cp_plan: CPPlan | None = None,
                 cp_algorithm: str = "ring", ep_plan: EPPlan | None = None,
                 compression: str | None = None) -> ParallelModel:
@@ -180,7 +190,10 @@ def parallelize(model: nn.Module, topo: Topology, *, loss_fn: Loss, tp_plan=None
     "ring" or "all-to-all"), ``ep_plan`` on ``topo.ep_group`` (the mixture layers' experts; with ep = 1 it
     only sums the router's counts over dp x cp), cut the pipeline stage of ``topo.pp_rank``, wrap it in DDP over
     ``topo.dp_cp_group`` (or ZeRO ``zero_stage`` with the ``optimizer`` factory); ``compression`` (None,
-    "bf16", "fp16") is DDP's gradient compression on the wire.
+    "bf16", "fp16") is DDP's gradient compression on the wire. ``schedule``: "gpipe", "1f1b", "zb-h1"
+    (:func:`pipeline_step` on a :class:`PipelineStage`) or "interleaved" (:func:`interleaved_step` on an
+    :class:`InterleavedStage` holding ``virtual_stages`` chunks: the layers cut into pp x virtual_stages
+    parts, chunk c of rank r the part c*pp + r).
     ``loss_fn(output, target)``: the loss on the model's full output (a plan that keeps the
     output sharded brings its own loss on shards, used when tp > 1).
 
@@ -207,7 +220,9 @@ def parallelize(model: nn.Module, topo: Topology, *, loss_fn: Loss, tp_plan=None
     plan = as_plan(tp_plan) if tp_plan is not None else None
     # 0. the pipeline cut is decided on the whole model, before any sharding: the same on
     #    every rank whatever tp is (layers per stage, balanced by parameter count)
-    cut = [stop - start for start, stop in partition(model, topo.pp)] if topo.pp > 1 else None
+    interleaved = topo.pp > 1 and schedule == "interleaved"
+    parts = topo.pp * virtual_stages if interleaved else topo.pp
+    cut = [stop - start for start, stop in partition(model, parts)] if topo.pp > 1 else None
     # 1. tensor parallel: shards inside every layer, on the tp group
     if topo.tp > 1:
         apply_tensor_parallel(model, topo.tp_group, algorithm, plan=plan)
@@ -225,7 +240,10 @@ def parallelize(model: nn.Module, topo: Topology, *, loss_fn: Loss, tp_plan=None
     if experts:  # they differ between the dp x cp ranks: DDP leaves them to reduce_expert_gradients
         model._ddp_params_and_buffers_to_ignore = experts
     # 3. pipeline: keep this stage's layers; neighbours are the same (dp, tp) on pp_rank -/+ 1
-    stage = PipelineStage.from_topology(model, topo, balance=cut) if topo.pp > 1 else None
+    if interleaved:  # chunks c*pp + r of the pp x virtual_stages parts (interleaved.py)
+        stage = InterleavedStage.from_topology(model, topo, virtual_stages, balance=cut)
+    else:
+        stage = PipelineStage.from_topology(model, topo, balance=cut) if topo.pp > 1 else None
     module = stage if stage is not None else model
     # 4. data parallel: average the gradients of identical shards over the dp x cp group
     ddp = zero = None

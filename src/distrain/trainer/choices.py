@@ -15,7 +15,10 @@ DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("constant", "cosine")
 AUTOCASTS = ("none", "bf16")
 CP_ALGORITHMS = ("ring", "all-to-all")  # --cp-algorithm: parallel/context_parallel/ring.py, ulysses.py
-SCHEDULES = ("gpipe", "1f1b", "zb-h1")  # zb-h1: zero bubble (B / W split), parallel/pipeline_parallel/zero_bubble.py
+# zb-h1: zero bubble (B / W split), parallel/pipeline_parallel/zero_bubble.py; interleaved: v chunks of layers per
+# rank (--virtual-stages, Megatron's virtual stages), parallel/pipeline_parallel/interleaved.py
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+VIRTUAL_STAGES = 2  # --virtual-stages' default: model chunks per pipeline rank under --schedule interleaved
 # which data each model preset reads (input sizes must match)
 MODEL_DATA = {"gpt-tiny": "text", "gpt-small": "text", "mlp": "fashion-mnist", "mlp-tiny": "digits",
               "llama-tiny": "text", "llama-small": "text", "llama-moe-tiny": "text"}

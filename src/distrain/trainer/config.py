@@ -17,7 +17,7 @@ from distrain.optim import DEFAULTS as OPTIMIZER_DEFAULTS
 from distrain.optim import OPTIMIZERS
 from distrain.trainer.choices import (  # noqa: F401  (LOCAL_RANKS_PER_CORE, SEED_MAX, local_rank_limit: re-exported)
     AUTOCASTS, CP_ALGORITHMS, DATASETS, DEVICES, DTYPES, LOCAL_RANKS_PER_CORE, LR_SCHEDULES, MODEL_DATA, SCHEDULES,
-    SEED_MAX, STRATEGIES, either, local_rank_limit)
+    SEED_MAX, STRATEGIES, VIRTUAL_STAGES, either, local_rank_limit)
 
 
 def applicable(strategy: str, **flags) -> dict:
@@ -82,8 +82,12 @@ class TrainConfig:
                      "ranks, tokens sent to it all-to-all; borrows ranks from dp x cp, so ep must divide dp x cp and "
                      "the number of experts")
     microbatches: int = opt(1, "micro-batches per pipeline step; must divide the per-replica batch")
-    schedule: str = opt("1f1b", "pipeline schedule (zb-h1: zero bubble, backward split into input- and "
-                                "weight-gradient passes)", choices=SCHEDULES)
+    schedule: str = opt("1f1b", "pipeline schedule (interleaved: 1F1B over --virtual-stages chunks of layers per "
+                                "rank, Megatron's virtual stages; zb-h1: zero bubble, backward split into input- "
+                                "and weight-gradient passes)", choices=SCHEDULES)
+    virtual_stages: int = opt(VIRTUAL_STAGES, "--schedule interleaved: model chunks per pipeline rank (chunk j on rank j mod "
+                                 "--pp); the model needs at least pp x this many layers, and --microbatches must be "
+                                 "a multiple of --pp")
     trace: str = opt("", "pipeline runs: write the last step's timeline as a Chrome trace (JSON for "
                          "chrome://tracing or Perfetto) to this path")
     gantt: str = opt("", "pipeline runs: draw the last step's timeline as a Gantt chart (PNG) to this path")

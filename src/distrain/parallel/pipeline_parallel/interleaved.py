@@ -136,9 +136,29 @@ class InterleavedStage(nn.Module):
         layers = model_or_layers.layers if hasattr(model_or_layers, "layers") else list(model_or_layers)
         self.rank, self.num_stages, self.virtual_stages = rank, p, v
         self.ranks, self.group, self.tag_base = list(ranks), group, tag_base
-        self.bounds = [bounds[c * p + rank] for c in range(v)]
+        self.bounds = [bounds[c * p + rank] for c in range(v)]  # chunk c's (start, stop) in the model's layers
         self.chunks = nn.ModuleList(nn.Sequential(*layers[a:b]) for a, b in self.bounds)
         self.timeline: StageTimeline | None = None
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank holds the model's first layers (virtual stage 0: it takes the inputs)."""
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank holds the model's last layers (virtual stage p*v - 1: it computes the loss)."""
+        return self.rank == self.num_stages - 1
+
+    def whole_name(self, name: str) -> str:
+        """A local parameter or buffer name -> its name in the whole model: chunk c's
+        ``chunks.c.i.x`` is ``layers.{start_c + i}.x`` (the model's ``layers`` list, as a
+        :class:`~.pipeline.PipelineStage`'s ``layers.i.x`` is ``layers.{start + i}.x``)."""
+        parts = name.split(".", 3)
+        if len(parts) < 4 or parts[0] != "chunks":
+            raise ConfigError(f"InterleavedStage.whole_name: {name!r} is not a name of this stage's chunks")
+        _, c, i, rest = parts
+        return f"layers.{self.bounds[int(c)][0] + int(i)}.{rest}"
 
     @classmethod
     def from_topology(cls, model_or_layers, topo, virtual_stages: int, **kwargs) -> "InterleavedStage":
@@ -168,17 +188,29 @@ def interleaved_step(stage: InterleavedStage, inputs=None, targets=None, loss_fn
     xs = split_microbatches(inputs, m) if first else None
     ys = split_microbatches(targets, m, what="batch of targets") if last else None
     prev, nxt = stage.ranks[(r - 1) % p], stage.ranks[(r + 1) % p]
+    device = next((q.device for q in stage.parameters()), None)  # received tensors land beside the parameters
     tl = stage.timeline = StageTimeline(stage=r, rank=stage.ranks[r], num_stages=p,
                                         schedule=f"interleaved(v={v})", num_microbatches=m)
     saved: dict[tuple[int, int], tuple] = {}
     pending, losses, clock = [], [], time.perf_counter
+
+    def recv(peer: int, tag: int, k: int, channel: str) -> torch.Tensor:
+        t0 = clock()
+        x = comm.recv_tensor(peer, stage.group, tag, device=device, label=LABEL)
+        tl.add_wait("recv_" + channel, k, t0, clock())
+        return x
+
     for kind, c, k in ops:
         j = c * p + r
         if kind == "F":
             if j == 0:
                 x = xs[k]
             else:
-                x = comm.recv_tensor(prev, stage.group, stage.tag(j - 1, k, m, "act"), label=LABEL).requires_grad_()
+                x = recv(prev, stage.tag(j - 1, k, m, "act"), k, "act")
+                if not x.is_floating_point():
+                    raise ConfigError(f"interleaved 1F1B: virtual stage {j} received a {x.dtype} activation; only "
+                                      f"the first chunk may take non-floating inputs (cut after the embedding)")
+                x.requires_grad_()  # a leaf: its .grad goes back to virtual stage j - 1
             t0 = clock()
             out = stage.chunks[c](x)
             if j == p * v - 1:
@@ -192,7 +224,7 @@ def interleaved_step(stage: InterleavedStage, inputs=None, targets=None, loss_fn
         else:
             grad = None
             if j < p * v - 1:
-                grad = comm.recv_tensor(nxt, stage.group, stage.tag(j, k, m, "grad"), label=LABEL)
+                grad = recv(nxt, stage.tag(j, k, m, "grad"), k, "grad")
             x, out = saved.pop((c, k))
             t0 = clock()
             if out.requires_grad:

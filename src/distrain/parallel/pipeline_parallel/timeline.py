@@ -99,8 +99,13 @@ class PipelineTimeline:
 
     def expected_bubble(self) -> float:
         """(p - 1) / (m + p - 1), the bubble of equal stages with free communication; under ZB-H1
-        (T_F = T_B = T_W) (p - 1) / (3m + p - 1) for m >= p (:func:`.zero_bubble.zb_h1_bubble`)."""
+        (T_F = T_B = T_W) (p - 1) / (3m + p - 1) for m >= p (:func:`.zero_bubble.zb_h1_bubble`);
+        interleaved with v chunks per rank ("interleaved(v=2)") (p - 1) / (v m + p - 1): the fill and
+        drain take (p - 1) chunk-times of 1/v a stage-time."""
         p, m = self.num_stages, self.num_microbatches
+        if self.schedule.startswith("interleaved(v="):
+            v = int(self.schedule[len("interleaved(v="):-1])
+            return (p - 1) / (v * m + p - 1)
         return zb_h1_bubble(p, m) if self.schedule == "zb-h1" else (p - 1) / (m + p - 1)
 
     def orders(self) -> list[list[tuple[str, int]]]:
@@ -174,7 +179,8 @@ class PipelineTimeline:
         ax.set_yticklabels([f"stage {p - 1 - i}" for i in range(p)])
         ax.set_xlabel("time since the first forward (ms)")
         ax.set_xlim(0, span_ms)
-        formula = "(p-1)/(m+p-1)" if self.schedule != "zb-h1" else \
+        formula = "(p-1)/(vm+p-1)" if self.schedule.startswith("interleaved") else \
+            "(p-1)/(m+p-1)" if self.schedule != "zb-h1" else \
             "(p-1)/(3m+p-1)" if self.num_microbatches >= p else "1-3m/(2m+2p-1)"
         ax.set_title(title or (f"{self.schedule}, p={p}, m={self.num_microbatches}: bubble "
                                f"{self.bubble_fraction():.3f} (ideal {formula} = {self.expected_bubble():.3f})"),

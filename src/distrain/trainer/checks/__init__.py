@@ -6,7 +6,8 @@
 * features.py: training features against each other and the machine (autocast, zb-h1, activation
   checkpointing, --trace/--gantt, --device cuda)
 * invariant.py: --layout-invariant's coverage and its units of work
-* layout.py: ranks, the dp x cp x tp x pp grid, the model's split, the batch's division (--accum-steps)
+* layout.py: ranks, the dp x cp x tp x pp grid, the model's split (--schedule interleaved's chunks), the
+  batch's division (--accum-steps)
 * data.py: model and data fit each other, and the data is installed
 
 :func:`validate` runs them in that order of dependence (a later check may rely on an earlier
@@ -49,6 +50,7 @@ def validate(cfg, launched: tuple[int, int] | None = None, fashion_mnist_root: s
     layout.check_experts(cfg)
     layout.check_grid(cfg)
     layout.check_preset_split(cfg)
+    layout.check_interleaved(cfg)
     layout.check_accumulation(cfg)
     layout.check_batch(cfg)
 

@@ -66,7 +66,8 @@ def check_bookkeeping(cfg) -> None:
 
 def check_schedule_name(cfg) -> None:
     need(cfg.schedule in SCHEDULES,
-         f"--schedule must be gpipe or 1f1b, or zb-h1 (zero bubble); got {cfg.schedule!r}")
+         f"--schedule must be gpipe or 1f1b, interleaved (--virtual-stages chunks per rank) or zb-h1 (zero "
+         f"bubble); got {cfg.schedule!r}")
 
 
 def check_optimization(cfg) -> None:

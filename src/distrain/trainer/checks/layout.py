@@ -4,7 +4,7 @@ splits that way, and how the global batch divides among them."""
 from __future__ import annotations
 
 from distrain.trainer.checks.need import need
-from distrain.trainer.choices import LOCAL_RANKS_PER_CORE, MODEL_DATA, local_rank_limit
+from distrain.trainer.choices import LOCAL_RANKS_PER_CORE, MODEL_DATA, VIRTUAL_STAGES, local_rank_limit
 
 
 def check_local_ranks(cfg, launched: tuple[int, int] | None) -> None:
@@ -76,6 +76,34 @@ def check_preset_split(cfg) -> None:
     need(cfg.batch_size % cfg.dp_size == 0 and local % cfg.microbatches == 0,
          f"--microbatches {cfg.microbatches} does not divide the per-replica batch {cfg.batch_size} / "
          f"dp {cfg.dp_size} = {cfg.batch_size / cfg.dp_size:g}; pick a divisor of it")
+
+
+def check_interleaved(cfg) -> None:
+    """--schedule interleaved and --virtual-stages V (parallel/pipeline_parallel/interleaved.py): V >= 2
+    chunks per rank on --pp >= 2 ranks, --microbatches a multiple of --pp (Megatron's groups of pp
+    micro-batches per chunk), a preset with at least pp x V layers (your own model: the split refuses
+    it once built); --virtual-stages other than its default only with that schedule."""
+    if cfg.schedule != "interleaved":
+        need(cfg.virtual_stages == VIRTUAL_STAGES,
+             f"--virtual-stages {cfg.virtual_stages} applies to --schedule interleaved only (got --schedule "
+             f"{cfg.schedule}); add --schedule interleaved or drop --virtual-stages")
+        return
+    v, pp, m = cfg.virtual_stages, cfg.pp, cfg.microbatches
+    need(v >= 2, f"--virtual-stages must be >= 2 model chunks per pipeline rank, got {v}; use --virtual-stages 2 "
+                 f"or more (one chunk per rank is --schedule 1f1b)")
+    need(pp >= 2, f"--schedule interleaved spreads chunks of layers over pipeline ranks: it needs --pp >= 2, got "
+                  f"--pp {pp}; add --pp 2 or more, or drop --schedule")
+    need(m % pp == 0, f"--schedule interleaved runs micro-batches through each chunk in groups of --pp {pp}: "
+                      f"--microbatches {m} must be a multiple of {pp}; use --microbatches {pp * max(1, m // pp)}")
+    if cfg.custom_model:
+        return
+    from distrain.models import preset_config
+
+    n_layers = preset_config(cfg.model)["n_layer"] + 2  # embedding, blocks, head
+    need(pp * v <= n_layers,
+         f"--pp {pp} x --virtual-stages {v} = {pp * v} chunks, but {cfg.model} has {n_layers} layers (embedding, "
+         f"{n_layers - 2} blocks, head); use " + (f"--virtual-stages {n_layers // pp} or fewer" if n_layers // pp >= 2
+                                                   else f"--pp {n_layers // 2} or fewer"))
 
 
 def _check_context_parallel(cfg, c: dict) -> None:

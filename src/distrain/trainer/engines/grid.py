@@ -13,6 +13,12 @@ The loss exists on the last stage (identical on its tp ranks): those ranks of tp
 loss / (dp × cp) -- each cp rank's loss is the mean over its equal share of the tokens -- which sums
 over the world to the global batch's loss.
 
+With ``--schedule interleaved`` the pp rank p holds --virtual-stages chunks of layers (chunk j on rank
+j mod pp, parallelize's InterleavedStage), trained by ``interleaved_step`` and evaluated by ``forward_only``;
+its shards are named as a plain stage's, their names in the whole model are the chunks' layers
+(``stage_full_name``), and the layout records ``virtual_stages`` (so --reshard, not a plain resume, moves
+such a run to or from another split).
+
 Checkpoint shards, one naming for every layout: ``tp{t}-pp{p}`` (written by the rank with dp and cp
 rank 0 of each (tp, pp) coordinate: the replicas hold the same), ``tp{t}-pp{p}-dp{d}`` with ZeRO (d: the
 rank in the dp × cp group; every rank writes its own part), ``...-ep{r}`` with expert parallelism (the
@@ -50,6 +56,7 @@ class GridEngine(Engine):
         self.loss_fn = part_loss(loss_fn, cfg.batch_size, topo.dp, topo.dp_rank)  # (elastic: uneven replicas)
         self.pm = parallelize(model, topo, loss_fn=self.loss_fn, tp_plan=plan, algorithm=cfg.algorithm,
                               microbatches=cfg.microbatches, schedule=cfg.schedule,
+                              virtual_stages=cfg.virtual_stages,
                               bucket_cap_mb=cfg.bucket_cap_mb, zero_stage=self.zero_stage,
                               optimizer=optimizer_factory, cp_plan=model_cp_plan(model) if cfg.cp > 1 else None,
                               cp_algorithm=cfg.cp_algorithm,
@@ -144,7 +151,8 @@ class GridEngine(Engine):
         if c.trace:
             timeline.to_chrome_trace(c.trace)
         if c.gantt:
-            timeline.plot_gantt(c.gantt, title=f"{self.label}, {c.schedule}, {c.microbatches} micro-batches, "
+            chunks = f" ({c.virtual_stages} chunks per rank)" if interleaved(c) else ""
+            timeline.plot_gantt(c.gantt, title=f"{self.label}, {c.schedule}{chunks}, {c.microbatches} micro-batches, "
                                                f"last step")
 
     def evaluate(self, batches):
@@ -233,6 +241,7 @@ class GridEngine(Engine):
     def layout_of(cls, cfg) -> dict:
         z = zero_stage_of(cfg)
         return {"dp": cfg.dp_size, "tp": cfg.tp, "pp": cfg.pp, **({"cp": cfg.cp} if cfg.cp > 1 else {}),
+                **({"virtual_stages": cfg.virtual_stages} if interleaved(cfg) else {}),
                 **({"ep": cfg.ep} if cfg.ep > 1 else {}),
                 **({"zero": z} if z else {})}
 
@@ -291,7 +300,8 @@ class GridEngine(Engine):
 
     def report_rows(self, summary: dict) -> list[tuple[str, str]]:
         c = self.cfg
-        rows = [("micro-batches", f"{c.microbatches} ({c.schedule})")] if c.pp > 1 else []
+        chunks = f", {c.virtual_stages} chunks per rank" if interleaved(c) else ""
+        rows = [("micro-batches", f"{c.microbatches} ({c.schedule}{chunks})")] if c.pp > 1 else []
         if self.pm.zero is not None:
             m = self.pm.zero.memory()
             rows.append(("held per rank (rank 0)", f"params {m['params'] / 1e6:.2f} MB, grads {m['grads'] / 1e6:.2f} "
@@ -301,6 +311,12 @@ class GridEngine(Engine):
     def sample_model(self):
         """The whole model for text samples when every rank holds it (DDP replicas), else None."""
         return self.pm.module if self.holds_whole_state else None
+
+
+def interleaved(cfg) -> bool:
+    """Whether the run's pipeline is interleaved: each pp rank holds --virtual-stages chunks of layers (its
+    checkpoint shards hold other layers than a plain stage's: the layout records the chunk count)."""
+    return cfg.pp > 1 and cfg.schedule == "interleaved"
 
 
 def zero_stage_of(cfg) -> int:
