@@ -316,12 +316,15 @@ CAPS: list[tuple[str, str]] = [
     (r"distrain train .*--resume\b", TRAIN.replace("--steps 2", "--steps 4")),  # on from the run's 2 steps
     (r"(distrain|python -m distrain) train --help$", ""),
     (r"--eval-every 50 --eval-batches 8$", TRAIN.replace("--eval-every 0", "--eval-every 2 --eval-batches 1")),
+    (r"distrain train .*--layout-invariant --units 12", TRAIN.replace("--batch-size 8", "--batch-size 12")),
     (r"distrain (launch .*)?train\b", TRAIN),
     (r"^distrain generate\b", "--max-new-tokens 4"),
     (r"^distrain bench comm\b", "--nproc 2 --sizes 256K --warmup 1 --iters 2 --burst 1"),
     (r"-- distrain bench comm\b", "--sizes 256K --warmup 1 --iters 2 --burst 1"),
     (r"distrain bench link\b", "--warmup 1 --iters 2"),
     (r"distrain bench ps\b", "--sizes 1M --warmup 0 --iters 1"),
+    (r"^distrain bench layouts .*--layout-invariant both", "--model gpt-tiny --batch-size 8 --steps 1 --warmup 0 "
+                                                           "--rounds 1"),
     (r"^distrain bench layouts\b", "--nproc 2 --layouts cp2 --model gpt-tiny --batch-size 4 --steps 1 "
                                    "--warmup 0 --rounds 1"),
     (r"^distrain bench cp-memory\b", "--seq 64 --cp 2 --batch 1 --reps 1 --rounds 1"),

@@ -307,6 +307,10 @@ def add_layouts_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per rank (0: spawn's default, cpu_count // P, as distrain train)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one job may take")
+    p.add_argument("--layout-invariant", dest="invariant", default="off", choices=("off", "on", "both"),
+                   help="train the jobs with --layout-invariant (on), or each job without and with it, alternated, "
+                        "with the ratios (both)")
+    p.add_argument("--units", type=int, default=0, help="--units of the --layout-invariant jobs (0: the default)")
     p.add_argument("--json", default=None, help="write every record here")
 
 
@@ -317,7 +321,8 @@ def run_layouts(args: argparse.Namespace) -> int:
         model=args.model, nprocs=common.parse_ints(args.nproc, "--nproc"), layouts=args.layouts,
         batch_size=args.batch_size, microbatches=args.microbatches, schedule=args.schedule, algorithm=args.algorithm,
         steps=args.steps, warmup=args.warmup, seed=args.seed, rounds=args.rounds, transport=args.transport,
-        threads=args.threads, timeout=args.timeout, json_path=args.json, cp_algorithm=args.cp_algorithm))
+        threads=args.threads, timeout=args.timeout, json_path=args.json, cp_algorithm=args.cp_algorithm,
+        invariant=args.invariant, units=args.units))
 
 
 # --------------------------------------------------------------------------- bench pipeline, bench tp

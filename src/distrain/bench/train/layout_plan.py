@@ -108,6 +108,7 @@ class Job:
     cp: int = 1
     ep: int = 1
     aliases: tuple[str, ...] = ()
+    invariant: bool = False  # trained with --layout-invariant
 
     @property
     def grid(self) -> str:
@@ -116,7 +117,7 @@ class Job:
 
     @property
     def key(self) -> tuple:
-        return (self.nproc, self.strategy, self.dp, self.tp, self.pp, self.cp, self.ep)
+        return (self.nproc, self.strategy, self.dp, self.tp, self.pp, self.cp, self.ep, self.invariant)
 
 
 def plan_jobs(nprocs: list[int], layouts: list[Layout]) -> tuple[list[Job], list[str]]:

@@ -55,6 +55,7 @@ command line (distrain/cli/bench.py) parses the flags into :class:`Settings`, wh
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -69,6 +70,7 @@ from distrain.trainer.metrics import read_metrics
 MMAP_THRESHOLD = 64 * 1024  # bytes: glibc M_MMAP_THRESHOLD during the memory steps
 MEMORY_STEPS = 2  # after the timed steps: one to settle the allocator, one measured
 TRANSPORTS = ("torch", "shm", "auto")  # --transport: how every job's ranks exchange bytes (TrainConfig.transport)
+INVARIANT_MODES = ("off", "on", "both")  # --layout-invariant: which jobs train with it
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,8 @@ class Settings:
     timeout: float  # seconds one job may take
     json_path: str | None = None  # where every record goes
     cp_algorithm: str = "ring"  # attention of layouts with cp > 1: ring or all-to-all
+    invariant: str = "off"  # --layout-invariant: off, on (every job with it), both (each job without and with it)
+    units: int = 0  # --units of the invariant jobs (0: the trainer's default)
 
 
 def _config(job: Job, opts: Settings, root: str) -> TrainConfig:
@@ -102,7 +106,8 @@ def _config(job: Job, opts: Settings, root: str) -> TrainConfig:
                        steps=opts.warmup + opts.steps + MEMORY_STEPS, batch_size=opts.batch_size, seed=opts.seed,
                        dtype="float32", eval_every=0, sample_chars=0, progress=False, report=False,
                        log_every=opts.warmup + opts.steps + MEMORY_STEPS, overwrite=True,
-                       out=os.path.join(root, f"{job.layout}-{job.nproc}"))
+                       layout_invariant=job.invariant, units=opts.units if job.invariant else 0,
+                       out=os.path.join(root, f"{job.layout}-{job.nproc}" + ("-invariant" if job.invariant else "")))
 
 
 def _validated(job: Job, opts: Settings, root: str) -> TrainConfig:
@@ -189,6 +194,7 @@ def _measure(job: Job, cfg: TrainConfig, opts: Settings) -> dict:
     block = next(r["tokens_per_s"] * r["time_s"] for r in rows) / opts.batch_size  # tokens per sample
     peaks = [r["peak"] for r in per_rank]
     return {"nproc": job.nproc, "layout": job.layout, "aliases": list(job.aliases), "strategy": job.strategy,
+            "layout_invariant": job.invariant, **({"units": cfg.units} if job.invariant else {}),
             "transport": cfg.transport, "dp": job.dp, "tp": job.tp, "pp": job.pp, "cp": job.cp, "ep": job.ep,
             **({"cp_algorithm": cfg.cp_algorithm} if job.cp > 1 else {}), "grid": job.grid,
             "microbatches": cfg.microbatches,
@@ -228,8 +234,13 @@ def run(opts: Settings) -> int:
         raise ConfigError("--steps and --rounds must be >= 1, --warmup and --threads >= 0")
     if opts.transport not in TRANSPORTS:
         raise ConfigError(f"--transport {opts.transport!r}: choose one of {', '.join(TRANSPORTS)}")
+    if opts.invariant not in INVARIANT_MODES:
+        raise ConfigError(f"--layout-invariant {opts.invariant!r}: choose one of {', '.join(INVARIANT_MODES)}")
     nprocs = opts.nprocs
     jobs, notes = plan_jobs(nprocs, parse_layouts(opts.layouts))
+    if opts.invariant != "off":  # each job with the flag (after its default twin, when both: rounds alternate them)
+        twin = [dataclasses.replace(j, invariant=True) for j in jobs]
+        jobs = twin if opts.invariant == "on" else [j for pair in zip(jobs, twin) for j in pair]
     load_start = _load()
     progress(f"load average at start (1, 5, 15 min): {load_start}")
     for n in notes:
@@ -252,6 +263,11 @@ def run(opts: Settings) -> int:
     for r in records:
         r["speedup"] = r["samples_per_s"] / base
         r["efficiency"] = r["speedup"] / r["nproc"]
+    if opts.invariant == "both":  # the cost of the flag: each invariant job over its default twin, same rounds
+        for default, inv in zip(records[::2], records[1::2]):
+            inv["step_ratio_vs_default"] = inv["step_ms"] / default["step_ms"]
+            inv["peak_ratio_vs_default"] = inv["peak_mem_bytes"] / default["peak_mem_bytes"]
+            inv["step_ratio_rounds"] = [a / b for a, b in zip(inv["step_ms_rounds"], default["step_ms_rounds"])]
     print(_table(records, opts, notes, load_start, load_end))
     if opts.json_path:
         write_json(opts.json_path, metadata(model=opts.model, batch_size=opts.batch_size, microbatches=opts.microbatches,
@@ -260,6 +276,7 @@ def run(opts: Settings) -> int:
                                        transport=opts.transport, steps=opts.steps,
                                        warmup=opts.warmup, memory_steps=MEMORY_STEPS, rounds=opts.rounds,
                                        seed=opts.seed, dtype="float32", layouts=opts.layouts, nprocs=nprocs,
+                                       layout_invariant=opts.invariant, units=opts.units,
                                        threads_per_rank=opts.threads or "cpu_count // P",
                                        mmap_threshold=MMAP_THRESHOLD, notes=notes,
                                        load_avg_start=load_start, load_avg_end=load_end), records)
@@ -271,6 +288,9 @@ def table_rows(records: list[dict]) -> list[list[str]]:
     rows = []
     for r in records:
         name = r["layout"] + (f" (={','.join(r['aliases'])})" if r["aliases"] else "")
+        if r.get("layout_invariant"):
+            name += " invariant" + (f" ({r['step_ratio_vs_default']:.2f}x step, {r['peak_ratio_vs_default']:.2f}x peak)"
+                                    if "step_ratio_vs_default" in r else "")
         rows.append([str(r["nproc"]), name, r["grid"], f"{r['step_ms']:.0f}", f"{r['samples_per_s']:.1f}",
                      f"{r['tokens_per_s']:,.0f}", f"{r['speedup']:.2f}", f"{r['peak_mem_bytes'] / mb:.1f}",
                      "/".join(f"{b / mb:.0f}" for b in r["peak_mem_bytes_per_rank"]),

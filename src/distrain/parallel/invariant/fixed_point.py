@@ -64,7 +64,7 @@ def quantize(g: torch.Tensor, exponent: int) -> torch.Tensor:
     g = g.detach()
     if g.dtype in (torch.float32, torch.bfloat16) and 0 <= exponent <= 120:
         return torch.mul(g, 2.0 ** exponent).round_().to(torch.int64)
-    return torch.round(g.to(torch.float64).mul_(2.0 ** exponent)).to(torch.int64)
+    return torch.mul(g.to(torch.float64), 2.0 ** exponent).round_().to(torch.int64)  # (never in place: g may be float64)
 
 
 def abs_max(g: torch.Tensor) -> float:

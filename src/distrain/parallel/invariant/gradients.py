@@ -49,7 +49,7 @@ class FixedPointGradients:
                 self.slots.append((i, o, s.numel()))
         self.acc = [torch.zeros(u.padded, dtype=torch.int64) for u in units]
         self.exponents: list[int] | None = None
-        self.maxima = torch.zeros(len(self.slots), dtype=torch.float64)
+        self.maxima: list[torch.Tensor | None] = [None] * len(self.slots)  # per parameter, 0-d: max |grad| so far
         self.active = False
         self._stash: dict[int, torch.Tensor] = {}  # ZeRO-3, before calibration: unit -> flat gradient
         self._index = {}
@@ -69,17 +69,19 @@ class FixedPointGradients:
         """A step's first unit follows; ``exponents`` (a redo) or None (calibrate on the first unit)."""
         for a in self.acc:
             a.zero_()
-        self.maxima.zero_()
+        self.maxima = [None] * len(self.slots)
         self.exponents = exponents
         self._stash.clear()
         self.active = True
 
     def _add(self, k: int, g: torch.Tensor) -> None:
+        # the largest |value| stays a tensor (no synchronisation per parameter); a value past the limit
+        # converts to a wrong integer, which does not matter: finish() sees the maximum and the step is redone
         i, o, n = self.slots[k]
-        m = abs_max(g)
-        if not m <= self.maxima[k]:  # (NaN propagates: the step's grads become NaN below)
-            self.maxima[k] = m
-        if fits(m, self.exponents[k], self.addends):
+        if g.numel():
+            lo, hi = torch.aminmax(g.detach())
+            m = torch.maximum(hi, -lo)  # (NaN propagates)
+            self.maxima[k] = m if self.maxima[k] is None else torch.maximum(self.maxima[k], m)
             self.acc[i][o:o + n].add_(quantize(g.reshape(-1), self.exponents[k]))
 
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -138,12 +140,15 @@ class FixedPointGradients:
         ``extra``, float64, maxed alongside). Returns (None, extra) when every conversion fitted, else
         (the exponents to run the step again with, extra): the same answer on every rank."""
         self.active = False
-        both = self.maxima if extra is None else torch.cat([self.maxima, extra.to(torch.float64)])
+        zero = torch.zeros((), dtype=torch.float64)
+        maxima = torch.stack([zero if m is None else m.to(torch.float64) for m in self.maxima]) if self.maxima \
+            else zero.view(0)
+        both = maxima if extra is None else torch.cat([maxima, extra.to(torch.float64)])
         if self.group is not None and dist.get_world_size(self.group) > 1:
             comm.all_reduce(both, op="max", group=self.group, algorithm="native")
         maxima, extra = both[:len(self.slots)], (None if extra is None else both[len(self.slots):])
         m = maxima.tolist()
-        if all(fits(v, e, self.addends) for v, e in zip(m, self.exponents) if not math.isnan(v)):
+        if all(fits(v, e, self.addends) for v, e in zip(m, self.exponents) if math.isfinite(v)):
             self._nan = [math.isnan(v) or math.isinf(v) for v in m]
             return None, extra
         return scale_exponents(m, self.addends), extra
