@@ -19,6 +19,7 @@ import torch
 
 from distrain import checkpoint, runtime
 from distrain.errors import ConfigError
+from distrain.topology import Topology
 from distrain.trainer import TrainConfig
 from distrain.trainer.metrics import read_metrics
 from distrain.trainer.replicas import (BitFlip, check_inject, digest, disagreeing, flip_bit, mismatch_message,
@@ -159,14 +160,14 @@ def test_a_malformed_inject_is_refused_before_the_run(tmp_path, capsys, monkeypa
 
 
 # -- runs ------------------------------------------------------------------------------------------------
-def _train(out: Path, nproc: int, inject: str | None, *flags: str) -> subprocess.CompletedProcess:
+def _train(out: Path, nproc: int, inject: str | None, *flags: str, job=TINY) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                                                             "DISTRAIN_PARENT_PID", "DISTRAIN_RESUME",
                                                             "DISTRAIN_INJECT")}
     env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
     if inject:
         env["DISTRAIN_INJECT"] = inject
-    return subprocess.run([sys.executable, "-m", "distrain", "train", *TINY, "--strategy", "ddp", "--nproc",
+    return subprocess.run([sys.executable, "-m", "distrain", "train", *job, "--strategy", "ddp", "--nproc",
                            str(nproc), "--out", str(out), *flags], env=env, capture_output=True, text=True,
                           timeout=240)
 
@@ -222,3 +223,44 @@ def test_without_a_flip_every_check_passes(tmp_path):
     # checks at steps 2 and 4 and before the final checkpoint (5): the lines of steps 1, 3, 4
     assert [r["step"] for r in rows if "replica_check_s" in r] == [1, 3, 4]
     assert checkpoint.read_manifest(out)["step"] == 5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_with_a_pipeline_the_replicas_of_the_flipped_stage_are_named(tmp_path):
+    out = tmp_path / "run"
+    gpt = ["--model", "gpt-tiny", "--batch-size", "8", "--no-progress", "--eval-every", "0", "--no-report",
+           "--sample-chars", "0"]
+    p = _train(out, 4, "bitflip:1:3", "--dp", "2", "--pp", "2", "--steps", "3", "--check-replicas", "2", job=gpt)
+    assert p.returncode != 0
+    # rank 3's replicas: the dp x cp group of its pipeline stage (the other stage's group agrees and says nothing)
+    group = next(g for g in Topology(dp=2, tp=1, pp=2, rank=3, world_size=4).groups_of("dp_cp") if 3 in g)
+    assert len(group) == 2 and 3 in group
+    assert _error_line(p) == (f"replica check at step 2: ranks {', '.join(map(str, group))} hold different "
+                              f"parameters and optimizer state (2 replicas, no majority); no checkpoint was written "
+                              f"before it")
+    assert not (out / checkpoint.MANIFEST).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_train_times_the_check(tmp_path, capsys):
+    import json
+
+    from distrain.cli import main
+
+    out = tmp_path / "b.json"
+    assert main(["bench", "train", "--nproc", "2", "--strategies", "ddp", "--model", "mlp-tiny", "--steps", "3",
+                 "--warmup", "1", "--batch-size", "16", "--check-replicas", "2", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    records = {r["strategy"]: r for r in data["records"]}
+    assert data["meta"]["check_replicas"] == 2 and records["single"]["replica_check_ms"] is None
+    ddp = records["ddp"]  # checks after steps 2 and 4 (the final checkpoint's): both timed (after the warm-up)
+    assert ddp["replica_check_ms"] > 0
+    assert ddp["replica_check_share"] == pytest.approx(ddp["replica_check_ms"] / (2 * ddp["step_ms"]))
+    assert (f"ddp on 2: replica check (hash + all-gather) {ddp['replica_check_ms']:.1f} ms, "
+            f"{100 * ddp['replica_check_share']:.2f}% of the step time at --check-replicas 2") in capsys.readouterr().out
+    assert main(["bench", "train", "--nproc", "2", "--strategies", "local", "--model", "mlp-tiny",
+                 "--check-replicas", "2"]) == 2
+    assert capsys.readouterr().err == ("distrain: error: --check-replicas 2 times the replica check of ddp's jobs; "
+                                       "add ddp to --strategies or drop --check-replicas\n")
