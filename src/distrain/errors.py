@@ -45,6 +45,12 @@ class TrainingError(DistrainError):
     """Training cannot go on (e.g. a NaN loss); the message says what to change."""
 
 
+class ReplicaMismatchError(TrainingError):
+    """Ranks that should hold the same parameters and optimizer state bit for bit (data-parallel replicas)
+    do not: silent data corruption (``--check-replicas``, trainer/replicas.py). The one-line message names
+    the step, the ranks whose bits differ and the last checkpoint that is kept."""
+
+
 class CollectiveTimeoutError(CommError, TimeoutError):
     """A collective did not complete within the collective time-out; the message names the
     ranks that did not arrive and the call they were expected at."""

@@ -112,6 +112,16 @@ def validate_args(environ: Mapping[str, str] | None = None) -> dict:
     return {"launched": launched_rank(environ), "fashion_mnist_root": environ.get(FASHION_MNIST_ENV)}
 
 
+INJECT_ENV = "DISTRAIN_INJECT"  # a fault to inject, for tests: bitflip:STEP:RANK (distrain.trainer.replicas)
+
+
+def injected_fault(environ: Mapping[str, str] | None = None) -> str | None:
+    """$DISTRAIN_INJECT of ``environ`` (default: this process's), None when unset: read here, at the
+    process edge; ``distrain.train`` parses it (trainer/replicas.py parse_inject) and passes it to its ranks."""
+    environ = os.environ if environ is None else environ
+    return environ.get(INJECT_ENV)
+
+
 def init(backend: str = "auto", timeout: float | timedelta = 300.0,
          on_hang: Callable[[str], None] | None = None) -> RuntimeInfo:
     """Initialize the default process group from the launcher's environment (idempotent).

@@ -238,6 +238,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--servers", type=int, default=1, help="parameter-server ranks for ps-*")
     p.add_argument("--max-staleness", type=int, default=2, help="staleness bound for ps-async")
     p.add_argument("--rounds", type=int, default=1, help="repeat the whole set, strategy order rotated")
+    p.add_argument("--check-replicas", type=int, default=0, metavar="N",
+                   help="ddp's jobs compare their replicas' bits every N steps (distrain train --check-replicas); "
+                        "the table's last lines give the check's time and its share of the step time")
     p.add_argument("--json", default=None, help="write every record here")
     add_background_argument(p)
 
@@ -258,7 +261,7 @@ def run_train(args: argparse.Namespace) -> int:
         nprocs=nprocs, strategies=strategies, model=args.model, steps=args.steps, warmup=args.warmup,
         batch_size=args.batch_size, algorithm=args.algorithm, transports=transports, bucket_cap_mb=args.bucket_cap_mb,
         servers=args.servers, max_staleness=args.max_staleness, rounds=args.rounds, background_load=load,
-        json_path=args.json))
+        json_path=args.json, check_replicas=args.check_replicas))
 
 
 def add_zero_arguments(p: argparse.ArgumentParser) -> None:

@@ -101,6 +101,9 @@ def run(args: argparse.Namespace) -> int:
         cfg.resume = "auto"
     init_from.resolve(cfg)  # a left-out --model: the default, or --init-from's / --resume's checkpoint's
     cfg.validate(**runtime.validate_args(os.environ))
+    from distrain.trainer.replicas import check_inject, parse_inject
+
+    check_inject(parse_inject(runtime.injected_fault(os.environ)), cfg)  # (train() again; here: before --out is made)
     if not cfg.resume:
         init_from.check(cfg)  # --init-from's weights fit the model: refused before --out is made
     from distrain.elastic.nodes import follower

@@ -137,6 +137,9 @@ class TrainConfig:
     progress: bool = opt(True, "show a progress bar")
     report: bool = opt(True, "print the summary table (and sample) at the end")
     timeout: float = opt(0.0, "whole-run limit in seconds (local spawn); 0: no limit")
+    check_replicas: int = opt(0, "every this many steps, and before every checkpoint, the ranks that hold the same "
+                                 "parameters and optimizer state compare a hash of their bits; a mismatch (silent "
+                                 "data corruption) stops the job naming the ranks (0: off; docs/fault_tolerance.md)")
     collective_timeout: float = opt(300.0, "a collective not completed in this many seconds stops the job")
     elastic: str = opt("", "MIN:MAX: survive the loss of ranks without a restart, going on while at least MIN remain "
                            "(docs/fault_tolerance.md)", choices=("MIN:MAX",), only=ELASTIC_STRATEGIES)

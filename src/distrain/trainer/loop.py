@@ -38,6 +38,7 @@ from distrain.trainer.custom import UserParts
 from distrain.trainer.engines import Engine, build_engine, engine_class
 from distrain.trainer.guard import ElasticGuard, Guard, stop_step
 from distrain.trainer.metrics import MetricsLog
+from distrain.trainer.replicas import BitFlip, check_inject, check_replicas, flip_bit, parse_inject
 from distrain.trainer.report import add_eval, finish, progress_bar, rank_traffic, step_record, sum_losses, write_records
 from distrain.trainer.task import Task, build_optimizer, build_task, loss_function, lr_at
 
@@ -70,6 +71,7 @@ def train(cfg: TrainConfig | None = None, *, model=None, train_data=None, val_da
     init_from.resolve(cfg)  # the model this run builds: --init-from's, --model hf:DIR, or a left-out --model
     edge = runtime.validate_args()  # what this process's environment says (launched?), read at the edge
     cfg.validate(**edge)
+    inject = check_inject(parse_inject(runtime.injected_fault()), cfg)  # DISTRAIN_INJECT (tests), read at the edge
     if model is not None and cfg.tp > 1:  # your model's heads, sizes and vocabulary against --tp, before any rank
         from distrain.models.hf_transformers.checks import check_tp_fits
 
@@ -94,7 +96,7 @@ def train(cfg: TrainConfig | None = None, *, model=None, train_data=None, val_da
         runtime.init(BACKENDS[cfg.device], timeout=cfg.collective_timeout)
         if dist.get_world_size() != cfg.nproc:
             raise ConfigError(f"the launcher started {dist.get_world_size()} ranks but --nproc is {cfg.nproc}")
-        return run_rank(cfg, parts)
+        return run_rank(cfg, parts, inject=inject)
     from distrain.elastic.nodes import follower
 
     if not cfg.resume and not (cfg.elastic and follower()):  # (node 0 of an elastic job over several owns --out)
@@ -103,7 +105,7 @@ def train(cfg: TrainConfig | None = None, *, model=None, train_data=None, val_da
     if cfg.elastic:  # the coordinator starts and watches the ranks and decides their membership
         return _run_elastic(cfg, parts)
     # ranks that poll shared memory get cores of their own (spawn's bind_cores); Gloo's are left free
-    return spawn(_spawned, cfg.nproc, args=(cfg.to_dict(), parts), backend=BACKENDS[cfg.device],
+    return spawn(_spawned, cfg.nproc, args=(cfg.to_dict(), parts, inject), backend=BACKENDS[cfg.device],
                  timeout=cfg.timeout or None, init_timeout=cfg.collective_timeout,
                  bind_cores=None if cfg.transport in ("shm", "auto") else False)[0]
 
@@ -126,8 +128,8 @@ def _run_elastic(cfg: TrainConfig, parts) -> dict:
     return next((r for r in results.values() if r), {})
 
 
-def _spawned(rank: int, cfg_dict: dict, parts=None) -> dict:
-    return run_rank(TrainConfig.from_dict(cfg_dict), parts)
+def _spawned(rank: int, cfg_dict: dict, parts=None, inject: BitFlip | None = None) -> dict:
+    return run_rank(TrainConfig.from_dict(cfg_dict), parts, inject=inject)
 
 
 # what a run writes into --out; --overwrite removes these and nothing else
@@ -199,9 +201,10 @@ def check_resume(cfg: TrainConfig) -> dict:
     return manifest
 
 
-def run_rank(cfg: TrainConfig, parts=None, step_probe=None) -> dict:
+def run_rank(cfg: TrainConfig, parts=None, step_probe=None, inject: BitFlip | None = None) -> dict:
     """One rank of any job (fixed or elastic: its guard re-forms the group); a context manager
-    ``step_probe()``, if given, is entered around each engine step (bench train's memory probe)."""
+    ``step_probe()``, if given, is entered around each engine step (bench train's memory probe);
+    ``inject``: DISTRAIN_INJECT's bit flip (trainer/replicas.py), None in a real run."""
     comm.set_default_transport(cfg.transport, timeout=cfg.collective_timeout)  # every group this run creates
     out = Path(cfg.out)
     if parts is None:  # --model/--data/--loss PKG.MOD:NAME, built here
@@ -236,7 +239,7 @@ def run_rank(cfg: TrainConfig, parts=None, step_probe=None) -> dict:
         if engine.serves:
             engine.serve(cfg.steps - start)
         else:
-            engine, wall, stop = train_steps(cfg, engine, task, start, guard, step_probe)
+            engine, wall, stop = train_steps(cfg, engine, task, start, guard, step_probe, inject)
     if stop is not None:
         return {"stopped": stop} if dist.get_rank() == 0 else {}
     if engine.serves or start >= cfg.steps:  # a server's final shard, or a resume with no step left to run
@@ -293,7 +296,8 @@ def new_model(cfg: TrainConfig, parts, device: torch.device) -> torch.nn.Module:
     return model
 
 
-def train_steps(cfg: TrainConfig, engine: Engine, task: Task, start: int, guard: Guard | None = None, step_probe=None):
+def train_steps(cfg: TrainConfig, engine: Engine, task: Task, start: int, guard: Guard | None = None, step_probe=None,
+                inject: BitFlip | None = None):
     """Steps ``start .. cfg.steps - 1``, through membership changes when the guard makes them; returns
     (the engine at the end, the wall time, the stop reason or None). Every training rank runs it.
 
@@ -301,7 +305,9 @@ def train_steps(cfg: TrainConfig, engine: Engine, task: Task, start: int, guard:
     rank and size), the learning rate of the step, the engine's step (with the guard's commit hook; inside
     ``step_probe()`` if given), the guard's end; then the work after the step (:func:`after`). The step lines are
     written (with their losses summed over the ranks) every ``log_every`` steps and before an evaluation or a
-    checkpoint; the final checkpoint comes before the final evaluation, so a failing evaluation leaves it committed."""
+    checkpoint; the final checkpoint comes before the final evaluation, so a failing evaluation leaves it committed.
+    ``--check-replicas N``: the replicas' bits compared every N steps and before every checkpoint (trainer/replicas.py);
+    ``inject`` flips its bit after its step's update."""
     guard = guard or Guard()
     sampler = DistributedBatchSampler(len(task.train), cfg.batch_size, seed=cfg.seed)
     path = Path(cfg.out) / "metrics.jsonl"
@@ -313,16 +319,19 @@ def train_steps(cfg: TrainConfig, engine: Engine, task: Task, start: int, guard:
     # the records rank 0 wrote at the last write point, kept by every rank until a later quorum proves that rank 0
     # got past that point: a rank 0 lost before writing them leaves them to the next rank 0 (guard.recover)
     unsure: list[dict] = []
+    kept = start or None  # the step of the newest checkpoint committed (a resumed run's, then this run's)
 
     def after(step: int, rec: dict | None) -> None:
         """The work at boundary ``step`` (``rec``: the record of the step just done; None when a change
         brought the group here): the end of training, the lines, evaluation, checkpoint."""
-        nonlocal pending, unsure
+        nonlocal pending, unsure, kept
         last = step == cfg.steps
         if last:
             engine.end_training()
         do_eval = cfg.eval_every and task.val is not None and rec is not None and (step % cfg.eval_every == 0 or last)
         do_ckpt = bool(cfg.ckpt_every and step % cfg.ckpt_every == 0) or last
+        if cfg.check_replicas and (step % cfg.check_replicas == 0 or do_ckpt):  # (before any checkpoint of them)
+            rec["replica_check_s"] = check_replicas(engine, step, kept, cfg.out)  # (ReplicaMismatchError)
         if len(pending) >= cfg.log_every or do_eval or do_ckpt or rec is None:
             sum_losses(pending, engine.loss_group, engine.loss_weight)  # stops every rank on a non-finite loss
             if do_eval and not last:
@@ -337,6 +346,7 @@ def train_steps(cfg: TrainConfig, engine: Engine, task: Task, start: int, guard:
             if do_ckpt:  # only finite losses reach a checkpoint
                 save_checkpoint(cfg, engine, step)
                 guard.checkpointed(step)
+                kept = step
             if do_eval and last:  # after the final checkpoint, so a failing evaluation leaves it committed
                 add_eval(rec, engine.evaluate(task.val_batches(cfg.batch_size, cfg.eval_batches)), log, bar)
 
@@ -355,6 +365,8 @@ def train_steps(cfg: TrainConfig, engine: Engine, task: Task, start: int, guard:
                 engine.step_index = step
                 with step_probe() if step_probe is not None else contextlib.nullcontext():
                     loss = engine.train_step(x, y, guard.commit_hook(step, engine))
+                if inject is not None and (inject.step, inject.rank) == (step, engine.rank):
+                    flip_bit(engine.replica_state()[0])  # (tests: silent data corruption on this rank)
                 rec = step_record(step, loss, time.perf_counter() - t0, engine.comm_wait_s, task.unit,
                                   cfg.batch_size * task.units_per_sample, lr)
                 rec.update(engine.step_metrics())

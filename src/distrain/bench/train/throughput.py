@@ -35,7 +35,10 @@ and the median over rounds is reported, so machine noise hits all strategies ali
 
 ``--background-load N`` starts N busy processes (:mod:`distrain.bench.background`) before the
 first job and stops them after the last; every job records the load average at its start and
-end (the JSON's metadata), and the table's last line summarises it. The command line
+end (the JSON's metadata), and the table's last line summarises it. ``--check-replicas N`` makes
+ddp's jobs compare their replicas' bits every N steps (``distrain train --check-replicas``,
+trainer/replicas.py): each such job adds a line under the table with the check's median time (hash
+and all-gather, on rank 0) and its share of the step time, check / (N x step). The command line
 (distrain/cli/bench.py) parses and checks the flags into :class:`Settings`, which :func:`run` takes.
 """
 
@@ -72,6 +75,7 @@ class Settings:
     max_staleness: int  # staleness bound for ps-async
     rounds: int  # repeats of the whole set, strategy order rotated
     background_load: int = 0  # busy processes beside the jobs (bench/background.py)
+    check_replicas: int = 0  # ddp's jobs compare their replicas' bits every this many steps (0: off)
     json_path: str | None = None  # where every record goes
 
 
@@ -98,6 +102,7 @@ def _config(P: int, strategy: str, transport: str, opts: Settings, batch: int, r
                         max_staleness=opts.max_staleness)  # (what this strategy acts on)
     return TrainConfig(model=opts.model, data=MODEL_DATA[opts.model] if MODEL_DATA[opts.model] != "text" else "shakespeare",
                       strategy=s, nproc=P, transport=transport, **shared,
+                      **({"check_replicas": opts.check_replicas} if s == "ddp" else {}),
                       steps=opts.warmup + opts.steps, batch_size=batch, eval_every=0, sample_chars=0,
                       progress=False, report=False, log_every=opts.warmup + opts.steps, overwrite=True,
                       out=os.path.join(root, f"{_label(strategy, transport)}-{P}"))
@@ -135,6 +140,7 @@ def _measure(cfg: TrainConfig, opts: Settings, batch: int, strategy: str) -> dic
     per_sample = rows[0][f"{units}_per_s"] * rows[0]["time_s"] / batch
     waits = [r["comm_wait_s"] / r["time_s"] for r in rows if r.get("comm_wait_s") is not None]
     traffic = summary["bytes_per_step"]
+    checks = [r["replica_check_s"] for r in rows if "replica_check_s" in r]  # (--check-replicas: ddp's jobs)
     return {"nproc": P, "strategy": _label(strategy, cfg.transport), "transport": cfg.transport, "threads": threads,
             "step_ms": 1e3 * step_s, "unit": units,
             "throughput": batch * per_sample / step_s, "comm_share": statistics.median(waits) if waits else None,
@@ -142,7 +148,10 @@ def _measure(cfg: TrainConfig, opts: Settings, batch: int, strategy: str) -> dic
             "bytes_per_rank": traffic, "final_loss": summary["final_loss"],
             # parameter servers: the ledger's data bytes against W*N_s per server (exact)
             "ps_bytes_match": summary.get("ps_bytes_match"), "ps_bytes": summary.get("ps_bytes"),
-            "staleness_max": summary.get("staleness_max")}
+            "staleness_max": summary.get("staleness_max"),
+            "replica_check_ms": 1e3 * statistics.median(checks) if checks else None,
+            # the check's cost per step, every check_replicas steps, against the step's median time
+            "replica_check_share": statistics.median(checks) / (opts.check_replicas * step_s) if checks else None}
 
 
 def run(opts: Settings) -> int:
@@ -151,6 +160,9 @@ def run(opts: Settings) -> int:
         raise ConfigError(f"--model {opts.model!r} is unknown; use one of {', '.join(MODEL_DATA)}")
     if opts.steps < 1 or opts.warmup < 0 or opts.rounds < 1:
         raise ConfigError("--steps and --rounds must be >= 1 and --warmup >= 0")
+    if opts.check_replicas and "ddp" not in opts.strategies:
+        raise ConfigError(f"--check-replicas {opts.check_replicas} times the replica check of ddp's jobs; add ddp to "
+                          f"--strategies or drop --check-replicas")
     load = opts.background_load
     batch = opts.batch_size or (24 if MODEL_DATA[opts.model] == "text" else 240)
     transports = tuple(opts.transports)
@@ -185,6 +197,7 @@ def run(opts: Settings) -> int:
     if opts.json_path:
         write_json(opts.json_path, metadata(model=opts.model, batch_size=batch, steps=opts.steps, warmup=opts.warmup,
                                        rounds=opts.rounds, algorithm=opts.algorithm, servers=opts.servers,
+                                       check_replicas=opts.check_replicas,
                                        transports=list(transports),
                                        **background.meta(load, windows)), records)
     return 0
@@ -192,7 +205,8 @@ def run(opts: Settings) -> int:
 
 def _median_record(runs: list[dict]) -> dict:
     out = dict(runs[len(runs) // 2])
-    for k in ("step_ms", "throughput"):
+    for k in ("step_ms", "throughput") + (("replica_check_ms", "replica_check_share")
+                                          if runs[0].get("replica_check_ms") is not None else ()):
         out[k] = statistics.median(r[k] for r in runs)
     out["rounds"] = len(runs)
     return out
@@ -208,9 +222,12 @@ def _table(records: list[dict], opts: Settings, batch: int) -> str:
                      f"{100 * r['over_local']:.0f}%" if r["over_local"] is not None else "",
                      _sent(r, opts), f"{r['vs_torch_ddp']:.2f}" if r["vs_torch_ddp"] is not None else ""])
     head = f"{opts.model}, global batch {batch}, {opts.steps} timed steps after {opts.warmup} warm-up"
+    checks = [f"\n{r['strategy']} on {r['nproc']}: replica check (hash + all-gather) {r['replica_check_ms']:.1f} ms, "
+              f"{100 * r['replica_check_share']:.2f}% of the step time at --check-replicas {opts.check_replicas}"
+              for r in sorted(records, key=lambda r: r["nproc"]) if r.get("replica_check_ms") is not None]
     return head + "\n" + format_table(
         [("", ["P", "strategy"]), ("step", ["ms", f"{unit}/s", "speedup", "effic."]),
-         ("comm", ["wait", "over local", "MB sent/rank/step", "vs torch-ddp"])], rows)
+         ("comm", ["wait", "over local", "MB sent/rank/step", "vs torch-ddp"])], rows) + "".join(checks)
 
 
 def _sent(r: dict, opts: Settings) -> str:

@@ -41,6 +41,7 @@ def validate(cfg, launched: tuple[int, int] | None = None, fashion_mnist_root: s
     strategy.check_elastic(cfg, launched)
     strategy.check_processes(cfg)
     strategy.check_applies(cfg)
+    strategy.check_replicas(cfg)
 
     features.check_features(cfg)
     features.check_device(cfg)

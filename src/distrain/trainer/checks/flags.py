@@ -53,13 +53,15 @@ def check_numbers(cfg) -> None:
 
 
 def check_bookkeeping(cfg) -> None:
-    """--timeout, --collective-timeout, --log-every, --eval-every, --ckpt-every, --eval-batches."""
+    """--timeout, --collective-timeout, --log-every, --eval-every, --ckpt-every, --eval-batches, --check-replicas."""
     need(math.isfinite(cfg.timeout) and cfg.timeout >= 0,
          f"--timeout must be a number of seconds >= 0 (0: no limit), got {cfg.timeout}")
     need(math.isfinite(cfg.collective_timeout) and cfg.collective_timeout > 0,
          f"--collective-timeout must be a positive number of seconds, got {cfg.collective_timeout}")
     need(cfg.log_every >= 1 and cfg.eval_every >= 0 and cfg.ckpt_every >= 0,
          "--log-every must be >= 1; --eval-every and --ckpt-every must be >= 0")
+    need(isinstance(cfg.check_replicas, int) and cfg.check_replicas >= 0,
+         f"--check-replicas must be a number of steps >= 0 (0: off), got {cfg.check_replicas!r}")
     need(cfg.eval_every == 0 or cfg.eval_batches >= 1,
          f"--eval-batches must be >= 1 when evaluating, got {cfg.eval_batches} (use --eval-every 0 to skip evaluation)")
 

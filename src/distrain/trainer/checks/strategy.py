@@ -37,6 +37,15 @@ def check_processes(cfg) -> None:
         need(cfg.max_staleness >= 0, f"--max-staleness must be >= 0, got {cfg.max_staleness}")
 
 
+def check_replicas(cfg) -> None:
+    """--check-replicas N compares replicas: refused where the ranks hold none (trainer/replicas.py no_replicas)."""
+    from distrain.trainer.replicas import no_replicas
+
+    why = no_replicas(cfg) if cfg.check_replicas else None
+    need(why is None, f"--check-replicas {cfg.check_replicas} compares the bits of replicas, but {why}; drop "
+                      f"--check-replicas or use --strategy ddp")
+
+
 def check_applies(cfg) -> None:
     """A flag set to anything but its default for a strategy it does not act on is refused (``opt``'s
     ``only`` in trainer/config.py); --accum-steps and --elastic say why in their own checks."""

@@ -123,6 +123,25 @@ class Engine(ABC):
     def serve(self, steps: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not serve")
 
+    # -- replicas (--check-replicas, trainer/replicas.py) ----------------------------------
+    @property
+    def replica_group(self):
+        """The process group of the ranks that hold this rank's parameters and optimizer state bit for
+        bit (its replicas), or None where it has none (the config refuses --check-replicas there)."""
+        return None
+
+    def replica_state(self) -> list[torch.Tensor]:
+        """What the replicas hold identically, in a fixed order: the parameters, then the optimizer's
+        state. Its first tensor is where DISTRAIN_INJECT flips a bit."""
+        raise NotImplementedError(f"{type(self).__name__} holds no replica")
+
+    def replica_mismatch(self) -> tuple[list[int], list[int]]:
+        """Collective over ``replica_group``: (its ranks, those whose state's bits differ; [] when all
+        agree), every rank of the group getting the same answer (trainer/replicas.py mismatched)."""
+        from distrain.trainer.replicas import mismatched
+
+        return mismatched(self.replica_state(), self.replica_group)
+
     # -- checkpoints ----------------------------------------------------------------------
     @classmethod
     @abstractmethod

@@ -237,6 +237,17 @@ class GridEngine(Engine):
             out["val_accuracy"] = right / seen
         return out
 
+    @property
+    def replica_group(self):
+        """Our DDP's replicas: the dp x cp group of this rank's (tp, pp) shard (cp ranks hold the same
+        parameters too); none with ZeRO (each holds a different shard) or --ep (different experts)."""
+        return self.topo.dp_cp_group if not self.zero_stage and self.topo.ep == 1 else None
+
+    def replica_state(self) -> list[torch.Tensor]:
+        from distrain.trainer.replicas import optimizer_tensors
+
+        return list(self.pm.module.parameters()) + optimizer_tensors(self.optimizer)
+
     @classmethod
     def layout_of(cls, cfg) -> dict:
         z = zero_stage_of(cfg)
