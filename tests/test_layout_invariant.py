@@ -221,12 +221,18 @@ def test_bf16_autocast_is_one_process_bit_for_bit(tmp_path, tmp_path_factory, na
     assert_identical(out, losses, reference(tmp_path_factory, autocast="bf16"))
 
 
+class BlockSize:
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+
+
 class Dropped(nn.Module):
     """A model of the user's own with dropout: its random numbers must follow the unit, not the rank."""
 
     def __init__(self):
         super().__init__()
         torch.manual_seed(3)
+        self.config = BlockSize(16)  # what the trainer cuts the text into
         self.emb = nn.Embedding(256, 24)
         self.mix = nn.Sequential(nn.LayerNorm(24), nn.Linear(24, 48), nn.GELU(), nn.Dropout(0.2), nn.Linear(48, 256))
 
@@ -283,3 +289,24 @@ def test_an_elastic_job_that_loses_a_rank_continues_bit_for_bit(tmp_path, tmp_pa
         (event,) = read_events(out / "metrics.jsonl")
         assert event["event"] == "membership"
         assert_identical(out, [r["loss"] for r in read_metrics(out / "metrics.jsonl")], ref)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_hugging_face_llama_from_init_from_is_one_process_bit_for_bit(tmp_path):
+    """--init-from a transformers LlamaForCausalLM folder (float32): one process, ddp P = 3 and zero2 P = 2
+    give the same bits."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(5)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, attn_implementation="eager"))
+    hf.save_pretrained(tmp_path / "hf")
+    runs = {}
+    for name, layout in {"single": dict(strategy="single", nproc=1), "ddp-3": dict(strategy="ddp", nproc=3),
+                         "zero2-2": dict(strategy="zero2", nproc=2)}.items():
+        out = tmp_path / name
+        losses = train_losses(job(out, model=None, init_from=str(tmp_path / "hf"), steps=10, **layout))
+        runs[name] = (losses, final_state(out), out)
+    for name in ("ddp-3", "zero2-2"):
+        assert_identical(runs[name][2], runs[name][0], runs["single"][:2])

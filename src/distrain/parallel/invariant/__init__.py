@@ -4,10 +4,10 @@ Three parts: units of work of a fixed size (units.py), gradient sums in int64 at
 exponents (fixed_point.py, gradients.py), and a step that runs the units and sums their losses exactly
 (step.py)."""
 
-from distrain.parallel.invariant.fixed_point import dequantize, exact_sum, quantize, scale_exponents
+from distrain.parallel.invariant.fixed_point import exact_sum, quantize, scale_exponents
 from distrain.parallel.invariant.gradients import FixedPointGradients
 from distrain.parallel.invariant.step import InvariantStep, clip_exact
 from distrain.parallel.invariant.units import default_units, replica_units, unit_seed
 
-__all__ = ["FixedPointGradients", "InvariantStep", "clip_exact", "default_units", "dequantize", "exact_sum",
+__all__ = ["FixedPointGradients", "InvariantStep", "clip_exact", "default_units", "exact_sum",
            "quantize", "replica_units", "scale_exponents", "unit_seed"]

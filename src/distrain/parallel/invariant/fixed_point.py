@@ -51,11 +51,6 @@ def scale_exponents(reference: list[float], addends: int, headroom: int = HEADRO
     return [min(1000, bits - magnitude(m if (m > 0 and math.isfinite(m)) else fallback)) for m in reference]
 
 
-def fits(maximum: float, exponent: int, addends: int) -> bool:
-    """Whether a tensor whose largest |value| is ``maximum`` converts at ``exponent`` within the limit."""
-    return math.isfinite(maximum) and maximum * 2.0 ** exponent < 2.0 ** limit_bits(addends)
-
-
 def quantize(g: torch.Tensor, exponent: int) -> torch.Tensor:
     """round(g * 2**exponent) as int64, rounding half to even. Scaling by a power of two is exact while
     the result stays a normal number, so float32 and bfloat16 (8 exponent bits: 2**e up to 2**127) scale and
@@ -67,25 +62,24 @@ def quantize(g: torch.Tensor, exponent: int) -> torch.Tensor:
     return torch.mul(g.to(torch.float64), 2.0 ** exponent).round_().to(torch.int64)  # (never in place: g may be float64)
 
 
-def abs_max(g: torch.Tensor) -> float:
-    """max |g| as a float (0.0 for an empty tensor; NaN if g holds one), in one pass without a copy."""
-    if not g.numel():
-        return 0.0
-    lo, hi = torch.aminmax(g.detach())
-    lo, hi = float(lo), float(hi)
-    return math.nan if (math.isnan(lo) or math.isnan(hi)) else max(-lo, hi)
+def quantize_all(tensors: list[torch.Tensor], exponents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.cat([quantize(t, e).flatten() ...])`` and the largest |t * 2**e| (a float64 0-d tensor; NaN if
+    any), in a few list-wide operations when every tensor is float32 or bfloat16 and every exponent in the
+    float32 range (else in float64, one by one): the same integers either way."""
+    fast = all(t.dtype in (torch.float32, torch.bfloat16) for t in tensors) and all(0 <= e <= 120 for e in exponents)
+    scaled = torch._foreach_mul([t.detach().reshape(-1) if fast else t.detach().reshape(-1).to(torch.float64)
+                                 for t in tensors], [2.0 ** e for e in exponents])
+    flat = torch.cat(scaled)
+    lo, hi = torch.aminmax(flat)
+    return flat.round_().to(torch.int64), torch.maximum(hi, -lo).to(torch.float64)
 
 
-def dequantize(q: torch.Tensor, exponent: int, divisor: int, dtype: torch.dtype, out: torch.Tensor | None = None):
-    """``float(q) * 2**-exponent / divisor`` in ``dtype`` (into ``out`` when given). Every step is one
-    elementwise operation on the same integers, so the bits depend only on ``q``."""
-    x = q.to(torch.float64).mul_(2.0 ** -exponent)
-    if divisor != 1:
-        x.div_(divisor)
-    if out is None:
-        return x.to(dtype)
-    out.copy_(x)
-    return out
+def maxima(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """(len(tensors),) float64: each tensor's largest |value| (0 for an empty one; NaN propagates)."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.stack([m.to(torch.float64) for m in torch._foreach_max(torch._foreach_abs(
+        [t.detach().reshape(-1) if t.numel() else t.new_zeros(1) for t in tensors]))])
 
 
 def exact_sum(values: list[torch.Tensor], *, addends: int, all_reduce=None) -> float:
@@ -112,5 +106,5 @@ def exact_sum(values: list[torch.Tensor], *, addends: int, all_reduce=None) -> f
     return float(total) * 2.0 ** -e
 
 
-__all__ = ["HEADROOM_BITS", "INT_BITS", "abs_max", "dequantize", "exact_sum", "fits", "limit_bits", "magnitude", "quantize",
+__all__ = ["HEADROOM_BITS", "INT_BITS", "exact_sum", "limit_bits", "magnitude", "maxima", "quantize", "quantize_all",
            "scale_exponents"]

@@ -32,30 +32,38 @@ class InvariantStep:
         self.module, self.loss_fn, self.grads = module, loss_fn, grads
         self.units, self.mine, self.seed = units, replica_units, seed
         self.forward_context, self.quiet = forward_context, quiet
-        self.redone = 0  # steps run twice (a gradient past the headroom)
+        self.redone = 0  # steps redone (a gradient past the headroom: measured, then run again)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, step: int) -> float:
         n = len(self.mine)
         if x.shape[0] % n or y.shape[0] != x.shape[0]:
             raise ValueError(f"InvariantStep: {x.shape[0]} samples cannot be this replica's {n} units")
         xs, ys = x.chunk(n), y.chunk(n)
-        exponents = None
-        for _attempt in range(2):
-            losses = torch.full((self.units,), -math.inf, dtype=torch.float64)
-            self.grads.begin(exponents)
-            with self.quiet():
-                for j, k in enumerate(self.mine):
-                    torch.manual_seed(unit_seed(self.seed, step, k))
-                    with self.forward_context():
-                        loss = self.loss_fn(self.module(xs[j]), ys[j])
-                    loss.backward()
-                    losses[k] = float(loss.detach())
-                    self.grads.end_unit()
-            exponents, losses = self.grads.finish(losses)
-            if exponents is None:
-                return math.fsum(losses.tolist()) / self.units
+        fits, losses = self._units(xs, ys, step, exponents=None)
+        if not fits:  # a unit past the headroom (rare): measure every parameter's range, then once more
             self.redone += 1
-        raise RuntimeError("InvariantStep: the step overflowed twice (a bug: the redo's exponents come from its maxima)")
+            self._units(xs, ys, step, measure=True)
+            fits, losses = self._units(xs, ys, step, exponents=self.grads.measured())
+            if not fits:
+                raise RuntimeError("InvariantStep: the step overflowed at exponents from its own maxima (a bug)")
+        return math.fsum(losses.tolist()) / self.units
+
+    def _units(self, xs, ys, step: int, exponents=None, measure: bool = False):
+        """This replica's units, one forward and backward each; (every conversion fitted, the units' losses
+        maxed over the replicas: each has exactly one)."""
+        losses = torch.full((self.units,), -math.inf, dtype=torch.float64)
+        self.grads.begin(exponents, measure=measure)
+        with self.quiet():
+            for j, k in enumerate(self.mine):
+                torch.manual_seed(unit_seed(self.seed, step, k))
+                with self.forward_context():
+                    loss = self.loss_fn(self.module(xs[j]), ys[j])
+                loss.backward()
+                losses[k] = float(loss.detach())
+                self.grads.end_unit()
+        if measure:
+            return True, losses
+        return self.grads.finish(losses)
 
 
 def clip_exact(grads: list[torch.Tensor], max_norm: float, *, addends: int, all_reduce=None) -> float:
