@@ -148,6 +148,12 @@ class FixedPointGradients:
             return None, extra
         return scale_exponents(m, self.addends), extra
 
+    @property
+    def nonfinite(self) -> list[bool]:
+        """After :meth:`finish`: per parameter, whether some unit's gradient held a NaN or an infinity (its
+        summed gradient is then NaN), the same on every rank."""
+        return list(self._nan)
+
     # -- the sum over ranks, back to floats --------------------------------------------------------
     def gradients(self) -> None:
         """Replicas (DDP, one process): all-reduce the integers, write every parameter's ``.grad``."""
