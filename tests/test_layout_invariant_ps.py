@@ -105,3 +105,28 @@ def test_ps_sync_is_one_process_bit_for_bit(tmp_path, tmp_path_factory, name):
     assert differences(final_state(out), want_state) == []
     # the servers received exactly the fixed-point pushes' bytes (PSLayout.push_bytes)
     assert json.loads((out / "summary.json").read_text())["ps_bytes_match"] is True
+
+
+# -- elastic ps-sync: workers lost and gained mid-run, the same bits ------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("faults, kw, change", [
+    ("1@2", dict(nproc=4, elastic="3:4"), (4, 3, [1], [], 2)),                        # 3 workers -> 2
+    ("0@2:hold", dict(nproc=3, elastic="3:4", elastic_replace=1), (3, 4, [], [3], 1)),  # 2 workers -> 3
+], ids=["lose-a-worker", "a-newcomer-works"])
+def test_elastic_ps_sync_is_one_process_bit_for_bit(tmp_path, monkeypatch, faults, kw, change):
+    """The units move between workers at a membership change (the redone step too); the servers' sums do not
+    see it. 8 steps, so the change falls mid-run."""
+    from distrain.trainer import train
+    from distrain.trainer.metrics import read_events, read_metrics
+
+    ref = tmp_path / "single"
+    want = train_losses(job(ref, strategy="single", nproc=1, steps=8, log_every=2))
+    monkeypatch.setenv("DISTRAIN_ELASTIC_FAULTS", faults)
+    out = tmp_path / "run"
+    train(job(out, strategy="ps-sync", steps=8, log_every=2, collective_timeout=30, **kw))
+    rows = read_metrics(out / "metrics.jsonl")
+    events = [e for e in read_events(out / "metrics.jsonl") if e["event"] == "membership"]
+    assert [(e["old_world"], e["new_world"], e["left"], e["joined"], e["step"]) for e in events] == [change]
+    assert [r["loss"] for r in rows] == want
+    assert differences(final_state(out), final_state(ref)) == []
