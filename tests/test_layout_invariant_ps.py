@@ -74,6 +74,33 @@ def test_fixed_point_pushes_are_int64_sums_and_an_exponent_pair_per_parameter():
     assert expected_ps_bytes(L, 2, True) == expected_ps_bytes(L, 2, True, fixed_point=False)
 
 
+def _float_worker_meets_a_fixed_point_server(rank: int):
+    from distrain.models import build_model
+    from distrain.parallel.parameter_server import ParameterServer, PSLayout, PSWorker
+
+    torch.manual_seed(0)
+    model = build_model("mlp-tiny")
+    layout = PSLayout.from_model(model, 3, 1)
+    if layout.is_server(rank):
+        ParameterServer(model, layout, lambda ps: torch.optim.SGD(ps, lr=0.1), "sync", fixed_point_units=4).serve(2)
+    else:
+        PSWorker(model, layout, "sync").pull()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_float_worker_and_a_fixed_point_server_disagree_at_the_hello():
+    import distrain
+    from distrain.errors import RankFailedError
+
+    with pytest.raises(RankFailedError) as ei:
+        distrain.spawn(_float_worker_meets_a_fixed_point_server, 3, timeout=60)
+    assert ei.value.rank in (0, 1)
+    assert (f"worker rank {ei.value.rank}: parameter server rank 2 disagrees on the set-up: it serves mode 'sync' "
+            f"with fixed-point pushes, 1 servers, 2 workers, shard 0 of 6570 elements; this worker expects mode "
+            f"'sync', 1 servers, 2 workers") in str(ei.value)
+
+
 def test_ps_async_stays_refused_in_one_line(tmp_path):
     from distrain.errors import ConfigError
 
