@@ -185,7 +185,8 @@ class ParameterServer:
         self._pulls = self._pushes = self._deferred = 0
         self._deferred_s = 0.0
         L, K = self.layout, self.max_staleness
-        hello = torch.tensor([MAGIC, mode_word(self.mode, self.fixed_point_units is not None), L.num_servers, L.num_workers, self.index,
+        word = mode_word(self.mode, self.fixed_point_units is not None)
+        hello = torch.tensor([MAGIC, word, L.num_servers, L.num_workers, self.index,
                               L.shard_numel(self.index), -1 if K is None else K], dtype=I64)
         self._fan_out([(w, [(hello, TAG_HELLO, "ps_ctrl")]) for w in self.workers], "the hello")
 

@@ -71,10 +71,10 @@ class PSWorker:
             want = [MAGIC, mode_word(self.mode, self.fixed_point), L.num_servers, L.num_workers, s, L.shard_numel(s)]
             if got[:6] != want:
                 raise ConfigError(
-                    f"{self._me}: {self._peer(s)} disagrees on the set-up: it serves mode {describe_mode_word(got[1])}, "
-                    f"{got[2]} servers, {got[3]} workers, shard {got[4]} of {got[5]} elements; this worker expects mode "
-                    f"{describe_mode_word(want[1])}, {want[2]} servers, {want[3]} workers, shard {s} of {want[5]} "
-                    f"elements")
+                    f"{self._me}: {self._peer(s)} disagrees on the set-up: it serves mode "
+                    f"{describe_mode_word(got[1])}, {got[2]} servers, {got[3]} workers, shard {got[4]} of {got[5]} "
+                    f"elements; this worker expects mode {describe_mode_word(want[1])}, {want[2]} servers, "
+                    f"{want[3]} workers, shard {s} of {want[5]} elements")
             self.bounded = self.bounded or got[6] >= 0
 
     def pull(self) -> None:
