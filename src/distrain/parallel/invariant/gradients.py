@@ -141,6 +141,12 @@ class FixedPointGradients:
         self.measuring = False
         return scale_exponents(m.tolist(), self.addends)
 
+    @property
+    def nonfinite(self) -> list[bool]:
+        """After :meth:`finish`: per parameter, whether some unit's gradient held a NaN or an infinity (its
+        summed gradient is then NaN), the same on every rank."""
+        return list(self._nan)
+
     # -- the sum over ranks, back to floats --------------------------------------------------------
     def gradients(self) -> None:
         """Replicas (DDP, one process): all-reduce the integers; every parameter's ``.grad`` (a view of the

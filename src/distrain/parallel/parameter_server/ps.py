@@ -33,6 +33,13 @@ TAG_PUSH_HDR    ps_ctrl  worker -> server  int64 [step, version pulled]       as
 TAG_PUSH        ps_push  worker -> server  the shard's gradient, N_s bytes    both
 ==============  =======  ================  =================================  =====
 
+With ``fixed_point_units=U`` (sync only; the trainer's --layout-invariant) a push is int64 instead: the
+worker's integer sums of its units' gradients at the step's shared exponents (distrain.parallel.invariant),
+N_s / element size elements, then an [exponent, non-finite] pair per parameter of the shard (8 bytes
+each: ``PSLayout.push_bytes``); the hello's mode word carries the FIXED_POINT bit. The server adds the
+W workers' integers (exact, in any order), checks that their exponents agree, and converts each element
+back once (``dequantize``: / 2**e / U): one process's mean gradient over the U units, bit for bit.
+
 *Sync* (BSP). Step t on a server: post the W gradient receives, send the weights to every
 worker (fan-out), wait for the gradients in worker-rank order (fan-in), sum them in that
 order, divide by W, one optimizer step: exactly DDP's step on the global batch W*b.
@@ -80,6 +87,7 @@ import torch.nn as nn
 from distrain import comm
 from distrain.comm.core.util import check_int
 from distrain.errors import CommError, ConfigError
+from distrain.parallel.invariant.fixed_point import dequantize
 from distrain.parallel.parameter_server.ps_layout import PSLayout, expected_ps_bytes
 from distrain.parallel.parameter_server.ps_protocol import (
     I64,
@@ -93,6 +101,7 @@ from distrain.parallel.parameter_server.ps_protocol import (
     TAG_VERSION,
     ProtocolError,
     check_setup,
+    mode_word,
     over_transport,
     step_name,
 )
@@ -105,17 +114,26 @@ class ParameterServer:
     """One server rank: its shard of the parameters, its optimizer, ``serve(num_steps)``.
 
     ``optimizer_factory(params)`` builds the optimizer over the shard's parameters;
-    ``scheduler_factory(optimizer)``, if given, is stepped after every optimizer step.
+    ``scheduler_factory(optimizer)``, if given, is stepped after every optimizer step;
+    ``fixed_point_units`` (sync only): the pushes are fixed-point sums over that many units of work
+    (the table above), None: float gradients.
     """
 
     def __init__(self, model: nn.Module, layout: PSLayout, optimizer_factory: Callable, mode: str = "sync",
-                 max_staleness: int | None = None, scheduler_factory: Callable | None = None):
+                 max_staleness: int | None = None, scheduler_factory: Callable | None = None,
+                 fixed_point_units: int | None = None):
         if max_staleness is not None:
             if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
                 raise ConfigError(f"ParameterServer: max_staleness must be None or an int >= 0, got {max_staleness!r}")
             if mode == "sync":
                 raise ConfigError("ParameterServer: max_staleness applies to mode='async' only (sync has staleness 0)")
+        if fixed_point_units is not None:
+            check_int(fixed_point_units, "fixed_point_units", "ParameterServer", 1)
+            if mode != "sync":
+                raise ConfigError("ParameterServer: fixed-point pushes are for mode 'sync' (a step's sums over all "
+                                  "workers)")
         self.rank, params = check_setup("ParameterServer", model, layout, mode, want_server=True)
+        self.fixed_point_units = fixed_point_units
         self.layout, self.mode, self.max_staleness = layout, mode, max_staleness
         self.index = layout.server_index(self.rank)
         self.workers = layout.workers
@@ -167,7 +185,8 @@ class ParameterServer:
         self._pulls = self._pushes = self._deferred = 0
         self._deferred_s = 0.0
         L, K = self.layout, self.max_staleness
-        hello = torch.tensor([MAGIC, MODES.index(self.mode), L.num_servers, L.num_workers, self.index,
+        word = mode_word(self.mode, self.fixed_point_units is not None)
+        hello = torch.tensor([MAGIC, word, L.num_servers, L.num_workers, self.index,
                               L.shard_numel(self.index), -1 if K is None else K], dtype=I64)
         self._fan_out([(w, [(hello, TAG_HELLO, "ps_ctrl")]) for w in self.workers], "the hello")
 
@@ -201,8 +220,10 @@ class ParameterServer:
         """One step of mode "sync": the weights to every worker, every worker's push, one update.
         ``before_update()`` (an elastic job's commit) runs between the averaged push and the update; if it
         raises, the update is not applied, and :meth:`update` applies it later."""
+        fixed = self.fixed_point_units is not None
         if getattr(self, "_bufs", None) is None:
-            self._bufs = [torch.empty_like(self.flat) for _ in self.workers]
+            n = self.layout.push_numel(self.index, fixed)
+            self._bufs = [torch.empty(n, dtype=I64 if fixed else self.flat.dtype) for _ in self.workers]
         bufs, what = self._bufs, f"push of step {step}"
         recvs = [over_transport(self._me, f"worker rank {w}", what, lambda: comm.irecv(b, w, tag=TAG_PUSH, label="ps_push"))
                  for w, b in zip(self.workers, bufs)]
@@ -210,15 +231,37 @@ class ParameterServer:
         for w, h in zip(self.workers, recvs):  # fan-in, in worker-rank order
             over_transport(self._me, f"worker rank {w}", what, h.wait)
         self._pushes += len(bufs)
-        with torch.no_grad():  # sum in worker-rank order, then one division: deterministic
-            self.grad.copy_(bufs[0])
-            for b in bufs[1:]:
-                self.grad.add_(b)
-            self.grad.div_(len(bufs))
+        if fixed:
+            self._fixed_point_gradient(bufs, step)
+        else:
+            with torch.no_grad():  # sum in worker-rank order, then one division: deterministic
+                self.grad.copy_(bufs[0])
+                for b in bufs[1:]:
+                    self.grad.add_(b)
+                self.grad.div_(len(bufs))
         self._stale[0] += len(bufs)
         if before_update is not None:
             before_update()
         self._step()
+
+    def _fixed_point_gradient(self, bufs: list[torch.Tensor], step: int) -> None:
+        """The workers' int64 pushes -> self.grad: the integers added (exact, so any order), each
+        parameter's elements converted back once at its exponent, divided by the units."""
+        n = self.flat.numel()
+        head = bufs[0][n:].view(-1, 2)  # (parameters of the shard, [exponent, non-finite])
+        for w, b in zip(self.workers[1:], bufs[1:]):
+            if not torch.equal(b[n:], bufs[0][n:]):
+                raise CommError(f"{self._me}: protocol error: worker rank {w}'s exponents of step {step} differ from "
+                                f"worker rank {self.workers[0]}'s (the workers must share them: the same job?)")
+        total = bufs[0][:n]
+        for b in bufs[1:]:
+            total.add_(b[:n])
+        with torch.no_grad():
+            for (e, bad), (_, a, b) in zip(head.tolist(), self.layout.slices(self.index)):
+                if bad:  # some unit's gradient was not finite: the step's gradient is NaN, as one process's
+                    self.grad[a:b].fill_(float("nan"))
+                else:
+                    dequantize(total[a:b], e, self.fixed_point_units, self.grad.dtype, out=self.grad[a:b])
 
     def update(self) -> None:
         """Apply the averaged push of the step whose update ``before_update`` interrupted."""

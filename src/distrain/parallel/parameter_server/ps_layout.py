@@ -182,6 +182,15 @@ class PSLayout:
         """N_s: the bytes of server s's shard (its flat message)."""
         return sum(self.nbytes[i] for i in self.params_of(s))
 
+    def push_numel(self, s: int, fixed_point: bool = False) -> int:
+        """Elements of a worker's push to server s: its shard's gradient; fixed-point (int64): the shard's
+        integer sums, then an [exponent, non-finite] pair per parameter."""
+        return self.shard_numel(s) + (2 * len(self.params_of(s)) if fixed_point else 0)
+
+    def push_bytes(self, s: int, fixed_point: bool = False) -> int:
+        """Bytes of a worker's push to server s: N_s, or 8 per element of the fixed-point push."""
+        return 8 * self.push_numel(s, True) if fixed_point else self.shard_bytes(s)
+
     @property
     def total_bytes(self) -> int:
         """N: the bytes of all parameters."""
@@ -200,23 +209,28 @@ class PSLayout:
                 f"shard_bytes={[self.shard_bytes(s) for s in range(self.num_servers)]})")
 
 
-def expected_ps_bytes(layout: PSLayout, steps: int = 1, final_pull: bool = False) -> dict[int, dict[str, int]]:
+def expected_ps_bytes(layout: PSLayout, steps: int = 1, final_pull: bool = False,
+                      fixed_point: bool = False) -> dict[int, dict[str, int]]:
     """Exact ledger bytes of the data messages per rank for ``steps`` steps (plus one final pull).
 
     Returns ``{rank: {"ps_pull_sent", "ps_pull_recv", "ps_push_sent", "ps_push_recv", "sent", "recv"}}``.
     Per step server s sends and receives W*N_s; every worker sends and receives N. Control
-    messages (label "ps_ctrl", async mode only) are not included.
+    messages (label "ps_ctrl", async mode only) are not included. ``fixed_point``: the pushes are
+    int64 sums (``PSLayout.push_bytes``), so server s receives W*push_bytes(s) and a worker sends
+    the sum of push_bytes over the servers.
     """
     steps = _positive_int("steps", steps, 0)
     pulls = steps + (1 if final_pull else 0)
     W, N = layout.num_workers, layout.total_bytes
+    P = sum(layout.push_bytes(s, fixed_point) for s in range(layout.num_servers))
     out: dict[int, dict[str, int]] = {}
     for r in range(layout.world_size):
         if layout.is_server(r):
-            Ns = layout.shard_bytes(layout.server_index(r))
-            d = {"ps_pull_sent": pulls * W * Ns, "ps_pull_recv": 0, "ps_push_sent": 0, "ps_push_recv": steps * W * Ns}
+            s = layout.server_index(r)
+            Ns, Ps = layout.shard_bytes(s), layout.push_bytes(s, fixed_point)
+            d = {"ps_pull_sent": pulls * W * Ns, "ps_pull_recv": 0, "ps_push_sent": 0, "ps_push_recv": steps * W * Ps}
         else:
-            d = {"ps_pull_sent": 0, "ps_pull_recv": pulls * N, "ps_push_sent": steps * N, "ps_push_recv": 0}
+            d = {"ps_pull_sent": 0, "ps_pull_recv": pulls * N, "ps_push_sent": steps * P, "ps_push_recv": 0}
         d["sent"] = d["ps_pull_sent"] + d["ps_push_sent"]
         d["recv"] = d["ps_pull_recv"] + d["ps_push_recv"]
         out[r] = d

@@ -19,6 +19,21 @@ MODES = ("sync", "async")
 TAG_HELLO, TAG_REQ, TAG_VERSION, TAG_PULL, TAG_PUSH_HDR, TAG_PUSH = (tags.PARAMETER_SERVER.at(i) for i in range(6))
 MAGIC = 0x5053  # "PS"
 I64 = torch.int64
+# the hello's mode word: MODES.index(mode), plus this bit when the pushes are fixed-point integers
+# (--layout-invariant: int64 sums at shared exponents, ps.py's table); the default hello keeps its bytes
+FIXED_POINT = 1 << 8
+
+
+def mode_word(mode: str, fixed_point: bool) -> int:
+    """The hello's mode word: which mode, and whether the pushes are fixed-point integers."""
+    return MODES.index(mode) | (FIXED_POINT if fixed_point else 0)
+
+
+def describe_mode_word(word: int) -> str:
+    """A hello's mode word in words (for a disagreement's message)."""
+    k = word & ~FIXED_POINT
+    mode = repr(MODES[k]) if 0 <= k < len(MODES) else str(k)
+    return mode + (" with fixed-point pushes" if word & FIXED_POINT else "")
 
 
 def check_setup(who: str, model: nn.Module, layout: PSLayout, mode: str, want_server: bool) -> tuple[int, list]:

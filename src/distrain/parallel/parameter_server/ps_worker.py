@@ -1,5 +1,7 @@
 """The worker side of the parameter server: :class:`PSWorker` pulls weights into the local model
-and pushes its gradients, one message per server (protocol: ps_protocol.py; server: ps.py).
+and pushes its gradients, one message per server (protocol: ps_protocol.py; server: ps.py). With
+``fixed_point=True`` (sync only, --layout-invariant) a push is the worker's int64 gradient sums and
+their exponents (:meth:`PSWorker.push_fixed`) instead of its float gradients.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from distrain.parallel.parameter_server.ps_layout import PSLayout
 from distrain.parallel.parameter_server.ps_protocol import (
     I64,
     MAGIC,
-    MODES,
     TAG_HELLO,
     TAG_PULL,
     TAG_PUSH,
@@ -23,6 +24,8 @@ from distrain.parallel.parameter_server.ps_protocol import (
     TAG_REQ,
     TAG_VERSION,
     check_setup,
+    describe_mode_word,
+    mode_word,
     over_transport,
 )
 
@@ -30,16 +33,23 @@ __all__ = ["PSWorker"]
 
 
 class PSWorker:
-    """One worker rank: ``pull()`` weights into the local model, ``push()`` its gradients."""
+    """One worker rank: ``pull()`` weights into the local model, ``push()`` its gradients (or, with
+    ``fixed_point``, ``push_fixed(...)`` its int64 gradient sums)."""
 
-    def __init__(self, model: nn.Module, layout: PSLayout, mode: str = "sync"):
+    def __init__(self, model: nn.Module, layout: PSLayout, mode: str = "sync", fixed_point: bool = False):
         self.rank, self.params = check_setup("PSWorker", model, layout, mode, want_server=False)
-        self.layout, self.mode = layout, mode
+        if fixed_point and mode != "sync":
+            raise ConfigError("PSWorker: fixed-point pushes are for mode 'sync' (a step's sums over all workers)")
+        self.layout, self.mode, self.fixed_point = layout, mode, fixed_point
         S = layout.num_servers
         self._slices = [layout.slices(s) for s in range(S)]
         p0 = self.params[0]
         self._wbuf = [torch.empty(layout.shard_numel(s), dtype=p0.dtype, device=p0.device) for s in range(S)]
-        self._gbuf = [torch.empty_like(b) for b in self._wbuf]
+        if fixed_point:  # per server: its elements' int64 sums, then [exponent, non-finite] per parameter
+            self._gbuf = [torch.empty(layout.push_numel(s, True), dtype=I64) for s in range(S)]
+            self._offsets = [sum(layout.numels[:i]) for i in range(len(self.params))]  # model order
+        else:
+            self._gbuf = [torch.empty_like(b) for b in self._wbuf]
         self._src = [layout.server_rank(s) for s in range(S)]
         self.versions = [0] * S  # per server: the version of the last pull
         self.step = 0  # pushes done
@@ -57,13 +67,14 @@ class PSWorker:
             h = torch.empty(7, dtype=I64)
             over_transport(self._me, self._peer(s), "the hello",
                            lambda: comm.recv(h, self._src[s], tag=TAG_HELLO, label="ps_ctrl"))
-            got, want = h.tolist(), [MAGIC, MODES.index(self.mode), L.num_servers, L.num_workers, s, L.shard_numel(s)]
+            got = h.tolist()
+            want = [MAGIC, mode_word(self.mode, self.fixed_point), L.num_servers, L.num_workers, s, L.shard_numel(s)]
             if got[:6] != want:
-                mode = MODES[got[1]] if 0 <= got[1] < len(MODES) else got[1]
                 raise ConfigError(
-                    f"{self._me}: {self._peer(s)} disagrees on the set-up: it serves mode {mode!r}, {got[2]} servers, "
-                    f"{got[3]} workers, shard {got[4]} of {got[5]} elements; this worker expects mode {self.mode!r}, "
-                    f"{want[2]} servers, {want[3]} workers, shard {s} of {want[5]} elements")
+                    f"{self._me}: {self._peer(s)} disagrees on the set-up: it serves mode "
+                    f"{describe_mode_word(got[1])}, {got[2]} servers, {got[3]} workers, shard {got[4]} of {got[5]} "
+                    f"elements; this worker expects mode {describe_mode_word(want[1])}, {want[2]} servers, "
+                    f"{want[3]} workers, shard {s} of {want[5]} elements")
             self.bounded = self.bounded or got[6] >= 0
 
     def pull(self) -> None:
@@ -108,10 +119,9 @@ class PSWorker:
     def push(self, zero_grad: bool = True) -> None:
         """Send this step's gradients (one message per server; a parameter without one sends zeros),
         then set them to None if ``zero_grad``."""
-        if not self._pulled:
-            raise ConfigError(f"PSWorker.push: rank {self.rank} pushed without a pull(); each step is "
-                              f"pull(), forward/backward, push()")
-        t0, what, hs = time.perf_counter(), f"push of step {self.step}", []
+        if self.fixed_point:
+            raise ConfigError(f"PSWorker.push: rank {self.rank} pushes fixed-point sums: call push_fixed(...)")
+        t0 = self._check_pushable("push")
         with torch.no_grad():
             for s in range(self.layout.num_servers):
                 for i, a, b in self._slices[s]:
@@ -120,6 +130,39 @@ class PSWorker:
                         self._gbuf[s][a:b].zero_()
                     else:
                         self._gbuf[s][a:b].copy_(g.reshape(-1))
+        self._send(t0, zero_grad)
+
+    def push_fixed(self, integers: torch.Tensor, exponents: list[int], nonfinite: list[bool]) -> None:
+        """Fixed-point mode: send this step's int64 gradient sums (``integers``: every parameter's, flat
+        in model order; FixedPointGradients' accumulator over the whole model) with each parameter's
+        exponent and whether its gradient was not finite (the same on every worker), then set the
+        gradients to None. The server adds the workers' integers and converts them back once."""
+        if not self.fixed_point:
+            raise ConfigError(f"PSWorker.push_fixed: rank {self.rank} was built for float pushes (fixed_point=False)")
+        t0 = self._check_pushable("push_fixed")
+        n = len(self.params)
+        if integers.dtype != I64 or integers.numel() < sum(self.layout.numels) or len(exponents) != n \
+                or len(nonfinite) != n:
+            raise ConfigError(f"PSWorker.push_fixed: want int64 sums of {sum(self.layout.numels)} elements and "
+                              f"{n} exponents and flags, got {integers.dtype} {integers.numel()}, {len(exponents)}, "
+                              f"{len(nonfinite)}")
+        for s in range(self.layout.num_servers):
+            buf, sl = self._gbuf[s], self._slices[s]
+            head = buf[self.layout.shard_numel(s):].view(-1, 2)  # (parameters of the shard, 2)
+            for i, a, b in sl:
+                buf[a:b].copy_(integers[self._offsets[i]:self._offsets[i] + b - a])
+            head.copy_(torch.tensor([[exponents[i], int(bool(nonfinite[i]))] for i, _, _ in sl], dtype=I64))
+        self._send(t0, True)
+
+    def _check_pushable(self, name: str) -> float:
+        if not self._pulled:
+            raise ConfigError(f"PSWorker.{name}: rank {self.rank} pushed without a pull(); each step is "
+                              f"pull(), forward/backward, push()")
+        return time.perf_counter()
+
+    def _send(self, t0: float, zero_grad: bool) -> None:
+        """Send the filled push buffers (one message per server), then close the step."""
+        what, hs = f"push of step {self.step}", []
         for s, dst in enumerate(self._src):
             msgs = [(self._gbuf[s], TAG_PUSH, "ps_push")]
             if self.mode == "async":

@@ -8,7 +8,7 @@ from distrain.trainer.checks.need import need
 
 # the strategies whose every reduction distrain orders (torch's DDP reducer, an asynchronous server and a
 # run without gradient exchange cannot give one process's bits)
-INVARIANT_STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3")
+INVARIANT_STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "ps-sync")
 
 
 def units_of(cfg) -> int:

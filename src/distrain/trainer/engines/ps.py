@@ -17,7 +17,15 @@ holds the weights of the step before.
 loss together, which deadlocks against a server that bounds staleness.) The state lives on
 the servers: each writes shard ``server{s}`` (its flat weights and optimizer). Periodic
 checkpoints are refused by the config (mid-run, the state is spread over messages in
-flight); the final one is written.
+flight); the final one is written, with the parameters' names (``checkpoint.reshard.consolidate``
+reads it).
+
+``--layout-invariant`` (ps-sync): each worker runs its units of work one at a time and sums their
+gradients as int64 at exponents shared by all workers (distrain.parallel.invariant, the workers'
+group; worker 0 runs unit 0 and broadcasts the exponents); it pushes the integers, which the servers
+add exactly and convert back once (ParameterServer's ``fixed_point_units``). Grad clip happens on the
+servers, by the exact norm (``clip_exact``: a fixed-point sum of the squares over the servers' shards).
+Every worker ends a step with the whole loss (math.fsum of every unit's), so rank 0 alone weighs it.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import torch.distributed as dist
 
 from distrain import comm
 from distrain.parallel.clip import clip_grad_norm
+from distrain.parallel.invariant import clip_exact
 from distrain.trainer.engines.base import Engine, evaluate_batches, part_loss
 
 
@@ -42,8 +51,13 @@ class PSEngine(Engine):
         self.ps_layout = L = PSLayout.from_model(model, self.world, cfg.servers)
         self.is_server = L.is_server(self.rank)
         self.serves = self.is_server and self.mode == "async"  # (sync: the servers run the loop step by step)
+        self.fixed_point = cfg.layout_invariant  # (validated: ps-sync)
+        workers_group = servers_group = None
         if self.mode == "async":
             self.loss_group = dist.new_group(L.workers)  # every rank must create it
+        elif self.fixed_point:  # (a mixture's router counts stay the unit's own: no counting over the workers)
+            workers_group = dist.new_group(L.workers)  # every rank creates both, in this order
+            servers_group = dist.new_group(L.servers) if L.num_servers > 1 else None
         else:
             self._count_routing_over_the_workers(model, L)
         self.label = f"{cfg.strategy} ({L.num_workers} workers, {L.num_servers} server{'s' * (L.num_servers > 1)})"
@@ -52,15 +66,31 @@ class PSEngine(Engine):
         # the data messages this engine moves (its own ledger: an elastic job rebuilds the engine at each change)
         self.ledger = comm.ledger().__enter__()
         self._stop_ledger = weakref.finalize(self, self.ledger.__exit__, None, None, None)  # (once, at most)
+        self.invariant = None  # (workers, --layout-invariant: the units and their int64 sums)
         if self.is_server:
-            self.server = ParameterServer(model, L, optimizer_factory, self.mode, max_staleness=cfg.max_staleness)
+            units = None
+            if self.fixed_point:
+                from distrain.trainer.checks.invariant import units_of
+
+                torch.set_num_threads(1)  # as the workers (InvariantTraining) and one process
+                units, self._servers_group, self._numel = units_of(cfg), servers_group, sum(L.numels)
+            self.server = ParameterServer(model, L, optimizer_factory, self.mode, max_staleness=cfg.max_staleness,
+                                          fixed_point_units=units)
             self.loss_weight = 0.0  # (no loss here; sync servers still join the loss sum over the world)
         else:
-            self.worker = PSWorker(model, L, self.mode)
+            self.worker = PSWorker(model, L, self.mode, fixed_point=self.fixed_point)
             self.dp_rank, self.dp_size = L.workers.index(self.rank), L.num_workers
             self.loss_fn = part_loss(loss_fn, cfg.batch_size, self.dp_size, self.dp_rank)
             self.loss_weight = 1.0 / L.num_workers
             self._final = False
+            if self.fixed_point:
+                from distrain.trainer.engines.invariant import InvariantTraining
+
+                self.invariant = InvariantTraining(cfg, model, self.eval_loss_fn, replicas=self.dp_size,
+                                                   replica=self.dp_rank, group=workers_group,
+                                                   forward_context=self.autocast)
+                self.part_unit = self.invariant.samples_per_unit
+                self.loss_weight = 1.0 if self.rank == 0 else 0.0  # every worker has the whole loss: exact
 
     def _count_routing_over_the_workers(self, model, L) -> None:
         """ps-sync with a mixture of experts: the workers' routers count over all workers (the step's
@@ -103,13 +133,18 @@ class PSEngine(Engine):
             if self.is_server:
                 self.server.open()
         self._k += 1
-        if self.is_server:  # one step of mode sync: weights out, every push in, (commit,) one update
-            self.server.sync_step(self._k - 1, self.cfg.steps, before_update=None if commit is None else
-                                  lambda: commit(None))
+        if self.is_server:  # one step of mode sync: weights out, every push in, (clip, commit,) one update
+            self.server.sync_step(self._k - 1, self.cfg.steps, before_update=self._before_update(commit))
             return None
         w = self.worker
         before = w.pull_s + w.push_s
         w.pull()
+        if self.invariant is not None:
+            loss = self._fixed_point_step(x, y)
+            self.comm_wait_s = w.pull_s + w.push_s - before
+            if commit is not None:
+                commit(loss)
+            return loss
         with self.autocast():
             loss = self.loss_fn(self.model(x), y)
         loss.backward()
@@ -120,6 +155,34 @@ class PSEngine(Engine):
         if commit is not None:  # (a worker holds no state: nothing to update after it)
             commit(loss.detach())
         return loss.detach()
+
+    def _fixed_point_step(self, x, y) -> torch.Tensor:
+        """A worker's units of work, their int64 gradient sums pushed: the step's whole loss (float64)."""
+        for p in self.model.parameters():
+            p.grad = None
+        loss = self.invariant.run(x, y, self.step_index)
+        g = self.invariant.grads
+        self.worker.push_fixed(g.acc[0], g.exponents, g.nonfinite)
+        return torch.tensor(loss, dtype=torch.float64)
+
+    def _before_update(self, commit):
+        """A server's work between the summed gradient and the update: the exact-norm clip
+        (--layout-invariant), an elastic job's commit."""
+        clip = self.fixed_point and bool(self.cfg.grad_clip)
+        if not clip:
+            return None if commit is None else (lambda: commit(None))
+
+        def before():
+            reduce = None
+            if self._servers_group is not None:
+                def reduce(t, op):
+                    comm.all_reduce(t, op=op, group=self._servers_group, algorithm="native")
+                    return t
+            clip_exact([p.grad for p in self.server.params], self.cfg.grad_clip, addends=self._numel,
+                       all_reduce=reduce)
+            if commit is not None:
+                commit(None)
+        return before
 
     def finish_step(self) -> None:
         if self.is_server:  # the pushes of the step are in and averaged: apply them
@@ -154,9 +217,14 @@ class PSEngine(Engine):
         return f"server{self.ps_layout.server_index(self.rank)}" if self.is_server else None
 
     def state_dict(self) -> dict:
+        from distrain.checkpoint.reshard import shard_meta
+
         if not self.is_server:
             return {}  # a worker holds no state: it pulls the weights every step
-        return {"flat": self.server.flat, "optimizer": self.server.optimizer.state_dict()}
+        names = self.server.names  # (the whole model's names; "model" holds views of "flat")
+        return {"flat": self.server.flat, "optimizer": self.server.optimizer.state_dict(),
+                "model": {n: p.detach() for n, p in zip(names, self.server.params)},
+                **shard_meta({n: n for n in names}, order=names)}
 
     def load_state_dict(self, state: dict) -> None:
         if self.is_server:
@@ -180,7 +248,8 @@ class PSEngine(Engine):
         every = comm.all_gather_data(stats, algorithm=None)  # (data only; outside the ledger, as before)
         L = self.ps_layout
         servers = [s for s in every if s and s.get("role") == "server"]
-        expected = expected_ps_bytes(L, every[0]["steps"], final_pull=True)  # (rank 0: a worker)
+        expected = expected_ps_bytes(L, every[0]["steps"], final_pull=True,  # (rank 0: a worker)
+                                     fixed_point=self.fixed_point)
         extra = {"servers": [{k: v for k, v in s.items() if k != "apply_order"} for s in servers],
                  "staleness_max": max(s["staleness_max"] for s in servers),
                  "ps_bytes": [{"rank": r, "role": L.role(r), "ledger": every[r]["ledger"],
