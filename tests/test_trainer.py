@@ -234,7 +234,7 @@ class _CountingEngine:
     """The surface train_steps uses, without a model: loss = step, no evaluation."""
 
     rank, dp_rank, dp_size, label = 0, 0, 1, "fake"
-    comm_wait_s, loss_group, loss_weight, reads_data = 0.0, None, 1.0, True
+    comm_wait_s, loss_group, loss_weight, reads_data, part_unit = 0.0, None, 1.0, True, 1
 
     def __init__(self):
         self.step = 0

@@ -82,6 +82,16 @@ def maxima(tensors: list[torch.Tensor]) -> torch.Tensor:
         [t.detach().reshape(-1) if t.numel() else t.new_zeros(1) for t in tensors]))])
 
 
+def dequantize(q: torch.Tensor, exponent: int, divisor: int, dtype: torch.dtype) -> torch.Tensor:
+    """``float(q) * 2**-exponent / divisor`` in ``dtype``: to float64, scale, divide, one rounding to ``dtype``
+    (gradients.py does the same in list-wide form). Every step is elementwise on the same integers, so the
+    bits depend only on ``q``."""
+    x = q.to(torch.float64).mul_(2.0 ** -exponent)
+    if divisor != 1:
+        x.div_(divisor)
+    return x.to(dtype)
+
+
 def exact_sum(values: list[torch.Tensor], *, addends: int, all_reduce=None) -> float:
     """The sum of every element of ``values`` (any float dtypes, converted to float64 exactly), whatever
     tensors hold them and in whatever order: the largest |element| (``all_reduce(t, "max")`` over the
@@ -106,5 +116,5 @@ def exact_sum(values: list[torch.Tensor], *, addends: int, all_reduce=None) -> f
     return float(total) * 2.0 ** -e
 
 
-__all__ = ["HEADROOM_BITS", "INT_BITS", "exact_sum", "limit_bits", "magnitude", "maxima", "quantize", "quantize_all",
+__all__ = ["HEADROOM_BITS", "INT_BITS", "dequantize", "exact_sum", "limit_bits", "magnitude", "maxima", "quantize", "quantize_all",
            "scale_exponents"]

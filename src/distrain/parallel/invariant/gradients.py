@@ -144,8 +144,9 @@ class FixedPointGradients:
     @property
     def nonfinite(self) -> list[bool]:
         """After :meth:`finish`: per parameter, whether some unit's gradient held a NaN or an infinity (its
-        summed gradient is then NaN), the same on every rank."""
-        return list(self._nan)
+        summed gradient is then NaN: the step's largest converted value was not finite, so every parameter is
+        marked), the same on every rank."""
+        return [self._nan] * sum(self.counts)
 
     # -- the sum over ranks, back to floats --------------------------------------------------------
     def gradients(self) -> None:

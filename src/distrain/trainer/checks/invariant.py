@@ -30,7 +30,7 @@ def check_invariant(cfg) -> None:
          f"use one of {', '.join(str(d) for d in range(1, cfg.batch_size + 1) if cfg.batch_size % d == 0)}")
     grid = {"--tp": cfg.tp, "--pp": cfg.pp, "--cp": cfg.cp, "--ep": cfg.ep}
     bad = [f"{k} {v}" for k, v in grid.items() if v > 1]
-    need(not bad, f"--layout-invariant covers data parallelism (single, ddp, zero1-3) today, not {', '.join(bad)}: "
+    need(not bad, f"--layout-invariant covers data parallelism (single, ddp, zero1-3, ps-sync) today, not {', '.join(bad)}: "
                   f"tensor, pipeline, context and expert parallel reductions are not ordered yet "
                   f"(docs/determinism.md); drop {', '.join(bad)}")
     need(cfg.accum_steps == 1,
