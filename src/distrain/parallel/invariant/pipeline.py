@@ -106,6 +106,14 @@ class StageGradients(FixedPointGradients):
                 else:
                     self._add(i, g)
 
+    def local_maxima(self) -> torch.Tensor:
+        """Every parameter's largest |gradient| over this replica's units so far, (parameters,) float64."""
+        m = self.maxima
+        if torch.is_tensor(m):
+            return m.clone()
+        zero = torch.zeros((), dtype=torch.float64)  # (kept per parameter as 0-d tensors, None before any)
+        return torch.stack([zero if t is None else t.to(torch.float64) for t in m]) if m else zero.view(0)
+
     def settle(self) -> None:
         """End of a calibrated attempt (collective over the world): the fallback exponent from the whole
         model's largest reference, and the gradients that waited for it."""
@@ -169,13 +177,14 @@ class InvariantPipelineStep:
             self._run(x, y, _Hooks(self, losses, step))
             if exponents is None:
                 self.grads.settle()
-            redo, _ = self.grads.finish()
+            redo, maxima = self.grads.finish(self.grads.local_maxima())  # (maxima: over the dp group)
             losses[-1] = 0.0 if redo is None else 1.0
             _world_max(losses)
             if losses[-1] == 0.0:
                 return math.fsum(losses[:-1].tolist()) / self.units
-            # some stage overflowed: every stage runs again, at exponents from its step's maxima
-            exponents = scale_exponents(self.grads.maxima.tolist(), self.grads.addends)
+            # some stage overflowed: every stage runs again, at exponents from its step's maxima (one process's
+            # redo: every parameter's, whether or not its own conversions fitted)
+            exponents = scale_exponents(maxima.tolist(), self.grads.addends)
             self.redone += 1
         raise RuntimeError("InvariantPipelineStep: the step overflowed twice (a bug: the redo's exponents come "
                            "from its maxima)")

@@ -30,9 +30,9 @@ def check_invariant(cfg) -> None:
          f"use one of {', '.join(str(d) for d in range(1, cfg.batch_size + 1) if cfg.batch_size % d == 0)}")
     grid = {"--tp": cfg.tp, "--cp": cfg.cp, "--ep": cfg.ep}
     bad = [f"{k} {v}" for k, v in grid.items() if v > 1]
-    need(not bad, f"--layout-invariant covers data and pipeline parallelism (single, ddp, zero1-3, --pp) today, not "
-                  f"{', '.join(bad)}: tensor, context and expert parallel reductions are not ordered yet "
-                  f"(docs/determinism.md); drop {', '.join(bad)}")
+    need(not bad, f"--layout-invariant covers data parallelism (single, ddp, zero1-3) today, not {', '.join(bad)}: "
+                  f"tensor, context and expert parallel reductions are not ordered yet (pipelines are: --pp with "
+                  f"--microbatches = --units / dp; docs/determinism.md); drop {', '.join(bad)}")
     need(cfg.accum_steps == 1,
          f"--layout-invariant already accumulates: each replica runs its units of {cfg.batch_size // u} samples one "
          f"at a time; drop --accum-steps {cfg.accum_steps} and set --units (now {u})")
