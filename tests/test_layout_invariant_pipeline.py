@@ -270,7 +270,8 @@ def test_your_own_model_with_dropout_through_a_pipeline_is_one_process_bit_for_b
     runs = {}
     for name, layout in {"single": dict(strategy="single", nproc=1),
                          "pp2": dict(strategy="ddp", nproc=2, pp=2, microbatches=8),
-                         "dp2xpp2-zb-h1": dict(strategy="zero1", nproc=4, pp=2, microbatches=4, schedule="zb-h1")}.items():
+                         "dp2xpp2-zb-h1": dict(strategy="zero1", nproc=4, pp=2, microbatches=4,
+                                               schedule="zb-h1")}.items():
         out = tmp_path / name
         distrain.train(model=Dropped(), config=job(out, steps=STEPS, **layout))
         runs[name] = ([r["loss"] for r in read_metrics(out / "metrics.jsonl")], final_state(out), out)

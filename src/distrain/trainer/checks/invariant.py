@@ -58,7 +58,8 @@ def check_invariant(cfg) -> None:
 def check_pipeline(cfg, u: int, replicas: int) -> None:
     """--pp with --layout-invariant: a replica's micro-batches are its units of work, so every replica runs
     U / dp of them (its stages' collectives need the same count on every replica)."""
-    need(cfg.strategy != "zero3", "--layout-invariant with --pp: zero3 does not run with a pipeline; use zero1 or zero2")
+    need(cfg.strategy != "zero3",
+         "--layout-invariant with --pp: zero3 does not run with a pipeline; use zero1 or zero2")
     need(u % replicas == 0,
          f"--layout-invariant with --pp {cfg.pp}: the micro-batches are the units of work, so {replicas} "
          f"data-parallel replicas must divide --units {u}; use --units {replicas * max(1, u // replicas)} "
