@@ -39,10 +39,18 @@ import torch
 import torch.distributed as dist
 
 from distrain import comm
-from distrain.parallel.invariant.fixed_point import abs_max, scale_exponents
+from distrain.parallel.invariant.fixed_point import scale_exponents
 from distrain.parallel.invariant.gradients import FixedPointGradients
 from distrain.parallel.invariant.units import unit_seed
 from distrain.parallel.pipeline_parallel import InterleavedStage, MicrobatchHooks, interleaved_step, pipeline_step
+
+
+def _abs_max(g: torch.Tensor) -> float:
+    """max |g| (0.0 for an empty tensor, NaN if g holds one)."""
+    if not g.numel():
+        return 0.0
+    lo, hi = torch.aminmax(g.detach())
+    return float(torch.maximum(hi, -lo).to(torch.float64))
 
 
 def _world_max(t: torch.Tensor) -> torch.Tensor:
@@ -91,7 +99,7 @@ class StageGradients(FixedPointGradients):
         gradients."""
         local = torch.zeros(len(self.slots), dtype=torch.float64)
         for i, g in self._early.get(0, []):
-            local[i] = abs_max(g)
+            local[i] = _abs_max(g)
         if self.group is not None and dist.get_world_size(self.group) > 1:
             comm.broadcast(local, src=self.src, group=self.group, algorithm="native")
         ref = local.tolist()
