@@ -20,7 +20,7 @@ overlap are :func:`split_microbatches` and the schedules of :func:`schedule_ops`
     timeline.py  what ran when on each stage: bubble fraction, held activations, Chrome
                  trace and Gantt chart
 
-Imports go one way: forward_only -> pipeline, interleaved -> schedule -> timeline -> zero_bubble;
+Imports go one way: forward_only -> pipeline, interleaved -> pipeline, interleaved -> schedule -> timeline -> zero_bubble;
 pipeline -> weight_grad. The bubble benchmark is
 ``distrain bench pipeline`` (distrain.bench.pipeline_bench).
 """
@@ -29,7 +29,7 @@ from distrain.parallel.pipeline_parallel.forward_only import MAX_SENDS_IN_FLIGHT
 from distrain.parallel.pipeline_parallel.interleaved import (
     InterleavedStage, interleaved_bubble, interleaved_ops, interleaved_step, simulate_interleaved,
 )
-from distrain.parallel.pipeline_parallel.pipeline import DEFAULT_TAG_BASE, PipelineStage, pipeline_step
+from distrain.parallel.pipeline_parallel.pipeline import DEFAULT_TAG_BASE, MicrobatchHooks, PipelineStage, pipeline_step
 from distrain.parallel.pipeline_parallel.schedule import (
     SCHEDULES, SPLIT_BACKWARD, ScheduleDeadlock, check_schedule, ideal_bubble, layer_costs, partition, peak_in_flight,
     schedule_ops, simulate, split_microbatches, stage_program, warmup_forwards,
@@ -39,7 +39,7 @@ from distrain.parallel.pipeline_parallel.weight_grad import WeightGradStore, def
 from distrain.parallel.pipeline_parallel.zero_bubble import zb_h1_bubble, zb_h1_makespan, zb_h1_ops
 
 __all__ = [
-    "DEFAULT_TAG_BASE", "InterleavedStage", "PipelineStage", "PipelineTimeline", "SCHEDULES", "ScheduleDeadlock", "StageTimeline",
+    "DEFAULT_TAG_BASE", "InterleavedStage", "MicrobatchHooks", "PipelineStage", "PipelineTimeline", "SCHEDULES", "ScheduleDeadlock", "StageTimeline",
     "MAX_SENDS_IN_FLIGHT", "evaluation_mode", "forward_only",
     "check_schedule", "collect_timeline", "ideal_bubble", "layer_costs", "partition", "peak_in_flight",
     "pipeline_step", "schedule_ops", "simulate", "split_microbatches", "stage_program", "warmup_forwards",

@@ -30,6 +30,7 @@ from distrain import comm
 from distrain.comm.core import tags
 from distrain.comm.core.util import check_int
 from distrain.errors import ConfigError
+from distrain.parallel.pipeline_parallel.pipeline import MicrobatchHooks, recv_rng, send_rng
 from distrain.parallel.pipeline_parallel.schedule import ScheduleDeadlock, partition, split_microbatches
 from distrain.parallel.pipeline_parallel.timeline import PipelineTimeline, StageTimeline
 
@@ -174,11 +175,13 @@ class InterleavedStage(nn.Module):
 
 
 def interleaved_step(stage: InterleavedStage, inputs=None, targets=None, loss_fn=None, *,
-                     num_microbatches: int) -> torch.Tensor | None:
+                     num_microbatches: int, hooks: MicrobatchHooks | None = None) -> torch.Tensor | None:
     """Forward and backward of m micro-batches with the interleaved schedule (module doc).
     Rank 0 passes the batch (B, ...), the last rank the targets and ``loss_fn``; gradients
     accumulate in ``.grad`` (each micro-batch loss scaled by 1/m); the last rank returns the
-    mean micro-batch loss, the others None."""
+    mean micro-batch loss, the others None. ``hooks``: as :func:`~.pipeline.pipeline_step`'s (the loss
+    unscaled, the generator's state passed on with each activation, a micro-batch's gradients complete on
+    this rank after its chunk 0's backward)."""
     p, r, v, m = stage.num_stages, stage.rank, stage.virtual_stages, num_microbatches
     ops = interleaved_ops(p, r, v, m)
     first, last = r == 0, r == p - 1
@@ -205,20 +208,30 @@ def interleaved_step(stage: InterleavedStage, inputs=None, targets=None, loss_fn
         if kind == "F":
             if j == 0:
                 x = xs[k]
+                if hooks is not None:
+                    hooks.forward(k)
             else:
                 x = recv(prev, stage.tag(j - 1, k, m, "act"), k, "act")
                 if not x.is_floating_point():
                     raise ConfigError(f"interleaved 1F1B: virtual stage {j} received a {x.dtype} activation; only "
                                       f"the first chunk may take non-floating inputs (cut after the embedding)")
                 x.requires_grad_()  # a leaf: its .grad goes back to virtual stage j - 1
+                if hooks is not None:
+                    recv_rng(prev, stage.group, stage.tag(j - 1, k, m, "act"))
             t0 = clock()
             out = stage.chunks[c](x)
             if j == p * v - 1:
                 loss = loss_fn(out, ys[k])
                 losses.append(loss.detach())
-                out = loss / m
+                if hooks is None:
+                    out = loss / m
+                else:
+                    hooks.loss(k, loss)
+                    out = loss
             else:
                 pending += comm.isend_tensor(out, nxt, stage.group, stage.tag(j, k, m, "act"), label=LABEL)
+                if hooks is not None:
+                    pending += send_rng(nxt, stage.group, stage.tag(j, k, m, "act"))
             tl.add("F", k, t0, clock())
             saved[(c, k)] = (x, out)
         else:
@@ -233,6 +246,8 @@ def interleaved_step(stage: InterleavedStage, inputs=None, targets=None, loss_fn
             if j > 0:
                 gx = x.grad if x.grad is not None else torch.zeros_like(x)
                 pending += comm.isend_tensor(gx, prev, stage.group, stage.tag(j - 1, k, m, "grad"), label=LABEL)
+            if hooks is not None:
+                hooks.grads(k, c == 0)
         tl.note_held(len(saved), 0)
         pending = [(w, t) for w, t in pending if not w.is_completed()]
     for w, _ in pending:

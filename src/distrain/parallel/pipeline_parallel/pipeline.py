@@ -105,7 +105,7 @@ from distrain.parallel.pipeline_parallel.schedule import SCHEDULES, SPLIT_BACKWA
 from distrain.parallel.pipeline_parallel.timeline import StageTimeline
 from distrain.parallel.pipeline_parallel.weight_grad import WeightGradStore, check_no_autocast, defer_weight_grads
 
-__all__ = ["DEFAULT_TAG_BASE", "PipelineStage", "pipeline_step"]
+__all__ = ["DEFAULT_TAG_BASE", "MicrobatchHooks", "PipelineStage", "pipeline_step"]
 
 DEFAULT_TAG_BASE = tags.PIPELINE.start  # pipeline tags: [tag_base, PIPELINE.stop), see distrain.comm.core.tags
 LABEL = "pp"
@@ -177,6 +177,38 @@ class PipelineStage(nn.Module):
         return (tags.PIPELINE.stop - self.tag_base - 2) // 2
 
 
+class MicrobatchHooks:
+    """What a caller does around each micro-batch (``pipeline_step(..., hooks=)``, ``interleaved_step``): the
+    layout-invariant step (distrain.parallel.invariant.pipeline), whose micro-batches are its units of work.
+
+    With hooks the step changes in three ways, and only then: the last stage's loss is not scaled by 1/m (each
+    micro-batch's gradient is its own loss's, as one process's unit); the random generator's state travels
+    with each activation (the first stage seeds it in :meth:`forward`, every later stage continues from the
+    state the previous one left, so a micro-batch draws what one process's whole forward would); the methods
+    below are called. Subclass and override."""
+
+    def forward(self, k: int) -> None:
+        """Before the first stage's forward of micro-batch k (seed the generator here)."""
+
+    def loss(self, k: int, loss: torch.Tensor) -> None:
+        """The last stage's unscaled loss of micro-batch k (a scalar with its graph)."""
+
+    def grads(self, k: int, complete: bool) -> None:
+        """After an op that left micro-batch k's parameter gradients in ``.grad`` (a backward, a chunk's
+        backward, ZB-H1's B or W); ``complete``: the last such op of micro-batch k on this rank."""
+
+
+def send_rng(dst: int, group, tag: int) -> list:
+    """Non-blocking send of this process's CPU generator state on ``tag`` (after the activation on the
+    same tag: messages between two ranks on one tag arrive in order)."""
+    return comm.isend_tensor(torch.get_rng_state(), dst, group, tag, label=LABEL)
+
+
+def recv_rng(src: int, group, tag: int) -> None:
+    """Continue from the generator state that :func:`send_rng` sent."""
+    torch.set_rng_state(comm.recv_tensor(src, group, tag, label=LABEL))
+
+
 def _isend_tensor(t: torch.Tensor, dst: int, group, tag: int) -> list:
     """Non-blocking send of a self-describing tensor; the caller keeps the list until done."""
     return comm.isend_tensor(t, dst, group, tag, label=LABEL)
@@ -213,14 +245,16 @@ def _check_agreement(stage: PipelineStage, m: int, schedule: str) -> None:
 
 
 def pipeline_step(stage: PipelineStage, micro_inputs=None, micro_targets=None, loss_fn=None, *,
-                  schedule: str = "1f1b", num_microbatches: int) -> torch.Tensor | None:
+                  schedule: str = "1f1b", num_microbatches: int,
+                  hooks: MicrobatchHooks | None = None) -> torch.Tensor | None:
     """Forward and backward of ``num_microbatches`` micro-batches through the pipeline (see the module doc).
 
     ``micro_inputs``: first stage only, the batch (B, ...) split here into m micro-batches of
     (B/m, ...) (ConfigError if m does not divide B), or a list of m micro-batches.
     ``micro_targets`` and ``loss_fn(output, target)``: last stage only, likewise.
     Returns the mean micro-batch loss on the last stage, None elsewhere; ``stage.timeline``
-    then holds this step's :class:`StageTimeline` (for :func:`collect_timeline`).
+    then holds this step's :class:`StageTimeline` (for :func:`collect_timeline`). ``hooks``: see
+    :class:`MicrobatchHooks` (None: the plain step).
     """
     m, p, s = num_microbatches, stage.num_stages, stage.stage_index
     check_schedule(schedule)
@@ -240,7 +274,7 @@ def pipeline_step(stage: PipelineStage, micro_inputs=None, micro_targets=None, l
 
     if schedule in SPLIT_BACKWARD:
         check_no_autocast()
-    run = _StepRun(stage, schedule, m, inputs, targets, loss_fn)
+    run = _StepRun(stage, schedule, m, inputs, targets, loss_fn, hooks)
     for kind, k in schedule_ops(schedule, p, s, m):
         {"F": run.forward, "B": run.backward, "W": run.weight}[kind](k)
         run.tl.note_held(run.in_flight, run.saved_bytes + run.store.held_bytes())
@@ -251,8 +285,9 @@ def pipeline_step(stage: PipelineStage, micro_inputs=None, micro_targets=None, l
 class _StepRun:
     """The state one ``pipeline_step`` shares between its F, B and W ops."""
 
-    def __init__(self, stage: PipelineStage, schedule: str, m: int, inputs, targets, loss_fn):
+    def __init__(self, stage: PipelineStage, schedule: str, m: int, inputs, targets, loss_fn, hooks=None):
         self.stage, self.m, self.inputs, self.targets, self.loss_fn = stage, m, inputs, targets, loss_fn
+        self.hooks = hooks
         self.split = schedule in SPLIT_BACKWARD  # ZB-H1: B leaves the linear layers' weight gradients to W
         self.store = WeightGradStore()  # stays empty unless split
         self.device = next((q.device for q in stage.parameters()), None)
@@ -271,25 +306,36 @@ class _StepRun:
 
     def forward(self, k: int) -> None:
         stage = self.stage
+        hooks = self.hooks
         if stage.is_first:
             x = self.inputs[k]  # (B/m, ...) e.g. ids (B/m, T)
+            if hooks is not None:
+                hooks.forward(k)
         else:
             x = self._recv(stage.prev_rank, k, "act")
             if not x.is_floating_point():
                 raise ConfigError(f"pipeline stage {stage.stage_index} received a {x.dtype} activation; only the "
                                   "first stage may take non-floating inputs (move the cut after the embedding)")
             x.requires_grad_()  # a leaf: its .grad is what goes back to stage s-1
+            if hooks is not None:
+                recv_rng(stage.prev_rank, stage.group, stage.tag(k, "act"))
         t0 = time.perf_counter()
         with defer_weight_grads(self.store, k) if self.split else contextlib.nullcontext():
             out = stage(x)  # e.g. hidden (B/m, T, C), or logits (B/m, T, V) on the last stage
             if stage.is_last:
                 loss = self.loss_fn(out, self.targets[k])
                 self.losses.append(loss.detach())
-                out = loss / self.m  # scaled: the m backwards sum to the full batch's gradient
+                if hooks is None:
+                    out = loss / self.m  # scaled: the m backwards sum to the full batch's gradient
+                else:
+                    hooks.loss(k, loss)
+                    out = loss
         self.tl.add("F", k, t0, time.perf_counter())
         self.in_flight += 1
         if not stage.is_last:
             self.pending += _isend_tensor(out, stage.next_rank, stage.group, stage.tag(k, "act"))
+            if hooks is not None:
+                self.pending += send_rng(stage.next_rank, stage.group, stage.tag(k, "act"))
         self.saved[k] = (x, out)
         self.saved_bytes += _nbytes(x) + _nbytes(out)
 
@@ -307,6 +353,8 @@ class _StepRun:
         if not stage.is_first:
             gx = x.grad if x.grad is not None else torch.zeros_like(x)
             self.pending += _isend_tensor(gx, stage.prev_rank, stage.group, stage.tag(k, "grad"))
+        if self.hooks is not None:
+            self.hooks.grads(k, not self.split)
         self.saved_bytes -= _nbytes(x) + _nbytes(out)
         self.in_flight -= not self.split
 
@@ -315,6 +363,8 @@ class _StepRun:
         t0 = time.perf_counter()
         self.store.flush(k)
         self.tl.add("W", k, t0, time.perf_counter())
+        if self.hooks is not None:
+            self.hooks.grads(k, True)
         self.in_flight -= 1
 
     def finish(self) -> torch.Tensor | None:

@@ -28,11 +28,11 @@ def check_invariant(cfg) -> None:
     need(cfg.batch_size % u == 0,
          f"--layout-invariant: --units {u} must divide --batch-size {cfg.batch_size}; "
          f"use one of {', '.join(str(d) for d in range(1, cfg.batch_size + 1) if cfg.batch_size % d == 0)}")
-    grid = {"--tp": cfg.tp, "--pp": cfg.pp, "--cp": cfg.cp, "--ep": cfg.ep}
+    grid = {"--tp": cfg.tp, "--cp": cfg.cp, "--ep": cfg.ep}
     bad = [f"{k} {v}" for k, v in grid.items() if v > 1]
-    need(not bad, f"--layout-invariant covers data parallelism (single, ddp, zero1-3, ps-sync) today, not {', '.join(bad)}: "
-                  f"tensor, pipeline, context and expert parallel reductions are not ordered yet "
-                  f"(docs/determinism.md); drop {', '.join(bad)}")
+    need(not bad, f"--layout-invariant covers data parallelism (single, ddp, zero1-3, ps-sync) and pipelines "
+                  f"today, not {', '.join(bad)}: tensor, context and expert parallel reductions are not ordered "
+                  f"yet (docs/determinism.md); drop {', '.join(bad)}")
     need(cfg.accum_steps == 1,
          f"--layout-invariant already accumulates: each replica runs its units of {cfg.batch_size // u} samples one "
          f"at a time; drop --accum-steps {cfg.accum_steps} and set --units (now {u})")
@@ -40,6 +40,8 @@ def check_invariant(cfg) -> None:
     need(cfg.device != "cuda", "--layout-invariant is checked on CPU only (GPU kernels' batch invariance is not "
                                "verified here); use --device cpu")
     replicas = cfg.workers
+    if cfg.pp > 1:
+        check_pipeline(cfg, u, replicas)
     most = replicas
     if cfg.elastic:
         most = max(most, int(cfg.elastic.split(":")[1]))
@@ -51,3 +53,18 @@ def check_invariant(cfg) -> None:
          f"--layout-invariant with --strategy zero3: every replica must run the same number of units (its "
          f"all-gathers are collective), so {replicas} replicas must divide --units {u}; use --units "
          f"{replicas * max(1, u // replicas)} or another --nproc")
+
+
+def check_pipeline(cfg, u: int, replicas: int) -> None:
+    """--pp with --layout-invariant: a replica's micro-batches are its units of work, so every replica runs
+    U / dp of them (its stages' collectives need the same count on every replica)."""
+    need(cfg.strategy != "zero3",
+         "--layout-invariant with --pp: zero3 does not run with a pipeline; use zero1 or zero2")
+    need(u % replicas == 0,
+         f"--layout-invariant with --pp {cfg.pp}: the micro-batches are the units of work, so {replicas} "
+         f"data-parallel replicas must divide --units {u}; use --units {replicas * max(1, u // replicas)} "
+         f"(with a --batch-size it divides) or another --dp")
+    m = u // replicas
+    need(cfg.microbatches == m,
+         f"--layout-invariant with --pp {cfg.pp}: each replica's micro-batches are its units of work, so "
+         f"--microbatches must be --units {u} / dp {replicas} = {m}; use --microbatches {m}")

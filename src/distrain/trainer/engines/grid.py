@@ -72,12 +72,13 @@ class GridEngine(Engine):
         self.holds_whole_state = self.whole and not self.zero_stage
         self.label = label_of(cfg, topo, self.zero_stage)
         self.invariant = None
-        if cfg.layout_invariant:  # (validated: data parallelism alone)
+        if cfg.layout_invariant:  # (validated: data parallelism, and pipelines whose micro-batches are the units)
             from distrain.trainer.engines.invariant import InvariantTraining
 
             self.invariant = InvariantTraining(cfg, self.pm.module, self.eval_loss_fn, replicas=topo.dp,
                                                replica=topo.dp_rank, group=topo.dp_cp_group, zero=self.pm.zero,
-                                               ddp=self.pm.ddp, forward_context=self.autocast)
+                                               ddp=self.pm.ddp, forward_context=self.autocast,
+                                               stage=self.pm.stage, pp_group=topo.pp_group if topo.pp > 1 else None)
             self.part_unit = self.invariant.samples_per_unit
             self.loss_weight = 1.0 if self.rank == 0 else 0.0  # every rank has the whole loss: exact
 

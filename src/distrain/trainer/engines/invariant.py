@@ -4,6 +4,11 @@ sum them the same way (distrain.parallel.invariant; docs/determinism.md).
 ``InvariantTraining.step(x, y, step)`` replaces an engine's forward/backward/sync/clip: this replica's units
 one at a time, the int64 sums over the replicas, back to ``.grad`` (replicas) or to ZeRO's shard grads,
 then the exact-norm clip. The engine then commits and steps its optimizer as usual.
+
+With a pipeline (``stage``: this rank's PipelineStage or InterleavedStage) the replica's units are its
+micro-batches (distrain.parallel.invariant.pipeline): each stage sums its own parameters' gradients over its
+dp group, every rank gets the step's loss, and the clip's norm sums each element once over the world (the
+stages over the pp group; ZeRO's shards over every rank).
 """
 
 from __future__ import annotations
@@ -14,17 +19,20 @@ import torch
 import torch.distributed as dist
 
 from distrain import comm
-from distrain.parallel.invariant import FixedPointGradients, InvariantStep, clip_exact, replica_units
+from distrain.parallel.invariant import (
+    FixedPointGradients, InvariantPipelineStep, InvariantStep, StageGradients, clip_exact, replica_units,
+)
 from distrain.parallel.zero.layout import make_unit
 from distrain.trainer.checks.invariant import units_of
 
 
 class InvariantTraining:
     """Over ``module`` (whole on every replica, or ZeRO's ``zero`` around it; ``ddp``: the DDP wrapper whose
-    own hooks stay quiet), replica ``replica`` of ``replicas`` over ``group`` (None: one process)."""
+    own hooks stay quiet), replica ``replica`` of ``replicas`` over ``group`` (None: one process); ``stage``:
+    the pipeline stage that ``module`` is, ``pp_group`` its pipeline's group (None: no pipeline)."""
 
     def __init__(self, cfg, module, loss_fn, *, replicas: int, replica: int, group=None, zero=None, ddp=None,
-                 forward_context=contextlib.nullcontext):
+                 forward_context=contextlib.nullcontext, stage=None, pp_group=None):
         torch.set_num_threads(1)  # a kernel's reduction order may depend on its thread count
         self.cfg, self.zero = cfg, zero
         self.units = units_of(cfg)
@@ -40,13 +48,24 @@ class InvariantTraining:
             units, params = [make_unit(0, named, 1)], [[p for _, p in named]]
             if ddp is not None:
                 quiet = ddp.no_sync
-        self.grads = FixedPointGradients(units, params, addends=self.units, group=self.group, src=src)
-        if zero is not None and zero.stage == 3:
-            zero.impl.grad_sink = self.grads.take_flat
+        mine = replica_units(self.units, replicas, replica)
         self.numel = sum(u.numel for u in units)  # the whole model's elements: the norm's headroom
-        self.run = InvariantStep(module, loss_fn, self.grads, units=self.units,
-                                 replica_units=replica_units(self.units, replicas, replica), seed=cfg.seed,
-                                 forward_context=forward_context, quiet=quiet)
+        self.pp_group = pp_group if (stage is not None and pp_group is not None) else None
+        if stage is not None:
+            self.grads = StageGradients(units, params, addends=self.units, group=self.group, src=src)
+            if self.pp_group is not None:  # the stages' elements: the whole model's
+                n = torch.tensor([self.numel], dtype=torch.int64)
+                comm.all_reduce(n, op="sum", group=self.pp_group, algorithm="native")
+                self.numel = int(n[0])
+            self.run = InvariantPipelineStep(stage, loss_fn, self.grads, units=self.units, replica_units=mine,
+                                             seed=cfg.seed, schedule=cfg.schedule, context=forward_context,
+                                             quiet=quiet)
+        else:
+            self.grads = FixedPointGradients(units, params, addends=self.units, group=self.group, src=src)
+            if zero is not None and zero.stage == 3:
+                zero.impl.grad_sink = self.grads.take_flat
+            self.run = InvariantStep(module, loss_fn, self.grads, units=self.units, replica_units=mine,
+                                     seed=cfg.seed, forward_context=forward_context, quiet=quiet)
         self.params = params
 
     @property
@@ -55,6 +74,14 @@ class InvariantTraining:
 
     def _all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
         comm.all_reduce(t, op=op, group=self.group, algorithm="native")
+        return t
+
+    def _world_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        comm.all_reduce(t, op=op, algorithm="native")
+        return t
+
+    def _pp_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        comm.all_reduce(t, op=op, group=self.pp_group, algorithm="native")
         return t
 
     def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
@@ -74,10 +101,15 @@ class InvariantTraining:
             world = dist.get_world_size(self.group) if self.group is not None else 1
             for s, g in zip(shards, self.grads.shard_gradients(rank, world, [s.dtype for s in shards])):
                 s.grad = g
-            grads, reduce = [s.grad for s in shards], self._all_reduce if self.group is not None else None
+            grads = [s.grad for s in shards]
+            # every rank holds its own shard of its own stage: each element once over the world
+            reduce = self._world_reduce if self.pp_group is not None else (
+                self._all_reduce if self.group is not None else None)
         else:
             self.grads.gradients()
-            grads, reduce = [p.grad for ps in self.params for p in ps], None  # replicas: every element here
+            grads = [p.grad for ps in self.params for p in ps]
+            # replicas hold every element of their stage: the stages' sums over the pp group
+            reduce = self._pp_reduce if self.pp_group is not None else None
         if self.cfg.grad_clip:
             clip_exact(grads, self.cfg.grad_clip, addends=self.numel, all_reduce=reduce)
         return torch.tensor(loss, dtype=torch.float64)
