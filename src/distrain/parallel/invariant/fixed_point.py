@@ -43,12 +43,12 @@ def magnitude(x: float) -> int:
 
 def scale_exponents(reference: list[float], addends: int, headroom: int = HEADROOM_BITS) -> list[int]:
     """One exponent per tensor from a reference maximum |value| per tensor (the same on every rank and
-    layout): ``limit_bits(addends) - headroom - magnitude(max)``. A tensor whose reference is 0 takes the
-    largest reference's exponent (its values are then assumed no larger than the others'); all zero: 1.0."""
-    top = max([m for m in reference if math.isfinite(m)] + [0.0])
-    fallback = top if top > 0 else 1.0
+    layout): ``limit_bits(addends) - headroom - magnitude(max)``. A tensor whose reference is 0 (no gradient
+    in unit 0, e.g. an expert no token of it reached) or not finite is scaled as if its reference were 1.0:
+    a rule of its own, so that no rank needs the other tensors' references (a pipeline stage holds only its
+    own); a gradient past 2**headroom then takes the redo."""
     bits = limit_bits(addends) - headroom
-    return [min(1000, bits - magnitude(m if (m > 0 and math.isfinite(m)) else fallback)) for m in reference]
+    return [min(1000, bits - magnitude(m if (m > 0 and math.isfinite(m)) else 1.0)) for m in reference]
 
 
 def quantize(g: torch.Tensor, exponent: int) -> torch.Tensor:

@@ -46,9 +46,9 @@ class FixedPointGradients:
     is a handful of whole-buffer operations rather than a few per parameter."""
 
     def __init__(self, units: list[FlatUnit], params: list[list[nn.Parameter]] | None, *, addends: int,
-                 group=None, src: int = 0):
+                 group=None, src: int = 0, views: bool = True):
         self.units, self.addends, self.group, self.src = units, addends, group, src
-        self.params = params
+        self.params, self.views = params, views  # views: .grad points into the flat buffers during a step
         self.counts = [len(u.offsets) for u in units]  # parameters per unit
         self.acc = [torch.zeros(u.padded, dtype=torch.int64) for u in units]
         self.flat = None if params is None else [torch.zeros(u.padded, dtype=ps[0].dtype, device=ps[0].device)
@@ -70,7 +70,7 @@ class FixedPointGradients:
         self.maxima = [torch.zeros(c, dtype=torch.float64) for c in self.counts] if measure else None
         self.exponents = exponents
         self._stash.clear()
-        if self.params is not None:
+        if self.params is not None and self.views:
             for u, ps, f in zip(self.units, self.params, self.flat):
                 f.zero_()
                 for p, v in zip(ps, u.views(f)):

@@ -19,14 +19,14 @@ micro-batches' backwards before micro-batch 0's gradients are complete on a stag
 last to first, ZB-H1 may run B of micro-batch 1 before W of micro-batch 0, interleaved runs chunk v-1 of
 micro-batches 0..p-1 before chunk 0), so gradients that arrive before the calibration wait, per micro-batch,
 and are converted once it is done (GPipe: until the step's last backward, all m micro-batches' gradients).
-A parameter whose unit-0 gradient is zero (or absent) takes one process's fallback, the largest reference
-over the WHOLE model, which only the end of the step knows (one max over the world): its gradients wait
-until then.
+A parameter whose unit-0 gradient is zero (or absent) is scaled by a rule of its own (a reference of 1.0:
+fixed_point.scale_exponents), so no stage needs another's references.
 
-The end of the step: one max over the world of the references' largest (the fallback), one max over the dp
-group of every parameter's largest |gradient| (gradients.py's ``finish``), one max over the world of the
-units' losses (each has one contributor: the last stage of the replica that ran it) and of the overflow flag,
-so every stage redoes the step, or none does.
+The end of the step: one max over the stage's dp group of the largest converted value (gradients.py's
+``finish``), then one max over the world of the units' losses (each has one contributor: the last stage of
+the replica that ran it) and of the overflow flag, so every stage redoes the step, or none does; a redo
+first measures every parameter's range over the step (one max over the dp group), then runs at exponents
+from it.
 """
 
 from __future__ import annotations
@@ -39,18 +39,10 @@ import torch
 import torch.distributed as dist
 
 from distrain import comm
-from distrain.parallel.invariant.fixed_point import scale_exponents
+from distrain.parallel.invariant.fixed_point import maxima, scale_exponents
 from distrain.parallel.invariant.gradients import FixedPointGradients
 from distrain.parallel.invariant.units import unit_seed
 from distrain.parallel.pipeline_parallel import InterleavedStage, MicrobatchHooks, interleaved_step, pipeline_step
-
-
-def _abs_max(g: torch.Tensor) -> float:
-    """max |g| (0.0 for an empty tensor, NaN if g holds one)."""
-    if not g.numel():
-        return 0.0
-    lo, hi = torch.aminmax(g.detach())
-    return float(torch.maximum(hi, -lo).to(torch.float64))
 
 
 def _world_max(t: torch.Tensor) -> torch.Tensor:
@@ -61,77 +53,48 @@ def _world_max(t: torch.Tensor) -> torch.Tensor:
 
 class StageGradients(FixedPointGradients):
     """FixedPointGradients of one pipeline stage (every parameter in ``params``: DDP, ZeRO 1-2 or one replica),
-    fed by :meth:`take` after each op rather than by autograd hooks (ZB-H1's W writes ``.grad`` outside
+    fed by :meth:`take` after each op rather than through ``.grad`` views (ZB-H1's W writes ``.grad`` outside
     autograd); ``group``: the stage's dp group (None: one replica)."""
 
     def __init__(self, units, params, *, addends: int, group=None, src: int = 0):
-        super().__init__(units, params, addends=addends, group=group, src=src, hooks=False)
-        self._flat = [p for ps in params for p in ps]
-        self._early: dict[int, list[tuple[int, torch.Tensor]]] = {}  # micro-batch -> before the calibration
-        self._late: list[tuple[int, torch.Tensor]] = []  # gradients of parameters waiting for the fallback
-        self._deferred: set[int] = set()  # parameters whose unit-0 reference is zero (or not finite)
-        self._top = 0.0  # the largest finite reference of this stage
+        super().__init__(units, params, addends=addends, group=group, src=src, views=False)
+        self._early: dict[int, list[tuple[int, torch.Tensor]]] = {}  # micro-batch -> (unit, flat) before calibration
 
-    def begin(self, exponents: list[int] | None = None) -> None:
-        super().begin(exponents)
+    def begin(self, exponents: list[int] | None = None, measure: bool = False) -> None:
+        super().begin(exponents, measure)
         self._early.clear()
-        self._late.clear()
-        self._deferred = set()
-        self._top = 0.0
 
     def take(self, k: int) -> None:
         """Micro-batch k's gradients now in ``.grad``: converted (or kept until they can be), ``.grad`` None."""
-        for i, p in enumerate(self._flat):
-            g = p.grad
-            if g is None:
+        for i, (u, ps) in enumerate(zip(self.units, self.params)):
+            gs = [p.grad for p in ps]
+            if all(g is None for g in gs):
                 continue
-            p.grad = None
-            if self.exponents is None:
-                self._early.setdefault(k, []).append((i, g))
-            elif i in self._deferred:
-                self._late.append((i, g))
+            flat = u.flatten(gs, ps[0])  # (a parameter without a gradient here: zeros)
+            for p in ps:
+                p.grad = None
+            if self.exponents is None and not self.measuring:
+                self._early.setdefault(k, []).append((i, flat))
             else:
-                self._add(i, g)
+                self._add(i, flat)
 
     def calibrate(self) -> None:
         """Once this replica's first micro-batch (global unit 0 on the first replica) is complete: the
         exponents from the first replica's references (a broadcast over the dp group), then the waiting
         gradients."""
-        local = torch.zeros(len(self.slots), dtype=torch.float64)
-        for i, g in self._early.get(0, []):
-            local[i] = _abs_max(g)
+        local = torch.zeros(sum(self.counts), dtype=torch.float64)
+        if self.group is None or dist.get_rank() == self.src:
+            for i, flat in self._early.get(0, []):  # (one op's parameters each: disjoint, so max is the value)
+                k = sum(self.counts[:i])
+                local[k:k + self.counts[i]] = torch.maximum(local[k:k + self.counts[i]],
+                                                            maxima(self.units[i].views(flat)))
         if self.group is not None and dist.get_world_size(self.group) > 1:
             comm.broadcast(local, src=self.src, group=self.group, algorithm="native")
-        ref = local.tolist()
-        self._deferred = {i for i, m in enumerate(ref) if not (m > 0 and math.isfinite(m))}
-        self._top = max([m for m in ref if math.isfinite(m)] + [0.0])
-        self.exponents = scale_exponents(ref, self.addends)  # the deferred ones' are set in settle()
+        self.exponents = scale_exponents(local.tolist(), self.addends)
         early, self._early = self._early, {}
         for gs in early.values():
-            for i, g in gs:
-                if i in self._deferred:
-                    self._late.append((i, g))
-                else:
-                    self._add(i, g)
-
-    def local_maxima(self) -> torch.Tensor:
-        """Every parameter's largest |gradient| over this replica's units so far, (parameters,) float64."""
-        m = self.maxima
-        if torch.is_tensor(m):
-            return m.clone()
-        zero = torch.zeros((), dtype=torch.float64)  # (kept per parameter as 0-d tensors, None before any)
-        return torch.stack([zero if t is None else t.to(torch.float64) for t in m]) if m else zero.view(0)
-
-    def settle(self) -> None:
-        """End of a calibrated attempt (collective over the world): the fallback exponent from the whole
-        model's largest reference, and the gradients that waited for it."""
-        top = float(_world_max(torch.tensor([self._top], dtype=torch.float64))[0])
-        fallback = scale_exponents([0.0, top], self.addends)[0]
-        for i in self._deferred:
-            self.exponents[i] = fallback
-        for i, g in self._late:
-            self._add(i, g)
-        self._late.clear()
+            for i, flat in gs:
+                self._add(i, flat)
 
 
 class _Hooks(MicrobatchHooks):
@@ -148,7 +111,7 @@ class _Hooks(MicrobatchHooks):
     def grads(self, k: int, complete: bool) -> None:
         g = self.step.grads
         g.take(k)
-        if complete and k == 0 and g.exponents is None:
+        if complete and k == 0 and g.exponents is None and not g.measuring:
             g.calibrate()
 
 
@@ -178,24 +141,28 @@ class InvariantPipelineStep:
     def __call__(self, x, y, step: int) -> float:
         """The step's loss (float64 mean of the units' losses, the same on every rank); afterwards the
         stage's int64 sums wait in ``grads`` (``gradients()`` / ``shard_gradients()``)."""
-        exponents = None
-        for _attempt in range(2):
-            losses = torch.full((self.units + 1,), -math.inf, dtype=torch.float64)  # [unit losses..., overflow]
-            self.grads.begin(exponents)
-            self._run(x, y, _Hooks(self, losses, step))
-            if exponents is None:
-                self.grads.settle()
-            redo, maxima = self.grads.finish(self.grads.local_maxima())  # (maxima: over the dp group)
-            losses[-1] = 0.0 if redo is None else 1.0
-            _world_max(losses)
-            if losses[-1] == 0.0:
-                return math.fsum(losses[:-1].tolist()) / self.units
-            # some stage overflowed: every stage runs again, at exponents from its step's maxima (one process's
-            # redo: every parameter's, whether or not its own conversions fitted)
-            exponents = scale_exponents(maxima.tolist(), self.grads.addends)
+        fits, losses = self._attempt(x, y, step)
+        if not fits:  # some stage overflowed: every stage measures its range, then runs once more
             self.redone += 1
-        raise RuntimeError("InvariantPipelineStep: the step overflowed twice (a bug: the redo's exponents come "
-                           "from its maxima)")
+            self._attempt(x, y, step, measure=True)
+            fits, losses = self._attempt(x, y, step, exponents=self.grads.measured())
+            if not fits:
+                raise RuntimeError("InvariantPipelineStep: the step overflowed at exponents from its own maxima "
+                                   "(a bug)")
+        return math.fsum(losses[:-1].tolist()) / self.units
+
+    def _attempt(self, x, y, step: int, exponents=None, measure: bool = False):
+        """One pipeline step over this replica's units; (every stage's conversions fitted, [unit losses...,
+        overflow]) after one max over the world: every stage redoes the step, or none does."""
+        losses = torch.full((self.units + 1,), -math.inf, dtype=torch.float64)
+        self.grads.begin(exponents, measure=measure)
+        self._run(x, y, _Hooks(self, losses, step))
+        if measure:
+            return True, losses
+        fits, _ = self.grads.finish(None)  # (the largest converted value over the stage's dp group)
+        losses[-1] = 0.0 if fits else 1.0
+        _world_max(losses)
+        return bool(losses[-1] == 0.0), losses
 
 
 __all__ = ["InvariantPipelineStep", "StageGradients"]
