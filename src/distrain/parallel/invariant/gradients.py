@@ -37,11 +37,14 @@ class FixedPointGradients:
     """Int64 gradient accumulators over ``units`` (FlatUnits; ``params[i]``: unit i's parameters, or None
     for a ZeRO-3 layer whose gradients come through :meth:`take_flat`), summed over ``group`` (None: no
     other rank); ``addends``: the step's units of work over all ranks (the divisor, and the headroom);
-    ``src``: the global rank of the replica that runs unit 0."""
+    ``src``: the global rank of the replica that runs unit 0; ``tp_group`` (tensor parallelism: each rank
+    holds its shards, the same parameter list on every tp rank): the exponents and the overflow decision
+    take the maximum over it too, so a sharded parameter's exponent is its whole tensor's, as on one process."""
 
     def __init__(self, units: list[FlatUnit], params: list[list[nn.Parameter]] | None, *, addends: int,
-                 group=None, src: int = 0, hooks: bool = True):
+                 group=None, src: int = 0, hooks: bool = True, tp_group=None):
         self.units, self.addends, self.group, self.src = units, addends, group, src
+        self.tp_group = tp_group if (tp_group is not None and dist.get_world_size(tp_group) > 1) else None
         self.params = params
         self.slots: list[tuple[int, int, int]] = []  # per parameter: (unit, offset, numel), in unit order
         for i, u in enumerate(units):
@@ -108,6 +111,8 @@ class FixedPointGradients:
             local[k] = abs_max(g)
         if self.group is not None and dist.get_world_size(self.group) > 1:
             comm.broadcast(local, src=self.src, group=self.group, algorithm="native")
+        if self.tp_group is not None:  # a shard's maximum -> its whole parameter's
+            comm.all_reduce(local, op="max", group=self.tp_group, algorithm="native")
         self.exponents = scale_exponents(local.tolist(), self.addends)
         for k, g in pending.items():
             self._add(k, g)
@@ -141,6 +146,8 @@ class FixedPointGradients:
         both = self.maxima if extra is None else torch.cat([self.maxima, extra.to(torch.float64)])
         if self.group is not None and dist.get_world_size(self.group) > 1:
             comm.all_reduce(both, op="max", group=self.group, algorithm="native")
+        if self.tp_group is not None:
+            comm.all_reduce(both, op="max", group=self.tp_group, algorithm="native")
         maxima, extra = both[:len(self.slots)], (None if extra is None else both[len(self.slots):])
         m = maxima.tolist()
         if all(fits(v, e, self.addends) for v, e in zip(m, self.exponents) if not math.isnan(v)):
