@@ -151,6 +151,7 @@ def _split_equals_one_process(rank: int) -> list[str]:
     return problems
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("P", [2, 4])
 def test_split_over_ranks_equals_one_process_bit_for_bit(P):
