@@ -101,6 +101,7 @@ class ParallelModel:
     cp_plan: CPPlan | None = None
     ep: ExpertParallel | None = None    # the mixture layers' dispatch (a model with experts, ep_plan given)
     expert_params: list | None = None  # this rank's experts' parameters, reduced over edp (ep > 1)
+    tp: TPGroup | None = None           # the layers' group when tp_chunks (--layout-invariant) applied the plan
 
     def split(self, x: torch.Tensor | None, what: str = "input") -> torch.Tensor | None:
         """This rank's tokens of a whole batch tensor (inputs or targets: the plan's dims); as it is
@@ -121,6 +122,8 @@ class ParallelModel:
     def loss_fn(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss of this rank's output: the plan's loss on shards when tp > 1 and the plan
         keeps the output sharded (the GPT's vocab-parallel cross entropy), else ``criterion``."""
+        if self.tp is not None and self.tp_plan is not None and self.tp_plan.loss is not None:
+            return self.tp_plan.loss(output, targets, self.tp)  # (--layout-invariant: the canonical sums)
         if self.topo.tp > 1 and self.tp_plan is not None and self.tp_plan.loss is not None:
             return self.tp_plan.loss(output, targets, TPGroup(self.topo.tp_group, self.algorithm))
         return self.criterion(output, targets)
@@ -185,12 +188,14 @@ def parallelize(model: nn.Module, topo: Topology, *, loss_fn: Loss, tp_plan=None
                 microbatches: int = 1, schedule: str = "1f1b", virtual_stages: int = 2, bucket_cap_mb: float = 25.0,
                 zero_stage: int = 0, optimizer=None, cp_plan: CPPlan | None = None,
                 cp_algorithm: str = "ring", ep_plan: EPPlan | None = None,
-                compression: str | None = None) -> ParallelModel:
+                compression: str | None = None, tp_chunks: int | None = None) -> ParallelModel:
     """Apply ``tp_plan`` on ``topo.tp_group``, ``cp_plan`` on ``topo.cp_group`` (``cp_algorithm``:
     "ring" or "all-to-all"), ``ep_plan`` on ``topo.ep_group`` (the mixture layers' experts; with ep = 1 it
     only sums the router's counts over dp x cp), cut the pipeline stage of ``topo.pp_rank``, wrap it in DDP over
     ``topo.dp_cp_group`` (or ZeRO ``zero_stage`` with the ``optimizer`` factory); ``compression`` (None,
-    "bf16", "fp16") is DDP's gradient compression on the wire. ``schedule``: "gpipe", "1f1b", "zb-h1"
+    "bf16", "fp16") is DDP's gradient compression on the wire. ``tp_chunks`` (``--layout-invariant``):
+    the plan is applied even with tp = 1, its layers computing every split sum as that many fixed chunks
+    in a fixed tree (:mod:`distrain.parallel.tensor_parallel.invariant`), the same bits on any tp dividing it. ``schedule``: "gpipe", "1f1b", "zb-h1"
     (:func:`pipeline_step` on a :class:`PipelineStage`) or "interleaved" (:func:`interleaved_step` on an
     :class:`InterleavedStage` holding ``virtual_stages`` chunks: the layers cut into pp x virtual_stages
     parts, chunk c of rank r the part c*pp + r).
@@ -224,7 +229,11 @@ def parallelize(model: nn.Module, topo: Topology, *, loss_fn: Loss, tp_plan=None
     parts = topo.pp * virtual_stages if interleaved else topo.pp
     cut = [stop - start for start, stop in partition(model, parts)] if topo.pp > 1 else None
     # 1. tensor parallel: shards inside every layer, on the tp group
-    if topo.tp > 1:
+    tp = None
+    if tp_chunks and plan is not None:
+        tp = TPGroup(topo.tp_group, algorithm, chunks=tp_chunks) if topo.tp > 1 else TPGroup.alone(chunks=tp_chunks)
+        apply_tensor_parallel(model, tp, plan=plan)
+    elif topo.tp > 1:
         apply_tensor_parallel(model, topo.tp_group, algorithm, plan=plan)
     # 2. context parallel: positions and attention of this rank's part of the sequence, on the cp group
     cp = None
@@ -263,7 +272,7 @@ def parallelize(model: nn.Module, topo: Topology, *, loss_fn: Loss, tp_plan=None
                                       bucket_cap_mb=bucket_cap_mb, compression=compression)
     params = dict(module.named_parameters())
     return ParallelModel(topo, module, stage, ddp, algorithm, microbatches, schedule, loss_fn, plan, zero, tp_info,
-                         cp, cp_plan if cp is not None else None, ep, [params[n] for n in experts])
+                         cp, cp_plan if cp is not None else None, ep, [params[n] for n in experts], tp)
 
 
 def check_zero_layout(zero_stage: int, dp: int, pp: int, cp: int = 1) -> None:

@@ -39,15 +39,18 @@ class FixedPointGradients:
     """Int64 gradient accumulators over ``units`` (FlatUnits; ``params[i]``: unit i's parameters, or None
     for ZeRO-3, whose layers' gradients come through :meth:`take_flat`), summed over ``group`` (None: no
     other rank); ``addends``: the step's units of work over all ranks (the divisor, and the headroom);
-    ``src``: the global rank of the replica that runs unit 0.
+    ``src``: the global rank of the replica that runs unit 0; ``tp_group`` (tensor parallelism: each rank
+    holds its shards, the same parameter list on every tp rank): the exponents and the overflow decision
+    take the maximum over it too, so a sharded parameter's exponent is its whole tensor's, as on one process.
 
     With ``params``, every parameter's ``.grad`` is a view into one flat float buffer per FlatUnit during
     the step (autograd adds a unit's gradient into the zeroed view: 0 + g is g), so each unit's conversion
     is a handful of whole-buffer operations rather than a few per parameter."""
 
     def __init__(self, units: list[FlatUnit], params: list[list[nn.Parameter]] | None, *, addends: int,
-                 group=None, src: int = 0, views: bool = True):
+                 group=None, src: int = 0, views: bool = True, tp_group=None):
         self.units, self.addends, self.group, self.src = units, addends, group, src
+        self.tp_group = tp_group if (tp_group is not None and dist.get_world_size(tp_group) > 1) else None
         self.params, self.views = params, views  # views: .grad points into the flat buffers during a step
         self.counts = [len(u.offsets) for u in units]  # parameters per unit
         self.acc = [torch.zeros(u.padded, dtype=torch.int64) for u in units]
@@ -112,6 +115,7 @@ class FixedPointGradients:
                         local[k:k + self.counts[i]] = maxima(self.units[i].views(f))
             if self.group is not None and dist.get_world_size(self.group) > 1:
                 comm.broadcast(local, src=self.src, group=self.group, algorithm="native")
+            self._tp_max(local)  # a shard's maximum -> its whole parameter's
             self.exponents = scale_exponents(local.tolist(), self.addends)
         for i, f in enumerate(flats):
             if f is not None and self.counts[i]:
@@ -128,6 +132,7 @@ class FixedPointGradients:
         both = self.peak.view(1) if extra is None else torch.cat([self.peak.view(1), extra.to(torch.float64)])
         if self.group is not None and dist.get_world_size(self.group) > 1:
             comm.all_reduce(both, op="max", group=self.group, algorithm="native")
+        self._tp_max(both)
         peak = float(both[0])
         self._nan = not math.isfinite(peak)
         return self._nan or peak < 2.0 ** limit_bits(self.addends), (None if extra is None else both[1:])
@@ -138,8 +143,13 @@ class FixedPointGradients:
         m = torch.cat(self.maxima) if self.maxima else torch.zeros(0, dtype=torch.float64)
         if self.group is not None and dist.get_world_size(self.group) > 1:
             comm.all_reduce(m, op="max", group=self.group, algorithm="native")
+        self._tp_max(m)
         self.measuring = False
         return scale_exponents(m.tolist(), self.addends)
+
+    def _tp_max(self, t: torch.Tensor) -> None:
+        if self.tp_group is not None:
+            comm.all_reduce(t, op="max", group=self.tp_group, algorithm="native")
 
     @property
     def nonfinite(self) -> list[bool]:

@@ -66,12 +66,16 @@ class InvariantStep:
         return self.grads.finish(losses)
 
 
-def clip_exact(grads: list[torch.Tensor], max_norm: float, *, addends: int, all_reduce=None) -> float:
+def clip_exact(grads: list[torch.Tensor], max_norm: float, *, addends: int, all_reduce=None,
+               counted: list | None = None) -> float:
     """Scale ``grads`` so that the global L2 norm is at most ``max_norm`` (torch's rule: coefficient
     max_norm / (norm + 1e-6), at most 1); returns the norm. The squares (exact in float64) are summed by
     ``fixed_point.exact_sum``, so the norm has the same bits however the elements are spread over tensors
-    and ranks; ``all_reduce(t, op)`` sums/maxes over the ranks that hold parts (None: all are here)."""
-    norm = math.sqrt(exact_sum([g.detach().to(torch.float64).square() for g in grads if g is not None],
+    and ranks; ``all_reduce(t, op)`` sums/maxes over the ranks that hold parts (None: all are here).
+    ``counted`` (parameters): only their gradients enter the norm (a tensor-parallel rank's shards and,
+    on one rank of the group, the replicated ones); all of ``grads`` are scaled."""
+    terms = grads if counted is None else [p.grad for p in counted]
+    norm = math.sqrt(exact_sum([g.detach().to(torch.float64).square() for g in terms if g is not None],
                                addends=addends, all_reduce=all_reduce))
     coef = min(1.0, max_norm / (norm + 1e-6))
     if coef < 1.0:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from distrain import comm
 from distrain.errors import ConfigError
 from distrain.parallel.tensor_parallel.group import TPGroup, as_tp_group, divide_by_tp
+from distrain.parallel.tensor_parallel.invariant import chunks_of, column_linear, owner_rows, row_linear
 from distrain.parallel.tensor_parallel.sequence import RegatherSaved, gather_from_sequence, reduce_scatter_to_sequence
 
 
@@ -124,10 +125,22 @@ class TPModule(nn.Module):
     """Base of every tensor-parallel layer: the group, ``tp_rank``/``tp_size``, and which
     slice each parameter holds."""
 
-    def _setup(self, tp: TPGroup) -> None:
+    def _setup(self, tp: TPGroup, split: int | None = None, what: str = "") -> None:
         self.tp = tp
         self.tp_rank = tp.rank
         self.tp_size = tp.size
+        if tp.chunks and split is not None:  # --layout-invariant: the split dimension in C equal chunks
+            divide_by_tp(split, tp.chunks, what)
+
+    def _invariant(self, sequence_parallel: bool = False) -> bool:
+        """Whether this layer computes the canonical chunked sums (--layout-invariant)."""
+        if not self.tp.chunks:
+            return False
+        if sequence_parallel:
+            raise ConfigError(f"{type(self).__name__}: --layout-invariant does not cover sequence parallelism "
+                              f"(its LayerNorm and bias gradients are summed over the ranks' tokens); use a plan "
+                              f"without sequence_parallel")
+        return True
 
     def shard_info(self) -> dict[str, tuple[int | None, int, int, tuple[int, ...]]]:
         """{param name: (split dim or None, start, stop, full shape)}; None = replicated."""
@@ -160,7 +173,7 @@ class ColumnParallelLinear(TPModule):
                  device=None, dtype=None, *, sequence_parallel: bool = False, seq_dim: int = 1):
         super().__init__()
         tp = as_tp_group(group, algorithm)
-        self._setup(tp)
+        self._setup(tp, out_features, "out_features")
         self.in_features = in_features
         self.full_out_features = out_features
         self.local_out_features = divide_by_tp(out_features, tp.size, "out_features")
@@ -191,6 +204,13 @@ class ColumnParallelLinear(TPModule):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._invariant(self.sequence_parallel):
+            if not self.sync_input and not torch.is_grad_enabled():  # no gradient to order (kv-cache decoding)
+                y = F.linear(x, self.weight, self.bias)
+            else:                                                    # (..., C) per chunk -> (..., O/P)
+                y = column_linear(chunks_of(x, self.sync_input, self.tp, "ColumnParallelLinear"), self.weight,
+                                  self.bias)
+            return gather_from_tp(y, self.tp) if self.gather_output else y
         if self.sync_input and self.sequence_parallel:               # (B, T/P, C) -> (B, T, C)
             full = gather_from_sequence(x, self.tp, dim=self.seq_dim)
             with RegatherSaved(full, x, self.tp, self.seq_dim).hooks:  # keep only the shard for backward
@@ -232,7 +252,7 @@ class RowParallelLinear(TPModule):
                  sequence_parallel: bool = False, seq_dim: int = 1):
         super().__init__()
         tp = as_tp_group(group, algorithm)
-        self._setup(tp)
+        self._setup(tp, in_features, "in_features")
         self.full_in_features = in_features
         self.local_in_features = divide_by_tp(in_features, tp.size, "in_features")
         self.in_features = self.local_in_features if input_is_parallel else in_features
@@ -263,6 +283,9 @@ class RowParallelLinear(TPModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp)                            # (..., C) -> (..., C/P)
+        if self._invariant(self.sequence_parallel):                  # the canonical tree of C chunks
+            y = row_linear(x, self.weight, self.tp)                  # (..., O), the same on every rank
+            return y + self.bias if self.bias is not None else y
         if self.sequence_parallel:                                   # partial (B, T, O) -> (B, T/P, O)
             y = reduce_scatter_to_sequence(F.linear(x, self.weight), self.tp, dim=self.seq_dim)
             return y + copy_to_tp(self.bias, self.tp) if self.bias is not None else y
@@ -295,7 +318,7 @@ class VocabParallelEmbedding(TPModule):
                  device=None, dtype=None):
         super().__init__()
         tp = as_tp_group(group, algorithm)
-        self._setup(tp)
+        self._setup(tp, num_embeddings, "vocab_size")
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.local_num_embeddings = divide_by_tp(num_embeddings, tp.size, "vocab_size")
@@ -324,6 +347,8 @@ class VocabParallelEmbedding(TPModule):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)            # (...)
         local = (ids - self.vocab_start).masked_fill(outside, 0)                # (...) in [0, V/P)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # (..., C) partial
+        if self._invariant():  # the owner's rows selected, not added: exact as one process's lookup
+            return owner_rows(out, ids, self.local_num_embeddings, self.tp)
         return reduce_from_tp(out, self.tp)                                     # (..., C), g
 
     def shard_info(self):

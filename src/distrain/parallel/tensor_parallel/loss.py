@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from distrain import comm
 from distrain.errors import ConfigError
 from distrain.parallel.tensor_parallel.group import as_tp_group
+from distrain.parallel.tensor_parallel.invariant import combine, local_chunks, tree_sum
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -65,17 +66,61 @@ class _VocabParallelCE(torch.autograd.Function):
         return g.view(ctx.shape), None, None, None
 
 
+class _InvariantVocabCE(_VocabParallelCE):
+    """The same loss with its one split sum, the sum of exp over the vocabulary, in the canonical tree of
+    the group's C chunks (--layout-invariant: the same bits on any tp size, one process included). exp
+    runs on each chunk's contiguous (N, V/C) block, the same shape in every layout; the maximum and the
+    target logit (one rank's value, zeros elsewhere) are exact; the backward is elementwise."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, tp, ignore_index):
+        Vp = logits.shape[-1]
+        x = logits.reshape(-1, Vp)                                   # (N, V/P)
+        t = targets.reshape(-1)                                      # (N,)
+        start = tp.rank * Vp
+        valid = t != ignore_index                                    # (N,)
+        n_valid = int(valid.sum())
+        full_v = Vp * tp.size
+        tv = t[valid]
+        if tv.numel() and (int(tv.min()) < 0 or int(tv.max()) >= full_v):
+            lo, hi = int(tv.min()), int(tv.max())
+            raise ConfigError(f"vocab_parallel_cross_entropy: targets must lie in [0, {full_v}) "
+                              f"(or equal ignore_index={ignore_index}); got values in [{lo}, {hi}]")
+        m = x.max(dim=-1).values                                     # (N,) local max
+        if tp.size > 1:
+            comm.all_reduce(m, op="max", group=tp.group, algorithm=tp.algorithm)
+        x = x - m.unsqueeze(-1)                                      # (N, V/P), <= 0
+        mine = valid & (t >= start) & (t < start + Vp)
+        local_t = torch.where(mine, t - start, torch.zeros_like(t))
+        picked = x.gather(1, local_t.unsqueeze(1)).squeeze(1) * mine  # (N,) target logit or 0
+        if tp.size > 1:  # one rank's value, the others' zeros: exact
+            comm.all_reduce(picked, group=tp.group, algorithm=tp.algorithm)
+        es = [c.contiguous().exp() for c in x.split(Vp // local_chunks(tp), dim=1)]  # C/P x (N, V/C)
+        s = combine(tree_sum([e.sum(dim=-1) for e in es]), tp)       # (N,) sum of exp, canonical tree
+        per_token = (s.log() - picked) * valid
+        loss = per_token.sum() / n_valid if n_valid else per_token.sum() * float("nan")
+        e = torch.cat(es, dim=1).div_(s.unsqueeze(-1))               # (N, V/P) softmax shard
+        ctx.save_for_backward(e, local_t, mine, valid)
+        ctx.shape = logits.shape
+        ctx.n_valid = n_valid
+        return loss
+
+
 def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tensor, group=None,
                                  algorithm: str = "native", ignore_index: int = -100) -> torch.Tensor:
     """Mean cross entropy of ``logits_shard`` (..., V/P), this rank's slice [r*V/P, (r+1)*V/P)
     of the vocabulary, against the full ``targets`` (...): equals ``F.cross_entropy`` on the
     gathered logits (``lm_loss``), without ever gathering them. The result is the same scalar on
     every rank of the group. Backward: (softmax shard - one-hot shard) / tokens, no collective.
+    A group with ``chunks`` (--layout-invariant) sums the exponentials in its canonical chunk tree, on
+    one process too (the same bits on every tp size dividing the chunks).
     """
     tp = as_tp_group(group, algorithm)
     if logits_shard.shape[:-1] != targets.shape:
         raise ConfigError(f"vocab_parallel_cross_entropy: logits shard {tuple(logits_shard.shape)} and targets "
                           f"{tuple(targets.shape)} disagree; logits must be targets' shape plus the vocab dim")
+    if tp.chunks:
+        return _InvariantVocabCE.apply(logits_shard, targets, tp, ignore_index)
     if tp.size == 1:
         return F.cross_entropy(logits_shard.reshape(-1, logits_shard.shape[-1]), targets.reshape(-1),
                                ignore_index=ignore_index)

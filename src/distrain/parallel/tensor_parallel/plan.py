@@ -59,10 +59,11 @@ from distrain.parallel.tensor_parallel.layers import (
 from distrain.parallel.tensor_parallel.sequence import (
     RegatherSaved, gather_from_sequence, split_to_sequence, sync_grads_over_tp,
 )
+from distrain.parallel.tensor_parallel.invariant import chunk_input
 from distrain.parallel.tensor_parallel.sizes import check_tp_divides
 
 __all__ = ["ColwiseParallel", "CopyInput", "RowwiseParallel", "SequenceParallel", "ShardInfo", "SplitSequenceOutput",
-           "TPPlan", "VocabParallel", "apply_tensor_parallel", "tp_shard_info"]
+           "TPPlan", "VocabParallel", "apply_tensor_parallel", "invariant_chunks", "tp_shard_info"]
 
 
 @dataclass(frozen=True)
@@ -211,6 +212,10 @@ class _InputHook:
         self.active: list = []
 
     def __call__(self, module, args):
+        if self.tp.chunks and self.dim is None:  # --layout-invariant: one view per chunk (invariant.py)
+            x = chunk_input(args[0], self.tp)[0]
+            self.active.append(x)
+            return (x,) + tuple(args[1:])
         if self.dim is None:
             return (copy_to_tp(args[0], self.tp),) + tuple(args[1:])
         full = gather_from_sequence(args[0], self.tp, dim=self.dim)          # (B, T/P, C) -> (B, T, C)
@@ -220,8 +225,15 @@ class _InputHook:
         return (full,) + tuple(args[1:])
 
     def done(self, module, args, out):
-        if self.active:
-            self.active.pop().__exit__(None, None, None)
+        if not self.active:
+            return
+        top = self.active.pop()
+        if not isinstance(top, torch.Tensor):
+            top.__exit__(None, None, None)
+        elif torch.is_grad_enabled() and top.requires_grad and not top.tp_chunk_readers:
+            raise ConfigError(f"--layout-invariant: {type(module).__name__} (CopyInput in the tensor-parallel plan) "
+                              f"used its input without a column-parallel linear reading it as is, so its gradient "
+                              f"sum cannot be ordered; this model's plan is not covered by --layout-invariant")
 
 
 class _SplitOutputHook:
@@ -264,14 +276,19 @@ def apply_tensor_parallel(model: nn.Module, group=None, algorithm: str = "native
     passes the same full model (same seed) and the same plan; rank r keeps block r of P of each
     planned weight (copied from the full module: no random draw). Unplanned modules stay whole
     (replicated). Raises ConfigError, before changing anything, when a planned module has the
-    wrong type or a size tp does not divide, or is already tensor-parallel."""
-    tp = TPGroup(group, algorithm)  # checks the algorithm and that this rank is in the group
+    wrong type or a size tp does not divide, or is already tensor-parallel.
+
+    ``group`` may be a :class:`TPGroup` (its algorithm then rules); one with ``chunks``
+    (``--layout-invariant``, ``TPGroup.alone(chunks=C)`` on one process) makes the layers compute the
+    canonical chunked sums of :mod:`.invariant`, and every split size must divide by the chunks."""
+    tp = group if isinstance(group, TPGroup) else TPGroup(group, algorithm)  # checks the algorithm and membership
     plan = as_plan(plan)
     found = _resolve(model, plan)
+    split = tp.chunks or tp.size  # the chunks are a multiple of the tp size
     if plan.check is not None:
-        plan.check(model, tp.size)
+        plan.check(model, split)
     for name, m, style in found:
-        _check_module(name, m, style, tp.size)
+        _check_module(name, m, style, split)
     # Everything is valid: replace the modules on their parents, children before parents.
     for name, m, style in reversed(found):
         if isinstance(style, _HOOK_STYLES):
@@ -280,6 +297,25 @@ def apply_tensor_parallel(model: nn.Module, group=None, algorithm: str = "native
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, _replacement(m, style, tp, plan.sequence_dim))
     return model
+
+
+def invariant_chunks(model: nn.Module, plan, most: int) -> int:
+    """The canonical chunk count C of ``--layout-invariant`` for ``model`` under ``plan``: the largest power
+    of two up to ``most`` dividing every size the plan splits (a function of the model alone, so every
+    layout of one run computes the same chunks; tp must divide it). Pure: nothing changes."""
+    plan = as_plan(plan)
+    found = _resolve(model, plan)
+    c = most
+    while c > 1:
+        try:
+            if plan.check is not None:
+                plan.check(model, c)
+            for name, m, style in found:
+                _check_module(name, m, style, c)
+            return c
+        except ConfigError:
+            c //= 2
+    return 1
 
 
 # ---------------------------------------------------------------------------------------

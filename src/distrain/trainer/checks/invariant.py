@@ -9,6 +9,9 @@ from distrain.trainer.checks.need import need
 # the strategies whose every reduction distrain orders (torch's DDP reducer, an asynchronous server and a
 # run without gradient exchange cannot give one process's bits)
 INVARIANT_STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "ps-sync")
+# the tp sizes --layout-invariant covers: those dividing the canonical chunks
+# (distrain.parallel.tensor_parallel.invariant.INVARIANT_CHUNKS = 4)
+INVARIANT_TP = (1, 2, 4)
 
 
 def units_of(cfg) -> int:
@@ -28,11 +31,18 @@ def check_invariant(cfg) -> None:
     need(cfg.batch_size % u == 0,
          f"--layout-invariant: --units {u} must divide --batch-size {cfg.batch_size}; "
          f"use one of {', '.join(str(d) for d in range(1, cfg.batch_size + 1) if cfg.batch_size % d == 0)}")
-    grid = {"--tp": cfg.tp, "--cp": cfg.cp, "--ep": cfg.ep}
+    grid = {"--cp": cfg.cp, "--ep": cfg.ep}
     bad = [f"{k} {v}" for k, v in grid.items() if v > 1]
-    need(not bad, f"--layout-invariant covers data parallelism (single, ddp, zero1-3, ps-sync) and pipelines "
-                  f"today, not {', '.join(bad)}: tensor, context and expert parallel reductions are not ordered "
-                  f"yet (docs/determinism.md); drop {', '.join(bad)}")
+    need(not bad, f"--layout-invariant covers data, tensor and pipeline parallelism today, not {', '.join(bad)}: "
+                  f"context and expert parallel reductions are not ordered yet (docs/determinism.md); "
+                  f"drop {', '.join(bad)}")
+    need(cfg.tp in INVARIANT_TP, f"--layout-invariant computes tensor-parallel sums as {INVARIANT_TP[-1]} fixed "
+                                 f"chunks, which --tp {cfg.tp} cannot share; use --tp "
+                                 f"{', '.join(str(t) for t in INVARIANT_TP)}")
+    need(cfg.tp == 1 or (cfg.strategy == "ddp" and cfg.pp == 1),
+         f"--layout-invariant with --tp {cfg.tp} covers --strategy ddp without --pp (ZeRO's flat shards of "
+         f"tensor-parallel layers and tensor-parallel pipeline stages are not ordered yet); use --strategy ddp "
+         f"and drop --pp")
     need(cfg.accum_steps == 1,
          f"--layout-invariant already accumulates: each replica runs its units of {cfg.batch_size // u} samples one "
          f"at a time; drop --accum-steps {cfg.accum_steps} and set --units (now {u})")

@@ -53,6 +53,11 @@ class GridEngine(Engine):
         # brings its own as ``model.tp_plan`` when tp > 1 (a Hugging Face model's ``tp_plan`` is HF's, in
         # HF's styles: model_tp_plan gives distrain's plan for it instead)
         plan = model_tp_plan(model) if cfg.tp > 1 else None
+        chunks = None
+        if cfg.layout_invariant:  # the plan on every layout, tp = 1 too, computing the canonical chunked sums
+            from distrain.trainer.engines.invariant import invariant_tp_plan
+
+            plan, chunks = invariant_tp_plan(cfg, model)
         self.loss_fn = part_loss(loss_fn, cfg.batch_size, topo.dp, topo.dp_rank)  # (elastic: uneven replicas)
         self.pm = parallelize(model, topo, loss_fn=self.loss_fn, tp_plan=plan, algorithm=cfg.algorithm,
                               microbatches=cfg.microbatches, schedule=cfg.schedule,
@@ -63,7 +68,7 @@ class GridEngine(Engine):
                               # layout-invariant: a mixture's router counts stay the unit's own (its balancing
                               # loss must not depend on which units share a rank)
                               ep_plan=None if cfg.layout_invariant else model_ep_plan(model),
-                              compression=cfg.compression)
+                              compression=cfg.compression, tp_chunks=chunks)
         self.optimizer = self.pm.optimizer or optimizer_factory(self.pm.parameters())
         self.dp_rank, self.dp_size = topo.dp_rank, topo.dp
         self.loss_weight = 1.0 / (topo.dp * topo.cp) if (self.pm.has_loss and topo.tp_rank == 0) else 0.0
@@ -72,13 +77,17 @@ class GridEngine(Engine):
         self.holds_whole_state = self.whole and not self.zero_stage
         self.label = label_of(cfg, topo, self.zero_stage)
         self.invariant = None
-        if cfg.layout_invariant:  # (validated: data parallelism, and pipelines whose micro-batches are the units)
+        if cfg.layout_invariant:  # (validated: data parallelism; pipelines whose micro-batches are the units;
+            # tensor parallelism under ddp)
             from distrain.trainer.engines.invariant import InvariantTraining
 
-            self.invariant = InvariantTraining(cfg, self.pm.module, self.eval_loss_fn, replicas=topo.dp,
-                                               replica=topo.dp_rank, group=topo.dp_cp_group, zero=self.pm.zero,
-                                               ddp=self.pm.ddp, forward_context=self.autocast,
-                                               stage=self.pm.stage, pp_group=topo.pp_group if topo.pp > 1 else None)
+            pm = self.pm  # the plan's own loss on its output (canonical chunks), else the model's
+            loss = pm.loss_fn if pm.tp is not None and pm.tp_plan.loss is not None else self.eval_loss_fn
+            self.invariant = InvariantTraining(cfg, pm.module, loss, replicas=topo.dp,
+                                               replica=topo.dp_rank, group=topo.dp_cp_group, zero=pm.zero,
+                                               ddp=pm.ddp, forward_context=self.autocast,
+                                               stage=pm.stage, pp_group=topo.pp_group if topo.pp > 1 else None,
+                                               tp_group=topo.tp_group if topo.tp > 1 else None, tp_info=pm.tp_info)
             self.part_unit = self.invariant.samples_per_unit
             self.loss_weight = 1.0 if self.rank == 0 else 0.0  # every rank has the whole loss: exact
 

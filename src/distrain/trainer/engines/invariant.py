@@ -14,6 +14,7 @@ stages over the pp group; ZeRO's shards over every rank).
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -22,17 +23,58 @@ from distrain import comm
 from distrain.parallel.invariant import (
     FixedPointGradients, InvariantPipelineStep, InvariantStep, StageGradients, clip_exact, replica_units,
 )
+from distrain.errors import ConfigError
 from distrain.parallel.zero.layout import make_unit
 from distrain.trainer.checks.invariant import units_of
+
+
+def invariant_tp_plan(cfg, model):
+    """(the model's tensor-parallel plan, its canonical chunk count C) for a --layout-invariant run, or
+    (None, None) for a model without a plan. Every layout applies the plan, one process too (tp = 1), so
+    every layout computes the same chunked sums (distrain.parallel.tensor_parallel.invariant); C is the
+    largest power of two up to INVARIANT_CHUNKS dividing every split size (a function of the model alone),
+    and --tp must divide it."""
+    from distrain.models.registry import model_tp_plan
+    from distrain.parallel.tensor_parallel.invariant import INVARIANT_CHUNKS
+    from distrain.parallel.tensor_parallel.plan import invariant_chunks
+
+    plan = model_tp_plan(model)
+    if plan is None:
+        return None, None
+    chunks = invariant_chunks(model, plan, INVARIANT_CHUNKS)
+    if chunks % cfg.tp:
+        raise ConfigError(f"--layout-invariant --tp {cfg.tp}: this model's split sizes allow {chunks} canonical chunk"
+                          f"{'s' if chunks > 1 else ''}, which tp must divide; use --tp "
+                          f"{' or '.join(str(d) for d in (1, 2, 4) if chunks % d == 0)}")
+    return plan, chunks
+
+
+def apply_invariant_tp(cfg, model):
+    """One process (--strategy single, a parameter-server worker): the model's plan applied on a group of
+    this process alone with the canonical chunks; returns the loss to train with (the plan's own on its
+    output, else None: the model's)."""
+    from distrain.parallel.tensor_parallel import apply_tensor_parallel
+    from distrain.parallel.tensor_parallel.group import TPGroup
+
+    plan, chunks = invariant_tp_plan(cfg, model)
+    if plan is None:
+        return None
+    tp = TPGroup.alone(chunks=chunks)
+    apply_tensor_parallel(model, tp, plan=plan)
+    return None if plan.loss is None else (lambda output, target: plan.loss(output, target, tp))
 
 
 class InvariantTraining:
     """Over ``module`` (whole on every replica, or ZeRO's ``zero`` around it; ``ddp``: the DDP wrapper whose
     own hooks stay quiet), replica ``replica`` of ``replicas`` over ``group`` (None: one process); ``stage``:
-    the pipeline stage that ``module`` is, ``pp_group`` its pipeline's group (None: no pipeline)."""
+    the pipeline stage that ``module`` is, ``pp_group`` its pipeline's group (None: no pipeline).
+    Tensor parallelism (``tp_group`` of more than one rank, ``tp_info``: the module's ShardInfo per
+    parameter): each rank sums its shards' gradients over its replicas; exponents come from whole
+    parameters, and the clip's norm counts a sharded parameter's shards once each and a replicated one
+    on tp rank 0 only (its gradient is the same on every tp rank: the canonical sums make it so)."""
 
     def __init__(self, cfg, module, loss_fn, *, replicas: int, replica: int, group=None, zero=None, ddp=None,
-                 forward_context=contextlib.nullcontext, stage=None, pp_group=None):
+                 forward_context=contextlib.nullcontext, stage=None, pp_group=None, tp_group=None, tp_info=None):
         torch.set_num_threads(1)  # a kernel's reduction order may depend on its thread count
         self.cfg, self.zero = cfg, zero
         self.units = units_of(cfg)
@@ -61,12 +103,20 @@ class InvariantTraining:
                                              seed=cfg.seed, schedule=cfg.schedule, context=forward_context,
                                              quiet=quiet)
         else:
-            self.grads = FixedPointGradients(units, params, addends=self.units, group=self.group, src=src)
+            self.grads = FixedPointGradients(units, params, addends=self.units, group=self.group, src=src,
+                                             tp_group=tp_group)
             if zero is not None and zero.stage == 3:
                 zero.impl.grad_sink = self.grads.take_flat
             self.run = InvariantStep(module, loss_fn, self.grads, units=self.units, replica_units=mine,
                                      seed=cfg.seed, forward_context=forward_context, quiet=quiet)
         self.params = params
+        self.tp_group = self.grads.tp_group
+        self.counted = None  # tp: the gradients this rank adds to the norm (its shards; replicated: tp rank 0)
+        if self.tp_group is not None:
+            named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+            self.numel = sum(math.prod(tp_info[n].full_shape) for n, _ in named)
+            first = dist.get_rank(self.tp_group) == 0
+            self.counted = [p for n, p in named if tp_info[n].dim is not None or first]
 
     @property
     def samples_per_unit(self) -> int:
@@ -78,6 +128,10 @@ class InvariantTraining:
 
     def _world_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
         comm.all_reduce(t, op=op, algorithm="native")
+        return t
+
+    def _tp_all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        comm.all_reduce(t, op=op, group=self.tp_group, algorithm="native")
         return t
 
     def _pp_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
@@ -108,10 +162,12 @@ class InvariantTraining:
         else:
             self.grads.gradients()
             grads = [p.grad for ps in self.params for p in ps]
-            # replicas hold every element of their stage: the stages' sums over the pp group
-            reduce = self._pp_reduce if self.pp_group is not None else None
+            # replicas hold every element of their stage: the stages' sums over the pp group; each tp rank its
+            # shards (and on tp rank 0 the replicated parameters): the sum over the tp group
+            reduce = self._pp_reduce if self.pp_group is not None else (
+                self._tp_all_reduce if self.tp_group is not None else None)
         if self.cfg.grad_clip:
-            clip_exact(grads, self.cfg.grad_clip, addends=self.numel, all_reduce=reduce)
+            clip_exact(grads, self.cfg.grad_clip, addends=self.numel, all_reduce=reduce, counted=self.counted)
         return torch.tensor(loss, dtype=torch.float64)
 
 

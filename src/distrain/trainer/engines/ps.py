@@ -78,6 +78,11 @@ class PSEngine(Engine):
                                           fixed_point_units=units)
             self.loss_weight = 0.0  # (no loss here; sync servers still join the loss sum over the world)
         else:
+            invariant_loss = None
+            if self.fixed_point:  # the canonical chunked layers, as one process and every tp layout run them
+                from distrain.trainer.engines.invariant import apply_invariant_tp
+
+                invariant_loss = apply_invariant_tp(cfg, model)
             self.worker = PSWorker(model, L, self.mode, fixed_point=self.fixed_point)
             self.dp_rank, self.dp_size = L.workers.index(self.rank), L.num_workers
             self.loss_fn = part_loss(loss_fn, cfg.batch_size, self.dp_size, self.dp_rank)
@@ -86,7 +91,8 @@ class PSEngine(Engine):
             if self.fixed_point:
                 from distrain.trainer.engines.invariant import InvariantTraining
 
-                self.invariant = InvariantTraining(cfg, model, self.eval_loss_fn, replicas=self.dp_size,
+                self.invariant = InvariantTraining(cfg, model, invariant_loss or self.eval_loss_fn,
+                                                   replicas=self.dp_size,
                                                    replica=self.dp_rank, group=workers_group,
                                                    forward_context=self.autocast)
                 self.part_unit = self.invariant.samples_per_unit

@@ -22,6 +22,11 @@ class SingleEngine(Engine):
     def __init__(self, cfg, model, loss_fn, optimizer_factory):
         super().__init__(cfg, model, loss_fn, optimizer_factory)
         self.model = model
+        invariant_loss = None
+        if cfg.layout_invariant:  # the canonical chunked layers, as every tensor-parallel layout runs them
+            from distrain.trainer.engines.invariant import apply_invariant_tp
+
+            invariant_loss = apply_invariant_tp(cfg, model)
         self.net = self.wrap(model)
         self.optimizer = optimizer_factory(self.net.parameters())
         self.dp_rank, self.dp_size = self.rank, self.world
@@ -32,8 +37,8 @@ class SingleEngine(Engine):
         if cfg.layout_invariant:  # (validated: strategy single)
             from distrain.trainer.engines.invariant import InvariantTraining
 
-            self.invariant = InvariantTraining(cfg, self.model, self.eval_loss_fn, replicas=1, replica=0,
-                                               forward_context=self.autocast)
+            self.invariant = InvariantTraining(cfg, self.model, invariant_loss or self.eval_loss_fn, replicas=1,
+                                               replica=0, forward_context=self.autocast)
             self.part_unit = self.invariant.samples_per_unit
 
     def wrap(self, model: nn.Module) -> nn.Module:
