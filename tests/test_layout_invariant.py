@@ -134,7 +134,7 @@ def test_a_unit_past_the_headroom_reruns_the_step_with_the_exponents_of_its_maxi
 
 # -- refusals, before any rank starts ---------------------------------------------------------------------
 @pytest.mark.parametrize("kw, message", [
-    (dict(tp=2, nproc=2), "--layout-invariant covers data parallelism (single, ddp, zero1-3, ps-sync) today, not --tp 2:"),
+    (dict(cp=2, nproc=2), "--layout-invariant covers data, tensor and pipeline parallelism today, not --cp 2:"),
     (dict(strategy="torch-ddp", nproc=2), "--layout-invariant: --strategy torch-ddp is not covered"),
     (dict(accum_steps=2, nproc=2), "--layout-invariant already accumulates: each replica runs its units of 1 "
                                    "samples one at a time; drop --accum-steps 2"),

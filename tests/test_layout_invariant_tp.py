@@ -183,7 +183,8 @@ def test_chunks_refuse_sequence_parallelism_and_an_unordered_copy_input():
     (dict(tp=3, nproc=3), "--layout-invariant computes tensor-parallel sums as 4 fixed chunks, which --tp 3 cannot "
                           "share; use --tp 1, 2, 4"),
     (dict(tp=2, nproc=2, strategy="zero2"), "--layout-invariant with --tp 2 covers --strategy ddp"),
-    (dict(tp=2, pp=2, nproc=4), "--layout-invariant covers data and tensor parallelism today, not --pp 2:"),
+    (dict(tp=2, pp=2, nproc=4), "--layout-invariant with --tp 2 covers --strategy ddp without --pp"),
+    (dict(cp=2, nproc=2), "--layout-invariant covers data, tensor and pipeline parallelism today, not --cp 2:"),
 ])
 def test_what_it_cannot_do_with_tp_is_refused_in_one_line(tmp_path, kw, message):
     with pytest.raises(ConfigError) as e:
