@@ -82,14 +82,17 @@ def maxima(tensors: list[torch.Tensor]) -> torch.Tensor:
         [t.detach().reshape(-1) if t.numel() else t.new_zeros(1) for t in tensors]))])
 
 
-def dequantize(q: torch.Tensor, exponent: int, divisor: int, dtype: torch.dtype) -> torch.Tensor:
-    """``float(q) * 2**-exponent / divisor`` in ``dtype``: to float64, scale, divide, one rounding to ``dtype``
-    (gradients.py does the same in list-wide form). Every step is elementwise on the same integers, so the
-    bits depend only on ``q``."""
+def dequantize(q: torch.Tensor, exponent: int, divisor: int, dtype: torch.dtype,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """``float(q) * 2**-exponent / divisor`` in ``dtype`` (into ``out`` when given): to float64, scale,
+    divide, one rounding to ``dtype`` (gradients.py does the same in list-wide form). Every step is
+    elementwise on the same integers, so the bits depend only on ``q``."""
     x = q.to(torch.float64).mul_(2.0 ** -exponent)
     if divisor != 1:
         x.div_(divisor)
-    return x.to(dtype)
+    if out is None:
+        return x.to(dtype)
+    return out.copy_(x)
 
 
 def exact_sum(values: list[torch.Tensor], *, addends: int, all_reduce=None) -> float:
