@@ -145,6 +145,7 @@ def test_a_unit_past_the_headroom_reruns_the_step_with_the_exponents_of_its_maxi
                                                "the same number of units"),
     (dict(compression="bf16", nproc=2), "--layout-invariant sums gradients as integers; drop --compression bf16"),
     (dict(layout_invariant=False, units=4), "--units 4 only acts with --layout-invariant"),
+    (dict(layout_invariant=False, units=0, invariant_tp=True), "--invariant-tp only acts with --layout-invariant"),
 ])
 def test_what_it_cannot_do_is_refused_in_one_line(tmp_path, kw, message):
     from distrain.errors import ConfigError

@@ -179,7 +179,8 @@ def test_gradients_that_wait_for_the_calibration_or_the_fallback_sum_to_the_same
      "divide --units 4; use --units 3"),
     (dict(nproc=4, pp=2, strategy="zero3", microbatches=4),
      "--layout-invariant with --pp: zero3 does not run with a pipeline; use zero1 or zero2"),
-    (dict(nproc=4, tp=2, pp=2, microbatches=8), "--layout-invariant with --tp 2 covers --strategy ddp without --pp"),
+    (dict(nproc=4, tp=2, pp=2, microbatches=8, invariant_tp=True),
+     "--layout-invariant with --tp 2 covers --strategy ddp without --pp"),
 ])
 def test_a_pipeline_that_cannot_be_one_process_is_refused_in_one_line(tmp_path, kw, message):
     from distrain.errors import ConfigError

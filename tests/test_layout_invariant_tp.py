@@ -185,6 +185,7 @@ def test_chunks_refuse_sequence_parallelism_and_an_unordered_copy_input():
     (dict(tp=2, nproc=2, strategy="zero2"), "--layout-invariant with --tp 2 covers --strategy ddp"),
     (dict(tp=2, pp=2, nproc=4), "--layout-invariant with --tp 2 covers --strategy ddp without --pp"),
     (dict(cp=2, nproc=2), "--layout-invariant covers data, tensor and pipeline parallelism today, not --cp 2:"),
+    (dict(tp=2, nproc=2, invariant_tp=False), "--layout-invariant with --tp 2 needs --invariant-tp"),
 ])
 def test_what_it_cannot_do_with_tp_is_refused_in_one_line(tmp_path, kw, message):
     with pytest.raises(ConfigError) as e:
@@ -198,8 +199,8 @@ STEPS = 30
 
 
 def _job(out, **kw):
-    base = dict(dtype="float32", layout_invariant=True, units=8, batch_size=8, steps=STEPS, grad_clip=0.5,
-                log_every=10)
+    base = dict(dtype="float32", layout_invariant=True, invariant_tp=True, units=8, batch_size=8, steps=STEPS,
+                grad_clip=0.5, log_every=10)
     return trainer_config(out, **{**base, **kw})
 
 

@@ -118,6 +118,9 @@ class TrainConfig:
     layout_invariant: bool = opt(False, "the same bits whatever the layout: every step's loss, the gradient norm, the "
                                         "parameters and optimizer state equal one process's bit for bit "
                                         "(docs/determinism.md)")
+    invariant_tp: bool = opt(False, "--layout-invariant across --tp 1, 2 and 4 as well: every layout, one process too, "
+                                    "computes each tensor-parallel reduction as fixed chunks (slower; "
+                                    "docs/determinism.md)")
     units: int = opt(0, "--layout-invariant: the global batch as this many equal units of work, the same in every "
                         "layout (at most this many data-parallel replicas); 0: the largest number up to 8 that "
                         "divides --batch-size")

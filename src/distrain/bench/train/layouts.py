@@ -107,6 +107,7 @@ def _config(job: Job, opts: Settings, root: str) -> TrainConfig:
                        dtype="float32", eval_every=0, sample_chars=0, progress=False, report=False,
                        log_every=opts.warmup + opts.steps + MEMORY_STEPS, overwrite=True,
                        layout_invariant=job.invariant, units=opts.units if job.invariant else 0,
+                       invariant_tp=job.invariant and job.tp > 1,  # (tp layouts: the canonical chunks)
                        out=os.path.join(root, f"{job.layout}-{job.nproc}" + ("-invariant" if job.invariant else "")))
 
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distrain import comm
+from distrain.errors import TrainingError
 from distrain.parallel.invariant.fixed_point import limit_bits, maxima, quantize_all, scale_exponents
 from distrain.parallel.zero.layout import FlatUnit
 
@@ -106,6 +107,8 @@ class FixedPointGradients:
         """After each unit's backward: the first one sets the exponents (a broadcast from ``src``); every
         unit's gradients go into the integers, and the flat buffers are zeroed for the next unit."""
         flats = self.flat if self.params is not None else [self._stash.get(i) for i in range(len(self.units))]
+        if self.params is not None and self.views:
+            self._check_views()
         if self.exponents is None and not self.measuring:
             local = torch.zeros(sum(self.counts), dtype=torch.float64)
             if self.group is None or dist.get_rank() == self.src:  # (only the first replica's are used)
@@ -124,6 +127,18 @@ class FixedPointGradients:
             for f in self.flat:
                 f.zero_()
         self._stash.clear()
+
+    def _check_views(self) -> None:
+        """Autograd added each gradient into its view (in place); a backward that replaced a ``.grad``
+        (e.g. ``create_graph=True``) would leave the flat buffer without it: refused, not summed wrong."""
+        for u, ps, f in zip(self.units, self.params, self.flat):
+            for p, o in zip(ps, u.offsets):
+                g = p.grad
+                if g is not None and (g.untyped_storage().data_ptr() != f.untyped_storage().data_ptr()
+                                      or g.storage_offset() != o):
+                    raise TrainingError("layout-invariant training: a backward replaced a parameter's .grad instead "
+                                       "of adding into it (create_graph=True, or a hook that sets .grad); the "
+                                       "units' gradients cannot be summed exactly")
 
     def finish(self, extra: torch.Tensor | None = None) -> tuple[bool, torch.Tensor | None]:
         """After the last unit: one all-reduce (max) of the largest converted |g * 2**e| (with ``extra``,

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from distrain import comm
+from distrain.errors import TrainingError
 from distrain.parallel.invariant.fixed_point import maxima, scale_exponents
 from distrain.parallel.invariant.gradients import FixedPointGradients
 from distrain.parallel.invariant.units import unit_seed
@@ -147,7 +148,7 @@ class InvariantPipelineStep:
             self._attempt(x, y, step, measure=True)
             fits, losses = self._attempt(x, y, step, exponents=self.grads.measured())
             if not fits:
-                raise RuntimeError("InvariantPipelineStep: the step overflowed at exponents from its own maxima "
+                raise TrainingError("InvariantPipelineStep: the step overflowed at exponents from its own maxima "
                                    "(a bug)")
         return math.fsum(losses[:-1].tolist()) / self.units
 

@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from distrain.errors import ConfigError, TrainingError
 from distrain.parallel.invariant.fixed_point import exact_sum
 from distrain.parallel.invariant.gradients import FixedPointGradients
 from distrain.parallel.invariant.units import unit_seed
@@ -37,7 +38,7 @@ class InvariantStep:
     def __call__(self, x: torch.Tensor, y: torch.Tensor, step: int) -> float:
         n = len(self.mine)
         if x.shape[0] % n or y.shape[0] != x.shape[0]:
-            raise ValueError(f"InvariantStep: {x.shape[0]} samples cannot be this replica's {n} units")
+            raise ConfigError(f"InvariantStep: {x.shape[0]} samples cannot be this replica's {n} units")
         xs, ys = x.chunk(n), y.chunk(n)
         fits, losses = self._units(xs, ys, step, exponents=None)
         if not fits:  # a unit past the headroom (rare): measure every parameter's range, then once more
@@ -45,7 +46,7 @@ class InvariantStep:
             self._units(xs, ys, step, measure=True)
             fits, losses = self._units(xs, ys, step, exponents=self.grads.measured())
             if not fits:
-                raise RuntimeError("InvariantStep: the step overflowed at exponents from its own maxima (a bug)")
+                raise TrainingError("InvariantStep: the step overflowed at exponents from its own maxima (a bug)")
         return math.fsum(losses.tolist()) / self.units
 
     def _units(self, xs, ys, step: int, exponents=None, measure: bool = False):

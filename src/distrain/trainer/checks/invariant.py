@@ -23,6 +23,7 @@ def check_invariant(cfg) -> None:
     need(cfg.units >= 0, f"--units must be >= 0 (0: the default), got {cfg.units}")
     if not cfg.layout_invariant:
         need(cfg.units == 0, f"--units {cfg.units} only acts with --layout-invariant: add it, or drop --units")
+        need(not cfg.invariant_tp, "--invariant-tp only acts with --layout-invariant: add it, or drop --invariant-tp")
         return
     u = units_of(cfg)
     need(cfg.strategy in INVARIANT_STRATEGIES,
@@ -36,6 +37,9 @@ def check_invariant(cfg) -> None:
     need(not bad, f"--layout-invariant covers data, tensor and pipeline parallelism today, not {', '.join(bad)}: "
                   f"context and expert parallel reductions are not ordered yet (docs/determinism.md); "
                   f"drop {', '.join(bad)}")
+    need(cfg.tp == 1 or cfg.invariant_tp,
+         f"--layout-invariant with --tp {cfg.tp} needs --invariant-tp: the tensor-parallel sums are computed as "
+         f"fixed chunks, and every run of the family (one process too) must compute them so; add --invariant-tp")
     need(cfg.tp in INVARIANT_TP, f"--layout-invariant computes tensor-parallel sums as {INVARIANT_TP[-1]} fixed "
                                  f"chunks, which --tp {cfg.tp} cannot share; use --tp "
                                  f"{', '.join(str(t) for t in INVARIANT_TP)}")

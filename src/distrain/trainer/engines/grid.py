@@ -54,7 +54,7 @@ class GridEngine(Engine):
         # HF's styles: model_tp_plan gives distrain's plan for it instead)
         plan = model_tp_plan(model) if cfg.tp > 1 else None
         chunks = None
-        if cfg.layout_invariant:  # the plan on every layout, tp = 1 too, computing the canonical chunked sums
+        if cfg.layout_invariant and cfg.invariant_tp:  # the plan on every layout, tp = 1 too: the canonical chunks
             from distrain.trainer.engines.invariant import invariant_tp_plan
 
             plan, chunks = invariant_tp_plan(cfg, model)

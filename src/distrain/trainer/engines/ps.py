@@ -79,7 +79,7 @@ class PSEngine(Engine):
             self.loss_weight = 0.0  # (no loss here; sync servers still join the loss sum over the world)
         else:
             invariant_loss = None
-            if self.fixed_point:  # the canonical chunked layers, as one process and every tp layout run them
+            if self.fixed_point and cfg.invariant_tp:  # the canonical chunked layers, as every tp layout runs them
                 from distrain.trainer.engines.invariant import apply_invariant_tp
 
                 invariant_loss = apply_invariant_tp(cfg, model)

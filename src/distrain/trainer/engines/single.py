@@ -23,7 +23,7 @@ class SingleEngine(Engine):
         super().__init__(cfg, model, loss_fn, optimizer_factory)
         self.model = model
         invariant_loss = None
-        if cfg.layout_invariant:  # the canonical chunked layers, as every tensor-parallel layout runs them
+        if cfg.layout_invariant and cfg.invariant_tp:  # the canonical chunked layers, as every tp layout runs them
             from distrain.trainer.engines.invariant import apply_invariant_tp
 
             invariant_loss = apply_invariant_tp(cfg, model)
