@@ -62,16 +62,24 @@ def quantize(g: torch.Tensor, exponent: int) -> torch.Tensor:
     return torch.mul(g.to(torch.float64), 2.0 ** exponent).round_().to(torch.int64)  # (never in place: g may be float64)
 
 
-def quantize_all(tensors: list[torch.Tensor], exponents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.cat([quantize(t, e).flatten() ...])`` and the largest |t * 2**e| (a float64 0-d tensor; NaN if
-    any), in a few list-wide operations when every tensor is float32 or bfloat16 and every exponent in the
-    float32 range (else in float64, one by one): the same integers either way."""
-    fast = all(t.dtype in (torch.float32, torch.bfloat16) for t in tensors) and all(0 <= e <= 120 for e in exponents)
-    scaled = torch._foreach_mul([t.detach().reshape(-1) if fast else t.detach().reshape(-1).to(torch.float64)
-                                 for t in tensors], [2.0 ** e for e in exponents])
-    flat = torch.cat(scaled)
-    lo, hi = torch.aminmax(flat)
-    return flat.round_().to(torch.int64), torch.maximum(hi, -lo).to(torch.float64)
+def quantize_flat_(flat: torch.Tensor, views: list[torch.Tensor], exponents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``views`` (consecutive pieces of ``flat``, which they cover from its start) each times 2**e and rounded
+    IN PLACE, then as int64: (the integers of the covered part, its largest |g * 2**e| as a float64 0-d
+    tensor, NaN if any). float32 and bfloat16 scale in their own dtype when every exponent is in the float32
+    range (exact: a power of two), others in float64; either way the integers are ``quantize``'s."""
+    n = sum(v.numel() for v in views)
+    if flat.dtype in (torch.float32, torch.bfloat16) and all(0 <= e <= 120 for e in exponents):
+        torch._foreach_mul_([v.reshape(-1) for v in views], [2.0 ** e for e in exponents])
+        scaled = flat[:n]
+    else:
+        scaled = flat[:n].to(torch.float64)
+        pieces, o = [], 0
+        for v in views:
+            pieces.append(scaled[o:o + v.numel()])
+            o += v.numel()
+        torch._foreach_mul_(pieces, [2.0 ** e for e in exponents])
+    lo, hi = torch.aminmax(scaled)
+    return scaled.round_().to(torch.int64), torch.maximum(hi, -lo).to(torch.float64)
 
 
 def maxima(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -119,5 +127,5 @@ def exact_sum(values: list[torch.Tensor], *, addends: int, all_reduce=None) -> f
     return float(total) * 2.0 ** -e
 
 
-__all__ = ["HEADROOM_BITS", "INT_BITS", "dequantize", "exact_sum", "limit_bits", "magnitude", "maxima", "quantize", "quantize_all",
+__all__ = ["HEADROOM_BITS", "INT_BITS", "dequantize", "exact_sum", "limit_bits", "magnitude", "maxima", "quantize", "quantize_flat_",
            "scale_exponents"]

@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from distrain import comm
 from distrain.errors import TrainingError
-from distrain.parallel.invariant.fixed_point import limit_bits, maxima, quantize_all, scale_exponents
+from distrain.parallel.invariant.fixed_point import limit_bits, maxima, quantize_flat_, scale_exponents
 from distrain.parallel.zero.layout import FlatUnit
 
 
@@ -92,7 +92,7 @@ class FixedPointGradients:
             return
         # a value past the limit converts to a wrong integer, which does not matter: finish() sees the peak
         # and the step is redone
-        q, peak = quantize_all(views, self.exponents[k:k + len(views)])
+        q, peak = quantize_flat_(flat, views, self.exponents[k:k + len(views)])  # (flat is spent: zeroed next)
         self.acc[i][:u.numel].add_(q)
         self.peak = torch.maximum(self.peak, peak)
 
