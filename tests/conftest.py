@@ -152,6 +152,13 @@ def assert_refused(cfg, message: str | None) -> None:
 _REFERENCES: dict = {}
 
 
+def invariant_matrix(full: dict, suite: list[str]) -> list[str]:
+    """The layouts a --layout-invariant matrix test runs: ``suite`` (each kind of layout at least once) in
+    `make test`, to stay in its time budget; every one of ``full`` with DISTRAIN_INVARIANT_MATRIX=all."""
+    assert set(suite) <= set(full)
+    return list(full) if os.environ.get("DISTRAIN_INVARIANT_MATRIX") == "all" else suite
+
+
 def reference_losses(tmp_path_factory, **kw) -> list[float]:
     """The single-process run of ``trainer_config(**kw)``, computed once per session."""
     key = tuple(sorted(kw.items()))
