@@ -51,6 +51,7 @@ def test_sigkill_one_of_four_finishes_at_three_with_the_same_losses(tmp_path, tm
            ("membership", 4, 3, [1], [], 2, 2)
     assert 0 < e["recover_s"] < 30
     assert summary["membership_changes"] == 1 and summary["world_final"] == 3 and summary["ranks_left"] == 1
+    assert summary["world_start"] == 4  # (the table: "processes  4 at the start, 3 at the end (1 membership change)")
     rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r.get("world") for r in rows if "event" not in r] == [4, 4, 3, 3, 3]
 
@@ -82,6 +83,28 @@ def test_newcomer_joins_healed_from_a_peer_3_to_4(tmp_path, tmp_path_factory, mo
     assert (e["old_world"], e["new_world"], e["left"], e["joined"], e["rolled_back"]) == (3, 4, [], [3], None)
     assert 1 <= e["step"] <= 3
     assert e["join_s"] > 0 and summary["world_final"] == 4 and summary["ranks_joined"] == 1
+
+
+@pytest.mark.timeout(100)
+def test_console_says_each_change_and_the_table_the_world_at_start_and_end(tmp_path, monkeypatch, capfd):
+    # id 1 SIGKILLs itself at step 2 (3 -> 2, step 2 redone); its replacement (id 3) joins while id 0 holds step 4
+    from distrain.trainer.report import table_rows
+
+    _, events, summary = run(tmp_path, monkeypatch, "1@2,0@4:hold", nproc=3, elastic="2:3", elastic_replace=1,
+                             steps=6)
+    assert isinstance(summary, dict), summary
+    out = capfd.readouterr().out.splitlines()
+    changes = [ln for ln in out if ln.startswith("distrain: elastic: rank id")]
+    joined_at = events[1]["step"]
+    assert changes == [
+        "distrain: elastic: rank id 1 left (killed by SIGKILL); world 3 -> 2; rolled back to step 2 (the step under "
+        "way is redone)",
+        f"distrain: elastic: rank id 3 joined; world 2 -> 3; goes on from step {joined_at}"], out
+    assert 3 <= joined_at <= 4
+    assert (summary["world_start"], summary["world_final"], summary["membership_changes"]) == (3, 3, 2)
+    cfg = trainer_config(tmp_path / "run", strategy="ddp", nproc=3, elastic="2:3", steps=6)
+    assert ("processes", "3 at the start, 3 at the end (2 membership changes)") in table_rows(cfg, summary, 0,
+                                                                                                "tokens", [])
 
 
 @pytest.mark.timeout(60)

@@ -15,13 +15,16 @@ The rules (applied by ``distrain.spawn`` to every failure seen within a short gr
    secondary is the earliest secondary one blamed;
 3. a collective time-out reported by the watchdog (distrain.comm.core.watchdog) is blamed only
    if no rank failed outright: the ranks it names are hung, not dead.
+
+A culprit ended by a signal is a :class:`RankKilledError` (its ``signal``), any other a RankFailedError.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from distrain.errors import CollectiveTimeoutError, CommError, DistrainError, PeerLostError, RankFailedError
+from distrain.errors import (CollectiveTimeoutError, CommError, DistrainError, PeerLostError, RankFailedError,
+                             RankKilledError)
 
 
 @dataclass
@@ -32,6 +35,7 @@ class Failure:
     secondary: bool = False  # a reaction to another rank's failure
     died: bool = False  # ended without reporting
     hang: bool = False  # a collective time-out reported by the watchdog
+    exitcode: int | None = None  # the process's exit code when it died (-N: killed by signal N)
 
 
 def is_secondary(exc: BaseException) -> bool:
@@ -57,6 +61,9 @@ def blame(failures: dict[int, Failure]) -> DistrainError:
         first = min((f for f in fs if f.hang), key=lambda f: (f.when, f.rank))
         return CollectiveTimeoutError(first.message)
     first = min(primary or fs, key=lambda f: (f.when, f.rank))
-    err = RankFailedError(first.rank, first.message, brief=not first.died and "\n" not in first.message)
+    if first.died and first.exitcode is not None and first.exitcode < 0:  # ended by a signal: RankKilledError
+        err = RankKilledError(first.rank, first.message, signal=-first.exitcode)
+    else:
+        err = RankFailedError(first.rank, first.message, brief=not first.died and "\n" not in first.message)
     err.also_failed = sorted(r for r in failures if r != first.rank)
     return err

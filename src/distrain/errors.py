@@ -37,6 +37,15 @@ class RankFailedError(DistrainError):
         self.remote_message = message
 
 
+class RankKilledError(RankFailedError):
+    """A rank ended by a signal without a word (SIGKILL from the OOM killer, SIGTERM from an operator, ...);
+    ``signal`` is the signal's number."""
+
+    def __init__(self, rank: int, message: str, brief: bool = False, signal: int = 0):
+        super().__init__(rank, message, brief)
+        self.signal = signal
+
+
 class SpawnTimeoutError(DistrainError, TimeoutError):
     """spawn() ran past its timeout; the message names the ranks still running."""
 

@@ -40,6 +40,8 @@ MAX; a replacement joins at a step boundary and is healed from a live peer (memb
 from __future__ import annotations
 
 import json
+import signal
+import sys
 import time
 import uuid
 from typing import Any, Callable, Sequence
@@ -88,6 +90,7 @@ class Coordinator:
         self.beats: dict[int, tuple] = {}
         self.beats_read, self.opened, self.frozen = 0.0, 0.0, set()
         self.said = -1  # the epoch whose wait was told
+        self.why: dict[int, str] = {}  # lost ids -> why they left (killed by SIGKILL, exit code 1, frozen, ...)
 
     # -- processes ----------------------------------------------------------------------------
     def _start(self, ident: int, newcomer: bool) -> None:
@@ -115,9 +118,9 @@ class Coordinator:
         else:  # died without a word: SIGKILL, os._exit, a crash, a lost node
             if i in self.members and i not in self.lost:  # (not one the coordinator ended: it is out already)
                 code = o.exitcode
-                how = ("on a lost node" if code is None and i not in self.sup.procs
-                       else f"signal {-code}" if code is not None and code < 0 else f"exit code {code}")
-                print(f"distrain: elastic: rank id {i} died without a word ({how})", flush=True)
+                self.why[i] = ("on a lost node" if code is None and i not in self.sup.procs
+                               else f"killed by {signal_name(-code)}" if code is not None and code < 0
+                               else f"exit code {code}")  # (said in the change's line: _say_change)
                 self.lost[i] = time.time()
                 self._want(lost=True)
             self.waiting.pop(i, None)
@@ -149,6 +152,7 @@ class Coordinator:
             survivors.remove(i)
             self._refuse(i, r, nxt)
             self.lost[i] = time.time()
+            self.why[i] = "another run's state"
         if arrived:
             self._want(lost=True)  # (a member left the epoch: the others' calls with it cannot complete)
         elif ready and not self.stop and self.store.check([m.key("up", self.epoch, i) for i in survivors]):
@@ -161,6 +165,7 @@ class Coordinator:
             return
         for i in late:  # frozen, or alive but silent past the time-out: dropped; if it comes back, refused (_admit)
             self.lost[i], self.dropped[i] = time.time(), nxt
+            self.why[i] = "frozen: no heartbeat" if i in self.frozen else "silent past --collective-timeout"
         stateless = [i for i, r in arrived.items() if r["live"] is None and r["snap"] is None]  # a failed heal
         offers = {i: r for i, r in arrived.items() if i not in stateless}
         if not offers:
@@ -216,6 +221,26 @@ class Coordinator:
             self.store.set(m.key("invite", i), str(nxt))
             self.store.add(m.key("joins"), 1)
         self.events.append(info)
+        self._say_change(info)
+
+    def _say_change(self, info: dict) -> None:
+        """The change's one console line: who left and why, who joined, the world now, the step the group goes
+        on from (rolled back: the step under way is redone). On a line of its own: a progress bar that rank 0
+        draws on the same terminal is cleared first (its next update draws it again below)."""
+        ended = "ended: its model replica lost a rank, or it cannot reach the step"
+        parts = [f"rank id {i} left ({self.why.get(i, ended)})" for i in info["left"]]
+        parts += [f"rank id {i} joined" for i in info["joined"]]
+        world = f"world {info['old']} -> {len(info['ids'])}"
+        if info.get("stop"):
+            then = f"fewer than MIN {self.lo} of --elastic {self.lo}:{self.hi}: the job stops"
+        elif info["rolled_back"] is not None:
+            then = f"rolled back to step {info['rolled_back']} (the step under way is redone)"
+        else:
+            then = f"goes on from step {info['step']}"
+        if sys.stderr.isatty():
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+        print(f"distrain: elastic: {', '.join(parts) or 'membership changed'}; {world}; {then}", flush=True)
 
     def _watch_beats(self) -> None:
         """Every BEAT_S / 2: note when each member's heartbeat (its watchdog's record in ``wd/E/``, read on
@@ -351,6 +376,14 @@ class Coordinator:
             if self.remote is not None:
                 for o in self.remote.poll(self.store, self.gone):
                     self.fold(o)
+
+
+def signal_name(signum: int) -> str:
+    """``SIGKILL`` for 9 (``signal 64`` for a number with no name)."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def whole_replicas(members: list[int], keep: list[int], tp: int, pp: int) -> list[int]:

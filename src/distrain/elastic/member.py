@@ -66,6 +66,7 @@ from distrain.elastic.protocol import (BEAT_S, ENV_HOST, ENV_ID, ENV_NEW, ENV_PO
                                        STUCK_S, Change, Hooks, key)
 from distrain.elastic.sockets import sever
 from distrain.errors import CommError, PeerLostError
+from distrain.launch.title import rank_title, set_title
 
 class Member:
     def __init__(self, store, ident: int, backend: str, timeout: float, newcomer: bool = False,
@@ -160,6 +161,7 @@ class Member:
         self.epoch, self.ids = epoch, list(info["ids"])
         self.buffers = {}  # (a new group: the pieces held so far keep their buffers)
         self.rank, self.world = self.ids.index(self.ident), len(self.ids)
+        set_title(rank_title(self.rank, self.world))  # (ps: its rank in the group of this epoch)
         self.store.set(key("up", epoch, self.ident), "1")
         if not self._wait([key("up", epoch, i) for i in self.ids], f"the ranks of epoch {epoch}",
                           abort=key("change", epoch)):

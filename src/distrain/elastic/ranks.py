@@ -54,7 +54,7 @@ class Recipe:
         env[sealed.ENV] = self.secret
         env[faults.ENV] = os.environ.get(faults.ENV, "")  # (the fork server's environment is older than ours)
         sup.start(ident, self.fn, self.args, env=env | self.extra_env, threads=self.threads,
-                  setup=Enter(self.backend, self.timeout))
+                  setup=Enter(self.backend, self.timeout), title=f"distrain rank id {ident}")  # (its rank: _open)
 
 
 def threads_per_rank(hi: int, nodes: int = 1) -> int:

@@ -31,6 +31,7 @@ from distrain.blame import Failure, blame
 from distrain.errors import ConfigError, RankFailedError, SpawnTimeoutError
 from distrain.launch.cores import core_slices, free_core_slices
 from distrain.launch.supervisor import Supervisor
+from distrain.launch.title import rank_title
 
 BLAME_GRACE_S = 2.0  # after the first failure, wait this long for the others to pick the first
 
@@ -169,7 +170,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
     setup = _Rendezvous(nprocs, store.port, backend, init_timeout, init, secret)
     for r in range(nprocs):
         sup.start(r, fn, args, env=local_env() | dict(env or {}), threads=threads,
-                  cores=slices[r] if slices else None, setup=setup)
+                  cores=slices[r] if slices else None, setup=setup, title=rank_title(r, nprocs))
 
     results: dict[int, Any] = {}
     try:
@@ -220,7 +221,7 @@ def _collect(sup: Supervisor, results: dict[int, Any], timeout: float | None, jo
                 results[o.ident] = o.value
                 continue
             failures[o.ident] = Failure(o.ident, o.when, o.value, secondary=o.secondary, died=o.status == "died",
-                                        hang=o.status == "hang")
+                                        hang=o.status == "hang", exitcode=o.exitcode)
             if grace_end is None:
                 grace_end = time.monotonic() + BLAME_GRACE_S
     if failures:

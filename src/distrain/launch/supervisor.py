@@ -24,6 +24,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import signal
 import time
 import traceback
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ import torch
 from distrain import lifeline, runtime
 from distrain.blame import is_secondary
 from distrain.errors import DistrainError
+from distrain.launch.title import set_title
 
 __all__ = ["Outcome", "Supervisor", "send_outcome"]
 
@@ -67,9 +69,13 @@ def send_outcome(conn, work: Callable[[], Any]) -> None:
     runtime.shutdown()
 
 
-def _child(fn, ident: int, args: tuple, env: dict[str, str], threads: int, cores, conn, setup) -> None:
-    """A rank process's life: environment, core binding (before torch starts its thread pools, so every
-    thread inherits it), lifeline, then ``setup`` and ``fn``; its outcome goes to the supervisor."""
+def _child(fn, ident: int, args: tuple, env: dict[str, str], threads: int, cores, conn, setup,
+           title: str | None = None) -> None:
+    """A rank process's life: its title (``ps``), environment, core binding (before torch starts its thread
+    pools, so every thread inherits it), lifeline, then ``setup`` and ``fn``; its outcome goes to the
+    supervisor."""
+    if title:
+        set_title(title)
     os.environ.update(env)
     if cores:
         os.sched_setaffinity(0, cores)
@@ -104,11 +110,13 @@ class Supervisor:
 
     # -- starting and ending ----------------------------------------------------------------------
     def start(self, ident: int, fn: Callable[..., Any], args: Sequence = (), env: dict[str, str] | None = None,
-              threads: int = 1, cores: list[int] | None = None, setup: Callable | None = None) -> None:
-        """Start process ``ident`` running ``setup(ident, report)`` then ``fn(ident, *args)``."""
+              threads: int = 1, cores: list[int] | None = None, setup: Callable | None = None,
+              title: str | None = None) -> None:
+        """Start process ``ident`` running ``setup(ident, report)`` then ``fn(ident, *args)``; ``title``: its
+        name in ``ps`` (launch/title.py)."""
         recv, send = self.ctx.Pipe(duplex=False)
         p = self.ctx.Process(target=_child, name=f"{self.name}{ident}",
-                             args=(fn, ident, tuple(args), dict(env or {}), threads, cores, send, setup))
+                             args=(fn, ident, tuple(args), dict(env or {}), threads, cores, send, setup, title))
         p.start()
         send.close()
         self.procs[ident], self.conns[ident], self.started[ident] = p, recv, time.time()
@@ -191,6 +199,25 @@ def died_message(code: int | None) -> str:
     """How a process that sent no outcome ended, with what to look at."""
     msg = f"process exited with code {code} before returning"
     if code is not None and code < 0:
-        msg += (f" (killed by signal {-code}; if the backend aborted, its message is on stderr above: "
-                f"a collective mismatch across ranks is the usual cause, rerun with DISTRAIN_DEBUG=1 to find it)")
+        msg += f" (killed by {signal_cause(-code)})"
     return msg
+
+
+# what usually sends a signal that ends a rank without a word
+SENDERS = {"SIGKILL": "the kernel's OOM killer when the host runs out of memory (`dmesg` says so), or `kill -9`",
+           "SIGTERM": "an operator (`kill`) or a job scheduler ending the job",
+           "SIGINT": "an operator (Ctrl-C)", "SIGHUP": "a closed terminal or session"}
+
+
+def signal_cause(signum: int) -> str:
+    """``SIGKILL, usually the kernel's OOM killer ...``: the signal and what usually sends it."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+    if name in SENDERS:
+        return f"{name}, usually {SENDERS[name]}"
+    if name == "SIGABRT":  # (the backend aborts the process on a fatal error of its own)
+        return (f"{name}; if the backend aborted, its message is on stderr above: a collective mismatch across "
+                f"ranks is the usual cause, rerun with DISTRAIN_DEBUG=1 to find it")
+    return f"{name} (signal {signum})"

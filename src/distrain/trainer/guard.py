@@ -264,7 +264,7 @@ class ElasticGuard(Guard):
 
     def summary(self, out: Path) -> dict:
         events = [e for e in read_events(Path(out) / "metrics.jsonl") if e["event"] == "membership"]
-        return dict(membership_changes=len(events), world_final=self.q.world,
+        return dict(membership_changes=len(events), world_start=self.cfg.nproc, world_final=self.q.world,
                     ranks_left=sum(len(e["left"]) for e in events), ranks_joined=sum(len(e["joined"]) for e in events))
 
 

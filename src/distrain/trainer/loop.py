@@ -31,7 +31,7 @@ import torch.distributed as dist
 from distrain import checkpoint, comm, runtime
 from distrain.checkpoint import init_from
 from distrain.data import DistributedBatchSampler
-from distrain.errors import ConfigError, TrainingError
+from distrain.errors import ConfigError, RankKilledError, TrainingError
 from distrain.launch import spawn
 from distrain.trainer.config import TrainConfig
 from distrain.trainer.custom import UserParts
@@ -104,10 +104,34 @@ def train(cfg: TrainConfig | None = None, *, model=None, train_data=None, val_da
     parts = parts.for_ranks() if parts is not None else None  # the model as bytes: no storage shared with the ranks
     if cfg.elastic:  # the coordinator starts and watches the ranks and decides their membership
         return _run_elastic(cfg, parts)
-    # ranks that poll shared memory get cores of their own (spawn's bind_cores); Gloo's are left free
-    return spawn(_spawned, cfg.nproc, args=(cfg.to_dict(), parts, inject), backend=BACKENDS[cfg.device],
-                 timeout=cfg.timeout or None, init_timeout=cfg.collective_timeout,
-                 bind_cores=None if cfg.transport in ("shm", "auto") else False)[0]
+    try:  # ranks that poll shared memory get cores of their own (spawn's bind_cores); Gloo's are left free
+        return spawn(_spawned, cfg.nproc, args=(cfg.to_dict(), parts, inject), backend=BACKENDS[cfg.device],
+                     timeout=cfg.timeout or None, init_timeout=cfg.collective_timeout,
+                     bind_cores=None if cfg.transport in ("shm", "auto") else False)[0]
+    except RankKilledError as e:
+        raise killed(cfg, e) from None
+
+
+def killed(cfg: TrainConfig, e: RankKilledError) -> RankKilledError:
+    """The one line for a rank of a fixed job ended by a signal: the signal, what usually sends it, the
+    checkpoint there is (or that there is none) and how to go on: --resume, --ckpt-every, --elastic."""
+    from distrain.launch.supervisor import signal_cause
+
+    try:
+        step = checkpoint.read_manifest(cfg.out)["step"]
+    except Exception:  # noqa: BLE001 - no committed checkpoint (or none readable): said so below
+        step = None
+    if step is not None:
+        then = (f"the checkpoint of step {step} is in {cfg.out}: rerun the same command with --resume to go on from "
+                f"it, or with --elastic MIN:MAX to keep a job going when a rank is lost")
+    else:
+        every = (f"--ckpt-every {cfg.ckpt_every} had not come round yet" if cfg.ckpt_every
+                 else "--ckpt-every 0 writes one only at the end")
+        then = (f"no checkpoint was written ({every}), so the run's work is lost: rerun with --ckpt-every N to keep "
+                f"a checkpoint every N steps (--resume goes on from it), or with --elastic MIN:MAX to keep a job "
+                f"going when a rank is lost")
+    return RankKilledError(e.rank, f"killed by {signal_cause(e.signal)}; the job stopped; {then}", brief=True,
+                           signal=e.signal)
 
 
 def _run_elastic(cfg: TrainConfig, parts) -> dict:

@@ -139,7 +139,11 @@ def text_sample(model, cfg: TrainConfig, tokenizer) -> str:
 
 def table_rows(cfg: TrainConfig, s: dict, start: int, unit: str, extra_rows: list) -> list[tuple[str, str]]:
     traffic, share = s["bytes_per_step"], s["comm_share"]
-    rows = [("strategy", s["label"]), ("model / data", f"{cfg.model} / {cfg.data}"), ("processes", str(cfg.nproc)),
+    procs = str(cfg.nproc)
+    if s.get("world_final") is not None:  # elastic: the world at the start and at the end
+        procs = (f"{s['world_start']} at the start, {s['world_final']} at the end ({s['membership_changes']} "
+                 f"membership change{'s' if s['membership_changes'] != 1 else ''})")
+    rows = [("strategy", s["label"]), ("model / data", f"{cfg.model} / {cfg.data}"), ("processes", procs),
             ("device / backend", f"{s.get('device')} / {s.get('backend')}"),
             ("steps", f"{start} -> {cfg.steps}"), ("loss", f"{s['first_loss']:.4f} -> {s['final_loss']:.4f}")]
     if s["final_val_loss"] is not None:
@@ -147,7 +151,8 @@ def table_rows(cfg: TrainConfig, s: dict, start: int, unit: str, extra_rows: lis
     if s["final_val_accuracy"] is not None:
         rows.append(("validation accuracy", f"{100 * s['final_val_accuracy']:.1f}%"))
     rows += [(f"{unit} per s", f"{s[f'{unit}_per_s']:,.0f}"),
-             ("communication wait", f"{100 * share:.1f}% of step" if share is not None else "n/a"),
+             ("communication wait", f"{100 * share:.1f}% of step" if share is not None
+              else f"not measured by {s['label']}"),
              ("bytes sent per step (rank 0)", f"{traffic[0]['sent']:,.0f}")]
     if len(traffic) > 1:
         rows.append(("bytes per step, busiest rank", f"{max(t['sent'] for t in traffic):,.0f} sent, "
