@@ -114,3 +114,49 @@ def test_a_131072_position_hf_model_trains_with_seq_len_and_with_the_default(hf,
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows if "loss" in r] == [0, 1]
     assert capsys.readouterr().out.count("note: --model hf:") == 1  # the default's note, once
+
+
+# --------------------------------------------------------------------------- the data's tokenizer against the model's
+def test_shards_of_another_tokenizer_are_refused_before_start(hf, shards, tmp_path, capsys):
+    import hashlib
+
+    from distrain.data.prepare import prepare
+
+    src = tmp_path / "small.txt"
+    src.write_text(_text(6000), encoding="utf-8")
+    other = tmp_path / "bpe300"
+    meta = prepare([str(src)], "bpe:300", other, progress=False)  # a smaller vocabulary than the model's 320
+    out = tmp_path / "run"
+    model_fp = hashlib.sha256((hf / "tokenizer.json").read_bytes()).hexdigest()
+    assert _train("--init-from", hf, "--data", other, "--seq-len", 64, "--nproc", 1, "--strategy", "single",
+                  "--out", out) == 2
+    assert _one_line_error(capsys) == (
+        f"--data {other} was tokenized with bpe:300 (vocabulary 300, fingerprint {meta['fingerprint'][:12]}) but "
+        f"--model hf:{hf.resolve()} reads the ids of {hf / 'tokenizer.json'} (vocabulary 320, fingerprint "
+        f"{model_fp[:12]}): 300 ids against 320; re-make the shards with the model's tokenizer: `distrain data "
+        f"prepare {src} --tokenizer {hf} --out {other} --overwrite`")
+    assert not out.exists()
+    # the command it names makes shards the model takes
+    assert cli_main(["data", "prepare", str(src), "--tokenizer", str(hf), "--out", str(other), "--overwrite",
+                     "--no-progress"]) == 0
+    from distrain.checkpoint import init_from
+    from distrain.trainer import TrainConfig
+
+    cfg = TrainConfig(init_from=str(hf), model=None, data=str(other), seq_len=64, nproc=1, strategy="single",
+                      out=str(out))
+    init_from.resolve(cfg)
+    init_from.check(cfg.validate())  # passes: the same tokenizer
+
+
+def test_byte_text_under_a_model_with_a_tokenizer_is_refused_before_start(hf, tmp_path, capsys):
+    out = tmp_path / "run"
+    for flags in (["--init-from", hf], ["--model", f"hf:{hf}"]):
+        assert _train(*flags, "--data", "shakespeare", "--seq-len", 64, "--nproc", 1, "--strategy", "single",
+                      "--out", out) == 2
+        assert _one_line_error(capsys) == (
+            f"--data shakespeare is byte-level text (ids 0-255) but --model hf:{hf.resolve()} reads the ids of its "
+            f"tokenizer {(hf if flags[0] == '--init-from' else hf.resolve()) / 'tokenizer.json'}; tokenize the text "
+            f"with it: `distrain data prepare shakespeare --tokenizer "
+            f"{hf if flags[0] == '--init-from' else hf.resolve()} --out data/shakespeare` and train with --data "
+            f"data/shakespeare")
+    assert not out.exists()
