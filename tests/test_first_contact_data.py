@@ -160,3 +160,56 @@ def test_byte_text_under_a_model_with_a_tokenizer_is_refused_before_start(hf, tm
             f"{hf if flags[0] == '--init-from' else hf.resolve()} --out data/shakespeare` and train with --data "
             f"data/shakespeare")
     assert not out.exists()
+
+
+# --------------------------------------------------------------------------- the export's tokenizer config
+@pytest.mark.slow  # a single-process run of a tiny Llama, an export and AutoTokenizer: about 15 s
+@pytest.mark.timeout(300)
+def test_export_keeps_the_source_tokenizers_bos_eos_and_chat_template(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    import torch
+    from tokenizers import AddedToken
+
+    from distrain.data.prepare import prepare
+    from distrain.data.tokenizer import train_bpe
+
+    source = tmp_path / "chat-llama"
+    tok = train_bpe([_text(20000)], 320).tok
+    tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                                chat_template=template)
+    fast.save_pretrained(source)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id)
+    transformers.LlamaForCausalLM(config).save_pretrained(source)
+    (tmp_path / "small.txt").write_text(_text(6000), encoding="utf-8")
+    prepare([str(tmp_path / "small.txt")], str(source), tmp_path / "shards", progress=False)
+    run, exported = tmp_path / "run", tmp_path / "exported"
+    assert _train("--init-from", source, "--data", tmp_path / "shards", "--seq-len", 32, "--nproc", 1, "--strategy",
+                  "single", "--batch-size", 2, "--steps", 1, "--eval-every", 0, "--sample-chars", 0, "--no-progress",
+                  "--no-report", "--out", run, "--timeout", 240) == 0
+    assert cli_main(["checkpoint", "export", str(run), "--hf", str(exported)]) == 0
+    want, got = (transformers.AutoTokenizer.from_pretrained(str(f)) for f in (source, exported))
+    assert (got.bos_token, got.eos_token, got.bos_token_id, got.eos_token_id) == ("<s>", "</s>", 320, 321)
+    assert (got.bos_token, got.eos_token) == (want.bos_token, want.eos_token)
+    assert got.chat_template == template
+    assert got("To be")["input_ids"] == want("To be")["input_ids"]
+
+
+def test_export_writes_bos_eos_from_the_config_without_a_source_folder():
+    # the source folder gone (or without a tokenizer config): bos/eos/pad come from config.json's token ids
+    from tokenizers import AddedToken
+
+    from distrain.checkpoint.hf import tokenizer_config_files
+    from distrain.data.tokenizer import train_bpe
+
+    tok = train_bpe([_text(5000)], 280)
+    tok.tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    files = tokenizer_config_files(tok.to_json(), {"bos_token_id": 280, "eos_token_id": 281}, [])
+    assert json.loads(files["tokenizer_config.json"]) == {
+        "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, "bos_token": "<s>",
+        "eos_token": "</s>"}
+    assert json.loads(files["special_tokens_map.json"]) == {"bos_token": "<s>", "eos_token": "</s>"}

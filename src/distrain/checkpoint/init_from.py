@@ -316,7 +316,7 @@ def check_tokenizer(cfg) -> None:
     if hashlib.sha256(path.read_bytes()).hexdigest() == meta["fingerprint"]:
         return
     mine, theirs = Tokenizer.load(path), shard_tokenizer(shards, meta)
-    differs = _tokenizer_difference(theirs, mine)
+    differs = tokenizer_difference(theirs, mine)
     if differs is None:
         return  # the same vocabulary and special tokens, written out differently
     inputs = " ".join(shlex.quote(str(s)) for s in meta.get("sources") or []) or "INPUT..."
@@ -328,7 +328,7 @@ def check_tokenizer(cfg) -> None:
                       f"--out {shlex.quote(str(shards))} --overwrite`")
 
 
-def _tokenizer_difference(data_tok, model_tok) -> str | None:
+def tokenizer_difference(data_tok, model_tok) -> str | None:
     """What differs between two tokenizers' vocabularies and special tokens (None: nothing)."""
     if data_tok.vocab_size != model_tok.vocab_size:
         return f"{data_tok.vocab_size} ids against {model_tok.vocab_size}"
