@@ -101,6 +101,51 @@ def test_bad_records_are_skipped_counted_and_named_or_stop_with_strict(tmp_path)
     assert meta["bad_records"] == {"count": 1, "named": [f"{pq_path}:row 0:1: field 'text' is NoneType, not a string"]}
 
 
+def test_undecodable_bytes_are_bad_records_and_encoding_decodes_them(tmp_path, bpe_dir, capsys):  # noqa: F811
+    # a Latin-1 file: line 2 holds 0xe9 (é) at byte 20 of the file and 0xef (ï) after it; lines 1 and 3 are ASCII
+    from distrain.cli import main
+
+    text = "plain ascii\ncafe caf\u00e9 na\u00efve\nthe end\n"
+    path = tmp_path / "latin.txt"
+    path.write_bytes(text.encode("latin-1"))
+    for tokenizer in ("byte", str(bpe_dir)):
+        got, meta = _tokens([path], tokenizer, tmp_path / f"lenient-{Path(tokenizer).name}")
+        assert meta["bad_records"] == {"count": 1, "named": [
+            f"{path}:2: byte offset 20: 0xe9 is not utf-8; give its encoding with --encoding (e.g. latin-1)"]}
+        assert prep.load_tokenizer(tokenizer).decode(got) == "plain ascii\nthe end\n"  # the bad line is skipped
+        fixed, meta = _tokens([path], tokenizer, tmp_path / f"latin-{Path(tokenizer).name}", encoding="latin-1")
+        assert meta["bad_records"] == {"count": 0, "named": []} and meta["encoding"] == "iso8859-1"
+        assert prep.load_tokenizer(tokenizer).decode(fixed) == text  # stored as UTF-8: the text is right
+    with pytest.raises(ConfigError) as e:
+        prep.prepare([str(path)], "byte", tmp_path / "strict", progress=False, strict=True)
+    assert str(e.value) == (f"distrain data prepare: {path}:2: byte offset 20: 0xe9 is not utf-8; give its encoding "
+                            f"with --encoding (e.g. latin-1); fix the record, or drop --strict to skip bad records "
+                            f"(they are counted and named)")
+    assert sorted(p.name for p in tmp_path.iterdir() if "strict" in p.name) == []  # nothing half-written
+    # a JSON-lines file in Latin-1: the same rule, per line
+    jl = tmp_path / "latin.jsonl"
+    jl.write_bytes(b'{"text": "ok"}\n' + '{"text": "caf\u00e9"}\n'.encode("latin-1"))
+    got, meta = _tokens([jl], "byte", tmp_path / "jl")
+    assert bytes(got) == b"ok\n" and meta["bad_records"]["named"] == [
+        f"{jl}:2: byte offset 28: 0xe9 is not utf-8; give its encoding with --encoding (e.g. latin-1)"]
+    assert bytes(_tokens([jl], "byte", tmp_path / "jl1", encoding="latin-1")[0]) == "ok\ncaf\u00e9\n".encode()
+    # the command line: --encoding, the bad record in the summary, and an encoding that is not ASCII-compatible
+    assert main(["data", "prepare", str(path), "--tokenizer", "byte", "--out", str(tmp_path / "cli"),
+                 "--no-progress"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == (
+        f"1 bad record(s) skipped (--strict stops at the first); {path}:2: byte offset 20: 0xe9 is not utf-8; give "
+        f"its encoding with --encoding (e.g. latin-1)")
+    assert main(["data", "prepare", str(path), "--tokenizer", "byte", "--out", str(tmp_path / "cli1"),
+                 "--encoding", "latin-1", "--no-progress"]) == 0
+    assert bytes(stream(tmp_path / "cli1").tolist()) == text.encode("utf-8")
+    for enc, why in (("klingon", "not a text encoding Python knows"), ("utf-16", "its line break is not the byte")):
+        assert main(["data", "prepare", str(path), "--tokenizer", "byte", "--out", str(tmp_path / "cli2"),
+                     "--encoding", enc, "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert why in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "cli2").exists()
+
+
 def test_the_text_field_and_the_split_are_chosen(tmp_path, capsys):
     from distrain.cli import main
 

@@ -12,7 +12,9 @@ the two verbs, and names the file and the fix in every error (one line, ConfigEr
 Export writes ``config.json`` (transformers 4 and 5 read it: both rope forms, ``dtype``),
 ``model.safetensors`` (one file; a tied ``lm_head.weight`` is left out, as HF does, and tied
 again on load), ``generation_config.json`` (the token ids the imported config had) and the run's
-``tokenizer.json`` when it trained on token shards of a Hugging Face tokenizer, into a temporary
+``tokenizer.json`` when it trained on token shards of a Hugging Face tokenizer, with its tokenizer
+config (``tokenizer_config.json``, ``special_tokens_map.json``, a chat template: the source folder's,
+or bos/eos/pad from config.json; :func:`tokenizer_config_files`), into a temporary
 folder beside DIR that is renamed to DIR at the end: DIR holds all of it or nothing.
 """
 
@@ -93,8 +95,50 @@ def export_hf(run: str | os.PathLike, folder: str | os.PathLike) -> dict:
     floats = [t.dtype for t in hf_sd.values() if t.is_floating_point()]
     config = {**base, **hf_cfg, "dtype": str(floats[0] if floats else torch.float32).removeprefix("torch.")}
     generation = {"_from_model_config": True, **{k: config[k] for k in GENERATION_KEYS if config.get(k) is not None}}
-    write_hf(folder, hf_sd, config, generation, _run_tokenizer(run))
+    files = _run_tokenizer(run)
+    if files:
+        files.update(tokenizer_config_files(files["tokenizer.json"], config, _source_folders(manifest)))
+    write_hf(folder, hf_sd, config, generation, files)
     return config
+
+
+TOKENIZER_CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def _source_folders(manifest: dict) -> list[Path]:
+    """The Hugging Face folders a run came from (its --init-from, its hf:DIR), where they still exist."""
+    out = [manifest.get("config", {}).get("init_from") or "", manifest.get("model") or ""]
+    out[1] = out[1][3:] if is_hf_name(out[1]) else ""
+    return [Path(p) for p in out if p and Path(p).is_dir()]
+
+
+def tokenizer_config_files(tokenizer_json: str, config: dict, sources: list[Path]) -> dict[str, str]:
+    """{name: text} of the tokenizer config beside an exported ``tokenizer.json``, so that
+    ``AutoTokenizer.from_pretrained`` knows its special tokens: the source folder's tokenizer_config.json,
+    special_tokens_map.json and chat_template.jinja (chat template included) when its tokenizer.json has the
+    same vocabulary and special tokens; else written from config.json's bos/eos/pad token ids."""
+    from distrain.checkpoint.init_from import tokenizer_difference
+    from distrain.data.tokenizer import HFTokenizer, Tokenizer
+
+    mine = HFTokenizer.from_str(tokenizer_json, spec="run")
+    for folder in sources:
+        if not (folder / "tokenizer.json").is_file() or not (folder / "tokenizer_config.json").is_file():
+            continue
+        try:
+            same = tokenizer_difference(mine, Tokenizer.load(folder)) is None
+        except ConfigError:
+            continue
+        if same:
+            return {n: (folder / n).read_text() for n in TOKENIZER_CONFIG_FILES if (folder / n).is_file()}
+    special = {}
+    for role in ("bos", "eos", "pad"):
+        i = config.get(f"{role}_token_id")
+        token = mine.tok.id_to_token(i) if isinstance(i, int) and not isinstance(i, bool) else None
+        if token is not None:
+            special[f"{role}_token"] = token
+    tc = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, **special}
+    return {"tokenizer_config.json": json.dumps(tc, indent=2) + "\n",
+            "special_tokens_map.json": json.dumps(special, indent=2) + "\n"}
 
 
 def _run_tokenizer(run: Path) -> dict[str, str]:

@@ -251,6 +251,7 @@ def check(cfg, parts=None) -> None:
            tuple(q.stat().st_mtime_ns if q.exists() else 0 for q in (p, p / "checkpoint.json")))
     if key in _CHECKED:
         return
+    check_tokenizer(cfg)
     if is_hf_name(cfg.model):
         _check_hf_layout(cfg)
     if cfg.init_from:
@@ -274,6 +275,74 @@ def _expected(cfg, parts):
         return model_state(cfg.model)
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
         return module_state(build_model(cfg))
+
+
+def model_tokenizer_folder(cfg) -> Path | None:
+    """The Hugging Face folder whose tokenizer.json the model reads ids of: ``hf:DIR``'s DIR or an HF folder given
+    to --init-from, when it holds one; None otherwise (a preset, a run, weights alone, a folder without one)."""
+    from distrain.data.tokenizer import TOKENIZER_FILE
+
+    folders = [Path(cfg.model[len(HF):])] if is_hf_name(cfg.model) else []
+    src = Path(cfg.init_from) if cfg.init_from else None
+    if src is not None and src.is_dir() and not (src / checkpoint.MANIFEST).exists() and is_hf_folder(src):
+        folders.insert(0, src)
+    return next((f for f in folders if (f / TOKENIZER_FILE).is_file()), None)
+
+
+def check_tokenizer(cfg) -> None:
+    """The data's ids are the model's tokenizer's: a token shard folder's tokenizer (its fingerprint, else its
+    vocabulary and special tokens) equals the model folder's tokenizer.json, and byte-level text (``shakespeare``,
+    a .txt path) never goes to a model that has a tokenizer of its own. One line naming both tokenizers and the
+    `distrain data prepare` command that makes the data with the model's tokenizer."""
+    import hashlib
+    import shlex
+
+    from distrain.data.tokenizer import TOKENIZER_FILE, Tokenizer
+
+    folder = model_tokenizer_folder(cfg)
+    if folder is None or cfg.data_kind != "text":
+        return
+    path = folder / TOKENIZER_FILE
+    shards = shard_folder(cfg)
+    if shards is None:  # byte ids
+        name = Path(cfg.data).stem if cfg.data != "shakespeare" else "shakespeare"
+        raise ConfigError(f"--data {cfg.data} is byte-level text (ids 0-255) but --model {cfg.model} reads the ids "
+                          f"of its tokenizer {path}; tokenize the text with it: `distrain data prepare "
+                          f"{shlex.quote(cfg.data)} --tokenizer {shlex.quote(str(folder))} --out data/{name}` and "
+                          f"train with --data data/{name}")
+    from distrain.data.shards import read_meta, shard_tokenizer
+
+    meta = read_meta(shards, check_files=False)
+    if hashlib.sha256(path.read_bytes()).hexdigest() == meta["fingerprint"]:
+        return
+    mine, theirs = Tokenizer.load(path), shard_tokenizer(shards, meta)
+    differs = tokenizer_difference(theirs, mine)
+    if differs is None:
+        return  # the same vocabulary and special tokens, written out differently
+    inputs = " ".join(shlex.quote(str(s)) for s in meta.get("sources") or []) or "INPUT..."
+    raise ConfigError(f"--data {shards} was tokenized with {meta['tokenizer']['spec']} (vocabulary "
+                      f"{meta['vocab_size']}, fingerprint {meta['fingerprint'][:12]}) but --model {cfg.model} reads "
+                      f"the ids of {path} (vocabulary {mine.vocab_size}, fingerprint "
+                      f"{hashlib.sha256(path.read_bytes()).hexdigest()[:12]}): {differs}; re-make the shards with the "
+                      f"model's tokenizer: `distrain data prepare {inputs} --tokenizer {shlex.quote(str(folder))} "
+                      f"--out {shlex.quote(str(shards))} --overwrite`")
+
+
+def tokenizer_difference(data_tok, model_tok) -> str | None:
+    """What differs between two tokenizers' vocabularies and special tokens (None: nothing)."""
+    if data_tok.vocab_size != model_tok.vocab_size:
+        return f"{data_tok.vocab_size} ids against {model_tok.vocab_size}"
+    tok_a, tok_b = getattr(data_tok, "tok", None), getattr(model_tok, "tok", None)
+    if tok_a is None or tok_b is None:
+        return "a byte tokenizer against a Hugging Face one"
+    special = [{(t.content, i) for i, t in tok.get_added_tokens_decoder().items() if t.special}
+               for tok in (tok_a, tok_b)]
+    if special[0] != special[1]:
+        only = sorted(c for c, _ in special[1] ^ special[0])
+        return f"their special tokens differ ({', '.join(only[:4])})"
+    if tok_a.get_vocab(with_added_tokens=True) != tok_b.get_vocab(with_added_tokens=True):
+        return "the same number of ids for other tokens"
+    return None
 
 
 def _check_hf_layout(cfg) -> None:

@@ -34,8 +34,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "%(default)s)")
     q.add_argument("--split", default="train", help="the split of a saved DatasetDict folder (default: %(default)s)")
     q.add_argument("--strict", action="store_true",
-                   help="stop at the first bad record (not JSON, no text field, not a string) instead of skipping "
-                        "it; skipped records are counted and the first few named")
+                   help="stop at the first bad record (not JSON, no text field, not a string, a line that does not "
+                        "decode) instead of skipping it; skipped records are counted and the first few named")
+    q.add_argument("--encoding", default="utf-8", metavar="ENC",
+                   help="the encoding of the .txt and .jsonl inputs, e.g. latin-1 or cp1252 (default: %(default)s); "
+                        "a line that does not decode is a bad record")
     q.add_argument("--tokenizer", required=True, metavar="SPEC",
                    help="byte (ids = bytes, 256), bpe:VOCAB (train a byte-level BPE on the inputs), or a folder "
                         "holding a Hugging Face tokenizer.json")
@@ -51,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     meta = prepare(args.inputs, args.tokenizer, args.out, val_fraction=args.val_fraction,
                    shard_tokens=args.shard_tokens, overwrite=args.overwrite, progress=args.progress,
-                   text_field=args.text_field, split=args.split, strict=args.strict)
+                   text_field=args.text_field, split=args.split, strict=args.strict, encoding=args.encoding)
     sp, bad = meta["splits"], meta["bad_records"]
     print(f"{args.out}: {meta['tokens']:,} tokens ({meta['dtype']}, vocabulary {meta['vocab_size']}, "
           f"{meta['tokenizer']['spec']}) in {len(meta['shards'])} shard(s), {meta['tokens_per_s']:,.0f} tokens/s; "

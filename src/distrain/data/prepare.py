@@ -11,15 +11,17 @@ Inputs (data/sources.py, each read as a stream, so memory stays flat whatever th
 ``.parquet`` files (the ``--text-field`` of each record, default ``text``), and folders written by
 Hugging Face ``datasets``' ``save_to_disk`` (Arrow; ``--split`` of a DatasetDict), in the order given.
 A record that cannot be used is skipped, counted and named (``--strict``: the first one stops the
-run with its place and reason).
+run with its place and reason); so is a line of a text or JSON-lines file holding bytes that its
+``--encoding`` (default UTF-8) does not decode, named with the byte offset of the first one.
 
 Encoding rule. Each source is encoded on its own (no token spans two sources): a text file's bytes
 plus a final ``\n`` when it lacks one, or a record source's documents, each followed by ``\n``
 when it does not end with one (so a ``.jsonl`` gives the same tokens as the ``.txt`` holding the
 same documents one after another). A source is encoded in pieces of about 1 MiB cut right after a
 ``\n`` that is followed by a printable ASCII character (a pre-token boundary of byte-level BPE, so the
-ids equal those of encoding the whole source at once). The byte tokenizer stores the raw bytes, so
-its tokens are exactly the bytes data/text.py trains on. Tokens are concatenated in source order.
+ids equal those of encoding the whole source at once). Text is stored as UTF-8 (decoded with
+``--encoding`` first); the byte tokenizer stores those bytes, so for a UTF-8 corpus its tokens are
+exactly the bytes data/text.py trains on. Tokens are concatenated in source order.
 
 Split rule (as data/text.py): with ``N`` tokens, the last ``floor(N * val_fraction)`` are the
 validation split, the rest the training split.
@@ -34,7 +36,7 @@ Output folder (written to a temporary folder beside ``--out`` and renamed into p
                            "tokenizer": {"spec", "vocab_size", "file", "fingerprint"},
                            "tokens": N, "shards": [{"file", "tokens"}],
                            "splits": {"train": {"start", "tokens"}, "val": {"start", "tokens"}},
-                           "val_fraction", "shard_tokens", "sources", "source_bytes",
+                           "val_fraction", "shard_tokens", "encoding", "sources", "source_bytes",
                            "bad_records": {"count", "named"}, "seconds", "tokens_per_s"}
 
 A split is a range ``[start, start + tokens)`` of the token stream; shards.py reads windows
@@ -74,24 +76,27 @@ def input_files(inputs: Sequence[str]) -> list[Path]:
     return [src.path for src in sources.sources(inputs) if src.kind == "text"]
 
 
-def file_pieces(path: Path, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-    """The bytes of text file ``path`` (plus a final ``\n`` when missing) in pieces cut by the rule above."""
+def file_pieces(path: Path, chunk_bytes: int = CHUNK_BYTES, encoding: str = "utf-8") -> Iterator[bytes]:
+    """The UTF-8 bytes of text file ``path`` (plus a final ``\n`` when missing) in pieces cut by the rule
+    above (lines that ``encoding`` does not decode left out: data/sources.py)."""
     src = sources.Source(Path(path), "text", Path(path).stat().st_size)
-    for piece, _ in sources.pieces(sources.byte_blocks(src, "", sources.BadRecords(), chunk_bytes), chunk_bytes):
+    blocks = sources.byte_blocks(src, "", sources.BadRecords(), chunk_bytes, encoding)
+    for piece, _ in sources.pieces(blocks, chunk_bytes):
         if piece:
             yield piece
 
 
-def _source_pieces(src: sources.Source, text_field: str, bad: sources.BadRecords) -> Iterator[tuple[bytes, int]]:
-    return sources.pieces(sources.byte_blocks(src, text_field, bad, CHUNK_BYTES), CHUNK_BYTES)
+def _source_pieces(src: sources.Source, text_field: str, bad: sources.BadRecords, encoding: str
+                   ) -> Iterator[tuple[bytes, int]]:
+    return sources.pieces(sources.byte_blocks(src, text_field, bad, CHUNK_BYTES, encoding), CHUNK_BYTES)
 
 
-def _texts(srcs: Sequence[sources.Source], text_field: str) -> Iterator[str]:
+def _texts(srcs: Sequence[sources.Source], text_field: str, encoding: str) -> Iterator[str]:
     """Every source's text, piece by piece (what a BPE is trained on; bad records are counted later)."""
     for src in srcs:
-        for piece, _ in _source_pieces(src, text_field, sources.BadRecords()):
+        for piece, _ in _source_pieces(src, text_field, sources.BadRecords(), encoding):
             if piece:
-                yield piece.decode("utf-8", errors="replace")
+                yield piece.decode("utf-8", errors="replace")  # (valid UTF-8 but where a piece was cut mid-character)
 
 
 # --------------------------------------------------------------------------- writing
@@ -134,7 +139,7 @@ class ShardWriter:
 
 
 def _encode_files(tok: Tokenizer, srcs: Sequence[sources.Source], text_field: str, bad: sources.BadRecords,
-                    writer: ShardWriter, progress: bool) -> None:
+                    writer: ShardWriter, progress: bool, encoding: str = "utf-8") -> None:
     """Tokenize every source into ``writer``; one progress bar per source (bytes of a text or JSON lines
     file, rows of a Parquet or Arrow one), with the tokens per second written so far."""
     from tqdm.auto import tqdm
@@ -147,7 +152,7 @@ def _encode_files(tok: Tokenizer, srcs: Sequence[sources.Source], text_field: st
         t0, n0 = time.perf_counter(), writer.tokens
         try:
             batch, units = [], 0
-            for piece, n in _source_pieces(src, text_field, bad):
+            for piece, n in _source_pieces(src, text_field, bad, encoding):
                 units += n
                 if piece:
                     batch.append(piece)
@@ -200,16 +205,18 @@ def check_out(out: Path, overwrite: bool) -> None:
 
 def prepare(inputs: Sequence[str], tokenizer: str, out: str | os.PathLike, val_fraction: float = 0.1,
             shard_tokens: int = DEFAULT_SHARD_TOKENS, overwrite: bool = False, progress: bool = True,
-            text_field: str = "text", split: str = "train", strict: bool = False) -> dict:
+            text_field: str = "text", split: str = "train", strict: bool = False, encoding: str = "utf-8") -> dict:
     """Tokenize ``inputs`` into a shard folder ``out`` (see the module docstring); returns its meta.
     ``text_field``: the field of a .jsonl record or the column of a .parquet file or datasets folder that
-    holds the text; ``split``: a DatasetDict folder's split; ``strict``: a bad record is an error."""
+    holds the text; ``split``: a DatasetDict folder's split; ``strict``: a bad record (a line that does not
+    decode included) is an error; ``encoding``: the text and JSON-lines files' encoding (data/sources.py)."""
     if not (isinstance(val_fraction, (int, float)) and 0.0 <= val_fraction < 1.0):
         raise ConfigError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
         raise ConfigError(f"--shard-tokens must be a positive integer, got {shard_tokens!r}")
     out = Path(out).expanduser()
     check_out(out, overwrite)
+    encoding = sources.check_encoding(encoding)
     bpe = parse_bpe_spec(tokenizer)  # a malformed spec fails before any work
     srcs = sources.sources(inputs, split)
     source_bytes = sum(src.path.stat().st_size if src.path.is_file() else sum(f.stat().st_size for f in src.files)
@@ -226,14 +233,14 @@ def prepare(inputs: Sequence[str], tokenizer: str, out: str | os.PathLike, val_f
         if bpe is not None:
             if progress:
                 print(f"training a byte-level BPE of {bpe} tokens on {len(srcs)} source(s), {source_bytes:,} bytes")
-            tok = load_tokenizer(tokenizer, _texts(srcs, text_field))
+            tok = load_tokenizer(tokenizer, _texts(srcs, text_field, encoding))
         else:
             tok = load_tokenizer(tokenizer)
         tok.save(tmp)
         dtype = token_dtype(tok.vocab_size)
         writer = ShardWriter(tmp, dtype, shard_tokens)
         try:
-            _encode_files(tok, srcs, text_field, bad, writer, progress)
+            _encode_files(tok, srcs, text_field, bad, writer, progress, encoding)
         finally:
             shards = writer.close()
         n = sum(s["tokens"] for s in shards)
@@ -249,7 +256,7 @@ def prepare(inputs: Sequence[str], tokenizer: str, out: str | os.PathLike, val_f
                           "fingerprint": tok.fingerprint},
             "tokens": n, "shards": shards,
             "splits": {"train": {"start": 0, "tokens": n - n_val}, "val": {"start": n - n_val, "tokens": n_val}},
-            "val_fraction": val_fraction, "shard_tokens": shard_tokens,
+            "val_fraction": val_fraction, "shard_tokens": shard_tokens, "encoding": encoding,
             "sources": [str(src.path) for src in srcs], "source_bytes": source_bytes,
             "bad_records": {"count": bad.count, "named": bad.named}, "seconds": seconds, "tokens_per_s": n / seconds,
         }

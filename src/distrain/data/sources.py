@@ -22,10 +22,17 @@ A record that is not usable (a line that is not JSON, a missing field, a value t
 string) is a *bad record*: it is skipped and counted, and the first few are named with their place
 (``file:line`` or ``file:row``) in :class:`BadRecords`; with ``strict`` the first one is a one-line
 ConfigError instead.
+
+Text encoding. Text and JSON-lines files are decoded with ``encoding`` (default UTF-8; any
+ASCII-compatible codec Python knows, e.g. ``latin-1``, ``cp1252``) and stored as UTF-8. A line holding bytes that do not decode is a
+bad record like any other: skipped, counted and named with its place and the byte offset of the
+first undecodable byte in the file (``corpus.txt:3: byte offset 17: 0xe9 is not utf-8``), never
+silently replaced. (Parquet and Arrow strings are UTF-8 by definition.)
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +71,32 @@ class Source:
     kind: str  # "text", "jsonl", "parquet", "arrow"
     total: int  # progress units: bytes read (text, jsonl) or rows (parquet, arrow)
     files: list[Path] = field(default_factory=list)  # (arrow: the folder's data files)
+
+
+def check_encoding(encoding: str) -> str:
+    """``encoding``'s canonical codec name (``latin-1`` -> ``iso8859-1``); a one-line ConfigError for a name
+    Python does not know or a codec that does not decode bytes to text."""
+    try:
+        info = codecs.lookup(encoding)
+    except (LookupError, TypeError):
+        raise ConfigError(f"--encoding {encoding!r}: not a text encoding Python knows; give e.g. utf-8, latin-1, "
+                          f"cp1252 or utf-16") from None
+    try:
+        ascii_lines = "\n".encode(info.name) == b"\n" and b"a\n".decode(info.name) == "a\n"
+    except Exception:  # noqa: BLE001 -- a bytes-to-bytes codec (base64, ...) raises its own types
+        ascii_lines = False
+    if not ascii_lines:
+        raise ConfigError(f"--encoding {encoding!r}: its line break is not the byte 0x0a (files are read a line at a "
+                          f"time); give an ASCII-compatible encoding (utf-8, latin-1, cp1252, ...), or convert the "
+                          f"file to UTF-8 first (e.g. iconv -f {encoding} -t utf-8)")
+    return info.name
+
+
+def _undecodable(where: str, offset: int, line: bytes, e: UnicodeDecodeError, encoding: str) -> tuple[str, str]:
+    """(place, reason) of a line holding bytes that ``encoding`` does not decode."""
+    hint = ("give its encoding with --encoding (e.g. latin-1)" if codecs.lookup(encoding).name == "utf-8"
+            else "check --encoding")
+    return where, f"byte offset {offset + e.start}: 0x{line[e.start]:02x} is not {encoding}; {hint}"
 
 
 def is_datasets_folder(path: Path) -> bool:
@@ -130,16 +163,26 @@ def _arrow_rows(path: Path) -> int:
         return sum(b.num_rows for b in pa.ipc.open_stream(src))
 
 
-def documents(src: Source, text_field: str, bad: BadRecords) -> Iterator[tuple[str, int]]:
-    """A record source's documents as (text, progress units), bad records skipped and counted."""
+def documents(src: Source, text_field: str, bad: BadRecords, encoding: str = "utf-8"
+              ) -> Iterator[tuple[str, int]]:
+    """A record source's documents as (text, progress units), bad records skipped and counted
+    (a JSON-lines file's lines decoded with ``encoding``)."""
     if src.kind == "jsonl":
+        offset = 0
         with open(src.path, "rb") as f:
             for n, line in enumerate(f, 1):
+                start, offset = offset, offset + len(line)
                 if not line.strip():
                     yield "", len(line)
                     continue
                 try:
-                    rec = json.loads(line)
+                    text = line.decode(encoding)
+                except UnicodeDecodeError as e:
+                    bad.add(*_undecodable(f"{src.path}:{n}", start, line, e, encoding))
+                    yield "", len(line)
+                    continue
+                try:
+                    rec = json.loads(text)
                 except ValueError:
                     bad.add(f"{src.path}:{n}", "not a JSON object")
                     yield "", len(line)
@@ -197,18 +240,15 @@ def _columns(src: Source, text_field: str) -> Iterator[tuple[str, list]]:
                 row += batch.num_rows
 
 
-def byte_blocks(src: Source, text_field: str, bad: BadRecords, block_bytes: int = CHUNK_BYTES
-                ) -> Iterator[tuple[bytes, int]]:
-    """The source's byte stream in blocks, with the progress units each block covers."""
+def byte_blocks(src: Source, text_field: str, bad: BadRecords, block_bytes: int = CHUNK_BYTES,
+                encoding: str = "utf-8") -> Iterator[tuple[bytes, int]]:
+    """The source's UTF-8 byte stream in blocks, with the progress units each block covers (a text file's
+    lines decoded with ``encoding``; lines that do not decode are bad records: module docstring)."""
     if src.kind == "text":
-        with open(src.path, "rb") as f:
-            while True:
-                block = f.read(block_bytes)
-                if not block:
-                    return
-                yield block, len(block)
+        yield from _text_blocks(src, bad, block_bytes, encoding)
+        return
     parts, size, units = [], 0, 0
-    for text, n in documents(src, text_field, bad):
+    for text, n in documents(src, text_field, bad, encoding):
         units += n
         if text:
             data = text.encode("utf-8")
@@ -219,6 +259,43 @@ def byte_blocks(src: Source, text_field: str, bad: BadRecords, block_bytes: int 
             parts, size, units = [], 0, 0
     if parts or units:
         yield b"".join(parts), units
+
+
+def _text_blocks(src: Source, bad: BadRecords, block_bytes: int, encoding: str) -> Iterator[tuple[bytes, int]]:
+    """A text file as blocks of whole lines (about ``block_bytes``; a block without a line break is cut at
+    ``64 * block_bytes``), decoded with ``encoding`` and given as UTF-8. A block decodes in one call; only a
+    block that fails is decoded line by line, to skip and name the lines that do not decode."""
+    utf8 = codecs.lookup(encoding).name == "utf-8"
+    offset, line_no = 0, 1  # of the block's first byte
+    with open(src.path, "rb") as f:
+        while True:
+            block = f.read(block_bytes)
+            if not block:
+                return
+            if not block.endswith(b"\n"):
+                block += f.readline(64 * block_bytes)  # to the end of the line
+            try:
+                text = block.decode(encoding)
+                yield (block if utf8 else text.encode("utf-8")), len(block)
+            except UnicodeDecodeError:
+                yield _good_lines(src, bad, block, offset, line_no, encoding), len(block)
+            offset += len(block)
+            line_no += block.count(b"\n")
+
+
+def _good_lines(src: Source, bad: BadRecords, block: bytes, offset: int, line_no: int, encoding: str) -> bytes:
+    """The lines of ``block`` that ``encoding`` decodes, as UTF-8; each other line is a bad record."""
+    good, start = [], 0
+    while start < len(block):
+        end = block.find(b"\n", start)
+        end = len(block) if end < 0 else end + 1
+        line = block[start:end]
+        try:
+            good.append(line.decode(encoding).encode("utf-8"))
+        except UnicodeDecodeError as e:
+            bad.add(*_undecodable(f"{src.path}:{line_no}", offset + start, line, e, encoding))
+        start, line_no = end, line_no + 1
+    return b"".join(good)
 
 
 def pieces(blocks: Iterable[tuple[bytes, int]], chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[bytes, int]]:

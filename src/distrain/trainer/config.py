@@ -48,6 +48,9 @@ class TrainConfig:
     init_from: str = opt("", "start a new run (step 0, a fresh optimizer, this run's --data and --lr) from these "
                              "weights: a Hugging Face model folder, a run folder or a checkpoint file; the model is "
                              "the checkpoint's (docs/llama.md)", choices=("HF_DIR", "RUN_DIR", "FILE"))
+    seq_len: int = opt(0, "language models: the training sequence length, the text cut into blocks of N tokens; the "
+                          "model must have positions for N (0: the model's block size, at most 2048, with a note "
+                          "when cut)")
     # how to parallelize
     strategy: str = opt("ddp", "way of training (ps-*: parameter servers; zero1-3: ZeRO stages; local: no gradient "
                                      "exchange, a benchmark floor, not training)", choices=STRATEGIES)

@@ -182,7 +182,7 @@ def check_out(cfg: TrainConfig, remove: bool = True) -> None:
 
 
 # flags whose change would make a resumed run differ from the uninterrupted one (--steps may grow)
-CONTINUATION_FIELDS = ("data", "seed", "batch_size", "dtype", "optimizer", "lr", "weight_decay", "momentum",
+CONTINUATION_FIELDS = ("data", "seq_len", "seed", "batch_size", "dtype", "optimizer", "lr", "weight_decay", "momentum",
                        "algorithm", "compression", "microbatches", "schedule", "max_staleness")
 
 
@@ -239,7 +239,7 @@ def run_rank(cfg: TrainConfig, parts=None, step_probe=None, inject: BitFlip | No
     # on this rank's device: cuda:LOCAL_RANK under NCCL, the CPU under Gloo
     device = runtime.info().device if cfg.device != "cpu" and not cfg.elastic else torch.device("cpu")
     model = new_model(cfg, parts, device)
-    task = build_task(cfg, getattr(getattr(model, "config", None), "block_size", None), device, parts)
+    task = build_task(cfg, sequence_length(cfg, model), device, parts)
 
     # build engine: the way of training, with its communication and optimizer (engines/), on the
     # current group (an elastic job builds a new one whenever its group changes)
@@ -276,6 +276,17 @@ def run_rank(cfg: TrainConfig, parts=None, step_probe=None, inject: BitFlip | No
         return {}
     extra.update(guard.summary(out))
     return finish(cfg, engine, task, out, wall, start, traffic, extra)
+
+
+def sequence_length(cfg: TrainConfig, model) -> int | None:
+    """The length of the blocks the text is cut into: --seq-len (checked before start against a preset's or an
+    hf: model's positions; here against your factory's model, ``model.config.block_size``), else the model's
+    block size."""
+    positions = getattr(getattr(model, "config", None), "block_size", None)
+    if cfg.seq_len and positions is not None and cfg.seq_len > positions:
+        raise ConfigError(f"--seq-len {cfg.seq_len}: --model {cfg.model} has positions for {positions} tokens "
+                          f"(model.config.block_size); give --seq-len {positions} or less")
+    return cfg.seq_len or positions
 
 
 def _guard(cfg: TrainConfig) -> Guard:

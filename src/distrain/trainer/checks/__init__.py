@@ -6,6 +6,7 @@
 * features.py: training features against each other and the machine (autocast, zb-h1, activation
   checkpointing, --trace/--gantt, --device cuda)
 * invariant.py: --layout-invariant's coverage and its units of work
+* sequence.py: --seq-len against the model's positions and the data (the default cut to 2048)
 * layout.py: ranks, the dp x cp x tp x pp grid, the model's split (--schedule interleaved's chunks), the
   batch's division (--accum-steps)
 * data.py: model and data fit each other, and the data is installed
@@ -19,7 +20,7 @@ edge (distrain.runtime.validate_args).
 
 from __future__ import annotations
 
-from distrain.trainer.checks import data, features, flags, invariant, layout, start, strategy
+from distrain.trainer.checks import data, features, flags, invariant, layout, sequence, start, strategy
 
 
 def validate(cfg, launched: tuple[int, int] | None = None, fashion_mnist_root: str | None = None) -> None:
@@ -46,6 +47,8 @@ def validate(cfg, launched: tuple[int, int] | None = None, fashion_mnist_root: s
     features.check_features(cfg)
     features.check_device(cfg)
     invariant.check_invariant(cfg)
+
+    sequence.check_seq_len(cfg, launched)
 
     layout.check_local_ranks(cfg, launched)
     layout.check_experts(cfg)

@@ -47,7 +47,7 @@ def check_shards(cfg) -> None:
     c = preset_config(cfg.model, **model_overrides(cfg))
     vocab = c.get("vocab_size")
     need(vocab is None or vocab >= int(meta["vocab_size"]), vocab_error(cfg, vocab, meta))
-    block, n = c.get("block_size"), int(meta["splits"]["train"]["tokens"])
+    block, n = cfg.seq_len or c.get("block_size"), int(meta["splits"]["train"]["tokens"])
     windows = (n - block - 1) // block + 1 if block and n > block else 0
     need(not block or windows >= cfg.batch_size,
          f"--data {cfg.data}: its train split has {n:,} tokens, {windows} windows of {block} for --model "

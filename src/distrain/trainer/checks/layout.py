@@ -111,7 +111,8 @@ def _check_context_parallel(cfg, c: dict) -> None:
     size); the all-to-all splits whole query and key/value heads per tp rank."""
     from distrain.parallel.context_parallel import check_cp_heads, check_length
 
-    check_length(c["block_size"], cfg.cp, f"{cfg.model}'s sequence (block_size)")
+    check_length(cfg.seq_len or c["block_size"], cfg.cp,
+                 f"--seq-len {cfg.seq_len}" if cfg.seq_len else f"{cfg.model}'s sequence (block_size)")
     if cfg.cp_algorithm == "all-to-all":
         check_cp_heads(cfg.cp, {k: c[k] // cfg.tp for k in ("n_head", "n_kv_head") if c.get(k)}, cfg.model, cfg.tp)
 
