@@ -12,6 +12,8 @@
   DDP's per step; bf16 on the wire halves float32's.
 * A run stopped at a sync boundary (and one stopped between syncs) and resumed equals the uninterrupted one.
 * Refusals: the diloco flags with other strategies, and bad values, each a one-line ConfigError.
+
+The fast tier runs the refusals and the two-island simulation (one 2-rank job); the rest is slow.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ def simulate(cfg, K: int):
 
 
 # -- H = 1 with SGD everywhere: DDP ---------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_h1_outer_sgd_lr1_equals_one_process_and_ddp(tmp_path, tmp_path_factory):
     out = tmp_path / "diloco"
@@ -142,6 +145,7 @@ def outer_bytes(nparams: int, K: int, elem: int) -> int:
     return traffic("all_reduce", "ring", K, 0, nparams, elem)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_the_ledger_counts_exactly_the_outer_all_reduces_and_bf16_halves_them(tmp_path):
     from distrain.models import build_model
@@ -157,6 +161,7 @@ def test_the_ledger_counts_exactly_the_outer_all_reduces_and_bf16_halves_them(tm
 
 
 # -- resume -------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("stop", [4, 3], ids=["at-a-sync", "between-syncs"])
 def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path, stop):
@@ -171,6 +176,15 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path, stop):
         a, b = shard(out, f"island{i}"), shard(whole, f"island{i}")
         assert all(torch.equal(a["model"][k], b["model"][k]) for k in b["model"])
         assert all(torch.equal(x, y) for x, y in zip(a["outer"]["master"], b["outer"]["master"]))
+    # a resume that would not continue exactly is refused before any rank starts
+    from distrain.errors import ConfigError
+    from distrain.trainer.loop import check_resume
+
+    for change, message in ((dict(inner_steps=3), "--inner-steps is 3 but the checkpoint"),
+                            (dict(outer_lr=0.5), "--outer-lr is 0.5 but the checkpoint"),
+                            (dict(islands=1), "was written with layout")):
+        with pytest.raises(ConfigError, match=message):
+            check_resume(trainer_config(out, steps=8, resume=True, **{**kw, **change}))
 
 
 # -- refusals -------------------------------------------------------------------------------------------
