@@ -16,8 +16,9 @@ from distrain.models.registry import DEFAULT_MODEL
 from distrain.optim import DEFAULTS as OPTIMIZER_DEFAULTS
 from distrain.optim import OPTIMIZERS
 from distrain.trainer.choices import (  # noqa: F401  (LOCAL_RANKS_PER_CORE, SEED_MAX, local_rank_limit: re-exported)
-    AUTOCASTS, CP_ALGORITHMS, DATASETS, DEVICES, DTYPES, LOCAL_RANKS_PER_CORE, LR_SCHEDULES, MODEL_DATA, SCHEDULES,
-    SEED_MAX, STRATEGIES, VIRTUAL_STAGES, either, local_rank_limit)
+    AUTOCASTS, CP_ALGORITHMS, DATASETS, DEFAULT_INNER_STEPS, DEVICES, DTYPES, LOCAL_RANKS_PER_CORE, LR_SCHEDULES,
+    MODEL_DATA, OUTER_COMPRESSIONS, OUTER_OPTIMIZERS, SCHEDULES, SEED_MAX, STRATEGIES, VIRTUAL_STAGES, either,
+    local_rank_limit)
 
 
 def applicable(strategy: str, **flags) -> dict:
@@ -52,23 +53,37 @@ class TrainConfig:
                           "model must have positions for N (0: the model's block size, at most 2048, with a note "
                           "when cut)")
     # how to parallelize
-    strategy: str = opt("ddp", "way of training (ps-*: parameter servers; zero1-3: ZeRO stages; local: no gradient "
+    strategy: str = opt("ddp", "way of training (ps-*: parameter servers; zero1-3: ZeRO stages; diloco: islands that "
+                                     "synchronise every --inner-steps steps, docs/slow_links.md; local: no gradient "
                                      "exchange, a benchmark floor, not training)", choices=STRATEGIES)
     nproc: int = opt(2, "processes (ranks) in the job")
     device: str = opt("auto", "where each rank computes: auto = cuda:LOCAL_RANK when CUDA is visible (NCCL), "
                               "else cpu (Gloo)", choices=DEVICES)
     algorithm: str = opt("ring", "collective algorithm of our DDP and ZeRO (and of every --tp/--pp layout's "
-                                 "collectives)", choices=ALGORITHM_NAMES, only=("ddp", "zero1", "zero2", "zero3"))
+                                 "collectives, and of DiLoCo's outer all-reduce)", choices=ALGORITHM_NAMES,
+                         only=("ddp", "zero1", "zero2", "zero3", "diloco"))
     transport: str = opt("torch", "how ranks' bytes travel: torch (Gloo/NCCL), shm (shared memory between the "
                                   "ranks of one host), auto (shm inside a host, torch between hosts)",
                          choices=TRANSPORT_NAMES)
     bucket_cap_mb: float = opt(25.0, "gradient bucket size in MiB", only=("ddp", "torch-ddp", "zero1", "zero2",
-                                                                          "zero3"))
+                                                                          "zero3", "diloco"))
     compression: str | None = opt(None, "our DDP's gradients on the wire in this dtype (not with --tp/--pp)",
                                   choices=("bf16", "fp16"), type=str, only=("ddp",))
     servers: int = opt(1, "parameter servers; the other ranks work", only=("ps-sync", "ps-async"))
     max_staleness: int | None = opt(None, "bound on gradient staleness (none: unbounded)", type=int,
                                     only=("ps-async",))
+    # DiLoCo (docs/slow_links.md): islands of nproc / islands ranks, DDP inside, an outer step every inner_steps
+    islands: int = opt(0, "DiLoCo islands: data-parallel groups of --nproc / --islands consecutive ranks (DDP inside "
+                          "over their fast links); 0: every rank is an island", only=("diloco",))
+    inner_steps: int = opt(DEFAULT_INNER_STEPS, "DiLoCo: inner optimizer steps (--optimizer, each island its own) "
+                                                "between outer steps (H)", only=("diloco",))
+    outer_optimizer: str = opt("nesterov", "DiLoCo: the outer step on the islands' averaged parameter change: SGD "
+                                           "with Nesterov momentum, or sgd (heavy-ball momentum, or none at "
+                                           "--outer-momentum 0)", choices=OUTER_OPTIMIZERS, only=("diloco",))
+    outer_lr: float = opt(0.7, "DiLoCo: the outer learning rate", only=("diloco",))
+    outer_momentum: float = opt(0.9, "DiLoCo: the outer momentum, in [0, 1)", only=("diloco",))
+    outer_compression: str | None = opt(None, "DiLoCo: the outer gradient on the wire (and summed) in this dtype",
+                                        choices=OUTER_COMPRESSIONS, type=str, only=("diloco",))
     # model parallelism (GPT and Llama presets, your model with .layers / a tp_plan, Hugging Face decoders):
     # dp * cp * tp * pp = nproc; dp = 0 means nproc // (cp * tp * pp)
     dp: int = opt(0, "data-parallel size of the dp x cp x tp x pp grid (0: nproc / (cp * tp * pp))")

@@ -183,7 +183,9 @@ def check_out(cfg: TrainConfig, remove: bool = True) -> None:
 
 # flags whose change would make a resumed run differ from the uninterrupted one (--steps may grow)
 CONTINUATION_FIELDS = ("data", "seq_len", "seed", "batch_size", "dtype", "optimizer", "lr", "weight_decay", "momentum",
-                       "algorithm", "compression", "microbatches", "schedule", "max_staleness")
+                       "algorithm", "compression", "microbatches", "schedule", "max_staleness",
+                       "inner_steps", "outer_optimizer", "outer_lr", "outer_momentum", "outer_compression",
+                       "layout_invariant", "invariant_tp")
 
 
 def check_resume(cfg: TrainConfig) -> dict:

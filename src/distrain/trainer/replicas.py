@@ -89,6 +89,8 @@ def no_replicas(cfg) -> str | None:
     if cfg.strategy in ("torch-ddp", "local"):
         return (f"--strategy {cfg.strategy} is a benchmark baseline" +
                 (" whose ranks train unsynchronised replicas" if cfg.strategy == "local" else ""))
+    if cfg.strategy == "diloco":
+        return "--strategy diloco: each island keeps its own inner optimizer state (and, between syncs, parameters)"
     if cfg.ep > 1:
         return f"--ep {cfg.ep}: the expert-parallel ranks of a replica group hold different experts"
     if cfg.dp_size * cfg.cp < 2:

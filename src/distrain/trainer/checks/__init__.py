@@ -3,6 +3,7 @@
 * flags.py: each flag on its own (a name among its choices, a number in its range)
 * start.py: what a run starts from (--init-from, --resume, --reshard)
 * strategy.py: the strategy's own rules (the flags it acts on, its process counts, --elastic)
+* diloco.py: --strategy diloco's flags (islands, inner steps, the outer optimizer)
 * features.py: training features against each other and the machine (autocast, zb-h1, activation
   checkpointing, --trace/--gantt, --device cuda)
 * invariant.py: --layout-invariant's coverage and its units of work
@@ -20,7 +21,7 @@ edge (distrain.runtime.validate_args).
 
 from __future__ import annotations
 
-from distrain.trainer.checks import data, features, flags, invariant, layout, sequence, start, strategy
+from distrain.trainer.checks import data, diloco, features, flags, invariant, layout, sequence, start, strategy
 
 
 def validate(cfg, launched: tuple[int, int] | None = None, fashion_mnist_root: str | None = None) -> None:
@@ -43,6 +44,7 @@ def validate(cfg, launched: tuple[int, int] | None = None, fashion_mnist_root: s
     strategy.check_processes(cfg)
     strategy.check_applies(cfg)
     strategy.check_replicas(cfg)
+    diloco.check_diloco(cfg)
 
     features.check_features(cfg)
     features.check_device(cfg)

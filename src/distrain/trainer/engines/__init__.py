@@ -4,6 +4,7 @@
                   dp × cp × tp × pp grid with --ep (parallelize(), one Topology)
     single.py     one process
     ps.py         parameter server: workers train, servers serve (ps-sync, ps-async)
+    diloco.py     DiLoCo: islands of data-parallel ranks, an outer step every --inner-steps steps
     baselines.py  what benchmarks compare with: torch's DDP (torch-ddp), and local, the same ranks
                   with no gradient exchange (a step's floor)
 
@@ -25,6 +26,7 @@ ENGINES = {
     **{f"zero{s}": GRID for s in (1, 2, 3)},
     "ps-sync": "distrain.trainer.engines.ps:PSEngine",
     "ps-async": "distrain.trainer.engines.ps:PSEngine",
+    "diloco": "distrain.trainer.engines.diloco:DiLoCoEngine",
     "torch-ddp": "distrain.trainer.engines.baselines:TorchDDPEngine",
     "local": "distrain.trainer.engines.baselines:LocalEngine",
 }

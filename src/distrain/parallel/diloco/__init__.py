@@ -1,0 +1,20 @@
+"""DiLoCo (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language Models").
+
+The ranks form K islands of M ranks each (``islands(world, K)``: island i is ranks i*M .. i*M + M - 1,
+data parallel inside over their fast links). Each island takes H inner optimizer steps on its own part of
+each global batch; then the islands synchronise: the outer gradient Δ = θ_prev − θ_island (the parameter
+change since the last sync) is averaged over the islands and an outer optimizer step (SGD, or SGD with
+Nesterov momentum) is taken on θ_prev, the outer parameters; every island starts its next H steps from the
+result. Each island's inner optimizer state stays its own.
+
+    islands.py   which ranks form which island, and the two families of groups (IslandGroups)
+    outer.py     OuterStep: the outer parameters θ_prev, the outer optimizer, the averaged outer gradient
+                 (one all-reduce across the islands, counted by distrain.comm's ledger)
+
+Imports distrain.comm only.
+"""
+
+from distrain.parallel.diloco.islands import IslandGroups, island_ranks
+from distrain.parallel.diloco.outer import OUTER_COMPRESSIONS, OUTER_OPTIMIZERS, OuterStep
+
+__all__ = ["IslandGroups", "OUTER_COMPRESSIONS", "OUTER_OPTIMIZERS", "OuterStep", "island_ranks"]

@@ -1,0 +1,95 @@
+"""The outer step of DiLoCo on one rank: θ_prev, the outer optimizer, and the averaged outer gradient.
+
+Per sync (every H inner steps), on every rank of every island:
+
+    Δ_i   = θ_prev − θ_i                      (this island's outer gradient: its change since the last sync)
+    Δ     = (1/K) Σ_i Δ_i                     (one all-reduce of the flat Δ_i over the cross group: K ranks)
+    θ_prev ← outer optimizer step on θ_prev with gradient Δ    (torch.optim.SGD; nesterov=True for nesterov)
+    θ_i   ← θ_prev                            (every island starts its next inner steps from it)
+
+so after a sync every rank of every island holds the same parameters (bit for bit: the same all-reduce on
+the same inputs) and the same outer state. With H = 1, outer SGD at lr 1 without momentum and inner SGD this
+is DDP's step: θ_prev − mean_i(θ_prev − θ_i) = mean_i θ_i = θ_prev − lr · mean_i g_i.
+
+``compression="bf16"``: Δ travels (and is summed by the ring) in bfloat16, half of float32's bytes, a quarter
+of float64's; the mean is taken back in the parameters' dtype. The outer parameters and momentum stay in it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from distrain import comm
+from distrain.errors import ConfigError
+
+OUTER_OPTIMIZERS = ("nesterov", "sgd")
+OUTER_COMPRESSIONS = ("bf16",)
+
+
+class OuterStep:
+    """The outer half of DiLoCo for ``params`` (this rank's island replica, in order).
+
+    ``group``: the ranks of this rank's place in every island (IslandGroups.cross_group; None: one island,
+    nothing to average); ``islands``: K; ``optimizer``: nesterov or sgd, with ``lr`` and ``momentum``
+    (nesterov needs momentum > 0, as torch's SGD); ``algorithm``: the all-reduce's (distrain.comm)."""
+
+    def __init__(self, params, *, group, islands: int, optimizer: str = "nesterov", lr: float = 0.7,
+                 momentum: float = 0.9, algorithm: str = "ring", compression: str | None = None):
+        if optimizer not in OUTER_OPTIMIZERS:
+            raise ConfigError(f"--outer-optimizer {optimizer!r} is unknown; use {' or '.join(OUTER_OPTIMIZERS)}")
+        if compression not in (None,) + OUTER_COMPRESSIONS:
+            raise ConfigError(f"--outer-compression {compression!r} is unknown; use {' or '.join(OUTER_COMPRESSIONS)}")
+        self.params: list[nn.Parameter] = list(params)
+        self.group, self.islands, self.algorithm, self.compression = group, islands, algorithm, compression
+        # θ_prev: the outer parameters, a copy of the replica's at the last sync (leaves, for the optimizer)
+        self.master = [p.detach().clone() for p in self.params]
+        self.optimizer = torch.optim.SGD(self.master, lr=lr, momentum=momentum, nesterov=optimizer == "nesterov")
+        self.syncs = 0  # outer steps taken (this run's and, after a resume, the checkpoint's)
+
+    @torch.no_grad()
+    def outer_gradient(self) -> torch.Tensor:
+        """This island's Δ_i = θ_prev − θ_i, flat (numel,), in the parameters' dtype."""
+        return torch.cat([(m - p.detach()).reshape(-1) for m, p in zip(self.master, self.params)])
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Collective over ``group``: average Δ over the islands, the outer step, θ_i ← θ_prev."""
+        flat = self.outer_gradient()
+        if self.group is not None:
+            wire = flat.to(torch.bfloat16) if self.compression == "bf16" else flat
+            comm.all_reduce(wire, op="sum", group=self.group, algorithm=self.algorithm)
+            if wire is not flat:
+                flat.copy_(wire)
+        flat.div_(self.islands)
+        offset = 0
+        for m in self.master:
+            n = m.numel()
+            m.grad = flat[offset:offset + n].view_as(m)
+            offset += n
+        self.optimizer.step()
+        for p, m in zip(self.params, self.master):
+            m.grad = None
+            p.copy_(m)
+        self.syncs += 1
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """θ_prev, the outer optimizer's state (momentum buffers) and the sync count."""
+        return {"master": [m.detach().clone() for m in self.master], "optimizer": self.optimizer.state_dict(),
+                "syncs": self.syncs}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict, where: str = "the checkpoint") -> None:
+        """Load :meth:`state_dict`'s output, checked against this model (a checkpoint is outside input)."""
+        master = state.get("master") if isinstance(state, dict) else None
+        ok = isinstance(master, list) and len(master) == len(self.master) and all(
+            torch.is_tensor(a) and a.shape == b.shape for a, b in zip(master, self.master))
+        if not ok:
+            raise ConfigError(f"--resume: {where} holds no DiLoCo outer state for this model (its outer parameters "
+                              f"are missing or of other shapes); resume with the model and --strategy diloco it was "
+                              f"written with")
+        for m, saved in zip(self.master, master):
+            m.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.syncs = int(state.get("syncs", 0))

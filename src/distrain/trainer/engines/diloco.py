@@ -1,0 +1,144 @@
+"""DiLoCo (``--strategy diloco``): islands of data-parallel ranks that synchronise every --inner-steps steps.
+
+The world's P ranks form K = --islands islands of M = P / K consecutive ranks (0: K = P, every rank an
+island; distrain.parallel.diloco). Every rank reads its own part of each global batch (dp rank = its
+rank, dp size = P), so island i trains on the contiguous parts of its M ranks; inside an island our
+DistributedDataParallel averages the gradients over its M ranks (when M > 1). Each island steps the run's
+--optimizer (the inner optimizer, its state its own) every global step; after global steps s with
+(s + 1) % H == 0 the islands take the outer step (OuterStep.sync: the averaged θ_prev − θ_island, then
+SGD or Nesterov on θ_prev; every rank then holds θ_prev). The phase is the global step's, so a run
+resumed at any step syncs where the uninterrupted one does.
+
+The logged loss is the global batch's mean, each island's part on its own parameters. Validation and
+the text sample use the outer parameters θ_prev (the model as of the last sync; after a sync every
+island's). --lr and its schedule drive the inner optimizer; the outer learning rate is constant.
+
+Checkpoints: one shard per island, ``island{i}``, written by the island's first rank: its replica
+(parameters, buffers), its inner optimizer's state and the outer state (θ_prev, the outer optimizer's
+momentum, the sync count), so a resume at any step, on or between syncs, continues exactly (a set holds
+K replicas). The layout records K and P (a resume needs the same).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+
+import torch
+
+from distrain.parallel.clip import clip_grad_norm
+from distrain.parallel.data_parallel import DistributedDataParallel, accumulate_gradients
+from distrain.parallel.diloco import IslandGroups, OuterStep
+from distrain.trainer.engines.base import Engine, evaluate_batches, part_loss
+
+
+def islands_of(cfg) -> int:
+    """K: --islands, or every rank its own island (0)."""
+    return cfg.islands or cfg.nproc
+
+
+class DiLoCoEngine(Engine):
+    def __init__(self, cfg, model, loss_fn, optimizer_factory):
+        super().__init__(cfg, model, loss_fn, optimizer_factory)
+        self.model = model
+        self.groups = g = IslandGroups.build(self.rank, self.world, islands_of(cfg))
+        self.net = model if g.island_group is None else DistributedDataParallel(
+            model, group=g.island_group, algorithm=cfg.algorithm, bucket_cap_mb=cfg.bucket_cap_mb)
+        self.optimizer = optimizer_factory(self.model.parameters())  # the inner optimizer: this island's own
+        self.outer = OuterStep(self.model.parameters(), group=g.cross_group, islands=g.islands,
+                               optimizer=cfg.outer_optimizer, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                               algorithm=cfg.algorithm, compression=cfg.outer_compression)
+        self.dp_rank, self.dp_size = self.rank, self.world
+        self.loss_fn = part_loss(loss_fn, cfg.batch_size, self.dp_size, self.dp_rank)
+        self.loss_weight = 1.0 / self.world
+        self.label = f"diloco (K={g.islands}×{g.per_island}, H={cfg.inner_steps})"
+        self.outer_s = 0.0  # seconds this rank spent in outer steps
+
+    def train_step(self, x, y, commit=None):
+        """The inner step (forward/backward of this rank's part, the island's gradient average, clipping,
+        the inner optimizer), then the outer step when the global step closes an interval of H."""
+        self.optimizer.zero_grad(set_to_none=True)
+        total = accumulate_gradients(self.net, self.loss_fn, x, y, 1, forward_context=self.autocast)
+        if self.cfg.grad_clip:  # the island's ranks hold the same (averaged) gradients: no sum over ranks
+            clip_grad_norm([(p.grad, 1) for p in self.model.parameters()], self.cfg.grad_clip)
+        if commit is not None:
+            commit(total)
+        self.optimizer.step()
+        wait = 0.0
+        if (self.step_index + 1) % self.cfg.inner_steps == 0:
+            t0 = time.perf_counter()
+            self.outer.sync()
+            wait = time.perf_counter() - t0
+            self.outer_s += wait
+        # the step's wait on communication: the outer all-reduce's (an island of several ranks also waits on
+        # its DDP, which is not measured here: None)
+        self.comm_wait_s = wait if self.groups.island_group is None else None
+        return total
+
+    def optimizers(self):
+        return [self.optimizer]  # the schedule drives the inner optimizer; the outer lr stays --outer-lr
+
+    def buffers(self):
+        return list(self.model.buffers())
+
+    @contextlib.contextmanager
+    def outer_parameters(self):
+        """The model holding θ_prev inside the block, its own parameters again after it."""
+        held = [p.detach().clone() for p in self.model.parameters()]
+        with torch.no_grad():
+            for p, m in zip(self.model.parameters(), self.outer.master):
+                p.copy_(m)
+        try:
+            yield self.model
+        finally:
+            with torch.no_grad():
+                for p, h in zip(self.model.parameters(), held):
+                    p.copy_(h)
+
+    def evaluate(self, batches):
+        """The outer parameters' validation loss, on rank 0 (the same on every rank)."""
+        if self.rank != 0:
+            return None
+        with self.outer_parameters() as net:
+            return evaluate_batches(net, self.eval_loss_fn, batches, accuracy=self.cfg.data_kind != "text")
+
+    @classmethod
+    def layout_of(cls, cfg) -> dict:
+        return {"dp": cfg.nproc, "tp": 1, "pp": 1, "islands": islands_of(cfg)}
+
+    @property
+    def shard(self):
+        return f"island{self.groups.island}"
+
+    @property
+    def writes_shard(self) -> bool:
+        return self.groups.place == 0
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "outer": self.outer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.outer.load_state_dict(state.get("outer"), f"shard {self.shard}")
+
+    def report(self, ledger, steps: int) -> dict:
+        c = self.cfg
+        return {"islands": self.groups.islands, "ranks_per_island": self.groups.per_island,
+                "inner_steps": c.inner_steps, "outer_optimizer": c.outer_optimizer, "outer_lr": c.outer_lr,
+                "outer_momentum": c.outer_momentum, "outer_compression": c.outer_compression,
+                "outer_syncs": self.outer.syncs, "outer_s_rank0": self.outer_s}
+
+    def report_rows(self, summary: dict) -> list[tuple[str, str]]:
+        s = summary
+        comp = f", {s['outer_compression']} on the wire" if s.get("outer_compression") else ""
+        return [("islands", f"{s['islands']} × {s['ranks_per_island']} rank(s)"),
+                ("outer steps", f"{s['outer_syncs']} (every {s['inner_steps']} steps; {s['outer_optimizer']}, lr "
+                                f"{s['outer_lr']:g}, momentum {s['outer_momentum']:g}{comp})")]
+
+    def sample_model(self):
+        """A copy of the model holding the outer parameters (rank 0's)."""
+        with self.outer_parameters() as net:
+            return copy.deepcopy(net)
