@@ -289,21 +289,16 @@ def test_elastic_job_survives_a_whole_node_killed(emulated_cluster, tmp_path, st
 
 
 def _rank_pids(ns: str) -> list[int]:
-    """The rank processes in a namespace: children of the fork server (forked from it, so they carry its
-    command line), not the fork server itself, the node agent or multiprocessing's resource tracker."""
-    def cmd(pid: int) -> str:
+    """The rank processes in a namespace: those whose kernel name (/proc/PID/comm) is their title,
+    ``distrain rank R/W`` cut to 15 bytes (launch/title.py), not the fork server, the node agent or
+    multiprocessing's resource tracker."""
+    def comm(pid: int) -> str:
         try:
-            return open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+            return open(f"/proc/{pid}/comm").read().strip()
         except OSError:
             return ""
 
-    def parent(pid: int) -> int:
-        try:
-            return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            return 0
-
-    return [p for p in netns.pids(ns) if "forkserver" in cmd(p) and "forkserver" in cmd(parent(p))]
+    return [p for p in netns.pids(ns) if comm(p).startswith("distrain rank")]
 
 
 @pytest.mark.slow
