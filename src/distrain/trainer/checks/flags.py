@@ -19,9 +19,16 @@ def check_strategy_name(cfg) -> None:
 def check_names(cfg) -> None:
     """--model, --loss, --algorithm, --transport, --optimizer, --dtype, --compression: known values."""
     from distrain.models import list_models
+    from distrain.models.registry import SHAPE_ONLY_PRESETS
 
+    trainable = [m for m in list_models() if m not in SHAPE_ONLY_PRESETS]
     need(cfg.model in list_models() or cfg.custom_model,
-         f"--model {cfg.model!r} is unknown; use one of {', '.join(list_models())}, or PKG.MOD:FACTORY")
+         f"--model {cfg.model!r} is unknown; use one of {', '.join(trainable)}, or PKG.MOD:FACTORY (shape-only, "
+         f"for `distrain plan`: {', '.join(sorted(SHAPE_ONLY_PRESETS))})")
+    need(cfg.model not in SHAPE_ONLY_PRESETS,
+         f"--model {cfg.model} is a shape-only preset: its published sizes, for `distrain plan` and the cost model "
+         f"(no weights, and too large to train from scratch here); to train the real model, download its Hugging "
+         f"Face folder and give --init-from DIR (docs/llama.md)")
     need(cfg.loss in ("auto", "cross-entropy", "mse") or ":" in cfg.loss,
          f"--loss {cfg.loss!r} is unknown; use auto, cross-entropy, mse or PKG.MOD:FN")
     need(cfg.algorithm in ALGORITHM_NAMES,
