@@ -4,7 +4,11 @@ folder; nothing half-written after a failure; logs without a terminal; one step 
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +17,30 @@ from distrain.models import list_models
 from distrain.models.registry import SHAPE_ONLY_PRESETS
 from distrain.trainer import TrainConfig
 from distrain.trainer.choices import MODEL_DATA
+
+ROOT = Path(__file__).resolve().parents[1]
+# pip's console script for `distrain` (pyproject's [project.scripts]): run as a file, so its sys.path[0] is its
+# own bin folder, not the current one (python -m puts the current folder there)
+CONSOLE_SCRIPT = "import sys\nfrom distrain.cli import run_command\nif __name__ == '__main__':\n    sys.exit(run_command())\n"
+NETS = "import torch.nn as nn\n\n\ndef make_net():\n    return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))\n"
+TINY = ["--data", "digits", "--steps", "3", "--batch-size", "8", "--eval-every", "0", "--no-progress", "--no-report"]
+
+
+def _distrain(args, cwd: Path, bin_dir: Path, timeout: float = 100) -> subprocess.CompletedProcess:
+    """The ``distrain`` console script, run in ``cwd`` with only distrain's sources on PYTHONPATH."""
+    bin_dir.mkdir(exist_ok=True)
+    script = bin_dir / "distrain"
+    script.write_text(CONSOLE_SCRIPT)
+    env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"}
+    return subprocess.run([sys.executable, str(script), *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _mypkg(folder: Path) -> Path:
+    (folder / "mypkg").mkdir(parents=True)
+    (folder / "mypkg" / "__init__.py").write_text("")
+    (folder / "mypkg" / "nets.py").write_text(NETS)
+    return folder
 
 
 def _offered_models() -> list[str]:
@@ -40,3 +68,27 @@ def test_every_model_the_error_offers_trains_or_is_refused_in_one_line(tmp_path)
                 f"Hugging Face folder and give --init-from DIR (docs/llama.md)")
         else:  # a trainable preset with its kind of data: valid (fashion-mnist's folder: tmp_path stands in)
             assert cfg.validate(fashion_mnist_root=str(tmp_path)) is cfg
+
+
+@pytest.mark.slow  # a fresh interpreter and 2 ranks: 10-20 s on 2 shared cores
+@pytest.mark.timeout(180)
+def test_console_script_imports_a_factory_from_the_current_folder(tmp_path):
+    here = _mypkg(tmp_path / "project")
+    p = _distrain(["train", "--model", "mypkg.nets:make_net", "--nproc", "2", "--out", "run", *TINY], here,
+                  tmp_path / "bin")
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [json.loads(line) for line in (here / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3  # both ranks imported mypkg from the current folder and trained the 3 steps
+    assert json.loads((here / "run" / "config.json").read_text())["model"] == "mypkg.nets:make_net"
+
+
+@pytest.mark.slow  # a fresh interpreter: 3-6 s
+@pytest.mark.timeout(60)
+def test_a_missing_factory_module_is_refused_before_any_rank(tmp_path):
+    here = _mypkg(tmp_path / "project")
+    p = _distrain(["train", "--model", "mypkg.nope:make_net", "--nproc", "2", "--out", "run", *TINY], here,
+                  tmp_path / "bin")
+    assert p.returncode == 2
+    assert p.stderr == ("distrain: error: --model mypkg.nope:make_net: cannot import mypkg.nope (No module named "
+                        "'mypkg.nope'); is it on PYTHONPATH?\n")  # one line, from the top process, no rank's
+    assert sorted(x.name for x in here.iterdir()) == ["mypkg"]  # no --out made: refused before the run started

@@ -1,6 +1,6 @@
 """``TrainConfig.validate``'s rules, each owned by the module named for what it checks.
 
-* flags.py: each flag on its own (a name among its choices, a number in its range)
+* flags.py: each flag on its own (a name among its choices, a number in its range, a PKG.MOD:NAME that imports)
 * start.py: what a run starts from (--init-from, --resume, --reshard)
 * strategy.py: the strategy's own rules (the flags it acts on, its process counts, --elastic)
 * features.py: training features against each other and the machine (autocast, zb-h1, activation
@@ -29,6 +29,7 @@ def validate(cfg, launched: tuple[int, int] | None = None, fashion_mnist_root: s
     flags.check_strategy_name(cfg)
     start.check_start(cfg)  # before the model's name: --init-from's checkpoint may name it
     flags.check_names(cfg)
+    flags.check_importable(cfg)
     flags.check_nproc(cfg)
     flags.check_numbers(cfg)
     start.check_resume(cfg)

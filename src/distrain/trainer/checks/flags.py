@@ -17,7 +17,8 @@ def check_strategy_name(cfg) -> None:
 
 
 def check_names(cfg) -> None:
-    """--model, --loss, --algorithm, --transport, --optimizer, --dtype, --compression: known values."""
+    """--model, --loss, --algorithm, --transport, --optimizer, --dtype, --compression: known values
+    (a PKG.MOD:NAME one: :func:`check_importable`)."""
     from distrain.models import list_models
     from distrain.models.registry import SHAPE_ONLY_PRESETS
 
@@ -40,6 +41,17 @@ def check_names(cfg) -> None:
     need(cfg.dtype in DTYPES, f"--dtype {cfg.dtype!r} is unknown; use one of {', '.join(DTYPES)}")
     need(cfg.compression in (None, "bf16", "fp16"),
          f"--compression must be bf16 or fp16, got {cfg.compression!r}")
+
+
+def check_importable(cfg) -> None:
+    """--model, --data, --loss PKG.MOD:NAME: the module imports and holds NAME, here, before any rank starts
+    (each rank imports it again; a missing module is one line, not every rank's failure)."""
+    from distrain.checkpoint.models import is_hf_name
+    from distrain.factories import is_spec, load_object
+
+    for flag, value in (("--model", cfg.model), ("--data", cfg.data), ("--loss", cfg.loss)):
+        if is_spec(value) and not is_hf_name(value):
+            load_object(value, flag)
 
 
 def check_nproc(cfg) -> None:
