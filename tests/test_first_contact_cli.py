@@ -92,3 +92,64 @@ def test_a_missing_factory_module_is_refused_before_any_rank(tmp_path):
     assert p.stderr == ("distrain: error: --model mypkg.nope:make_net: cannot import mypkg.nope (No module named "
                         "'mypkg.nope'); is it on PYTHONPATH?\n")  # one line, from the top process, no rank's
     assert sorted(x.name for x in here.iterdir()) == ["mypkg"]  # no --out made: refused before the run started
+
+
+# -- nothing half-written ------------------------------------------------------------------------------------------
+BROKEN = "def make_net():\n    raise RuntimeError('the factory broke')\n"
+SINGLE = ["--strategy", "single", "--nproc", "1", "--data", "digits", "--steps", "2", "--batch-size", "8",
+          "--eval-every", "0", "--no-progress", "--no-report"]
+
+
+@pytest.mark.slow  # three one-rank runs: 10-20 s on 2 shared cores
+@pytest.mark.timeout(150)
+def test_failed_runs_leave_no_folder_and_finished_runs_no_lock(tmp_path, monkeypatch, capsys):
+    from distrain.cli import main
+    from distrain.runlock import LOCK_NAME
+
+    (tmp_path / "brokennets.py").write_text(BROKEN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{ROOT / 'src'}")
+    # a run that fails in its rank before its first step: the folder it created (and the parent) is gone
+    new = tmp_path / "runs" / "broken"
+    assert main(["train", "--model", "brokennets:make_net", "--out", str(new), *SINGLE]) == 2
+    assert "the factory broke" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+    # the same failure in a folder that was there: the folder stays, without a lock file
+    there = tmp_path / "there"
+    there.mkdir()
+    assert main(["train", "--model", "brokennets:make_net", "--out", str(there), *SINGLE]) == 2
+    assert "the factory broke" in capsys.readouterr().err
+    assert list(there.iterdir()) == []
+    # --resume on a folder that does not exist: refused, nothing created
+    missing = tmp_path / "missing" / "run"
+    assert main(["train", "--resume", "--model", "mlp-tiny", "--out", str(missing), *SINGLE]) == 2
+    assert capsys.readouterr().err == (f"distrain: error: --resume: checkpoint {missing}/checkpoint.json does not "
+                                       f"exist; run without --resume to start afresh\n")
+    assert not (tmp_path / "missing").exists()
+    # a run that finishes: its results, and no stale lock
+    ok = tmp_path / "ok"
+    assert main(["train", "--model", "mlp-tiny", "--out", str(ok), *SINGLE]) == 0
+    held = sorted(p.name for p in ok.iterdir())
+    assert LOCK_NAME not in held and "checkpoint.json" in held and "metrics.jsonl" in held
+
+
+@pytest.mark.slow  # the cheapest self-test (ddp over Gloo against one process): 10-30 s on 2 shared cores
+@pytest.mark.timeout(170)
+def test_selftest_leaves_nothing_unless_kept(tmp_path, monkeypatch, capsys):
+    import tempfile
+
+    from distrain.cli import main
+
+    work, tmp = tmp_path / "work", tmp_path / "tmp"
+    work.mkdir()
+    tmp.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))  # where its temporary folder goes
+    assert main(["selftest", "--only", "ddp", "--transports", "gloo"]) == 0
+    out = capsys.readouterr().out
+    assert "ddp" in out and "selftest.json" not in out  # the table, and no file named
+    assert list(work.iterdir()) == [] and list(tmp.iterdir()) == []  # no runs/selftest, no temporary folder left
+    assert main(["selftest", "--only", "ddp", "--out", "runs/st"]) == 2  # --out does nothing without --keep
+    assert capsys.readouterr().err == ("distrain: error: --out runs/st: the self-test keeps its runs only with --keep "
+                                       "(without it, it works in a temporary folder and leaves nothing); add --keep\n")
+    assert list(work.iterdir()) == []
