@@ -153,3 +153,37 @@ def test_selftest_leaves_nothing_unless_kept(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err == ("distrain: error: --out runs/st: the self-test keeps its runs only with --keep "
                                        "(without it, it works in a temporary folder and leaves nothing); add --keep\n")
     assert list(work.iterdir()) == []
+
+
+# -- logs without a terminal; one step numbering ---------------------------------------------------------------------
+@pytest.mark.slow  # a fresh interpreter and a one-rank run: 5-15 s on 2 shared cores
+@pytest.mark.timeout(100)
+def test_no_progress_prints_plain_lines_numbered_as_metrics_and_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "distrain", "train", "--model", "gpt-tiny", "--strategy", "single",
+                        "--nproc", "1", "--steps", "6", "--batch-size", "4", "--log-every", "2", "--eval-every", "3",
+                        "--eval-batches", "1", "--ckpt-every", "3", "--sample-chars", "0", "--no-progress", "--out",
+                        str(out)], cwd=tmp_path, env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"},
+                       capture_output=True, text=True, timeout=90)  # stdout a pipe: no terminal
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "\r" not in p.stdout + p.stderr
+    rows = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(rows) == [0, 1, 2, 3, 4, 5]
+    lines = p.stdout.splitlines()
+    step_lines = [re.fullmatch(r"single/gpt-tiny step (\d+): loss ([\d.]+), tokens/s [\d,]+ \((\d+)/6 steps done\)", ln)
+                  for ln in lines if ln.startswith("single/")]
+    val_lines = [re.fullmatch(r"step (\d+): validation loss ([\d.]+)", ln) for ln in lines if ln.startswith("step ")]
+    assert all(step_lines) and all(val_lines), p.stdout
+    assert lines.index("") == len(step_lines) + len(val_lines)  # those lines first, then the summary table
+    # a line every --log-every steps, and before the evaluation and checkpoint after step 2 (the 3rd), and at the end
+    assert [int(m[1]) for m in step_lines] == [1, 2, 4, 5]
+    assert [int(m[3]) for m in step_lines] == [2, 3, 5, 6]
+    for m in step_lines:  # the console's step k is metrics.jsonl's step k
+        assert m[2] == f"{rows[int(m[1])]['loss']:.4f}"
+    assert [int(m[1]) for m in val_lines] == [k for k in sorted(rows) if "val_loss" in rows[k]] == [2, 5]
+    for m in val_lines:
+        assert m[2] == f"{rows[int(m[1])]['val_loss']:.4f}"
+    # the checkpoint is named by the step boundary it holds: after steps 0..5, step 6, where --resume goes on
+    manifest = json.loads((out / "checkpoint.json").read_text())
+    assert manifest["step"] == max(rows) + 1 == 6
+    assert manifest["files"] == ["checkpoint-00000006-tp0-pp0.pt"]
