@@ -471,7 +471,7 @@ def _mypkg(ws: Path, target: str) -> dict[str, str]:
     (ws / "mypkg" / "__init__.py").write_text("")
     (ws / "mypkg" / "nets.py").write_text(MYPKG_NETS)
     (ws / "mypkg" / "sets.py").write_text(MYPKG_SETS.format(target=target))
-    return {"PYTHONPATH": str(ws)}  # your package, importable
+    return {}  # your package, in the current folder: distrain imports from it, as the docs say (no PYTHONPATH)
 
 
 def _texts(folder: Path) -> dict[str, str]:

@@ -5,8 +5,15 @@ written), then takes an exclusive, non-blocking ``flock(2)`` on the lock file an
 who holds it (pid, host, start time, command). A second run into the same folder is refused
 with a one-line error naming the holder. The kernel drops the lock when the holder's file
 descriptor closes, so a holder that dies, even by SIGKILL, never leaves a stale lock (unlike
-a pid file, nothing has to decide whether the old pid is still alive). The lock file itself
-stays behind on purpose: deleting it would let two runs lock two different inodes.
+a pid file, nothing has to decide whether the old pid is still alive). The lock file stays
+behind unless the holder asks for it to go (``release=True``, what ``distrain train`` does): it is
+then unlinked while still locked, and every holder, after taking the lock, checks that the path
+still names the inode it locked (else it opens the path again), so a run that opened the old file
+before the unlink never holds a lock beside a run that locked the new one.
+
+A run that fails can take its folder with it (``discard``): when this call created ``out`` (and any
+missing parents) and the block raises, ``discard()`` decides whether anything there is worth keeping;
+if not, ``out`` is removed whole and the parents this call made are removed while empty.
 
 Whose folder (:func:`check_owner`, before anything is written into it): ``out`` must belong
 to this process's user (its effective uid) and be writable by no one else: not by others
@@ -30,12 +37,13 @@ import grp
 import json
 import os
 import pwd
+import shutil
 import socket
 import stat
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from distrain.errors import ConfigError
 
@@ -79,18 +87,29 @@ def check_owner(out: Path) -> None:
                           f"or replace its checkpoint files; `chmod g-w {out}`, or choose another --out")
 
 
-def _prepare(out: Path) -> None:
+def _prepare(out: Path) -> list[Path]:
+    """Make ``out`` ready for a run; returns the folders this call created, ``out`` first, then its parents."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a folder; choose another --out")
     if out.is_dir():
         check_owner(out)  # before anything is written into it
+    missing = [p for p in (out, *out.parents) if not p.exists()]
+    made = []
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        for p in reversed(missing):  # (outermost first; a folder another process makes meanwhile is not ours)
+            try:
+                p.mkdir()
+                made.insert(0, p)
+            except FileExistsError:
+                pass
     except OSError as e:
         raise ConfigError(f"--out {out}: cannot create the run folder ({e.strerror}); choose a writable path") from None
+    if not out.is_dir():
+        raise ConfigError(f"--out {out} exists and is not a folder; choose another --out")
     check_owner(out)  # (made now: ours, unless another user made it in between)
     if not os.access(out, os.W_OK | os.X_OK):
         raise ConfigError(f"--out {out} is not writable by this user; choose a writable folder or fix its permissions")
+    return made
 
 
 def _open_lock(out: Path, path: Path) -> int:
@@ -121,23 +140,61 @@ def _holder(fd: int) -> str:
         return "another process"
 
 
-@contextlib.contextmanager
-def hold(out: str | os.PathLike) -> Iterator[Path]:
-    """Hold the run lock of folder ``out`` for the duration of the ``with`` block."""
-    out = Path(out)
-    _prepare(out)
-    path = out / LOCK_NAME
-    fd = _open_lock(out, path)
-    try:
+def _lock(out: Path, path: Path) -> int:
+    """The descriptor of the locked lock file, the inode ``path`` names now (one unlinked by a holder that
+    released it is let go and the path opened again)."""
+    while True:
+        fd = _open_lock(out, path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise ConfigError(f"--out {out} is in use by a running job ({_holder(fd)}); wait for it to end, "
+            who = _holder(fd)
+            os.close(fd)
+            raise ConfigError(f"--out {out} is in use by a running job ({who}); wait for it to end, "
                               f"stop it, or choose another --out") from None
+        mine = os.fstat(fd)
+        try:
+            now = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            now = None
+        if now is not None and (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+            return fd
+        os.close(fd)  # (the holder before us removed it after we opened it: lock the file there now)
+
+
+def _discard(made: list[Path]) -> None:
+    """Remove ``made[0]`` (the run folder) whole, then the parents this call made while they are empty."""
+    shutil.rmtree(made[0], ignore_errors=True)
+    for parent in made[1:]:
+        try:
+            parent.rmdir()
+        except OSError:  # (something else is in it now)
+            break
+
+
+@contextlib.contextmanager
+def hold(out: str | os.PathLike, release: bool = False,
+         discard: Callable[[], bool] | None = None) -> Iterator[Path]:
+    """Hold the run lock of folder ``out`` for the duration of the ``with`` block. ``release``: remove the
+    lock file at the end (success or failure). ``discard``: when this call created ``out`` and the block
+    raises, ``discard()`` true removes ``out`` (and the parents this call made, while empty)."""
+    out = Path(out)
+    made = _prepare(out)
+    path = out / LOCK_NAME
+    fd = _lock(out, path)
+    gone = False
+    try:
         me = {"pid": os.getpid(), "host": socket.gethostname(),
               "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv)[:300]}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(me).encode(), 0)
         yield path
+    except BaseException:
+        if made and made[0] == out and discard is not None and discard():
+            _discard(made)  # (while still locked: nobody else writes here)
+            gone = True
+        raise
     finally:
+        if release and not gone:
+            path.unlink(missing_ok=True)  # (while still locked; see the module docstring)
         os.close(fd)  # releases the lock

@@ -12,7 +12,8 @@ cluster, plan, bench, checkpoint, data, generate, selftest, secret), each with `
 declares the command's flags and sets ``func``, the function that turns the parsed flags into
 typed arguments of a library call; the library modules do not parse ``argv``. common.py holds
 the exit codes and the one-line error. Only the entry points import this package: ``distrain``
-(pyproject's console script, :func:`run_command`), ``python -m distrain`` and
+(pyproject's console script, :func:`run_command`, which puts the current folder on ``sys.path`` as
+``python -m`` does), ``python -m distrain`` and
 ``python -m distrain.cli`` (how launched ranks start).
 """
 
@@ -67,12 +68,22 @@ def main(argv: list[str] | None = None) -> int:
         lifeline.restore(previous)
 
 
+def import_from_cwd() -> None:
+    """Put the current folder first on ``sys.path``, as ``python -m distrain`` does, so that the ``distrain``
+    console script (whose ``sys.path[0]`` is its own bin folder) finds ``--model mypkg.nets:make_net`` beside
+    ``mypkg/`` too; spawned ranks receive this ``sys.path``. ``python -P`` (safe_path) keeps it out."""
+    here = os.getcwd()
+    if not sys.flags.safe_path and here not in {os.path.abspath(p or os.curdir) for p in sys.path}:
+        sys.path.insert(0, here)
+
+
 def run_command(argv: list[str] | None = None) -> None:
     """``python -m distrain(.cli) ARGS``: :func:`main`, then exit with its status. A launched rank
     (:func:`distrain.runtime.launched_rank`) leaves through :func:`distrain.runtime.leave`, skipping
     interpreter finalization."""
     from distrain import runtime
 
+    import_from_cwd()
     code = exit_status(main, argv)
     try:
         launched = runtime.launched_rank(os.environ) is not None

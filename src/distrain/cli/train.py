@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from pathlib import Path
 
 from distrain.cli.common import read_toml
 from distrain.errors import ConfigError
@@ -113,7 +114,19 @@ def run(args: argparse.Namespace) -> int:
     if (launched is not None and launched[0] != 0) or (cfg.elastic and follower()):
         train(cfg)
         return 0
-    with runlock.hold(cfg.out):
+    if cfg.resume is True:
+        checkpoint.read_manifest(cfg.out)  # --resume on a folder without a checkpoint: refused before it is made
+    # the lock file goes at the end; a run that fails before it wrote a step line or a checkpoint takes the folder
+    # it created with it (nothing half-written)
+    with runlock.hold(cfg.out, release=True, discard=lambda: not kept_anything(cfg.out)):
         checkpoint.clean_temporaries(cfg.out)  # left by a run killed mid-save; nobody else writes here now
         train(cfg)
     return 0
+
+
+def kept_anything(out: str) -> bool:
+    """``out`` holds a committed checkpoint or a step line in metrics.jsonl: a result worth keeping."""
+    from distrain import checkpoint
+    from distrain.trainer.metrics import has_step_lines
+
+    return (Path(out) / checkpoint.MANIFEST).exists() or has_step_lines(Path(out) / "metrics.jsonl")

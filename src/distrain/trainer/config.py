@@ -155,7 +155,8 @@ class TrainConfig:
     reshard: bool = opt(False, "with --resume: load a checkpoint written with another layout (--nproc, --dp/--tp/"
                                "--pp, --strategy among single, ddp, torch-ddp, zero1-3) into this run's layout")
     sample_chars: int = opt(300, "characters of generated text at the end (text models; 0: none)")
-    progress: bool = opt(True, "show a progress bar")
+    progress: bool = opt(True, "show a progress bar on a terminal (without one, or with --no-progress: a plain line "
+                               "every --log-every steps and each validation loss; with --no-report too: nothing)")
     report: bool = opt(True, "print the summary table (and sample) at the end")
     timeout: float = opt(0.0, "whole-run limit in seconds (local spawn); 0: no limit")
     check_replicas: int = opt(0, "every this many steps, and before every checkpoint, the ranks that hold the same "

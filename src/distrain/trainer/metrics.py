@@ -102,6 +102,15 @@ class TensorBoardLog:
             self.writer.close()
 
 
+def has_step_lines(path: str | os.PathLike) -> bool:
+    """``path`` (a metrics.jsonl) exists and holds a whole step line (torn lines and event lines do not count)."""
+    try:
+        lines = Path(path).read_text(errors="replace").splitlines() if Path(path).is_file() else []
+    except OSError:
+        return False
+    return any((r := _record(ln)) is not None and "event" not in r for ln in lines)
+
+
 def read_events(path: str | os.PathLike) -> list[dict]:
     """The event lines of a metrics.jsonl (an elastic job's membership changes and stop)."""
     rows = [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]

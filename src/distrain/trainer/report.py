@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import threading
 import time
 from pathlib import Path
@@ -35,9 +36,36 @@ def step_record(step: int, loss: torch.Tensor | None, dt: float, comm_wait: floa
             "time": time.time()}
 
 
+class PlainLines:
+    """The progress bar's stand-in where no terminal shows one (``--no-progress``, or output to a file or a
+    pipe): one plain line per write point (every ``--log-every`` steps, and before an evaluation or a
+    checkpoint) and the validation lines, on stdout, flushed. Steps are numbered from 0, as in metrics.jsonl."""
+
+    def __init__(self, cfg: TrainConfig, start: int, label: str):
+        self.name, self.total, self.done, self.post = f"{label}/{cfg.model}", cfg.steps, start, {}
+
+    def write(self, line: str) -> None:
+        print(line, flush=True)
+
+    def set_postfix(self, post: dict) -> None:
+        self.post = post
+
+    def update(self, n: int) -> None:
+        self.done += n
+        shown = ", ".join(f"{k} {v}" for k, v in self.post.items())
+        self.write(f"{self.name} step {self.done - 1}: {shown} ({self.done}/{self.total} steps done)")
+
+    def close(self) -> None:
+        pass
+
+
 def progress_bar(cfg: TrainConfig, start: int, label: str, on: bool):
-    if not (on and cfg.progress):
+    """Rank 0's progress display: a tqdm bar when ``--progress`` and stdout and stderr are terminals, else
+    :class:`PlainLines` (none with ``--no-progress --no-report``: a quiet run, as the benchmarks start)."""
+    if not on or not (cfg.progress or cfg.report):
         return None
+    if not (cfg.progress and sys.stdout.isatty() and sys.stderr.isatty()):
+        return PlainLines(cfg, start, label)
     from tqdm.auto import tqdm
 
     # one process writes the bar; tqdm's default lock includes a multiprocessing one (a named semaphore in
@@ -74,7 +102,7 @@ def add_eval(rec: dict, val: dict | None, log: MetricsLog | None, bar) -> None:
         if log.tensorboard is not None:
             log.tensorboard.write([{"step": rec["step"], **val}])
     if log is not None and bar is not None and "val_loss" in val:
-        bar.write(f"step {rec['step'] + 1}: validation loss {val['val_loss']:.4f}")
+        bar.write(f"step {rec['step']}: validation loss {val['val_loss']:.4f}")
 
 
 def write_records(pending: list[dict], log: MetricsLog | None, bar) -> None:
@@ -88,7 +116,7 @@ def write_records(pending: list[dict], log: MetricsLog | None, bar) -> None:
         if r.get("comm_wait_s") is not None:
             post["comm"] = f"{100 * r['comm_wait_s'] / r['time_s']:.0f}%"
         if "val_loss" in r:
-            bar.write(f"step {r['step'] + 1}: validation loss {r['val_loss']:.4f}")
+            bar.write(f"step {r['step']}: validation loss {r['val_loss']:.4f}")
         bar.set_postfix(post)
         bar.update(len(pending))
 

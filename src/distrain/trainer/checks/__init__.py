@@ -1,6 +1,6 @@
 """``TrainConfig.validate``'s rules, each owned by the module named for what it checks.
 
-* flags.py: each flag on its own (a name among its choices, a number in its range)
+* flags.py: each flag on its own (a name among its choices, a number in its range, a PKG.MOD:NAME that imports)
 * start.py: what a run starts from (--init-from, --resume, --reshard)
 * strategy.py: the strategy's own rules (the flags it acts on, its process counts, --elastic)
 * diloco.py: --strategy diloco's flags (islands, inner steps, the outer optimizer)
@@ -31,6 +31,7 @@ def validate(cfg, launched: tuple[int, int] | None = None, fashion_mnist_root: s
     flags.check_strategy_name(cfg)
     start.check_start(cfg)  # before the model's name: --init-from's checkpoint may name it
     flags.check_names(cfg)
+    flags.check_importable(cfg)
     flags.check_nproc(cfg)
     flags.check_numbers(cfg)
     start.check_resume(cfg)

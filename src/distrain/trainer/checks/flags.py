@@ -17,11 +17,19 @@ def check_strategy_name(cfg) -> None:
 
 
 def check_names(cfg) -> None:
-    """--model, --loss, --algorithm, --transport, --optimizer, --dtype, --compression: known values."""
+    """--model, --loss, --algorithm, --transport, --optimizer, --dtype, --compression: known values
+    (a PKG.MOD:NAME one: :func:`check_importable`)."""
     from distrain.models import list_models
+    from distrain.models.registry import SHAPE_ONLY_PRESETS
 
+    trainable = [m for m in list_models() if m not in SHAPE_ONLY_PRESETS]
     need(cfg.model in list_models() or cfg.custom_model,
-         f"--model {cfg.model!r} is unknown; use one of {', '.join(list_models())}, or PKG.MOD:FACTORY")
+         f"--model {cfg.model!r} is unknown; use one of {', '.join(trainable)}, or PKG.MOD:FACTORY (shape-only, "
+         f"for `distrain plan`: {', '.join(sorted(SHAPE_ONLY_PRESETS))})")
+    need(cfg.model not in SHAPE_ONLY_PRESETS,
+         f"--model {cfg.model} is a shape-only preset: its published sizes, for `distrain plan` and the cost model "
+         f"(no weights, and too large to train from scratch here); to train the real model, download its Hugging "
+         f"Face folder and give --init-from DIR (docs/llama.md)")
     need(cfg.loss in ("auto", "cross-entropy", "mse") or ":" in cfg.loss,
          f"--loss {cfg.loss!r} is unknown; use auto, cross-entropy, mse or PKG.MOD:FN")
     need(cfg.algorithm in ALGORITHM_NAMES,
@@ -33,6 +41,17 @@ def check_names(cfg) -> None:
     need(cfg.dtype in DTYPES, f"--dtype {cfg.dtype!r} is unknown; use one of {', '.join(DTYPES)}")
     need(cfg.compression in (None, "bf16", "fp16"),
          f"--compression must be bf16 or fp16, got {cfg.compression!r}")
+
+
+def check_importable(cfg) -> None:
+    """--model, --data, --loss PKG.MOD:NAME: the module imports and holds NAME, here, before any rank starts
+    (each rank imports it again; a missing module is one line, not every rank's failure)."""
+    from distrain.checkpoint.models import is_hf_name
+    from distrain.factories import is_spec, load_object
+
+    for flag, value in (("--model", cfg.model), ("--data", cfg.data), ("--loss", cfg.loss)):
+        if is_spec(value) and not is_hf_name(value):
+            load_object(value, flag)
 
 
 def check_nproc(cfg) -> None:
