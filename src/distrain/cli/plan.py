@@ -55,9 +55,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "their 8192-token context, whose s^2 attention term dominates the activation estimate)")
     p.add_argument("--compute-ms", type=float, default=None,
                    help="forward+backward of the global batch on one process; default: measured here (presets)")
-    p.add_argument("--memory-gb", type=float, default=None,
-                   help="memory per rank in GB that a layout must fit (default: this machine's memory over "
-                        "--procs-per-node; with --device the device's)")
     g = p.add_argument_group("a cluster of devices (--device)")
     g.add_argument("--device", default=None, help="h100, h200, a100-40g, a100-80g, h100-hbm2e, cpu: plan a cluster of "
                                                   "these from the model's shape (docs/cost_model.md, Devices)")
@@ -143,34 +140,12 @@ def _run_emulated(args: argparse.Namespace) -> int:
     else:
         c = measured_compute(args.model)
     rows = plans(m, fabric, c, args.batch_size, args.procs_per_node, args.microbatches)
-    limit, source = _rank_memory(args)
-    fits = [r for r in rows if r.mem_bytes <= limit]
-    if not fits:
-        small = min(rows, key=lambda r: r.mem_bytes)
-        raise ConfigError(f"no layout fits: the smallest, {small.strategy}, needs {small.mem_bytes / 1e9:.1f} GB per "
-                          f"rank and a rank has {limit / 1e9:.1f} GB ({source}); add nodes (--nodes) or plan a "
-                          f"smaller model")
     how = "given" if args.compute_ms is not None else f"measured here, AdamW {c.opt * m.params * 1e3:.1f} ms"
     print(f"# {m.name}: {m.params:,} parameters, batch {args.batch_size}, forward+backward "
           f"{c.fb(args.batch_size) * 1e3:.1f} ms on one process ({how}); {args.nodes} node(s) x "
           f"{args.procs_per_node} = {P} ranks; link {args.calibration or link} (intra {intra})")
-    print(format_plans(fits))
-    print(f"# {len(fits)} layouts fit in {limit / 1e9:.1f} GB per rank ({source}), {len(rows) - len(fits)} do not")
+    print(format_plans(rows))
     return 0
-
-
-def _rank_memory(args: argparse.Namespace) -> tuple[float, str]:
-    """(bytes a rank may hold, where that figure comes from): --memory-gb, else this machine's memory shared by
-    --procs-per-node ranks (each emulated node is a machine like this one)."""
-    import os
-
-    if args.memory_gb is not None:
-        if not args.memory_gb > 0:
-            raise ConfigError(f"--memory-gb must be a positive number of GB, got {args.memory_gb}")
-        return args.memory_gb * 1e9, "--memory-gb"
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return total / args.procs_per_node, (f"this machine's {total / 1e9:.1f} GB over {args.procs_per_node} rank(s); "
-                                         f"--memory-gb sets it")
 
 
 # -- a cluster of devices ----------------------------------------------------------------------
@@ -231,10 +206,6 @@ def _case(args: argparse.Namespace):
         if link not in LINKS or intra_name not in INTRA:
             raise ConfigError(f"--link must be one of {', '.join(LINKS)} and --intra one of {', '.join(INTRA)}")
         inter, intra = LINKS[link], INTRA[intra_name]
-    if args.memory_gb is not None:  # the device's memory, as given
-        if not args.memory_gb > 0:
-            raise ConfigError(f"--memory-gb must be a positive number of GB, got {args.memory_gb}")
-        dev = dataclasses.replace(dev, memory=args.memory_gb * 1e9)
     cluster = Cluster(dev, args.nodes, per_node, inter, intra)
     shape, seq = _shape(args)
     batch = args.batch_size or cluster.size

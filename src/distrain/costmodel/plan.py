@@ -291,14 +291,10 @@ def plans(m: ModelSpec, fabric: Fabric, T: float | Compute, batch: int, procs_pe
 
 
 def format_plans(rows: list[Plan]) -> str:
-    """The ranking of :func:`plans` as the text table ``distrain plan`` prints (rank 1 first); each column as
-    wide as its header or its widest value, so that large numbers keep the columns aligned."""
-    head = ("rank", "strategy", "step ms", "compute", "comm", "mem/rank MB", "busiest link MB")
-    cells = [(str(i), r.strategy, f"{r.step_s * 1e3:.2f}", f"{r.compute_s * 1e3:.2f}", f"{r.comm_s * 1e3:.2f}",
-              f"{r.mem_bytes / 1e6:.1f}", f"{r.busiest_bytes / 1e6:.2f}") for i, r in enumerate(rows, 1)]
-    widths = [max(w, *(len(c[k]) for c in cells)) for k, w in enumerate((4, 28, 9, 9, 9, 11, 15))]
-
-    def line(c: tuple) -> str:
-        return (f"{c[0]:>{widths[0]}}  {c[1]:<{widths[1]}} " + " ".join(f"{v:>{w}}" for v, w in zip(c[2:], widths[2:])))
-
-    return "\n".join(line(c) for c in [head, *cells])
+    """The ranking of :func:`plans` as the text table ``distrain plan`` prints (rank 1 first)."""
+    lines = [f"{'rank':>4}  {'strategy':<28} {'step ms':>9} {'compute':>9} {'comm':>9} {'mem/rank MB':>11} "
+             f"{'busiest link MB':>15}"]
+    for i, r in enumerate(rows, 1):
+        lines.append(f"{i:>4}  {r.strategy:<28} {r.step_s * 1e3:>9.2f} {r.compute_s * 1e3:>9.2f} "
+                     f"{r.comm_s * 1e3:>9.2f} {r.mem_bytes / 1e6:>11.1f} {r.busiest_bytes / 1e6:>15.2f}")
+    return "\n".join(lines)
