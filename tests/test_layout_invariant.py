@@ -167,6 +167,8 @@ def test_data_parallel_equals_one_process_bit_for_bit(tmp_path, tmp_path_factory
     assert_identical(out, train_losses(job(out, steps=6, **layout)), ref)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_without_the_flag_a_float32_layout_is_not_bitwise_one_process(tmp_path, tmp_path_factory):
     """What the flag is for: the default path at P = 3 rounds differently from one process."""
     single = train_losses(trainer_config(tmp_path / "a", dtype="float32", steps=4, strategy="single", nproc=1))
