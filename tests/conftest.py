@@ -152,6 +152,41 @@ def assert_refused(cfg, message: str | None) -> None:
 _REFERENCES: dict = {}
 
 
+def consolidated_state(out) -> dict:
+    """A run folder's committed checkpoint as {"model": whole-model tensors, "optimizer": per-parameter state}
+    (checkpoint/reshard.py consolidate: whatever layout wrote it)."""
+    from distrain.checkpoint.reshard import consolidate
+
+    f = consolidate(out)
+    return {"model": f["model"], "optimizer": f["optimizer"]["state"]}
+
+
+def state_differences(a: dict, b: dict) -> list[str]:
+    """The names whose tensors are not bit for bit equal in two ``consolidated_state`` results (model, then
+    every optimizer state tensor); the same names and state keys on both sides are asserted."""
+    import torch
+
+    assert a["model"].keys() == b["model"].keys()
+    bad = [n for n in a["model"] if not torch.equal(a["model"][n], b["model"][n])]
+    assert a["optimizer"].keys() == b["optimizer"].keys()
+    for n, st in a["optimizer"].items():
+        assert st.keys() == b["optimizer"][n].keys()
+        for k, v in st.items():
+            if torch.is_tensor(v) and not torch.equal(v, b["optimizer"][n][k]):
+                bad.append(f"optimizer {n} {k}")
+    return bad
+
+
+def assert_bitwise(out, losses: list[float], ref, steps: int | None = None) -> None:
+    """Every step's loss ``==`` and run folder ``out``'s final state bit for bit those of ``ref`` = (losses,
+    consolidated_state) of the reference run (``steps``: how many losses there must be)."""
+    want_losses, want_state = ref
+    assert len(losses) == len(want_losses) and (steps is None or len(losses) == steps)
+    wrong = [(i, a, b) for i, (a, b) in enumerate(zip(losses, want_losses)) if a != b]
+    assert not wrong, f"{len(wrong)} step losses differ, first {wrong[:3]}"
+    assert state_differences(consolidated_state(out), want_state) == []
+
+
 def invariant_matrix(full: dict, suite: list[str]) -> list[str]:
     """The layouts a --layout-invariant matrix test runs: ``suite`` (each kind of layout at least once) in
     `make test`, to stay in its time budget; every one of ``full`` with DISTRAIN_INVARIANT_MATRIX=all."""

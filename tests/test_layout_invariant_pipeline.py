@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import invariant_matrix, train_losses, trainer_config
+from conftest import assert_bitwise, consolidated_state, invariant_matrix, train_losses, trainer_config
 
 STEPS = 30
 
@@ -26,25 +26,6 @@ def job(out, **kw):
     return trainer_config(out, **{**base, **kw})
 
 
-def final_state(out) -> dict:
-    from distrain.checkpoint.reshard import consolidate
-
-    f = consolidate(out)
-    return {"model": f["model"], "optimizer": f["optimizer"]["state"]}
-
-
-def differences(a: dict, b: dict) -> list[str]:
-    """The names whose tensors are not bit for bit equal (model, then every optimizer state tensor)."""
-    assert a["model"].keys() == b["model"].keys()
-    bad = [n for n in a["model"] if not torch.equal(a["model"][n], b["model"][n])]
-    assert a["optimizer"].keys() == b["optimizer"].keys()
-    for n, st in a["optimizer"].items():
-        for k, v in st.items():
-            if torch.is_tensor(v) and not torch.equal(v, b["optimizer"][n][k]):
-                bad.append(f"optimizer {n} {k}")
-    return bad
-
-
 _REFERENCES: dict = {}
 
 
@@ -54,16 +35,8 @@ def reference(tmp_path_factory, **kw):
     if key not in _REFERENCES:
         out = tmp_path_factory.mktemp("invariant-pipeline-reference")
         losses = train_losses(job(out, strategy="single", nproc=1, **kw))
-        _REFERENCES[key] = (losses, final_state(out))
+        _REFERENCES[key] = (losses, consolidated_state(out))
     return _REFERENCES[key]
-
-
-def assert_identical(out, losses, ref) -> None:
-    want_losses, want_state = ref
-    assert len(losses) == len(want_losses) == STEPS
-    wrong = [(i, a, b) for i, (a, b) in enumerate(zip(losses, want_losses)) if a != b]
-    assert not wrong, f"{len(wrong)} step losses differ, first {wrong[:3]}"
-    assert differences(final_state(out), want_state) == []
 
 
 # -- in one process: the pipeline's step against the units' step ----------------------------------------------
@@ -211,7 +184,7 @@ MATRIX = {
                                                             "dp2xpp2-zero1"]))
 def test_gpt_every_pipeline_layout_is_one_process_bit_for_bit(tmp_path, tmp_path_factory, name):
     out = tmp_path / "run"
-    assert_identical(out, train_losses(job(out, **MATRIX[name])), reference(tmp_path_factory))
+    assert_bitwise(out, train_losses(job(out, **MATRIX[name])), reference(tmp_path_factory), steps=STEPS)
 
 
 @pytest.mark.slow
@@ -219,7 +192,7 @@ def test_gpt_every_pipeline_layout_is_one_process_bit_for_bit(tmp_path, tmp_path
 def test_llama_through_a_pipeline_is_one_process_bit_for_bit(tmp_path, tmp_path_factory):
     out = tmp_path / "run"
     losses = train_losses(job(out, model="llama-tiny", strategy="ddp", nproc=2, pp=2, microbatches=8))
-    assert_identical(out, losses, reference(tmp_path_factory, model="llama-tiny"))
+    assert_bitwise(out, losses, reference(tmp_path_factory, model="llama-tiny"), steps=STEPS)
 
 
 @pytest.mark.slow
@@ -229,7 +202,7 @@ def test_bf16_autocast_and_checkpointing_through_a_pipeline_are_one_process_bit_
     out = tmp_path / "run"
     losses = train_losses(job(out, strategy="ddp", nproc=4, pp=2, microbatches=4, schedule="interleaved",
                               virtual_stages=2, **kw))
-    assert_identical(out, losses, reference(tmp_path_factory, **kw))
+    assert_bitwise(out, losses, reference(tmp_path_factory, **kw), steps=STEPS)
 
 
 class BlockSize:
@@ -275,6 +248,6 @@ def test_your_own_model_with_dropout_through_a_pipeline_is_one_process_bit_for_b
                                                schedule="zb-h1")}.items():
         out = tmp_path / name
         distrain.train(model=Dropped(), config=job(out, steps=STEPS, **layout))
-        runs[name] = ([r["loss"] for r in read_metrics(out / "metrics.jsonl")], final_state(out), out)
+        runs[name] = ([r["loss"] for r in read_metrics(out / "metrics.jsonl")], consolidated_state(out), out)
     for name in ("pp2", "dp2xpp2-zb-h1"):
-        assert_identical(runs[name][2], runs[name][0], runs["single"][:2])
+        assert_bitwise(runs[name][2], runs[name][0], runs["single"][:2], steps=STEPS)

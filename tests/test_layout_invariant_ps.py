@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from conftest import invariant_matrix, train_losses, trainer_config
+from conftest import consolidated_state, invariant_matrix, state_differences, train_losses, trainer_config
 
 STEPS = 30
 
@@ -26,26 +26,6 @@ def job(out, **kw):
     return trainer_config(out, **{**base, **kw})
 
 
-def final_state(out) -> dict:
-    from distrain.checkpoint.reshard import consolidate
-
-    f = consolidate(out)
-    return {"model": f["model"], "optimizer": f["optimizer"]["state"]}
-
-
-def differences(a: dict, b: dict) -> list[str]:
-    """The names whose tensors are not bit for bit equal (model, then every optimizer state tensor)."""
-    assert a["model"].keys() == b["model"].keys()
-    bad = [n for n in a["model"] if not torch.equal(a["model"][n], b["model"][n])]
-    assert a["optimizer"].keys() == b["optimizer"].keys()
-    for n, st in a["optimizer"].items():
-        assert st.keys() == b["optimizer"][n].keys()
-        for k, v in st.items():
-            if torch.is_tensor(v) and not torch.equal(v, b["optimizer"][n][k]):
-                bad.append(f"optimizer {n} {k}")
-    return bad
-
-
 _REFERENCE: list = []
 
 
@@ -53,7 +33,7 @@ def reference(tmp_path_factory):
     """The one-process run of ``job()``: (losses, final state), once per session."""
     if not _REFERENCE:
         out = tmp_path_factory.mktemp("ps-invariant-reference")
-        _REFERENCE.append((train_losses(job(out, strategy="single", nproc=1)), final_state(out)))
+        _REFERENCE.append((train_losses(job(out, strategy="single", nproc=1)), consolidated_state(out)))
     return _REFERENCE[0]
 
 
@@ -129,7 +109,7 @@ def test_ps_sync_is_one_process_bit_for_bit(tmp_path, tmp_path_factory, name):
     assert len(losses) == len(want_losses) == STEPS
     wrong = [(i, a, b) for i, (a, b) in enumerate(zip(losses, want_losses)) if a != b]
     assert not wrong, f"{len(wrong)} step losses differ, first {wrong[:3]}"
-    assert differences(final_state(out), want_state) == []
+    assert state_differences(consolidated_state(out), want_state) == []
     # the servers received exactly the fixed-point pushes' bytes (PSLayout.push_bytes)
     assert json.loads((out / "summary.json").read_text())["ps_bytes_match"] is True
 
@@ -156,4 +136,4 @@ def test_elastic_ps_sync_is_one_process_bit_for_bit(tmp_path, monkeypatch, fault
     events = [e for e in read_events(out / "metrics.jsonl") if e["event"] == "membership"]
     assert [(e["old_world"], e["new_world"], e["left"], e["joined"], e["step"]) for e in events] == [change]
     assert [r["loss"] for r in rows] == want
-    assert differences(final_state(out), final_state(ref)) == []
+    assert state_differences(consolidated_state(out), consolidated_state(ref)) == []

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import invariant_matrix, run_ranks, train_losses, trainer_config
+from conftest import consolidated_state, invariant_matrix, run_ranks, state_differences, train_losses, trainer_config
 from distrain.errors import ConfigError
 from distrain.parallel.tensor_parallel import (
     ColumnParallelLinear, ColwiseParallel, RowParallelLinear, TPPlan, apply_tensor_parallel, tp_shard_info,
@@ -204,30 +204,13 @@ def _job(out, **kw):
     return trainer_config(out, **{**base, **kw})
 
 
-def _final_state(out) -> dict:
-    from distrain.checkpoint.reshard import consolidate
-
-    f = consolidate(out)
-    return {"model": f["model"], "optimizer": f["optimizer"]["state"]}
-
-
-def _differences(a: dict, b: dict) -> list[str]:
-    bad = [n for n in a["model"] if not torch.equal(a["model"][n], b["model"][n])]
-    assert a["model"].keys() == b["model"].keys() and a["optimizer"].keys() == b["optimizer"].keys()
-    for n, st in a["optimizer"].items():
-        for k, v in st.items():
-            if torch.is_tensor(v) and not torch.equal(v, b["optimizer"][n][k]):
-                bad.append(f"optimizer {n} {k}")
-    return bad
-
-
 _REFERENCES: dict = {}
 
 
 def _reference(tmp_path_factory, model: str):
     if model not in _REFERENCES:
         out = tmp_path_factory.mktemp("tp-invariant-reference")
-        _REFERENCES[model] = (train_losses(_job(out, model=model, strategy="single", nproc=1)), _final_state(out))
+        _REFERENCES[model] = (train_losses(_job(out, model=model, strategy="single", nproc=1)), consolidated_state(out))
     return _REFERENCES[model]
 
 
@@ -251,4 +234,4 @@ def test_tensor_parallel_layouts_are_one_process_bit_for_bit(tmp_path, tmp_path_
     assert len(losses) == len(want_losses) == STEPS
     wrong = [(i, a, b) for i, (a, b) in enumerate(zip(losses, want_losses)) if a != b]
     assert not wrong, f"{len(wrong)} step losses differ, first {wrong[:3]}"
-    assert _differences(_final_state(out), want_state) == []
+    assert state_differences(consolidated_state(out), want_state) == []
