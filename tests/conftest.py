@@ -152,6 +152,31 @@ def assert_refused(cfg, message: str | None) -> None:
 _REFERENCES: dict = {}
 
 
+def process_tree() -> dict[int, list[int]]:
+    """{parent pid: its children's pids}, from /proc now."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    return children
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (children, their children, ...), from /proc now."""
+    children = process_tree()
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
 def consolidated_state(out) -> dict:
     """A run folder's committed checkpoint as {"model": whole-model tensors, "optimizer": per-parameter state}
     (checkpoint/reshard.py consolidate: whatever layout wrote it)."""

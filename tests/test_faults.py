@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import distrain
+from conftest import descendants, process_tree
 from distrain import comm, runlock
 from distrain.blame import Failure, blame, is_secondary
 from distrain.errors import CollectiveTimeoutError, CommError, ConfigError, RankFailedError
@@ -54,30 +55,7 @@ def _alive(pid: int) -> bool:
 
 
 def _children(pid: int) -> list[int]:
-    return _process_tree().get(pid, [])
-
-
-def _descendants(pid: int) -> set[int]:
-    children = _process_tree()
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
-
-
-def _process_tree() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(d))
-    return children
+    return process_tree().get(pid, [])
 
 
 def _wait_for(cond, timeout: float, what: str, p: subprocess.Popen | None = None) -> None:
@@ -100,7 +78,7 @@ def _metric_lines(out: Path) -> int:
 def _training(p: subprocess.Popen, out: Path, ranks: int) -> set[int]:
     """Wait until the job writes metrics, return the pids under its top process."""
     _wait_for(lambda: _metric_lines(out) >= 1, 120, "the first metrics line", p)
-    procs = _descendants(p.pid)
+    procs = descendants(p.pid)
     assert len(procs) >= ranks, procs
     return procs
 
@@ -505,7 +483,7 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
 def _rank_pids(top: int) -> dict[int, int]:
     """rank -> pid of the ranks torchrun started under ``top`` (their environment holds RANK)."""
     found = {}
-    for pid in _descendants(top):
+    for pid in descendants(top):
         try:
             env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
         except OSError:
@@ -581,7 +559,7 @@ def test_random_sigkill_of_a_rank_then_resume_is_bit_identical(tmp_path, job):
         os.kill(rng.choice(ranks), signal.SIGKILL)
         code, err = _finish(p, timeout=120)
         assert code == 2 and "process exited with code -9 before returning" in err, err  # the dead rank is named
-        _no_orphans(_descendants(p.pid))
+        _no_orphans(descendants(p.pid))
         resumed = subprocess.run([sys.executable, "-m", "distrain.cli", "train", *args, "--resume", "auto",
                                   "--out", str(out)], env=_env(), capture_output=True, text=True, timeout=900)
         assert resumed.returncode == 0, resumed.stderr

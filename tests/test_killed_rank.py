@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import descendants
 from distrain import checkpoint
 from distrain.errors import RankKilledError
 
@@ -20,22 +21,6 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 TINY = ["--model", "mlp-tiny", "--data", "digits", "--no-progress", "--eval-every", "0", "--no-report",
         "--steps", "1000000", "--log-every", "1"]
 OOM = "SIGKILL, usually the kernel's OOM killer when the host runs out of memory (`dmesg` says so), or `kill -9`"
-
-
-def _descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for d in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(d))
-        except (OSError, ValueError, IndexError):
-            continue
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
 
 
 def _read(path: str) -> str:
@@ -48,7 +33,7 @@ def _read(path: str) -> str:
 
 def _ranks(pid: int) -> dict[str, int]:
     """The processes under ``pid`` by their kernel name (/proc/PID/comm)."""
-    return {_read(f"/proc/{q}/comm"): q for q in _descendants(pid)}
+    return {_read(f"/proc/{q}/comm"): q for q in descendants(pid)}
 
 
 def _kill_rank_1(tmp_path: Path, *flags: str) -> tuple[str, dict[int, str], Path]:
