@@ -5,7 +5,7 @@ on nodes is gathered (:func:`distrain.bench.link.calibrate.placement`), and the 
 either read from a calibration file (``--predict PATH``, written by ``distrain bench link
 --json PATH``) or calibrated on the spot by a short ping-pong (``--predict`` alone). Rank 0
 then adds ``predicted_us`` (and ``predicted_error_pct`` = 100·(predicted - measured) /
-measured) to each record; algorithms the model has no schedule for (native Gloo; scatter,
+measured) and ``fabric`` (the links it used: :func:`describe`) to each record; algorithms the model has no schedule for (native Gloo; scatter,
 gather, barrier, star/tree all-gather variants it does not cover) get ``null``.
 """
 
@@ -38,6 +38,17 @@ def annotate(records: list[dict], fabric: Fabric, dtype_size: int) -> None:
         r["predicted_us"] = pred
         r["predicted_error_pct"] = None if pred is None else 100.0 * (pred - r["time_us"]) / r["time_us"]
         r["placement"] = list(fabric.placement)
+        r["fabric"] = describe(fabric)
+
+
+def describe(fabric: Fabric) -> dict:
+    """The links a prediction used, in a calibration model's units (``host_GBps`` null unless the
+    calibration's shift found every link sharing one machine's capacity): enough to rebuild it."""
+    def link(ln):
+        return {"alpha_us": ln.alpha * 1e6, "bandwidth_GBps": ln.bandwidth / 1e9}
+
+    return {"inter": link(fabric.inter), "intra": link(fabric.intra), "gamma_ns_per_byte": fabric.gamma * 1e9,
+            "host_GBps": None if fabric.host is None else fabric.host / 1e9}
 
 
 def table(records: list[dict]) -> str:
