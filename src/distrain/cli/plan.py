@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "their 8192-token context, whose s^2 attention term dominates the activation estimate)")
     p.add_argument("--compute-ms", type=float, default=None,
                    help="forward+backward of the global batch on one process; default: measured here (presets)")
+    p.add_argument("--inner-steps", type=int, nargs="+", default=None, metavar="H",
+                   help="also predict DiLoCo (one island per node) with H inner steps against DDP, and the link "
+                        "bandwidth below which it pays (docs/slow_links.md); not with --device")
     g = p.add_argument_group("a cluster of devices (--device)")
     g.add_argument("--device", default=None, help="h100, h200, a100-40g, a100-80g, h100-hbm2e, cpu: plan a cluster of "
                                                   "these from the model's shape (docs/cost_model.md, Devices)")
@@ -105,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
     if args.validate:
         return _validate(args.validate, args.markdown)
     if args.device or args.gpus_per_node:
+        if args.inner_steps:
+            raise ConfigError("--inner-steps plans DiLoCo on emulated nodes; drop --device/--gpus-per-node")
         return _run_cluster(args)
     return _run_emulated(args)
 
@@ -145,7 +150,19 @@ def _run_emulated(args: argparse.Namespace) -> int:
           f"{c.fb(args.batch_size) * 1e3:.1f} ms on one process ({how}); {args.nodes} node(s) x "
           f"{args.procs_per_node} = {P} ranks; link {args.calibration or link} (intra {intra})")
     print(format_plans(rows))
+    if args.inner_steps:
+        _diloco(args, m, fabric, c)
     return 0
+
+
+def _diloco(args: argparse.Namespace, m, fabric: Fabric, c) -> None:
+    """--inner-steps: DiLoCo's rows against DDP and where it pays (:func:`distrain.costmodel.diloco.report`)."""
+    from distrain.costmodel import diloco
+
+    if min(args.inner_steps) < 1:
+        raise ConfigError(f"--inner-steps {min(args.inner_steps)}: give H >= 1 inner steps between outer steps")
+    outer = diloco.measure_outer(args.model) if args.compute_ms is None else 0.0
+    print(diloco.report(m, fabric, c, args.batch_size, args.inner_steps, outer))
 
 
 # -- a cluster of devices ----------------------------------------------------------------------
