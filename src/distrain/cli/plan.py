@@ -144,25 +144,26 @@ def _run_emulated(args: argparse.Namespace) -> int:
         raise ConfigError("--params needs --compute-ms (forward+backward time of the global batch on one process)")
     else:
         c = measured_compute(args.model)
+    diloco = _diloco(args, m, fabric, c) if args.inner_steps else None  # its bad input refused before any output
     rows = plans(m, fabric, c, args.batch_size, args.procs_per_node, args.microbatches)
     how = "given" if args.compute_ms is not None else f"measured here, AdamW {c.opt * m.params * 1e3:.1f} ms"
     print(f"# {m.name}: {m.params:,} parameters, batch {args.batch_size}, forward+backward "
           f"{c.fb(args.batch_size) * 1e3:.1f} ms on one process ({how}); {args.nodes} node(s) x "
           f"{args.procs_per_node} = {P} ranks; link {args.calibration or link} (intra {intra})")
     print(format_plans(rows))
-    if args.inner_steps:
-        _diloco(args, m, fabric, c)
+    if diloco:
+        print(diloco)
     return 0
 
 
-def _diloco(args: argparse.Namespace, m, fabric: Fabric, c) -> None:
+def _diloco(args: argparse.Namespace, m, fabric: Fabric, c) -> str:
     """--inner-steps: DiLoCo's rows against DDP and where it pays (:func:`distrain.costmodel.diloco.report`)."""
     from distrain.costmodel import diloco
 
     if min(args.inner_steps) < 1:
         raise ConfigError(f"--inner-steps {min(args.inner_steps)}: give H >= 1 inner steps between outer steps")
     outer = diloco.measure_outer(args.model) if args.compute_ms is None else 0.0
-    print(diloco.report(m, fabric, c, args.batch_size, args.inner_steps, outer))
+    return diloco.report(m, fabric, c, args.batch_size, args.inner_steps, outer)
 
 
 # -- a cluster of devices ----------------------------------------------------------------------

@@ -200,7 +200,9 @@ def mbit(bandwidth: float) -> str:
 def _pays(what: str, b: float) -> str:
     if math.isinf(b):
         return f"{what} pays at every bandwidth up to {mbit(BANDWIDTHS[1])} per node"
-    return f"{what} pays below {mbit(b)} per node" if b else f"{what} pays at no bandwidth down to {mbit(BANDWIDTHS[0])}"
+    if not b:
+        return f"{what} pays at no bandwidth down to {mbit(BANDWIDTHS[0])}"
+    return f"{what} pays below {mbit(b)} per node"
 
 
 def report(m: ModelSpec, fabric: Fabric, c: Compute, batch: int, Hs: list[int], outer: float = 0.0) -> str:
