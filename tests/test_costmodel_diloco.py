@@ -110,18 +110,29 @@ def test_the_crossover_on_the_full_model_with_overlap():
     assert p.comm_s == pytest.approx(p.compute_s, rel=1e-6) and bal > b
 
 
+# int8/int4 bytes by hand: 782 blocks of 128 -> chunks of 196, 196, 196, 194 blocks (25,088 x 3 and 24,736
+# values); int8 payloads 25,872 / 25,512 bytes, so rank 0 sends 2 x 25,872 + 25,512 + 3 x 25,872 = 154,872 per
+# sync (15,487 a step at H = 10); int4: 13,328 / 13,144, 79,784 per sync (7,978)
 TABLE = """\
 # DiLoCo: 4 islands (one per node, 1 rank(s) each), the outer all-reduce every H steps (ring); DDP: ring over all 4 ranks
 strategy                   step ms   compute      comm  bytes/node/step
 ddp ring                     30.47     25.00      5.47          600,000
 diloco H=10                  25.55     25.00      0.55           60,000
 diloco H=10 bf16             25.29     25.00      0.29           30,000
+diloco H=10 int8             25.16     25.00      0.16           15,487
+diloco H=10 int4             25.10     25.00      0.10            7,978
 diloco H=100                 25.05     25.00      0.05            6,000
 diloco H=100 bf16            25.03     25.00      0.03            3,000
+diloco H=100 int8            25.02     25.00      0.02            1,549
+diloco H=100 int4            25.01     25.00      0.01              798
 # DiLoCo H=10 pays below 155.5 Mbit/s per node for this model (DDP's communication equals its compute at 194.9 Mbit/s)
 # DiLoCo H=10 bf16 pays below 175.0 Mbit/s per node for this model (DDP's communication equals its compute at 194.9 Mbit/s)
+# DiLoCo H=10 int8 pays below 184.4 Mbit/s per node for this model (DDP's communication equals its compute at 194.9 Mbit/s)
+# DiLoCo H=10 int4 pays below 189.3 Mbit/s per node for this model (DDP's communication equals its compute at 194.9 Mbit/s)
 # DiLoCo H=100 pays below 191.0 Mbit/s per node for this model (DDP's communication equals its compute at 194.9 Mbit/s)
 # DiLoCo H=100 bf16 pays below 192.9 Mbit/s per node for this model (DDP's communication equals its compute at 194.9 Mbit/s)
+# DiLoCo H=100 int8 pays below 193.9 Mbit/s per node for this model (DDP's communication equals its compute at 194.9 Mbit/s)
+# DiLoCo H=100 int4 pays below 194.4 Mbit/s per node for this model (DDP's communication equals its compute at 194.9 Mbit/s)
 """
 
 

@@ -202,7 +202,7 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path, stop):
     (dict(outer_momentum=-0.1), "--outer-momentum must be in [0, 1), got -0.1"),
     (dict(outer_momentum=0.0), "--outer-optimizer nesterov needs --outer-momentum > 0"),
     (dict(outer_optimizer="adam"), "--outer-optimizer 'adam' is unknown; use nesterov or sgd"),
-    (dict(outer_compression="int8"), "--outer-compression 'int8' is unknown; use bf16"),
+    (dict(outer_compression="int2"), "--outer-compression 'int2' is unknown; use bf16 or int8 or int4"),
     (dict(nproc=4, islands=3), "--islands 3 does not divide --nproc 4 into equal islands"),
     (dict(nproc=2, islands=3), "--islands must be in 0..--nproc 2"),
     (dict(nproc=2, islands=-1), "--islands must be in 0..--nproc 2"),

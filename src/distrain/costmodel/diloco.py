@@ -51,11 +51,13 @@ from distrain.costmodel.collectives import ring_time
 from distrain.costmodel.links import Fabric, Link
 from distrain.costmodel.plan import Compute, ModelSpec, ddp_buckets, plan_ddp
 from distrain.errors import ConfigError
+from distrain.parallel.diloco import quantized
 
 PAYS = 2.0  # "DiLoCo pays": its step at least this many times faster than DDP's (its replicas drift for H steps,
 # so an equal step time would gain nothing); crossover() takes any factor
 BANDWIDTHS = (125.0, 1.25e12)  # bytes/s searched: 1 kbit/s to 10 Tbit/s of payload per node link
 ELEM = {None: 4, "bf16": 2}  # bytes per element of the outer all-reduce (float32 parameters)
+COMPRESSIONS = (None, "bf16", "int8", "int4")  # --outer-compression: int8/int4 are quantized (not a ring's sum)
 
 
 @dataclass(frozen=True)
@@ -98,10 +100,17 @@ def _islands(fabric: Fabric) -> tuple[int, int]:
 
 def outer_all_reduce(m: ModelSpec, fabric: Fabric, compression: str | None = None) -> tuple[float, float]:
     """(seconds, the busiest node's bytes sent) of one outer all-reduce: the M cross groups at once, each a ring
-    over the K nodes of the flat Δ (N elements of 4 bytes, 2 with bf16)."""
+    over the K nodes of the flat Δ (N elements of 4 bytes, 2 with bf16; int8/int4: the quantized exchange's
+    payload bytes, :func:`distrain.parallel.diloco.quantized.sync_bytes`, at a ring's time)."""
     K, M = _islands(fabric)
-    elem = ELEM[compression]
     groups = [[i * M + j for i in range(K)] for j in range(M)]
+    if compression in quantized.BITS:
+        # an all-to-all of the chunks and an all-gather of the mean's (parallel/diloco/quantized.py): each rank
+        # sends about what a ring all-reduce of those payloads would, so its time is the ring's on them
+        sent = quantized.sync_bytes(m.params, K, quantized.BITS[compression])
+        seconds, _ = ring_time(fabric, groups, round(sent * K / (2 * (K - 1))), "all_reduce", 1)
+        return seconds, float(M * sent)
+    elem = ELEM[compression]
     seconds, _ = ring_time(fabric, groups, m.params * elem, "all_reduce", elem)
     node = M * max(_ring_bytes(K, m.params, elem, i) for i in range(K))  # node i: place i of M cross groups
     return seconds, float(node)
@@ -206,12 +215,13 @@ def _pays(what: str, b: float) -> str:
 
 
 def report(m: ModelSpec, fabric: Fabric, c: Compute, batch: int, Hs: list[int], outer: float = 0.0) -> str:
-    """``distrain plan --inner-steps H ...``: DDP's and DiLoCo's rows (float32 and bf16 outer all-reduce) and,
+    """``distrain plan --inner-steps H ...``: DDP's and DiLoCo's rows (float32, bf16, int8 and int4 outer
+    gradients) and,
     for each, where DiLoCo pays (:data:`PAYS`) and where DDP's communication equals its compute."""
     K, M = _islands(fabric)
     rows = [ddp_row(m, fabric, c, batch)]
     for H in Hs:
-        rows += [diloco_row(m, fabric, c, batch, H, comp, outer) for comp in ELEM]
+        rows += [diloco_row(m, fabric, c, batch, H, comp, outer) for comp in COMPRESSIONS]
     lines = [f"# DiLoCo: {K} islands (one per node, {M} rank(s) each), the outer all-reduce every H steps (ring); "
              f"DDP: ring over all {fabric.size} ranks",
              f"{'strategy':<24} {'step ms':>9} {'compute':>9} {'comm':>9} {'bytes/node/step':>16}"]
@@ -221,7 +231,7 @@ def report(m: ModelSpec, fabric: Fabric, c: Compute, batch: int, Hs: list[int], 
     balance = (f"DDP's communication equals its compute at {mbit(b)}" if b and not math.isinf(b) else
                f"DDP's communication {'exceeds' if b else 'stays under'} its compute at every bandwidth searched")
     for H in Hs:
-        for comp in ELEM:
+        for comp in COMPRESSIONS:
             what = f"DiLoCo H={H}" + (f" {comp}" if comp else "")
             b = crossover(m, fabric, c, batch, H, compression=comp, outer=outer)
             lines.append(f"# {_pays(what, b)} for this model ({balance})")

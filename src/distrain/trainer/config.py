@@ -82,7 +82,7 @@ class TrainConfig:
                                            "--outer-momentum 0)", choices=OUTER_OPTIMIZERS, only=("diloco",))
     outer_lr: float = opt(0.7, "DiLoCo: the outer learning rate", only=("diloco",))
     outer_momentum: float = opt(0.9, "DiLoCo: the outer momentum, in [0, 1)", only=("diloco",))
-    outer_compression: str | None = opt(None, "DiLoCo: the outer gradient on the wire (and summed) in this dtype",
+    outer_compression: str | None = opt(None, "DiLoCo: the outer gradient on the wire: bf16 (summed by the ring), int8 or int4 (block-wise, quantized)",
                                         choices=OUTER_COMPRESSIONS, type=str, only=("diloco",))
     # model parallelism (GPT and Llama presets, your model with .layers / a tp_plan, Hugging Face decoders):
     # dp * cp * tp * pp = nproc; dp = 0 means nproc // (cp * tp * pp)

@@ -48,7 +48,7 @@ class DiLoCoEngine(Engine):
         self.optimizer = optimizer_factory(self.model.parameters())  # the inner optimizer: this island's own
         self.outer = OuterStep(self.model.parameters(), group=g.cross_group, islands=g.islands,
                                optimizer=cfg.outer_optimizer, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
-                               algorithm=cfg.algorithm, compression=cfg.outer_compression)
+                               algorithm=cfg.algorithm, compression=cfg.outer_compression, place=g.island)
         self.dp_rank, self.dp_size = self.rank, self.world
         self.loss_fn = part_loss(loss_fn, cfg.batch_size, self.dp_size, self.dp_rank)
         self.loss_weight = 1.0 / self.world
