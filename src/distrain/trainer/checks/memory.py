@@ -4,8 +4,8 @@ A lower bound of what the ranks this process spawns hold together, from the mode
 (built on the meta device: no memory) and the run's dtype (4 bytes a float32, 8 a float64), counting
 what the strategies actually keep:
 
-* weights, one copy per replica (``--nproc / (tp x pp)`` of them; tp and pp cut a replica), one copy in
-  all under zero3 (sharded);
+* weights, one copy per replica (``--nproc / (tp x pp)`` of them; tp and pp cut a replica, ep its
+  experts, counted as if it cut all of it), one copy in all under zero3 (sharded);
 * gradients of the trainable parameters, the same, one copy in all under zero2 and zero3;
 * optimizer states per trainable parameter: AdamW 2 (its moments), SGD 1 with momentum and 0 without;
   one copy per replica, one in all under zero1-3 (sharded over the data-parallel group);
@@ -15,8 +15,8 @@ what the strategies actually keep:
 Activations, communication buffers, the top process and the allocator's slack are not counted, so a
 job refused here could not have fitted; a job that passes may still not fit. The available memory
 (the kernel's MemAvailable) is read at the process edge (``distrain train`` passes
-``distrain.runtime.available_memory()``); a rank of a launched job, a job on CUDA devices, or your own model (built by your
-factory) is not checked here.
+``distrain.runtime.available_memory()``); a rank of a launched job, a job on CUDA devices, or your own
+model (built by your factory) is not checked here.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from distrain.errors import ConfigError
 BYTES = {"float32": 4, "float64": 8}
 ZERO = {"zero1": 1, "zero2": 2, "zero3": 3}
 PS = ("ps-sync", "ps-async")
+DATA_PARALLEL = ("ddp", "torch-ddp", "zero1", "zero2")  # strategies that ZeRO trains the same way
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class Job:
     dtype: str
     strategy: str
     nproc: int
-    model_parallel: int  # tp x pp: the ranks one replica is cut over
+    model_parallel: int  # tp x pp (x ep): the ranks one replica is cut over
     servers: int
     optimizer: str
     momentum: float
@@ -66,7 +67,8 @@ class Job:
 
 
 def job(cfg, params: int, trainable: int) -> Job:
-    return Job(params, trainable, cfg.dtype, cfg.strategy, cfg.nproc, max(1, cfg.tp * cfg.pp), cfg.servers,
+    # ep cuts the experts only; counting it as cutting everything keeps the bound a lower one
+    return Job(params, trainable, cfg.dtype, cfg.strategy, cfg.nproc, max(1, cfg.tp * cfg.pp * cfg.ep), cfg.servers,
                cfg.optimizer, cfg.momentum)
 
 
@@ -86,7 +88,7 @@ def fixes(j: Job, available: float) -> list[str]:
     """The changes of flags that would make ``j`` fit ``available`` bytes, the smallest change of each kind."""
     out = []
     if j.strategy not in PS:
-        if j.model_parallel == 1:  # ZeRO shards over data-parallel ranks (checked for tp/pp elsewhere)
+        if j.model_parallel == 1 and j.strategy in DATA_PARALLEL:  # ZeRO: the same training, states sharded
             stage = next((s for s in ("zero1", "zero2", "zero3") if ZERO[s] > ZERO.get(j.strategy, 0)
                           and replace(j, strategy=s).lower_bound() <= available), None)
             if stage:
@@ -105,7 +107,20 @@ def fixes(j: Job, available: float) -> list[str]:
             out.append(fit)
     if j.dtype != "float32" and replace(j, dtype="float32").lower_bound() <= available:
         out.append("--dtype float32")
+    if not out:  # no one change: all of them at once
+        flags, lean = [], replace(j, optimizer="sgd", momentum=0.0, dtype="float32")
+        if j.strategy in DATA_PARALLEL and j.model_parallel == 1 and j.nproc > 1:
+            flags, lean = ["--strategy zero3"], replace(lean, strategy="zero3")
+        elif j.strategy not in PS and j.nproc > j.model_parallel:
+            flags, lean = [f"--nproc {j.model_parallel}"], replace(lean, nproc=j.model_parallel)
+        flags += ["--optimizer sgd --momentum 0"] * bool(j.states) + ["--dtype float32"] * (j.dtype != "float32")
+        if len(flags) > 1 and lean.lower_bound() <= available:
+            out.append(" ".join(flags))
     return out
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.3g} GB"
 
 
 def check_memory(cfg, available: float | None, launched: tuple[int, int] | None = None) -> None:
@@ -128,5 +143,5 @@ def check_memory(cfg, available: float | None, launched: tuple[int, int] | None 
     ways = fixes(j, available)
     how = (f"it would fit with {' or '.join(ways)}, or " if ways else "no flag makes it fit: ") + \
         "train a smaller model"
-    raise ConfigError(f"--model {cfg.model} needs at least {need / 1e9:.1f} GB of memory ({j.describe()}, no "
-                      f"activations) and this host has {available / 1e9:.1f} GB available; {how}")
+    raise ConfigError(f"--model {cfg.model} needs at least {gb(need)} of memory ({j.describe()}, no activations) "
+                      f"and this host has {gb(available)} available; {how}")
