@@ -112,6 +112,19 @@ def validate_args(environ: Mapping[str, str] | None = None) -> dict:
     return {"launched": launched_rank(environ), "fashion_mnist_root": environ.get(FASHION_MNIST_ENV)}
 
 
+def available_memory(meminfo: str = "/proc/meminfo") -> float | None:
+    """Bytes of memory this host can give new processes without swapping (the kernel's MemAvailable),
+    read here, at the process edge; None where the file or the field is missing (not Linux)."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 INJECT_ENV = "DISTRAIN_INJECT"  # a fault to inject, for tests: bitflip:STEP:RANK (distrain.trainer.replicas)
 
 

@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inner-steps", type=int, nargs="+", default=None, metavar="H",
                    help="also predict DiLoCo (one island per node) with H inner steps against DDP, and the link "
                         "bandwidth below which it pays (docs/slow_links.md); not with --device")
+    p.add_argument("--memory-gb", type=float, default=None,
+                   help="memory of one rank in GB that a layout must fit (default: this host's available memory "
+                        "over --procs-per-node; with --device the device's)")
     g = p.add_argument_group("a cluster of devices (--device)")
     g.add_argument("--device", default=None, help="h100, h200, a100-40g, a100-80g, h100-hbm2e, cpu: plan a cluster of "
                                                   "these from the model's shape (docs/cost_model.md, Devices)")
@@ -145,15 +148,42 @@ def _run_emulated(args: argparse.Namespace) -> int:
     else:
         c = measured_compute(args.model)
     diloco = _diloco(args, m, fabric, c) if args.inner_steps else None  # its bad input refused before any output
+    limit, source = _rank_memory(args)
     rows = plans(m, fabric, c, args.batch_size, args.procs_per_node, args.microbatches)
     how = "given" if args.compute_ms is not None else f"measured here, AdamW {c.opt * m.params * 1e3:.1f} ms"
     print(f"# {m.name}: {m.params:,} parameters, batch {args.batch_size}, forward+backward "
           f"{c.fb(args.batch_size) * 1e3:.1f} ms on one process ({how}); {args.nodes} node(s) x "
-          f"{args.procs_per_node} = {P} ranks; link {args.calibration or link} (intra {intra})")
-    print(format_plans(rows))
+          f"{args.procs_per_node} = {P} ranks; link {args.calibration or link} (intra {intra}); memory: {source}")
+    print(format_plans(rows, limit))
+    if all(r.mem_bytes > limit for r in rows):
+        small = min(rows, key=lambda r: r.mem_bytes)
+        print(f"# no layout fits: the smallest, {small.strategy}, needs {small.mem_bytes / 1e9:.1f} GB per rank; "
+              f"add nodes (--nodes: more pipeline stages), give ranks more memory (--memory-gb) or plan a smaller "
+              f"model")
     if diloco:
         print(diloco)
     return 0
+
+
+def _rank_memory(args: argparse.Namespace) -> tuple[float, str]:
+    """(bytes one rank may hold, where the figure comes from): --memory-gb, else this host's available
+    memory shared by the --procs-per-node ranks of a node (each emulated node a host like this one)."""
+    if args.memory_gb is not None:
+        return _memory_gb(args.memory_gb), f"{args.memory_gb:g} GB per rank (--memory-gb)"
+    from distrain.runtime import available_memory
+
+    here = available_memory()
+    if here is None:
+        raise ConfigError("plan: this host's available memory is unknown (no MemAvailable in /proc/meminfo); give "
+                          "the memory of one rank with --memory-gb")
+    return here / args.procs_per_node, (f"{here / 1e9:.1f} GB available here / {args.procs_per_node} ranks per node "
+                                        f"(--memory-gb sets a rank's)")
+
+
+def _memory_gb(gb: float) -> float:
+    if not gb > 0:
+        raise ConfigError(f"--memory-gb must be a positive number of GB, got {gb}")
+    return gb * 1e9
 
 
 def _diloco(args: argparse.Namespace, m, fabric: Fabric, c) -> str:
@@ -224,6 +254,8 @@ def _case(args: argparse.Namespace):
         if link not in LINKS or intra_name not in INTRA:
             raise ConfigError(f"--link must be one of {', '.join(LINKS)} and --intra one of {', '.join(INTRA)}")
         inter, intra = LINKS[link], INTRA[intra_name]
+    if args.memory_gb is not None:  # a device with this much memory
+        dev = dataclasses.replace(dev, memory=_memory_gb(args.memory_gb))
     cluster = Cluster(dev, args.nodes, per_node, inter, intra)
     shape, seq = _shape(args)
     batch = args.batch_size or cluster.size
@@ -268,18 +300,38 @@ def _run_cluster(args: argparse.Namespace) -> int:
         if too_big:
             p = too_big[0]
             raise ConfigError(f"no layout fits: the smallest, {p.layout.name()}, needs {p.memory.total / 1e9:.1f} GB "
-                              f"per device and the {cl.device.name} has {cl.device.memory / 1e9:.0f} GB; add devices, "
-                              f"or allow more tp/pp, --zero 3 or --recompute full")
+                              f"per device and the {cl.device.name} has {cl.device.memory / 1e9:.0f} GB; "
+                              f"{no_fit_hint(fixed)}")
         _one_layout(case, fixed)  # the fixed fields' own error, if they make one
         raise ConfigError("no layout satisfies the fixed flags on this cluster; fix fewer of them")
     link = args.calibration or args.link or ("eth-1g" if cl.device.family == "cpu" else "ib-400g")
+    given = ", --memory-gb" if args.memory_gb is not None else ""
     print(f"# {shape.describe()}; {cl.nodes} node(s) x {cl.per_node} {cl.device.name} = {cl.size} devices "
-          f"({cl.device.memory / 1e9:.0f} GB each); link {link} per device, intra {args.intra or cl.device.intra}; "
+          f"({cl.device.memory / 1e9:.3g} GB each{given}); link {link} per device, intra "
+          f"{args.intra or cl.device.intra}; "
           f"batch {case.batch} x {case.seq} tokens; {args.efficiency} efficiencies")
     print(format_predictions(fits, args.top))
     print(f"# {len(fits)} layouts fit, {len(too_big)} do not fit the device's memory")
     print(explain(fits, cl.device.memory))
     return 0
+
+
+def no_fit_hint(fixed: dict) -> str:
+    """What could make a layout fit, given the fields the flags ``fixed``: only what the search did not
+    already try (an open field was searched over all its values), never what the layout already uses."""
+    ways = []
+    pinned = [f"--{k}" for k in ("tp", "pp", "cp") if k in fixed]
+    if pinned:
+        ways.append(f"leave {'/'.join(pinned)} open (or larger)")
+    if fixed.get("zero", 3) < 3 and fixed.get("pp", 1) == 1:  # (ZeRO-3 only without a pipeline)
+        ways.append("--zero 3")
+    if fixed.get("recompute", "full") != "full":
+        ways.append("--recompute full")
+    if fixed.get("micro_batch", 1) > 1:
+        ways.append("--micro-batch 1")
+    ways.append("add devices (--nodes)" if fixed.get("zero", 3) or any(k not in fixed for k in ("tp", "pp"))
+                else "a device with more memory")
+    return ", ".join(ways[:-1]) + f" or {ways[-1]}" if len(ways) > 1 else ways[0]
 
 
 def _validate(path: str, markdown: bool) -> int:

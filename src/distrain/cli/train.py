@@ -101,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
     if cfg.resume is False and os.environ.get("DISTRAIN_RESUME") == "auto":  # set by launch --max-restarts
         cfg.resume = "auto"
     init_from.resolve(cfg)  # a left-out --model: the default, or --init-from's / --resume's checkpoint's
-    cfg.validate(**runtime.validate_args(os.environ))
+    # this host's available memory: the ranks this process spawns must hold the model (trainer/checks/memory.py)
+    cfg.validate(**runtime.validate_args(os.environ), available_memory=runtime.available_memory())
     from distrain.trainer.replicas import check_inject, parse_inject
 
     check_inject(parse_inject(runtime.injected_fault(os.environ)), cfg)  # (train() again; here: before --out is made)

@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from distrain.costmodel.kernels import RECOMPUTE
 from distrain.costmodel.step import Case, Layout, Prediction
+from distrain.costmodel.table import Row, format_table
 from distrain.errors import ConfigError
 
 SEARCH = dict(tp=(1, 2, 4, 8, 16), pp=(1, 2, 4, 8, 16, 32), cp=(1, 2, 4, 8), micro_batch=(1, 2, 4, 8, 16),
@@ -106,10 +107,13 @@ def explain(ranked: list[Prediction], device_memory: float) -> str:
 
 
 def format_predictions(preds: list[Prediction], top: int) -> str:
-    """The ranking as a text table, rank 1 first."""
-    lines = [f"{'rank':>4}  {'layout':<38} {'step s':>9} {'tok/s/dev':>10} {'MFU %':>6} {'mem GB':>7} "
-             f"{'busiest link':>18}"]
-    for i, p in enumerate(preds[:top], 1):
-        lines.append(f"{i:>4}  {p.layout.name():<38} {p.step_s:>9.4g} {p.tokens_per_s:>10,.0f} {100 * p.mfu:>6.1f} "
-                     f"{p.memory.total / 1e9:>7.1f} {p.busiest_link:>8} {p.busiest_bytes / 1e9:>6.2f} GB")
-    return "\n".join(lines)
+    """The ranking as a text table, rank 1 first (the columns of :mod:`distrain.costmodel.table`): compute is
+    the kernels' time on the step's critical path (the bubble's slots and the optimizer included), comm what
+    the step spends beyond it (exposed communication)."""
+    return format_table([_row(p) for p in preds[:top]])
+
+
+def _row(p: Prediction) -> Row:
+    compute = p.parts["gemm"] + p.parts["attn"] + p.parts["elem"] + p.parts["optimizer"]
+    return Row(p.layout.name(), p.step_s, compute, max(0.0, p.step_s - compute), p.tokens_per_s, p.mfu,
+               p.busiest_link, p.memory.total, p.busiest_bytes)

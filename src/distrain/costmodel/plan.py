@@ -45,6 +45,7 @@ from distrain.costmodel import schedules
 from distrain.costmodel.collectives import ring_time
 from distrain.costmodel.links import INTRA, LINKS, Fabric, block_placement, calibrated_fabric  # noqa: F401 (API)
 from distrain.costmodel.sim import Message, simulate
+from distrain.costmodel.table import Row, format_table
 from distrain.errors import ConfigError
 
 BUCKET, FIRST_BUCKET = 25 << 20, 1 << 20  # as distrain's DDP (and torch's): bucket_cap_mb 25, first 1 MiB
@@ -81,6 +82,7 @@ class Plan:
     comm_s: float
     mem_bytes: float
     busiest_bytes: float
+    tokens_per_s: float | None = None  # per rank (transformer presets; :func:`plans` sets it)
 
 
 def model_spec(name: str | None, params: int | None) -> ModelSpec:
@@ -287,14 +289,21 @@ def plans(m: ModelSpec, fabric: Fabric, T: float | Compute, batch: int, procs_pe
                 out.append(plan_3d(m, fabric, c, batch, P // (tp * pp), tp, pp, micro, "ring"))
         for pp in (p for p in (2, 4, 8) if m.layers % p == 0 and P % p == 0):
             out.append(plan_3d(m, fabric, c, batch, P // pp, 1, pp, micro, "ring"))
+        for p in out:
+            p.tokens_per_s = batch * m.seq / p.step_s / P
     return sorted(out, key=lambda p: p.step_s)
 
 
-def format_plans(rows: list[Plan]) -> str:
-    """The ranking of :func:`plans` as the text table ``distrain plan`` prints (rank 1 first)."""
-    lines = [f"{'rank':>4}  {'strategy':<28} {'step ms':>9} {'compute':>9} {'comm':>9} {'mem/rank MB':>11} "
-             f"{'busiest link MB':>15}"]
-    for i, r in enumerate(rows, 1):
-        lines.append(f"{i:>4}  {r.strategy:<28} {r.step_s * 1e3:>9.2f} {r.compute_s * 1e3:>9.2f} "
-                     f"{r.comm_s * 1e3:>9.2f} {r.mem_bytes / 1e6:>11.1f} {r.busiest_bytes / 1e6:>15.2f}")
-    return "\n".join(lines)
+def format_plans(rows: list[Plan], memory: float | None = None) -> str:
+    """The ranking of :func:`plans` as the text table ``distrain plan`` prints (rank 1 first; the columns of
+    :mod:`distrain.costmodel.table`). With ``memory`` (bytes per rank), only the layouts that fit it are ranked;
+    a line counts them, and the others follow it unranked, smallest first."""
+    fits = [r for r in rows if memory is None or r.mem_bytes <= memory]
+    over = sorted((r for r in rows if memory is not None and r.mem_bytes > memory), key=lambda r: r.mem_bytes)
+    between = None if memory is None else \
+        f"# {len(fits)} layouts fit, {len(over)} do not fit {memory / 1e9:.3g} GB per rank" + (":" if over else "")
+    return format_table([_row(r) for r in fits], [_row(r) for r in over], between)
+
+
+def _row(p: Plan) -> Row:
+    return Row(p.strategy, p.step_s, p.compute_s, p.comm_s, p.tokens_per_s, None, None, p.mem_bytes, p.busiest_bytes)

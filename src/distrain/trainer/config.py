@@ -205,14 +205,15 @@ class TrainConfig:
 
     # -- validation ------------------------------------------------------------------------
     def validate(self, launched: tuple[int, int] | None = None,
-                 fashion_mnist_root: str | None = None) -> "TrainConfig":
+                 fashion_mnist_root: str | None = None, available_memory: float | None = None) -> "TrainConfig":
         """Every rule (trainer/checks/, one module per concern); ConfigError, one line naming the flag and
         the fix, for the first one broken; returns self. What the process's environment says comes as
         parameters, read at the process edge (``cfg.validate(**distrain.runtime.validate_args())``):
         ``launched``, (rank, world size) when this process is one rank of a launched job (a local job,
         None, spawns at most LOCAL_RANKS_PER_CORE ranks per core; --elastic is not launched);
-        ``fashion_mnist_root``, $DISTRAIN_FASHION_MNIST (None: the default folder)."""
+        ``fashion_mnist_root``, $DISTRAIN_FASHION_MNIST (None: the default folder); ``available_memory``,
+        this host's available bytes, which the ranks a local job spawns must fit (None: not checked)."""
         from distrain.trainer.checks import validate
 
-        validate(self, launched=launched, fashion_mnist_root=fashion_mnist_root)
+        validate(self, launched=launched, fashion_mnist_root=fashion_mnist_root, available_memory=available_memory)
         return self

@@ -11,23 +11,27 @@
 * layout.py: ranks, the dp x cp x tp x pp grid, the model's split (--schedule interleaved's chunks), the
   batch's division (--accum-steps)
 * data.py: model and data fit each other, and the data is installed
+* memory.py: the job's ranks can hold the model on this host (a lower bound against its available memory)
 
 :func:`validate` runs them in that order of dependence (a later check may rely on an earlier
 one's values: a known model, a positive --tp, ...); the first broken rule raises a one-line
 ConfigError naming the flag and the fix. Nothing here reads the environment: what the process's
 environment says (``launched``, ``fashion_mnist_root``) comes as parameters, read at the process
-edge (distrain.runtime.validate_args).
+edge (distrain.runtime.validate_args); so does this host's available memory (``distrain train`` passes
+runtime.available_memory()).
 """
 
 from __future__ import annotations
 
-from distrain.trainer.checks import data, diloco, features, flags, invariant, layout, sequence, start, strategy
+from distrain.trainer.checks import data, diloco, features, flags, invariant, layout, memory, sequence, start, strategy
 
 
-def validate(cfg, launched: tuple[int, int] | None = None, fashion_mnist_root: str | None = None) -> None:
+def validate(cfg, launched: tuple[int, int] | None = None, fashion_mnist_root: str | None = None,
+             available_memory: float | None = None) -> None:
     """Every rule for ``cfg`` (a TrainConfig). ``launched``: (rank, world size) when this process is
     one rank of a launched job, None when it spawns the ranks (runtime.launched_rank);
-    ``fashion_mnist_root``: $DISTRAIN_FASHION_MNIST, None for the default folder."""
+    ``fashion_mnist_root``: $DISTRAIN_FASHION_MNIST, None for the default folder; ``available_memory``:
+    bytes this host can give the ranks (runtime.available_memory), None: not checked."""
     flags.check_strategy_name(cfg)
     start.check_start(cfg)  # before the model's name: --init-from's checkpoint may name it
     flags.check_names(cfg)
@@ -63,3 +67,5 @@ def validate(cfg, launched: tuple[int, int] | None = None, fashion_mnist_root: s
 
     data.check_model_data(cfg)
     data.check_installed(cfg, fashion_mnist_root)
+
+    memory.check_memory(cfg, available_memory, launched)
