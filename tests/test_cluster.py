@@ -356,3 +356,109 @@ def _elastic_run_then_kill(emulated_cluster, tmp_path, nodes: int, per_node: int
     assert [g["step"] for g in got] == list(range(steps))
     assert all(not netns.pids(spec.netns(i)) for i in range(nodes))
     return got, read_metrics(tmp_path / "ref" / "metrics.jsonl"), t_kill
+
+
+# ---------------------------------------------------------------------------------------
+# Links as they are: delay, jitter, loss, cuts (cluster up --delay/--jitter/--loss, cluster link)
+# ---------------------------------------------------------------------------------------
+
+def test_link_settings_parse_and_refuse_bad_values(capsys):
+    spec = netns.ClusterSpec.build("c1", 3, "100mbit", delay="25ms", jitter="5ms,0,500us", loss="1.5%")
+    assert spec.delays_us == (25000, 25000, 25000) and spec.jitters_us == (5000, 0, 500)
+    assert spec.losses == (1.5, 1.5, 1.5) and spec.down == (False, False, False)
+    plain = netns.ClusterSpec.build("c1", 2, "1gbit")
+    assert (plain.delays_us, plain.jitters_us, plain.losses, plain.down) == ((0, 0), (0, 0), (0.0, 0.0), (False, False))
+    assert [netns.format_time_us(u) for u in (25000, 1500, 500, 0)] == ["25ms", "1.5ms", "500us", "0ms"]
+    # the loss filter's threshold reads back as the loss it was made from (status)
+    for pct in (0.1, 1.5, 2.5, 10.0, 33.3333, 99.9):
+        assert netns.loss_of_threshold(netns.loss_threshold(pct)) == pct
+    assert netns.loss_threshold(100.0) == 1 << 32
+    for kw, msg in ((dict(delay="25xs"), r"^--delay: bad time '25xs'; use a number with a unit"),
+                    (dict(delay="11s"), r"^--delay: '11s' is over 10s one way"),
+                    (dict(delay="10ms", jitter="20ms"), r"^--jitter: 20ms is more than --delay 10ms \(node 0\)"),
+                    (dict(loss="101"), r"^--loss: bad loss '101'; give a percentage in \[0, 100\]"),
+                    (dict(loss="-1"), r"^--loss: bad loss '-1'"),
+                    (dict(delay="1ms,2ms"), r"^--delay: give one value for all nodes or exactly 3 \(one per node\), got 2")):
+        with pytest.raises(ConfigError, match=msg):
+            netns.ClusterSpec.build("c1", 3, "100mbit", **kw)
+    # the command line refuses them in one line, before anything is built (no root needed to get there)
+    from distrain.cli import main
+
+    assert main(["cluster", "up", "--name", "zz", "--nodes", "2", "--delay", "5ms", "--jitter", "9ms"]) == 2
+    err = capsys.readouterr().err
+    assert err == "distrain: error: --jitter: 9ms is more than --delay 5ms (node 0); give a jitter at most the delay\n"
+    assert not any(n.startswith("zz-") for n in _netns_names())
+
+
+PING_SERVER = textwrap.dedent("""
+    import socket, sys
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], 7200)); s.listen(8)
+    print("listening", flush=True)
+    while True:
+        c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while (d := c.recv(1)):
+            c.sendall(d)
+        c.close()
+""")
+PING_CLIENT = textwrap.dedent("""
+    import socket, statistics, sys, time
+    try:
+        c = socket.create_connection((sys.argv[1], 7200), timeout=float(sys.argv[2]))
+    except OSError as e:
+        print("FAILED", type(e).__name__); sys.exit(0)
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    rtts = []
+    for _ in range(12):
+        t = time.perf_counter(); c.sendall(b"p"); assert c.recv(1) == b"p"; rtts.append(time.perf_counter() - t)
+    print("RTT_MS", statistics.median(rtts[2:]) * 1e3)
+""")
+
+
+def _round_trip_ms(spec, src: int, dst: int, timeout: float = 3.0) -> float | None:
+    """Median TCP round trip (1 byte each way, after a connect) from node src to node dst's ping server;
+    None when the connection fails (time-out or unreachable)."""
+    out = subprocess.run(["ip", "netns", "exec", spec.netns(src), sys.executable, "-c", PING_CLIENT,
+                          spec.address(dst), str(timeout)], capture_output=True, text=True, timeout=60, check=True).stdout
+    if out.startswith("FAILED"):
+        return None
+    return float(re.search(r"RTT_MS ([0-9.]+)", out).group(1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_delay_gives_the_round_trip_and_down_cuts_a_node_off_until_up(emulated_cluster, capsys):
+    spec = emulated_cluster(nodes=3, link="100mbit", delay="25ms")
+    assert netns.status(spec.name) == spec  # delay read back from the delay lines, rates from tbf
+    servers = [subprocess.Popen(["ip", "netns", "exec", spec.netns(i), sys.executable, "-c", PING_SERVER,
+                                 spec.address(i)], stdout=subprocess.PIPE, text=True) for i in (1, 2)]
+    try:
+        for s in servers:
+            assert s.stdout.readline().strip() == "listening"
+        # two nodes of delay 25 ms: 25 ms one way, 50 ms round trip (the delay line's wake-ups add a little)
+        rtt = _round_trip_ms(spec, 0, 1)
+        assert 45 <= rtt <= 70, rtt
+        # node 2 without delay: half of each link's delay per direction, so (25 + 0) / 2 one way, 25 ms round trip
+        netns.set_link(spec.name, 2, delay="0")
+        rtt2 = _round_trip_ms(spec, 0, 2)
+        assert 20 <= rtt2 <= 40, rtt2
+        # node 1 cut off: a connection to it times out, and it reaches nobody either; the loss set before stays
+        netns.set_link(spec.name, 1, loss="2.5")
+        cut = netns.set_link(spec.name, 1, down=True)
+        assert netns.status(spec.name) == cut and cut.down == (False, True, False) and cut.losses[1] == 2.5
+        assert _round_trip_ms(spec, 0, 1) is None
+        assert _round_trip_ms(spec, 1, 2) is None
+        from distrain.cli import main
+
+        assert main(["cluster", "status", "--name", spec.name]) == 0
+        rows = capsys.readouterr().out.splitlines()
+        assert "link 100mbit  delay 25ms  jitter 0ms  loss 2.5%  DOWN" in rows[2]
+        assert "link 100mbit  delay 0ms  jitter 0ms  loss 0%  up" in rows[3]
+        # --up restores it (the loss set back to 0 so that the round trip is clean)
+        back = netns.set_link(spec.name, 1, down=False, loss="0")
+        assert back.down == (False, False, False) and netns.status(spec.name) == back
+        rtt = _round_trip_ms(spec, 0, 1, timeout=10)
+        assert rtt is not None and 45 <= rtt <= 70, rtt
+    finally:
+        for s in servers:
+            s.kill()
+            s.wait()
