@@ -4,8 +4,7 @@ Layout of a cluster called NAME with N nodes (every object lives inside a namesp
 the cluster created, so the host's own network, addresses and routes are never touched)::
 
     netns NAME-sw:  bridge br0, ports p0 .. p{N-1}      (the "switch")
-                    w{i} <-> v{i}                       (node i's wire: kernel redirect, or the delay line)
-    netns NAME-i:   lo, eth0 = 10.251.0.(i+1)/24        (node i; eth0 <-veth-> w{i}, v{i} <-veth-> p{i})
+    netns NAME-i:   lo, eth0 = 10.251.0.(i+1)/24        (node i; eth0 <-veth-> p{i})
 
 Each link is shaped in both directions with the token bucket filter (``tc qdisc ... tbf
 rate R``): on eth0 (node i's uplink) and on p{i} (its downlink, i.e. the switch port's
@@ -28,11 +27,20 @@ here has neither ``netem`` nor ``fq``, so:
   nodes of loss P, which crosses one node's uplink and the other's downlink, is lost with P;
 * down: a second filter sends every packet (ARP included) of both directions to 1:20, until
   ``--up`` deletes it (the loss filter stays);
-* delay and jitter: node i's veth does not end at the bridge but at ``w{i}``, and a second veth
-  ``v{i}``-``p{i}`` joins the bridge; between ``w{i}`` and ``v{i}`` frames cross either by a tc
-  ``mirred`` redirect in the kernel (no delay: the cost of one more veth hop) or through
-  :mod:`distrain.cluster.wire`, a process that holds each frame delay/2 ± jitter/2 per
-  direction (so two nodes of delay D are D apart one way, 2D round trip).
+* delay and jitter, on a delayed node only: p{i} leaves the bridge, a second veth ``v{i}``-``b{i}``
+  (both in the switch namespace) takes its place, ``b{i}`` a port of br0, and between ``p{i}`` and
+  ``v{i}`` runs :mod:`distrain.cluster.wire`, a process that holds each frame delay/2 ± jitter/2
+  per direction (so two nodes of delay D are D apart one way, 2D round trip)::
+
+      node i (delayed):  eth0 <-veth-> p{i} <-wire.py-> v{i} <-veth-> b{i} (port of br0)
+
+  Frames the line writes to p{i} still leave through p{i}'s qdisc, so the downlink keeps its
+  rate, loss and cut. Setting the delay back to 0 ends the line, deletes v{i} and b{i} and puts
+  p{i} back on the bridge.
+
+Without delay and jitter a node's path is the plain one above (no extra device, no process, and
+with neither loss nor a cut, tbf as the root qdisc, or no qdisc when unshaped), so a cluster
+built without link settings is exactly the cluster that existed before they did.
 
 A node's settings are read back from the kernel: the rate from tbf, P from the filter's
 threshold, down from the second filter, delay and jitter from the wire process's command line.
@@ -267,11 +275,13 @@ _DOWN_PRIO, _LOSS_PRIO = "1", "2"
 
 def _shape(ns: str, dev: str, bits: float | None, mtu: int, loss: float, down: bool) -> None:
     """The egress of one half of a link: rate ``bits`` (tbf), then, with loss or down, a drop class."""
-    _tc(ns, "qdisc", "del", "dev", dev, "root", check=False)
-    if not loss and not down:
+    if not loss and not down:  # the plain link: tbf alone (replaced in place), or the device's default
         if bits is not None:
-            _tc(ns, "qdisc", "add", "dev", dev, "root", *_tbf_args(bits, mtu))
+            _tc(ns, "qdisc", "replace", "dev", dev, "root", *_tbf_args(bits, mtu))
+        else:
+            _tc(ns, "qdisc", "del", "dev", dev, "root", check=False)
         return
+    _tc(ns, "qdisc", "del", "dev", dev, "root", check=False)
     # the classes only sort (the rate is tbf's, under 1:10); quantum set: htb's own default warns at this rate
     _tc(ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10")
     for cls in ("1:10", "1:20"):
@@ -308,11 +318,11 @@ def _shape_of(ns: str, dev: str) -> tuple[float | None, float, bool]:
 
 
 def _wire_pids(spec_name: str, i: int) -> list[int]:
-    """The delay line(s) of node i (processes in the switch namespace running wire.py for w{i})."""
+    """The delay line(s) of node i (processes in the switch namespace running wire.py for p{i})."""
     found = []
     for pid in pids(f"{spec_name}-sw"):
         argv = _cmdline(pid)
-        if WIRE in argv and argv[argv.index("--node-dev") + 1:][:1] == [f"w{i}"]:
+        if WIRE in argv and argv[argv.index("--node-dev") + 1:][:1] == [f"p{i}"]:
             found.append(pid)
     return found
 
@@ -333,20 +343,30 @@ def _wire_of(spec_name: str, i: int) -> tuple[int, int]:
     return 0, 0
 
 
-def _set_wire(spec_name: str, i: int, delay_us: int, jitter_us: int) -> None:
-    """Join w{i} and v{i}: in the kernel (mirred both ways) without delay, else by a delay line."""
+def _has_link(ns: str, dev: str) -> bool:
+    return subprocess.run(["ip", "-n", ns, "link", "show", dev], capture_output=True).returncode == 0
+
+
+def _set_wire(spec_name: str, i: int, mtu: int, delay_us: int, jitter_us: int) -> None:
+    """Node i's path through the switch: p{i} a bridge port (no delay), or p{i} <-delay line-> v{i}
+    <-veth-> b{i}, b{i} the bridge port. Decided from what exists, so it also repairs a half-made path."""
     sw = f"{spec_name}-sw"
     for pid in _wire_pids(spec_name, i):  # the old line goes first: two would carry every frame twice
         _stop(pid)
-    for dev in (f"w{i}", f"v{i}"):
-        _tc(sw, "qdisc", "del", "dev", dev, "ingress", check=False)
-    if not delay_us and not jitter_us:
-        for src, dst in ((f"w{i}", f"v{i}"), (f"v{i}", f"w{i}")):
-            _tc(sw, "qdisc", "add", "dev", src, "ingress")
-            _tc(sw, "filter", "add", "dev", src, "parent", "ffff:", "protocol", "all", "prio", "1", "u32",
-                "match", "u32", "0", "0", "action", "mirred", "egress", "redirect", "dev", dst)
+    ip = ("ip", "-n", sw, "link")
+    if not delay_us and not jitter_us:  # the plain path: p{i} back on the bridge, the delay line's veth gone
+        if _has_link(sw, f"v{i}"):
+            _sh(*ip, "del", f"v{i}")  # b{i}, its peer, goes with it
+        _sh(*ip, "set", f"p{i}", "master", "br0")  # nothing changes when it is a port already
         return
-    proc = subprocess.Popen(["ip", "netns", "exec", sw, sys.executable, WIRE, "--node-dev", f"w{i}", "--switch-dev",
+    # p{i} off the bridge before the line starts, so no frame ever has two ways across
+    _sh(*ip, "set", f"p{i}", "nomaster")
+    if not _has_link(sw, f"v{i}"):
+        _sh(*ip, "add", f"v{i}", "mtu", str(mtu), "type", "veth", "peer", "name", f"b{i}", "mtu", str(mtu))
+        _sh(*ip, "set", f"b{i}", "master", "br0")
+        for dev in (f"b{i}", f"v{i}"):
+            _sh(*ip, "set", dev, "up")
+    proc = subprocess.Popen(["ip", "netns", "exec", sw, sys.executable, WIRE, "--node-dev", f"p{i}", "--switch-dev",
                              f"v{i}", "--delay-us", str(delay_us), "--jitter-us", str(jitter_us)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                             start_new_session=True, text=True)  # its own session: it outlives `cluster up`
@@ -368,12 +388,15 @@ def _stop(pid: int) -> None:
         time.sleep(0.01)
 
 
-def _apply(spec: ClusterSpec, i: int) -> None:
-    """Node i's link as ``spec`` says: both halves' rate, loss and cut, and its wire."""
+def _apply(spec: ClusterSpec, i: int, fresh: bool = False) -> None:
+    """Node i's link as ``spec`` says: both halves' rate, loss and cut, and its path through the switch.
+    ``fresh``: node i was just built (p{i} a bridge port, no qdisc), so an undelayed node needs no more."""
     bits, loss, down = spec.links[i], spec.losses[i], spec.down[i]
-    _shape(spec.netns(i), "eth0", bits, spec.mtu, loss, down)  # uplink: node -> switch
-    _shape(spec.switch, f"p{i}", bits, spec.mtu, loss, down)  # downlink: switch -> node
-    _set_wire(spec.name, i, spec.delays_us[i], spec.jitters_us[i])
+    if not (fresh and bits is None and not loss and not down):
+        _shape(spec.netns(i), "eth0", bits, spec.mtu, loss, down)  # uplink: node -> switch
+        _shape(spec.switch, f"p{i}", bits, spec.mtu, loss, down)  # downlink: switch -> node
+    if not (fresh and not spec.delays_us[i] and not spec.jitters_us[i]):
+        _set_wire(spec.name, i, spec.mtu, spec.delays_us[i], spec.jitters_us[i])
 
 
 # ---------------------------------------------------------------------------------------
@@ -447,20 +470,17 @@ def up(spec: ClusterSpec) -> ClusterSpec:
             ns = spec.netns(i)
             _sh("ip", "netns", "add", ns)
             mtu = ("mtu", str(spec.mtu))
-            _sh("ip", "link", "add", "eth0", "netns", ns, *mtu, "type", "veth", "peer", "name", f"w{i}",
-                "netns", spec.switch, *mtu)
-            _sh("ip", "link", "add", f"v{i}", "netns", spec.switch, *mtu, "type", "veth", "peer", "name", f"p{i}",
+            _sh("ip", "link", "add", "eth0", "netns", ns, *mtu, "type", "veth", "peer", "name", f"p{i}",
                 "netns", spec.switch, *mtu)
             _sh(*sw, "link", "set", f"p{i}", "master", "br0")
-            for dev in (f"p{i}", f"v{i}", f"w{i}"):
-                _sh(*sw, "link", "set", dev, "up")
+            _sh(*sw, "link", "set", f"p{i}", "up")
             _sh("ip", "-n", ns, "addr", "add", f"{spec.address(i)}/24", "dev", "eth0")
             _sh("ip", "-n", ns, "link", "set", "eth0", "up")
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
             # keep TCP's window across the idle gaps between collectives (a data-centre setting;
             # with the default, every call after a pause > RTO restarts from slow start)
             _sh("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0")
-            _apply(spec, i)
+            _apply(spec, i, fresh=True)
     except BaseException:
         down(spec.name)
         raise

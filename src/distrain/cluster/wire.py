@@ -1,9 +1,10 @@
 """A delay line between two network devices: the latency (and jitter) of one emulated link.
 
 The kernel here has no ``netem`` and no ``fq`` qdisc, so nothing in it can hold a packet for a
-time; this process does. It runs in the cluster's switch namespace, one per delayed link, between
-the two devices of node i's wire (``w{i}``: the far end of the node's ``eth0``; ``v{i}``: the far
-end of the switch port ``p{i}``, see :mod:`distrain.cluster.netns`), with a raw packet socket on
+time; this process does. It runs in the cluster's switch namespace, one per delayed node, between
+the two devices of node i's delay line (``p{i}``: the far end of the node's ``eth0``, taken off the
+bridge while the node is delayed; ``v{i}``: whose veth peer ``b{i}`` is the node's bridge port
+instead, see :mod:`distrain.cluster.netns`), with a raw packet socket on
 each (``AF_PACKET``, every protocol, ``PACKET_VNET_HDR``: a TCP segment of up to 64 KiB that the
 stack sends as one GSO packet arrives, and is sent on, as one, with its checksum-offload header,
 so the rate this process must carry is the link's in bytes, not in frames). A frame read from one
@@ -48,10 +49,16 @@ def open_device(dev: str) -> socket.socket:
 
 
 class Line:
-    """One direction: frames read from ``rx``, each written to ``tx`` at its due time (monotonic s)."""
+    """One direction: frames read from ``rx``, each written to ``tx`` at its due time (monotonic s).
 
-    def __init__(self, rx: socket.socket, tx: socket.socket, delay_s: float, jitter_s: float, max_bytes: int):
-        self.rx, self.tx = rx, tx
+    A send refused with ENOBUFS means the device's qdisc dropped the frame. ``tx_shaped``: ``tx``
+    carries the link's shaping (p{i}: tbf, the loss filter, the cut), so that drop is the link's
+    (a full queue, a lost packet, a cut node) and the frame is gone, as on the wire; otherwise
+    (v{i}, no qdisc: only this host's receive backlog was full) it is sent again shortly."""
+
+    def __init__(self, rx: socket.socket, tx: socket.socket, delay_s: float, jitter_s: float, max_bytes: int,
+                 tx_shaped: bool = False):
+        self.rx, self.tx, self.tx_shaped = rx, tx, tx_shaped
         self.delay, self.jitter, self.max_bytes = delay_s, jitter_s, max_bytes
         self.queue: collections.deque[tuple[float, bytes]] = collections.deque()
         self.bytes = 0
@@ -84,7 +91,8 @@ class Line:
             except OSError as e:
                 if e.errno != errno.ENOBUFS:
                     raise
-                return now + 0.0005
+                if not self.tx_shaped:
+                    return now + 0.0005
             q.popleft()
             self.bytes -= len(data)
         return q[0][0] if q else None
@@ -92,15 +100,17 @@ class Line:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="delay line between two devices (one emulated link's latency)")
-    p.add_argument("--node-dev", required=True, help="the device towards the node (w{i})")
-    p.add_argument("--switch-dev", required=True, help="the device towards the switch (v{i})")
+    p.add_argument("--node-dev", required=True, help="the device towards the node (p{i})")
+    p.add_argument("--switch-dev", required=True, help="the device towards the bridge (v{i})")
     p.add_argument("--delay-us", type=int, required=True, help="the link's one-way delay, µs (half each way)")
     p.add_argument("--jitter-us", type=int, default=0, help="the link's jitter, µs (half each way, uniform ±)")
     p.add_argument("--max-bytes", type=int, default=64 << 20, help="backlog per direction before dropping")
     args = p.parse_args(argv)
     a, b = open_device(args.node_dev), open_device(args.switch_dev)
     half_d, half_j = args.delay_us / 2e6, args.jitter_us / 2e6
-    lines = {a.fileno(): Line(a, b, half_d, half_j, args.max_bytes), b.fileno(): Line(b, a, half_d, half_j, args.max_bytes)}
+    # towards the node the frames leave through p{i}'s qdisc (the downlink); towards the bridge through none
+    lines = {a.fileno(): Line(a, b, half_d, half_j, args.max_bytes),
+             b.fileno(): Line(b, a, half_d, half_j, args.max_bytes, tx_shaped=True)}
     ep = select.epoll()
     for fd in lines:
         ep.register(fd, select.EPOLLIN)
