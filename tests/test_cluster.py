@@ -462,3 +462,97 @@ def test_delay_gives_the_round_trip_and_down_cuts_a_node_off_until_up(emulated_c
         for s in servers:
             s.kill()
             s.wait()
+
+
+def _switch_paths(spec) -> dict:
+    """What decides the timing of every node's path: the switch namespace's devices, the bridge's
+    ports, each half-link's root qdisc (its handle left out: the kernel numbers those) and the
+    processes in the switch namespace (delay lines)."""
+    def names(*argv):
+        out = subprocess.run(["ip", "-n", spec.switch, "-o", "link", "show", *argv], capture_output=True, text=True,
+                             check=True).stdout
+        return sorted(re.findall(r"^\d+: ([^:@]+)", out, re.M))
+
+    def root(ns, dev):
+        out = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev, "root"],
+                             capture_output=True, text=True, check=True).stdout
+        return re.sub(r"^qdisc (\S+) [0-9a-f]+: root refcnt \d+ ", r"\1 ", out.strip())
+
+    qdiscs = {f"eth0 of node {i}": root(spec.netns(i), "eth0") for i in range(spec.nodes)}
+    qdiscs |= {f"p{i}": root(spec.switch, f"p{i}") for i in range(spec.nodes)}
+    return {"devices": names(), "ports": names("master", "br0"), "qdiscs": qdiscs,
+            "processes": len(netns.pids(spec.switch))}
+
+
+@pytest.mark.timeout(120)
+def test_plain_cluster_has_the_plain_path_and_removing_a_delay_returns_to_it(emulated_cluster):
+    spec = emulated_cluster(nodes=2, link="100mbit")
+    plain = _switch_paths(spec)
+    # no link settings: eth0 <-veth-> p{i}, p{i} a port of br0, tbf the only qdisc on both halves, no delay line
+    assert plain["devices"] == ["br0", "lo", "p0", "p1"] and plain["ports"] == ["p0", "p1"]
+    assert plain["processes"] == 0
+    for where, q in plain["qdiscs"].items():
+        assert re.fullmatch(r"tbf rate 100Mbit burst \d+b lat 50ms", q), (where, q)
+    # a delay on node 1 only: its path goes p1 <-delay line-> v1 <-veth-> b1 (the bridge port); node 0 untouched
+    delayed = netns.set_link(spec.name, 1, delay="20ms")
+    assert delayed.delays_us == (0, 20000) and netns.status(spec.name) == delayed
+    assert _switch_paths(spec) == {"devices": ["b1", "br0", "lo", "p0", "p1", "v1"], "ports": ["b1", "p0"],
+                                   "qdiscs": plain["qdiscs"], "processes": 1}
+    server = subprocess.Popen(["ip", "netns", "exec", spec.netns(1), sys.executable, "-c", PING_SERVER,
+                               spec.address(1)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "listening"
+        rtt = _round_trip_ms(spec, 0, 1)  # (20 + 0) / 2 one way: 20 ms round trip
+        assert rtt is not None and 18 <= rtt <= 40, rtt
+        # --delay 0: the line ends, v1 and b1 go, p1 is a bridge port again: exactly the plain path
+        assert netns.set_link(spec.name, 1, delay="0") == spec and netns.status(spec.name) == spec
+        assert _switch_paths(spec) == plain
+        rtt = _round_trip_ms(spec, 0, 1)
+        assert rtt is not None and rtt < 10, rtt
+    finally:
+        server.kill()
+        server.wait()
+
+
+LOSS_SINK = textwrap.dedent("""
+    import socket, sys
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind((sys.argv[1], 7300)); s.settimeout(2.0)
+    print("listening", flush=True)
+    n = 0
+    try:
+        while True:
+            s.recv(64); n += 1
+    except socket.timeout:
+        print("GOT", n, flush=True)
+""")
+LOSS_SOURCE = textwrap.dedent("""
+    import socket, sys, time
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for k in range(int(sys.argv[2])):
+        s.sendto(b"x" * 32, (sys.argv[1], 7300))
+        if k % 20 == 19:
+            time.sleep(0.002)  # paced: a burst would overflow receive buffers on this busy host, not the link
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_loss_of_a_delayed_node_drops_both_ways(emulated_cluster):
+    # node 1 loses P = 36 %, node 0 nothing: a datagram crosses one half of node 1's link, which drops
+    # q = 1 - sqrt(1 - 0.36) = 20 %. Towards node 1 that half is p1's qdisc *after* the delay line:
+    # the line must take the qdisc's refusal as the drop, not send the datagram again (it read 0 % so).
+    spec = emulated_cluster(nodes=2, link="100mbit", delay="0,10ms", loss="0,36")
+    assert netns.status(spec.name) == spec and _switch_paths(spec)["ports"] == ["b1", "p0"]
+    sent = 2000  # binomial: 400 expected lost, sd 18; the window below is over 5 sd each side
+    for src, dst in ((0, 1), (1, 0)):
+        sink = subprocess.Popen(["ip", "netns", "exec", spec.netns(dst), sys.executable, "-c", LOSS_SINK,
+                                 spec.address(dst)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert sink.stdout.readline().strip() == "listening"
+            subprocess.run(["ip", "netns", "exec", spec.netns(src), sys.executable, "-c", LOSS_SOURCE,
+                            spec.address(dst), str(sent)], check=True, timeout=60)
+            got = int(re.fullmatch(r"GOT (\d+)", sink.stdout.readline().strip()).group(1))
+        finally:
+            sink.kill()
+            sink.wait()
+        assert 0.15 <= 1 - got / sent <= 0.25, (src, dst, got)
