@@ -356,3 +356,203 @@ def _elastic_run_then_kill(emulated_cluster, tmp_path, nodes: int, per_node: int
     assert [g["step"] for g in got] == list(range(steps))
     assert all(not netns.pids(spec.netns(i)) for i in range(nodes))
     return got, read_metrics(tmp_path / "ref" / "metrics.jsonl"), t_kill
+
+
+# ---------------------------------------------------------------------------------------
+# Links as they are: delay, jitter, loss, cuts (cluster up --delay/--jitter/--loss, cluster link)
+# ---------------------------------------------------------------------------------------
+
+def test_link_settings_parse_and_refuse_bad_values(capsys):
+    spec = netns.ClusterSpec.build("c1", 3, "100mbit", delay="25ms", jitter="5ms,0,500us", loss="1.5%")
+    assert spec.delays_us == (25000, 25000, 25000) and spec.jitters_us == (5000, 0, 500)
+    assert spec.losses == (1.5, 1.5, 1.5) and spec.down == (False, False, False)
+    plain = netns.ClusterSpec.build("c1", 2, "1gbit")
+    assert (plain.delays_us, plain.jitters_us, plain.losses, plain.down) == ((0, 0), (0, 0), (0.0, 0.0), (False, False))
+    assert [netns.format_time_us(u) for u in (25000, 1500, 500, 0)] == ["25ms", "1.5ms", "500us", "0ms"]
+    # the loss filter's threshold reads back as the loss it was made from (status)
+    for pct in (0.1, 1.5, 2.5, 10.0, 33.3333, 99.9):
+        assert netns.loss_of_threshold(netns.loss_threshold(pct)) == pct
+    assert netns.loss_threshold(100.0) == 1 << 32
+    for kw, msg in ((dict(delay="25xs"), r"^--delay: bad time '25xs'; use a number with a unit"),
+                    (dict(delay="11s"), r"^--delay: '11s' is over 10s one way"),
+                    (dict(delay="10ms", jitter="20ms"), r"^--jitter: 20ms is more than --delay 10ms \(node 0\)"),
+                    (dict(loss="101"), r"^--loss: bad loss '101'; give a percentage in \[0, 100\]"),
+                    (dict(loss="-1"), r"^--loss: bad loss '-1'"),
+                    (dict(delay="1ms,2ms"), r"^--delay: give one value for all nodes or exactly 3 \(one per node\), got 2")):
+        with pytest.raises(ConfigError, match=msg):
+            netns.ClusterSpec.build("c1", 3, "100mbit", **kw)
+    # the command line refuses them in one line, before anything is built (no root needed to get there)
+    from distrain.cli import main
+
+    assert main(["cluster", "up", "--name", "zz", "--nodes", "2", "--delay", "5ms", "--jitter", "9ms"]) == 2
+    err = capsys.readouterr().err
+    assert err == "distrain: error: --jitter: 9ms is more than --delay 5ms (node 0); give a jitter at most the delay\n"
+    assert not any(n.startswith("zz-") for n in _netns_names())
+
+
+PING_SERVER = textwrap.dedent("""
+    import socket, sys
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], 7200)); s.listen(8)
+    print("listening", flush=True)
+    while True:
+        c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while (d := c.recv(1)):
+            c.sendall(d)
+        c.close()
+""")
+PING_CLIENT = textwrap.dedent("""
+    import socket, statistics, sys, time
+    try:
+        c = socket.create_connection((sys.argv[1], 7200), timeout=float(sys.argv[2]))
+    except OSError as e:
+        print("FAILED", type(e).__name__); sys.exit(0)
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    rtts = []
+    for _ in range(12):
+        t = time.perf_counter(); c.sendall(b"p"); assert c.recv(1) == b"p"; rtts.append(time.perf_counter() - t)
+    print("RTT_MS", statistics.median(rtts[2:]) * 1e3)
+""")
+
+
+def _round_trip_ms(spec, src: int, dst: int, timeout: float = 3.0) -> float | None:
+    """Median TCP round trip (1 byte each way, after a connect) from node src to node dst's ping server;
+    None when the connection fails (time-out or unreachable)."""
+    out = subprocess.run(["ip", "netns", "exec", spec.netns(src), sys.executable, "-c", PING_CLIENT,
+                          spec.address(dst), str(timeout)], capture_output=True, text=True, timeout=60, check=True).stdout
+    if out.startswith("FAILED"):
+        return None
+    return float(re.search(r"RTT_MS ([0-9.]+)", out).group(1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_delay_gives_the_round_trip_and_down_cuts_a_node_off_until_up(emulated_cluster, capsys):
+    spec = emulated_cluster(nodes=3, link="100mbit", delay="25ms")
+    assert netns.status(spec.name) == spec  # delay read back from the delay lines, rates from tbf
+    servers = [subprocess.Popen(["ip", "netns", "exec", spec.netns(i), sys.executable, "-c", PING_SERVER,
+                                 spec.address(i)], stdout=subprocess.PIPE, text=True) for i in (1, 2)]
+    try:
+        for s in servers:
+            assert s.stdout.readline().strip() == "listening"
+        # two nodes of delay 25 ms: 25 ms one way, 50 ms round trip (the delay line's wake-ups add a little)
+        rtt = _round_trip_ms(spec, 0, 1)
+        assert 45 <= rtt <= 70, rtt
+        # node 2 without delay: half of each link's delay per direction, so (25 + 0) / 2 one way, 25 ms round trip
+        netns.set_link(spec.name, 2, delay="0")
+        rtt2 = _round_trip_ms(spec, 0, 2)
+        assert 20 <= rtt2 <= 40, rtt2
+        # node 1 cut off: a connection to it times out, and it reaches nobody either; the loss set before stays
+        netns.set_link(spec.name, 1, loss="2.5")
+        cut = netns.set_link(spec.name, 1, down=True)
+        assert netns.status(spec.name) == cut and cut.down == (False, True, False) and cut.losses[1] == 2.5
+        assert _round_trip_ms(spec, 0, 1) is None
+        assert _round_trip_ms(spec, 1, 2) is None
+        from distrain.cli import main
+
+        assert main(["cluster", "status", "--name", spec.name]) == 0
+        rows = capsys.readouterr().out.splitlines()
+        assert "link 100mbit  delay 25ms  jitter 0ms  loss 2.5%  DOWN" in rows[2]
+        assert "link 100mbit  delay 0ms  jitter 0ms  loss 0%  up" in rows[3]
+        # --up restores it (the loss set back to 0 so that the round trip is clean)
+        back = netns.set_link(spec.name, 1, down=False, loss="0")
+        assert back.down == (False, False, False) and netns.status(spec.name) == back
+        rtt = _round_trip_ms(spec, 0, 1, timeout=10)
+        assert rtt is not None and 45 <= rtt <= 70, rtt
+    finally:
+        for s in servers:
+            s.kill()
+            s.wait()
+
+
+def _switch_paths(spec) -> dict:
+    """What decides the timing of every node's path: the switch namespace's devices, the bridge's
+    ports, each half-link's root qdisc (its handle left out: the kernel numbers those) and the
+    processes in the switch namespace (delay lines)."""
+    def names(*argv):
+        out = subprocess.run(["ip", "-n", spec.switch, "-o", "link", "show", *argv], capture_output=True, text=True,
+                             check=True).stdout
+        return sorted(re.findall(r"^\d+: ([^:@]+)", out, re.M))
+
+    def root(ns, dev):
+        out = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev, "root"],
+                             capture_output=True, text=True, check=True).stdout
+        return re.sub(r"^qdisc (\S+) [0-9a-f]+: root refcnt \d+ ", r"\1 ", out.strip())
+
+    qdiscs = {f"eth0 of node {i}": root(spec.netns(i), "eth0") for i in range(spec.nodes)}
+    qdiscs |= {f"p{i}": root(spec.switch, f"p{i}") for i in range(spec.nodes)}
+    return {"devices": names(), "ports": names("master", "br0"), "qdiscs": qdiscs,
+            "processes": len(netns.pids(spec.switch))}
+
+
+@pytest.mark.timeout(120)
+def test_plain_cluster_has_the_plain_path_and_removing_a_delay_returns_to_it(emulated_cluster):
+    spec = emulated_cluster(nodes=2, link="100mbit")
+    plain = _switch_paths(spec)
+    # no link settings: eth0 <-veth-> p{i}, p{i} a port of br0, tbf the only qdisc on both halves, no delay line
+    assert plain["devices"] == ["br0", "lo", "p0", "p1"] and plain["ports"] == ["p0", "p1"]
+    assert plain["processes"] == 0
+    for where, q in plain["qdiscs"].items():
+        assert re.fullmatch(r"tbf rate 100Mbit burst \d+b lat 50ms", q), (where, q)
+    # a delay on node 1 only: its path goes p1 <-delay line-> v1 <-veth-> b1 (the bridge port); node 0 untouched
+    delayed = netns.set_link(spec.name, 1, delay="20ms")
+    assert delayed.delays_us == (0, 20000) and netns.status(spec.name) == delayed
+    assert _switch_paths(spec) == {"devices": ["b1", "br0", "lo", "p0", "p1", "v1"], "ports": ["b1", "p0"],
+                                   "qdiscs": plain["qdiscs"], "processes": 1}
+    server = subprocess.Popen(["ip", "netns", "exec", spec.netns(1), sys.executable, "-c", PING_SERVER,
+                               spec.address(1)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "listening"
+        rtt = _round_trip_ms(spec, 0, 1)  # (20 + 0) / 2 one way: 20 ms round trip
+        assert rtt is not None and 18 <= rtt <= 40, rtt
+        # --delay 0: the line ends, v1 and b1 go, p1 is a bridge port again: exactly the plain path
+        assert netns.set_link(spec.name, 1, delay="0") == spec and netns.status(spec.name) == spec
+        assert _switch_paths(spec) == plain
+        rtt = _round_trip_ms(spec, 0, 1)
+        assert rtt is not None and rtt < 10, rtt
+    finally:
+        server.kill()
+        server.wait()
+
+
+LOSS_SINK = textwrap.dedent("""
+    import socket, sys
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind((sys.argv[1], 7300)); s.settimeout(2.0)
+    print("listening", flush=True)
+    n = 0
+    try:
+        while True:
+            s.recv(64); n += 1
+    except socket.timeout:
+        print("GOT", n, flush=True)
+""")
+LOSS_SOURCE = textwrap.dedent("""
+    import socket, sys, time
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for k in range(int(sys.argv[2])):
+        s.sendto(b"x" * 32, (sys.argv[1], 7300))
+        if k % 20 == 19:
+            time.sleep(0.002)  # paced: a burst would overflow receive buffers on this busy host, not the link
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_loss_of_a_delayed_node_drops_both_ways(emulated_cluster):
+    # node 1 loses P = 36 %, node 0 nothing: a datagram crosses one half of node 1's link, which drops
+    # q = 1 - sqrt(1 - 0.36) = 20 %. Towards node 1 that half is p1's qdisc *after* the delay line:
+    # the line must take the qdisc's refusal as the drop, not send the datagram again (it read 0 % so).
+    spec = emulated_cluster(nodes=2, link="100mbit", delay="0,10ms", loss="0,36")
+    assert netns.status(spec.name) == spec and _switch_paths(spec)["ports"] == ["b1", "p0"]
+    sent = 2000  # binomial: 400 expected lost, sd 18; the window below is over 5 sd each side
+    for src, dst in ((0, 1), (1, 0)):
+        sink = subprocess.Popen(["ip", "netns", "exec", spec.netns(dst), sys.executable, "-c", LOSS_SINK,
+                                 spec.address(dst)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert sink.stdout.readline().strip() == "listening"
+            subprocess.run(["ip", "netns", "exec", spec.netns(src), sys.executable, "-c", LOSS_SOURCE,
+                            spec.address(dst), str(sent)], check=True, timeout=60)
+            got = int(re.fullmatch(r"GOT (\d+)", sink.stdout.readline().strip()).group(1))
+        finally:
+            sink.kill()
+            sink.wait()
+        assert 0.15 <= 1 - got / sent <= 0.25, (src, dst, got)

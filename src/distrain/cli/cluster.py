@@ -1,4 +1,4 @@
-"""``distrain cluster up|down|status|run``: the command line of the emulated cluster.
+"""``distrain cluster up|down|status|link|run``: the command line of the emulated cluster.
 
 The cluster is :mod:`distrain.cluster.netns` (namespaces, veths, tc), a run across its nodes
 :mod:`distrain.cluster.runner`; this module parses the flags and prints what they return.
@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = ("An emulated cluster on this host: one network namespace per node, veth pairs to a bridge, "
-                     "each link shaped with tc tbf. Needs root and iproute2. See docs/cluster.md.")
+                     "each link shaped with tc tbf (rate), a drop filter (loss, down) and a delay line (delay, jitter). Needs root and iproute2. See docs/cluster.md.")
     sub = p.add_subparsers(dest="cluster_command", required=True)
     up = sub.add_parser("up", help="build the cluster (replacing one of the same name)")
     up.add_argument("--nodes", type=int, default=2, help="number of nodes (default 2)")
@@ -34,23 +34,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--mtu", type=int, default=9000,
                     help="bytes per frame on every link (default 9000, jumbo frames as in data-centre fabrics; "
                          "1500 is standard Ethernet, and costs this host's cores about 6x more packets)")
+    _link_flags(up, "every node's", " (default 0)")
     up.set_defaults(func=_up)
     down = sub.add_parser("down", help="end its processes and delete its namespaces, links and bridge")
     down.set_defaults(func=_down)
     st = sub.add_parser("status", help="show the nodes, addresses, link rates and processes")
     st.set_defaults(func=_status)
+    ln = sub.add_parser("link", help="change one node's link on a running cluster (rate, delay, jitter, loss, down/up)")
+    ln.add_argument("--node", type=int, required=True, help="the node whose link changes (0..N-1)")
+    ln.add_argument("--link", default=None, help="its new rate (e.g. 100mbit, or none: unshaped)")
+    _link_flags(ln, "its new", " (default: unchanged)", per_node=False)
+    cut = ln.add_mutually_exclusive_group()
+    cut.add_argument("--down", dest="cut", action="store_const", const=True, default=None,
+                     help="cut the node off from every other node (every packet of its link dropped) until --up")
+    cut.add_argument("--up", dest="cut", action="store_const", const=False, help="reconnect a node cut off by --down")
+    ln.set_defaults(func=_link)
     r = sub.add_parser("run", help="run a command on every node through distrain launch (torchrun)")
     r.add_argument("--procs-per-node", type=int, default=1, help="ranks per node (default 1)")
     r.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts of the job (default 0)")
     r.add_argument("--timeout", type=float, default=3600.0, help="seconds before the job is ended (default 3600)")
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- distrain train --nproc 4")
     r.set_defaults(func=_run)
-    for q in (up, down, st, r):
+    for q in (up, down, st, ln, r):
         q.add_argument("--name", default=DEFAULT_NAME, help=f"cluster name, prefix of its namespaces (default {DEFAULT_NAME})")
 
 
+def _link_flags(p: argparse.ArgumentParser, whose: str, default: str, per_node: bool = True) -> None:
+    each = ", or one per node comma-separated" if per_node else ""
+    p.add_argument("--delay", default=None, help=f"{whose} one-way delay (e.g. 25ms, 500us; between two nodes of "
+                                                 f"delay D: D one way, 2D round trip){each}{default}")
+    p.add_argument("--jitter", default=None, help=f"{whose} jitter, at most the delay (e.g. 5ms: one way D ± 5ms, "
+                                                  f"uniform, never reordered){each}{default}")
+    p.add_argument("--loss", default=None, help=f"{whose} packet loss in percent (e.g. 1 or 0.5%%: of the packets "
+                                                f"between two nodes of loss P, P are lost){each}{default}")
+
+
 def _up(args: argparse.Namespace) -> int:
-    spec = netns.up(netns.ClusterSpec.build(args.name, args.nodes, args.link, args.mtu))
+    spec = netns.up(netns.ClusterSpec.build(args.name, args.nodes, args.link, args.mtu, delay=args.delay,
+                                            jitter=args.jitter, loss=args.loss))
     print(netns.describe(spec))
     return 0
 
@@ -70,6 +91,13 @@ def _existing(name: str) -> netns.ClusterSpec:
 
 def _status(args: argparse.Namespace) -> int:
     print(netns.describe(_existing(args.name)))
+    return 0
+
+
+def _link(args: argparse.Namespace) -> int:
+    spec = netns.set_link(args.name, args.node, link=args.link, delay=args.delay, jitter=args.jitter, loss=args.loss,
+                          down=args.cut)
+    print(netns.describe(spec).splitlines()[1 + args.node].strip())
     return 0
 
 

@@ -44,10 +44,11 @@ def emulated_cluster():
     remove_stale()
     made: list[str] = []
 
-    def make(nodes: int = 2, link: str | None = "1gbit", mtu: int = 9000) -> netns.ClusterSpec:
+    def make(nodes: int = 2, link: str | None = "1gbit", mtu: int = 9000, delay: str | None = None,
+             jitter: str | None = None, loss: str | None = None) -> netns.ClusterSpec:
         name = f"dtt{os.getpid()}k{len(made)}"
         made.append(name)
-        return netns.up(netns.ClusterSpec.build(name, nodes, link, mtu))
+        return netns.up(netns.ClusterSpec.build(name, nodes, link, mtu, delay=delay, jitter=jitter, loss=loss))
 
     yield make
     for name in made:

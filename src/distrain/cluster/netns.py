@@ -14,9 +14,36 @@ fabrics do; ``--mtu`` changes it): every node's packets are processed by this on
 cores, and at MTU 1500 that work is the bottleneck long before the links are. Measured with
 eight nodes on 200 Mbit/s links, all sending at once (docs/cost_model.md): MTU 1500 kept the
 2 cores 84-91 % busy (softirq 59-74 %) and moved 96-140 MB/s in all; MTU 9000 moved 159-167
-MB/s with the cores 37-49 % busy. The kernel here has no netem, so no latency is added:
-the per-message latency is whatever the stack gives (``distrain bench link`` measures it).
-Each node sets ``net.ipv4.tcp_slow_start_after_idle=0`` (its own namespace's sysctl).
+MB/s with the cores 37-49 % busy. Each node sets ``net.ipv4.tcp_slow_start_after_idle=0``
+(its own namespace's sysctl).
+
+Latency, jitter, loss and cuts (``--delay/--jitter/--loss``, ``cluster link --down``). The kernel
+here has neither ``netem`` nor ``fq``, so:
+
+* loss: on both shaped devices (eth0 and p{i}) the root becomes ``htb`` with two classes, 1:10
+  (the tbf above, or a plain fifo when unshaped) and 1:20 (``pfifo limit 0``: drops every
+  packet), and a classic-BPF filter (``tc filter ... bpf bytecode``: a random number, compared)
+  sends a packet to 1:20 with probability q = 1 - sqrt(1 - P), so that a packet between two
+  nodes of loss P, which crosses one node's uplink and the other's downlink, is lost with P;
+* down: a second filter sends every packet (ARP included) of both directions to 1:20, until
+  ``--up`` deletes it (the loss filter stays);
+* delay and jitter, on a delayed node only: p{i} leaves the bridge, a second veth ``v{i}``-``b{i}``
+  (both in the switch namespace) takes its place, ``b{i}`` a port of br0, and between ``p{i}`` and
+  ``v{i}`` runs :mod:`distrain.cluster.wire`, a process that holds each frame delay/2 ± jitter/2
+  per direction (so two nodes of delay D are D apart one way, 2D round trip)::
+
+      node i (delayed):  eth0 <-veth-> p{i} <-wire.py-> v{i} <-veth-> b{i} (port of br0)
+
+  Frames the line writes to p{i} still leave through p{i}'s qdisc, so the downlink keeps its
+  rate, loss and cut. Setting the delay back to 0 ends the line, deletes v{i} and b{i} and puts
+  p{i} back on the bridge.
+
+Without delay and jitter a node's path is the plain one above (no extra device, no process, and
+with neither loss nor a cut, tbf as the root qdisc, or no qdisc when unshaped), so a cluster
+built without link settings is exactly the cluster that existed before they did.
+
+A node's settings are read back from the kernel: the rate from tbf, P from the filter's
+threshold, down from the second filter, delay and jitter from the wire process's command line.
 
 Nothing is kept in files: the cluster *is* its namespaces, so ``status`` reads it back
 from ``ip netns`` and ``tc``; ``down`` ends every process inside the namespaces
@@ -31,8 +58,10 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from distrain.errors import ConfigError, DistrainError
 
@@ -40,6 +69,12 @@ SUBNET = "10.251.0"  # private /24 that exists only inside the cluster's namespa
 _NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,11}$")
 _RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$")
 _RATE_UNIT = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+_TIME_RE = re.compile(r"^(\d+(?:\.\d+)?)(s|ms|us)$")
+_TIME_UNIT_US = {"s": 1_000_000, "ms": 1000, "us": 1}
+_LOSS_RE = re.compile(r"^(\d+(?:\.\d+)?)%?$")
+MAX_DELAY_US = 10_000_000  # 10 s one way: beyond any real link
+WIRE = str(Path(__file__).with_name("wire.py"))  # the delay line, run as a script in the switch namespace
+_RAND = 4294963256  # classic BPF: ld [SKF_AD_OFF + SKF_AD_RANDOM], a random u32 per packet
 MTU_RANGE = (576, 65535)  # IPv4's minimum datagram; veth's largest MTU
 
 
@@ -58,6 +93,38 @@ def parse_rate(text: str) -> float:
     return bits
 
 
+def parse_time_us(text: str, flag: str) -> int:
+    """``"25ms"`` -> 25000 µs (units s, ms, us; ``0`` alone is allowed), at most 10 s."""
+    t = str(text).strip().lower()
+    if t == "0":
+        return 0
+    m = _TIME_RE.match(t)
+    if not m:
+        raise ConfigError(f"{flag}: bad time {text!r}; use a number with a unit such as 25ms, 500us, 0.1s, or 0")
+    us = round(float(m.group(1)) * _TIME_UNIT_US[m.group(2)])
+    if us > MAX_DELAY_US:
+        raise ConfigError(f"{flag}: {text!r} is over 10s one way; give a smaller time such as 25ms")
+    return us
+
+
+def format_time_us(us: int) -> str:
+    if us % 1000 == 0:
+        return f"{us // 1000}ms"
+    return f"{us / 1000:g}ms" if us >= 1000 else f"{us}us"
+
+
+def parse_loss(text: str) -> float:
+    """``"1.5"`` or ``"1.5%"`` -> 1.5 (percent of packets lost, [0, 100], 4 decimals kept)."""
+    m = _LOSS_RE.match(str(text).strip())
+    if not m or float(m.group(1)) > 100:
+        raise ConfigError(f"--loss: bad loss {text!r}; give a percentage in [0, 100] such as 1 or 0.5%")
+    return round(float(m.group(1)), 4)
+
+
+def format_loss(pct: float) -> str:
+    return f"{pct:g}%"
+
+
 def format_rate(bits: float) -> str:
     for unit in ("gbit", "mbit", "kbit"):
         if bits >= _RATE_UNIT[unit] and (bits / _RATE_UNIT[unit]).is_integer():
@@ -67,11 +134,30 @@ def format_rate(bits: float) -> str:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """N nodes; ``links[i]`` is node i's link rate in bits/s (None: unshaped veth)."""
+    """N nodes; ``links[i]`` is node i's link rate in bits/s (None: unshaped veth), ``delays_us[i]``
+    and ``jitters_us[i]`` its one-way delay and jitter in µs (between two nodes of delay D: D one
+    way, 2D round trip), ``losses[i]`` its loss in percent (of a packet between two nodes of loss
+    P: P), ``down[i]`` whether it is cut off. The last four default to none/up for every node."""
 
     name: str
     links: tuple[float | None, ...]
     mtu: int = 9000
+    delays_us: tuple[int, ...] = field(default=())
+    jitters_us: tuple[int, ...] = field(default=())
+    losses: tuple[float, ...] = field(default=())
+    down: tuple[bool, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        n = len(self.links)
+        for attr, zero in (("delays_us", 0), ("jitters_us", 0), ("losses", 0.0), ("down", False)):
+            if not getattr(self, attr):
+                object.__setattr__(self, attr, (zero,) * n)
+            elif len(getattr(self, attr)) != n:
+                raise ConfigError(f"ClusterSpec.{attr}: {len(getattr(self, attr))} values for {n} nodes")
+        for i, (d, j) in enumerate(zip(self.delays_us, self.jitters_us)):
+            if j > d:
+                raise ConfigError(f"--jitter: {format_time_us(j)} is more than --delay {format_time_us(d)} "
+                                  f"(node {i}); give a jitter at most the delay")
 
     @property
     def nodes(self) -> int:
@@ -89,8 +175,17 @@ class ClusterSpec:
         return f"{SUBNET}.{i + 1}"
 
     @classmethod
-    def build(cls, name: str, nodes: int, link: str | None, mtu: int = 9000) -> "ClusterSpec":
-        """Validate the CLI's ``--name/--nodes/--link/--mtu`` (``1gbit`` or one rate per node, comma-separated)."""
+    def build(cls, name: str, nodes: int, link: str | None, mtu: int = 9000, delay: str | None = None,
+              jitter: str | None = None, loss: str | None = None) -> "ClusterSpec":
+        """Validate the CLI's ``--name/--nodes/--link/--mtu/--delay/--jitter/--loss`` (each of the last
+        four: one value for every node, or one per node, comma-separated)."""
+        spec = cls._build_rates(name, nodes, link, mtu)
+        return replace(spec, delays_us=per_node(delay, nodes, "--delay", lambda t: parse_time_us(t, "--delay"), 0),
+                       jitters_us=per_node(jitter, nodes, "--jitter", lambda t: parse_time_us(t, "--jitter"), 0),
+                       losses=per_node(loss, nodes, "--loss", parse_loss, 0.0))
+
+    @classmethod
+    def _build_rates(cls, name: str, nodes: int, link: str | None, mtu: int) -> "ClusterSpec":
         if isinstance(mtu, bool) or not isinstance(mtu, int) or not MTU_RANGE[0] <= mtu <= MTU_RANGE[1]:
             raise ConfigError(f"--mtu: must be an integer in [{MTU_RANGE[0]}, {MTU_RANGE[1]}] bytes (1500: standard "
                               f"Ethernet, 9000: jumbo frames), got {mtu!r}")
@@ -107,6 +202,18 @@ class ClusterSpec:
             raise ConfigError(f"--link: give one rate for all nodes or exactly {nodes} (one per node), "
                               f"got {len(rates)}")
         return cls(name, tuple(rates), mtu)
+
+
+def per_node(text: str | None, nodes: int, flag: str, parse, zero) -> tuple:
+    """``"25ms"`` or ``"25ms,50ms,..."`` (one per node) -> a value per node (``zero`` when not given)."""
+    if text in (None, ""):
+        return (zero,) * nodes
+    values = [parse(v) for v in str(text).split(",")]
+    if len(values) == 1:
+        values *= nodes
+    if len(values) != nodes:
+        raise ConfigError(f"{flag}: give one value for all nodes or exactly {nodes} (one per node), got {len(values)}")
+    return tuple(values)
 
 
 # ---------------------------------------------------------------------------------------
@@ -140,13 +247,156 @@ def _sh(*argv: str, check: bool = True) -> str:
     return r.stdout
 
 
-def _tbf(ns: str, dev: str, bits: float, mtu: int) -> None:
+def _tc(ns: str, *argv: str, check: bool = True) -> str:
+    return _sh("ip", "netns", "exec", ns, "tc", *argv, check=check)
+
+
+def _tbf_args(bits: float, mtu: int) -> list[str]:
     """Token bucket at ``bits``/s: burst = 1/4000 s of traffic (>= 8 KiB, and >= two frames, or
     tbf could never send a full frame) so TCP reaches the rate, queue = 50 ms of traffic (tc's
     ``latency``)."""
     burst = max(8192, 2 * (mtu + 14), int(bits / 8 / 4000))
-    _sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
-        "rate", f"{int(bits)}bit", "burst", str(burst), "latency", "50ms")
+    return ["tbf", "rate", f"{int(bits)}bit", "burst", str(burst), "latency", "50ms"]
+
+
+def loss_threshold(pct: float) -> int:
+    """The random u32 below which one crossing drops a packet: q = 1 - sqrt(1 - P) per crossing (a
+    packet between two nodes crosses two halves of links), as a fraction of 2^32."""
+    q = 1.0 - (1.0 - pct / 100.0) ** 0.5
+    return min(1 << 32, round(q * (1 << 32)))
+
+
+def loss_of_threshold(t: int) -> float:
+    return round(100.0 * (1.0 - (1.0 - t / (1 << 32)) ** 2), 4)
+
+
+_DOWN_PRIO, _LOSS_PRIO = "1", "2"
+
+
+def _shape(ns: str, dev: str, bits: float | None, mtu: int, loss: float, down: bool) -> None:
+    """The egress of one half of a link: rate ``bits`` (tbf), then, with loss or down, a drop class."""
+    if not loss and not down:  # the plain link: tbf alone (replaced in place), or the device's default
+        if bits is not None:
+            _tc(ns, "qdisc", "replace", "dev", dev, "root", *_tbf_args(bits, mtu))
+        else:
+            _tc(ns, "qdisc", "del", "dev", dev, "root", check=False)
+        return
+    _tc(ns, "qdisc", "del", "dev", dev, "root", check=False)
+    # the classes only sort (the rate is tbf's, under 1:10); quantum set: htb's own default warns at this rate
+    _tc(ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10")
+    for cls in ("1:10", "1:20"):
+        _tc(ns, "class", "add", "dev", dev, "parent", "1:", "classid", cls, "htb", "rate", "100gbit", "quantum", "200000")
+    _tc(ns, "qdisc", "add", "dev", dev, "parent", "1:10", "handle", "10:",
+        *(_tbf_args(bits, mtu) if bits is not None else ["pfifo", "limit", "1000"]))
+    _tc(ns, "qdisc", "add", "dev", dev, "parent", "1:20", "handle", "20:", "pfifo", "limit", "0")  # drops all
+    if down:  # every packet: return -1 (the filter's flowid)
+        _tc(ns, "filter", "add", "dev", dev, "parent", "1:", "prio", _DOWN_PRIO, "bpf", "bytecode",
+            "1,6 0 0 4294967295", "flowid", "1:20")
+    if loss:
+        t = loss_threshold(loss)
+        # A = random; if A >= t: return 0 (no match: default 1:10) else return -1 (1:20)
+        prog = f"4,32 0 0 {_RAND},53 0 1 {t},6 0 0 0,6 0 0 4294967295" if t < (1 << 32) else "1,6 0 0 4294967295"
+        _tc(ns, "filter", "add", "dev", dev, "parent", "1:", "prio", _LOSS_PRIO, "bpf", "bytecode", prog,
+            "flowid", "1:20")
+
+
+def _shape_of(ns: str, dev: str) -> tuple[float | None, float, bool]:
+    """(rate, loss %, down) of one half of a link, read back from tc."""
+    out = _tc(ns, "qdisc", "show", "dev", dev, check=False)
+    m = re.search(r"tbf .*?rate (\d+(?:\.\d+)?)([KMG]?)bit", out)
+    rate = float(m.group(1)) * {"": 1, "K": 1e3, "M": 1e6, "G": 1e9}[m.group(2)] if m else None
+    loss, down = 0.0, False
+    if "htb" in out:
+        filters = _tc(ns, "filter", "show", "dev", dev, check=False)
+        for pref, code in re.findall(r"pref (\d+) bpf .*?bytecode '([^']*)'", filters):
+            if pref == _DOWN_PRIO:
+                down = True
+            elif pref == _LOSS_PRIO:
+                m = re.match(r"4,32 0 0 \d+,53 0 1 (\d+),", code)
+                loss = loss_of_threshold(int(m.group(1))) if m else 100.0
+    return rate, loss, down
+
+
+def _wire_pids(spec_name: str, i: int) -> list[int]:
+    """The delay line(s) of node i (processes in the switch namespace running wire.py for p{i})."""
+    found = []
+    for pid in pids(f"{spec_name}-sw"):
+        argv = _cmdline(pid)
+        if WIRE in argv and argv[argv.index("--node-dev") + 1:][:1] == [f"p{i}"]:
+            found.append(pid)
+    return found
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def _wire_of(spec_name: str, i: int) -> tuple[int, int]:
+    """(delay µs, jitter µs) of node i's link, from its delay line's command line ((0, 0): none)."""
+    for pid in _wire_pids(spec_name, i):
+        argv = _cmdline(pid)
+        return int(argv[argv.index("--delay-us") + 1]), int(argv[argv.index("--jitter-us") + 1])
+    return 0, 0
+
+
+def _has_link(ns: str, dev: str) -> bool:
+    return subprocess.run(["ip", "-n", ns, "link", "show", dev], capture_output=True).returncode == 0
+
+
+def _set_wire(spec_name: str, i: int, mtu: int, delay_us: int, jitter_us: int) -> None:
+    """Node i's path through the switch: p{i} a bridge port (no delay), or p{i} <-delay line-> v{i}
+    <-veth-> b{i}, b{i} the bridge port. Decided from what exists, so it also repairs a half-made path."""
+    sw = f"{spec_name}-sw"
+    for pid in _wire_pids(spec_name, i):  # the old line goes first: two would carry every frame twice
+        _stop(pid)
+    ip = ("ip", "-n", sw, "link")
+    if not delay_us and not jitter_us:  # the plain path: p{i} back on the bridge, the delay line's veth gone
+        if _has_link(sw, f"v{i}"):
+            _sh(*ip, "del", f"v{i}")  # b{i}, its peer, goes with it
+        _sh(*ip, "set", f"p{i}", "master", "br0")  # nothing changes when it is a port already
+        return
+    # p{i} off the bridge before the line starts, so no frame ever has two ways across
+    _sh(*ip, "set", f"p{i}", "nomaster")
+    if not _has_link(sw, f"v{i}"):
+        _sh(*ip, "add", f"v{i}", "mtu", str(mtu), "type", "veth", "peer", "name", f"b{i}", "mtu", str(mtu))
+        _sh(*ip, "set", f"b{i}", "master", "br0")
+        for dev in (f"b{i}", f"v{i}"):
+            _sh(*ip, "set", dev, "up")
+    proc = subprocess.Popen(["ip", "netns", "exec", sw, sys.executable, WIRE, "--node-dev", f"p{i}", "--switch-dev",
+                             f"v{i}", "--delay-us", str(delay_us), "--jitter-us", str(jitter_us)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            start_new_session=True, text=True)  # its own session: it outlives `cluster up`
+    line = proc.stdout.readline()  # "ready" once both sockets are bound; "" if it died
+    proc.stdout.close()
+    if line.strip() != "ready":
+        err = proc.stderr.read().strip().splitlines()
+        raise ClusterError(f"node {i}: the delay line did not start: {err[-1] if err else 'no output'}")
+    proc.stderr.close()
+
+
+def _stop(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.01)
+
+
+def _apply(spec: ClusterSpec, i: int, fresh: bool = False) -> None:
+    """Node i's link as ``spec`` says: both halves' rate, loss and cut, and its path through the switch.
+    ``fresh``: node i was just built (p{i} a bridge port, no qdisc), so an undelayed node needs no more."""
+    bits, loss, down = spec.links[i], spec.losses[i], spec.down[i]
+    if not (fresh and bits is None and not loss and not down):
+        _shape(spec.netns(i), "eth0", bits, spec.mtu, loss, down)  # uplink: node -> switch
+        _shape(spec.switch, f"p{i}", bits, spec.mtu, loss, down)  # downlink: switch -> node
+    if not (fresh and not spec.delays_us[i] and not spec.jitters_us[i]):
+        _set_wire(spec.name, i, spec.mtu, spec.delays_us[i], spec.jitters_us[i])
 
 
 # ---------------------------------------------------------------------------------------
@@ -166,9 +416,10 @@ def pids(ns: str) -> list[int]:
     return [int(p) for p in out.split() if p.isdigit()]
 
 
-def kill_all(name: str, grace: float = 2.0) -> int:
-    """SIGTERM then SIGKILL every process inside the cluster's namespaces; returns how many there were."""
-    victims = {p for ns in namespaces(name) for p in pids(ns)}
+def kill_all(name: str, grace: float = 2.0, switch: bool = True) -> int:
+    """SIGTERM then SIGKILL every process inside the cluster's namespaces; returns how many there were.
+    ``switch=False`` spares the switch namespace (its delay lines belong to the cluster, not to a run)."""
+    victims = {p for ns in namespaces(name) if switch or not ns.endswith("-sw") for p in pids(ns)}
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for p in victims:
             try:
@@ -215,11 +466,12 @@ def up(spec: ClusterSpec) -> ClusterSpec:
         sw = ("ip", "-n", spec.switch)
         _sh(*sw, "link", "add", "br0", "type", "bridge")
         _sh(*sw, "link", "set", "br0", "up")
-        for i, bits in enumerate(spec.links):
+        for i in range(spec.nodes):
             ns = spec.netns(i)
             _sh("ip", "netns", "add", ns)
-            _sh("ip", "link", "add", "eth0", "netns", ns, "mtu", str(spec.mtu), "type", "veth", "peer", "name", f"p{i}",
-                "netns", spec.switch, "mtu", str(spec.mtu))
+            mtu = ("mtu", str(spec.mtu))
+            _sh("ip", "link", "add", "eth0", "netns", ns, *mtu, "type", "veth", "peer", "name", f"p{i}",
+                "netns", spec.switch, *mtu)
             _sh(*sw, "link", "set", f"p{i}", "master", "br0")
             _sh(*sw, "link", "set", f"p{i}", "up")
             _sh("ip", "-n", ns, "addr", "add", f"{spec.address(i)}/24", "dev", "eth0")
@@ -228,9 +480,7 @@ def up(spec: ClusterSpec) -> ClusterSpec:
             # keep TCP's window across the idle gaps between collectives (a data-centre setting;
             # with the default, every call after a pause > RTO restarts from slow start)
             _sh("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0")
-            if bits is not None:
-                _tbf(ns, "eth0", bits, spec.mtu)  # uplink: node -> switch
-                _tbf(spec.switch, f"p{i}", bits, spec.mtu)  # downlink: switch -> node
+            _apply(spec, i, fresh=True)
     except BaseException:
         down(spec.name)
         raise
@@ -238,11 +488,7 @@ def up(spec: ClusterSpec) -> ClusterSpec:
 
 
 def _rate_of(ns: str, dev: str) -> float | None:
-    out = _sh("ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev, check=False)
-    m = re.search(r"tbf .*?rate (\d+(?:\.\d+)?)([KMG]?)bit", out)
-    if not m:
-        return None
-    return float(m.group(1)) * {"": 1, "K": 1e3, "M": 1e6, "G": 1e9}[m.group(2)]
+    return _shape_of(ns, dev)[0]
 
 
 def status(name: str) -> ClusterSpec | None:
@@ -255,7 +501,34 @@ def status(name: str) -> ClusterSpec | None:
     if nodes != list(range(len(nodes))) or f"{name}-sw" not in found:
         raise ClusterError(f"cluster {name!r} is incomplete ({sorted(found)}); run `distrain cluster down --name {name}`")
     mtu = re.search(r" mtu (\d+)", _sh("ip", "-n", f"{name}-0", "link", "show", "eth0", check=False))
-    return ClusterSpec(name, tuple(_rate_of(f"{name}-{i}", "eth0") for i in nodes), int(mtu.group(1)) if mtu else 1500)
+    shapes = [_shape_of(f"{name}-{i}", "eth0") for i in nodes]
+    wires = [_wire_of(name, i) for i in nodes]
+    return ClusterSpec(name, tuple(r for r, _, _ in shapes), int(mtu.group(1)) if mtu else 1500,
+                       delays_us=tuple(d for d, _ in wires), jitters_us=tuple(j for _, j in wires),
+                       losses=tuple(loss for _, loss, _ in shapes), down=tuple(d for _, _, d in shapes))
+
+
+def set_link(name: str, node: int, link: str | None = None, delay: str | None = None, jitter: str | None = None,
+             loss: str | None = None, down: bool | None = None) -> ClusterSpec:
+    """Change node ``node``'s link on a running cluster (None: keep that setting); returns the cluster as
+    it is then. Every value is checked before anything changes."""
+    spec = status(name)
+    if spec is None:
+        raise ClusterError(f"no cluster named {name!r}; create it with `distrain cluster up --name {name} --nodes N`")
+    if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < spec.nodes:
+        raise ConfigError(f"--node: cluster {name!r} has nodes 0..{spec.nodes - 1}, got {node!r}")
+
+    def one(values: tuple, text: str | None, parse) -> tuple:
+        return values if text is None else values[:node] + (parse(text),) + values[node + 1:]
+
+    new = replace(spec,
+                  links=one(spec.links, link, lambda t: None if t == "none" else parse_rate(t)),
+                  delays_us=one(spec.delays_us, delay, lambda t: parse_time_us(t, "--delay")),
+                  jitters_us=one(spec.jitters_us, jitter, lambda t: parse_time_us(t, "--jitter")),
+                  losses=one(spec.losses, loss, parse_loss),
+                  down=one(spec.down, None if down is None else "x", lambda _: bool(down)))
+    _apply(new, node)
+    return new
 
 
 def describe(spec: ClusterSpec) -> str:
@@ -263,5 +536,7 @@ def describe(spec: ClusterSpec) -> str:
     for i, bits in enumerate(spec.links):
         procs = len(pids(spec.netns(i)))
         rows.append(f"  node {i}: netns {spec.netns(i)}  eth0 {spec.address(i)}/24  link "
-                    f"{format_rate(bits) if bits else 'unshaped'}  mtu {spec.mtu}  processes {procs}")
+                    f"{format_rate(bits) if bits else 'unshaped'}  delay {format_time_us(spec.delays_us[i])}  "
+                    f"jitter {format_time_us(spec.jitters_us[i])}  loss {format_loss(spec.losses[i])}  "
+                    f"{'DOWN' if spec.down[i] else 'up'}  mtu {spec.mtu}  processes {procs}")
     return "\n".join(rows)

@@ -164,7 +164,7 @@ def run(spec: netns.ClusterSpec, cmd: list[str], procs_per_node: int = 1, max_re
         for p in procs:
             if p.poll() is None:
                 p.kill()
-        netns.kill_all(spec.name)
+        netns.kill_all(spec.name, switch=False)  # the switch's delay lines stay with the cluster
         for p in procs:
             p.wait()
         for th in pumps:
