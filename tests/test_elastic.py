@@ -144,7 +144,7 @@ def test_a_stale_rank_coming_back_is_refused_naming_its_step_and_the_groups(tmp_
 
 
 def test_the_refusal_of_another_runs_state_names_both_runs():
-    from distrain.elastic.coordinator import refusal
+    from distrain.elastic.quorum import refusal
 
     assert refusal(2, {"live": 7, "snap": 6, "run": "aaaa"}, "bbbb", 3) == (
         "elastic: rank id 2 refused: its state is of run aaaa, the group's of run bbbb; a rank cannot join another run")
@@ -316,7 +316,7 @@ def test_dp2_pp2_replicas_are_found_on_the_pipeline_major_grid(tmp_path, tmp_pat
 
 
 def test_whole_replicas_follow_the_topology_order():
-    from distrain.elastic.coordinator import whole_replicas
+    from distrain.elastic.quorum import whole_replicas
 
     # dp3 x tp2: replicas {0,1} {2,3} {4,5}; dp2 x tp2 x pp2 (ids 10..17): replica 0 = 10, 11, 14, 15
     assert whole_replicas([0, 1, 2, 3, 4, 5], [0, 1, 2, 4, 5], 2, 1) == [0, 1, 4, 5]
@@ -373,7 +373,7 @@ def _offer(live, snap, pieces, ckpt=None):
 
 
 def test_the_sharded_target_is_the_latest_step_whose_pieces_make_a_whole():
-    from distrain.elastic.coordinator import sharded_target
+    from distrain.elastic.quorum import sharded_target
     from distrain.errors import TrainingError
 
     # 4 ranks, id 1 lost after every rank finished step 4 (live 5): its piece of 5 is gone, of 4 on rank 2

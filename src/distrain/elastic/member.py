@@ -35,14 +35,14 @@ past the group's time-out, so a hung peer surfaces as an exception here rather t
 Steps: ``live`` is the step boundary the live state is at (replicated: always one; sharded: None
 while a step is under way, and ``snap`` the boundary of the copy taken by ``begin``). After a failure
 a rank offers its boundaries (replicated: ``live``, ``next`` when it can roll forward; sharded: its
-pieces) and the coordinator picks one every kept survivor can reach (coordinator.replicated_target,
-coordinator.sharded_target).
+pieces) and the coordinator picks one every kept survivor can reach (quorum.replicated_target,
+quorum.sharded_target).
 
 Sharded state (ZeRO, ``sharded``): a rank holds one piece, so ``begin`` also sends its copy to the
 next rank during the step and keeps the previous rank's (pieces.Exchange, waited for in ``end``;
 the copies of the step before stay until every rank has reached the step's end). A rank's arrive
 record lists the pieces it holds, ``[step, world, rank, "own"|"replica"]``; the coordinator takes the
-latest step whose pieces make a whole (coordinator.sharded_target), or the last checkpoint when a rank
+latest step whose pieces make a whole (quorum.sharded_target), or the last checkpoint when a rank
 and its successor were lost at once, and the loop gathers the pieces and cuts them for the new
 group (ElasticGuard._load).
 """
@@ -281,7 +281,7 @@ class Member:
         """The quorum rode with ``step``'s gradients and arrived here with them (``averages``: the group's
         averages of :meth:`carry_values`): the global batch's loss and whether the group must change. Only
         this rank knows the commit complete; another may have failed in the same all-reduce, and it gets
-        this step's state from a rank that has it (coordinator.replicated_target)."""
+        this step's state from a rank that has it (quorum.replicated_target)."""
         self.hooks.before_commit(self, step)
         self.ready = True
         self.hooks.after_commit(self, step)
