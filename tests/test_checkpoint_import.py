@@ -21,7 +21,7 @@ from distrain.models import build_model
 from distrain.checkpoint import store as checkpoint
 from distrain.trainer import train
 from distrain.checkpoint.write import import_file
-from distrain.trainer.loop import check_resume
+from distrain.trainer.run_folder import check_resume
 from distrain.trainer.metrics import read_metrics
 
 from conftest import trainer_config

@@ -178,7 +178,7 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path, stop):
         assert all(torch.equal(x, y) for x, y in zip(a["outer"]["master"], b["outer"]["master"]))
     # a resume that would not continue exactly is refused before any rank starts
     from distrain.errors import ConfigError
-    from distrain.trainer.loop import check_resume
+    from distrain.trainer.run_folder import check_resume
 
     for change, message in ((dict(inner_steps=3), "--inner-steps is 3 but the checkpoint"),
                             (dict(outer_lr=0.5), "--outer-lr is 0.5 but the checkpoint"),

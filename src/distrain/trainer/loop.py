@@ -35,9 +35,10 @@ from distrain.errors import ConfigError, RankKilledError, TrainingError
 from distrain.launch import spawn
 from distrain.trainer.config import TrainConfig
 from distrain.trainer.custom import UserParts
-from distrain.trainer.engines import Engine, build_engine, engine_class
+from distrain.trainer.engines import Engine, build_engine
 from distrain.trainer.guard import ElasticGuard, Guard, stop_step
 from distrain.trainer.metrics import MetricsLog
+from distrain.trainer.run_folder import check_out, check_resume, load_checkpoint, save_checkpoint
 from distrain.trainer.replicas import BitFlip, check_inject, check_replicas, flip_bit, parse_inject
 from distrain.trainer.report import add_eval, finish, progress_bar, rank_traffic, step_record, sum_losses, write_records
 from distrain.trainer.task import Task, build_optimizer, build_task, loss_function, lr_at
@@ -157,74 +158,7 @@ def _spawned(rank: int, cfg_dict: dict, parts=None, inject: BitFlip | None = Non
 
 
 # what a run writes into --out; --overwrite removes these and nothing else
-RUN_FILES = ("metrics.jsonl", "summary.json", "loss.png", "config.json", "data.json", "tokenizer.json", "tensorboard/*",
-             checkpoint.MANIFEST, "checkpoint-*.pt", ".checkpoint*.tmp")
 BACKENDS = {"auto": "auto", "cpu": "gloo", "cuda": "nccl"}
-
-
-def check_out(cfg: TrainConfig, remove: bool = True) -> None:
-    """A fresh run needs an empty --out (or --overwrite, which removes the previous run's files)."""
-    out = Path(cfg.out)
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise ConfigError(f"--out {out} is a file; give a folder for the run's outputs")
-    held = sorted(p.name for p in out.iterdir() if p.name != ".distrain.lock")  # the run lock (runlock.py)
-    if not held:
-        return
-    if not cfg.overwrite:
-        listed = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
-        raise ConfigError(f"--out {out} is not empty ({listed}); pass --resume to continue that run, --overwrite to "
-                          f"replace it, or choose another --out")
-    for pattern in RUN_FILES if remove else ():
-        for p in out.glob(pattern):
-            p.unlink(missing_ok=True)
-
-
-# flags whose change would make a resumed run differ from the uninterrupted one (--steps may grow)
-CONTINUATION_FIELDS = ("data", "seq_len", "seed", "batch_size", "dtype", "optimizer", "lr", "weight_decay", "momentum",
-                       "algorithm", "compression", "microbatches", "schedule", "max_staleness",
-                       "inner_steps", "outer_optimizer", "outer_lr", "outer_momentum", "outer_compression",
-                       "layout_invariant", "invariant_tp")
-
-
-def check_resume(cfg: TrainConfig) -> dict:
-    """The committed checkpoint of ``cfg.out`` fits this run, or a one-line ConfigError."""
-    manifest = checkpoint.read_manifest(cfg.out)
-    checkpoint.verify(cfg.out, manifest)  # checksums, before any rank starts
-    where = Path(cfg.out) / checkpoint.MANIFEST
-    if manifest.get("model") != cfg.model:
-        raise ConfigError(f"--resume: checkpoint {where} holds model {manifest.get('model')!r}, this run trains "
-                          f"--model {cfg.model}; resume with the same --model or choose another --out")
-    layout = engine_class(cfg).layout_of(cfg)
-    if manifest["layout"] != layout and not cfg.reshard:
-        raise ConfigError(f"--resume: checkpoint {where} was written with layout {manifest['layout']}, this run uses "
-                          f"{layout}; resume with the same --dp/--tp/--pp (and --strategy, --nproc, --servers), or "
-                          f"add --reshard to load it into this layout")
-    if cfg.reshard:
-        ps = [s for s in (manifest.get("strategy"), cfg.strategy) if str(s).startswith("ps-")]
-        if ps:
-            raise ConfigError(f"--reshard: --strategy {ps[0]} keeps its state on parameter servers, which cannot be "
-                              f"resharded; resume it without --reshard and with the same layout")
-        first = checkpoint.load(Path(cfg.out) / manifest["files"][0])
-        if manifest["layout"] != layout and "names" not in first and first.get("kind") is None:
-            raise ConfigError(f"--reshard: {Path(cfg.out) / manifest['files'][0]} records no parameter names (written "
-                              f"before distrain could reshard); resume it with its layout {manifest['layout']}")
-    saved = manifest.get("config", {})
-    # the pipeline's micro-batches and schedule belong to the layout: --reshard may change them
-    fields = [f for f in CONTINUATION_FIELDS if not (cfg.reshard and f in ("microbatches", "schedule"))]
-    changed = [f for f in fields if f in saved and saved[f] != getattr(cfg, f)]
-    if changed:
-        f = changed[0]
-        raise ConfigError(f"--resume: --{f.replace('_', '-')} is {getattr(cfg, f)!r} but the checkpoint {where} was "
-                          f"trained with {saved[f]!r}; a changed {', '.join(changed)} breaks exact continuation: resume "
-                          f"with the same value or choose another --out")
-    if int(manifest["step"]) > cfg.steps:
-        raise ConfigError(f"--resume: checkpoint {where} is at step {manifest['step']}, past --steps {cfg.steps}")
-    from distrain.trainer.task import check_resume_data
-
-    check_resume_data(cfg)  # --data DIR of token shards: the same tokenizer as the run's (data.json)
-    return manifest
 
 
 def run_rank(cfg: TrainConfig, parts=None, step_probe=None, inject: BitFlip | None = None) -> dict:
@@ -300,19 +234,6 @@ def _guard(cfg: TrainConfig) -> Guard:
 
     return ElasticGuard(cfg, current(), lambda e, pieces, step: e.load_full(consolidate_pieces(pieces, step)),
                         lambda e: e.load_full(consolidate(cfg.out)))
-
-
-def load_checkpoint(cfg: TrainConfig, engine: Engine) -> None:
-    """Resume: this rank's part of the committed checkpoint of ``cfg.out``; a checkpoint of another
-    layout (``--reshard``, which check_resume allowed) is consolidated and cut for this one."""
-    out = Path(cfg.out)
-    manifest = checkpoint.read_manifest(out)
-    if manifest["layout"] != engine.layout:
-        from distrain.checkpoint.reshard import consolidate
-
-        engine.load_full(consolidate(out, manifest))
-    elif engine.shard is not None:
-        engine.load_state_dict(checkpoint.load_shard(out, manifest, engine.shard))
 
 
 def new_model(cfg: TrainConfig, parts, device: torch.device) -> torch.nn.Module:
@@ -440,11 +361,3 @@ def train_steps(cfg: TrainConfig, engine: Engine, task: Task, start: int, guard:
     if log is not None and log.tensorboard is not None:
         log.tensorboard.close()
     return engine, time.perf_counter() - t_run, None
-
-
-def save_checkpoint(cfg: TrainConfig, engine: Engine, step: int) -> None:
-    """Collective: write this rank's shard (if it writes one); rank 0 commits the set."""
-    state = engine.state_dict() if engine.writes_shard else None
-    checkpoint.save_set(cfg.out, step, engine.layout, engine.shard if engine.writes_shard else None, state,
-                        meta={"model": cfg.model, "strategy": cfg.strategy, "config": cfg.to_dict(),
-                              **init_from.run_meta(cfg)})  # an hf:DIR model's config

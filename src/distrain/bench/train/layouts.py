@@ -180,9 +180,9 @@ def _rank(rank: int, cfg_dict: dict, timed_steps: int) -> dict:
 
 def _measure(job: Job, cfg: TrainConfig, opts: Settings) -> dict:
     import distrain
-    from distrain.trainer import loop
+    from distrain.trainer import loop, run_folder
 
-    loop.check_out(cfg)
+    run_folder.check_out(cfg)
     per_rank = distrain.spawn(_rank, cfg.nproc, args=(cfg.to_dict(), opts.warmup + opts.steps),
                               backend=loop.BACKENDS[cfg.device], timeout=opts.timeout,
                               init_timeout=cfg.collective_timeout,

@@ -120,7 +120,8 @@ def _single_threads_rank(rank: int, cfg_dict: dict, cores: int) -> dict:
 def _train_single_threads(cfg: TrainConfig, cores: int) -> dict:
     """``train(cfg)`` for strategy single, but with ``cores`` torch threads in its one process."""
     from distrain import spawn
-    from distrain.trainer.loop import BACKENDS, check_out
+    from distrain.trainer.loop import BACKENDS
+    from distrain.trainer.run_folder import check_out
 
     check_out(cfg)
     return spawn(_single_threads_rank, 1, args=(cfg.to_dict(), cores), backend=BACKENDS[cfg.device],
