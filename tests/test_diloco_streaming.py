@@ -116,7 +116,7 @@ def test_a_period_sends_the_unfragmented_bytes_and_the_peak_falls_to_a_fragment(
         train_losses(trainer_config(out, **base, **kw))
         runs[name] = json.loads((out / "summary.json").read_text())
     whole = outer_bytes(n, 2, 4)
-    assert whole == 271_104 // 2  # one all-reduce of the float32 model on 2 ranks: (2 - 1)/2 x 2 x 4N
+    assert whole == 4 * n == 271_104  # one ring all-reduce of the float32 model on 2 ranks: 2(2 - 1)/2 x 4N
     assert runs["diloco"]["bytes_sent_per_step_rank0"] * 8 == whole
     assert runs["diloco"]["peak_step_bytes_rank0"] == whole
     s = runs["P4"]
