@@ -22,7 +22,8 @@ at a time.
     θ_i,p    ← α·θ_i,p(s + τ) + (1 − α)·θ_prev,p          (the paper's merge; α = ``alpha``)
 
 α = 0 discards the τ inner steps' changes to the fragment (the global value wins), α = 1 keeps the island's
-own; the paper mixes with α = 0.5. The next outer gradient of the fragment is again θ_prev,p − θ_i,p.
+own; the paper tunes this mixing factor, and 0.5 (an even mix) is the default here (torchft's
+Streaming DiLoCo writes the same merge as a lerp of the global value toward the local one). The next outer gradient of the fragment is again θ_prev,p − θ_i,p.
 The quantized means (int8/int4: two blocking exchanges) are not asynchronous; the trainer refuses them
 with τ ≥ 1.
 

@@ -13,10 +13,17 @@ The logged loss is the global batch's mean, each island's part on its own parame
 the text sample use the outer parameters θ_prev (the model as of the last sync; after a sync every
 island's). --lr and its schedule drive the inner optimizer; the outer learning rate is constant.
 
+Streaming DiLoCo (--fragments P > 1 or --overlap-steps τ > 0; distrain.parallel.diloco.streaming): the
+outer half is a StreamingOuter, an OuterStep per fragment, fragment p exchanged after global steps s with
+(s + 1 − p·H//P) % H == 0 and, with τ > 0, applied τ steps later (merged with --overlap-alpha); one
+fragment without overlap is DiLoCo's OuterStep itself (the same bits, the same checkpoint). Every step runs
+inside its own traffic ledger: the summary's ``peak_step_bytes_rank0`` is the most this rank sent in one
+step (with τ > 0 an exchange's bytes count in the step during which the comm thread sent them).
+
 Checkpoints: one shard per island, ``island{i}``, written by the island's first rank: its replica
 (parameters, buffers), its inner optimizer's state and the outer state (θ_prev, the outer optimizer's
-momentum, the sync count), so a resume at any step, on or between syncs, continues exactly (a set holds
-K replicas). The layout records K and P (a resume needs the same).
+momentum, the sync count; Streaming DiLoCo's per fragment, with the averaged Δ of every exchange still to
+be applied), so a resume at any step, on or between syncs, continues exactly (a set holds K replicas). The layout records K and P (a resume needs the same).
 """
 
 from __future__ import annotations
@@ -168,16 +175,19 @@ class DiLoCoEngine(Engine):
 
     @staticmethod
     def streaming_rows(s: dict) -> list[tuple[str, str]]:
-        """Streaming DiLoCo's rows: the fragments, the overlap, the largest step's bytes (none for plain DiLoCo)."""
-        if s.get("fragments", 1) == 1 and not s.get("overlap_steps"):
-            return []
-        sizes = ", ".join(f"{n:,}" for n in s["fragment_params"])
-        overlap = f"{s['overlap_steps']} step(s), merge α = {s['overlap_alpha']:g}" if s["overlap_steps"] else \
-            "none (each exchange blocks)"
-        return [("fragments", f"{s['fragments']} ({sizes} parameters), offset by {s['inner_steps']}/"
-                              f"{s['fragments']} steps; outer steps counted per fragment"),
-                ("overlap", overlap),
-                ("peak step bytes (rank 0)", f"{s['peak_step_bytes_rank0']:,} (the most sent in one step)")]
+        """Streaming DiLoCo's rows (the fragments, the overlap; none for plain DiLoCo), then the largest step's
+        bytes (summaries written before it have none)."""
+        rows = []
+        if s.get("fragments", 1) > 1 or s.get("overlap_steps"):
+            sizes = ", ".join(f"{n:,}" for n in s["fragment_params"])
+            overlap = f"{s['overlap_steps']} step(s), merge α = {s['overlap_alpha']:g}" if s["overlap_steps"] else \
+                "none (each exchange blocks)"
+            rows += [("fragments", f"{s['fragments']} ({sizes} parameters), offset by {s['inner_steps']}/"
+                                   f"{s['fragments']} steps; outer steps counted per fragment"),
+                     ("overlap", overlap)]
+        if "peak_step_bytes_rank0" in s:
+            rows.append(("peak step bytes (rank 0)", f"{s['peak_step_bytes_rank0']:,} (the most sent in one step)"))
+        return rows
 
     def sample_model(self):
         """A copy of the model holding the outer parameters (rank 0's)."""
