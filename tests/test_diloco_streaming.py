@@ -166,7 +166,6 @@ def test_a_resumed_streaming_run_equals_the_uninterrupted_one(tmp_path, stop):
     (dict(inner_steps=4, overlap_steps=4), "--overlap-steps must be in 0..--inner-steps - 1 = 3"),
     (dict(inner_steps=4, overlap_steps=-1), "--overlap-steps must be in 0..--inner-steps - 1 = 3"),
     (dict(inner_steps=4, overlap_steps=1, overlap_alpha=1.5), "--overlap-alpha must be in [0, 1], got 1.5"),
-    (dict(overlap_alpha=0.0), "--overlap-alpha 0.0 merges the inner steps taken during an overlapped exchange"),
     (dict(inner_steps=4, overlap_steps=1, outer_compression="int4"),
      "--overlap-steps 1 with --outer-compression int4: the quantized mean is two blocking exchanges"),
     (dict(fragments=69, inner_steps=4, overlap_steps=3, overlap_alpha=1.0, outer_compression="bf16"), None),
