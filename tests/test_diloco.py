@@ -48,11 +48,17 @@ def assert_params_close(got: dict, want: dict) -> None:
         torch.testing.assert_close(got[k], want[k], rtol=RTOL, atol=1e-13, msg=lambda m: f"{k}: {m}")
 
 
-def simulate(cfg, K: int):
+def simulate(cfg, K: int, fragments: int = 1, overlap: int = 0, alpha: float = 0.5):
     """DiLoCo in one process, plain torch: (the step losses, each island's final state_dict, the outer
-    parameters by name). Island i reads part i of K of every global batch (the trainer's ranks' parts
-    joined: consecutive ranks form an island)."""
+    parameters by name, the exchanges not yet applied {fragment: mean Δ by name}). Island i reads part i of
+    K of every global batch (the trainer's ranks' parts joined: consecutive ranks form an island).
+
+    Streaming DiLoCo (``fragments`` P, ``overlap`` τ, ``alpha`` α): the parameters in P contiguous
+    fragments (distrain's cut: fragment_cuts), each with its own torch.optim.SGD on its master slice;
+    fragment p's mean Δ is taken after steps s with (s + 1 − p·H//P) mod H = 0 and applied then (τ = 0:
+    every island takes the master) or after step s + τ (every island: α·θ_i + (1 − α)·master)."""
     from distrain.data import DistributedBatchSampler
+    from distrain.parallel.diloco import fragment_cuts
     from distrain.trainer.custom import UserParts
     from distrain.trainer.loop import new_model
     from distrain.trainer.task import build_optimizer, build_task, loss_function
@@ -67,8 +73,11 @@ def simulate(cfg, K: int):
     inner = [build_optimizer(cfg, m.parameters()) for m in islands]
     names = [n for n, _ in start.named_parameters()]
     master = [p.detach().clone() for p in start.parameters()]
-    outer = torch.optim.SGD(master, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
-                            nesterov=cfg.outer_optimizer == "nesterov")
+    cuts = fragment_cuts([w.numel() for w in master], fragments)
+    outer = [torch.optim.SGD(master[a:b], lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                             nesterov=cfg.outer_optimizer == "nesterov") for a, b in cuts]
+    H = cfg.inner_steps
+    pending = {}  # fragment -> (the step after which it applies, the mean Δ of each of its tensors)
     losses = []
     for step in range(cfg.steps):
         step_loss = 0.0
@@ -80,16 +89,30 @@ def simulate(cfg, K: int):
             opt.step()
             step_loss += loss.item() / K
         losses.append(step_loss)
-        if (step + 1) % cfg.inner_steps == 0:
-            with torch.no_grad():
-                held = [list(m.parameters()) for m in islands]
-                for j, w in enumerate(master):
-                    w.grad = torch.stack([w - ps[j] for ps in held]).mean(dim=0)
-                outer.step()
+        with torch.no_grad():
+            held = [list(m.parameters()) for m in islands]
+
+            def apply(f: int, means: list, merge: bool) -> None:
+                a, b = cuts[f]
+                for w, g in zip(master[a:b], means):
+                    w.grad = g
+                outer[f].step()
                 for ps in held:
-                    for p, w in zip(ps, master):
-                        p.copy_(w)
-    return losses, [m.state_dict() for m in islands], dict(zip(names, master))
+                    for p, w in zip(ps[a:b], master[a:b]):
+                        p.copy_(alpha * p + (1 - alpha) * w if merge else w)
+
+            for f in sorted(pending):
+                if pending[f][0] == step:
+                    apply(f, pending.pop(f)[1], merge=True)
+            for f, (a, b) in enumerate(cuts):
+                if (step + 1 - f * H // fragments) % H == 0:
+                    means = [torch.stack([master[j] - ps[j] for ps in held]).mean(dim=0) for j in range(a, b)]
+                    if overlap:
+                        pending[f] = (step + overlap, means)
+                    else:
+                        apply(f, means, merge=False)
+    left = {f: dict(zip(names[cuts[f][0]:cuts[f][1]], means)) for f, (_, means) in pending.items()}
+    return losses, [m.state_dict() for m in islands], dict(zip(names, master)), left
 
 
 # -- H = 1 with SGD everywhere: DDP ---------------------------------------------------------------
@@ -126,7 +149,7 @@ def check_against_simulation(tmp_path, nproc: int, islands: int, K: int) -> None
     parameters after its unsynchronised last step, and the outer parameters."""
     cfg = trainer_config(tmp_path / "run", strategy="diloco", nproc=nproc, islands=islands, inner_steps=2)
     got = train_losses(cfg)
-    losses, states, master = simulate(cfg, K)
+    losses, states, master, _ = simulate(cfg, K)
     assert close(got, losses), (got, losses)
     for i in range(K):
         saved = shard(cfg.out, f"island{i}")

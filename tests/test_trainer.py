@@ -284,7 +284,8 @@ def test_metrics_lines_are_on_disk_before_a_checkpoint_names_their_step(tmp_path
 # a value other than the default, for each flag that acts on some strategies only
 _ONLY_VALUES = {"compression": "bf16", "algorithm": "tree", "bucket_cap_mb": 5.0, "servers": 2, "max_staleness": 1,
                 "accum_steps": 2, "elastic": "2:3", "islands": 3, "inner_steps": 5, "outer_optimizer": "sgd",
-                "outer_lr": 0.5, "outer_momentum": 0.5, "outer_compression": "bf16"}
+                "outer_lr": 0.5, "outer_momentum": 0.5, "outer_compression": "bf16",
+                "fragments": 2, "overlap_steps": 1, "overlap_alpha": 0.25}
 
 
 def test_every_flag_helps_with_the_strategies_it_acts_on_and_refuses_the_others(tmp_path):

@@ -84,6 +84,14 @@ class TrainConfig:
     outer_momentum: float = opt(0.9, "DiLoCo: the outer momentum, in [0, 1)", only=("diloco",))
     outer_compression: str | None = opt(None, "DiLoCo: the outer gradient on the wire: bf16 (summed by the ring), int8 or int4 (block-wise, quantized)",
                                         choices=OUTER_COMPRESSIONS, type=str, only=("diloco",))
+    # Streaming DiLoCo (docs/slow_links.md): the parameters in fragments, each synchronised at its own offset
+    fragments: int = opt(1, "DiLoCo: the parameters in P fragments (contiguous whole tensors, balanced by size), "
+                            "fragment p synchronised every --inner-steps steps at offset p x H / P (Streaming "
+                            "DiLoCo); 1: all at once", only=("diloco",))
+    overlap_steps: int = opt(0, "DiLoCo: a fragment's outer all-reduce runs while this many inner steps go on, "
+                                "then is applied (tau, 0..H-1); 0: each exchange blocks", only=("diloco",))
+    overlap_alpha: float = opt(0.5, "DiLoCo with --overlap-steps: the merge after an overlapped exchange, local = "
+                                    "alpha x local + (1 - alpha) x global, in [0, 1]", only=("diloco",))
     # model parallelism (GPT and Llama presets, your model with .layers / a tp_plan, Hugging Face decoders):
     # dp * cp * tp * pp = nproc; dp = 0 means nproc // (cp * tp * pp)
     dp: int = opt(0, "data-parallel size of the dp x cp x tp x pp grid (0: nproc / (cp * tp * pp))")

@@ -45,6 +45,7 @@ def check_out(cfg: TrainConfig, remove: bool = True) -> None:
 CONTINUATION_FIELDS = ("data", "seq_len", "seed", "batch_size", "dtype", "optimizer", "lr", "weight_decay", "momentum",
                        "algorithm", "compression", "microbatches", "schedule", "max_staleness",
                        "inner_steps", "outer_optimizer", "outer_lr", "outer_momentum", "outer_compression",
+                       "fragments", "overlap_steps", "overlap_alpha",
                        "layout_invariant", "invariant_tp")
 
 

@@ -10,11 +10,16 @@ result. Each island's inner optimizer state stays its own.
     islands.py   which ranks form which island, and the two families of groups (IslandGroups)
     outer.py     OuterStep: the outer parameters θ_prev, the outer optimizer, the averaged outer gradient
                  (one all-reduce across the islands, counted by distrain.comm's ledger)
+    quantized.py the outer gradient in 8 or 4 bits (block-wise absmax), averaged in two exchanges
+    streaming.py Streaming DiLoCo: the parameters in P fragments synchronised at staggered offsets, each
+                 exchange optionally overlapped with τ inner steps (StreamingOuter: an OuterStep per fragment)
 
 Imports distrain.comm only.
 """
 
 from distrain.parallel.diloco.islands import IslandGroups, island_ranks
 from distrain.parallel.diloco.outer import OUTER_COMPRESSIONS, OUTER_OPTIMIZERS, OuterStep
+from distrain.parallel.diloco.streaming import StreamingOuter, fragment_cuts
 
-__all__ = ["IslandGroups", "OUTER_COMPRESSIONS", "OUTER_OPTIMIZERS", "OuterStep", "island_ranks"]
+__all__ = ["IslandGroups", "OUTER_COMPRESSIONS", "OUTER_OPTIMIZERS", "OuterStep", "StreamingOuter", "fragment_cuts",
+           "island_ranks"]

@@ -60,26 +60,39 @@ class OuterStep:
     @torch.no_grad()
     def sync(self) -> None:
         """Collective over ``group``: average Δ over the islands, the outer step, θ_i ← θ_prev."""
-        flat = self.outer_gradient()
+        self.apply(self.mean(self.outer_gradient()))
+
+    @torch.no_grad()
+    def mean(self, flat: torch.Tensor) -> torch.Tensor:
+        """Collective over ``group`` (blocking): the islands' mean of ``flat`` (this island's Δ_i, (numel,)),
+        computed in place where it can be (float32/float64 and bf16 on the wire) or as the quantized mean."""
         if self.group is not None and self.compression in quantized.BITS:
-            flat = quantized.quantized_mean(flat, group=self.group, parts=self.islands, rank=self.place,
+            return quantized.quantized_mean(flat, group=self.group, parts=self.islands, rank=self.place,
                                             bits=quantized.BITS[self.compression], algorithm=self.algorithm)
-        else:
-            if self.group is not None:
-                wire = flat.to(torch.bfloat16) if self.compression == "bf16" else flat
-                comm.all_reduce(wire, op="sum", group=self.group, algorithm=self.algorithm)
-                if wire is not flat:
-                    flat.copy_(wire)
-            flat.div_(self.islands)
+        if self.group is not None:
+            wire = flat.to(torch.bfloat16) if self.compression == "bf16" else flat
+            comm.all_reduce(wire, op="sum", group=self.group, algorithm=self.algorithm)
+            if wire is not flat:
+                flat.copy_(wire)
+        return flat.div_(self.islands)
+
+    @torch.no_grad()
+    def apply(self, delta: torch.Tensor, alpha: float | None = None) -> None:
+        """The outer step on θ_prev with the averaged outer gradient ``delta`` (numel,), then the replica:
+        θ_i ← θ_prev (``alpha`` None), or θ_i ← α·θ_i + (1 − α)·θ_prev (Streaming DiLoCo's merge of the
+        inner steps taken while the average was in flight: :mod:`distrain.parallel.diloco.streaming`)."""
         offset = 0
         for m in self.master:
             n = m.numel()
-            m.grad = flat[offset:offset + n].view_as(m)
+            m.grad = delta[offset:offset + n].view_as(m)
             offset += n
         self.optimizer.step()
         for p, m in zip(self.params, self.master):
             m.grad = None
-            p.copy_(m)
+            if alpha is None:
+                p.copy_(m)
+            else:
+                p.mul_(alpha).add_(m, alpha=1.0 - alpha)
         self.syncs += 1
 
     # -- checkpoints -----------------------------------------------------------------------

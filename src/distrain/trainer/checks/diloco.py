@@ -1,5 +1,6 @@
 """--strategy diloco's own flags: --islands, --inner-steps, --outer-optimizer, --outer-lr, --outer-momentum,
---outer-compression (which other strategies refuse: strategy.check_applies)."""
+--outer-compression, and Streaming DiLoCo's --fragments, --overlap-steps, --overlap-alpha (which other
+strategies refuse: strategy.check_applies)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,42 @@ def check_diloco(cfg) -> None:
     need(cfg.islands == 0 or cfg.nproc % cfg.islands == 0,
          f"--islands {cfg.islands} does not divide --nproc {cfg.nproc} into equal islands; use a divisor of "
          f"{cfg.nproc}")
+    check_streaming(cfg)
+
+
+def check_streaming(cfg) -> None:
+    """--fragments >= 1 and at most the model's parameter tensors (a preset's or a Hugging Face model's,
+    counted on the meta device; your factory's model is checked when built); --overlap-steps in 0..H-1, not
+    with the quantized means (int8/int4 are not asynchronous); --overlap-alpha in [0, 1] (it acts with
+    --overlap-steps only; alone it is unused, as test_trainer's one-flag-at-a-time rule needs)."""
+    need(isinstance(cfg.fragments, int) and cfg.fragments >= 1,
+         f"--fragments must be >= 1 (1: all parameters synchronise together), got {cfg.fragments!r}")
+    need(isinstance(cfg.overlap_steps, int) and 0 <= cfg.overlap_steps < cfg.inner_steps,
+         f"--overlap-steps must be in 0..--inner-steps - 1 = {cfg.inner_steps - 1} (an exchange is applied before "
+         f"the fragment's next one starts), got {cfg.overlap_steps!r}")
+    need(math.isfinite(cfg.overlap_alpha) and 0 <= cfg.overlap_alpha <= 1,
+         f"--overlap-alpha must be in [0, 1], got {cfg.overlap_alpha}")
+    need(cfg.overlap_steps == 0 or cfg.outer_compression not in ("int8", "int4"),
+         f"--overlap-steps {cfg.overlap_steps} with --outer-compression {cfg.outer_compression}: the quantized mean "
+         f"is two blocking exchanges, not one asynchronous all-reduce; use --outer-compression bf16 or none, or "
+         f"--overlap-steps 0")
+    if cfg.fragments > 1:
+        from distrain.checkpoint.models import is_hf_name
+
+        if cfg.custom_model and not is_hf_name(cfg.model):
+            return  # (built by your factory on every rank: StreamingOuter refuses too many fragments there)
+        tensors = parameter_tensors(cfg)
+        need(cfg.fragments <= tensors,
+             f"--fragments {cfg.fragments}: --model {cfg.model} has {tensors} parameter tensors and a fragment holds "
+             f"whole tensors; use at most {tensors}")
+
+
+def parameter_tensors(cfg) -> int:
+    """How many parameter tensors the model ``cfg.model`` names has, built on the meta device."""
+    import torch
+
+    from distrain.checkpoint import init_from
+
+    with torch.device("meta"):
+        model = init_from.build_model(cfg)
+    return sum(1 for _ in model.parameters())

@@ -13,10 +13,17 @@ The logged loss is the global batch's mean, each island's part on its own parame
 the text sample use the outer parameters θ_prev (the model as of the last sync; after a sync every
 island's). --lr and its schedule drive the inner optimizer; the outer learning rate is constant.
 
+Streaming DiLoCo (--fragments P > 1 or --overlap-steps τ > 0; distrain.parallel.diloco.streaming): the
+outer half is a StreamingOuter, an OuterStep per fragment, fragment p exchanged after global steps s with
+(s + 1 − p·H//P) % H == 0 and, with τ > 0, applied τ steps later (merged with --overlap-alpha); one
+fragment without overlap is DiLoCo's OuterStep itself (the same bits, the same checkpoint). Every step runs
+inside its own traffic ledger: the summary's ``peak_step_bytes_rank0`` is the most this rank sent in one
+step (with τ > 0 an exchange's bytes count in the step during which the comm thread sent them).
+
 Checkpoints: one shard per island, ``island{i}``, written by the island's first rank: its replica
 (parameters, buffers), its inner optimizer's state and the outer state (θ_prev, the outer optimizer's
-momentum, the sync count), so a resume at any step, on or between syncs, continues exactly (a set holds
-K replicas). The layout records K and P (a resume needs the same).
+momentum, the sync count; Streaming DiLoCo's per fragment, with the averaged Δ of every exchange still to
+be applied), so a resume at any step, on or between syncs, continues exactly (a set holds K replicas). The layout records K and P (a resume needs the same).
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ import torch
 
 from distrain.parallel.clip import clip_grad_norm
 from distrain.parallel.data_parallel import DistributedDataParallel, accumulate_gradients
-from distrain.parallel.diloco import IslandGroups, OuterStep
+from distrain import comm
+from distrain.parallel.diloco import IslandGroups, OuterStep, StreamingOuter
 from distrain.trainer.engines.base import Engine, evaluate_batches, part_loss
 
 
@@ -46,18 +54,31 @@ class DiLoCoEngine(Engine):
         self.net = model if g.island_group is None else DistributedDataParallel(
             model, group=g.island_group, algorithm=cfg.algorithm, bucket_cap_mb=cfg.bucket_cap_mb)
         self.optimizer = optimizer_factory(self.model.parameters())  # the inner optimizer: this island's own
-        self.outer = OuterStep(self.model.parameters(), group=g.cross_group, islands=g.islands,
-                               optimizer=cfg.outer_optimizer, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
-                               algorithm=cfg.algorithm, compression=cfg.outer_compression, place=g.island)
+        outer = dict(group=g.cross_group, islands=g.islands, optimizer=cfg.outer_optimizer, lr=cfg.outer_lr,
+                     momentum=cfg.outer_momentum, algorithm=cfg.algorithm, compression=cfg.outer_compression,
+                     place=g.island)
+        self.streaming = cfg.fragments > 1 or cfg.overlap_steps > 0
+        # one fragment without overlap: DiLoCo's OuterStep itself (its checkpoint format and bits unchanged)
+        self.outer = StreamingOuter(self.model.parameters(), fragments=cfg.fragments, inner_steps=cfg.inner_steps,
+                                    overlap_steps=cfg.overlap_steps, alpha=cfg.overlap_alpha, **outer) \
+            if self.streaming else OuterStep(self.model.parameters(), **outer)
         self.dp_rank, self.dp_size = self.rank, self.world
         self.loss_fn = part_loss(loss_fn, cfg.batch_size, self.dp_size, self.dp_rank)
         self.loss_weight = 1.0 / self.world
-        self.label = f"diloco (K={g.islands}×{g.per_island}, H={cfg.inner_steps})"
+        stream = f", P={cfg.fragments}, τ={cfg.overlap_steps}" if self.streaming else ""
+        self.label = f"diloco (K={g.islands}×{g.per_island}, H={cfg.inner_steps}{stream})"
         self.outer_s = 0.0  # seconds this rank spent in outer steps
+        self.peak_step_bytes = 0  # the most bytes this rank sent in one step (the step's ledger)
 
     def train_step(self, x, y, commit=None):
         """The inner step (forward/backward of this rank's part, the island's gradient average, clipping,
         the inner optimizer), then the outer step when the global step closes an interval of H."""
+        with comm.ledger() as led:
+            total = self._step(x, y, commit)
+        self.peak_step_bytes = max(self.peak_step_bytes, led.bytes_sent())
+        return total
+
+    def _step(self, x, y, commit):
         self.optimizer.zero_grad(set_to_none=True)
         total = accumulate_gradients(self.net, self.loss_fn, x, y, 1, forward_context=self.autocast)
         if self.cfg.grad_clip:  # the island's ranks hold the same (averaged) gradients: no sum over ranks
@@ -66,7 +87,12 @@ class DiLoCoEngine(Engine):
             commit(total)
         self.optimizer.step()
         wait = 0.0
-        if (self.step_index + 1) % self.cfg.inner_steps == 0:
+        if self.streaming:  # (its fragments' schedule: StreamingOuter.step)
+            t0 = time.perf_counter()
+            self.outer.step(self.step_index)
+            wait = time.perf_counter() - t0
+            self.outer_s += wait
+        elif (self.step_index + 1) % self.cfg.inner_steps == 0:
             t0 = time.perf_counter()
             self.outer.sync()
             wait = time.perf_counter() - t0
@@ -75,6 +101,11 @@ class DiLoCoEngine(Engine):
         # its DDP, which is not measured here: None)
         self.comm_wait_s = wait if self.groups.island_group is None else None
         return total
+
+    def end_training(self) -> None:
+        """Every exchange still in flight completes (its mean waits for its step, or the checkpoint)."""
+        if self.streaming:
+            self.outer.settle()
 
     def optimizers(self):
         return [self.optimizer]  # the schedule drives the inner optimizer; the outer lr stays --outer-lr
@@ -129,14 +160,34 @@ class DiLoCoEngine(Engine):
         return {"islands": self.groups.islands, "ranks_per_island": self.groups.per_island,
                 "inner_steps": c.inner_steps, "outer_optimizer": c.outer_optimizer, "outer_lr": c.outer_lr,
                 "outer_momentum": c.outer_momentum, "outer_compression": c.outer_compression,
-                "outer_syncs": self.outer.syncs, "outer_s_rank0": self.outer_s}
+                "outer_syncs": self.outer.syncs, "outer_s_rank0": self.outer_s, "fragments": c.fragments,
+                "overlap_steps": c.overlap_steps, "overlap_alpha": c.overlap_alpha if c.overlap_steps else None,
+                "fragment_params": self.outer.numels() if self.streaming else [sum(p.numel() for p in
+                                                                                self.model.parameters())],
+                "peak_step_bytes_rank0": self.peak_step_bytes}
 
     def report_rows(self, summary: dict) -> list[tuple[str, str]]:
         s = summary
         comp = f", {s['outer_compression']} on the wire" if s.get("outer_compression") else ""
         return [("islands", f"{s['islands']} × {s['ranks_per_island']} rank(s)"),
                 ("outer steps", f"{s['outer_syncs']} (every {s['inner_steps']} steps; {s['outer_optimizer']}, lr "
-                                f"{s['outer_lr']:g}, momentum {s['outer_momentum']:g}{comp})")]
+                                f"{s['outer_lr']:g}, momentum {s['outer_momentum']:g}{comp})")] + self.streaming_rows(s)
+
+    @staticmethod
+    def streaming_rows(s: dict) -> list[tuple[str, str]]:
+        """Streaming DiLoCo's rows (the fragments, the overlap; none for plain DiLoCo), then the largest step's
+        bytes (summaries written before it have none)."""
+        rows = []
+        if s.get("fragments", 1) > 1 or s.get("overlap_steps"):
+            sizes = ", ".join(f"{n:,}" for n in s["fragment_params"])
+            overlap = f"{s['overlap_steps']} step(s), merge α = {s['overlap_alpha']:g}" if s["overlap_steps"] else \
+                "none (each exchange blocks)"
+            rows += [("fragments", f"{s['fragments']} ({sizes} parameters), offset by {s['inner_steps']}/"
+                                   f"{s['fragments']} steps; outer steps counted per fragment"),
+                     ("overlap", overlap)]
+        if "peak_step_bytes_rank0" in s:
+            rows.append(("peak step bytes (rank 0)", f"{s['peak_step_bytes_rank0']:,} (the most sent in one step)"))
+        return rows
 
     def sample_model(self):
         """A copy of the model holding the outer parameters (rank 0's)."""
