@@ -18,6 +18,8 @@ made from them), so it is tested without a cluster. Definitions (one run = one s
   per island: on the outer step's exchange). None when the engine does not measure its wait.
 * ``seconds_to_target``: ``seconds`` at the first evaluation whose val_loss is at or below the target
   (DDP's final validation loss), None when no evaluation reaches it; its resolution is ``--eval-every``.
+  ``ddp_seconds_to_this_loss`` is the converse: DDP's seconds to this run's final loss (None when DDP
+  never got that low), so a run that ends above DDP's loss still gets a time for equal quality.
 """
 
 from __future__ import annotations
@@ -122,6 +124,8 @@ def records(runs: list[Run]) -> list[dict]:
             "fewer_bytes_than_ddp": base.bytes_per_node / r.bytes_per_node if r.bytes_per_node else None,
             "wall_s": r.wall_s, "run_s": r.run_s, "seconds_to_target": to_target,
             "faster_to_target_than_ddp": base_s / to_target if to_target else None,
+            # the other way round: when did ddp reach this run's final loss (its time for the same quality)
+            "ddp_seconds_to_this_loss": seconds_to_target(base.curve, final),
             "compute_utilisation": r.compute_utilisation, "outer_syncs": r.outer_syncs,
             "curve": [{"step": p.step, "tokens": p.tokens, "seconds": p.seconds, "val_loss": p.val_loss}
                       for p in r.curve],
@@ -161,8 +165,14 @@ def format_targets(recs: list[dict]) -> str:
     lines = []
     for t in targets(recs):
         r = by[t["strategy"]]
-        time_text = (f"{_ratio(r['faster_to_target_than_ddp'])} less wall time to ddp's loss"
-                     if r["seconds_to_target"] is not None else "ddp's final loss never reached")
+        if r["seconds_to_target"] is not None:
+            time_text = f"{_ratio(r['faster_to_target_than_ddp'])} less wall time to ddp's loss"
+        elif r["ddp_seconds_to_this_loss"] is not None:
+            time_text = (f"ddp's final loss never reached; ddp took {r['ddp_seconds_to_this_loss']:.1f} s to this "
+                         f"run's final loss, {_ratio(r['ddp_seconds_to_this_loss'] / r['wall_s'])} this run's "
+                         f"{r['wall_s']:.1f} s")
+        else:
+            time_text = "ddp's final loss never reached"
         mark = ["no", "yes"]
         lines.append(f"  {t['strategy']}: loss within 2 %: {mark[t['loss_within_2pct']]} "
                      f"({100 * r['val_loss_vs_ddp']:+.2f}%); >= 100x fewer bytes: {mark[t['bytes_100x']]} "
@@ -178,13 +188,13 @@ def plot(recs: list[dict], path: str, title: str) -> None:
     plt = common.require_pyplot()
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.5))
     for r in recs:
-        tokens = [p["tokens"] for p in r["curve"]]
+        tokens = [p["tokens"] / 1e3 for p in r["curve"]]
         seconds = [p["seconds"] for p in r["curve"]]
         losses = [p["val_loss"] for p in r["curve"]]
         a.plot(tokens, losses, marker=".", label=r["strategy"])
         b.plot(seconds, losses, marker=".", label=r["strategy"])
     target = recs[0]["target_val_loss"]
-    for ax, xlabel in ((a, "tokens"), (b, "wall time of the training steps (s)")):
+    for ax, xlabel in ((a, "tokens (thousands)"), (b, "wall time of the training steps (s)")):
         ax.axhline(target, color="grey", linestyle=":", linewidth=1, label="ddp's final")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("validation loss")
