@@ -270,6 +270,9 @@ LONG: list[tuple[str, str, str, str]] = [
     ("docs/benchmarks.md", r"^distrain bench comm", "command",
      "bench comm with the shared-memory columns: tests/test_bench_comm.py runs them (symmetric included)"),
     ("docs/benchmarks.md", r"^distrain bench zero", "command", "tests/test_bench_zero.py runs bench zero scaled"),
+    ("docs/slow_links.md", r"^distrain bench wan\b", "command",
+     "a cluster of its own and one training run per strategy (about a minute scaled); tests/test_bench_wan.py runs "
+     "the whole bench scaled, across 2 emulated nodes"),
     ("docs/benchmarks.md", r"^distrain bench tp\b", "command",
      "tests/test_bench_train.py runs bench tp scaled the same way, in-process"),
     ("docs/pipeline_parallel.md", r"distrain bench pipeline", "command",
@@ -330,6 +333,8 @@ CAPS: list[tuple[str, str]] = [
     (r"^distrain bench cp-memory\b", "--seq 64 --cp 2 --batch 1 --reps 1 --rounds 1"),
     (r"^(\.venv/bin/)?distrain bench pipeline\b", "--pp 2 --m 2 --repeats 1"),
     (r"^distrain bench tp\b", "--model gpt-tiny --batch-size 2 --algorithm ring"),
+    (r"^distrain bench wan\b", "--nodes 2 --link 1gbit --delay 1ms --model gpt-tiny --steps 4 --inner-steps 2 "
+                               "--eval-every 2 --eval-batches 1 --batch-size 8"),
     (r"^distrain bench elastic\b", "--nproc 2 --model gpt-tiny --steps 8 --warmup 2 --kill-step 4 --rounds 1 "
                                    "--batch-size 8"),
     (r"^distrain bench zero\b", "--nproc 2 --model gpt-tiny --n-embd 32 --n-layer 1 --strategies ddp,zero3 --steps 1 "
@@ -339,6 +344,8 @@ CAPS: list[tuple[str, str]] = [
     (r"^distrain plan (?!.*(--device|--params|--validate|--fit-efficiency|--compute-ms|--measure-host))",
      "--compute-ms 100"),
 ]
+
+NEEDS_CLUSTER = re.compile(r"^distrain bench wan\b")  # commands that build an emulated cluster themselves (root)
 
 # (document, pattern of a command, pattern of the earlier command of that document whose output it reads)
 AFTER: list[tuple[str, str, str]] = [
@@ -654,6 +661,12 @@ def test_documented_command_runs(cmd, shared):
     reason = long_reason(cmd)
     if reason:
         pytest.skip(f"{cmd.id}: `{cmd.text}`: long tier (DOCS_COMMANDS=all runs it): {reason}")
+    if NEEDS_CLUSTER.search(cmd.text):  # (a cluster of its own, as `distrain cluster up` makes)
+        from distrain.cluster import netns
+
+        reason = netns.unavailable_reason()
+        if reason:
+            pytest.skip(f"{cmd.id}: `{cmd.text}`: {reason}")
     got = outcome(cmd, shared)
     where = f"{cmd.id}: `{cmd.text}`, run as `{got.ran}` in {got.folder}"
     assert got.returncode == 0, f"{where}: exit {got.returncode} after {got.seconds:.0f} s\n{got.output[-4000:]}"

@@ -9,6 +9,8 @@
     train/      training-step tools: throughput.py (distrain bench train), zero.py (bench zero),
                 ps.py (bench ps), layouts.py + layout_plan.py (bench layouts), step_predict.py
                 (measured steps beside distrain plan), activation_memory.py (checkpointing)
+    wan/        distrain bench wan: runs.py (a cluster of its own, one training run per strategy
+                across it), report.py (curves, bytes, time to DDP's loss, table, targets, figure)
     common.py   sizes, statistics, metadata, JSON and tables every tool shares
     background.py  --background-load N: busy processes beside a benchmark (comm and train)
 

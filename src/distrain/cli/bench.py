@@ -1,5 +1,5 @@
-"""``distrain bench comm|link|ps|train|pipeline|tp|zero|layouts|elastic`` and the studies of
-:mod:`distrain.cli.bench_studies`: every benchmark's flags.
+"""``distrain bench comm|link|ps|train|pipeline|tp|zero|layouts|elastic``, the studies of
+:mod:`distrain.cli.bench_studies` and ``bench wan`` (:mod:`distrain.cli.bench_wan`): every benchmark's flags.
 
     distrain bench comm --nproc 4 --ops all_reduce --algorithms native,ring --sizes 4K,4M
     distrain bench train --nproc 1,2,4 --strategies ddp,torch-ddp,ps-sync --model mlp
@@ -19,7 +19,7 @@ import os
 from typing import Any
 
 from distrain.bench import background, common
-from distrain.cli import bench_studies
+from distrain.cli import bench_studies, bench_wan
 from distrain.bench.comm import columns
 from distrain.bench.comm.timing import DTYPES, BURST_S, MAX_BURST, MAX_ITERS, MIN_ITERS, TARGET_S
 from distrain.bench.train.throughput import STRATEGIES as TRAIN_STRATEGIES
@@ -58,6 +58,7 @@ def add_parser(sub) -> None:
         ("elastic", "what --elastic costs per step (fixed vs elastic, alternated), its recovery and join times",
          add_elastic_arguments, run_elastic),
         *bench_studies.TOOLS,
+        *bench_wan.TOOLS,
     ):
         p = bsub.add_parser(name, help=help_text)
         add(p)
