@@ -139,8 +139,9 @@ def test_every_strategy_trains_the_same_job_and_differs_only_in_its_table_flags(
 @pytest.mark.parametrize("flags, line", [
     (["--nodes", "1"], "bench wan: --nodes 1: the strategies differ only in what crosses the links between nodes; "
                        "give at least 2"),
-    (["--strategies", "ddp,streaming"], "bench wan: --strategies: unknown 'streaming'; choose from ddp, diloco, "
-                                        "diloco-bf16, diloco-int8, diloco-int4"),
+    (["--strategies", "ddp,streamin"], "bench wan: --strategies: unknown 'streamin'; choose from ddp, diloco, "
+                                       "diloco-bf16, diloco-int8, diloco-int4, streaming, streaming-bf16, "
+                                       "streaming-int4"),
     (["--strategies", "diloco,diloco-int8"], "bench wan: --strategies must include ddp: every run's target is its "
                                              "final validation loss"),
     (["--steps", "30", "--inner-steps", "20"], "bench wan: --steps 30 must be a multiple of --inner-steps 20, so that "

@@ -28,6 +28,12 @@ STRATEGIES: dict[str, tuple[str, ...]] = {
     "diloco-bf16": ("--strategy", "diloco", "--inner-steps", "{inner_steps}", "--outer-compression", "bf16"),
     "diloco-int8": ("--strategy", "diloco", "--inner-steps", "{inner_steps}", "--outer-compression", "int8"),
     "diloco-int4": ("--strategy", "diloco", "--inner-steps", "{inner_steps}", "--outer-compression", "int4"),
+    # Streaming DiLoCo: 4 fragments at staggered offsets, each exchange overlapped with the next inner step
+    "streaming": ("--strategy", "diloco", "--inner-steps", "{inner_steps}", "--fragments", "4", "--overlap-steps", "1"),
+    "streaming-bf16": ("--strategy", "diloco", "--inner-steps", "{inner_steps}", "--fragments", "4",
+                       "--overlap-steps", "1", "--outer-compression", "bf16"),
+    "streaming-int4": ("--strategy", "diloco", "--inner-steps", "{inner_steps}", "--fragments", "4",
+                       "--outer-compression", "int4"),  # (int8/int4 exchanges block: no overlap)
 }
 DEFAULT_STRATEGIES = ("ddp", "diloco", "diloco-int8", "diloco-int4")
 
