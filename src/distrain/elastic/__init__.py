@@ -22,6 +22,6 @@ layer's type), never a matched message. docs/fault_tolerance.md ("Elastic traini
 design, the numbers and what is left out.
 """
 
-from distrain.elastic.spec import SUPPORTED, check, parse
+from distrain.elastic.spec import SUPPORTED, check, check_nodes, parse
 
-__all__ = ["SUPPORTED", "check", "parse"]
+__all__ = ["SUPPORTED", "check", "check_nodes", "parse"]

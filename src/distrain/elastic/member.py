@@ -195,6 +195,7 @@ class Member:
         if blocked_s >= STUCK_S or time.monotonic() - self.lost_seen[1] >= STUCK_S:
             self.broke = epoch
             sever(self.store.port)
+            comm.interrupt_group()  # (the shared-memory transport: every wait on the group ends, the peers' too)
 
     def _close(self, broken: bool = False) -> None:
         self.pending = None  # an exchange cut off with the group: its copy never counts

@@ -73,6 +73,9 @@ class TorchTransport:
     def abort(self) -> None:
         pass
 
+    def interrupt(self) -> None:
+        """Gloo has no abort: an elastic rank shuts the group's sockets down (elastic/sockets.py)."""
+
     def close(self) -> None:
         pass
 
