@@ -128,17 +128,19 @@ class GroupState:
         call still on the worker (a group that broke mid-step: an elastic rank leaving its epoch) may wait
         inside the transport's memory: its waits are interrupted first and the worker drained (at most
         DRAIN_S); a worker that does not drain keeps the memory mapped (its files are still removed)."""
-        if self._transport is not None:
-            tr, self._transport = self._transport, None
-            if self.pending and not self._drained(tr):
-                getattr(tr, "unlink", lambda: None)()
-                return
+        tr = self._transport
+        if tr is None:
+            return
+        interrupt = getattr(tr, "interrupt", None)  # (a transport whose waits read its own memory: shm)
+        drained = not self.pending or interrupt is None or self._drained(interrupt)
+        self._transport = None
+        if drained:
             tr.close()
+        else:
+            tr.unlink()
 
-    def _drained(self, tr) -> bool:
-        interrupt = getattr(tr, "interrupt", None)
-        if interrupt is not None:
-            interrupt()
+    def _drained(self, interrupt) -> bool:
+        interrupt()
         try:
             self.submit(lambda: None).result(timeout=DRAIN_S)  # (FIFO: after every call queued before it)
         except Exception:  # noqa: BLE001 - still busy past DRAIN_S: the caller leaves the memory mapped
