@@ -11,7 +11,8 @@
     member.py       one rank: a process group per membership epoch, the per-step quorum ("is the group
                     still whole?"), roll-back to the start of a step cut in half, healing a newcomer
     pieces.py       state trees: the start-of-step copy, and ZeRO's replica of the previous rank's piece
-    sockets.py      leaving a broken Gloo group at once (its TCP connections shut down)
+    sockets.py      leaving a broken Gloo group at once (its TCP connections shut down; the shm
+                    transport's waits end through comm.interrupt_group)
     protocol.py     the store's keys, a rank's environment, the test hooks' points, the change record
     faults.py       fault injection for tests (DISTRAIN_ELASTIC_FAULTS), read in one place
 
@@ -22,6 +23,6 @@ layer's type), never a matched message. docs/fault_tolerance.md ("Elastic traini
 design, the numbers and what is left out.
 """
 
-from distrain.elastic.spec import SUPPORTED, check, parse
+from distrain.elastic.spec import SUPPORTED, check, check_nodes, parse
 
-__all__ = ["SUPPORTED", "check", "parse"]
+__all__ = ["SUPPORTED", "check", "check_nodes", "parse"]

@@ -23,7 +23,9 @@ takes the later step when every survivor can reach it (some rank's update was al
 else the earlier one (the step is redone).
 
 Engines never see a dead rank: ``reform`` destroys the default process group and opens a new one
-(contiguous ranks, a fresh store prefix ``elastic/pg/<epoch>/``); the loop then builds a new engine
+(contiguous ranks, a fresh store prefix ``elastic/pg/<epoch>/``; with --transport shm a fresh
+shared-memory transport too: new segments, named per process, group and epoch, the old ones closed
+and unlinked with the old group); the loop then builds a new engine
 on it and loads ``c.state``. The store is the coordinator's (the top process, coordinator.py), so it
 outlives any rank; its keys, the ranks' environment, the test hooks and the change record are
 protocol.py's.
@@ -182,9 +184,11 @@ class Member:
         """The watchdog's thread, every beat: once the coordinator has marked the epoch as having lost a
         member (``lost/E``: a death, a frozen member, or one already gone to the next epoch) and this rank
         is still in the epoch STUCK_S later, or has been blocked in one call that long, shut the group's
-        connections down, so that what waits on the group fails now instead of at its time-out (a dead
-        peer's connections close by themselves, but one that left the group alive, froze, or never joined
-        it may keep them open; a point-to-point wait is not a bracketed call)."""
+        connections down and raise its shared-memory ABORT lines (comm.interrupt_group, --transport shm:
+        every segment of the group that this rank mapped), so that what waits on the group fails now, with a
+        PeerLostError, instead of at its time-out (a dead peer's connections close by themselves and its
+        segment's lock is dropped, but one that left the group alive, froze, or never joined it may keep
+        them open; a point-to-point wait is not a bracketed call)."""
         epoch = self.epoch
         if self.broke == epoch:
             return
@@ -195,6 +199,7 @@ class Member:
         if blocked_s >= STUCK_S or time.monotonic() - self.lost_seen[1] >= STUCK_S:
             self.broke = epoch
             sever(self.store.port)
+            comm.interrupt_group()  # (the shared-memory transport: every wait on the group ends, the peers' too)
 
     def _close(self, broken: bool = False) -> None:
         self.pending = None  # an exchange cut off with the group: its copy never counts

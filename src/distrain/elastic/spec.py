@@ -71,15 +71,23 @@ def check(cfg, launched: tuple[int, int] | None = None) -> tuple[int, int] | Non
     if getattr(cfg, "accum_steps", 1) != 1:
         raise ConfigError(f"{tag}: --accum-steps {cfg.accum_steps} is not supported (a rank's part of the batch may "
                           f"not divide into equal micro-batches after a change); use --accum-steps 1")
-    if getattr(cfg, "transport", "torch") != "torch":
-        raise ConfigError(f"{tag}: --transport {cfg.transport} is not supported; elastic jobs leave a broken group "
-                          f"through the backend's own errors: use --transport torch")
     if getattr(cfg, "device", "cpu") == "cuda":
         raise ConfigError(f"{tag}: --device cuda is not supported yet (NCCL); use --device cpu (Gloo)")
     if launched is not None:
         raise ConfigError(f"{tag}: runs under `distrain train` (its top process watches the ranks and hosts the "
                           f"store); under `distrain launch`/torchrun it is not supported yet")
     return lo, hi
+
+
+def check_nodes(cfg, nodes) -> None:
+    """An elastic job over several nodes (``nodes``: this node's elastic.nodes.NodeSpec, None on one host)
+    keeps to --transport torch; ConfigError otherwise. On one host shm and auto are the shared-memory
+    transport, a fresh one per membership epoch (member.py)."""
+    transport = getattr(cfg, "transport", "torch")
+    if nodes is not None and nodes.nodes > 1 and transport != "torch":
+        raise ConfigError(f"--elastic over {nodes.nodes} nodes: --transport {transport} is not supported there (a "
+                          f"group spread over several hosts re-forms only through torch's connections); use "
+                          f"--transport torch, or run on one host")
 
 
 def check_grid(cfg, tag: str, lo: int, hi: int, r: int) -> None:

@@ -138,14 +138,16 @@ def killed(cfg: TrainConfig, e: RankKilledError) -> RankKilledError:
 def _run_elastic(cfg: TrainConfig, parts) -> dict:
     """The top process of an elastic job: rank 0's summary, or TrainingError with the one-line reason
     of a stop below MIN."""
-    from distrain.elastic import coordinator, nodes, parse
+    from distrain.elastic import check_nodes, coordinator, nodes, parse
 
     lo, hi = parse(cfg.elastic)
+    spread = nodes.from_env(cfg.nproc)  # (cluster run: this node's place, None on one host)
+    check_nodes(cfg, spread)
     results, stop, _ = coordinator.run(_spawned, cfg.nproc, lo, hi, args=(cfg.to_dict(), parts),
                                        replace=cfg.elastic_replace, timeout=cfg.timeout or None,
                                        collective_timeout=cfg.collective_timeout, preload=["distrain.trainer.loop"],
                                        grid=(cfg.tp * cfg.cp, cfg.pp),  # (cp x tp: the ranks inside a dp index)
-                                       nodes=nodes.from_env(cfg.nproc),  # (cluster run)
+                                       nodes=spread,
                                        servers=cfg.servers if cfg.strategy == "ps-sync" else 0)
     if stop:
         raise TrainingError(f"{stop}; the checkpoint of step {stop_step(cfg.out)} is in {cfg.out} (--resume "

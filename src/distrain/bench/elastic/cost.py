@@ -50,6 +50,7 @@ class Settings:
     rounds: int = 6
     kill_step: int = 30
     log_every: int = 10
+    transport: str = "torch"  # --transport of every run (torch, shm or auto)
     extra: tuple[str, ...] = field(default_factory=tuple)  # more `distrain train` flags, the same for every run
     json_path: str | None = None
 
@@ -75,7 +76,8 @@ def _train(s: Settings, out: Path, elastic: str | None, faults: str = "", replac
     cmd = [sys.executable, "-m", "distrain", "train", "--nproc", str(s.nproc), "--strategy", s.strategy,
            "--model", s.model, "--data", s.data, "--steps", str(s.steps), "--batch-size", str(s.batch_size),
            "--dtype", s.dtype, "--eval-every", "0", "--sample-chars", "0", "--no-progress", "--no-report",
-           "--log-every", str(s.log_every), "--ckpt-every", "0", "--out", str(out), "--overwrite", *s.extra]
+           "--log-every", str(s.log_every), "--ckpt-every", "0", "--out", str(out), "--overwrite",
+           "--transport", s.transport, *s.extra]
     if elastic:
         cmd += ["--elastic", elastic, "--collective-timeout", "60"]
     if replace:
@@ -161,5 +163,6 @@ def format_report(s: Settings, m: dict) -> str:
              f"{m['recover_s']:.3f} s" + (" (the step cut in half redone)" if m["redone"] else "")),
             ("killed and replaced: the replacement's join", _join(m))]
     width = max(len(k) for k, _ in rows)
-    head = f"bench elastic: {s.strategy}, P={s.nproc}, {s.model} on {s.data}, batch {s.batch_size}, {s.dtype}"
+    head = (f"bench elastic: {s.strategy}, P={s.nproc}, {s.model} on {s.data}, batch {s.batch_size}, {s.dtype}, "
+            f"transport {s.transport}")
     return "\n".join([head] + [f"  {k:<{width}}  {v}" for k, v in rows])

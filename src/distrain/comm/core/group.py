@@ -24,6 +24,9 @@ from distrain.comm.core.util import check_int
 from distrain.errors import CommError, ConfigError
 
 
+DRAIN_S = 10.0  # seconds GroupState.close waits for an interrupted async call to end
+
+
 class _Worker:
     """One daemon thread running submitted callables in FIFO order."""
 
@@ -121,10 +124,28 @@ class GroupState:
         return self._worker.submit(counted)
 
     def close(self) -> None:
-        """Release the transport's resources (shared-memory segments); the state is forgotten."""
-        if self._transport is not None:
-            self._transport.close()
-            self._transport = None
+        """Release the transport's resources (shared-memory segments); the state is forgotten. An async
+        call still on the worker (a group that broke mid-step: an elastic rank leaving its epoch) may wait
+        inside the transport's memory: its waits are interrupted first and the worker drained (at most
+        DRAIN_S); a worker that does not drain keeps the memory mapped (its files are still removed)."""
+        tr = self._transport
+        if tr is None:
+            return
+        interrupt = getattr(tr, "interrupt", None)  # (a transport whose waits read its own memory: shm)
+        drained = not self.pending or interrupt is None or self._drained(interrupt)
+        self._transport = None
+        if drained:
+            tr.close()
+        else:
+            tr.unlink()
+
+    def _drained(self, interrupt) -> bool:
+        interrupt()
+        try:
+            self.submit(lambda: None).result(timeout=DRAIN_S)  # (FIFO: after every call queued before it)
+        except Exception:  # noqa: BLE001 - still busy past DRAIN_S: the caller leaves the memory mapped
+            return False
+        return True
 
 
 _states: dict[object, GroupState] = {}
@@ -172,6 +193,24 @@ def close_group(group=None) -> None:
         st = _states.pop(group, None)
     if st is not None:
         st.close()
+
+
+def interrupt_group(group=None) -> bool:
+    """End every wait on ``group``'s transport at once, on this rank and on its peers: the group is
+    over (an elastic job's epoch that lost a member). Safe from another thread while a call of the group
+    blocks. Builds nothing: False when the group has no transport yet (nothing can wait on one), or its
+    transport has no ``interrupt`` (an injected one), else True. The group cannot be used afterwards."""
+    if group is None:
+        if not dist.is_initialized():
+            return False
+        group = dist.group.WORLD
+    st = _states.get(group)
+    tr = st._transport if st is not None else None
+    fn = getattr(tr, "interrupt", None)
+    if fn is None:
+        return False
+    fn()
+    return True
 
 
 def close_all() -> None:

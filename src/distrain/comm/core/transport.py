@@ -25,6 +25,10 @@ Names:
 The core does not import the shared-memory transport: comm/shm/ registers a factory here
 (:func:`register_shm`), so the dependency runs from shm to the core only.
 
+A transport that holds memory its waits read (shm) also has ``interrupt()`` (end every wait on the
+group, on every rank: core/group.py interrupt_group) and ``unlink()`` (remove its files, keep its
+mappings); torch's has neither (Gloo has no abort: an elastic rank shuts its sockets down instead).
+
 Contract: ``isend``/``irecv`` take *global* ranks, a contiguous tensor and a tag, and return
 a handle with ``wait()``. Messages between one pair of ranks with the same tag on the same
 group are delivered in the order they were posted (true of Gloo and NCCL).

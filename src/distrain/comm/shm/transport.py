@@ -318,6 +318,20 @@ class ShmTransport:
             self.me.set_line(ABORT, 1)
             self.wake_peers()
 
+    def interrupt(self) -> None:
+        """End every wait on this group at once, this rank's and its peers' (the group is over: an elastic
+        epoch that lost a member; safe from another thread while a call blocks): the ABORT line of every
+        segment this rank has mapped, its own and its peers', then a wake-up to each. A wait checks its
+        peers' ABORT lines (this rank's waits, compiled or not, look at the peers' only), so each blocked
+        wait ends within a block (MAX_BLOCK) with the PeerLostError "aborted" naming one of them. ABORT only
+        ever goes from 0 to 1, so a second writer of that line changes nothing a reader could misread."""
+        segs = [s for s in list(self.peers.values()) if s.ctrl is not None]
+        for s in segs:
+            s.set_line(ABORT, 1)
+        fence()
+        for s in segs:
+            s.wake()  # (this rank's own FIFO too: its blocked wait returns from select at once)
+
     # -- collective steps ----------------------------------------------------------------
     def begin(self) -> int:
         """A new lock-step collective step. Collectives run one after another on a rank, so
@@ -398,6 +412,13 @@ class ShmTransport:
             return self.fallback.irecv(tensor, src, group, tag)
         self.seg(q)
         return self._channels().irecv(tensor, q, tag)
+
+    def unlink(self) -> None:
+        """Remove this rank's files from /dev/shm and keep its mappings (GroupState.close, when a call on
+        the group's worker may still read them); its symmetric allocations' files are gone already."""
+        if self.me is not None:
+            self._unlinked = True
+            self.me.unlink()
 
     def close(self) -> None:
         compiled.unregister(self)
