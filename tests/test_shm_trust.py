@@ -55,11 +55,20 @@ def sh(monkeypatch):
     t.close()
 
 
+class Made(list):
+    """Paths the test made (removed afterwards wherever they are) and the descriptors that hold their locks."""
+
+    def __init__(self):
+        super().__init__()
+        self.fds: list[int] = []
+
+
 @pytest.fixture
 def made(tmp_path):
-    """Files the test makes; removed afterwards wherever they are."""
-    paths = []
+    paths = Made()
     yield paths
+    for fd in paths.fds:
+        os.close(fd)
     for p in paths:
         try:
             os.unlink(p)
@@ -77,15 +86,27 @@ def _forge(sh, name: str, token: bytes = b"\x11" * 16, pid: int | None = None, s
     sh.store.set("1", f"{name} {size or sh.layout.total} {sh.host} {pid} {token.hex()}")
 
 
-def _victim(path: str, nbytes: int, made: list, mode: int = 0o600, uid: int | None = None) -> tuple[bytes, int]:
-    """A file of ``nbytes`` known bytes at ``path``; returns (its bytes, its mtime in ns)."""
+def _victim(path: str, nbytes: int, made: Made, mode: int = 0o600, uid: int | None = None,
+            locked: bool = True) -> tuple[bytes, int]:
+    """A file of ``nbytes`` known bytes at ``path``; returns (its bytes, its mtime in ns).
+
+    ``locked``: it appears at ``path`` already holding a shared lock, held until the test ends, as a live
+    creator's file does. Other test processes create segments meanwhile, and each creation sweeps the
+    pattern-named files whose lock is free (files.sweep_stale): an unlocked victim could vanish under the
+    test. So it is written under a name the sweeper ignores, locked, then renamed into place."""
     data = bytes(range(256)) * (nbytes // 256) + b"\x5a" * (nbytes % 256)
-    with open(path, "wb") as f:
+    staging = os.path.join(os.path.dirname(path), f".victim-{os.urandom(6).hex()}") if locked else path
+    with open(staging, "wb") as f:
         f.write(data)
     made.append(path)
-    os.chmod(path, mode)
+    os.chmod(staging, mode)
     if uid is not None:
-        os.chown(path, uid, -1)
+        os.chown(staging, uid, -1)
+    if locked:
+        fd = os.open(staging, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        made.fds.append(fd)
+        os.rename(staging, path)
     return data, os.stat(path).st_mtime_ns
 
 
@@ -246,40 +267,30 @@ def test_the_sweeper_keeps_files_whose_owner_holds_the_lock_whatever_its_pid(mad
 
     def planted(tag: str, locked: bool = False, uid: int | None = None) -> str:
         path = os.path.join(shm_dir, f"distrain-{dead}-{tag}-g0-r0")
-        _victim(path, 100, made, uid=uid)
-        if locked:
-            fd = os.open(path, os.O_RDONLY)
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            holders.append(fd)
+        _victim(path, 100, made, uid=uid, locked=locked)
         return path
 
-    holders: list[int] = []
-    try:
-        live = planted("11111111", locked=True)
-        stale = planted("22222222")
-        target = str(tmp_path / "target")
-        _victim(target, 100, made)
-        link = os.path.join(shm_dir, f"distrain-{dead}-33333333-g0-r0")
-        os.symlink(target, link)
-        made.append(link)
-        fifo_alone = os.path.join(shm_dir, f"distrain-{dead}-44444444-g0-r0.wake")
-        os.mkfifo(fifo_alone, 0o600)
-        made.append(fifo_alone)
-        fifo_kept = live + ".wake"
-        os.mkfifo(fifo_kept, 0o600)
-        made.append(fifo_kept)
-        foreign = planted("55555555", uid=65534) if os.geteuid() == 0 else None
-
-        removed = files.sweep_stale()
-        assert os.path.exists(live) and os.path.exists(fifo_kept)
-        assert os.path.basename(stale) in removed and not os.path.exists(stale)
-        assert os.path.basename(fifo_alone) in removed and not os.path.exists(fifo_alone)
-        assert os.path.islink(link) and os.path.exists(target)
-        if foreign is not None:
-            assert os.path.exists(foreign)
-    finally:
-        for fd in holders:
-            os.close(fd)
+    live = planted("11111111", locked=True)
+    target = str(tmp_path / "target")
+    _victim(target, 100, made)
+    link = os.path.join(shm_dir, f"distrain-{dead}-33333333-g0-r0")
+    os.symlink(target, link)
+    made.append(link)
+    fifo_alone = os.path.join(shm_dir, f"distrain-{dead}-44444444-g0-r0.wake")
+    os.mkfifo(fifo_alone, 0o600)
+    made.append(fifo_alone)
+    fifo_kept = live + ".wake"
+    os.mkfifo(fifo_kept, 0o600)
+    made.append(fifo_kept)
+    foreign = planted("55555555", uid=65534) if os.geteuid() == 0 else None
+    stale = planted("22222222")  # (last: another process's sweep could take it first; the window is kept short)
+    removed = files.sweep_stale()
+    assert os.path.exists(live) and os.path.exists(fifo_kept)
+    assert os.path.basename(stale) in removed and not os.path.exists(stale)
+    assert os.path.basename(fifo_alone) in removed and not os.path.exists(fifo_alone)
+    assert os.path.islink(link) and os.path.exists(target)
+    if foreign is not None:
+        assert os.path.exists(foreign)
 
 
 def test_a_peer_is_dead_when_its_lock_is_free_not_when_its_pid_is_invisible(sh):
