@@ -200,9 +200,9 @@ def _bookkeeping(rank: int) -> list[str]:
         fast0 = fp.calls if fp is not None else None
         entered: list[str] = []
 
-        def enter(op, _entered=entered, _enter=type(wd).enter):
-            _entered.append(op)
-            _enter(wd, op)
+        def enter(op, seq=None, _entered=entered, _enter=type(wd).enter):
+            _entered.append((op, seq))  # (both paths give the watchdog the same sequence number too)
+            _enter(wd, op, seq)
 
         def withdraw(_entered=entered, _withdraw=type(wd).withdraw):  # a declined call: not counted
             _entered.pop()
