@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import distrain
 from distrain import comm
@@ -35,6 +36,44 @@ from distrain.errors import CollectiveTimeoutError
 REQUIRED_S = 2.0  # the issue's bound: named within 2 s of the first call that waits on the stopped rank
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 SLACK_S = 3.0  # wall-clock scheduling slack of a loaded host (module docstring); the watchdog's own measure has none
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (the SystemExit below)
+@pytest.mark.timeout(30)
+def test_in_one_process_a_quiet_rank_is_named_a_busy_one_listed_and_a_forged_heartbeat_counts_as_none():
+    """Three watchdogs' worth of heartbeats in one store, no process group (fast): rank 1 beats every
+    0.05 s and is in no call (busy), rank 2's record is not a heartbeat (the store is outside the process:
+    read as none, never trusted). Rank 0, blocked in a call (seq 7), names rank 2 once its record has not
+    changed for quiet_s = 0.25 s on rank 0's clock and lists rank 1 as busy; rank 1 is never named."""
+    store = dist.HashStore()
+    reports: list[str] = []
+
+    def report(text: str) -> None:
+        reports.append(text)
+        raise SystemExit  # ends the watchdog's thread (quietly) before it ends this process (os._exit)
+
+    busy = watchdog.Watchdog(store, 1, 3, 30.0, report, interval=0.05, quiet_s=0.25, connect=lambda: store,
+                             prefix="j/").start()
+    store.set("j/wd/2", '{"n": "1", "calls": 0, "op": null, "blocked_s": 0, "t": 0}')  # n not an int
+    wd = watchdog.Watchdog(store, 0, 3, 30.0, report, interval=0.05, quiet_s=0.25, connect=lambda: store,
+                           prefix="j/").start()
+    try:
+        wd.enter("all_reduce(algorithm=ring) on rank 0", 7)
+        deadline = time.monotonic() + 10
+        while not reports and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        wd.stop()
+        busy.stop()
+    assert len(reports) == 1, reports
+    m = re.fullmatch(r"rank\(s\) not responding: rank 0 waited (\d\.\d\d)s in all_reduce\(algorithm=ring\) on rank 0 "
+                     r"\(seq 7 in its group, its call #1\); 2 rank\(s\) did not arrive: rank 2 not responding \(no "
+                     r"heartbeat for (\d\.\d)s: stopped, frozen, dead or cut off\); rank 1 busy outside communication "
+                     r"after 0 calls \(a slow step, a loop, or it skipped this collective\)\. Named from the heartbeats "
+                     r"\(every 0\.05s\), before --collective-timeout \(now 30s\)", reports[0])
+    assert m, reports[0]
+    assert float(m.group(1)) >= 0.25 and float(m.group(2)) >= 0.2  # (quiet: 0.25 s, printed to one decimal)
+    assert json.loads(store.get("j/wd/1"))["n"] >= 5  # rank 1 kept beating all along
 
 
 def _stops(rank: int, folder: str) -> None:

@@ -65,13 +65,14 @@ _active: "Watchdog | None" = None
 class Watchdog:
     def __init__(self, store, rank: int, world: int, timeout: float, report: Callable[[str], None],
                  interval: float | None = None, interrupt: Callable[[float], None] | None = None,
-                 quiet_s: float | None = None, connect: Callable[[], object] | None = None):
+                 quiet_s: float | None = None, connect: Callable[[], object] | None = None, prefix: str = ""):
         self.store, self.rank, self.world, self.timeout, self.report = store, rank, world, timeout, report
         self.interval = interval or max(0.2, min(5.0, timeout / 4))
         self.interrupt = interrupt
         self.quiet_s = quiet_s  # early naming on (a fixed job) when set
         self.stale_s = quiet_s if quiet_s is not None else STALE * self.interval  # the time-out's "not responding"
         self.connect = connect  # the thread's own store connection (None: ``store``)
+        self.prefix = prefix  # the heartbeats' keys: prefix + "wd/<rank>"
         self.calls = 0  # blocking calls entered so far
         self.op: str | None = None  # the blocking call in progress
         self.seq: int | None = None  # its sequence number in its group (None: not a group's call)
@@ -111,7 +112,7 @@ class Watchdog:
         op, seq, since = self.op, self.seq, self.since
         blocked = time.monotonic() - since if op is not None else 0.0
         self.beats += 1
-        self._store().set(f"wd/{self.rank}", json.dumps(
+        self._store().set(f"{self.prefix}wd/{self.rank}", json.dumps(
             {"n": self.beats, "calls": self.calls, "op": op, "seq": seq, "blocked_s": blocked, "t": time.time()}))
 
     def _loop(self) -> None:
@@ -146,7 +147,7 @@ class Watchdog:
     def _read(self) -> dict[int, dict | None]:
         """Every other rank's last heartbeat (None: none, or not one of ours). Raises when the store fails."""
         others = [r for r in range(self.world) if r != self.rank]
-        keys = [f"wd/{r}" for r in others]
+        keys = [f"{self.prefix}wd/{r}" for r in others]
         store = self._store()
         if self.connect is None:  # key by key, a failed read a missing heartbeat (any store: an elastic one too)
             return {r: _get(store, k) for r, k in zip(others, keys)}
@@ -269,15 +270,17 @@ def to_stderr(message: str) -> None:
 
 def install(store, rank: int, world: int, timeout: float, report: Callable[[str], None] | None = None,
             interval: float | None = None, interrupt: Callable[[float], None] | None = None,
-            quiet_s: float | None = None, connect: Callable[[], object] | None = None) -> Watchdog:
+            quiet_s: float | None = None, connect: Callable[[], object] | None = None, prefix: str = "") -> Watchdog:
     """Start this process's watchdog (replacing any previous one); ``report`` defaults to stderr;
     ``interval``: seconds between heartbeats (default from ``timeout``); ``interrupt``: see the
     module docstring; ``quiet_s``: name a rank whose heartbeat has not moved this long while this
     rank waits on a call (early naming, a fixed job's); ``connect``: makes the thread's own
-    connection to the store (then every heartbeat goes through it; early naming wants one)."""
+    connection to the store (then every heartbeat goes through it; early naming wants one); ``prefix``:
+    the heartbeats' keys are ``prefix + "wd/<rank>"``."""
     global _active
     uninstall()
-    _active = Watchdog(store, rank, world, timeout, report or to_stderr, interval, interrupt, quiet_s, connect).start()
+    _active = Watchdog(store, rank, world, timeout, report or to_stderr, interval, interrupt, quiet_s, connect,
+                       prefix).start()
     return _active
 
 
