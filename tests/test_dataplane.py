@@ -198,7 +198,7 @@ def _bookkeeping(rank: int) -> list[str]:
         st = resolve(grp, "test")
         fp = fast_path(grp)
         fast0 = fp.calls if fp is not None else None
-        entered: list[str] = []
+        entered: list[tuple] = []  # (description, sequence number) per bracket
 
         def enter(op, seq=None, _entered=entered, _enter=type(wd).enter):
             _entered.append((op, seq))  # (both paths give the watchdog the same sequence number too)
