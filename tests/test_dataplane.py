@@ -198,11 +198,11 @@ def _bookkeeping(rank: int) -> list[str]:
         st = resolve(grp, "test")
         fp = fast_path(grp)
         fast0 = fp.calls if fp is not None else None
-        entered: list[str] = []
+        entered: list[tuple] = []  # (description, sequence number) per bracket
 
-        def enter(op, _entered=entered, _enter=type(wd).enter):
-            _entered.append(op)
-            _enter(wd, op)
+        def enter(op, seq=None, _entered=entered, _enter=type(wd).enter):
+            _entered.append((op, seq))  # (both paths give the watchdog the same sequence number too)
+            _enter(wd, op, seq)
 
         def withdraw(_entered=entered, _withdraw=type(wd).withdraw):  # a declined call: not counted
             _entered.pop()

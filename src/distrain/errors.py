@@ -61,8 +61,9 @@ class ReplicaMismatchError(TrainingError):
 
 
 class CollectiveTimeoutError(CommError, TimeoutError):
-    """A collective did not complete within the collective time-out; the message names the
-    ranks that did not arrive and the call they were expected at."""
+    """A collective did not complete within the collective time-out, or (a fixed job) a rank it waits
+    on stopped sending heartbeats; the message names the ranks that did not arrive and the call they
+    were expected at (comm/core/watchdog.py)."""
 
 
 class DataPlaneMismatchError(ConfigError):

@@ -142,7 +142,8 @@ def init(backend: str = "auto", timeout: float | timedelta = 300.0,
     ``timeout`` (seconds) bounds the rendezvous and every later collective of the group: a
     rank blocked longer in one call is stopped by the collective watchdog
     (distrain.comm.core.watchdog), which names the ranks that did not arrive and hands that report
-    to ``on_hang`` (default: stderr) before exiting. The backend's own time-out is set a little
+    to ``on_hang`` (default: stderr) before exiting; a rank whose heartbeats stop is named sooner,
+    within 2 s of the first call that waits on it. The backend's own time-out is set a little
     longer so that the watchdog's report comes first.
     """
     if dist.is_initialized():
@@ -177,11 +178,23 @@ def init(backend: str = "auto", timeout: float | timedelta = 300.0,
     _wait_for_all(store, prefix, rank, world, secs, f"{addr}:{port}")
     dist.init_process_group(backend, store=dist.PrefixStore(prefix + "pg", store), rank=rank,
                             world_size=world, timeout=timedelta(seconds=secs + max(30.0, secs / 5)))
-    watchdog.install(dist.PrefixStore(prefix, store), rank, world, secs, on_hang)
+    # heartbeats every BEAT_S over the watchdog's own connection: a rank that stops answering is named within 2 s
+    watchdog.install(store, rank, world, secs, on_hang, interval=watchdog.BEAT_S, quiet_s=watchdog.QUIET_S,
+                     connect=lambda: _heartbeat_store(addr, port, secret), prefix=prefix)
     atexit.unregister(shutdown)  # once, however often init/shutdown alternate
     atexit.register(shutdown)  # before finalization: see the module docstring
     comm.configure_from_env(secs)  # debug checks, transport, shm kernels: read here, never deep inside comm
     return info()
+
+
+def _heartbeat_store(addr: str, port: int, secret: bytes | None) -> dist.Store:
+    """The collective watchdog's own connection to the job's store, sealed like the job's: a store client
+    runs one call at a time, so on the main connection a heartbeat would wait behind any wait of the main
+    thread. Its time-out (connect, and reads of a key not there) is short. (No PrefixStore over it: C++
+    would hold only the C++ half of a sealed store; the watchdog prefixes its keys itself.)"""
+    client = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=watchdog.STORE_S),
+                           wait_for_workers=False)
+    return sealed.seal(client, secret)
 
 
 def _connect_store(addr: str, port: int, world: int, rank: int, hosts_store: bool, secs: float):

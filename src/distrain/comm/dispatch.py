@@ -53,14 +53,16 @@ def debug_enabled() -> bool:
 class CommHandle:
     """What async_op=True returns, with torch's Work methods.
 
-    ``wait(timeout=None)`` blocks until the result is in place; ``is_completed()``;
+    ``wait(timeout=None)`` blocks until the result is in place (under the watchdog as its collective,
+    ``seq`` its sequence number in its group); ``is_completed()``;
     ``get_future()`` a ``torch.futures.Future`` whose value is the output tensors;
     ``result()`` the output tensors (after ``wait``); ``exception()`` the error or None.
     """
 
     def __init__(self, desc: str, future: Future | None = None, work=None,
-                 after: Callable[[], None] | None = None, outputs: list | None = None):
+                 after: Callable[[], None] | None = None, outputs: list | None = None, seq: int | None = None):
         self._desc = desc
+        self.seq = seq
         self._future = future
         self._work = work
         self._after = after
@@ -81,7 +83,7 @@ class CommHandle:
         if self._done:
             return True
         try:
-            with watchdog.blocking(self._desc):
+            with watchdog.blocking(self._desc, self.seq):
                 if self._future is not None:
                     self._future.result(timeout)
                 elif self._work is not None:
@@ -158,7 +160,7 @@ def chain(h, then, outputs: list, desc: str) -> CommHandle:
             fut.set_exception(e)
 
     h.get_future().add_done_callback(done)
-    return CommHandle(desc, future=fut, outputs=outputs)
+    return CommHandle(desc, future=fut, outputs=outputs, seq=getattr(h, "seq", None))
 
 
 def _td(seconds: float):
@@ -305,7 +307,7 @@ def run_collective(st: GroupState, collective: str, algorithm: str, async_op: bo
         mod = transport.direct(collective) if st.size > 1 else None
         ordered = mod is not None
     if mod is None:
-        return _run_native(desc, native, async_op, after, outs)
+        return _run_native(desc, native, async_op, after, outs, seq)
 
     pc = PeerComm(st, label, algorithm, st.tag(seq), transport)
     tensor = fp[1]  # an empty tensor moves nothing: every rank skips the algorithm alike
@@ -322,10 +324,10 @@ def run_collective(st: GroupState, collective: str, algorithm: str, async_op: bo
             after()
 
     if async_op:
-        return CommHandle(desc, future=st.submit(job), outputs=outs)
+        return CommHandle(desc, future=st.submit(job), outputs=outs, seq=seq)
     wd = watchdog.current()  # entered and left inline: a context manager costs a microsecond here
     if wd is not None:
-        wd.enter(desc)
+        wd.enter(desc, seq)
     try:
         if ordered and st.pending:  # async calls before this one still run on the worker
             st.submit(job).result()
@@ -341,9 +343,9 @@ def run_collective(st: GroupState, collective: str, algorithm: str, async_op: bo
     return None
 
 
-def _run_native(desc: str, native, async_op: bool, after, outs: list) -> CommHandle | None:
+def _run_native(desc: str, native, async_op: bool, after, outs: list, seq: int) -> CommHandle | None:
     try:
-        with watchdog.blocking(desc) if not async_op else _NO_WATCH:
+        with watchdog.blocking(desc, seq) if not async_op else _NO_WATCH:
             work = native(async_op)
         if not async_op:
             if after is not None:
@@ -353,4 +355,4 @@ def _run_native(desc: str, native, async_op: bool, after, outs: list) -> CommHan
         raise
     except Exception as e:
         raise lost(desc, e) from e
-    return CommHandle(desc, work=work, after=after, outputs=outs)
+    return CommHandle(desc, work=work, after=after, outputs=outs, seq=seq)

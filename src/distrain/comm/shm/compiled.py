@@ -270,7 +270,7 @@ class FastPath:
         wd = watchdog.current()
         if wd is None:
             return fn(*args)
-        wd.enter(self.descs[name])
+        wd.enter(self.descs[name], self.state.seq + 1)  # (the number _end takes once the call has run)
         try:
             rc = fn(*args)
         except BaseException:
