@@ -94,6 +94,13 @@ def test_a_seq_len_the_model_or_the_data_cannot_hold_is_refused_before_start(hf,
     assert _one_line_error(capsys) == (f"--seq-len 1024: the val split of --data {shards} has 409 tokens, fewer than "
                                        f"one block of 1024 + 1; give a smaller --seq-len (at most 408) or more text")
     assert not out.exists()
+    # context parallelism cuts the sequence into 2 x cp chunks: an hf: model's length is checked before the spawn
+    cp = ["--init-from", hf, "--data", shards, "--nproc", 2, "--cp", 2, "--batch-size", 2, "--out", out]
+    assert _train(*cp, "--seq-len", 65) == 2
+    assert _one_line_error(capsys) == ("context parallelism (cp=2) cuts --seq-len 65 into 2 x cp = 4 equal chunks "
+                                       "(causal load balancing gives rank i the chunks i and 3-i), but 65 tokens do "
+                                       "not divide by 4: choose cp among 1, or a length that is a multiple of 4")
+    assert not out.exists()
     assert _train("--model", "gpt-tiny", "--seq-len", 17, "--out", out) == 2
     assert _one_line_error(capsys) == ("--seq-len 17: --model gpt-tiny has positions for 16 tokens (its block size / "
                                        "max_position_embeddings); give --seq-len 16 or less")

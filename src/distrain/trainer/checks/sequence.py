@@ -101,6 +101,10 @@ def check_seq_len(cfg, launched: tuple[int, int] | None = None) -> None:
                 print(f"note: --model {cfg.model} has {positions:,} positions; training on sequences of {t} tokens "
                       f"(set the length with --seq-len N)", flush=True)
         why = f"the sequence length {t} (--model {cfg.model}'s block size; set it with --seq-len N)"
+    if cfg.cp > 1 and str(cfg.model).startswith("hf:"):  # (a preset's: checks/layout.py, with its block size)
+        from distrain.parallel.context_parallel import check_length
+
+        check_length(t, cfg.cp, why)  # 2 x cp equal chunks: refused here, not by every rank after the spawn
     if splits is None:
         return
     for name, n in zip(("train", "val"), splits):
