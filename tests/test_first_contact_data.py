@@ -220,3 +220,6 @@ def test_export_writes_bos_eos_from_the_config_without_a_source_folder():
         "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, "bos_token": "<s>",
         "eos_token": "</s>"}
     assert json.loads(files["special_tokens_map.json"]) == {"bos_token": "<s>", "eos_token": "</s>"}
+    # ids of ordinary text (LlamaConfig's default bos 1 / eos 2 over a tokenizer without special tokens) are left out
+    files = tokenizer_config_files(tok.to_json(), {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 281}, [])
+    assert json.loads(files["special_tokens_map.json"]) == {"pad_token": "</s>"}

@@ -116,7 +116,8 @@ def tokenizer_config_files(tokenizer_json: str, config: dict, sources: list[Path
     """{name: text} of the tokenizer config beside an exported ``tokenizer.json``, so that
     ``AutoTokenizer.from_pretrained`` knows its special tokens: the source folder's tokenizer_config.json,
     special_tokens_map.json and chat_template.jinja (chat template included) when its tokenizer.json has the
-    same vocabulary and special tokens; else written from config.json's bos/eos/pad token ids."""
+    same vocabulary and special tokens; else written from config.json's bos/eos/pad token ids, where each names
+    one of the tokenizer's special tokens (an id of ordinary text is left out)."""
     from distrain.checkpoint.init_from import tokenizer_difference
     from distrain.data.tokenizer import HFTokenizer, Tokenizer
 
@@ -131,9 +132,12 @@ def tokenizer_config_files(tokenizer_json: str, config: dict, sources: list[Path
         if same:
             return {n: (folder / n).read_text() for n in TOKENIZER_CONFIG_FILES if (folder / n).is_file()}
     special = {}
+    added = {i: t for i, t in mine.tok.get_added_tokens_decoder().items() if t.special}
     for role in ("bos", "eos", "pad"):
         i = config.get(f"{role}_token_id")
-        token = mine.tok.id_to_token(i) if isinstance(i, int) and not isinstance(i, bool) else None
+        # only a special token of the tokenizer: an id that names an ordinary piece of text (a config's default
+        # bos 1 / eos 2 over a tokenizer without special tokens) would make AutoTokenizer add that text
+        token = added[i].content if isinstance(i, int) and not isinstance(i, bool) and i in added else None
         if token is not None:
             special[f"{role}_token"] = token
     tc = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, **special}
