@@ -82,3 +82,20 @@ def test_an_8b_model_is_refused_before_any_rank_starts(tmp_path, capsys):
     assert err.endswith("train a smaller model\n")
     assert not out.exists()  # refused before the run folder (and any rank)
     assert took < 30, took  # the model counted on the meta device, nothing allocated
+
+
+def test_the_python_api_refuses_it_too(tmp_path):
+    """distrain.train(cfg) checks the host's memory as the command does (its edge reads MemAvailable)."""
+    import distrain
+    from distrain.errors import ConfigError
+    from distrain.runtime import available_memory
+    from distrain.trainer import TrainConfig
+
+    if (available_memory() or 0) >= 514e9:
+        pytest.skip("this host has the memory for 4 ranks of an 8B model in float32 with AdamW")
+    (tmp_path / "llama-3-8b").mkdir()
+    (tmp_path / "llama-3-8b" / "config.json").write_text(json.dumps(LLAMA_3_8B))
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"^--model hf:\S+ needs at least 514 GB of memory \(8,030,261,248 float32 "):
+        distrain.train(TrainConfig(model=f"hf:{tmp_path / 'llama-3-8b'}", nproc=4, steps=1, out=str(out)))
+    assert not out.exists()

@@ -71,7 +71,7 @@ def train(cfg: TrainConfig | None = None, *, model=None, train_data=None, val_da
             cfg.eval_every = 0  # nothing to evaluate on
     init_from.resolve(cfg)  # the model this run builds: --init-from's, --model hf:DIR, or a left-out --model
     edge = runtime.validate_args()  # what this process's environment says (launched?), read at the edge
-    cfg.validate(**edge)
+    cfg.validate(**edge, available_memory=runtime.available_memory())  # (the Python API too: checks/memory.py)
     inject = check_inject(parse_inject(runtime.injected_fault()), cfg)  # DISTRAIN_INJECT (tests), read at the edge
     if model is not None and cfg.tp > 1:  # your model's heads, sizes and vocabulary against --tp, before any rank
         from distrain.models.hf_transformers.checks import check_tp_fits
