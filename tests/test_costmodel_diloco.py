@@ -9,6 +9,11 @@
   with backward, two ranks per node), and the closed form where nothing overlaps; DDP's balance point.
 * The command prints the table (exact cells) with presets and with a calibration, and refuses bad input
   before any output; on a preset the outer step's time is measured.
+* Streaming DiLoCo (``--fragments P --overlap-steps tau``): the step equals the hand formula
+  C + Σ_p (max(0, t_p − τ·C) + outer·n_p) / H where no exchange waits for another, Σ_p t_p / H where they
+  queue on the link, DiLoCo's row with one fragment and no overlap; the peak step bytes are the largest
+  fragment's all-reduce (gpt-tiny's real fragments; a slow test checks a real run's ledger); the table's
+  cells and the refusals.
 """
 
 from __future__ import annotations
@@ -115,16 +120,16 @@ def test_the_crossover_on_the_full_model_with_overlap():
 # sync (15,487 a step at H = 10); int4: 13,328 / 13,144, 79,784 per sync (7,978)
 TABLE = """\
 # DiLoCo: 4 islands (one per node, 1 rank(s) each), the outer all-reduce every H steps (ring); DDP: ring over all 4 ranks
-strategy                   step ms   compute      comm  bytes/node/step
-ddp ring                     30.47     25.00      5.47          600,000
-diloco H=10                  25.55     25.00      0.55           60,000
-diloco H=10 bf16             25.29     25.00      0.29           30,000
-diloco H=10 int8             25.16     25.00      0.16           15,487
-diloco H=10 int4             25.10     25.00      0.10            7,978
-diloco H=100                 25.05     25.00      0.05            6,000
-diloco H=100 bf16            25.03     25.00      0.03            3,000
-diloco H=100 int8            25.02     25.00      0.02            1,549
-diloco H=100 int4            25.01     25.00      0.01              798
+strategy                   step ms   compute      comm  bytes/node/step  peak step bytes
+ddp ring                     30.47     25.00      5.47          600,000          600,000
+diloco H=10                  25.55     25.00      0.55           60,000          600,000
+diloco H=10 bf16             25.29     25.00      0.29           30,000          300,000
+diloco H=10 int8             25.16     25.00      0.16           15,487          154,872
+diloco H=10 int4             25.10     25.00      0.10            7,978           79,784
+diloco H=100                 25.05     25.00      0.05            6,000          600,000
+diloco H=100 bf16            25.03     25.00      0.03            3,000          300,000
+diloco H=100 int8            25.02     25.00      0.02            1,549          154,872
+diloco H=100 int4            25.01     25.00      0.01              798           79,784
 # DiLoCo H=10 pays below 155.5 Mbit/s per node for this model (DDP's communication equals its compute at 194.9 Mbit/s)
 # DiLoCo H=10 bf16 pays below 175.0 Mbit/s per node for this model (DDP's communication equals its compute at 194.9 Mbit/s)
 # DiLoCo H=10 int8 pays below 184.4 Mbit/s per node for this model (DDP's communication equals its compute at 194.9 Mbit/s)
@@ -170,6 +175,114 @@ def test_the_outer_step_is_measured_on_a_preset():
     assert 0.0 < diloco.measure_outer("gpt-tiny") < 1e-6
 
 
+def test_streaming_rows_equal_the_hand_formula():
+    """--params 100,000 in P = 4 fragments of 25,000 on links of 1 MB/s (each exchange 150 ms, longer than the
+    25 ms step, shorter than the 25 steps between two): t = C + Σ_p (max(0, t_p − τ·C) + outer·n_p) / H."""
+    from distrain.costmodel import diloco
+    from distrain.costmodel.links import DEFAULT_GAMMA, LINKS
+
+    m, fabric, c = _setup()
+    slow = diloco.with_bandwidth(fabric, 1e6)
+    a, C, H, out = LINKS["eth-1g"].alpha, T / K, 100, 1e-8
+    assert diloco.fragment_sizes(m, 4) == [25_000] * 4
+    for comp, elem in ((None, 4), ("bf16", 2)):
+        t_p = ring(elem * 25_000, a, 1e6, DEFAULT_GAMMA)
+        for tau in (0, 1, 3, 7):
+            row = diloco.streaming_row(m, slow, c, BATCH, H, 4, tau, comp, outer=out)
+            assert row.step_s == pytest.approx(C + 4 * (max(0.0, t_p - tau * C) + out * 25_000) / H, rel=1e-12)
+            assert row.comm_s == pytest.approx(4 * t_p / H, rel=1e-12)
+            assert row.compute_s == pytest.approx(C + out * N / H, rel=1e-12)
+            assert row.node_bytes == 2 * 3 / 4 * elem * N / H and row.peak_bytes == 2 * 3 / 4 * elem * 25_000
+            assert row.strategy == f"streaming H={H} P=4 tau={tau}" + (f" {comp}" if comp else "")
+    # one fragment, no overlap: DiLoCo's row, cell for cell (the name aside)
+    for comp in diloco.COMPRESSIONS:
+        one, whole = diloco.streaming_row(m, slow, c, BATCH, 10, 1, 0, comp), diloco.diloco_row(m, slow, c, BATCH,
+                                                                                                  10, comp)
+        assert (one.step_s, one.compute_s, one.node_bytes, one.peak_bytes) == pytest.approx(
+            (whole.step_s, whole.compute_s, whole.node_bytes, whole.peak_bytes), rel=1e-12)
+
+
+def test_streaming_exchanges_queue_on_a_slow_link():
+    """H = 4, P = 4: a fragment sent after every step. At 100 kB/s an exchange (1.5 s) outlasts 60 steps, so
+    with τ = 3 they queue and the link sets the step (Σ_p t_p / H); blocking (τ = 0) adds them to compute."""
+    from distrain.costmodel import diloco
+    from distrain.costmodel.links import DEFAULT_GAMMA, LINKS
+
+    m, fabric, c = _setup()
+    slow = diloco.with_bandwidth(fabric, 1e5)
+    t_p = ring(4 * 25_000, LINKS["eth-1g"].alpha, 1e5, DEFAULT_GAMMA)
+    assert diloco.streaming_row(m, slow, c, BATCH, 4, 4, 3).step_s == pytest.approx(4 * t_p / 4, rel=1e-12)
+    assert diloco.streaming_row(m, slow, c, BATCH, 4, 4, 0).step_s == pytest.approx(T / K + t_p, rel=1e-12)
+    # the schedule on its own: one exchange of 10 s every 4 steps of 1 s, τ = 2, one fragment: 1 + (10 - 2) / 4
+    assert diloco.streaming_step(1.0, [10.0], [0.0], 4, 2) == pytest.approx(3.0, rel=1e-12)
+    # P > H: fragments 0, 1 share offset 0 (and 2, 3 offset 1); they are sent together, so the peak is two
+    two = diloco.streaming_row(m, fabric, c, BATCH, 2, 4, 0)
+    assert two.peak_bytes == 2 * (2 * 3 / 4 * 4 * 25_000) and two.node_bytes == 600_000 / 2
+
+
+def test_streaming_peak_bytes_are_the_real_fragments():
+    """gpt-tiny in 4 fragments (17,152 / 16,928 / 16,992 / 16,704 parameters, as training cuts it), 2 islands:
+    the peak step is the largest fragment's ring all-reduce, 4 × 17,152 = 68,608 bytes (2 × in bf16; the
+    measured runs of docs/slow_links.md), the bytes per step DiLoCo's 33,888."""
+    from distrain.costmodel import diloco
+    from distrain.costmodel.links import preset_fabric
+    from distrain.costmodel.plan import Compute, model_spec
+
+    m, c, two = model_spec("gpt-tiny", None), Compute.linear(T, BATCH), preset_fabric(2, 1, "eth-1g")
+    assert diloco.fragment_sizes(m, 4) == [17_152, 16_928, 16_992, 16_704]
+    row = diloco.streaming_row(m, two, c, BATCH, 8, 4, 0)
+    assert (row.peak_bytes, row.node_bytes) == (68_608, 33_888)
+    half = diloco.streaming_row(m, two, c, BATCH, 8, 4, 1, "bf16")
+    assert (half.peak_bytes, half.node_bytes) == (2 * 17_152, 16_944)
+    # 2 nodes x 2 ranks: both cross groups send their fragment over the node's link
+    assert diloco.streaming_row(m, preset_fabric(4, 2, "eth-1g"), c, BATCH, 8, 4, 0).peak_bytes == 2 * 68_608
+    assert diloco.diloco_row(m, two, c, BATCH, 8).peak_bytes == 271_104
+
+
+# the streaming rows by hand: 4 fragments of 25,000 (100,000 bytes: each exchange 1.37 ms, hidden by one 25 ms
+# step at tau = 1); bytes per step DiLoCo's (int8: 38,720 per fragment's sync, 4 x that / 10 = 15,488); the peak
+# a fragment's 2 x 3/4 x 100,000 = 150,000 (int8 38,720)
+STREAMING = """\
+strategy                        step ms   compute      comm  bytes/node/step  peak step bytes
+ddp ring                          30.47     25.00      5.47          600,000          600,000
+diloco H=10                       25.55     25.00      0.55           60,000          600,000
+diloco H=10 bf16                  25.29     25.00      0.29           30,000          300,000
+diloco H=10 int8                  25.16     25.00      0.16           15,487          154,872
+diloco H=10 int4                  25.10     25.00      0.10            7,978           79,784
+streaming H=10 P=4 tau=1          25.00     25.00      0.64           60,000          150,000
+streaming H=10 P=4 tau=1 bf16     25.00     25.00      0.38           30,000           75,000
+streaming H=10 P=4 tau=0 int8     25.25     25.00      0.25           15,488           38,720
+streaming H=10 P=4 tau=0 int4     25.19     25.00      0.19            7,979           19,948
+"""
+
+
+def test_plan_streaming_command(capsys):
+    from distrain.cli import main
+
+    flags = ["--params", str(N), "--compute-ms", str(T * 1e3), "--nodes", str(K), "--link", "eth-1g"]
+    assert main(["plan", *flags, "--inner-steps", "10", "--fragments", "4", "--overlap-steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert STREAMING in out
+    # fully hidden, it pays where DDP's communication equals its compute (then DDP's step is twice compute)
+    assert ("# Streaming DiLoCo H=10 P=4 tau=1 pays below 194.9 Mbit/s per node for this model (DDP's "
+            "communication equals its compute at 194.9 Mbit/s)") in out
+    assert "# Streaming DiLoCo H=10 P=4 tau=0 int8 pays below" in out
+    for argv, message in (([*flags, "--fragments", "4"], "--fragments/--overlap-steps plan Streaming DiLoCo: give "
+                                                         "--inner-steps"),
+                          ([*flags, "--inner-steps", "10", "--overlap-steps", "1"], "--overlap-steps 1: give "
+                                                                                    "--fragments P as well"),
+                          ([*flags, "--inner-steps", "10", "20", "--fragments", "4", "--overlap-steps", "10"],
+                           "--overlap-steps must be in 0..--inner-steps - 1 = 9"),
+                          ([*flags, "--inner-steps", "10", "--fragments", "0"], "--fragments must be in 1..100000"),
+                          (["--model", "gpt-tiny", "--compute-ms", "10", "--nodes", "2", "--inner-steps", "10",
+                            "--fragments", "70"], "--fragments 70: the model has 69 parameter tensors"),
+                          (["--model", "llama-3-8b", "--device", "h100", "--fragments", "4"],
+                           "--inner-steps plans DiLoCo on emulated nodes")):
+        assert main(["plan", *argv]) == 2
+        got = capsys.readouterr()
+        assert message in got.err and got.out == ""  # refused before the ranking is printed
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_predicted_bytes_equal_a_real_runs_ledger(tmp_path):
@@ -187,3 +300,21 @@ def test_predicted_bytes_equal_a_real_runs_ledger(tmp_path):
         train_losses(trainer_config(out, strategy=strategy, nproc=2, steps=6, dtype="float32", **extra))
         s = json.loads((out / "summary.json").read_text())
         assert s["bytes_sent_per_step_rank0"] == want[strategy]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_streaming_bytes_equal_a_real_runs_ledger(tmp_path):
+    """A 2-island gpt-tiny Streaming DiLoCo run (float32, H = 4, P = 4, τ = 0, 8 steps): the ledger's bytes per
+    step and its peak step bytes of rank 0 are the planner's."""
+    from distrain.costmodel import diloco
+    from distrain.costmodel.links import preset_fabric
+    from distrain.costmodel.plan import Compute, model_spec
+
+    m, c, fabric = model_spec("gpt-tiny", None), Compute.linear(T, BATCH), preset_fabric(2, 1, "eth-1g")
+    row = diloco.streaming_row(m, fabric, c, BATCH, 4, 4, 0)
+    train_losses(trainer_config(tmp_path, strategy="diloco", nproc=2, steps=8, dtype="float32", inner_steps=4,
+                                fragments=4))
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert (s["bytes_sent_per_step_rank0"], s["peak_step_bytes_rank0"]) == (row.node_bytes, row.peak_bytes)
+    assert (row.node_bytes, row.peak_bytes) == (271_104 / 4, 68_608)

@@ -58,6 +58,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inner-steps", type=int, nargs="+", default=None, metavar="H",
                    help="also predict DiLoCo (one island per node) with H inner steps against DDP, and the link "
                         "bandwidth below which it pays (docs/slow_links.md); not with --device")
+    p.add_argument("--fragments", type=int, default=None, metavar="P",
+                   help="with --inner-steps: also predict Streaming DiLoCo with the parameters in P fragments, as "
+                        "train's --fragments cuts them (docs/slow_links.md)")
+    p.add_argument("--overlap-steps", type=int, default=None, metavar="TAU",
+                   help="with --fragments: each fragment's exchange overlapped with TAU inner steps, as train's "
+                        "--overlap-steps (0..H-1, default 0; int8/int4 rows stay at 0, as training requires)")
     p.add_argument("--memory-gb", type=float, default=None,
                    help="memory of one rank in GB that a layout must fit (default: this host's available memory "
                         "over --procs-per-node; with --device the device's)")
@@ -111,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     if args.validate:
         return _validate(args.validate, args.markdown)
     if args.device or args.gpus_per_node:
-        if args.inner_steps:
+        if args.inner_steps or args.fragments is not None or args.overlap_steps is not None:
             raise ConfigError("--inner-steps plans DiLoCo on emulated nodes; drop --device/--gpus-per-node")
         return _run_cluster(args)
     return _run_emulated(args)
@@ -147,6 +153,11 @@ def _run_emulated(args: argparse.Namespace) -> int:
         raise ConfigError("--params needs --compute-ms (forward+backward time of the global batch on one process)")
     else:
         c = measured_compute(args.model)
+    if not args.inner_steps and (args.fragments is not None or args.overlap_steps is not None):
+        raise ConfigError("--fragments/--overlap-steps plan Streaming DiLoCo: give --inner-steps H as well")
+    if args.overlap_steps is not None and args.fragments is None:
+        raise ConfigError(f"--overlap-steps {args.overlap_steps}: give --fragments P as well (1: DiLoCo's one "
+                          f"exchange, overlapped)")
     diloco = _diloco(args, m, fabric, c) if args.inner_steps else None  # its bad input refused before any output
     limit, source = _rank_memory(args)
     rows = plans(m, fabric, c, args.batch_size, args.procs_per_node, args.microbatches)
@@ -187,13 +198,15 @@ def _memory_gb(gb: float) -> float:
 
 
 def _diloco(args: argparse.Namespace, m, fabric: Fabric, c) -> str:
-    """--inner-steps: DiLoCo's rows against DDP and where it pays (:func:`distrain.costmodel.diloco.report`)."""
+    """--inner-steps (--fragments, --overlap-steps): DiLoCo's rows against DDP and where it pays
+    (:func:`distrain.costmodel.diloco.report`)."""
     from distrain.costmodel import diloco
 
     if min(args.inner_steps) < 1:
         raise ConfigError(f"--inner-steps {min(args.inner_steps)}: give H >= 1 inner steps between outer steps")
     outer = diloco.measure_outer(args.model) if args.compute_ms is None else 0.0
-    return diloco.report(m, fabric, c, args.batch_size, args.inner_steps, outer)
+    return diloco.report(m, fabric, c, args.batch_size, args.inner_steps, outer, args.fragments,
+                         args.overlap_steps or 0)
 
 
 # -- a cluster of devices ----------------------------------------------------------------------
