@@ -9,6 +9,8 @@ torch.optim.SGD(nesterov=True) on the master copy):
   its own state at step k's start, the lost island's inner progress since the last outer step is dropped, step
   k is redone by K − 1 islands on the global batch cut in K − 1 parts, and the outer steps from then on average
   over the survivors: every step's loss, each surviving island's final parameters and θ_prev;
+* a rank SIGSTOPped at an outer step (alive to its connections): the survivors go on at the heartbeat's
+  detection, well within --collective-timeout, with the same result;
 * then a replacement joining at a step boundary j: it takes the outer state from a live peer, starts from
   θ_prev with a fresh AdamW and reads part K' − 1 of each batch from step j on; the next outer step averages
   over all K' islands.
@@ -140,6 +142,23 @@ def test_a_lost_island_is_dropped_and_the_outer_step_averages_the_survivors(tmp_
     assert close(losses, want), (losses, want)
     check_islands(cfg, [0, 2], states, master, syncs=3)
     assert summary["outer_syncs"] == 3 and summary["islands"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_frozen_island_breaks_the_outer_all_reduce_well_before_the_time_out(tmp_path, monkeypatch):
+    # id 1 SIGSTOPs itself at step 3 (its connections stay open: it looks alive to the outer all-reduce that ids 0
+    # and 2 wait in); the coordinator sees its heartbeat stop and ends the epoch, the survivors' watchdogs break
+    # the group: they go on at the detection time, not at --collective-timeout 60
+    cfg, losses, events, summary = run(tmp_path, monkeypatch, "1@3:stop", nproc=3, elastic="2:3", steps=7,
+                                       collective_timeout=60)
+    assert isinstance(summary, dict), summary
+    (e,) = events
+    assert (e["old_world"], e["new_world"], e["left"], e["step"], e["rolled_back"]) == (3, 2, [1], 3, 3)
+    assert e["recover_s"] < 30, e
+    want, states, master = simulate_elastic(cfg, [0, 1, 2], {3: ([1], [])})
+    assert close(losses, want), (losses, want)
+    check_islands(cfg, [0, 2], states, master, syncs=3)
 
 
 @pytest.mark.slow
