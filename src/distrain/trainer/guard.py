@@ -189,9 +189,9 @@ class ElasticGuard(Guard):
         group, can be dropped): {step boundary: {"engine": state, "rng": generator state}}.
 
         Replicated: within a step, the step's start (the state is untouched before the update, or the
-        engine's copy of it: Engine.start_state; the RNG and buffers come back from ``begin``) and, when the commit was entered (``ready``: the step's gradients
-        are synchronised), the step finished here (the update applied: a roll forward); between steps, the
-        live state. Sharded: the live state when it is at a boundary (the step's start is the piece copy)."""
+        engine's copy of it: Engine.start_state; the RNG and buffers come back from ``begin``) and, when the
+        commit was entered (``ready``: the step's gradients are synchronised), the step finished here (the
+        update applied: a roll forward); between steps, the live state. Sharded: the live state when it is at a boundary (the step's start is the piece copy)."""
         from distrain.elastic.pieces import clone_tree
 
         q = self.q
