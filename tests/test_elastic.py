@@ -203,12 +203,12 @@ def test_part_bounds_cover_the_batch_and_match_the_sampler():
 @pytest.mark.parametrize("kw, message", [
     (dict(elastic="2:4", strategy="torch-ddp"),
      "--elastic 2:4: --strategy torch-ddp is not supported; elastic training needs a state that survives a lost rank "
-     "(every rank's state held twice, or none on the ranks that may go): use --strategy ddp or zero1 or zero2 or "
-     "zero3 or ps-sync"),
+     "(every rank's state held twice, none on the ranks that may go, or, with diloco, only an island's progress "
+     "since the last outer step): use --strategy ddp or zero1 or zero2 or zero3 or ps-sync or diloco"),
     (dict(elastic="2:4", strategy="ps-async"),
      "--elastic 2:4: --strategy ps-async is not supported; elastic training needs a state that survives a lost rank "
-     "(every rank's state held twice, or none on the ranks that may go): use --strategy ddp or zero1 or zero2 or "
-     "zero3 or ps-sync"),
+     "(every rank's state held twice, none on the ranks that may go, or, with diloco, only an island's progress "
+     "since the last outer step): use --strategy ddp or zero1 or zero2 or zero3 or ps-sync or diloco"),
     (dict(elastic="1:4", nproc=4, strategy="ps-sync"),
      "--elastic 1:4: MIN 1 leaves no worker beside the --servers 1 parameter server(s); use MIN >= 2"),
     (dict(elastic="3:2"),

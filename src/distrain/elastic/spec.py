@@ -15,7 +15,9 @@ from distrain.errors import ConfigError
 # ddp: the whole state on every rank (a lost rank loses nothing the others lack); zero1/2/3: each rank
 # holds one piece and a replica of its predecessor's (member.py), so one lost rank loses nothing either
 # ps-sync: the workers hold no state (they pull the weights each step); a lost server ends the job
-SUPPORTED = ("ddp", "zero1", "zero2", "zero3", "ps-sync")
+# diloco (one rank per island): a rank's own state is its island's inner progress since the last outer step,
+# which a loss drops by design (the outer state, the same on every rank, survives on any rank)
+SUPPORTED = ("ddp", "zero1", "zero2", "zero3", "ps-sync", "diloco")
 _FORM = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
 
 
@@ -48,8 +50,11 @@ def check(cfg, launched: tuple[int, int] | None = None) -> tuple[int, int] | Non
     tag = f"--elastic {lo}:{hi}"
     if cfg.strategy not in SUPPORTED:
         raise ConfigError(f"{tag}: --strategy {cfg.strategy} is not supported; elastic training needs a state that "
-                          f"survives a lost rank (every rank's state held twice, or none on the ranks that may go): "
-                          f"use --strategy {' or '.join(SUPPORTED)}")
+                          f"survives a lost rank (every rank's state held twice, none on the ranks that may go, or, "
+                          f"with diloco, only an island's progress since the last outer step): use --strategy "
+                          f"{' or '.join(SUPPORTED)}")
+    if cfg.strategy == "diloco":
+        check_diloco(cfg, tag)
     tp, pp, cp = getattr(cfg, "tp", 1), getattr(cfg, "pp", 1), getattr(cfg, "cp", 1)
     if tp * pp * cp > 1:  # the dp dimension of dp x cp x tp x pp: a lost rank takes its whole replica with it
         check_grid(cfg, tag, lo, hi, tp * pp * cp)
@@ -77,6 +82,21 @@ def check(cfg, launched: tuple[int, int] | None = None) -> tuple[int, int] | Non
         raise ConfigError(f"{tag}: runs under `distrain train` (its top process watches the ranks and hosts the "
                           f"store); under `distrain launch`/torchrun it is not supported yet")
     return lo, hi
+
+
+def check_diloco(cfg, tag: str) -> None:
+    """Elastic DiLoCo: one rank per island (--islands 0, K following the live world) and plain DiLoCo (the
+    outer step on one schedule, blocking)."""
+    islands = getattr(cfg, "islands", 0)
+    if islands:
+        raise ConfigError(f"{tag}: --strategy diloco with --islands {islands} is not supported (an island of several "
+                          f"ranks would lose its replica with any one of them, and K must follow the live ranks); "
+                          f"leave --islands out (0: every rank its own island)")
+    fragments, overlap = getattr(cfg, "fragments", 1), getattr(cfg, "overlap_steps", 0)
+    if fragments != 1 or overlap:
+        raise ConfigError(f"{tag}: Streaming DiLoCo (--fragments {fragments}, --overlap-steps {overlap}) is not "
+                          f"supported (an exchange in flight across steps would carry a lost island's outer "
+                          f"gradient); use --fragments 1 --overlap-steps 0")
 
 
 def check_nodes(cfg, nodes) -> None:

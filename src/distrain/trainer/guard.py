@@ -108,6 +108,7 @@ class ElasticGuard(Guard):
         self.copy_s = 0.0
         self.buffers: list = []  # (buffer, its value at the step's start): a forward may change buffers
         self.committed: tuple[float, bool] | None = None
+        self.newcomer = False  # this rank joined with a peer's state and has not finished a step yet
 
     # -- entering the job -------------------------------------------------------------------------
     def enter(self, make_engine, model, start: int, load_checkpoint):
@@ -116,6 +117,7 @@ class ElasticGuard(Guard):
             q.ckpt_step = start
         q.sharded = self.cfg.strategy.startswith("zero")  # each rank holds a piece of the state (ZeRO)
         change = q.join(start)  # a newcomer waits here for a step boundary, then gets the state
+        self.newcomer = change is not None
         try:
             engine = make_engine(model)
             if change is not None:
@@ -156,6 +158,7 @@ class ElasticGuard(Guard):
             (total, self.wanted), self.committed = self.committed, None
             self.q.updated(step)
         record.update(loss=total, world=self.q.world, copy_s=self.copy_s)
+        self.newcomer = False  # (its first step is done: the state it holds is its own)
         if self.pending_event is not None:  # the first step at the new size is done: the change is complete
             e, self.pending_event = self.pending_event, None
             self.q.settled()
@@ -185,13 +188,14 @@ class ElasticGuard(Guard):
         """The states this rank can go on from, as copies (so that the engine, and its hold on the old
         group, can be dropped): {step boundary: {"engine": state, "rng": generator state}}.
 
-        Replicated: within a step, the step's start (the state is untouched before the update; the RNG and
-        buffers come back from ``begin``) and, when the commit was entered (``ready``: the step's gradients
-        are synchronised), the step finished here (the update applied: a roll forward); between steps, the
-        live state. Sharded: the live state when it is at a boundary (the step's start is the piece copy)."""
+        Replicated: within a step, the step's start (the state is untouched before the update, or the
+        engine's copy of it: Engine.start_state; the RNG and buffers come back from ``begin``) and, when the
+        commit was entered (``ready``: the step's gradients are synchronised), the step finished here (the
+        update applied: a roll forward); between steps, the live state. Sharded: the live state when it is at a boundary (the step's start is the piece copy)."""
         from distrain.elastic.pieces import clone_tree
 
         q = self.q
+        self.newcomer = False  # (what it offers now is its own engine's state, a newcomer's too)
         if q.sharded:
             return {q.live: {"engine": clone_tree(engine.state_dict()), "rng": torch.get_rng_state()}} \
                 if q.live is not None else {}
@@ -202,7 +206,7 @@ class ElasticGuard(Guard):
         with torch.no_grad():
             for b, start in self.buffers:
                 b.copy_(start)
-        held = {q.live: {"engine": clone_tree(engine.state_dict()), "rng": q.rng}}
+        held = {q.live: {"engine": clone_tree(engine.start_state()), "rng": q.rng}}
         if q.ready:
             with torch.no_grad():
                 for (b, _), v in zip(self.buffers, after):
@@ -256,6 +260,8 @@ class ElasticGuard(Guard):
             self.load_pieces(engine, [p for ps, _, _ in held for p in ps], c.step)
             if c.state["rng"] is None:  # no state of ours at that step: the first rank's generator that has one
                 c.state["rng"] = next(rng for _, rng, _ in held if rng is not None)
+        elif self.newcomer:  # a peer's state (or, after a failed first step, the one it made of it)
+            engine.load_newcomer(c.state["engine"])
         else:
             engine.load_state_dict(c.state["engine"])
         torch.set_rng_state(c.state["rng"])

@@ -81,6 +81,18 @@ class Engine(ABC):
         """The step's update (the optimizer step) after the commit; local to this rank."""
         raise NotImplementedError(f"{type(self).__name__} has no separate update step")
 
+    def start_state(self) -> dict:
+        """Within a step whose commit was not completed, the state of the step's start (the guard's copy to go
+        back to). Here the live state: an update follows the commit, so nothing changed before it; an engine
+        that changes its state before the commit (DiLoCo's outer step) keeps a copy and returns it."""
+        return self.state_dict()
+
+    def load_newcomer(self, state: dict) -> None:
+        """Load the state a live peer sent this newcomer (an elastic job's replacement rank): a replica's,
+        so here :meth:`load_state_dict`; an engine whose ranks hold states of their own (DiLoCo) takes only
+        what is common to all."""
+        self.load_state_dict(state)
+
     def buffers(self) -> list[torch.Tensor]:
         """The module buffers this rank's forward may change (e.g. running statistics)."""
         return []

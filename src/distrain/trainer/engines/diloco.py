@@ -68,6 +68,11 @@ class DiLoCoEngine(Engine):
         stream = f", P={cfg.fragments}, τ={cfg.overlap_steps}" if self.streaming else ""
         self.label = f"diloco (K={g.islands}×{g.per_island}, H={cfg.inner_steps}{stream})"
         self.outer_s = 0.0  # seconds this rank spent in outer steps
+        # an elastic job's step (a commit hook given): the state of the step's start, copied on a step that takes
+        # the outer step (its inner update and the outer all-reduce come before the commit), and the update
+        # still to apply after the commit (finish_step)
+        self.start: dict | None = None
+        self.update = None
         self.peak_step_bytes = 0  # the most bytes this rank sent in one step (the step's ledger)
 
     def train_step(self, x, y, commit=None):
@@ -84,7 +89,7 @@ class DiLoCoEngine(Engine):
         if self.cfg.grad_clip:  # the island's ranks hold the same (averaged) gradients: no sum over ranks
             clip_grad_norm([(p.grad, 1) for p in self.model.parameters()], self.cfg.grad_clip)
         if commit is not None:
-            commit(total)
+            return self._elastic_step(total, commit)
         self.optimizer.step()
         wait = 0.0
         if self.streaming:  # (its fragments' schedule: StreamingOuter.step)
@@ -101,6 +106,52 @@ class DiLoCoEngine(Engine):
         # its DDP, which is not measured here: None)
         self.comm_wait_s = wait if self.groups.island_group is None else None
         return total
+
+    def _elastic_step(self, total, commit):
+        """An elastic job's step (one rank per island, plain DiLoCo: elastic/spec.py). Between outer steps:
+        the commit, then the inner update (a replica's order: a failure leaves the step's start, a completed
+        commit lets this rank finish the step alone). On an outer step the commit comes last: the step's
+        start is copied, the inner update taken, the islands' mean Δ all-reduced, and only then the commit,
+        so that a commit completed anywhere proves that every rank holds the same mean (each finishes the
+        step alone, ``finish_step``: the outer step); a failure before it (a lost island in the outer
+        all-reduce) takes every survivor back to its copy of the step's start (``start_state``) and the step
+        is redone by the survivors, the outer mean over K − 1: the lost island's inner progress since the
+        last outer step never reaches it."""
+        wait = 0.0
+        if (self.step_index + 1) % self.cfg.inner_steps == 0:
+            self.start = copy.deepcopy(self.state_dict())  # (the model, the inner and outer optimizers' states)
+            self.optimizer.step()
+            t0 = time.perf_counter()
+            mean = self.outer.mean(self.outer.outer_gradient())
+            wait = time.perf_counter() - t0
+            self.outer_s += wait
+            self.update = lambda: self.outer.apply(mean)
+        else:
+            self.update = self.optimizer.step
+        commit(total)
+        self.finish_step()
+        self.comm_wait_s = wait
+        return total
+
+    def finish_step(self) -> None:
+        """The update after the commit (elastic jobs): the inner step, or on an outer step the outer one."""
+        update, self.update, self.start = self.update, None, None
+        update()
+
+    def start_state(self) -> dict:
+        """The step's start: the copy taken before an outer step's inner update, else the live state."""
+        return self.start if self.start is not None else self.state_dict()
+
+    def load_newcomer(self, state: dict) -> None:
+        """A newcomer's island (elastic jobs) from a live peer's state: the outer state (θ_prev, the outer
+        momentum, the sync count: the same on every rank) and the peer's buffers; its parameters θ_prev and
+        its inner optimizer fresh (this engine's, just built): it starts its inner phase from the outer
+        parameters, as every island does after an outer step, and takes part from the next one on."""
+        self.model.load_state_dict(state["model"])  # (the buffers; the parameters are θ_prev below)
+        self.outer.load_state_dict(state.get("outer"), "a peer's state")
+        with torch.no_grad():
+            for p, m in zip(self.model.parameters(), self.outer.master):
+                p.copy_(m)
 
     def end_training(self) -> None:
         """Every exchange still in flight completes (its mean waits for its step, or the checkpoint)."""
