@@ -61,13 +61,14 @@ from pathlib import Path
 import pytest
 
 from distrain.cluster import netns, runner
+from distrain.cluster.fixture import emulated_cluster  # noqa: F401  (the fixture)
 
 STRATEGIES = ("ddp", "zero2")  # --elastic; ("diloco" joins when its --elastic lands)
 JOBS = (*STRATEGIES, "fixed")  # "fixed": a ddp job without --elastic, under torchrun
 KINDS = ("loss", "delay", "down", "partition", "stop")
 NODES, STEPS, BATCH = 3, 24, 12
 TIMEOUT_S = 30  # --collective-timeout
-HARD_S = 180  # the job's outcome must come within this (a hang fails the trial)
+HARD_S = 240  # the job's outcome within this, or it hung (zero2 under 8.6 % loss: 131 s on the loaded host)
 RTOL = 1e-10
 REQUIRED_S = 2.0  # a fixed job names a stopped or cut-off rank within 2 s of the first call waiting on it
 TRIALS = int(os.environ.get("DISTRAIN_LINK_TRIALS", str(len(JOBS) * len(KINDS))))
