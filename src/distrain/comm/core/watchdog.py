@@ -1,6 +1,6 @@
 """Collective watchdog: a rank blocked in one communication call too long stops the job and
-says which ranks did not arrive; in a fixed job, a rank that stops answering is named within
-two seconds.
+says which ranks did not arrive; in a fixed job, a rank whose process is stopped or gone is named
+within two seconds.
 
 Like torch's ``monitored_barrier`` and Horovod's stall inspector, but always on and cheap:
 the dispatcher (dispatch.py) brackets every *blocking* call (a synchronous collective, or
@@ -21,15 +21,19 @@ Early naming (``quiet_s``, a fixed job's: runtime.init): while this rank is bloc
 thread also reads the others' heartbeats every interval (from the first interval past
 ``interval / 2`` in the call) and notes, on this rank's own clock, since when each one's beat
 counter ``n`` has not moved (no clock is compared across hosts). Once some rank's has not moved for
-``quiet_s`` and this rank has been blocked that long, it reports at once, through the same path as
-the time-out, naming the call and its sequence number. A rank that is busy (fresh heartbeats, not
+``quiet_s``, this rank has been blocked that long, and that rank's process is seen stopped or gone
+(:func:`process_state`: the heartbeat carries its pid, start time, boot id and PID namespace, so a
+process of the same kernel and namespace is looked up in /proc), it reports at once, through the
+same path as the time-out, naming the call and its sequence number. A quiet rank that is alive (a
+starved CPU, a GIL held in a long C call), or on another host, is left to the time-out: a heartbeat
+that stops is not proof by itself. A rank that is busy (fresh heartbeats, not
 in a call) is never named early: the time-out governs it, a long step is legitimate. With
 ``interval`` 0.25 s and ``quiet_s`` 1.25 s a stopped rank is named at most
 ``interval + quiet_s`` = 1.5 s (plus scheduling delay) after the first call that waits on it. In
 this mode the thread talks to the store over its own connection (``connect``): a store client
 serializes its calls, so a main thread waiting on a key would otherwise hold the heartbeats up and
 get its rank named; a failed beat or read is not fatal (the connection is made again next beat), and
-a rank cut off from the store stops beating, so the others name it.
+a rank cut off from the store stops beating (its process alive: named by the time-out).
 
 An elastic rank also hands the thread an ``interrupt(blocked_s)`` it calls every interval (0 when
 not in a call): the membership layer checks there whether its epoch has lost a member and, if so,
@@ -70,6 +74,7 @@ class Watchdog:
         self.interval = interval or max(0.2, min(5.0, timeout / 4))
         self.interrupt = interrupt
         self.quiet_s = quiet_s  # early naming on (a fixed job) when set
+        self.identity = _identity()  # (made here, in the rank: a fork server's would name the server)
         self.stale_s = quiet_s if quiet_s is not None else STALE * self.interval  # the time-out's "not responding"
         self.connect = connect  # the thread's own store connection (None: ``store``)
         self.prefix = prefix  # the heartbeats' keys: prefix + "wd/<rank>"
@@ -113,7 +118,8 @@ class Watchdog:
         blocked = time.monotonic() - since if op is not None else 0.0
         self.beats += 1
         self._store().set(f"{self.prefix}wd/{self.rank}", json.dumps(
-            {"n": self.beats, "calls": self.calls, "op": op, "seq": seq, "blocked_s": blocked, "t": time.time()}))
+            {"n": self.beats, "calls": self.calls, "op": op, "seq": seq, "blocked_s": blocked, "t": time.time(),
+             **self.identity}))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
@@ -170,7 +176,7 @@ class Watchdog:
             seen = self._seen.get(r)
             if seen is None or seen[0] != n:
                 self._seen[r] = seen = (n, now)
-            if now - seen[1] >= self.quiet_s:
+            if now - seen[1] >= self.quiet_s and process_state(hb, self.identity) in ("stopped", "gone"):
                 quiet[r] = now - seen[1]
         self._last = beats
         return quiet
@@ -239,6 +245,52 @@ class Watchdog:
 
 
 WHY = "stopped, frozen, dead or cut off"  # what a rank without heartbeats may be
+
+
+def _identity() -> dict:
+    """This process as another process of the same kernel and PID namespace can find it in /proc: its pid, its
+    start time (field 22 of /proc/PID/stat: a reused pid has another), the kernel's boot id and the PID
+    namespace. Empty where /proc is missing (then no rank is ever named early, only by the time-out)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return {"pid": os.getpid(), "start": start, "boot": boot, "pidns": os.readlink("/proc/self/ns/pid")}
+    except (OSError, ValueError, IndexError):
+        return {}
+
+
+
+def process_state(hb: dict | None, mine: dict) -> str:
+    """What this host can see of the process that wrote heartbeat ``hb``: "stopped" (SIGSTOP, or traced),
+    "gone" (exited, a zombie, or its pid now another process's), "alive" (running or sleeping), or "unknown"
+    (no heartbeat, or another kernel or PID namespace: another host). ``mine``: this process's
+    :func:`_identity`.
+
+    Why: a heartbeat that stops moving is not proof. Under a loaded CPU, or while the main thread holds the
+    GIL in a long C call, a live rank's heartbeat thread can miss seconds of beats, and naming it would end a
+    healthy job (seen in CI at load 12 on 2 cores: 1.3-2.6 s). So a quiet rank is named early only where its
+    process is seen stopped or gone; otherwise the collective time-out decides, as before."""
+    if hb is None or not mine or hb.get("boot") != mine["boot"] or hb.get("pidns") != mine["pidns"]:
+        return "unknown"
+    pid, start = hb.get("pid"), hb.get("start")
+    if not isinstance(pid, int) or isinstance(pid, bool) or not isinstance(start, int) or pid <= 0:
+        return "unknown"
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return "gone"
+    try:
+        if int(fields[19]) != start:
+            return "gone"
+        state = fields[0]
+    except (ValueError, IndexError):
+        return "unknown"
+    if state in ("T", "t"):
+        return "stopped"
+    return "gone" if state in ("Z", "X", "x") else "alive"
 
 
 def _get(store, key: str) -> dict | None:
