@@ -401,7 +401,7 @@ PING_SERVER = textwrap.dedent("""
         c.close()
 """)
 PING_CLIENT = textwrap.dedent("""
-    import socket, statistics, sys, time
+    import socket, sys, time
     try:
         c = socket.create_connection((sys.argv[1], 7200), timeout=float(sys.argv[2]))
     except OSError as e:
@@ -410,13 +410,14 @@ PING_CLIENT = textwrap.dedent("""
     rtts = []
     for _ in range(12):
         t = time.perf_counter(); c.sendall(b"p"); assert c.recv(1) == b"p"; rtts.append(time.perf_counter() - t)
-    print("RTT_MS", statistics.median(rtts[2:]) * 1e3)
+    print("RTT_MS", min(rtts[2:]) * 1e3)
 """)
 
 
 def _round_trip_ms(spec, src: int, dst: int, timeout: float = 3.0) -> float | None:
-    """Median TCP round trip (1 byte each way, after a connect) from node src to node dst's ping server;
-    None when the connection fails (time-out or unreachable)."""
+    """The least of 10 TCP round trips (1 byte each way, after a connect) from node src to node dst's ping
+    server: the delay line and a loaded host's scheduling only add to a round trip, so the least is the
+    link's (the median read 82 ms for a 50 ms link under CI's load); None when the connection fails."""
     out = subprocess.run(["ip", "netns", "exec", spec.netns(src), sys.executable, "-c", PING_CLIENT,
                           spec.address(dst), str(timeout)], capture_output=True, text=True, timeout=60, check=True).stdout
     if out.startswith("FAILED"):
@@ -530,8 +531,8 @@ LOSS_SOURCE = textwrap.dedent("""
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     for k in range(int(sys.argv[2])):
         s.sendto(b"x" * 32, (sys.argv[1], 7300))
-        if k % 20 == 19:
-            time.sleep(0.002)  # paced: a burst would overflow receive buffers on this busy host, not the link
+        if k % 4 == 3:
+            time.sleep(0.004)  # paced (~1000/s): a burst overflows the delay line's socket under load, not the link
 """)
 
 
