@@ -36,6 +36,17 @@ def _harness(tmp_path, algorithms: str, sizes: str, names: list[str] | None, tim
 def test_torch_methods_pass_on_our_algorithms(tmp_path):
     report = _harness(tmp_path, "ring,tree", "3", FAST, timeout=850)
     assert sorted(report) == ["ring/3", "tree/3"]
+    # "infra": the method's process group never started (its ranks' init_process_group timed out on a loaded
+    # host: the machine, not the method). Those methods run once more, alone; a failure is never rerun.
+    again = {k: [n for n in FAST if got["rows"].get(n) == "infra"] for k, got in report.items()}
+    for key, names in again.items():
+        if names:
+            retry = tmp_path / key.replace("/", "-")
+            retry.mkdir()
+            got = _harness(retry, key.split("/")[0], "3", names, timeout=600)[key]
+            for n in names:
+                report[key]["rows"][n] = got["rows"].get(n, "not run")
+                report[key]["detail"][n] = got["detail"].get(n, "")
     for key, got in report.items():  # (-k matches substrings: a few more methods ran; these must pass)
         bad = {n: got["rows"].get(n, "not run") + ": " + got["detail"].get(n, "")[-600:]
                for n in FAST if got["rows"].get(n) != "pass"}
