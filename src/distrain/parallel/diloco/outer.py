@@ -30,6 +30,26 @@ OUTER_OPTIMIZERS = ("nesterov", "sgd")
 OUTER_COMPRESSIONS = ("bf16", "int8", "int4")
 
 
+class Exchange:
+    """One outer gradient on its way: the flat Δ_i (numel,), what travels (``wire``: Δ_i itself, or its bf16
+    copy) and the all-reduce's handle (None: done, or nothing to wait for); :meth:`mean` waits and gives the
+    islands' mean, in Δ_i's storage."""
+
+    def __init__(self, flat: torch.Tensor, wire: torch.Tensor | None, handle, islands: int):
+        self.flat, self.wire, self.handle, self.islands = flat, wire, handle, islands
+        self.done: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def mean(self) -> torch.Tensor:
+        if self.done is None:
+            if self.handle is not None:
+                self.handle.wait()
+            if self.wire is not self.flat:
+                self.flat.copy_(self.wire)
+            self.done = self.flat.div_(self.islands)
+        return self.done
+
+
 class OuterStep:
     """The outer half of DiLoCo for ``params`` (this rank's island replica, in order).
 
@@ -69,12 +89,18 @@ class OuterStep:
         if self.group is not None and self.compression in quantized.BITS:
             return quantized.quantized_mean(flat, group=self.group, parts=self.islands, rank=self.place,
                                             bits=quantized.BITS[self.compression], algorithm=self.algorithm)
-        if self.group is not None:
-            wire = flat.to(torch.bfloat16) if self.compression == "bf16" else flat
-            comm.all_reduce(wire, op="sum", group=self.group, algorithm=self.algorithm)
-            if wire is not flat:
-                flat.copy_(wire)
-        return flat.div_(self.islands)
+        return self.launch(flat, async_op=False).mean()
+
+    @torch.no_grad()
+    def launch(self, flat: torch.Tensor, async_op: bool = True) -> "Exchange":
+        """Start the sum of ``flat`` (this island's Δ_i, (numel,)) over ``group``: on the wire in the parameters'
+        dtype or in bf16, asynchronous unless ``async_op`` is False; :meth:`Exchange.mean` gives the mean (the
+        quantized forms are two blocking exchanges: :meth:`mean` only)."""
+        if self.group is None:
+            return Exchange(flat, flat, None, self.islands)
+        wire = flat.to(torch.bfloat16) if self.compression == "bf16" else flat
+        handle = comm.all_reduce(wire, op="sum", group=self.group, algorithm=self.algorithm, async_op=async_op)
+        return Exchange(flat, wire, handle, self.islands)
 
     @torch.no_grad()
     def apply(self, delta: torch.Tensor, alpha: float | None = None) -> None:

@@ -37,9 +37,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from distrain import comm
 from distrain.errors import ConfigError
-from distrain.parallel.diloco.outer import OuterStep
+from distrain.parallel.diloco.outer import Exchange, OuterStep
 
 
 def fragment_cuts(sizes: list[int], parts: int) -> list[tuple[int, int]]:
@@ -64,25 +63,6 @@ def fragment_cuts(sizes: list[int], parts: int) -> list[tuple[int, int]]:
 def offsets(parts: int, inner_steps: int) -> list[int]:
     """o_p = p·H // P: fragment p's exchange starts after global steps s with (s + 1 − o_p) mod H = 0."""
     return [p * inner_steps // parts for p in range(parts)]
-
-
-class Exchange:
-    """One fragment's outer gradient on its way: the flat Δ_i (numel,), what travels (``wire``: Δ_i itself,
-    or its bf16 copy) and the all-reduce's handle; :meth:`mean` waits and gives the islands' mean."""
-
-    def __init__(self, flat: torch.Tensor, wire: torch.Tensor, handle, islands: int):
-        self.flat, self.wire, self.handle, self.islands = flat, wire, handle, islands
-        self.done: torch.Tensor | None = None
-
-    @torch.no_grad()
-    def mean(self) -> torch.Tensor:
-        if self.done is None:
-            if self.handle is not None:
-                self.handle.wait()
-            if self.wire is not self.flat:
-                self.flat.copy_(self.wire)
-            self.done = self.flat.div_(self.islands)
-        return self.done
 
 
 class StreamingOuter:
@@ -124,16 +104,6 @@ class StreamingOuter:
         return (step + 1 - self.offsets[fragment]) % self.inner_steps == 0
 
     @torch.no_grad()
-    def launch(self, part: OuterStep) -> Exchange:
-        """Start the all-reduce of ``part``'s Δ_i (asynchronous; none with one island)."""
-        flat = part.outer_gradient()
-        if part.group is None:
-            return Exchange(flat, flat, None, part.islands)
-        wire = flat.to(torch.bfloat16) if part.compression == "bf16" else flat
-        handle = comm.all_reduce(wire, op="sum", group=part.group, algorithm=part.algorithm, async_op=True)
-        return Exchange(flat, wire, handle, part.islands)
-
-    @torch.no_grad()
     def step(self, step: int) -> None:
         """Collective over the cross group, after global step ``step``'s inner update: apply the exchanges due
         after it (sent τ steps ago), then start (τ ≥ 1) or complete (τ = 0) those of the fragments due now."""
@@ -147,7 +117,7 @@ class StreamingOuter:
                 if self.overlap_steps == 0:
                     part.sync()
                 else:
-                    self.pending[p] = (step + self.overlap_steps, self.launch(part))
+                    self.pending[p] = (step + self.overlap_steps, part.launch(part.outer_gradient()))
 
     def settle(self) -> None:
         """Wait for every exchange in flight (its mean stays pending until its step): the end of training, a

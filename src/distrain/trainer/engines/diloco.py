@@ -93,15 +93,9 @@ class DiLoCoEngine(Engine):
         self.optimizer.step()
         wait = 0.0
         if self.streaming:  # (its fragments' schedule: StreamingOuter.step)
-            t0 = time.perf_counter()
-            self.outer.step(self.step_index)
-            wait = time.perf_counter() - t0
-            self.outer_s += wait
+            _, wait = self._timed(lambda: self.outer.step(self.step_index))
         elif (self.step_index + 1) % self.cfg.inner_steps == 0:
-            t0 = time.perf_counter()
-            self.outer.sync()
-            wait = time.perf_counter() - t0
-            self.outer_s += wait
+            _, wait = self._timed(self.outer.sync)
         # the step's wait on communication: the outer all-reduce's (an island of several ranks also waits on
         # its DDP, which is not measured here: None)
         self.comm_wait_s = wait if self.groups.island_group is None else None
@@ -121,10 +115,7 @@ class DiLoCoEngine(Engine):
         if (self.step_index + 1) % self.cfg.inner_steps == 0:
             self.start = copy.deepcopy(self.state_dict())  # (the model, the inner and outer optimizers' states)
             self.optimizer.step()
-            t0 = time.perf_counter()
-            mean = self.outer.mean(self.outer.outer_gradient())
-            wait = time.perf_counter() - t0
-            self.outer_s += wait
+            mean, wait = self._timed(lambda: self.outer.mean(self.outer.outer_gradient()))
             self.update = lambda: self.outer.apply(mean)
         else:
             self.update = self.optimizer.step
@@ -132,6 +123,14 @@ class DiLoCoEngine(Engine):
         self.finish_step()
         self.comm_wait_s = wait
         return total
+
+    def _timed(self, outer_work):
+        """(``outer_work()``'s result, its seconds), the seconds added to this rank's time in outer steps."""
+        t0 = time.perf_counter()
+        result = outer_work()
+        wait = time.perf_counter() - t0
+        self.outer_s += wait
+        return result, wait
 
     def finish_step(self) -> None:
         """The update after the commit (elastic jobs): the inner step, or on an outer step the outer one."""
