@@ -48,6 +48,22 @@ def assert_params_close(got: dict, want: dict) -> None:
         torch.testing.assert_close(got[k], want[k], rtol=RTOL, atol=1e-13, msg=lambda m: f"{k}: {m}")
 
 
+def simulation_parts(cfg):
+    """What a one-process simulation of the islands starts from: (the run's seeded model, its task, its loss
+    function, its batch sampler), built as the trainer builds them."""
+    from distrain.data import DistributedBatchSampler
+    from distrain.trainer.custom import UserParts
+    from distrain.trainer.loop import new_model
+    from distrain.trainer.task import build_task, loss_function
+
+    cpu = torch.device("cpu")
+    parts = UserParts.from_config(cfg)
+    start = new_model(cfg, parts, cpu)
+    task = build_task(cfg, start.config.block_size, cpu, parts)
+    return start, task, loss_function(cfg, parts), DistributedBatchSampler(len(task.train), cfg.batch_size,
+                                                                           seed=cfg.seed)
+
+
 def simulate(cfg, K: int, fragments: int = 1, overlap: int = 0, alpha: float = 0.5):
     """DiLoCo in one process, plain torch: (the step losses, each island's final state_dict, the outer
     parameters by name, the exchanges not yet applied {fragment: mean Δ by name}). Island i reads part i of
@@ -57,18 +73,10 @@ def simulate(cfg, K: int, fragments: int = 1, overlap: int = 0, alpha: float = 0
     fragments (distrain's cut: fragment_cuts), each with its own torch.optim.SGD on its master slice;
     fragment p's mean Δ is taken after steps s with (s + 1 − p·H//P) mod H = 0 and applied then (τ = 0:
     every island takes the master) or after step s + τ (every island: α·θ_i + (1 − α)·master)."""
-    from distrain.data import DistributedBatchSampler
     from distrain.parallel.diloco import fragment_cuts
-    from distrain.trainer.custom import UserParts
-    from distrain.trainer.loop import new_model
-    from distrain.trainer.task import build_optimizer, build_task, loss_function
+    from distrain.trainer.task import build_optimizer
 
-    cpu = torch.device("cpu")
-    parts = UserParts.from_config(cfg)
-    start = new_model(cfg, parts, cpu)
-    task = build_task(cfg, start.config.block_size, cpu, parts)
-    loss_fn = loss_function(cfg, parts)
-    sampler = DistributedBatchSampler(len(task.train), cfg.batch_size, seed=cfg.seed)
+    start, task, loss_fn, sampler = simulation_parts(cfg)
     islands = [copy.deepcopy(start) for _ in range(K)]
     inner = [build_optimizer(cfg, m.parameters()) for m in islands]
     names = [n for n, _ in start.named_parameters()]

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from conftest import assert_refused, trainer_config
-from test_diloco import RTOL, close, shard
+from test_diloco import RTOL, close, shard, simulation_parts
 
 
 def simulate_elastic(cfg, ids: list[int], changes: dict[int, tuple[list[int], list[int]]]):
@@ -36,17 +36,9 @@ def simulate_elastic(cfg, ids: list[int], changes: dict[int, tuple[list[int], li
     membership from that step on (the survivors in their order, the newcomers after them: the coordinator's
     order). The island at rank r of K reads part r of K of every global batch; a lost island is dropped with
     whatever it did since the last outer step; a newcomer is a copy holding θ_prev, with a fresh optimizer."""
-    from distrain.data import DistributedBatchSampler
-    from distrain.trainer.custom import UserParts
-    from distrain.trainer.loop import new_model
-    from distrain.trainer.task import build_optimizer, build_task, loss_function
+    from distrain.trainer.task import build_optimizer
 
-    cpu = torch.device("cpu")
-    parts = UserParts.from_config(cfg)
-    start = new_model(cfg, parts, cpu)
-    task = build_task(cfg, start.config.block_size, cpu, parts)
-    loss_fn = loss_function(cfg, parts)
-    sampler = DistributedBatchSampler(len(task.train), cfg.batch_size, seed=cfg.seed)
+    start, task, loss_fn, sampler = simulation_parts(cfg)
     islands = {i: copy.deepcopy(start) for i in ids}
     inner = {i: build_optimizer(cfg, m.parameters()) for i, m in islands.items()}
     names = [n for n, _ in start.named_parameters()]
