@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from distrain import comm, lifeline, rendezvous, sealed
-from distrain.comm.core import watchdog
+from distrain.comm.core import reach, watchdog
 from distrain.errors import CommError, ConfigError
 
 REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -179,12 +179,23 @@ def init(backend: str = "auto", timeout: float | timedelta = 300.0,
     dist.init_process_group(backend, store=dist.PrefixStore(prefix + "pg", store), rank=rank,
                             world_size=world, timeout=timedelta(seconds=secs + max(30.0, secs / 5)))
     # heartbeats every BEAT_S over the watchdog's own connection: a rank that stops answering is named within 2 s
+    # and a listener on this rank's address that its kernel answers, so a peer tells a cut link from a starved rank
     watchdog.install(store, rank, world, secs, on_hang, interval=watchdog.BEAT_S, quiet_s=watchdog.QUIET_S,
-                     connect=lambda: _heartbeat_store(addr, port, secret), prefix=prefix)
+                     connect=lambda: _heartbeat_store(addr, port, secret), prefix=prefix,
+                     listen=_own_address(addr, port))
     atexit.unregister(shutdown)  # once, however often init/shutdown alternate
     atexit.register(shutdown)  # before finalization: see the module docstring
     comm.configure_from_env(secs)  # debug checks, transport, shm kernels: read here, never deep inside comm
     return info()
+
+
+def _own_address(addr: str, port: int) -> str | None:
+    """The address this rank's packets to the store leave from (its probe listener's: reach.py); None when it
+    cannot be told (then a cut-off rank is named only by the time-out or once its process is gone)."""
+    try:
+        return reach.local_address(addr, port)
+    except OSError:
+        return None
 
 
 def _heartbeat_store(addr: str, port: int, secret: bytes | None) -> dist.Store:

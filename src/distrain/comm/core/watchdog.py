@@ -21,14 +21,17 @@ Early naming (``quiet_s``, a fixed job's: runtime.init): while this rank is bloc
 thread also reads the others' heartbeats every interval (from the first interval past
 ``interval / 2`` in the call) and notes, on this rank's own clock, since when each one's beat
 counter ``n`` has not moved (no clock is compared across hosts). Once some rank's has not moved for
-``quiet_s``, this rank has been blocked that long, and that rank's process is seen stopped or gone
-(:func:`process_state`: the heartbeat carries its pid, start time, boot id and PID namespace, so a
-process of the same kernel and namespace is looked up in /proc), it reports at once, through the
-same path as the time-out, naming the call and its sequence number. A quiet rank that is alive (a
-starved CPU, a GIL held in a long C call), or on another host, is left to the time-out: a heartbeat
-that stops is not proof by itself. A rank that is busy (fresh heartbeats, not
+``quiet_s``, this rank has been blocked that long, and that rank is seen stopped, gone or cut off, it
+reports at once, through the same path as the time-out, naming the call and its sequence number.
+Seen how: the heartbeat carries the process's pid, start time, boot id and PID namespace, so a process
+of the same kernel and namespace is looked up in /proc (:func:`process_state`: stopped or gone); and it
+carries the address of a listener the rank's kernel answers (reach.py), so a rank quiet for
+``quiet_s - reach.PROBE_S`` has its host probed with a few connections at once: none completing within
+``reach.PROBE_S`` means its link or host is down, a reset means its process is gone. A quiet rank whose
+process is alive and whose host answers (a starved CPU, a GIL held in a long C call) is left to the
+time-out: a heartbeat that stops is not proof by itself. A rank that is busy (fresh heartbeats, not
 in a call) is never named early: the time-out governs it, a long step is legitimate. With
-``interval`` 0.25 s and ``quiet_s`` 1.25 s a stopped rank is named at most
+``interval`` 0.25 s and ``quiet_s`` 1.25 s a stopped or cut-off rank is named at most
 ``interval + quiet_s`` = 1.5 s (plus scheduling delay) after the first call that waits on it. In
 this mode the thread talks to the store over its own connection (``connect``): a store client
 serializes its calls, so a main thread waiting on a key would otherwise hold the heartbeats up and
@@ -57,6 +60,8 @@ import threading
 import time
 from typing import Callable, Iterator
 
+from distrain.comm.core import reach
+
 STALE = 2.5  # without early naming: heartbeats older than this many intervals: the rank is not responding
 BEAT_S = 0.25  # a fixed job's heartbeat interval (runtime.init)
 QUIET_S = 1.25  # a fixed job names a rank whose heartbeat has not moved this long while this rank waits on a call
@@ -69,12 +74,19 @@ _active: "Watchdog | None" = None
 class Watchdog:
     def __init__(self, store, rank: int, world: int, timeout: float, report: Callable[[str], None],
                  interval: float | None = None, interrupt: Callable[[float], None] | None = None,
-                 quiet_s: float | None = None, connect: Callable[[], object] | None = None, prefix: str = ""):
+                 quiet_s: float | None = None, connect: Callable[[], object] | None = None, prefix: str = "",
+                 listen: str | None = None):
         self.store, self.rank, self.world, self.timeout, self.report = store, rank, world, timeout, report
         self.interval = interval or max(0.2, min(5.0, timeout / 4))
         self.interrupt = interrupt
         self.quiet_s = quiet_s  # early naming on (a fixed job) when set
         self.identity = _identity()  # (made here, in the rank: a fork server's would name the server)
+        # early naming: a listener the kernel answers for this rank, so a waiting peer can tell a cut link from a
+        # starved process (reach.py); its address rides in every heartbeat
+        self._listener = _listener(listen) if quiet_s is not None else None
+        if self._listener is not None:
+            self.identity["probe"] = list(self._listener.address)
+        self._probes: dict[int, reach.Probe] = {}  # rank -> the probe of its host made while it is quiet
         self.stale_s = quiet_s if quiet_s is not None else STALE * self.interval  # the time-out's "not responding"
         self.connect = connect  # the thread's own store connection (None: ``store``)
         self.prefix = prefix  # the heartbeats' keys: prefix + "wd/<rank>"
@@ -123,6 +135,8 @@ class Watchdog:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
+            if self._listener is not None:
+                self._listener.drain()
             try:
                 self._beat()
             except Exception:  # noqa: BLE001 - a beat that fails
@@ -163,8 +177,9 @@ class Watchdog:
             values = [store.get(k) if store.check([k]) else None for k in keys]
         return {r: _record(v) for r, v in zip(others, values)}
 
-    def _quiet(self) -> dict[int, float]:
-        """The ranks whose heartbeat has not moved for ``quiet_s`` on this rank's clock -> for how long."""
+    def _quiet(self) -> dict[int, tuple[float, str]]:
+        """The ranks whose heartbeat has not moved for ``quiet_s`` on this rank's clock and that are seen
+        stopped, gone or cut off -> (for how long, why)."""
         try:
             beats = self._read()
         except Exception:  # noqa: BLE001 - not fatal: read again next beat (connecting again)
@@ -176,12 +191,39 @@ class Watchdog:
             seen = self._seen.get(r)
             if seen is None or seen[0] != n:
                 self._seen[r] = seen = (n, now)
-            if now - seen[1] >= self.quiet_s and process_state(hb, self.identity) in ("stopped", "gone"):
-                quiet[r] = now - seen[1]
+                self._forget(r)  # it beat: any probe of its host belongs to an earlier silence
+            why = self._why(r, hb, now - seen[1], now)
+            if now - seen[1] >= self.quiet_s and why is not None:
+                quiet[r] = (now - seen[1], why)
         self._last = beats
         return quiet
 
-    def _diagnose(self, op: str, seq: int | None, waited: float, quiet: dict[int, float] | None = None) -> str:
+    def _why(self, r: int, hb: dict | None, silent: float, now: float) -> str | None:
+        """Why quiet rank ``r`` is not coming (None: no proof yet): its process seen stopped or gone in /proc,
+        or its host refusing or not answering a connection (a probe made while it was quiet, reach.py)."""
+        if process_state(hb, self.identity) in ("stopped", "gone"):
+            return WHY
+        address = reach.address_of(hb)
+        if address is None or silent < self.quiet_s - reach.PROBE_S:
+            return None
+        probe = self._probes.get(r)
+        if probe is None or (probe.result == "reachable" and now - probe.began >= reach.PROBE_S):
+            self._forget(r)
+            probe = self._probes[r] = reach.Probe(address, now)  # (again each PROBE_S while it answers)
+        result = probe.poll(now)
+        if result == "unreachable":
+            return f"cut off: its host {address[0]} answered none of {reach.TRIES} connections in {reach.PROBE_S:g}s"
+        if result == "refused":
+            return f"gone: its host {address[0]} refuses connections to its heartbeat's port"
+        return None
+
+    def _forget(self, r: int) -> None:
+        probe = self._probes.pop(r, None)
+        if probe is not None:
+            probe.close()
+
+    def _diagnose(self, op: str, seq: int | None, waited: float,
+                  quiet: dict[int, tuple[float, str]] | None = None) -> str:
         """The one-line report: with ``quiet`` (early naming) the ranks gone quiet are the ones not
         responding and the others are classified from the heartbeats just read; without, from a fresh
         read, a heartbeat older than ``stale_s`` by the clocks' time."""
@@ -196,7 +238,7 @@ class Watchdog:
             beats = self._last
         for r, hb in sorted(beats.items()):
             if quiet is not None and r in quiet:
-                silent.append(f"rank {r} not responding (no heartbeat for {quiet[r]:.1f}s: {WHY})")
+                silent.append(f"rank {r} not responding (no heartbeat for {quiet[r][0]:.1f}s: {quiet[r][1]})")
             elif quiet is None and (hb is None or now - hb["t"] > self.stale_s):
                 age = f"{now - hb['t']:.0f}s" if hb else "ever"
                 silent.append(f"rank {r} not responding (no heartbeat for {age}: {WHY})")
@@ -242,9 +284,22 @@ class Watchdog:
         self._stop.set()
         if self._thread.ident is not None and self._thread is not threading.current_thread():
             self._thread.join(join_s)
+        for r in list(self._probes):
+            self._forget(r)
+        if self._listener is not None:
+            self._listener.close()
 
 
 WHY = "stopped, frozen, dead or cut off"  # what a rank without heartbeats may be
+
+
+def _listener(host: str | None) -> "reach.Listener | None":
+    """A probe listener on ``host``, or None (no host, or it cannot listen there: then a cut-off rank is named
+    only by the time-out or once its process is gone)."""
+    try:
+        return reach.Listener(host) if host is not None else None
+    except OSError:
+        return None
 
 
 def _identity() -> dict:
@@ -272,7 +327,7 @@ def process_state(hb: dict | None, mine: dict) -> str:
     GIL in a long C call, a live rank's heartbeat thread can miss seconds of beats, and naming it would end a
     healthy job (seen in CI at load 12 on 2 cores: 1.3-2.6 s). So a quiet rank is named early only where its
     process is seen stopped or gone; otherwise the collective time-out decides, as before."""
-    if hb is None or not mine or hb.get("boot") != mine["boot"] or hb.get("pidns") != mine["pidns"]:
+    if hb is None or "boot" not in mine or hb.get("boot") != mine["boot"] or hb.get("pidns") != mine["pidns"]:
         return "unknown"
     pid, start = hb.get("pid"), hb.get("start")
     if not isinstance(pid, int) or isinstance(pid, bool) or not isinstance(start, int) or pid <= 0:
@@ -322,17 +377,19 @@ def to_stderr(message: str) -> None:
 
 def install(store, rank: int, world: int, timeout: float, report: Callable[[str], None] | None = None,
             interval: float | None = None, interrupt: Callable[[float], None] | None = None,
-            quiet_s: float | None = None, connect: Callable[[], object] | None = None, prefix: str = "") -> Watchdog:
+            quiet_s: float | None = None, connect: Callable[[], object] | None = None, prefix: str = "",
+            listen: str | None = None) -> Watchdog:
     """Start this process's watchdog (replacing any previous one); ``report`` defaults to stderr;
     ``interval``: seconds between heartbeats (default from ``timeout``); ``interrupt``: see the
     module docstring; ``quiet_s``: name a rank whose heartbeat has not moved this long while this
     rank waits on a call (early naming, a fixed job's); ``connect``: makes the thread's own
     connection to the store (then every heartbeat goes through it; early naming wants one); ``prefix``:
-    the heartbeats' keys are ``prefix + "wd/<rank>"``."""
+    the heartbeats' keys are ``prefix + "wd/<rank>"``; ``listen``: with early naming, the address this rank's
+    kernel answers probes on (reach.py), so that a waiting peer tells a cut link from a starved rank."""
     global _active
     uninstall()
     _active = Watchdog(store, rank, world, timeout, report or to_stderr, interval, interrupt, quiet_s, connect,
-                       prefix).start()
+                       prefix, listen).start()
     return _active
 
 

@@ -1,0 +1,144 @@
+"""Is a rank's host reachable, whatever its process is doing? A listener the kernel answers for us.
+
+Why: a fixed job names a rank whose heartbeat has stopped (watchdog.py), but a heartbeat that stops is
+not proof: a starved CPU or a GIL held in a long C call quiets a live rank for seconds. On one host the
+watchdog looks the quiet process up in /proc (stopped? gone?). A process cut off from the others by its
+link is alive there, so it could only be named once its node's agent ended it (8 s on the emulated
+cluster). The kernel tells the two apart: it completes a TCP handshake for a listening socket without the
+process running at all (SYN, SYN-ACK and the final ACK are handled in softirq, and the connection waits in
+the accept queue), so a starved, GIL-bound or even SIGSTOPped rank still answers a connection, and a host
+behind a cut link does not.
+
+So each rank of a fixed job listens on its own address (the one its packets to the store leave from;
+loopback for a job on one machine), accepts nothing but closes what it finds, and publishes the address
+in its heartbeat. A rank that waits on a quiet peer opens :data:`TRIES` connections to the peer's address
+at once, without blocking (:class:`Probe`), and reads the outcome on later beats:
+
+* ``"reachable"``: one connection completed: the host and its kernel answer; the rank is slow, not cut;
+* ``"refused"``: the host answered with a reset: nobody listens there any more, the process is gone;
+* ``"unreachable"``: none completed within :data:`PROBE_S` (or every one failed): the link or the host is
+  down. With 10 % loss each way one connection fails with probability 0.19; all four, 0.0013, and only
+  while the heartbeat is quiet too.
+
+Nothing is read from a probe connection or the listener: the peer's address comes from its heartbeat (a
+value of the job's sealed store, checked by :func:`address_of` before any use) and a connection's only
+information is whether it completed.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import select
+import socket
+
+PROBE_S = 1.0  # a probe whose connections have not completed by then: unreachable (>= 2 x a 200 ms spike's RTT)
+TRIES = 4  # connections per probe, opened at once: independent SYNs, so a lossy link is not taken for a cut
+BACKLOG = 128  # the accept queue: probes wait here while this rank's watchdog thread is starved
+
+
+class Listener:
+    """A listening TCP socket on ``host`` (a free port) that nobody is served by: :meth:`drain` accepts and
+    closes whatever waits. ``address``: (host, port) to publish."""
+
+    def __init__(self, host: str):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self.sock.bind((host, 0))
+            self.sock.listen(BACKLOG)
+            self.sock.setblocking(False)
+        except OSError:
+            self.sock.close()
+            raise
+        self.address = (host, self.sock.getsockname()[1])
+
+    def drain(self) -> None:
+        """Accept and close every connection waiting (each is a probe that has already had its answer)."""
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # (closed, or a connection reset before it was accepted)
+                return
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def local_address(host: str, port: int) -> str:
+    """The address this host's packets to ``host:port`` leave from (a UDP socket's connect sends nothing)."""
+    family, kind, proto, _, where = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind, proto) as s:
+        s.connect(where)
+        return s.getsockname()[0]
+
+
+def address_of(hb: dict | None) -> tuple[str, int] | None:
+    """The probe address a heartbeat publishes (``"probe": [host, port]``), checked: a literal IP address and a
+    port in 1..65535, else None (a heartbeat is a value read from the store: data, not trusted as an address)."""
+    value = hb.get("probe") if isinstance(hb, dict) else None
+    if not isinstance(value, list) or len(value) != 2:
+        return None
+    host, port = value
+    if not isinstance(host, str) or not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        return None
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    return host, port
+
+
+class Probe:
+    """:data:`TRIES` non-blocking connections to ``address`` opened at ``now``; :meth:`poll` says how they ended."""
+
+    def __init__(self, address: tuple[str, int], now: float):
+        self.address, self.began = address, now
+        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.socks: list[socket.socket] = []
+        self.failed = 0
+        for _ in range(TRIES):
+            s = socket.socket(family, socket.SOCK_STREAM)
+            s.setblocking(False)
+            code = s.connect_ex(address)
+            if code not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK):
+                s.close()
+                if code == errno.ECONNREFUSED:
+                    self.close()
+                    self.result: str | None = "refused"
+                    return
+                self.failed += 1
+                continue
+            self.socks.append(s)
+        self.result = None if self.socks else "unreachable"
+
+    def poll(self, now: float) -> str | None:
+        """"reachable", "refused" or "unreachable" once decided (then the sockets are closed), else None."""
+        if self.result is not None:
+            return self.result
+        _, done, _ = select.select([], self.socks, [], 0)
+        for s in done:
+            code = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if code == 0:
+                return self._decide("reachable")
+            if code == errno.ECONNREFUSED:
+                return self._decide("refused")
+            self.socks.remove(s)  # (host or net unreachable, a time-out: this try failed)
+            s.close()
+            self.failed += 1
+        if not self.socks or now - self.began >= PROBE_S:
+            return self._decide("unreachable")
+        return None
+
+    def _decide(self, result: str) -> str:
+        self.result = result
+        self.close()
+        return result
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close()
+        self.socks = []
