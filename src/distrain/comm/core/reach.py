@@ -34,7 +34,11 @@ import socket
 
 PROBE_S = 1.0  # a probe whose connections have not completed by then: unreachable (>= 2 x a 200 ms spike's RTT)
 TRIES = 4  # connections per probe, opened at once: independent SYNs, so a lossy link is not taken for a cut
-BACKLOG = 128  # the accept queue: probes wait here while this rank's watchdog thread is starved
+BACKLOG = 512  # the accept queue: probes wait here while this rank's watchdog thread is starved (see REPROBE_S)
+# A peer that answered is probed again only this often while it stays quiet: each probe leaves TRIES
+# connections in the quiet rank's queue until its thread drains it, and a full queue drops SYNs as a cut does
+# (3 waiting peers for a minute of starvation: 3 x 12 x 4 = 144 < BACKLOG)
+REPROBE_S = 5.0
 
 
 class Listener:

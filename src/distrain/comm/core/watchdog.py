@@ -207,9 +207,9 @@ class Watchdog:
         if address is None or silent < self.quiet_s - reach.PROBE_S:
             return None
         probe = self._probes.get(r)
-        if probe is None or (probe.result == "reachable" and now - probe.began >= reach.PROBE_S):
+        if probe is None or (probe.result == "reachable" and now - probe.began >= reach.REPROBE_S):
             self._forget(r)
-            probe = self._probes[r] = reach.Probe(address, now)  # (again each PROBE_S while it answers)
+            probe = self._probes[r] = reach.Probe(address, now)  # (again each REPROBE_S while it answers)
         result = probe.poll(now)
         if result == "unreachable":
             return f"cut off: its host {address[0]} answered none of {reach.TRIES} connections in {reach.PROBE_S:g}s"
