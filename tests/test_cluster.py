@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from distrain.cluster import netns, runner
+from distrain.cluster import netns, runner, settings, shaping
 from distrain.cluster.fixture import emulated_cluster  # noqa: F401  (the fixture)
 from distrain.errors import ConfigError
 from distrain.trainer import TrainConfig, train
@@ -47,7 +47,7 @@ def test_spec_parses_rates_and_refuses_bad_input():
     assert netns.ClusterSpec.build("c1", 2, "200mbit").links == (2e8, 2e8)
     assert netns.ClusterSpec.build("c1", 2, "none").links == (None, None)
     assert [spec.netns(i) for i in range(3)] == ["c1-0", "c1-1", "c1-2"] and spec.switch == "c1-sw"
-    assert netns.format_rate(1e9) == "1gbit" and netns.format_rate(2e8) == "200mbit"
+    assert settings.format_rate(1e9) == "1gbit" and settings.format_rate(2e8) == "200mbit"
     with pytest.raises(ConfigError, match="exactly 3 \\(one per node\\), got 2"):
         netns.ClusterSpec.build("c1", 3, "1gbit,1gbit")
     with pytest.raises(ConfigError, match="bad rate '1gb'"):
@@ -85,7 +85,7 @@ def test_up_status_down_leaves_nothing(emulated_cluster):
     back = netns.status(spec.name)
     assert back == spec  # rates read back from tc, the MTU (9000) from the links
     # the switch port (downlink) is shaped like the node's uplink
-    assert netns._rate_of(spec.switch, "p1") == 1e8
+    assert shaping.rate_of(spec.switch, "p1") == 1e8
     # node 1 reaches node 2 over the bridge, the host's own namespace never sees the subnet
     code = ("import socket; s=socket.socket(); s.settimeout(5); s.bind(('10.251.0.3', 7001)); s.listen(1); "
             "c,_=s.accept(); print(c.recv(5).decode())")
@@ -368,11 +368,11 @@ def test_link_settings_parse_and_refuse_bad_values(capsys):
     assert spec.losses == (1.5, 1.5, 1.5) and spec.down == (False, False, False)
     plain = netns.ClusterSpec.build("c1", 2, "1gbit")
     assert (plain.delays_us, plain.jitters_us, plain.losses, plain.down) == ((0, 0), (0, 0), (0.0, 0.0), (False, False))
-    assert [netns.format_time_us(u) for u in (25000, 1500, 500, 0)] == ["25ms", "1.5ms", "500us", "0ms"]
+    assert [settings.format_time_us(u) for u in (25000, 1500, 500, 0)] == ["25ms", "1.5ms", "500us", "0ms"]
     # the loss filter's threshold reads back as the loss it was made from (status)
     for pct in (0.1, 1.5, 2.5, 10.0, 33.3333, 99.9):
-        assert netns.loss_of_threshold(netns.loss_threshold(pct)) == pct
-    assert netns.loss_threshold(100.0) == 1 << 32
+        assert shaping.loss_of_threshold(shaping.loss_threshold(pct)) == pct
+    assert shaping.loss_threshold(100.0) == 1 << 32
     for kw, msg in ((dict(delay="25xs"), r"^--delay: bad time '25xs'; use a number with a unit"),
                     (dict(delay="11s"), r"^--delay: '11s' is over 10s one way"),
                     (dict(delay="10ms", jitter="20ms"), r"^--jitter: 20ms is more than --delay 10ms \(node 0\)"),

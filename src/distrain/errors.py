@@ -70,3 +70,7 @@ class DataPlaneMismatchError(ConfigError):
     """The compiled shared-memory data plane (the C++ extension) was built from other source than the
     Python beside it: a code or layout constant it exports differs from the Python reference's (checked
     at import, distrain.comm.shm.compiled.check_extension). The message names both values; rebuild it."""
+
+
+class ClusterError(DistrainError):
+    """The emulated cluster could not be built, found or used."""

@@ -63,73 +63,16 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from distrain.errors import ConfigError, DistrainError
+from distrain.cluster.settings import (
+    format_loss, format_rate, format_time_us, parse_loss, parse_rate, parse_time_us, per_node,
+)
+from distrain.cluster.shaping import rate_of, run as _sh, shape, shape_of
+from distrain.errors import ClusterError, ConfigError
 
 SUBNET = "10.251.0"  # private /24 that exists only inside the cluster's namespaces
 _NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,11}$")
-_RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$")
-_RATE_UNIT = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-_TIME_RE = re.compile(r"^(\d+(?:\.\d+)?)(s|ms|us)$")
-_TIME_UNIT_US = {"s": 1_000_000, "ms": 1000, "us": 1}
-_LOSS_RE = re.compile(r"^(\d+(?:\.\d+)?)%?$")
-MAX_DELAY_US = 10_000_000  # 10 s one way: beyond any real link
 WIRE = str(Path(__file__).with_name("wire.py"))  # the delay line, run as a script in the switch namespace
-_RAND = 4294963256  # classic BPF: ld [SKF_AD_OFF + SKF_AD_RANDOM], a random u32 per packet
 MTU_RANGE = (576, 65535)  # IPv4's minimum datagram; veth's largest MTU
-
-
-class ClusterError(DistrainError):
-    """The emulated cluster could not be built, found or used."""
-
-
-def parse_rate(text: str) -> float:
-    """``"1gbit"`` -> 1e9 bits/s (tc's units: bit, kbit, mbit, gbit; powers of 1000)."""
-    m = _RATE_RE.match(str(text).strip().lower())
-    if not m:
-        raise ConfigError(f"--link: bad rate {text!r}; use tc units such as 100mbit, 1gbit, 10gbit")
-    bits = float(m.group(1)) * _RATE_UNIT[m.group(2)]
-    if bits < 1e5:
-        raise ConfigError(f"--link: rate {text!r} is below 100kbit; the cluster would not be usable")
-    return bits
-
-
-def parse_time_us(text: str, flag: str) -> int:
-    """``"25ms"`` -> 25000 µs (units s, ms, us; ``0`` alone is allowed), at most 10 s."""
-    t = str(text).strip().lower()
-    if t == "0":
-        return 0
-    m = _TIME_RE.match(t)
-    if not m:
-        raise ConfigError(f"{flag}: bad time {text!r}; use a number with a unit such as 25ms, 500us, 0.1s, or 0")
-    us = round(float(m.group(1)) * _TIME_UNIT_US[m.group(2)])
-    if us > MAX_DELAY_US:
-        raise ConfigError(f"{flag}: {text!r} is over 10s one way; give a smaller time such as 25ms")
-    return us
-
-
-def format_time_us(us: int) -> str:
-    if us % 1000 == 0:
-        return f"{us // 1000}ms"
-    return f"{us / 1000:g}ms" if us >= 1000 else f"{us}us"
-
-
-def parse_loss(text: str) -> float:
-    """``"1.5"`` or ``"1.5%"`` -> 1.5 (percent of packets lost, [0, 100], 4 decimals kept)."""
-    m = _LOSS_RE.match(str(text).strip())
-    if not m or float(m.group(1)) > 100:
-        raise ConfigError(f"--loss: bad loss {text!r}; give a percentage in [0, 100] such as 1 or 0.5%")
-    return round(float(m.group(1)), 4)
-
-
-def format_loss(pct: float) -> str:
-    return f"{pct:g}%"
-
-
-def format_rate(bits: float) -> str:
-    for unit in ("gbit", "mbit", "kbit"):
-        if bits >= _RATE_UNIT[unit] and (bits / _RATE_UNIT[unit]).is_integer():
-            return f"{int(bits / _RATE_UNIT[unit])}{unit}"
-    return f"{int(bits)}bit"
 
 
 @dataclass(frozen=True)
@@ -204,18 +147,6 @@ class ClusterSpec:
         return cls(name, tuple(rates), mtu)
 
 
-def per_node(text: str | None, nodes: int, flag: str, parse, zero) -> tuple:
-    """``"25ms"`` or ``"25ms,50ms,..."`` (one per node) -> a value per node (``zero`` when not given)."""
-    if text in (None, ""):
-        return (zero,) * nodes
-    values = [parse(v) for v in str(text).split(",")]
-    if len(values) == 1:
-        values *= nodes
-    if len(values) != nodes:
-        raise ConfigError(f"{flag}: give one value for all nodes or exactly {nodes} (one per node), got {len(values)}")
-    return tuple(values)
-
-
 # ---------------------------------------------------------------------------------------
 # Running ip/tc
 # ---------------------------------------------------------------------------------------
@@ -238,83 +169,6 @@ def require() -> None:
     reason = unavailable_reason()
     if reason:
         raise ClusterError(reason)
-
-
-def _sh(*argv: str, check: bool = True) -> str:
-    r = subprocess.run(list(argv), capture_output=True, text=True)
-    if check and r.returncode != 0:
-        raise ClusterError(f"`{' '.join(argv)}` failed: {r.stderr.strip() or r.stdout.strip()}")
-    return r.stdout
-
-
-def _tc(ns: str, *argv: str, check: bool = True) -> str:
-    return _sh("ip", "netns", "exec", ns, "tc", *argv, check=check)
-
-
-def _tbf_args(bits: float, mtu: int) -> list[str]:
-    """Token bucket at ``bits``/s: burst = 1/4000 s of traffic (>= 8 KiB, and >= two frames, or
-    tbf could never send a full frame) so TCP reaches the rate, queue = 50 ms of traffic (tc's
-    ``latency``)."""
-    burst = max(8192, 2 * (mtu + 14), int(bits / 8 / 4000))
-    return ["tbf", "rate", f"{int(bits)}bit", "burst", str(burst), "latency", "50ms"]
-
-
-def loss_threshold(pct: float) -> int:
-    """The random u32 below which one crossing drops a packet: q = 1 - sqrt(1 - P) per crossing (a
-    packet between two nodes crosses two halves of links), as a fraction of 2^32."""
-    q = 1.0 - (1.0 - pct / 100.0) ** 0.5
-    return min(1 << 32, round(q * (1 << 32)))
-
-
-def loss_of_threshold(t: int) -> float:
-    return round(100.0 * (1.0 - (1.0 - t / (1 << 32)) ** 2), 4)
-
-
-_DOWN_PRIO, _LOSS_PRIO = "1", "2"
-
-
-def _shape(ns: str, dev: str, bits: float | None, mtu: int, loss: float, down: bool) -> None:
-    """The egress of one half of a link: rate ``bits`` (tbf), then, with loss or down, a drop class."""
-    if not loss and not down:  # the plain link: tbf alone (replaced in place), or the device's default
-        if bits is not None:
-            _tc(ns, "qdisc", "replace", "dev", dev, "root", *_tbf_args(bits, mtu))
-        else:
-            _tc(ns, "qdisc", "del", "dev", dev, "root", check=False)
-        return
-    _tc(ns, "qdisc", "del", "dev", dev, "root", check=False)
-    # the classes only sort (the rate is tbf's, under 1:10); quantum set: htb's own default warns at this rate
-    _tc(ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10")
-    for cls in ("1:10", "1:20"):
-        _tc(ns, "class", "add", "dev", dev, "parent", "1:", "classid", cls, "htb", "rate", "100gbit", "quantum", "200000")
-    _tc(ns, "qdisc", "add", "dev", dev, "parent", "1:10", "handle", "10:",
-        *(_tbf_args(bits, mtu) if bits is not None else ["pfifo", "limit", "1000"]))
-    _tc(ns, "qdisc", "add", "dev", dev, "parent", "1:20", "handle", "20:", "pfifo", "limit", "0")  # drops all
-    if down:  # every packet: return -1 (the filter's flowid)
-        _tc(ns, "filter", "add", "dev", dev, "parent", "1:", "prio", _DOWN_PRIO, "bpf", "bytecode",
-            "1,6 0 0 4294967295", "flowid", "1:20")
-    if loss:
-        t = loss_threshold(loss)
-        # A = random; if A >= t: return 0 (no match: default 1:10) else return -1 (1:20)
-        prog = f"4,32 0 0 {_RAND},53 0 1 {t},6 0 0 0,6 0 0 4294967295" if t < (1 << 32) else "1,6 0 0 4294967295"
-        _tc(ns, "filter", "add", "dev", dev, "parent", "1:", "prio", _LOSS_PRIO, "bpf", "bytecode", prog,
-            "flowid", "1:20")
-
-
-def _shape_of(ns: str, dev: str) -> tuple[float | None, float, bool]:
-    """(rate, loss %, down) of one half of a link, read back from tc."""
-    out = _tc(ns, "qdisc", "show", "dev", dev, check=False)
-    m = re.search(r"tbf .*?rate (\d+(?:\.\d+)?)([KMG]?)bit", out)
-    rate = float(m.group(1)) * {"": 1, "K": 1e3, "M": 1e6, "G": 1e9}[m.group(2)] if m else None
-    loss, down = 0.0, False
-    if "htb" in out:
-        filters = _tc(ns, "filter", "show", "dev", dev, check=False)
-        for pref, code in re.findall(r"pref (\d+) bpf .*?bytecode '([^']*)'", filters):
-            if pref == _DOWN_PRIO:
-                down = True
-            elif pref == _LOSS_PRIO:
-                m = re.match(r"4,32 0 0 \d+,53 0 1 (\d+),", code)
-                loss = loss_of_threshold(int(m.group(1))) if m else 100.0
-    return rate, loss, down
 
 
 def _wire_pids(spec_name: str, i: int) -> list[int]:
@@ -393,8 +247,8 @@ def _apply(spec: ClusterSpec, i: int, fresh: bool = False) -> None:
     ``fresh``: node i was just built (p{i} a bridge port, no qdisc), so an undelayed node needs no more."""
     bits, loss, down = spec.links[i], spec.losses[i], spec.down[i]
     if not (fresh and bits is None and not loss and not down):
-        _shape(spec.netns(i), "eth0", bits, spec.mtu, loss, down)  # uplink: node -> switch
-        _shape(spec.switch, f"p{i}", bits, spec.mtu, loss, down)  # downlink: switch -> node
+        shape(spec.netns(i), "eth0", bits, spec.mtu, loss, down)  # uplink: node -> switch
+        shape(spec.switch, f"p{i}", bits, spec.mtu, loss, down)  # downlink: switch -> node
     if not (fresh and not spec.delays_us[i] and not spec.jitters_us[i]):
         _set_wire(spec.name, i, spec.mtu, spec.delays_us[i], spec.jitters_us[i])
 
@@ -487,10 +341,6 @@ def up(spec: ClusterSpec) -> ClusterSpec:
     return spec
 
 
-def _rate_of(ns: str, dev: str) -> float | None:
-    return _shape_of(ns, dev)[0]
-
-
 def status(name: str) -> ClusterSpec | None:
     """Read the cluster back from the kernel (None when it does not exist)."""
     require()
@@ -501,7 +351,7 @@ def status(name: str) -> ClusterSpec | None:
     if nodes != list(range(len(nodes))) or f"{name}-sw" not in found:
         raise ClusterError(f"cluster {name!r} is incomplete ({sorted(found)}); run `distrain cluster down --name {name}`")
     mtu = re.search(r" mtu (\d+)", _sh("ip", "-n", f"{name}-0", "link", "show", "eth0", check=False))
-    shapes = [_shape_of(f"{name}-{i}", "eth0") for i in nodes]
+    shapes = [shape_of(f"{name}-{i}", "eth0") for i in nodes]
     wires = [_wire_of(name, i) for i in nodes]
     return ClusterSpec(name, tuple(r for r, _, _ in shapes), int(mtu.group(1)) if mtu else 1500,
                        delays_us=tuple(d for d, _ in wires), jitters_us=tuple(j for _, j in wires),
