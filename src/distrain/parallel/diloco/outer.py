@@ -61,21 +61,21 @@ class OuterStep:
     nothing to average); ``islands``: K; ``optimizer``: nesterov or sgd, with ``lr`` and ``momentum``
     (nesterov needs momentum > 0, as torch's SGD); ``algorithm``: the all-reduce's (distrain.comm);
     ``place``: this rank's index in ``group`` (its island), which owns a chunk of the quantized mean;
-    ``exact`` (--layout-invariant): the mean is a fixed-point int64 sum at one exponent per parameter shared
+    ``fixed_point`` (--layout-invariant): the mean is an int64 sum at one exponent per parameter shared
     by the islands (distrain.parallel.diloco.exact), whose bits depend on the K outer gradients alone (not
     with ``compression``)."""
 
     def __init__(self, params, *, group, islands: int, optimizer: str = "nesterov", lr: float = 0.7,
                  momentum: float = 0.9, algorithm: str = "ring", compression: str | None = None, place: int = 0,
-                 exact: bool = False):
+                 fixed_point: bool = False):
         if optimizer not in OUTER_OPTIMIZERS:
             raise ConfigError(f"--outer-optimizer {optimizer!r} is unknown; use {' or '.join(OUTER_OPTIMIZERS)}")
         if compression not in (None,) + OUTER_COMPRESSIONS:
             raise ConfigError(f"--outer-compression {compression!r} is unknown; use {' or '.join(OUTER_COMPRESSIONS)}")
-        if exact and compression is not None:
+        if fixed_point and compression is not None:
             raise ConfigError(f"--layout-invariant sums the outer gradients as integers; drop --outer-compression "
                               f"{compression}")
-        self.exact = exact
+        self.fixed_point = fixed_point
         self.params: list[nn.Parameter] = list(params)
         self.group, self.islands, self.algorithm, self.compression = group, islands, algorithm, compression
         self.place = place
@@ -106,10 +106,10 @@ class OuterStep:
     @torch.no_grad()
     def launch(self, flat: torch.Tensor, async_op: bool = True) -> "Exchange":
         """Start the sum of ``flat`` (this island's Δ_i, (numel,)) over ``group``: on the wire in the parameters'
-        dtype or in bf16, or (``exact``) as int64 at exponents from one blocking all-reduce (max) first;
+        dtype or in bf16, or (``fixed_point``) as int64 at exponents from one blocking all-reduce (max) first;
         asynchronous unless ``async_op`` is False; :meth:`Exchange.mean` gives the mean (the quantized forms
         are two blocking exchanges: :meth:`mean` only)."""
-        if self.exact:  # (one island too: its mean is its Δ through the same integers, as any K's)
+        if self.fixed_point:  # (one island too: its mean is its Δ through the same integers, as any K's)
             sizes = [m.numel() for m in self.master]
             exponents, finite = exact.exponents_of(flat, sizes, self.islands, self.group)
             wire = exact.to_integers(flat, sizes, exponents)

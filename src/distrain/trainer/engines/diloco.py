@@ -24,7 +24,7 @@ step (with τ > 0 an exchange's bytes count in the step during which the comm th
 U units are K islands' U / K each; island i's M ranks run its units one at a time as InvariantTraining's
 replicas over the island group (int64 gradient sums, the exact-norm clip) instead of our DDP, so the island's
 gradient is the island-on-one-rank's; the outer mean of Δ is an int64 sum at per-tensor exponents shared by
-the islands (OuterStep's ``exact``: distrain.parallel.diloco.exact), a function of the K deltas alone, in
+the islands (OuterStep's ``fixed_point``: distrain.parallel.diloco.exact), a function of the K deltas alone, in
 plain and in Streaming DiLoCo. The logged loss: fsum of the islands' losses / K, on rank 0.
 
 Checkpoints: one shard per island, ``island{i}``, written by the island's first rank: its replica
@@ -64,7 +64,7 @@ class DiLoCoEngine(Engine):
         self.optimizer = optimizer_factory(self.model.parameters())  # the inner optimizer: this island's own
         outer = dict(group=g.cross_group, islands=g.islands, optimizer=cfg.outer_optimizer, lr=cfg.outer_lr,
                      momentum=cfg.outer_momentum, algorithm=cfg.algorithm, compression=cfg.outer_compression,
-                     place=g.island, exact=cfg.layout_invariant)
+                     place=g.island, fixed_point=cfg.layout_invariant)
         self.streaming = cfg.fragments > 1 or cfg.overlap_steps > 0
         # one fragment without overlap: DiLoCo's OuterStep itself (its checkpoint format and bits unchanged)
         self.outer = StreamingOuter(self.model.parameters(), fragments=cfg.fragments, inner_steps=cfg.inner_steps,
