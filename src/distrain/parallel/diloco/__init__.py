@@ -11,10 +11,12 @@ result. Each island's inner optimizer state stays its own.
     outer.py     OuterStep: the outer parameters θ_prev, the outer optimizer, the averaged outer gradient
                  (one all-reduce across the islands, counted by distrain.comm's ledger)
     quantized.py the outer gradient in 8 or 4 bits (block-wise absmax), averaged in two exchanges
+    exact.py     the mean as an int64 sum at per-tensor exponents shared by the islands (--layout-invariant:
+                 its bits depend on the K outer gradients alone)
     streaming.py Streaming DiLoCo: the parameters in P fragments synchronised at staggered offsets, each
                  exchange optionally overlapped with τ inner steps (StreamingOuter: an OuterStep per fragment)
 
-Imports distrain.comm only.
+Imports distrain.comm, and distrain.parallel.invariant's fixed-point primitives (exact.py).
 """
 
 from distrain.parallel.diloco.islands import IslandGroups, island_ranks

@@ -24,19 +24,20 @@ import torch.nn as nn
 
 from distrain import comm
 from distrain.errors import ConfigError
-from distrain.parallel.diloco import quantized
+from distrain.parallel.diloco import exact, quantized
 
 OUTER_OPTIMIZERS = ("nesterov", "sgd")
 OUTER_COMPRESSIONS = ("bf16", "int8", "int4")
 
 
 class Exchange:
-    """One outer gradient on its way: the flat Δ_i (numel,), what travels (``wire``: Δ_i itself, or its bf16
-    copy) and the all-reduce's handle (None: done, or nothing to wait for); :meth:`mean` waits and gives the
-    islands' mean, in Δ_i's storage."""
+    """One outer gradient on its way: the flat Δ_i (numel,), what travels (``wire``: Δ_i itself, its bf16
+    copy, or with ``fixed`` its int64 integers) and the all-reduce's handle (None: done, or nothing to wait
+    for); :meth:`mean` waits and gives the islands' mean, in Δ_i's storage. ``fixed``: (the pieces' sizes,
+    their exponents, whether each is finite) of a fixed-point sum (distrain.parallel.diloco.exact)."""
 
-    def __init__(self, flat: torch.Tensor, wire: torch.Tensor | None, handle, islands: int):
-        self.flat, self.wire, self.handle, self.islands = flat, wire, handle, islands
+    def __init__(self, flat: torch.Tensor, wire: torch.Tensor | None, handle, islands: int, fixed=None):
+        self.flat, self.wire, self.handle, self.islands, self.fixed = flat, wire, handle, islands, fixed
         self.done: torch.Tensor | None = None
 
     @torch.no_grad()
@@ -44,6 +45,9 @@ class Exchange:
         if self.done is None:
             if self.handle is not None:
                 self.handle.wait()
+            if self.fixed is not None:
+                self.done = exact.from_integers(self.wire, *self.fixed, self.islands, self.flat)
+                return self.done
             if self.wire is not self.flat:
                 self.flat.copy_(self.wire)
             self.done = self.flat.div_(self.islands)
@@ -56,14 +60,22 @@ class OuterStep:
     ``group``: the ranks of this rank's place in every island (IslandGroups.cross_group; None: one island,
     nothing to average); ``islands``: K; ``optimizer``: nesterov or sgd, with ``lr`` and ``momentum``
     (nesterov needs momentum > 0, as torch's SGD); ``algorithm``: the all-reduce's (distrain.comm);
-    ``place``: this rank's index in ``group`` (its island), which owns a chunk of the quantized mean."""
+    ``place``: this rank's index in ``group`` (its island), which owns a chunk of the quantized mean;
+    ``fixed_point`` (--layout-invariant): the mean is an int64 sum at one exponent per parameter shared
+    by the islands (distrain.parallel.diloco.exact), whose bits depend on the K outer gradients alone (not
+    with ``compression``)."""
 
     def __init__(self, params, *, group, islands: int, optimizer: str = "nesterov", lr: float = 0.7,
-                 momentum: float = 0.9, algorithm: str = "ring", compression: str | None = None, place: int = 0):
+                 momentum: float = 0.9, algorithm: str = "ring", compression: str | None = None, place: int = 0,
+                 fixed_point: bool = False):
         if optimizer not in OUTER_OPTIMIZERS:
             raise ConfigError(f"--outer-optimizer {optimizer!r} is unknown; use {' or '.join(OUTER_OPTIMIZERS)}")
         if compression not in (None,) + OUTER_COMPRESSIONS:
             raise ConfigError(f"--outer-compression {compression!r} is unknown; use {' or '.join(OUTER_COMPRESSIONS)}")
+        if fixed_point and compression is not None:
+            raise ConfigError(f"--layout-invariant sums the outer gradients as integers; drop --outer-compression "
+                              f"{compression}")
+        self.fixed_point = fixed_point
         self.params: list[nn.Parameter] = list(params)
         self.group, self.islands, self.algorithm, self.compression = group, islands, algorithm, compression
         self.place = place
@@ -94,8 +106,16 @@ class OuterStep:
     @torch.no_grad()
     def launch(self, flat: torch.Tensor, async_op: bool = True) -> "Exchange":
         """Start the sum of ``flat`` (this island's Δ_i, (numel,)) over ``group``: on the wire in the parameters'
-        dtype or in bf16, asynchronous unless ``async_op`` is False; :meth:`Exchange.mean` gives the mean (the
-        quantized forms are two blocking exchanges: :meth:`mean` only)."""
+        dtype or in bf16, or (``fixed_point``) as int64 at exponents from one blocking all-reduce (max) first;
+        asynchronous unless ``async_op`` is False; :meth:`Exchange.mean` gives the mean (the quantized forms
+        are two blocking exchanges: :meth:`mean` only)."""
+        if self.fixed_point:  # (one island too: its mean is its Δ through the same integers, as any K's)
+            sizes = [m.numel() for m in self.master]
+            exponents, finite = exact.exponents_of(flat, sizes, self.islands, self.group)
+            wire = exact.to_integers(flat, sizes, exponents)
+            handle = None if self.group is None else comm.all_reduce(wire, op="sum", group=self.group,
+                                                                     algorithm=self.algorithm, async_op=async_op)
+            return Exchange(flat, wire, handle, self.islands, fixed=(sizes, exponents, finite))
         if self.group is None:
             return Exchange(flat, flat, None, self.islands)
         wire = flat.to(torch.bfloat16) if self.compression == "bf16" else flat

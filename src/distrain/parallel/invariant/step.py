@@ -4,6 +4,9 @@
     loss = step(x, y, step_index)      # x: this replica's units, (4 * B/8, ...)
     # now every parameter's .grad (or ZeRO's shard grads) holds the global mean gradient
 
+``units`` are the step's units over ``grads``' group (a DiLoCo island's: its part of the global batch, whose
+unit 0 is global unit ``first``: a unit's random numbers follow its global index).
+
 Each unit runs alone (``units.py``); its gradient goes into int64 accumulators (``gradients.py``); the
 step's loss is the float64 mean of the units' losses, summed exactly (``math.fsum``) in unit order after
 one all-reduce in which every unit's loss has exactly one contributor. The caller then reduces the
@@ -29,9 +32,10 @@ from distrain.parallel.invariant.units import unit_seed
 class InvariantStep:
     def __init__(self, module: Callable, loss_fn: Callable, grads: FixedPointGradients, *, units: int,
                  replica_units: range, seed: int, forward_context=contextlib.nullcontext,
-                 quiet=contextlib.nullcontext):
+                 quiet=contextlib.nullcontext, first: int = 0):
         self.module, self.loss_fn, self.grads = module, loss_fn, grads
         self.units, self.mine, self.seed = units, replica_units, seed
+        self.first = first  # the global index of unit 0 here (a DiLoCo island's units: the island's first)
         self.forward_context, self.quiet = forward_context, quiet
         self.redone = 0  # steps redone (a gradient past the headroom: measured, then run again)
 
@@ -56,7 +60,7 @@ class InvariantStep:
         self.grads.begin(exponents, measure=measure)
         with self.quiet():
             for j, k in enumerate(self.mine):
-                torch.manual_seed(unit_seed(self.seed, step, k))
+                torch.manual_seed(unit_seed(self.seed, step, self.first + k))
                 with self.forward_context():
                     loss = self.loss_fn(self.module(xs[j]), ys[j])
                 loss.backward()

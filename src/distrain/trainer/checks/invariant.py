@@ -8,7 +8,7 @@ from distrain.trainer.checks.need import need
 
 # the strategies whose every reduction distrain orders (torch's DDP reducer, an asynchronous server and a
 # run without gradient exchange cannot give one process's bits)
-INVARIANT_STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "ps-sync")
+INVARIANT_STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "ps-sync", "diloco")
 # the tp sizes --layout-invariant covers: those dividing the canonical chunks
 # (distrain.parallel.tensor_parallel.invariant.INVARIANT_CHUNKS = 4)
 INVARIANT_TP = (1, 2, 4)
@@ -54,6 +54,8 @@ def check_invariant(cfg) -> None:
     need(cfg.device != "cuda", "--layout-invariant is checked on CPU only (GPU kernels' batch invariance is not "
                                "verified here); use --device cpu")
     replicas = cfg.workers
+    if cfg.strategy == "diloco":
+        check_diloco(cfg, u)
     if cfg.pp > 1:
         check_pipeline(cfg, u, replicas)
     most = replicas
@@ -82,3 +84,23 @@ def check_pipeline(cfg, u: int, replicas: int) -> None:
     need(cfg.microbatches == m,
          f"--layout-invariant with --pp {cfg.pp}: each replica's micro-batches are its units of work, so "
          f"--microbatches must be --units {u} / dp {replicas} = {m}; use --microbatches {m}")
+
+
+def check_diloco(cfg, u: int) -> None:
+    """--strategy diloco with --layout-invariant: each island trains U / K units (its ranks share them, as
+    replicas share a step's units: at least one each, the check below), and the outer mean is an integer sum
+    (parallel/diloco/exact.py), which neither a compressed wire nor an elastic job's changing islands keep."""
+    k = cfg.islands or cfg.nproc
+    # the --units that fit: multiples of K dividing the batch, at least one unit per rank
+    fits = [d for d in range(max(k, cfg.nproc), cfg.batch_size + 1) if d % k == 0 and cfg.batch_size % d == 0]
+    use = f"use --units {min(fits, key=lambda d: (abs(d - u), d))}" if fits else \
+        f"use a --batch-size that a multiple of {max(k, cfg.nproc)} divides"
+    need(u % k == 0,
+         f"--layout-invariant with --strategy diloco: each of the {k} islands trains --units {u} / {k} of every "
+         f"batch, so --islands {k} must divide --units; {use} or another --islands")
+    need(cfg.outer_compression is None,
+         f"--layout-invariant sums the islands' outer gradients as integers at shared exponents; drop "
+         f"--outer-compression {cfg.outer_compression}")
+    need(not cfg.elastic,
+         f"--layout-invariant with --strategy diloco is not elastic (a lost island would move the units between "
+         f"islands); drop --elastic {cfg.elastic}")

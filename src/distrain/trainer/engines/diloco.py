@@ -20,6 +20,13 @@ fragment without overlap is DiLoCo's OuterStep itself (the same bits, the same c
 inside its own traffic ledger: the summary's ``peak_step_bytes_rank0`` is the most this rank sent in one
 step (with τ > 0 an exchange's bytes count in the step during which the comm thread sent them).
 
+--layout-invariant (docs/determinism.md): the same bits whatever ranks each island has. The global batch's
+U units are K islands' U / K each; island i's M ranks run its units one at a time as InvariantTraining's
+replicas over the island group (int64 gradient sums, the exact-norm clip) instead of our DDP, so the island's
+gradient is the island-on-one-rank's; the outer mean of Δ is an int64 sum at per-tensor exponents shared by
+the islands (OuterStep's ``fixed_point``: distrain.parallel.diloco.exact), a function of the K deltas alone, in
+plain and in Streaming DiLoCo. The logged loss: fsum of the islands' losses / K, on rank 0.
+
 Checkpoints: one shard per island, ``island{i}``, written by the island's first rank: its replica
 (parameters, buffers), its inner optimizer's state and the outer state (θ_prev, the outer optimizer's
 momentum, the sync count; Streaming DiLoCo's per fragment, with the averaged Δ of every exchange still to
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import time
 
 import torch
@@ -51,12 +59,12 @@ class DiLoCoEngine(Engine):
         super().__init__(cfg, model, loss_fn, optimizer_factory)
         self.model = model
         self.groups = g = IslandGroups.build(self.rank, self.world, islands_of(cfg))
-        self.net = model if g.island_group is None else DistributedDataParallel(
+        self.net = model if (g.island_group is None or cfg.layout_invariant) else DistributedDataParallel(
             model, group=g.island_group, algorithm=cfg.algorithm, bucket_cap_mb=cfg.bucket_cap_mb)
         self.optimizer = optimizer_factory(self.model.parameters())  # the inner optimizer: this island's own
         outer = dict(group=g.cross_group, islands=g.islands, optimizer=cfg.outer_optimizer, lr=cfg.outer_lr,
                      momentum=cfg.outer_momentum, algorithm=cfg.algorithm, compression=cfg.outer_compression,
-                     place=g.island)
+                     place=g.island, fixed_point=cfg.layout_invariant)
         self.streaming = cfg.fragments > 1 or cfg.overlap_steps > 0
         # one fragment without overlap: DiLoCo's OuterStep itself (its checkpoint format and bits unchanged)
         self.outer = StreamingOuter(self.model.parameters(), fragments=cfg.fragments, inner_steps=cfg.inner_steps,
@@ -65,6 +73,9 @@ class DiLoCoEngine(Engine):
         self.dp_rank, self.dp_size = self.rank, self.world
         self.loss_fn = part_loss(loss_fn, cfg.batch_size, self.dp_size, self.dp_rank)
         self.loss_weight = 1.0 / self.world
+        self.invariant = None
+        if cfg.layout_invariant:  # (validated: K divides the units, M ranks share an island's U / K)
+            self._invariant_islands(cfg)
         stream = f", P={cfg.fragments}, τ={cfg.overlap_steps}" if self.streaming else ""
         self.label = f"diloco (K={g.islands}×{g.per_island}, H={cfg.inner_steps}{stream})"
         self.outer_s = 0.0  # seconds this rank spent in outer steps
@@ -83,11 +94,45 @@ class DiLoCoEngine(Engine):
         self.peak_step_bytes = max(self.peak_step_bytes, led.bytes_sent())
         return total
 
+    def _invariant_islands(self, cfg) -> None:
+        """--layout-invariant: island i's part of the global batch is its U / K units (global units
+        i·U/K ..), read whole by each of its ranks (dp part i of K, in units); its M ranks run them as
+        InvariantTraining's replicas over the island group (place j: units part_bounds(U/K, M, j)), so the
+        island's gradient is the same bits on 1, 2 or 3 ranks. The logged loss: the islands' losses summed
+        exactly (math.fsum) over the cross group, on rank 0 (weight 1, 0 elsewhere: x + 0 is x)."""
+        from distrain.trainer.checks.invariant import units_of
+        from distrain.trainer.engines.invariant import InvariantTraining
+
+        g = self.groups
+        per = units_of(cfg) // g.islands
+        self.invariant = InvariantTraining(cfg, self.model, self.eval_loss_fn, replicas=g.per_island,
+                                           replica=g.place, group=g.island_group, units=per,
+                                           first_unit=g.island * per, forward_context=self.autocast)
+        self.dp_rank, self.dp_size = g.island, g.islands
+        self.part_unit = self.invariant.samples_per_unit
+        mine = self.invariant.run.mine
+        self.mine = slice(mine.start * self.part_unit, mine.stop * self.part_unit)  # this place's samples
+        self.loss_weight = 1.0 if self.rank == 0 else 0.0
+
+    def _invariant_loss(self, x, y) -> torch.Tensor:
+        """This place's units of its island's part (x, y), the island's gradient in ``.grad`` (exact-norm
+        clipped); the global batch's mean loss: fsum over the islands' losses / K (the same bits anywhere)."""
+        island = float(self.invariant.step(x[self.mine], y[self.mine], self.step_index))
+        g = self.groups
+        losses = torch.zeros(g.islands, dtype=torch.float64)
+        losses[g.island] = island  # (one contributor per slot: the sum is exact in any order)
+        if g.cross_group is not None:
+            comm.all_reduce(losses, op="sum", group=g.cross_group, algorithm="native")
+        return torch.tensor(math.fsum(losses.tolist()) / g.islands, dtype=torch.float64)
+
     def _step(self, x, y, commit):
         self.optimizer.zero_grad(set_to_none=True)
-        total = accumulate_gradients(self.net, self.loss_fn, x, y, 1, forward_context=self.autocast)
-        if self.cfg.grad_clip:  # the island's ranks hold the same (averaged) gradients: no sum over ranks
-            clip_grad_norm([(p.grad, 1) for p in self.model.parameters()], self.cfg.grad_clip)
+        if self.invariant is not None:
+            total = self._invariant_loss(x, y)
+        else:
+            total = accumulate_gradients(self.net, self.loss_fn, x, y, 1, forward_context=self.autocast)
+            if self.cfg.grad_clip:  # the island's ranks hold the same (averaged) gradients: no sum over ranks
+                clip_grad_norm([(p.grad, 1) for p in self.model.parameters()], self.cfg.grad_clip)
         if commit is not None:
             return self._elastic_step(total, commit)
         self.optimizer.step()

@@ -71,13 +71,16 @@ class InvariantTraining:
     Tensor parallelism (``tp_group`` of more than one rank, ``tp_info``: the module's ShardInfo per
     parameter): each rank sums its shards' gradients over its replicas; exponents come from whole
     parameters, and the clip's norm counts a sharded parameter's shards once each and a replicated one
-    on tp rank 0 only (its gradient is the same on every tp rank: the canonical sums make it so)."""
+    on tp rank 0 only (its gradient is the same on every tp rank: the canonical sums make it so).
+    ``units``/``first_unit`` (a DiLoCo island: its part of the global batch): the units ``group`` shares and
+    the global index of the first (None: every unit of the batch, from 0)."""
 
     def __init__(self, cfg, module, loss_fn, *, replicas: int, replica: int, group=None, zero=None, ddp=None,
-                 forward_context=contextlib.nullcontext, stage=None, pp_group=None, tp_group=None, tp_info=None):
+                 forward_context=contextlib.nullcontext, stage=None, pp_group=None, tp_group=None, tp_info=None,
+                 units: int | None = None, first_unit: int = 0):
         torch.set_num_threads(1)  # a kernel's reduction order may depend on its thread count
         self.cfg, self.zero = cfg, zero
-        self.units = units_of(cfg)
+        self.units = units_of(cfg) if units is None else units
         self.group = group if (group is not None and dist.get_world_size(group) > 1) else None
         src = dist.get_process_group_ranks(group)[0] if self.group is not None else 0
         quiet = contextlib.nullcontext
@@ -108,7 +111,7 @@ class InvariantTraining:
             if zero is not None and zero.stage == 3:
                 zero.impl.grad_sink = self.grads.take_flat
             self.run = InvariantStep(module, loss_fn, self.grads, units=self.units, replica_units=mine,
-                                     seed=cfg.seed, forward_context=forward_context, quiet=quiet)
+                                     seed=cfg.seed, forward_context=forward_context, quiet=quiet, first=first_unit)
         self.params = params
         self.tp_group = self.grads.tp_group
         self.counted = None  # tp: the gradients this rank adds to the norm (its shards; replicated: tp rank 0)
@@ -120,7 +123,7 @@ class InvariantTraining:
 
     @property
     def samples_per_unit(self) -> int:
-        return self.cfg.batch_size // self.units
+        return self.cfg.batch_size // units_of(self.cfg)
 
     def _all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
         comm.all_reduce(t, op=op, group=self.group, algorithm="native")
