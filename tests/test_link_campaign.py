@@ -171,9 +171,12 @@ def _fault(t: dict, spec: netns.ClusterSpec, metrics: Path, done: threading.Even
 def run_trial(k: int, out: Path, make) -> dict:
     """Run trial ``k`` into ``out`` on a cluster made by ``make(nodes=, link=, loss=)`` (the fixture
     ``emulated_cluster``, or netns.up); the cluster is torn down before this returns. Returns the draw,
-    the run's result, what was left behind and the job's step lines and membership events."""
+    the run's result, what was left behind and the job's step lines and membership events. ``out`` must
+    not exist yet: a job's --out holds one run (a second refuses it, and its metrics would be the first's)."""
     from distrain.trainer.metrics import read_events, read_metrics
 
+    if out.exists():
+        raise FileExistsError(f"trial {k}: {out} exists; give each trial run a new --out folder")
     t = draw(k)
     loss = ",".join(str(t["value"]) if i == t["node"] and t["kind"] == "loss" else "0" for i in range(NODES))
     spec = make(nodes=NODES, link="1gbit", loss=loss)
@@ -296,6 +299,17 @@ def test_link_fault(tmp_path, tmp_path_factory, emulated_cluster, k):
                      + "\n".join(r["res"].output[-40:]))
 
 
+def test_a_trial_refuses_a_used_out_folder(tmp_path):
+    """A repeated trial (``python tests/test_link_campaign.py 9,9,9``) once reused the first run's --out:
+    node 0 refused it ("--out ... is not empty", exit 2) and the check read the first run's metrics, an
+    "undocumented stop" that was the table's own. A used folder is refused before any cluster is built."""
+    (tmp_path / "metrics.jsonl").write_text("")
+    built = []
+    with pytest.raises(FileExistsError, match="give each trial run a new --out folder"):
+        run_trial(9, tmp_path, lambda **kw: built.append(kw))
+    assert built == []
+
+
 def _table(trials: list[int]) -> int:  # python tests/test_link_campaign.py [N | K,K,...]: the campaign's table
     import collections
     import tempfile
@@ -310,13 +324,13 @@ def _table(trials: list[int]) -> int:  # python tests/test_link_campaign.py [N |
     with tempfile.TemporaryDirectory() as d:
         want = train_losses(trainer_config(Path(d) / "ref", steps=STEPS, batch_size=BATCH, log_every=1,
                                            strategy="single", nproc=1))
-        for k in trials:
+        for i, k in enumerate(trials):
             made = netns.ClusterSpec.build
 
             def make(**kw):
                 return netns.up(made(f"dtt{os.getpid()}k0", kw.pop("nodes"), kw.pop("link"), **kw))
 
-            r = run_trial(k, Path(d) / f"t{k}", make)
+            r = run_trial(k, Path(d) / f"run{i}-t{k}", make)  # (a trial may repeat: 9,9,9)
             bad = check(r, want)
             rows.append((r, bad))
             worlds = [f"{e['old_world']}->{e['new_world']} left {e['left']}" for e in r["events"]]
