@@ -139,6 +139,63 @@ def test_broken_group_ends_a_wait_cut_off_mid_message(how, op):
     assert waited < BOUND_S, f"the wait ended {waited:.1f}s after the break (the group's time-out is {TIMEOUT_S}s)"
 
 
+class _Work:
+    """A stand-in for a torch point-to-point Work: wait() blocks until ``end`` is set, then raises ``error``."""
+
+    def __init__(self, error: BaseException | None = None, ended: bool = False):
+        self.end, self.error, self.threads = threading.Event(), error, []
+        if ended:
+            self.end.set()
+
+    def wait(self) -> bool:
+        self.threads.append(threading.current_thread())
+        self.end.wait(30)
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+def _state():
+    from distrain.comm.core.group import GroupState
+
+    st = GroupState.__new__(GroupState)  # (no process group: GroupState.wait needs none)
+    st.broken, st.waits = False, set()
+    return st
+
+
+@pytest.mark.timeout(30)
+def test_a_breakable_wait_hands_its_works_to_one_reused_thread_and_passes_their_error_on():
+    st, err = _state(), RuntimeError("Connection closed by peer")
+    a, b, c = _Work(ended=True), _Work(ended=True), _Work(err, ended=True)
+    st.wait([a, b], "all_reduce")
+    with pytest.raises(RuntimeError) as got:
+        st.wait([c], "all_reduce")
+    assert got.value is err
+    assert a.threads[0] is b.threads[0] is c.threads[0] is not threading.current_thread()
+    assert a.threads[0].name == "distrain-wait" and st.waits == set()
+
+
+@pytest.mark.timeout(30)
+def test_the_break_ends_a_wait_under_way_with_peer_lost_and_leaves_its_thread_to_finish():
+    from distrain.errors import PeerLostError
+
+    st, stuck = _state(), _Work()
+    threading.Timer(0.2, st.break_waits).start()
+    t0 = time.monotonic()
+    with pytest.raises(PeerLostError, match=r"^recv from 1: the group was broken while this call waited"):
+        st.wait([stuck], "recv from 1")
+    assert 0.2 <= time.monotonic() - t0 < 2.0
+    waiter = stuck.threads[0]
+    assert waiter.is_alive()  # still in the stuck work's wait (Gloo's, until the group's time-out)
+    fresh = _Work(ended=True)
+    with pytest.raises(PeerLostError, match=r"^send to 1: the group was broken \(a member was lost"):
+        st.wait([fresh], "send to 1")  # a broken group takes no new wait
+    assert fresh.threads == []
+    stuck.end.set()
+    waiter.join(5)
+    assert not waiter.is_alive()  # the left thread ends with its wait; it is never handed another
+
+
 if __name__ == "__main__":  # python tests/test_gloo_break.py recv|send p2p|"ring all_reduce": one run, printed
     import sys
 

@@ -333,7 +333,7 @@ def _table(trials: list[int]) -> int:  # python tests/test_link_campaign.py [N |
             r = run_trial(k, Path(d) / f"run{i}-t{k}", make)  # (a trial may repeat: 9,9,9)
             bad = check(r, want)
             rows.append((r, bad))
-            worlds = [f"{e['old_world']}->{e['new_world']} left {e['left']}" for e in r["events"]]
+            worlds = [f"{e['old_world']}->{e['new_world']} left {e['left']} in {e['recover_s']:.1f}s" for e in r["events"]]
             print(f"{k:3d} {r['job']:6s} {r['kind']:9s} node {r['node']} step {r['step']} {r['value']:5.1f} "
                   f"{outcome(r):24s} changes {worlds or '-'} left {len(r['left'])} shm {len(r['shm'])} "
                   f"{r['wall_s']:.0f}s {'PASS' if not bad else 'FAIL: ' + '; '.join(bad)}", flush=True)

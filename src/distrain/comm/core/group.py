@@ -42,14 +42,14 @@ def breakable() -> bool:
 
 
 class _Waiter:
-    """A daemon thread that runs one ``work.wait()`` at a time for :meth:`GroupState.wait`.
+    """A daemon thread that runs the waits of one :meth:`GroupState.wait` at a time.
 
     Idle waiters wait in ``_idle`` for the next wait (one per wait in flight at once: a caller and
     its group's worker thread; the thread and its handoff are made once, not per wait). A waiter whose
     caller left it (the group broke while its work waited) finishes that wait, at the group's time-out at
     the latest, and then ends: the work and its tensor stay referenced until Gloo lets go of them."""
 
-    __slots__ = ("_go", "done", "_mu", "work", "error", "finished", "left")
+    __slots__ = ("_go", "done", "_mu", "works", "error", "finished", "left")
 
     def __init__(self):
         self._go = threading.Lock()
@@ -57,25 +57,26 @@ class _Waiter:
         self.done = threading.Lock()
         self.done.acquire()  # released once the wait ended, or by the break (wake)
         self._mu = threading.Lock()  # finished / left: who owns the end of a wait
-        self.work, self.error, self.finished, self.left = None, None, False, False
+        self.works, self.error, self.finished, self.left = None, None, False, False
         threading.Thread(target=self._loop, name="distrain-wait", daemon=True).start()
 
-    def start(self, work) -> None:
-        self.work, self.error, self.finished = work, None, False
+    def start(self, works: list) -> None:
+        self.works, self.error, self.finished = works, None, False
         self._go.release()
 
     def _loop(self) -> None:
         while True:
             self._go.acquire()
             try:
-                self.work.wait()
+                for w in self.works:
+                    w.wait()
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 self.error = e
             with self._mu:
                 self.finished = True
                 if self.left:  # the caller is gone (a broken group): this thread ends with its wait
                     return
-                self.work = None
+                self.works = None
                 if self.done.locked():  # (else the break's wake released it, and the caller has not taken it yet)
                     self.done.release()
 
@@ -183,9 +184,9 @@ class GroupState:
                 f"{self.ranks}); pass the global rank of a group member"
             ) from None
 
-    def wait(self, work, what: str) -> None:
-        """``work.wait()`` (a torch point-to-point Work of this group, no time-out), breakable where waits
-        are (:func:`breakable`: an elastic rank): the wait then also ends, with PeerLostError, once
+    def wait(self, works: list, what: str) -> None:
+        """``w.wait()`` for each of ``works`` in order (torch point-to-point Works of this group, no
+        time-out; several in one handoff: p2p.waitall), breakable where waits are (:func:`breakable`: an elastic rank): the wait then also ends, with PeerLostError, once
         :func:`interrupt_group` has broken the group, even where shutting the group's sockets down
         (elastic/sockets.sever) did not end it: Gloo wakes a send or receive whose message has not begun
         when its connection ends, but not one whose message was under way (part of it read or written: a
@@ -198,7 +199,7 @@ class GroupState:
         except IndexError:
             w = _Waiter()
         self.waits.add(w)
-        w.start(work)
+        w.start(works)
         if self.broken:  # (interrupt_group may have looked at waits just before the add)
             w.wake()
         w.done.acquire()
@@ -211,6 +212,13 @@ class GroupState:
         _idle.append(w)
         if err is not None:
             raise err
+
+    def break_waits(self) -> None:
+        """End this rank's breakable waits on the group, under way and to come, with PeerLostError
+        (:func:`interrupt_group`'s part on torch's Works)."""
+        self.broken = True
+        for w in list(self.waits):
+            w.wake()
 
     def submit(self, fn) -> Future:
         """Run ``fn`` on the group's worker thread, after everything submitted before it."""
@@ -314,9 +322,7 @@ def interrupt_group(group=None) -> bool:
     st = _states.get(group)
     if st is None:
         return False
-    st.broken = True
-    for w in list(st.waits):
-        w.wake()
+    st.break_waits()
     fn = getattr(st._transport, "interrupt", None)
     if fn is not None:
         fn()

@@ -78,7 +78,7 @@ class _Breakable:
     def wait(self, timeout=None) -> bool:
         if timeout is not None:
             return self.work.wait(timeout)
-        self.state.wait(self.work, self.what)
+        self.state.wait([self.work], self.what)
         return True
 
     def is_completed(self) -> bool:
@@ -131,7 +131,14 @@ class PeerComm:
             w.wait()
 
 
-def waitall(works) -> None:
+def waitall(works: list) -> None:
+    """Wait for each of ``works`` in order; breakable Works of one group (an elastic rank's) in one handoff
+    to a waiter thread, not one each (GroupState.wait)."""
+    first = works[0] if works else None
+    if type(first) is _Breakable and all(type(w) is _Breakable and w.state is first.state for w in works):
+        first.state.wait([w.work for w in works], first.what if len(works) == 1 else
+                         f"{first.what}, and {len(works) - 1} more message(s)")
+        return
     for w in works:
         w.wait()
 
@@ -171,7 +178,7 @@ class _P2PWork:
     def wait(self, timeout=None) -> bool:
         try:
             if timeout is None and self._state is not None:
-                self._state.wait(self._work, self._desc)
+                self._state.wait([self._work], self._desc)
             elif timeout is None:
                 self._work.wait()
             else:
