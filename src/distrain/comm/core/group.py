@@ -186,7 +186,8 @@ class GroupState:
 
     def wait(self, works: list, what: str) -> None:
         """``w.wait()`` for each of ``works`` in order (torch point-to-point Works of this group, no
-        time-out; several in one handoff: p2p.waitall), breakable where waits are (:func:`breakable`: an elastic rank): the wait then also ends, with PeerLostError, once
+        time-out; several in one handoff: p2p.waitall), breakable where waits are (:func:`breakable`:
+        an elastic rank): the wait then also ends, with PeerLostError, once
         :func:`interrupt_group` has broken the group, even where shutting the group's sockets down
         (elastic/sockets.sever) did not end it: Gloo wakes a send or receive whose message has not begun
         when its connection ends, but not one whose message was under way (part of it read or written: a
