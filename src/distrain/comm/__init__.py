@@ -62,7 +62,7 @@ from distrain.comm.forms import (
     reduce_scatter_tensor,
 )
 from distrain.comm.core.failures import transport_errors
-from distrain.comm.core.group import close_all, close_group, interrupt_group
+from distrain.comm.core.group import close_all, close_group, interrupt_all, interrupt_group
 from distrain.comm.core.ledger import Counts, Ledger, ledger
 from distrain.comm.objects import (
     all_gather_data,
@@ -94,7 +94,7 @@ __all__ = [
     "all_gather", "all_gather_coalesced", "all_gather_data", "all_gather_into_tensor", "all_gather_object", "all_reduce",
     "all_reduce_coalesced", "all_reduce_list", "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv",
     "broadcast", "broadcast_data", "broadcast_object_list", "close_all", "close_group", "configure_from_env", "debug_enabled", "destroy_process_group",
-    "gather", "gather_data", "gather_object", "has_list_all_reduce", "init_process_group", "interrupt_group", "irecv", "isend", "isend_tensor",
+    "gather", "gather_data", "gather_object", "has_list_all_reduce", "init_process_group", "interrupt_all", "interrupt_group", "irecv", "isend", "isend_tensor",
     "ledger", "recv", "recv_object_list", "recv_tensor", "reduce", "reduce_scatter", "reduce_scatter_tensor",
     "scatter", "scatter_object_list", "send", "send_object_list", "send_tensor", "set_debug",
     "set_default_transport", "set_shm_kernels", "set_transport", "symmetric_empty", "transport_of",

@@ -184,9 +184,10 @@ class Member:
         """The watchdog's thread, every beat: once the coordinator has marked the epoch as having lost a
         member (``lost/E``: a death, a frozen member, or one already gone to the next epoch) and this rank
         is still in the epoch STUCK_S later, or has been blocked in one call that long, shut the group's
-        connections down and raise its shared-memory ABORT lines (comm.interrupt_group, --transport shm:
-        every segment of the group that this rank mapped), so that what waits on the group fails now, with a
-        PeerLostError, instead of at its time-out (a dead peer's connections close by themselves and its
+        connections down, raise its shared-memory ABORT lines (comm.interrupt_all, --transport shm: every
+        segment of the group that this rank mapped) and break this rank's waits on torch's Works (a Gloo
+        message cut off mid-transfer is not woken by the sever), so that what waits on the group fails now,
+        with a PeerLostError, instead of at its time-out (a dead peer's connections close by themselves and its
         segment's lock is dropped, but one that left the group alive, froze, or never joined it may keep
         them open; a point-to-point wait is not a bracketed call)."""
         epoch = self.epoch
@@ -199,7 +200,9 @@ class Member:
         if blocked_s >= STUCK_S or time.monotonic() - self.lost_seen[1] >= STUCK_S:
             self.broke = epoch
             sever(self.store.port)
-            comm.interrupt_group()  # (the shared-memory transport: every wait on the group ends, the peers' too)
+            # every wait on the epoch's groups ends: shm's on every rank; this rank's on torch Works too, which
+            # the sever does not wake when a message was cut off mid-transfer (a link cut: GroupState.wait)
+            comm.interrupt_all()
 
     def _close(self, broken: bool = False) -> None:
         self.pending = None  # an exchange cut off with the group: its copy never counts

@@ -8,6 +8,12 @@ each other's messages, because their tags differ.
 
 Asynchronous collectives of our own algorithms run on one worker thread per group, in
 submission order (like a CUDA stream per communicator in NCCL).
+
+In an elastic rank (its watchdog holds an ``interrupt``: :func:`breakable`) a wait on a torch
+point-to-point Work can be broken (:meth:`GroupState.wait`, :func:`interrupt_group`): Gloo cannot abort
+one from Python, and one whose message was cut off mid-transfer is not woken when its socket is shut
+down, so the wait runs on a waiter thread (one per concurrent wait, kept and reused) and the caller
+waits for that thread or for the break.
 """
 
 from __future__ import annotations
@@ -18,13 +24,81 @@ from concurrent.futures import Future
 
 import torch.distributed as dist
 
-from distrain.comm.core import tags
+from distrain.comm.core import tags, watchdog
 from distrain.comm.core import transport as transports
 from distrain.comm.core.util import check_int
-from distrain.errors import CommError, ConfigError
+from distrain.errors import CommError, ConfigError, PeerLostError
 
 
 DRAIN_S = 10.0  # seconds GroupState.close waits for an interrupted async call to end
+
+
+def breakable() -> bool:
+    """Whether this process's waits on torch point-to-point Works can be broken by :func:`interrupt_group`:
+    its watchdog hands an ``interrupt`` to its thread (an elastic rank, whose membership layer breaks the
+    groups of an epoch that lost a member). Elsewhere a wait is torch's own, on the caller's thread."""
+    wd = watchdog.current()
+    return wd is not None and wd.interrupt is not None
+
+
+class _Waiter:
+    """A daemon thread that runs the waits of one :meth:`GroupState.wait` at a time.
+
+    Idle waiters wait in ``_idle`` for the next wait (one per wait in flight at once: a caller and
+    its group's worker thread; the thread and its handoff are made once, not per wait). A waiter whose
+    caller left it (the group broke while its work waited) finishes that wait, at the group's time-out at
+    the latest, and then ends: the work and its tensor stay referenced until Gloo lets go of them."""
+
+    __slots__ = ("_go", "done", "_mu", "works", "error", "finished", "left")
+
+    def __init__(self):
+        self._go = threading.Lock()
+        self._go.acquire()  # released by start(): a wait to run
+        self.done = threading.Lock()
+        self.done.acquire()  # released once the wait ended, or by the break (wake)
+        self._mu = threading.Lock()  # finished / left: who owns the end of a wait
+        self.works, self.error, self.finished, self.left = None, None, False, False
+        threading.Thread(target=self._loop, name="distrain-wait", daemon=True).start()
+
+    def start(self, works: list) -> None:
+        self.works, self.error, self.finished = works, None, False
+        self._go.release()
+
+    def _loop(self) -> None:
+        while True:
+            self._go.acquire()
+            try:
+                for w in self.works:
+                    w.wait()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                self.error = e
+            with self._mu:
+                self.finished = True
+                if self.left:  # the caller is gone (a broken group): this thread ends with its wait
+                    return
+                self.works = None
+                if self.done.locked():  # (else the break's wake released it, and the caller has not taken it yet)
+                    self.done.release()
+
+    def wake(self) -> None:
+        """The break: the caller stops waiting for this wait (done, unless it already ended)."""
+        with self._mu:
+            if not self.finished and not self.left and self.done.locked():
+                self.done.release()
+
+    def leave(self) -> bool:
+        """After a wake: True when the wait was still under way (this waiter is left to finish it and end),
+        False when it had ended (its result counts; the waiter is idle again)."""
+        with self._mu:
+            if self.finished:
+                if not self.done.locked():  # (the thread's release and the wake's: one of them counted)
+                    self.done.acquire()
+                return False
+            self.left = True
+            return True
+
+
+_idle: list[_Waiter] = []  # waiters free for the next wait (list.pop/append: atomic)
 
 
 class _Worker:
@@ -69,6 +143,8 @@ class GroupState:
         # The fast path of this group's blocking native calls (shm/compiled.FastPath), set by its
         # shared-memory transport once the compiled plane runs (compiled.register), None otherwise.
         self.fast = None
+        self.broken = False  # interrupt_group ran: every breakable wait on the group ends (wait)
+        self.waits: set[_Waiter] = set()  # the breakable waits under way (interrupt_group wakes them)
 
     @property
     def transport(self) -> transports.Transport:
@@ -107,6 +183,43 @@ class GroupState:
                 f"{collective}: {what}={global_rank} is not a member of the group (its global ranks are "
                 f"{self.ranks}); pass the global rank of a group member"
             ) from None
+
+    def wait(self, works: list, what: str) -> None:
+        """``w.wait()`` for each of ``works`` in order (torch point-to-point Works of this group, no
+        time-out; several in one handoff: p2p.waitall), breakable where waits are (:func:`breakable`:
+        an elastic rank): the wait then also ends, with PeerLostError, once
+        :func:`interrupt_group` has broken the group, even where shutting the group's sockets down
+        (elastic/sockets.sever) did not end it: Gloo wakes a send or receive whose message has not begun
+        when its connection ends, but not one whose message was under way (part of it read or written: a
+        link cut mid-transfer, no RST), which waited for the group's time-out. Costs one handoff to an
+        idle waiter thread and back (docs/fault_tolerance.md gives the numbers)."""
+        if self.broken:
+            raise PeerLostError(f"{what}: the group was broken (a member was lost: elastic)")
+        try:
+            w = _idle.pop()
+        except IndexError:
+            w = _Waiter()
+        self.waits.add(w)
+        w.start(works)
+        if self.broken:  # (interrupt_group may have looked at waits just before the add)
+            w.wake()
+        w.done.acquire()
+        self.waits.discard(w)
+        if self.broken and w.leave():
+            raise PeerLostError(f"{what}: the group was broken while this call waited (a member was lost: "
+                                f"elastic)")
+        err = w.error
+        w.error = None
+        _idle.append(w)
+        if err is not None:
+            raise err
+
+    def break_waits(self) -> None:
+        """End this rank's breakable waits on the group, under way and to come, with PeerLostError
+        (:func:`interrupt_group`'s part on torch's Works)."""
+        self.broken = True
+        for w in list(self.waits):
+            w.wake()
 
     def submit(self, fn) -> Future:
         """Run ``fn`` on the group's worker thread, after everything submitted before it."""
@@ -196,21 +309,33 @@ def close_group(group=None) -> None:
 
 
 def interrupt_group(group=None) -> bool:
-    """End every wait on ``group``'s transport at once, on this rank and on its peers: the group is
-    over (an elastic job's epoch that lost a member). Safe from another thread while a call of the group
-    blocks. Builds nothing: False when the group has no transport yet (nothing can wait on one), or its
-    transport has no ``interrupt`` (an injected one), else True. The group cannot be used afterwards."""
+    """End every wait on ``group`` at once: the group is over (an elastic job's epoch that lost a
+    member). Safe from another thread while a call of the group blocks. The waits on its transport end
+    on this rank and on its peers where the transport has ``interrupt`` (shm: every mapped segment's
+    ABORT line); this rank's breakable waits on torch point-to-point Works end too, with PeerLostError
+    (GroupState.wait: Gloo has no abort, and a message cut off mid-transfer is not woken by shutting its
+    socket down). Builds nothing: False when the group has no state yet (no call of it ran here, so
+    nothing waits on it), else True. The group cannot be used afterwards."""
     if group is None:
         if not dist.is_initialized():
             return False
         group = dist.group.WORLD
     st = _states.get(group)
-    tr = st._transport if st is not None else None
-    fn = getattr(tr, "interrupt", None)
-    if fn is None:
+    if st is None:
         return False
-    fn()
+    st.break_waits()
+    fn = getattr(st._transport, "interrupt", None)
+    if fn is not None:
+        fn()
     return True
+
+
+def interrupt_all() -> None:
+    """:func:`interrupt_group` for every group with state here (an elastic epoch's groups end together)."""
+    with _states_lock:
+        groups = list(_states)
+    for g in groups:
+        interrupt_group(g)
 
 
 def close_all() -> None:

@@ -19,7 +19,7 @@ import torch
 
 from distrain.comm.core import ledger as _ledger
 from distrain.comm.core import tags
-from distrain.comm.core.group import GroupState, resolve
+from distrain.comm.core.group import GroupState, breakable, resolve
 from distrain.comm.core.torchargs import torch_call
 from distrain.comm.core.transport import Transport, Work
 from distrain.comm.core.util import DTYPE_CODE, WIRE_DTYPES, check_int, dtype_name, nbytes
@@ -67,6 +67,24 @@ class _Done:
 DONE = _Done()
 
 
+class _Breakable:
+    """A torch point-to-point Work whose wait a broken group ends (GroupState.wait: an elastic rank's)."""
+
+    __slots__ = ("work", "state", "what")
+
+    def __init__(self, work, state: GroupState, what: str):
+        self.work, self.state, self.what = work, state, what
+
+    def wait(self, timeout=None) -> bool:
+        if timeout is not None:
+            return self.work.wait(timeout)
+        self.state.wait([self.work], self.what)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
 class PeerComm:
     """One collective call's view of its group: ranks are group ranks, one tag per call."""
 
@@ -79,18 +97,26 @@ class PeerComm:
         self.algorithm = algorithm
         self.tag = tag
         self.transport = transport if transport is not None else state.transport
+        # torch's Works (transport "torch") in an elastic rank: their waits end when the group breaks
+        self.breakable = self.transport.name == "torch" and breakable()
 
     def isend(self, t: torch.Tensor, peer: int) -> Work:
         if t.numel() == 0:
             return DONE
         _ledger.record(self.op, self.algorithm, sent=nbytes(t), msgs_sent=1)
-        return self.transport.isend(t, self.state.ranks[peer], self.state.group, self.tag)
+        w = self.transport.isend(t, self.state.ranks[peer], self.state.group, self.tag)
+        if self.breakable:
+            return _Breakable(w, self.state, f"{self.op}(algorithm={self.algorithm}): send to group rank {peer}")
+        return w
 
     def irecv(self, t: torch.Tensor, peer: int) -> Work:
         if t.numel() == 0:
             return DONE
         _ledger.record(self.op, self.algorithm, recv=nbytes(t), msgs_recv=1)
-        return self.transport.irecv(t, self.state.ranks[peer], self.state.group, self.tag)
+        w = self.transport.irecv(t, self.state.ranks[peer], self.state.group, self.tag)
+        if self.breakable:
+            return _Breakable(w, self.state, f"{self.op}(algorithm={self.algorithm}): receive from group rank {peer}")
+        return w
 
     def send(self, t: torch.Tensor, peer: int) -> None:
         self.isend(t, peer).wait()
@@ -105,7 +131,14 @@ class PeerComm:
             w.wait()
 
 
-def waitall(works) -> None:
+def waitall(works: list) -> None:
+    """Wait for each of ``works`` in order; breakable Works of one group (an elastic rank's) in one handoff
+    to a waiter thread, not one each (GroupState.wait)."""
+    first = works[0] if works else None
+    if type(first) is _Breakable and all(type(w) is _Breakable and w.state is first.state for w in works):
+        first.state.wait([w.work for w in works], first.what if len(works) == 1 else
+                         f"{first.what}, and {len(works) - 1} more message(s)")
+        return
     for w in works:
         w.wait()
 
@@ -135,14 +168,18 @@ def _check(tensor, peer: int | None, what: str, name: str, group, tag: int) -> t
 class _P2PWork:
     """Handle for isend/irecv: wait() re-raises transport errors as CommError naming the peer."""
 
-    def __init__(self, work, desc: str, group=None):
+    def __init__(self, work, desc: str, group=None, state: GroupState | None = None):
         self._work = work
         self._desc = desc
         self._group = group
+        # the work's group where its wait is breakable (a torch Work in an elastic rank: GroupState.wait)
+        self._state = state if state is not None and isinstance(work, torch.distributed.Work) and breakable() else None
 
     def wait(self, timeout=None) -> bool:
         try:
-            if timeout is None:
+            if timeout is None and self._state is not None:
+                self._state.wait([self._work], self._desc)
+            elif timeout is None:
                 self._work.wait()
             else:
                 self._work.wait(timeout)
@@ -184,7 +221,7 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0
     st, peer = _check(tensor, dst, "dst", "isend", group, tag)
     _ledger.record(label, "p2p", sent=nbytes(tensor), msgs_sent=1)
     w = st.transport.isend(_p2p_tensor(tensor), st.ranks[peer], st.group, tag)
-    return _P2PWork(w, f"isend from rank {st.ranks[st.rank]} to rank {dst} (tag {tag})")
+    return _P2PWork(w, f"isend from rank {st.ranks[st.rank]} to rank {dst} (tag {tag})", state=st)
 
 
 @torch_call("src")
@@ -199,9 +236,9 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0
             raise ConfigError(f"irecv on rank {me}: a receive from any source (src=None) needs transport 'torch'; "
                               f"this group uses {st.transport.name!r}: give src=, or set_transport('torch', group)")
         w = torch.distributed.irecv(_p2p_tensor(tensor), src=None, group=st.group, tag=tag)
-        return _P2PWork(w, f"irecv on rank {me} from any rank (tag {tag})", group=group)
+        return _P2PWork(w, f"irecv on rank {me} from any rank (tag {tag})", group=group, state=st)
     w = st.transport.irecv(_p2p_tensor(tensor), st.ranks[peer], st.group, tag)
-    return _P2PWork(w, f"irecv on rank {me} from rank {src} (tag {tag})")
+    return _P2PWork(w, f"irecv on rank {me} from rank {src} (tag {tag})", state=st)
 
 
 @torch_call("dst")
