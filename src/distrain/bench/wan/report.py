@@ -240,7 +240,7 @@ def plot(recs: list[dict], path: str, title: str) -> None:
         ax.legend(fontsize=8)
     c.bar([r["strategy"] for r in recs], [r["bytes_per_node"] for r in recs], color="tab:blue")
     c.set_yscale("log")
-    c.set_ylabel("bytes sent per node (whole run)")
+    c.set_ylabel("bytes sent per node, up to ddp's tokens")
     c.tick_params(axis="x", labelrotation=30)
     c.grid(alpha=0.3, axis="y")
     fig.suptitle(title, fontsize=10)
