@@ -234,6 +234,11 @@ def test_warm_start_longer_runs_and_outer_flags_change_only_their_flags(tmp_path
                                                "synchronised)"),
     (["--eval-every", "0"], "bench wan: --eval-every 0 must be in [1, --steps 200]: the curves and the time to ddp's "
                             "loss come from the evaluations"),
+    (["--outer-lr", "0"], "bench wan: --outer-lr 0 must be a positive finite number"),
+    (["--outer-momentum", "0"], "bench wan: --outer-momentum 0 must be in (0, 1): DiLoCo's Nesterov outer step needs "
+                                "momentum"),
+    (["--outer-momentum", "1"], "bench wan: --outer-momentum 1 must be in (0, 1): DiLoCo's Nesterov outer step needs "
+                                "momentum"),
     (["--warm-start", "-1"], "bench wan: --warm-start -1 must be at least 0 (steps of the ddp run every strategy "
                              "starts from; 0: from scratch)"),
     (["--target-budget", "0"], "bench wan: --target-budget 0 must be at least 1 (times ddp's steps that the other "

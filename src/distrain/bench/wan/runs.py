@@ -25,6 +25,7 @@ Two options change what "the same job" starts from and how long the other strate
 
 from __future__ import annotations
 
+import math
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field, replace
@@ -113,6 +114,12 @@ def check(s: Settings) -> netns.ClusterSpec:
     if not 1 <= s.eval_every <= s.steps:
         raise ConfigError(f"bench wan: --eval-every {s.eval_every} must be in [1, --steps {s.steps}]: the curves and "
                           f"the time to ddp's loss come from the evaluations")
+    # (train's own checks, early: a run refused after ddp's minutes of training would waste them)
+    if s.outer_lr is not None and not (math.isfinite(s.outer_lr) and s.outer_lr > 0):
+        raise ConfigError(f"bench wan: --outer-lr {s.outer_lr:g} must be a positive finite number")
+    if s.outer_momentum is not None and not (math.isfinite(s.outer_momentum) and 0 < s.outer_momentum < 1):
+        raise ConfigError(f"bench wan: --outer-momentum {s.outer_momentum:g} must be in (0, 1): DiLoCo's Nesterov "
+                          f"outer step needs momentum")
     if s.warm_start < 0:
         raise ConfigError(f"bench wan: --warm-start {s.warm_start} must be at least 0 (steps of the ddp run every "
                           f"strategy starts from; 0: from scratch)")
