@@ -68,8 +68,8 @@ def run_wan(args: argparse.Namespace) -> int:
         nodes=args.nodes, link=args.link, delay=args.delay, strategies=strategies, model=args.model, data=args.data,
         steps=args.steps, batch_size=args.batch_size, seed=args.seed, lr=args.lr, inner_steps=args.inner_steps,
         outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, warm_start=args.warm_start,
-        target_budget=args.target_budget, eval_every=args.eval_every, eval_batches=args.eval_batches, name=args.name, timeout=args.timeout,
-        out=args.out, json_path=args.json, plot_path=args.plot))
+        target_budget=args.target_budget, eval_every=args.eval_every, eval_batches=args.eval_batches,
+        name=args.name, timeout=args.timeout, out=args.out, json_path=args.json, plot_path=args.plot))
     return 0
 
 

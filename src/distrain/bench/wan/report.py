@@ -175,8 +175,9 @@ def format_table(recs: list[dict], title: str | None = None) -> str:
              common.fmt_num(None if r["compute_utilisation"] is None else 100 * r["compute_utilisation"], 0)]
             + ([common.fmt_num(r["steps_to_target"], 0), str(r["steps_run"]), f"{r['wall_s']:.1f}"] if longer else [])
             for r in recs]
-    groups = [("", ["strategy"]), ("validation loss", ["equal tok", "vs ddp"]), ("bytes per node", ["sent", "ddp/this"]),
-              ("wall s", ["equal tok", "to ddp's"]), ("", ["speed-up", "compute %"])]
+    groups = [("", ["strategy"]), ("validation loss", ["equal tok", "vs ddp"]),
+              ("bytes per node", ["sent", "ddp/this"]), ("wall s", ["equal tok", "to ddp's"]),
+              ("", ["speed-up", "compute %"])]
     if longer:
         groups.append(("longer run", ["steps to ddp's", "steps", "wall s"]))
     return common.format_table(groups, rows, title=title)
