@@ -38,6 +38,17 @@ def add_wan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=None, help="learning rate (DiLoCo's inner one) (default: train's)")
     p.add_argument("--inner-steps", type=int, default=DEFAULTS.inner_steps,
                    help=f"DiLoCo's H, for every diloco form (default {DEFAULTS.inner_steps})")
+    p.add_argument("--outer-lr", type=float, default=None,
+                   help="DiLoCo's outer learning rate, for every diloco form (default: train's)")
+    p.add_argument("--outer-momentum", type=float, default=None,
+                   help="DiLoCo's outer momentum, for every diloco form (default: train's)")
+    p.add_argument("--warm-start", type=int, default=DEFAULTS.warm_start, metavar="S",
+                   help="first train ddp S steps across the cluster; every strategy starts from its weights "
+                        f"(--init-from), as the DiLoCo paper does (default {DEFAULTS.warm_start}: from scratch)")
+    p.add_argument("--target-budget", type=int, default=DEFAULTS.target_budget, metavar="F",
+                   help="every strategy but ddp trains F x --steps, so that its wall time to ddp's final loss is "
+                        "measured where it needs more tokens; the loss at equal tokens is still its evaluation "
+                        f"after --steps (default {DEFAULTS.target_budget}: the same steps as ddp)")
     p.add_argument("--eval-every", type=int, default=DEFAULTS.eval_every,
                    help=f"steps between validations: the curves' points (default {DEFAULTS.eval_every})")
     p.add_argument("--eval-batches", type=int, default=DEFAULTS.eval_batches,
@@ -56,8 +67,9 @@ def run_wan(args: argparse.Namespace) -> int:
     runs.run(runs.Settings(
         nodes=args.nodes, link=args.link, delay=args.delay, strategies=strategies, model=args.model, data=args.data,
         steps=args.steps, batch_size=args.batch_size, seed=args.seed, lr=args.lr, inner_steps=args.inner_steps,
-        eval_every=args.eval_every, eval_batches=args.eval_batches, name=args.name, timeout=args.timeout,
-        out=args.out, json_path=args.json, plot_path=args.plot))
+        outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, warm_start=args.warm_start,
+        target_budget=args.target_budget, eval_every=args.eval_every, eval_batches=args.eval_batches,
+        name=args.name, timeout=args.timeout, out=args.out, json_path=args.json, plot_path=args.plot))
     return 0
 
 

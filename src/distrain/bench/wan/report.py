@@ -16,10 +16,16 @@ made from them), so it is tested without a cluster. Definitions (one run = one s
 * ``compute_utilisation``: 1 − Σ comm_wait_s / Σ time_s over every step: the share of the step not spent
   waiting on communication (DDP: on its gradient buckets' all-reduce after backward; DiLoCo with one rank
   per island: on the outer step's exchange). None when the engine does not measure its wait.
+* **equal tokens**: DDP's step count. A run may train longer than DDP (``bench wan --target-budget F``:
+  F × DDP's steps) so that its time to DDP's loss can be measured; its loss, bytes and wall time at
+  equal tokens are then those of its evaluation after DDP's last step (``val_loss_equal_tokens``,
+  ``bytes_per_node``, ``wall_s_equal_tokens``), and ``final_val_loss``, ``bytes_per_node_run`` and
+  ``wall_s`` are those of its whole run (the same numbers when it trained DDP's steps).
 * ``seconds_to_target``: ``seconds`` at the first evaluation whose val_loss is at or below the target
   (DDP's final validation loss), None when no evaluation reaches it; its resolution is ``--eval-every``.
-  ``ddp_seconds_to_this_loss`` is the converse: DDP's seconds to this run's final loss (None when DDP
-  never got that low), so a run that ends above DDP's loss still gets a time for equal quality.
+  ``steps_to_target`` and ``tokens_to_target`` are that evaluation's steps done and tokens.
+  ``ddp_seconds_to_this_loss`` is the converse: DDP's seconds to this run's loss at equal tokens (None
+  when DDP never got that low), so a run that ends above DDP's loss still gets a time for equal quality.
 """
 
 from __future__ import annotations
@@ -104,28 +110,49 @@ def read_run(folder: str | Path, strategy: str) -> Run:
 
 def seconds_to_target(curve: tuple[Point, ...] | list[Point], target: float) -> float | None:
     """``seconds`` of the first point whose val_loss is at or below ``target``; None when none is."""
-    return next((p.seconds for p in curve if p.val_loss <= target), None)
+    p = point_at_or_below(curve, target)
+    return None if p is None else p.seconds
+
+
+def point_at_or_below(curve: tuple[Point, ...] | list[Point], target: float) -> Point | None:
+    """The first point whose val_loss is at or below ``target``; None when none is."""
+    return next((p for p in curve if p.val_loss <= target), None)
 
 
 def records(runs: list[Run]) -> list[dict]:
-    """One JSON record per run, against the BASELINE run's final validation loss (which must be among them)."""
+    """One JSON record per run, against the BASELINE run's final validation loss (which must be among them).
+
+    Equal tokens are the BASELINE's steps: every other run trained at least as many and has an evaluation
+    after the BASELINE's last step (a ValueError says which does not)."""
     base = next((r for r in runs if r.strategy == BASELINE), None)
     if base is None:
         raise ValueError(f"records: no {BASELINE} run to take the target from")
-    target = base.curve[-1].val_loss
+    target, steps = base.curve[-1].val_loss, base.steps
     base_s = seconds_to_target(base.curve, target)
     out = []
     for r in runs:
-        final, to_target = r.curve[-1].val_loss, seconds_to_target(r.curve, target)
+        equal = next((p for p in r.curve if p.step == steps - 1), None)
+        if equal is None or r.steps < steps:
+            raise ValueError(f"records: {r.strategy} has no evaluation after step {steps - 1} ({BASELINE}'s last): "
+                             f"its loss at equal tokens is unknown")
+        reached = point_at_or_below(r.curve, target)
+        to_target = None if reached is None else reached.seconds
+        # (every DiLoCo sync sends the same bytes and --steps is a multiple of H: exact at equal tokens)
+        sent = round(r.bytes_per_node * steps / r.steps)
         out.append({
-            "strategy": r.strategy, "label": r.label, "steps": r.steps, "tokens": r.steps * r.tokens_per_step,
-            "final_val_loss": final, "target_val_loss": target, "val_loss_vs_ddp": final / target - 1.0,
-            "bytes_per_node": r.bytes_per_node,
-            "fewer_bytes_than_ddp": base.bytes_per_node / r.bytes_per_node if r.bytes_per_node else None,
-            "wall_s": r.wall_s, "run_s": r.run_s, "seconds_to_target": to_target,
+            "strategy": r.strategy, "label": r.label, "steps": steps, "tokens": steps * r.tokens_per_step,
+            "steps_run": r.steps, "tokens_run": r.steps * r.tokens_per_step,
+            "val_loss_equal_tokens": equal.val_loss, "final_val_loss": r.curve[-1].val_loss,
+            "target_val_loss": target, "val_loss_vs_ddp": equal.val_loss / target - 1.0,
+            "bytes_per_node": sent, "bytes_per_node_run": r.bytes_per_node,
+            "fewer_bytes_than_ddp": base.bytes_per_node / sent if sent else None,
+            "wall_s": r.wall_s, "wall_s_equal_tokens": equal.seconds, "run_s": r.run_s,
+            "seconds_to_target": to_target,
+            "steps_to_target": None if reached is None else reached.step + 1,
+            "tokens_to_target": None if reached is None else reached.tokens,
             "faster_to_target_than_ddp": base_s / to_target if to_target else None,
-            # the other way round: when did ddp reach this run's final loss (its time for the same quality)
-            "ddp_seconds_to_this_loss": seconds_to_target(base.curve, final),
+            # the other way round: when did ddp reach this run's loss at equal tokens (its time for the same quality)
+            "ddp_seconds_to_this_loss": seconds_to_target(base.curve, equal.val_loss),
             "compute_utilisation": r.compute_utilisation, "outer_syncs": r.outer_syncs,
             "curve": [{"step": p.step, "tokens": p.tokens, "seconds": p.seconds, "val_loss": p.val_loss}
                       for p in r.curve],
@@ -138,14 +165,21 @@ def _ratio(x: float | None) -> str:
 
 
 def format_table(recs: list[dict], title: str | None = None) -> str:
-    """The records as a fixed-width table, one row per strategy."""
-    rows = [[r["strategy"], f"{r['final_val_loss']:.4f}", f"{100 * r['val_loss_vs_ddp']:+.2f}%",
-             f"{r['bytes_per_node']:,}", _ratio(r["fewer_bytes_than_ddp"]), f"{r['wall_s']:.1f}",
+    """The records as a fixed-width table, one row per strategy: loss, bytes and wall time at equal tokens,
+    time to DDP's loss; where a run trained past DDP's steps, also the steps to DDP's loss, the steps run and
+    the whole run's wall time."""
+    longer = any(r["steps_run"] != r["steps"] for r in recs)
+    rows = [[r["strategy"], f"{r['val_loss_equal_tokens']:.4f}", f"{100 * r['val_loss_vs_ddp']:+.2f}%",
+             f"{r['bytes_per_node']:,}", _ratio(r["fewer_bytes_than_ddp"]), f"{r['wall_s_equal_tokens']:.1f}",
              common.fmt_num(r["seconds_to_target"], 1), _ratio(r["faster_to_target_than_ddp"]),
              common.fmt_num(None if r["compute_utilisation"] is None else 100 * r["compute_utilisation"], 0)]
+            + ([common.fmt_num(r["steps_to_target"], 0), str(r["steps_run"]), f"{r['wall_s']:.1f}"] if longer else [])
             for r in recs]
-    groups = [("", ["strategy"]), ("validation loss", ["final", "vs ddp"]), ("bytes per node", ["sent", "ddp/this"]),
-              ("wall s", ["train", "to ddp's"]), ("", ["speed-up", "compute %"])]
+    groups = [("", ["strategy"]), ("validation loss", ["equal tok", "vs ddp"]),
+              ("bytes per node", ["sent", "ddp/this"]), ("wall s", ["equal tok", "to ddp's"]),
+              ("", ["speed-up", "compute %"])]
+    if longer:
+        groups.append(("longer run", ["steps to ddp's", "steps", "wall s"]))
     return common.format_table(groups, rows, title=title)
 
 
@@ -165,14 +199,19 @@ def format_targets(recs: list[dict]) -> str:
     lines = []
     for t in targets(recs):
         r = by[t["strategy"]]
+        longer = r["steps_run"] != r["steps"]
+        within = f" in {r['steps_run']} steps, {r['steps_run'] / r['steps']:g}x ddp's" if longer else ""
         if r["seconds_to_target"] is not None:
             time_text = f"{_ratio(r['faster_to_target_than_ddp'])} less wall time to ddp's loss"
+            if longer:
+                time_text += f", reached after {r['steps_to_target']} steps"
         elif r["ddp_seconds_to_this_loss"] is not None:
-            time_text = (f"ddp's final loss never reached; ddp took {r['ddp_seconds_to_this_loss']:.1f} s to this "
-                         f"run's final loss, {_ratio(r['ddp_seconds_to_this_loss'] / r['wall_s'])} this run's "
-                         f"{r['wall_s']:.1f} s")
+            time_text = (f"ddp's final loss never reached{within}; ddp took {r['ddp_seconds_to_this_loss']:.1f} s to "
+                         f"this run's {'equal-token' if longer else 'final'} loss, "
+                         f"{_ratio(r['ddp_seconds_to_this_loss'] / r['wall_s_equal_tokens'])} this run's "
+                         f"{r['wall_s_equal_tokens']:.1f} s")
         else:
-            time_text = "ddp's final loss never reached"
+            time_text = f"ddp's final loss never reached{within}"
         mark = ["no", "yes"]
         lines.append(f"  {t['strategy']}: loss within 2 %: {mark[t['loss_within_2pct']]} "
                      f"({100 * r['val_loss_vs_ddp']:+.2f}%); >= 100x fewer bytes: {mark[t['bytes_100x']]} "
@@ -202,7 +241,7 @@ def plot(recs: list[dict], path: str, title: str) -> None:
         ax.legend(fontsize=8)
     c.bar([r["strategy"] for r in recs], [r["bytes_per_node"] for r in recs], color="tab:blue")
     c.set_yscale("log")
-    c.set_ylabel("bytes sent per node (whole run)")
+    c.set_ylabel("bytes sent per node, up to ddp's tokens")
     c.tick_params(axis="x", labelrotation=30)
     c.grid(alpha=0.3, axis="y")
     fig.suptitle(title, fontsize=10)
