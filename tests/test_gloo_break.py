@@ -180,11 +180,20 @@ def test_the_break_ends_a_wait_under_way_with_peer_lost_and_leaves_its_thread_to
     from distrain.errors import PeerLostError
 
     st, stuck = _state(), _Work()
-    threading.Timer(0.2, st.break_waits).start()
-    t0 = time.monotonic()
+    broke: list[float] = []
+
+    def breaker():  # the break once the waiter is inside the stuck wait (a loaded host may start it late)
+        deadline = time.monotonic() + 20
+        while not stuck.threads and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        broke.append(time.monotonic())
+        st.break_waits()
+
+    threading.Thread(target=breaker, daemon=True).start()
     with pytest.raises(PeerLostError, match=r"^recv from 1: the group was broken while this call waited"):
         st.wait([stuck], "recv from 1")
-    assert 0.2 <= time.monotonic() - t0 < 2.0
+    assert broke and time.monotonic() - broke[0] < 2.0
     waiter = stuck.threads[0]
     assert waiter.is_alive()  # still in the stuck work's wait (Gloo's, until the group's time-out)
     fresh = _Work(ended=True)
