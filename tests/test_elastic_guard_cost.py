@@ -109,3 +109,18 @@ def _piece_state_of(rank: int, stage: str) -> list[str]:
 @pytest.mark.timeout(120)
 def test_a_zero_piece_state_is_the_state_dict_tree_with_the_live_tensors():
     run_ranks(_piece_state_is_the_state_dict_of_live_tensors, 2)
+
+
+def test_the_asker_runs_calls_in_order_and_hands_back_their_results_and_errors():
+    from distrain.elastic.asker import Asker
+
+    seen, a = [], Asker()
+    try:
+        first = a.submit(seen.append, 1)
+        boom = a.submit(int, "x")
+        last = a.submit(lambda: tuple(seen))
+        assert first.result(10) is None and last.result(10) == (1,)
+        with pytest.raises(ValueError):  # (int("x")'s own error, raised where the result is taken)
+            boom.result(10)
+    finally:
+        a.stop()

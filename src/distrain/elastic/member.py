@@ -53,9 +53,7 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import sys
-import threading
 import time
 from concurrent.futures import Future
 from datetime import timedelta
@@ -65,6 +63,7 @@ import torch.distributed as dist
 
 from distrain import comm, sealed
 from distrain.comm.core import watchdog
+from distrain.elastic.asker import Asker
 from distrain.elastic.epoch_store import EpochStore
 from distrain.elastic.pieces import Exchange, pack
 from distrain.elastic.protocol import (BEAT_S, ENV_HOST, ENV_ID, ENV_NEW, ENV_PORT, ENV_RUN, ENV_STRIDE, POLL_S,
@@ -432,31 +431,6 @@ class Member:
             self.snap, self.snap_step, self.live = state, step, None
         else:
             self.held, self.live, self.in_step, self.ready = {step: state}, step, False, False
-
-
-class Asker:
-    """One daemon thread that runs calls in the order submitted (rank 0's store round trips of each step,
-    while the step computes); :meth:`submit` returns the call's Future (its result or its exception)."""
-
-    def __init__(self):
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="distrain-elastic-asker", daemon=True).start()
-
-    def submit(self, fn, *args) -> Future:
-        done: Future = Future()
-        self.jobs.put((fn, args, done))
-        return done
-
-    def stop(self) -> None:
-        self.jobs.put(None)
-
-    def _run(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            fn, args, done = job
-            try:
-                done.set_result(fn(*args))
-            except BaseException as e:  # noqa: BLE001 - handed to whoever takes the result
-                done.set_exception(e)
 
 
 def whole_change(cut: list[dict]) -> tuple[int, list, list, float, dict]:
