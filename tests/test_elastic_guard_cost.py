@@ -124,3 +124,21 @@ def test_the_asker_runs_calls_in_order_and_hands_back_their_results_and_errors()
             boom.result(10)
     finally:
         a.stop()
+
+
+def test_bench_elastic_without_faults_reports_the_steady_state_only():
+    from distrain.bench.elastic import cost
+    from distrain.errors import ConfigError
+
+    s = cost.Settings(nproc=2, strategy="zero2", model="gpt-tiny", steps=8, kill_step=0, faults=False)
+    cost.check(s)  # (--kill-step is not checked: no kill runs)
+    records = [{"what": "steady", "round": 0, "kind": "fixed", "step_s": 0.040},
+               {"what": "steady", "round": 0, "kind": "elastic", "step_s": 0.042},
+               {"what": "ratio", "round": 0, "elastic_over_fixed": 1.05}]
+    m = cost.summarize(records)
+    assert m == {"ratio_median": 1.05, "ratios": [1.05], "fixed_step_s": 0.040, "elastic_step_s": 0.042}
+    lines = cost.format_report(s, m).splitlines()
+    assert [ln.split("  ")[1] for ln in lines[1:]] == [
+        "per step, fixed / elastic (medians)", "elastic / fixed, per round", "elastic / fixed, median"]
+    with pytest.raises(ConfigError):  # with the kill runs, the same --kill-step is refused
+        cost.check(cost.Settings(nproc=2, strategy="zero2", steps=8, kill_step=0))
