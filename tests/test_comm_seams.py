@@ -41,9 +41,9 @@ def test_tag_ranges_are_one_consistent_map():
     assert tags.USER.stop == tags.COLLECTIVE.start  # user tags end where collectives begin
     assert tags.COLLECTIVE.stop <= 2 ** 31  # Gloo tags are non-negative int32
     # the reserved ranges lie inside the user range and do not overlap each other
-    for r in (tags.PARAMETER_SERVER, tags.PIPELINE):
+    for r in (tags.PARAMETER_SERVER, tags.ELASTIC_REPLICA, tags.PIPELINE):
         assert tags.USER.start <= r.start < r.stop <= tags.USER.stop
-    assert tags.PARAMETER_SERVER.stop <= tags.PIPELINE.start
+    assert tags.PARAMETER_SERVER.stop <= tags.ELASTIC_REPLICA.start < tags.ELASTIC_REPLICA.stop <= tags.PIPELINE.start
     # the parallel code uses tags inside its ranges
     for t in (ps.TAG_HELLO, ps.TAG_REQ, ps.TAG_VERSION, ps.TAG_PULL, ps.TAG_PUSH_HDR, ps.TAG_PUSH):
         assert t in tags.PARAMETER_SERVER

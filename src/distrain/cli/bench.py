@@ -382,6 +382,9 @@ def add_elastic_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="float32 or float64 (default float32)")
     p.add_argument("--rounds", type=int, default=6, help="fixed/elastic pairs, alternated (default 6)")
     p.add_argument("--kill-step", type=int, default=30, help="the step whose start kills rank id 1 (default 30)")
+    p.add_argument("--no-faults", dest="faults", action="store_false",
+                   help="the per-step cost only: no kill and no kill with a replacement (e.g. ZeRO at --nproc 2, "
+                        "which cannot go on at one rank)")
     p.add_argument("--transport", default="torch", choices=("torch", "shm", "auto"),
                    help="--transport of every run (default torch)")
     p.add_argument("--json", default=None, help="write every record here")
@@ -394,7 +397,7 @@ def run_elastic(args: argparse.Namespace) -> int:
     cost.run(cost.Settings(nproc=args.nproc, strategy=args.strategy, model=args.model, data=args.data,
                            steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, dtype=args.dtype,
                            rounds=args.rounds, kill_step=args.kill_step, transport=args.transport, extra=extra,
-                           json_path=args.json))
+                           faults=args.faults, json_path=args.json))
     return 0
 
 

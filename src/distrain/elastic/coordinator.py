@@ -292,7 +292,8 @@ class Coordinator:
               f"{'; '.join(what)} to leave it (at most --collective-timeout {self.ctimeout:g}s)", flush=True)
 
     def _group_step(self) -> int | None:
-        """The group's step: the last one rank 0 completed (``step``), else the last membership's."""
+        """The group's step: the one rank 0 last started (``step``: every step before it is done), else the
+        last membership's."""
         if self.store.check([m.key("step")]):
             return int(self.store.get(m.key("step")))
         return json.loads(self.store.get(m.key("members", self.epoch)))["step"]

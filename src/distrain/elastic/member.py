@@ -4,7 +4,7 @@ The training loop's guard (trainer/guard.py: ElasticGuard) talks to a :class:`Me
 (torchft's quorum, on plain torch.distributed):
 
     state = m.join()                    # enter the job (a newcomer gets the state from a live peer)
-    m.begin(step, engine.state_dict)    # the start of a step (sharded state: the copy to roll back to)
+    m.begin(step, engine.piece_state)   # the start of a step (sharded state: the copy to roll back to)
     ... engine.train_step(...) ...      # replicated state: m.commit(step, loss, weight) before the update
     loss, change = m.end(step, ...)     # sharded: "is the group still whole?" (one all-reduce); replicated:
                                         # m.updated(step), the answer came with commit
@@ -55,6 +55,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import Future
 from datetime import timedelta
 
 import torch
@@ -62,6 +63,7 @@ import torch.distributed as dist
 
 from distrain import comm, sealed
 from distrain.comm.core import watchdog
+from distrain.elastic.asker import Asker
 from distrain.elastic.epoch_store import EpochStore
 from distrain.elastic.pieces import Exchange, pack
 from distrain.elastic.protocol import (BEAT_S, ENV_HOST, ENV_ID, ENV_NEW, ENV_PORT, ENV_RUN, ENV_STRIDE, POLL_S,
@@ -102,6 +104,10 @@ class Member:
         self.group_store: EpochStore | None = None  # the current epoch's group's store (_open)
         self.broke = -1  # the epoch whose group this rank's watchdog broke (_interrupt)
         self.lost_seen = (-1, 0.0)  # (epoch, when this rank saw that it lost a member)
+        # rank 0's store round trips of each step (the group's step written, the change flag read), asked at
+        # the step's start on a thread of their own and answered by the quorum: off the step's path
+        self.asker: Asker | None = None
+        self.asked: tuple[int, int, Future] | None = None  # (epoch, step, the flag's answer)
 
     @classmethod
     def from_env(cls, backend: str, timeout: float, hooks: Hooks | None = None) -> "Member":
@@ -216,12 +222,22 @@ class Member:
     def close(self) -> None:
         """Leave for good (the end of the run)."""
         self._close()
+        if self.asker is not None:
+            self.asker.stop()
+            self.asker = None
 
     # -- once per step ---------------------------------------------------------------------
     def begin(self, step: int, state_fn) -> None:
         """The start of ``step``. Replicated state: note the RNG (the state itself stays as it is until the
-        update, after ``commit``). Sharded: copy our piece and send it to the next rank (the replica)."""
+        update, after ``commit``). Sharded: copy our piece and send it to the next rank (the replica).
+        Rank 0 writes the group's step and asks whether a change is wanted in the background (:meth:`_flag`
+        takes the answer)."""
+        if self.rank == 0:
+            self.asker = self.asker or Asker()
+            self.asker.submit(self.store.set, key("step"), str(step))  # (the group has reached ``step``)
         self.hooks.at_step(self, step)
+        if self.rank == 0:  # (after the hook: a test holding this rank until a change is wanted sees it asked)
+            self.asked = (self.epoch, step, self.asker.submit(self.store.check, [key("change", self.epoch)]))
         if not self.sharded:
             self.live, self.in_step, self.ready, self.rng, self.held = step, True, False, torch.get_rng_state(), {}
             return
@@ -255,13 +271,15 @@ class Member:
         return out
 
     def _flag(self, step: int) -> float:
-        """1.0 on rank 0 when the coordinator wants a change (a rank was lost or a newcomer waits), else
-        0.0; rank 0 also writes the group's step, for the refusal of a stale rank."""
+        """1.0 on rank 0 when the coordinator wanted a change (a rank was lost or a newcomer waits) at the
+        step's start, else 0.0: the answer to what :meth:`begin` asked (waited for if not in yet; asked here
+        if ``begin`` did not ask it in this epoch). A change wanted later is seen at the next step."""
         if self.rank != 0:
             return 0.0
-        flag = 1.0 if self.store.check([key("change", self.epoch)]) else 0.0
-        self.store.set(key("step"), str(step + 1))
-        return flag
+        asked, self.asked = self.asked, None
+        if asked is not None and asked[:2] == (self.epoch, step):
+            return 1.0 if asked[2].result() else 0.0
+        return 1.0 if self.store.check([key("change", self.epoch)]) else 0.0
 
     def _quorum(self, step: int, loss, weight: float) -> tuple[float, bool]:
         """The global batch's loss of ``step`` (sum over ranks of loss * weight) and whether the group must

@@ -10,7 +10,7 @@ on from, who left and joined, who receives the state and from whom), ``change/E`
 asks into epoch E with the steps it can offer), ``ready/ID`` and ``invite/ID`` (a newcomer), ``up/E/ID``
 (the barrier before the group opens), ``wd/E/`` (the watchdog's heartbeats), ``lost/E`` (epoch E
 lost a member: a rank blocked in one of its calls breaks the group at once), ``step`` (the group's
-step, written by rank 0 at each commit), ``refuse/ID`` (the coordinator's one-line refusal of a stale rank).
+step, written by rank 0 at each step's start), ``refuse/ID`` (the coordinator's one-line refusal of a stale rank).
 ``end/ID`` and ``news`` (a node agent's report of a rank's end), ``hb/I`` (its heartbeat),
 ``kill/ID`` and ``job/end`` (the coordinator's word to node agents), ``joins`` and ``refused``
 (counters the ``hold`` test hook waits on).

@@ -136,7 +136,7 @@ class ElasticGuard(Guard):
     # -- once per step ----------------------------------------------------------------------------
     def begin(self, step: int, engine) -> None:
         t = time.perf_counter()
-        self.q.begin(step, engine.state_dict)  # (sharded: the piece's copy, and its send to the next rank)
+        self.q.begin(step, engine.piece_state)  # (sharded: the piece's copy, and its send to the next rank)
         if not self.q.sharded:
             self.buffers = [(b, b.detach().clone()) for b in engine.buffers()]
         self.committed = None

@@ -14,6 +14,9 @@ Every measurement is a real ``distrain train`` run in a subprocess, as a user st
   and joins the survivors (in the loss's change when it is ready by then, else in one of its own);
   ``join_s`` (from its start to its first step done in the group).
 
+``faults=False`` (``--no-faults``) runs the steady state only: e.g. ZeRO at P = 2, whose loss of a rank leaves
+dp = 1, which ZeRO refuses.
+
 The job's flags (model, data, batch, dtype, strategy, ...) are the same in every run. Results: a
 table, and with ``json_path`` every record beside the machine's metadata (bench/common.py).
 """
@@ -51,6 +54,7 @@ class Settings:
     kill_step: int = 30
     log_every: int = 10
     transport: str = "torch"  # --transport of every run (torch, shm or auto)
+    faults: bool = True  # the recovery and join runs after the steady state
     extra: tuple[str, ...] = field(default_factory=tuple)  # more `distrain train` flags, the same for every run
     json_path: str | None = None
 
@@ -64,7 +68,7 @@ def check(s: Settings) -> None:
         raise ConfigError(f"bench elastic: --nproc {s.nproc}: an elastic job needs at least 2 ranks to lose one")
     if not 0 < s.warmup < s.steps - 2:
         raise ConfigError(f"bench elastic: --warmup {s.warmup} must leave timed steps of --steps {s.steps}")
-    if not s.warmup <= s.kill_step < s.steps - 2:
+    if s.faults and not s.warmup <= s.kill_step < s.steps - 2:
         raise ConfigError(f"bench elastic: --kill-step {s.kill_step} must be after the warm-up ({s.warmup}) and at "
                           f"least 2 steps before the end (--steps {s.steps})")
     if s.rounds < 1:
@@ -118,7 +122,7 @@ def run(s: Settings) -> dict:
                 records.append({"what": "steady", "round": r, "kind": kind, "step_s": pair[kind]})
                 common.progress(f"round {r + 1}/{s.rounds}: {kind} {1e3 * pair[kind]:.2f} ms per step")
             records.append({"what": "ratio", "round": r, "elastic_over_fixed": pair["elastic"] / pair["fixed"]})
-        for kind, replace in (("recovery", 0), ("join", 1)):
+        for kind, replace in (("recovery", 0), ("join", 1)) if s.faults else ():
             _train(s, out, f"{s.nproc - 1}:{s.nproc}", faults=f"{KILLED}@{s.kill_step}", replace=replace)
             steps, events = _lines(out)
             # the loss's change; a replacement joins in it, or (when it was not ready yet) in a change of its own
@@ -140,12 +144,14 @@ def summarize(records: list[dict]) -> dict:
     ratios = [r["elastic_over_fixed"] for r in records if r["what"] == "ratio"]
     fixed = [r["step_s"] for r in records if r["what"] == "steady" and r["kind"] == "fixed"]
     elastic = [r["step_s"] for r in records if r["what"] == "steady" and r["kind"] == "elastic"]
-    rec = next(r for r in records if r["what"] == "recovery")
-    join = next(r for r in records if r["what"] == "join")
-    return {"ratio_median": statistics.median(ratios), "ratios": ratios, "fixed_step_s": statistics.median(fixed),
-            "elastic_step_s": statistics.median(elastic), "recover_s": rec["recover_s"],
-            "redone": rec["rolled_back"] is not None, "join_s": join["join_s"], "join_recover_s": join["recover_s"],
-            "join_changes": join["changes"]}
+    out = {"ratio_median": statistics.median(ratios), "ratios": ratios, "fixed_step_s": statistics.median(fixed),
+           "elastic_step_s": statistics.median(elastic)}
+    rec = next((r for r in records if r["what"] == "recovery"), None)
+    join = next((r for r in records if r["what"] == "join"), None)
+    if rec is None or join is None:  # (--no-faults)
+        return out
+    return out | {"recover_s": rec["recover_s"], "redone": rec["rolled_back"] is not None, "join_s": join["join_s"],
+                  "join_recover_s": join["recover_s"], "join_changes": join["changes"]}
 
 
 def _join(m: dict) -> str:
@@ -158,10 +164,11 @@ def _join(m: dict) -> str:
 def format_report(s: Settings, m: dict) -> str:
     rows = [("per step, fixed / elastic (medians)", f"{1e3 * m['fixed_step_s']:.2f} ms / {1e3 * m['elastic_step_s']:.2f} ms"),
             ("elastic / fixed, per round", ", ".join(f"{x:.3f}" for x in m["ratios"])),
-            ("elastic / fixed, median", f"{m['ratio_median']:.3f}"),
-            (f"rank {KILLED} killed at step {s.kill_step}: to the first step at {s.nproc - 1}",
-             f"{m['recover_s']:.3f} s" + (" (the step cut in half redone)" if m["redone"] else "")),
-            ("killed and replaced: the replacement's join", _join(m))]
+            ("elastic / fixed, median", f"{m['ratio_median']:.3f}")]
+    if "recover_s" in m:
+        rows += [(f"rank {KILLED} killed at step {s.kill_step}: to the first step at {s.nproc - 1}",
+                  f"{m['recover_s']:.3f} s" + (" (the step cut in half redone)" if m["redone"] else "")),
+                 ("killed and replaced: the replacement's join", _join(m))]
     width = max(len(k) for k, _ in rows)
     head = (f"bench elastic: {s.strategy}, P={s.nproc}, {s.model} on {s.data}, batch {s.batch_size}, {s.dtype}, "
             f"transport {s.transport}")

@@ -168,10 +168,12 @@ class Zero:
     def _layout(self) -> dict:
         return {"stage": self.stage, "world": self.world, "units": [u.describe() for u in self.units]}
 
-    def state_dict(self) -> dict:
-        """This rank's shards and optimizer state (load into the same stage, world size and units)."""
+    def state_dict(self, copy: bool = True) -> dict:
+        """This rank's shards and optimizer state (load into the same stage, world size and units).
+        ``copy=False``: the live shards themselves (a caller that copies them at once, e.g. an elastic
+        job's per-step piece); the optimizer's state is its live tensors either way."""
         return {"format": FORMAT, "rank": self.rank, "layout": self._layout(),
-                "shards": [s.detach().clone() for s in self.impl.shards],
+                "shards": [s.detach().clone() if copy else s.detach() for s in self.impl.shards],
                 "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, sd: dict) -> None:

@@ -87,6 +87,11 @@ class Engine(ABC):
         that changes its state before the commit (DiLoCo's outer step) keeps a copy and returns it."""
         return self.state_dict()
 
+    def piece_state(self) -> dict:
+        """:meth:`state_dict`'s tree for a copy taken at once (an elastic job's per-step piece, which packs
+        every tensor into its buffer): tensors may be the live ones. Here :meth:`state_dict` itself."""
+        return self.state_dict()
+
     def load_newcomer(self, state: dict) -> None:
         """Load the state a live peer sent this newcomer (an elastic job's replacement rank): a replica's,
         so here :meth:`load_state_dict`; an engine whose ranks hold states of their own (DiLoCo) takes only

@@ -77,6 +77,7 @@ class GridEngine(Engine):
         self.holds_whole_state = self.whole and not self.zero_stage
         self.label = label_of(cfg, topo, self.zero_stage)
         self.invariant = None
+        self._piece_meta = None  # (piece_state: the buffers' names and the naming record, made once)
         if cfg.layout_invariant:  # (validated: data parallelism; pipelines whose micro-batches are the units;
             # tensor parallelism under ddp)
             from distrain.trainer.engines.invariant import InvariantTraining
@@ -296,6 +297,19 @@ class GridEngine(Engine):
             return zero_shard_state(self.pm.zero, stage_full_name(self.pm.stage), self.pm.tp_info)
         return {"model": self.pm.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                 **shard_meta(self._names(), self.pm.tp_info, self._order())}
+
+    def piece_state(self) -> dict:
+        """ZeRO: :meth:`state_dict`'s tree with the live shards and buffers (not copies) and the naming record
+        made once per engine (an elastic job packs this every step: the record cost more than the copy)."""
+        zero = self.pm.zero
+        if zero is None:
+            return self.state_dict()
+        if self._piece_meta is None:  # (the names and buffers kept are the engine's for its life)
+            full = self.state_dict()
+            self._piece_meta = (list(full["buffers"]), {k: v for k, v in full.items() if k not in ("zero", "buffers")})
+        kept, meta = self._piece_meta
+        live = dict(zero.module.named_buffers())
+        return {"zero": zero.state_dict(copy=False), "buffers": {n: live[n].detach() for n in kept}, **meta}
 
     def load_full(self, full: dict) -> None:
         from distrain.checkpoint.form import whole

@@ -1,0 +1,144 @@
+"""What the elastic guard does per step, made cheaper: rank 0's store round trips asked at the step's start
+on a thread of their own (Member.begin / Member._flag), and a ZeRO rank's per-step piece packed from the
+live state (GridEngine.piece_state) instead of a copy of it with its naming record made again."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_ranks
+
+
+def test_rank_0_writes_the_step_and_asks_for_a_change_at_the_steps_start_and_the_quorum_takes_that_answer():
+    import torch.distributed as dist
+
+    from distrain.elastic.member import Member
+    from distrain.elastic.protocol import key
+
+    store = dist.HashStore()
+    m = Member(store, 0, "gloo", 30.0)
+    m.epoch, m.rank, m.world = 0, 0, 2
+    try:
+        m.begin(3, None)
+        assert m.asked[:2] == (0, 3)
+        assert m._flag(3) == 0.0  # (no change wanted when step 3 started)
+        assert store.get(key("step")) == b"3"  # (written before the answer: the thread runs in order)
+        m.updated(3)
+        m.begin(4, None)
+        m.asked[2].result()  # (answered)
+        store.set(key("change", 0), "1")  # wanted once step 4 is under way: seen at step 5
+        assert m._flag(4) == 0.0
+        m.updated(4)
+        m.begin(5, None)
+        assert m._flag(5) == 1.0
+        assert store.get(key("step")) == b"5"
+        assert m.asked is None  # (taken)
+        assert m._flag(5) == 1.0  # not asked at this step's start (here: taken already): asked now
+        m.epoch = 1  # an answer of another epoch is never taken
+        m.begin(6, None)
+        m.epoch = 2
+        assert m._flag(6) == 0.0  # (change/2 does not exist)
+    finally:
+        m.close()
+
+
+def test_a_non_zero_rank_asks_nothing():
+    from distrain.elastic.member import Member
+
+    m = Member(None, 1, "gloo", 30.0)  # (no store: any use of it would fail)
+    m.epoch, m.rank, m.world = 0, 1, 2
+    m.begin(0, None)
+    assert (m.asker, m.asked, m._flag(0)) == (None, None, 0.0)
+
+
+def _same_tree(a, b, where="") -> list[str]:
+    import torch
+
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        if not (torch.is_tensor(a) and torch.is_tensor(b)):
+            return [f"{where}: a tensor on one side only"]
+        if (a.dtype, a.shape) != (b.dtype, b.shape) or not torch.equal(a, b):
+            return [f"{where}: tensors differ"]
+        return []
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or list(a) != list(b):
+            return [f"{where}: keys {list(a)} != {list(b) if isinstance(b, dict) else type(b).__name__}"]
+        return [p for k in a for p in _same_tree(a[k], b[k], f"{where}/{k}")]
+    if isinstance(a, (list, tuple)):
+        if type(a) is not type(b) or len(a) != len(b):
+            return [f"{where}: {type(a).__name__} of {len(a)} != {b!r:.40}"]
+        return [p for i, (x, y) in enumerate(zip(a, b)) for p in _same_tree(x, y, f"{where}/{i}")]
+    return [] if a == b else [f"{where}: {a!r:.40} != {b!r:.40}"]
+
+
+def _piece_state_is_the_state_dict_of_live_tensors(rank: int) -> list[str]:
+    return [f"{stage}: {p}" for stage in ("zero2", "zero3") for p in _piece_state_of(rank, stage)]
+
+
+def _piece_state_of(rank: int, stage: str) -> list[str]:
+    import torch
+
+    from distrain.elastic.pieces import pack
+    from distrain.models.registry import build_model
+    from distrain.trainer.config import TrainConfig
+    from distrain.trainer.engines import build_engine
+    from distrain.trainer.task import lm_loss
+
+    torch.manual_seed(0)
+    cfg = TrainConfig(model="gpt-tiny", strategy=stage, nproc=2, batch_size=4, lr=1e-2, dtype="float64")
+    e = build_engine(cfg, build_model("gpt-tiny").double(), lm_loss,
+                     lambda p: torch.optim.AdamW(p, lr=1e-2))
+    g = torch.Generator().manual_seed(rank)
+    bad = []
+    for step in range(2):  # (after each step: the optimizer's state changes, the piece follows it)
+        x = torch.randint(0, 256, (2, 16), generator=g)
+        e.train_step(x, torch.roll(x, -1, 1))
+        piece, whole = e.piece_state(), e.state_dict()
+        bad += [f"step {step}: {p}" for p in _same_tree(piece, whole)]
+        live = {t.data_ptr() for t in e.pm.zero.parameters()}
+        if {t.data_ptr() for t in piece["zero"]["shards"]} != live:
+            bad.append(f"step {step}: the piece's shards are not the live ones")
+        if {t.data_ptr() for t in whole["zero"]["shards"]} & live:
+            bad.append(f"step {step}: state_dict() shares the live shards (it copies them)")
+        _, packed = pack(piece)  # what Member.begin keeps: equal to the state, in a buffer of its own
+        bad += [f"step {step}, packed: {p}" for p in _same_tree(packed, whole)]
+    return bad
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_zero_piece_state_is_the_state_dict_tree_with_the_live_tensors():
+    run_ranks(_piece_state_is_the_state_dict_of_live_tensors, 2)
+
+
+def test_the_asker_runs_calls_in_order_and_hands_back_their_results_and_errors():
+    from distrain.elastic.asker import Asker
+
+    seen, a = [], Asker()
+    try:
+        first = a.submit(seen.append, 1)
+        boom = a.submit(int, "x")
+        last = a.submit(lambda: tuple(seen))
+        assert first.result(10) is None and last.result(10) == (1,)
+        with pytest.raises(ValueError):  # (int("x")'s own error, raised where the result is taken)
+            boom.result(10)
+    finally:
+        a.stop()
+
+
+def test_bench_elastic_without_faults_reports_the_steady_state_only():
+    from distrain.bench.elastic import cost
+    from distrain.errors import ConfigError
+
+    s = cost.Settings(nproc=2, strategy="zero2", model="gpt-tiny", steps=8, kill_step=0, faults=False)
+    cost.check(s)  # (--kill-step is not checked: no kill runs)
+    records = [{"what": "steady", "round": 0, "kind": "fixed", "step_s": 0.040},
+               {"what": "steady", "round": 0, "kind": "elastic", "step_s": 0.042},
+               {"what": "ratio", "round": 0, "elastic_over_fixed": 1.05}]
+    m = cost.summarize(records)
+    assert m == {"ratio_median": 1.05, "ratios": [1.05], "fixed_step_s": 0.040, "elastic_step_s": 0.042}
+    lines = cost.format_report(s, m).splitlines()
+    assert [ln.split("  ")[1] for ln in lines[1:]] == [
+        "per step, fixed / elastic (medians)", "elastic / fixed, per round", "elastic / fixed, median"]
+    with pytest.raises(ConfigError):  # with the kill runs, the same --kill-step is refused
+        cost.check(cost.Settings(nproc=2, strategy="zero2", steps=8, kill_step=0))
