@@ -105,3 +105,22 @@ def test_the_signal_decides_the_cause_and_the_error_type():
                                       "mismatch")
     exited = blame({1: Failure(1, 1.0, died_message(3), died=True, exitcode=3)})
     assert type(exited) is not RankKilledError and exited.rank == 1
+
+
+def test_a_lost_peer_under_a_checkpoints_bookkeeping_is_blamed_as_secondary(monkeypatch):
+    """CI once blamed rank 0 for rank 1's SIGKILL: rank 0's checkpoint all_gather (torch's own, called directly)
+    raised Gloo's bare RuntimeError, a primary failure stamped before the parent saw rank 1 die. Under
+    transport_errors it is a PeerLostError, secondary by type, and the killed rank is blamed."""
+    import torch
+
+    from distrain.blame import is_secondary
+    from distrain.comm import objects
+    from distrain.errors import PeerLostError
+
+    def reset(*args, **kwargs):
+        raise RuntimeError("Read error: Connection reset by peer")
+
+    monkeypatch.setattr(objects.dist, "all_gather", reset)
+    with pytest.raises(PeerLostError) as got:
+        objects._all_gather([torch.empty(1)], torch.zeros(1), None, None)  # (all_gather_data's torch path)
+    assert is_secondary(got.value)

@@ -231,7 +231,8 @@ def save_set(out: str | os.PathLike, step: int, layout: dict, shard: str | None,
     if failed is not None:
         if fresh:
             path.unlink(missing_ok=True)  # no file of a set that is never committed
-        dist.barrier()  # every rank's file of the failed set is gone
+        with comm.transport_errors("checkpoint: the failed set's barrier"):
+            dist.barrier()  # every rank's file of the failed set is gone
         raise _set_failed(out, step, failed[2], need, f"rank {failed[3]}" if dist.get_world_size() > 1 else "")
     outcome = None
     if dist.get_rank() == 0:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from distrain.comm import api
 from distrain.comm.core import p2p
+from distrain.comm.core.failures import transport_errors
 from distrain.comm.core.torchargs import torch_call
 from distrain.errors import ConfigError
 
@@ -84,7 +85,8 @@ def decode_data(t: torch.Tensor, n: int):
 
 def _all_gather(out: list, t: torch.Tensor, group, algorithm: str | None) -> None:
     if algorithm is None:  # torch.distributed's own: outside every traffic ledger
-        dist.all_gather(out, t, group=group)
+        with transport_errors("all_gather_data"):  # (a peer lost under it: PeerLostError, blamed as secondary)
+            dist.all_gather(out, t, group=group)
     else:
         api.all_gather(out, t, group=group, algorithm=algorithm)
 
@@ -115,7 +117,8 @@ def gather_data(obj, dst: int = 0, group=None, algorithm: str | None = "native")
     sizes, m = _gather_sizes(mine, group, algorithm)
     bufs = [torch.empty(m, dtype=torch.uint8) for _ in sizes] if me == root else None
     if algorithm is None:
-        dist.gather(_padded(mine, m), bufs, dst=dst, group=group)
+        with transport_errors("gather_data"):  # (a peer lost under it: PeerLostError, blamed as secondary)
+            dist.gather(_padded(mine, m), bufs, dst=dst, group=group)
     else:
         api.gather(_padded(mine, m), bufs, dst=dst, group=group, algorithm=algorithm)
     return [decode_data(b, int(n)) for b, n in zip(bufs, sizes)] if me == root else None

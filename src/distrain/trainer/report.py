@@ -126,7 +126,8 @@ def rank_traffic(led: comm.Ledger, steps: int) -> list[dict]:
     t = led.total()
     mine = torch.tensor([t.bytes_sent / max(1, steps), t.bytes_recv / max(1, steps)], dtype=torch.float64)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, mine)
+    with comm.transport_errors("the traffic report's all_gather"):  # (a peer lost: PeerLostError, secondary)
+        dist.all_gather(rows, mine)
     return [{"rank": r, "sent": row[0].item(), "recv": row[1].item()} for r, row in enumerate(rows)]
 
 
