@@ -249,6 +249,9 @@ LONG: list[tuple[str, str, str, str]] = [
      "README's elastic job runs, tests/test_elastic*.py test the recovery and join it times, "
      "tests/test_bench_studies.py its report"),
     ("docs/fault_tolerance.md", r"--elastic 2:4 --nproc 4$", "command", "an elastic job, as README's, which runs"),
+    ("docs/fault_tolerance.md", r"^python tests/test_link_campaign\.py", "command",
+     "the link-fault campaign's table: trials of one to three minutes each, every one on a cluster of its own; "
+     "make test runs the campaign's suite (tests/test_link_campaign.py::test_link_fault)"),
     ("docs/fault_tolerance.md", r"--nproc-per-node 2 -- distrain train", "command",
      "the job of the line before it, through `--`"),
     ("docs/llama.md", r"--out data/shk-bpe2048", "block",
