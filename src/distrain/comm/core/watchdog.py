@@ -201,10 +201,12 @@ class Watchdog:
     def _why(self, r: int, hb: dict | None, silent: float, now: float) -> str | None:
         """Why quiet rank ``r`` is not coming (None: no proof yet): its process seen stopped or gone in /proc,
         or its host refusing or not answering a connection (a probe made while it was quiet, reach.py)."""
+        if silent < self.quiet_s - reach.PROBE_S:  # (it beat lately: no /proc read, no probe)
+            return None
         if process_state(hb, self.identity) in ("stopped", "gone"):
             return WHY
         address = reach.address_of(hb)
-        if address is None or silent < self.quiet_s - reach.PROBE_S:
+        if address is None:
             return None
         probe = self._probes.get(r)
         if probe is None or (probe.result == "reachable" and now - probe.began >= reach.REPROBE_S):
