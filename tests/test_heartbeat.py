@@ -30,7 +30,7 @@ import distrain
 from distrain import comm
 from distrain.cluster import runner
 from distrain.cluster.fixture import emulated_cluster  # noqa: F401  (the fixture)
-from distrain.comm.core import watchdog
+from distrain.comm.core import process, watchdog
 from distrain.errors import CollectiveTimeoutError
 
 REQUIRED_S = 2.0  # the bound: named within 2 s of the first call that waits on the stopped rank
@@ -53,9 +53,9 @@ def test_in_one_process_a_quiet_rank_is_named_a_busy_one_listed_and_a_forged_hea
     gone = subprocess.Popen([sys.executable, "-c", "import os, sys; sys.stdout.write(open('/proc/self/stat').read())"],
                             stdout=subprocess.PIPE, text=True)
     stat = gone.communicate()[0]
-    ident = watchdog._identity() | {"pid": gone.pid, "start": int(stat.rsplit(")", 1)[1].split()[19])}
-    assert watchdog.process_state({"n": 1, **ident}, watchdog._identity()) == "gone"
-    assert watchdog.process_state({"n": 1, **watchdog._identity()}, watchdog._identity()) == "alive"
+    ident = process.identity() | {"pid": gone.pid, "start": int(stat.rsplit(")", 1)[1].split()[19])}
+    assert process.state({"n": 1, **ident}, process.identity()) == "gone"
+    assert process.state({"n": 1, **process.identity()}, process.identity()) == "alive"
     store = dist.HashStore()
     reports: list[str] = []
 

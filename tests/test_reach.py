@@ -19,7 +19,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from distrain.comm.core import reach, watchdog
+from distrain.comm.core import process, reach, watchdog
 
 
 def _settle(probe: reach.Probe, limit: float = 5.0) -> tuple[str, float]:
@@ -53,7 +53,7 @@ def test_a_stopped_process_still_answers_a_closed_port_refuses_and_a_silent_one_
     try:
         port = int(child.stdout.readline())
         deadline = time.monotonic() + 10
-        while watchdog.process_state({"pid": child.pid, "start": _start(child.pid), **_ns()}, watchdog._identity()) \
+        while process.state({"pid": child.pid, "start": _start(child.pid), **_ns()}, process.identity()) \
                 != "stopped" and time.monotonic() < deadline:
             time.sleep(0.02)
         # every TRIES connection completes with the process stopped (4 < BACKLOG, nobody accepts)
@@ -78,7 +78,7 @@ def _start(pid: int) -> int:
 
 
 def _ns() -> dict:
-    ident = watchdog._identity()
+    ident = process.identity()
     return {"boot": ident["boot"], "pidns": ident["pidns"]}
 
 
@@ -116,7 +116,7 @@ def test_a_quiet_live_rank_is_named_only_when_its_host_does_not_answer():
 
     live = reach.Listener("127.0.0.1")
     s, fill, hole = _blackhole()
-    me = watchdog._identity()
+    me = process.identity()
     records = {1: list(live.address), 2: list(hole), 3: ["localhost", live.address[1]]}
     for r, probe in records.items():
         store.set(f"j/wd/{r}", json.dumps({"n": 1, "calls": 3, "op": None, "blocked_s": 0, "t": 0, **me,

@@ -41,6 +41,15 @@ BACKLOG = 512  # the accept queue: probes wait here while this rank's watchdog t
 REPROBE_S = 5.0
 
 
+def listen(host: str | None) -> "Listener | None":
+    """A :class:`Listener` on ``host``, or None (no host, or it cannot listen there: then a cut-off rank is named
+    only by the time-out or once its process is gone)."""
+    try:
+        return Listener(host) if host is not None else None
+    except OSError:
+        return None
+
+
 class Listener:
     """A listening TCP socket on ``host`` (a free port) that nobody is served by: :meth:`drain` accepts and
     closes whatever waits. ``address``: (host, port) to publish."""
@@ -146,3 +155,35 @@ class Probe:
         for s in self.socks:
             s.close()
         self.socks = []
+
+
+class Prober:
+    """The probes of quiet peers' hosts, at most one per rank: :meth:`verdict` opens one when a peer is first asked
+    about and again every :data:`REPROBE_S` while the peer's host keeps answering; :meth:`forget` drops a peer's
+    probe once it beats again (the probe belonged to an earlier silence)."""
+
+    def __init__(self):
+        self.probes: dict[int, Probe] = {}
+
+    def verdict(self, rank: int, address: tuple[str, int], now: float) -> str | None:
+        """Why ``rank``, quiet, is not coming, from its host at ``address``: cut off or gone; None while its host
+        answers or the probe is undecided."""
+        probe = self.probes.get(rank)
+        if probe is None or (probe.result == "reachable" and now - probe.began >= REPROBE_S):
+            self.forget(rank)
+            probe = self.probes[rank] = Probe(address, now)
+        result = probe.poll(now)
+        if result == "unreachable":
+            return f"cut off: its host {address[0]} answered none of {TRIES} connections in {PROBE_S:g}s"
+        if result == "refused":
+            return f"gone: its host {address[0]} refuses connections to its heartbeat's port"
+        return None
+
+    def forget(self, rank: int) -> None:
+        probe = self.probes.pop(rank, None)
+        if probe is not None:
+            probe.close()
+
+    def close(self) -> None:
+        for rank in list(self.probes):
+            self.forget(rank)

@@ -24,7 +24,7 @@ counter ``n`` has not moved (no clock is compared across hosts). Once some rank'
 ``quiet_s``, this rank has been blocked that long, and that rank is seen stopped, gone or cut off, it
 reports at once, through the same path as the time-out, naming the call and its sequence number.
 Seen how: the heartbeat carries the process's pid, start time, boot id and PID namespace, so a process
-of the same kernel and namespace is looked up in /proc (:func:`process_state`: stopped or gone); and it
+of the same kernel and namespace is looked up in /proc (process.py: stopped or gone); and it
 carries the address of a listener the rank's kernel answers (reach.py), so a rank quiet for
 ``quiet_s - reach.PROBE_S`` has its host probed with a few connections at once: none completing within
 ``reach.PROBE_S`` means its link or host is down, a reset means its process is gone. A quiet rank whose
@@ -60,7 +60,7 @@ import threading
 import time
 from typing import Callable, Iterator
 
-from distrain.comm.core import reach
+from distrain.comm.core import process, reach
 
 STALE = 2.5  # without early naming: heartbeats older than this many intervals: the rank is not responding
 BEAT_S = 0.25  # a fixed job's heartbeat interval (runtime.init)
@@ -80,13 +80,13 @@ class Watchdog:
         self.interval = interval or max(0.2, min(5.0, timeout / 4))
         self.interrupt = interrupt
         self.quiet_s = quiet_s  # early naming on (a fixed job) when set
-        self.identity = _identity()  # (made here, in the rank: a fork server's would name the server)
+        self.identity = process.identity()  # (made here, in the rank: a fork server's would name the server)
         # early naming: a listener the kernel answers for this rank, so a waiting peer can tell a cut link from a
         # starved process (reach.py); its address rides in every heartbeat
-        self._listener = _listener(listen) if quiet_s is not None else None
+        self._listener = reach.listen(listen) if quiet_s is not None else None
         if self._listener is not None:
             self.identity["probe"] = list(self._listener.address)
-        self._probes: dict[int, reach.Probe] = {}  # rank -> the probe of its host made while it is quiet
+        self._prober = reach.Prober()  # the probes of quiet ranks' hosts
         self.stale_s = quiet_s if quiet_s is not None else STALE * self.interval  # the time-out's "not responding"
         self.connect = connect  # the thread's own store connection (None: ``store``)
         self.prefix = prefix  # the heartbeats' keys: prefix + "wd/<rank>"
@@ -191,7 +191,7 @@ class Watchdog:
             seen = self._seen.get(r)
             if seen is None or seen[0] != n:
                 self._seen[r] = seen = (n, now)
-                self._forget(r)  # it beat: any probe of its host belongs to an earlier silence
+                self._prober.forget(r)  # it beat: any probe of its host belongs to an earlier silence
             why = self._why(r, hb, now - seen[1], now)
             if now - seen[1] >= self.quiet_s and why is not None:
                 quiet[r] = (now - seen[1], why)
@@ -203,26 +203,10 @@ class Watchdog:
         or its host refusing or not answering a connection (a probe made while it was quiet, reach.py)."""
         if silent < self.quiet_s - reach.PROBE_S:  # (it beat lately: no /proc read, no probe)
             return None
-        if process_state(hb, self.identity) in ("stopped", "gone"):
+        if process.state(hb, self.identity) in ("stopped", "gone"):
             return WHY
         address = reach.address_of(hb)
-        if address is None:
-            return None
-        probe = self._probes.get(r)
-        if probe is None or (probe.result == "reachable" and now - probe.began >= reach.REPROBE_S):
-            self._forget(r)
-            probe = self._probes[r] = reach.Probe(address, now)  # (again each REPROBE_S while it answers)
-        result = probe.poll(now)
-        if result == "unreachable":
-            return f"cut off: its host {address[0]} answered none of {reach.TRIES} connections in {reach.PROBE_S:g}s"
-        if result == "refused":
-            return f"gone: its host {address[0]} refuses connections to its heartbeat's port"
-        return None
-
-    def _forget(self, r: int) -> None:
-        probe = self._probes.pop(r, None)
-        if probe is not None:
-            probe.close()
+        return self._prober.verdict(r, address, now) if address is not None else None
 
     def _diagnose(self, op: str, seq: int | None, waited: float,
                   quiet: dict[int, tuple[float, str]] | None = None) -> str:
@@ -286,68 +270,12 @@ class Watchdog:
         self._stop.set()
         if self._thread.ident is not None and self._thread is not threading.current_thread():
             self._thread.join(join_s)
-        for r in list(self._probes):
-            self._forget(r)
+        self._prober.close()
         if self._listener is not None:
             self._listener.close()
 
 
 WHY = "stopped, frozen, dead or cut off"  # what a rank without heartbeats may be
-
-
-def _listener(host: str | None) -> "reach.Listener | None":
-    """A probe listener on ``host``, or None (no host, or it cannot listen there: then a cut-off rank is named
-    only by the time-out or once its process is gone)."""
-    try:
-        return reach.Listener(host) if host is not None else None
-    except OSError:
-        return None
-
-
-def _identity() -> dict:
-    """This process as another process of the same kernel and PID namespace can find it in /proc: its pid, its
-    start time (field 22 of /proc/PID/stat: a reused pid has another), the kernel's boot id and the PID
-    namespace. Empty where /proc is missing (then no rank is ever named early, only by the time-out)."""
-    try:
-        with open("/proc/self/stat") as f:
-            start = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        return {"pid": os.getpid(), "start": start, "boot": boot, "pidns": os.readlink("/proc/self/ns/pid")}
-    except (OSError, ValueError, IndexError):
-        return {}
-
-
-
-def process_state(hb: dict | None, mine: dict) -> str:
-    """What this host can see of the process that wrote heartbeat ``hb``: "stopped" (SIGSTOP, or traced),
-    "gone" (exited, a zombie, or its pid now another process's), "alive" (running or sleeping), or "unknown"
-    (no heartbeat, or another kernel or PID namespace: another host). ``mine``: this process's
-    :func:`_identity`.
-
-    Why: a heartbeat that stops moving is not proof. Under a loaded CPU, or while the main thread holds the
-    GIL in a long C call, a live rank's heartbeat thread can miss seconds of beats, and naming it would end a
-    healthy job (seen in CI at load 12 on 2 cores: 1.3-2.6 s). So a quiet rank is named early only where its
-    process is seen stopped or gone; otherwise the collective time-out decides, as before."""
-    if hb is None or "boot" not in mine or hb.get("boot") != mine["boot"] or hb.get("pidns") != mine["pidns"]:
-        return "unknown"
-    pid, start = hb.get("pid"), hb.get("start")
-    if not isinstance(pid, int) or isinstance(pid, bool) or not isinstance(start, int) or pid <= 0:
-        return "unknown"
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return "gone"
-    try:
-        if int(fields[19]) != start:
-            return "gone"
-        state = fields[0]
-    except (ValueError, IndexError):
-        return "unknown"
-    if state in ("T", "t"):
-        return "stopped"
-    return "gone" if state in ("Z", "X", "x") else "alive"
 
 
 def _get(store, key: str) -> dict | None:
