@@ -48,6 +48,11 @@ def assert_params_close(got: dict, want: dict) -> None:
         torch.testing.assert_close(got[k], want[k], rtol=RTOL, atol=1e-13, msg=lambda m: f"{k}: {m}")
 
 
+def _float_means(deltas: list) -> list:
+    """The islands' mean Δ per tensor in float (``deltas``: one list of tensors per island)."""
+    return [torch.stack(ds).mean(dim=0) for ds in zip(*deltas)]
+
+
 def simulation_parts(cfg):
     """What a one-process simulation of the islands starts from: (the run's seeded model, its task, its loss
     function, its batch sampler), built as the trainer builds them."""
@@ -62,6 +67,37 @@ def simulation_parts(cfg):
     task = build_task(cfg, start.config.block_size, cpu, parts)
     return start, task, loss_function(cfg, parts), DistributedBatchSampler(len(task.train), cfg.batch_size,
                                                                            seed=cfg.seed)
+
+
+def outer_steps(step: int, held: list, master: list, outer: list, cuts: list, pending: dict, *, H: int,
+                fragments: int, overlap: int, alpha: float, mean) -> None:
+    """Streaming DiLoCo's outer schedule after inner step ``step``, in one process, as the engine runs it
+    (parallel/diloco/streaming.py, outer.py): first the exchanges due now are applied with the merge
+    θ_i ← α·θ_i + (1 − α)·master (``pending``: fragment -> (its step, its mean Δ per tensor)); then each
+    fragment f whose offset comes up ((step + 1 − f·H//P) mod H = 0) has its mean Δ taken (``mean``: the
+    islands' Δ lists of the fragment's tensors -> one mean per tensor) and applied at once (τ = 0: every
+    island takes the master) or held for ``overlap`` steps. ``held``: each island's parameter list;
+    ``outer``: one optimizer per fragment over its master slice ``cuts[f]``."""
+
+    def apply(f: int, means: list, merge: bool) -> None:
+        a, b = cuts[f]
+        for w, g in zip(master[a:b], means):
+            w.grad = g
+        outer[f].step()
+        for ps in held:
+            for p, w in zip(ps[a:b], master[a:b]):
+                p.copy_(p.mul(alpha).add_(w, alpha=1 - alpha) if merge else w)
+
+    for f in sorted(pending):
+        if pending[f][0] == step:
+            apply(f, pending.pop(f)[1], merge=True)
+    for f, (a, b) in enumerate(cuts):
+        if (step + 1 - f * H // fragments) % H == 0:
+            means = mean([[master[j] - ps[j] for j in range(a, b)] for ps in held])
+            if overlap:
+                pending[f] = (step + overlap, means)
+            else:
+                apply(f, means, merge=False)
 
 
 def simulate(cfg, K: int, fragments: int = 1, overlap: int = 0, alpha: float = 0.5):
@@ -98,27 +134,8 @@ def simulate(cfg, K: int, fragments: int = 1, overlap: int = 0, alpha: float = 0
             step_loss += loss.item() / K
         losses.append(step_loss)
         with torch.no_grad():
-            held = [list(m.parameters()) for m in islands]
-
-            def apply(f: int, means: list, merge: bool) -> None:
-                a, b = cuts[f]
-                for w, g in zip(master[a:b], means):
-                    w.grad = g
-                outer[f].step()
-                for ps in held:
-                    for p, w in zip(ps[a:b], master[a:b]):
-                        p.copy_(alpha * p + (1 - alpha) * w if merge else w)
-
-            for f in sorted(pending):
-                if pending[f][0] == step:
-                    apply(f, pending.pop(f)[1], merge=True)
-            for f, (a, b) in enumerate(cuts):
-                if (step + 1 - f * H // fragments) % H == 0:
-                    means = [torch.stack([master[j] - ps[j] for ps in held]).mean(dim=0) for j in range(a, b)]
-                    if overlap:
-                        pending[f] = (step + overlap, means)
-                    else:
-                        apply(f, means, merge=False)
+            outer_steps(step, [list(m.parameters()) for m in islands], master, outer, cuts, pending, H=H,
+                        fragments=fragments, overlap=overlap, alpha=alpha, mean=_float_means)
     left = {f: dict(zip(names[cuts[f][0]:cuts[f][1]], means)) for f, (_, means) in pending.items()}
     return losses, [m.state_dict() for m in islands], dict(zip(names, master)), left
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from conftest import train_losses, trainer_config
-from test_diloco import shard, simulation_parts
+from test_diloco import outer_steps, shard, simulation_parts
 
 K = 2
 UNITS = 6
@@ -150,27 +150,8 @@ def simulate(cfg, K: int, fragments: int = 1, overlap: int = 0, alpha: float = 0
             opt.step()
         losses.append(math.fsum(island_losses) / K)
         with torch.no_grad():
-            held = [list(m.parameters()) for m in islands]
-
-            def apply(f: int, means: list, merge: bool) -> None:
-                a, b = cuts[f]
-                for w, g in zip(master[a:b], means):
-                    w.grad = g
-                outer[f].step()
-                for ps in held:
-                    for p, w in zip(ps[a:b], master[a:b]):
-                        p.copy_(p.mul(alpha).add_(w, alpha=1 - alpha) if merge else w)
-
-            for f in sorted(pending):
-                if pending[f][0] == step:
-                    apply(f, pending.pop(f)[1], merge=True)
-            for f, (a, b) in enumerate(cuts):
-                if (step + 1 - f * H // fragments) % H == 0:
-                    means = fixed_point_means([[master[j] - ps[j] for j in range(a, b)] for ps in held])
-                    if overlap:
-                        pending[f] = (step + overlap, means)
-                    else:
-                        apply(f, means, merge=False)
+            outer_steps(step, [list(m.parameters()) for m in islands], master, outer, cuts, pending, H=H,
+                        fragments=fragments, overlap=overlap, alpha=alpha, mean=fixed_point_means)
     return losses, islands, inner, master, outer, pending
 
 
