@@ -25,23 +25,15 @@ each step for every peer's arrival, which a peer posts only after it finished re
 previous step: so no slot is overwritten while a peer still reads it. Hence only x86-64 is
 supported (other architectures would need explicit fences): ``auto`` falls back to torch there.
 
-Waiting never starves the other ranks of a 2-core machine: spin briefly (the peer may be
-running on the other core and about to publish), then block in the kernel on this rank's
-wake-up pipe (segment.py) until a peer writes to it, as a socket read would: a rank
-announces that it blocks (its SLEEPING line), re-checks, and blocks; a rank that publishes a
-flag then writes a byte to every peer that announced it blocks. A full fence between the
-store and the load on each side (:func:`fence`) rules out the lost wake-up (x86-64 may
-otherwise order a load before an earlier store); a block lasts at most 50 ms anyway. Every
-wait honours the timeout, notices a peer that aborted or whose process died, and raises a
-CommError naming this rank, the collective and the peer.
+Waiting (waiting.py, the mixin :class:`~distrain.comm.shm.waiting.Waits`): spin briefly, then block
+on this rank's wake-up pipe until a peer writes to it; every wait honours the timeout and notices a
+peer that aborted or died.
 """
 
 from __future__ import annotations
 
 import os
-import select
 import threading
-import time
 
 import torch
 import torch.distributed as dist
@@ -51,10 +43,9 @@ from distrain.comm.shm import collectives, compiled, hierarchy
 from distrain.comm.shm.host import host_id, set_host_id, supported, unsupported  # noqa: F401  (this module's API)
 from distrain.comm.shm.p2p import Channels
 from distrain.comm.shm.symmetric import Heap
-from distrain.comm.shm.segment import ABORT, ARRIVE, CONSUMED, SLEEPING, Layout, Segment, SegmentRefusedError
-# the waits' timings (segment.py holds them: the extension is checked against them, compiled.reference)
-from distrain.comm.shm.segment import CHECK_EVERY, MAX_BLOCK, SPIN_MAX_S, SPIN_MIN_S
-from distrain.errors import CommError, PeerLostError
+from distrain.comm.shm.waiting import Waits
+from distrain.comm.shm.segment import ARRIVE, CONSUMED, SPIN_MAX_S, Layout, Segment, SegmentRefusedError
+from distrain.errors import CommError
 
 # A collective step moves at most this much per rank. 1 MiB: a rank's slot fits its L2, so
 # the fold reads both slots from cache. Quiet machine, ranks bound to cores, P=2 all_reduce,
@@ -72,17 +63,8 @@ RING_BYTES = 1 << 20  # per directed pair of ranks
 #   2 busy processes, 64 MiB: 2 slots 0.34-0.56, 4 slots 0.72-1.55, 8 slots 1.60-1.64
 # Four keep the quiet speed and most of the gain under load.
 SLOTS = 4
-_fence_lock = threading.Lock()
-_MAIN = threading.main_thread().ident  # waits on other threads (the group's worker) never spin
 
-
-def fence() -> None:
-    """A full memory barrier: acquiring an uncontended lock is an atomic read-modify-write
-    (lock-prefixed on x86-64), which orders every earlier store before every later load."""
-    _fence_lock.acquire()
-    _fence_lock.release()
-
-class ShmTransport:
+class ShmTransport(Waits):
     """Shared memory between the ranks of one group on this host (see the module docstring).
 
     ``strict``: every peer must be on this host (transport="shm"); otherwise (transport="auto")
@@ -214,123 +196,6 @@ class ShmTransport:
         lay = self.layout
         if all(self.me.line(lay.opened_line(q)) for q in range(self.size) if q != self.rank):
             self.unlink_when_mapped()
-
-    # -- waiting -------------------------------------------------------------------------
-    def wait(self, ready, peers, what: str) -> None:
-        """Poll ``ready()`` until true: spin, then block on the wake-up pipe (see the module doc).
-
-        Raises a CommError naming this rank, ``what`` and the peer, when a peer (group ranks
-        ``peers``) aborted or died, or when the timeout passes.
-        """
-        # Spin only as long as spinning pays off, and never hand the core away while spinning.
-        # On a machine with more runnable threads than cores the peer is often not running:
-        # a sched_yield then gives the core to another process for a whole time slice (4 KiB
-        # all_reduce, P=2, 2 busy processes: 2.4-2.8 ms per call with a yield in the spin,
-        # 0.35-0.5 ms without), and blocking (a peer's write wakes us, and the scheduler
-        # favours a task that slept) is faster. A wait that ends while spinning doubles the
-        # next spin, one that has to block halves it, between SPIN_MIN_S and SPIN_MAX_S.
-        if ready():
-            return
-        # A wait on the group's worker thread (an async collective, e.g. a DDP bucket during
-        # backward) blocks at once: spinning there would take the core from the rank's backward.
-        spin = self.spin if threading.get_ident() == _MAIN else 0.0
-        clock = time.perf_counter
-        end = clock() + spin
-        while True:
-            for _ in range(8):
-                if ready():
-                    if 0 < spin < SPIN_MAX_S:
-                        self.spin = min(SPIN_MAX_S, spin * 2)
-                    return
-            if clock() > end:
-                break
-        if spin:
-            self.spin = max(SPIN_MIN_S, spin / 2)
-        self.unlink_if_all_opened()
-        start = last = time.monotonic()
-        block = 1e-3
-        me = self.me
-        while True:
-            self._sleepers(+1)
-            try:
-                fence()
-                if ready():
-                    return
-                select.select([me.wake_fd], [], [], block)
-                me.drain()
-            finally:
-                self._sleepers(-1)
-            if ready():
-                return
-            block = min(block * 2, MAX_BLOCK)
-            now = time.monotonic()
-            if now - last >= CHECK_EVERY:
-                last = now
-                self._check_peers(peers, what, now - start)
-
-    def count_sleepers_with(self, add) -> None:
-        """From now on count this rank's blocked threads with ``add(delta)``, the extension's atomic add
-        on the SLEEPING line (its Plane's or Rings'): its C++ waits count there too, and the plain store
-        below would overwrite their adds."""
-        self._atomic_sleepers = add
-
-    def _sleepers(self, delta: int) -> None:
-        if self._atomic_sleepers is not None:
-            self._atomic_sleepers(delta)
-            return
-        with self._sleep_lock:
-            self._sleeping += delta
-            self.me.set_line(SLEEPING, self._sleeping)
-
-    def wake_peers(self, peers=None) -> None:
-        """After publishing a flag: wake the peers that block waiting for one."""
-        fence()
-        for q, s in list(self.peers.items()):
-            if q != self.rank and (peers is None or q in peers) and s.ctrl[SLEEPING * 8]:
-                s.wake()
-
-    def _check_peers(self, peers, what: str, waited: float) -> None:
-        for q in peers:
-            s = self.peers.get(q)
-            if s is not None and s.line(ABORT):
-                raise self.lost("aborted", q, what, peers)
-            if s is not None and not s.owner_alive():
-                raise self.lost("died", q, what, peers)
-        if waited > self.timeout:
-            raise self.lost("timeout", None, what, [q for q in peers if q != self.rank])
-
-    def lost(self, kind: str, q: int | None, what: str, peers) -> PeerLostError:
-        """The error of a wait that ends without its peers (the compiled waits report the same):
-        ``kind`` "aborted" (rank q failed), "died" (its process is gone) or "timeout"."""
-        if kind == "aborted":
-            return PeerLostError(f"{what} on rank {self.me_global}: rank {self.ranks[q]} failed during this "
-                                 f"collective (shared-memory transport); see that rank's error")
-        if kind == "died":
-            return PeerLostError(f"{what} on rank {self.me_global}: rank {self.ranks[q]} (pid {self.pids[q]}) died "
-                                 f"while this rank waited for it (shared-memory transport)")
-        return PeerLostError(f"{what} on rank {self.me_global}: timed out after {self.timeout:g}s waiting for "
-                             f"rank(s) {[self.ranks[p] for p in peers if p != self.rank]} (shared-memory transport); "
-                             f"a rank is stuck or did not call the same collective")
-
-    def abort(self) -> None:
-        """Tell every peer that this rank failed, so their waits end at once."""
-        if self.me is not None and self.me.ctrl is not None:
-            self.me.set_line(ABORT, 1)
-            self.wake_peers()
-
-    def interrupt(self) -> None:
-        """End every wait on this group at once, this rank's and its peers' (the group is over: an elastic
-        epoch that lost a member; safe from another thread while a call blocks): the ABORT line of every
-        segment this rank has mapped, its own and its peers', then a wake-up to each. A wait checks its
-        peers' ABORT lines (this rank's waits, compiled or not, look at the peers' only), so each blocked
-        wait ends within a block (MAX_BLOCK) with the PeerLostError "aborted" naming one of them. ABORT only
-        ever goes from 0 to 1, so a second writer of that line changes nothing a reader could misread."""
-        segs = [s for s in list(self.peers.values()) if s.ctrl is not None]
-        for s in segs:
-            s.set_line(ABORT, 1)
-        fence()
-        for s in segs:
-            s.wake()  # (this rank's own FIFO too: its blocked wait returns from select at once)
 
     # -- collective steps ----------------------------------------------------------------
     def begin(self) -> int:
