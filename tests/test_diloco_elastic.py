@@ -170,11 +170,82 @@ def test_a_replacement_takes_the_outer_state_and_joins_the_next_outer_step(tmp_p
     assert summary["outer_syncs"] == 4 and summary["world_final"] == 3
 
 
+def check_one_island(cfg, states: dict, master: dict, syncs: int) -> None:
+    """The last island (shard island0) equals the simulation's, and so does θ_prev; the island differs from θ_prev
+    (the last step is past the last outer step: a real check)."""
+    (i, want), = states.items()
+    saved = shard(cfg.out, "island0")
+    assert_params_close(saved["model"], want)
+    assert saved["outer"]["syncs"] == syncs
+    assert_params_close(dict(zip(master, saved["outer"]["master"])), master)
+    w = next(iter(master))
+    assert not torch.equal(want[w], master[w])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kill", [2, 3], ids=["between-outer-steps", "at-an-outer-step"])
+def test_a_rank_lost_from_an_island_of_two_loses_nothing(tmp_path, monkeypatch, kill):
+    # K = 2 islands of 2 ranks (ids 0, 1 | 2, 3); id 3 SIGKILLs itself at the start of step ``kill`` (3: an outer
+    # step, which island 0 reaches while island 1's DDP all-reduce breaks). Island 1 goes on with id 2 alone,
+    # reading the island's whole part of each batch: the losses, both islands and θ_prev are the fault-free
+    # K = 2 simulation's
+    cfg, losses, events, summary = run(tmp_path, monkeypatch, f"3@{kill}", nproc=4, islands=2, elastic="2:4",
+                                       steps=7)
+    assert isinstance(summary, dict), summary
+    (e,) = events
+    assert (e["event"], e["old_world"], e["new_world"], e["left"], e["joined"], e["step"], e["rolled_back"]) == \
+           ("membership", 4, 3, [3], [], kill, kill)
+    assert 0 < e["recover_s"] < 30
+    want, states, master = simulate_elastic(cfg, [0, 1], {})
+    assert close(losses, want), (losses, want)
+    check_islands(cfg, [0, 1], states, master, syncs=3)
+    assert (summary["outer_syncs"], summary["islands"], summary["ranks_per_island"]) == (3, 2, [2, 1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_island_whose_last_rank_is_lost_is_dropped_at_that_step(tmp_path, monkeypatch):
+    # id 2 SIGKILLs itself at step 2 (island 1 goes on with id 3), then id 3 at step 5 (an outer step): island 1
+    # is gone from step 5 on, its inner progress since the outer step after step 3 dropped; island 0 (2 ranks)
+    # redoes step 5 alone on the whole batch: the simulation with island 1 dropped at step 5
+    cfg, losses, events, summary = run(tmp_path, monkeypatch, "2@2,3@5", nproc=4, islands=2, elastic="1:4",
+                                       steps=7)
+    assert isinstance(summary, dict), summary
+    first, second = events
+    assert (first["old_world"], first["new_world"], first["left"], first["step"]) == (4, 3, [2], 2)
+    assert (second["old_world"], second["new_world"], second["left"], second["step"], second["rolled_back"]) == \
+           (3, 2, [3], 5, 5)
+    want, states, master = simulate_elastic(cfg, [0, 1], {5: ([1], [])})
+    assert close(losses, want), (losses, want)
+    check_one_island(cfg, states, master, syncs=3)
+    assert (summary["outer_syncs"], summary["islands"], summary["ranks_per_island"]) == (3, 1, 2)
+
+
+def test_live_islands_keep_their_ranks():
+    from distrain.errors import ConfigError
+    from distrain.parallel.diloco import live_islands
+
+    assert live_islands([0, 1, 2, 3], 2, [0, 1, 2, 3]) == [[0, 1], [2, 3]]
+    assert live_islands([0, 1, 2, 3], 2, [0, 1, 2]) == [[0, 1], [2]]  # (id 3 lost: island 1 keeps id 2)
+    assert live_islands([0, 1, 2, 3], 2, [0, 2, 3]) == [[0], [1, 2]]
+    assert live_islands([0, 1, 2, 3, 4, 5], 3, [1, 4, 5]) == [[0], [1, 2]]  # (island 1 gone: K = 2)
+    with pytest.raises(ConfigError):
+        live_islands([0, 1, 2, 3], 2, [0, 1, 4])
+
+
 @pytest.mark.parametrize("kw,message", [
-    (dict(nproc=4, islands=2, elastic="2:4"),
-     "--elastic 2:4: --strategy diloco with --islands 2 is not supported (an island of several ranks would lose its "
-     "replica with any one of them, and K must follow the live ranks); leave --islands out (0: every rank its own "
-     "island)"),
+    (dict(nproc=4, islands=2, elastic="2:4", elastic_replace=1),
+     "--elastic 2:4: --elastic-replace 1 with --strategy diloco --islands 2 is not supported (a newcomer would join a "
+     "live island, whose inner state only that island's ranks hold); leave --elastic-replace out, or --islands out "
+     "(0: every rank its own island, a newcomer a new one)"),
+    (dict(nproc=4, islands=2, elastic="2:4", outer_compression="int8"),
+     "--elastic 2:4: --outer-compression int8 with --islands 2 is not supported (the outer mean of islands of "
+     "different sizes is a sum over every rank, which a quantized reduce-scatter of one chunk per island cannot "
+     "make); use --outer-compression bf16 or leave it out"),
+    (dict(nproc=6, islands=4, elastic="2:6"),
+     "--islands 4 does not divide --nproc 6 into equal islands; use a divisor of 6"),
+    (dict(nproc=4, islands=2, elastic="1:4"), None),  # (MIN below K: the job may go on down to one island)
     (dict(nproc=2, elastic="1:2", overlap_steps=1),
      "--elastic 1:2: Streaming DiLoCo (--fragments 1, --overlap-steps 1) is not supported (an exchange in flight "
      "across steps would carry a lost island's outer gradient); use --fragments 1 --overlap-steps 0"),
@@ -183,4 +254,5 @@ def test_a_replacement_takes_the_outer_state_and_joins_the_next_outer_step(tmp_p
      "across steps would carry a lost island's outer gradient); use --fragments 1 --overlap-steps 0"),
 ])
 def test_refusals(tmp_path, kw, message):
+    # --islands K: ranks stay in their island; no newcomers, no quantized outer mean; --nproc splits into K
     assert_refused(trainer_config(tmp_path, strategy="diloco", **kw), message)

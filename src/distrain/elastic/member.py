@@ -78,6 +78,7 @@ class Member:
         self.store, self.ident, self.backend, self.timeout = store, ident, backend, timeout
         self.newcomer, self.hooks, self.run, self.stride = newcomer, hooks or Hooks(), run, max(1, stride)
         self.epoch, self.ids, self.rank, self.world = -1, [], -1, 0
+        self.founders: list[int] = []  # the ids of epoch 0 in rank order (a starting rank's; a newcomer's: [])
         self.live: int | None = None  # boundary of the live state (sharded: None while a step is under way)
         self.snap: dict | None = None
         self.snap_step: int | None = None
@@ -145,7 +146,9 @@ class Member:
         Change with the state a live peer sent."""
         if not self.newcomer:
             self._wait([key("members", 0)], "the first membership")
-            self._open(0, self._get(key("members", 0)))
+            first = self._get(key("members", 0))
+            self.founders = list(first["ids"])
+            self._open(0, first)
             self.live = start
             return None
         self._put(key("ready", self.ident), {"t": time.time()})

@@ -5,6 +5,12 @@ group). Across islands, the ranks with the same place j in their island form the
 {j, M + j, 2M + j, ...}: after an island's inner steps its M ranks hold the same parameters, so each cross
 group averages the same outer gradients and every rank gets the averaged one without a collective inside
 the island (each rank's bytes: one all-reduce of the model over K ranks).
+
+An elastic job (--elastic with --islands K) keeps each rank in the island it started in: :func:`live_islands`
+gives the islands of the live ranks, which may differ in size, and :meth:`IslandGroups.build_live` their
+groups; there the outer mean is one all-reduce over the world to which only each island's first rank
+brings its Δ_i (the others zeros: x + 0 is x, so the sum is the K islands' sum), as islands of different
+sizes have no cross groups of one rank per island at every place.
 """
 
 from __future__ import annotations
@@ -24,6 +30,25 @@ def island_ranks(world: int, islands: int) -> list[list[int]]:
     return [list(range(i * m, (i + 1) * m)) for i in range(islands)]
 
 
+def live_islands(founders: list[int], islands: int, ids: list[int]) -> list[list[int]]:
+    """The ranks of each live island of an elastic job, in island order (by its first live rank).
+
+    ``founders``: the ids of the job's starting ranks in rank order, cut into ``islands`` islands of
+    consecutive ranks (:func:`island_ranks`); ``ids``: the live ranks' ids in rank order (the group's
+    rank r is ``ids[r]``), each a founder. An island keeps its live ranks; one without any is gone.
+    ConfigError for an id that is not a founder (a newcomer has no island: elastic/spec.py refuses them)."""
+    m = len(founders) // islands
+    home = {i: k // m for k, i in enumerate(founders)}
+    strangers = [i for i in ids if i not in home]
+    if strangers:
+        raise ConfigError(f"rank ids {strangers} were not among the starting ranks {founders}: they have no island; "
+                          f"an elastic job with --islands takes no newcomers (leave --elastic-replace out)")
+    runs: dict[int, list[int]] = {}
+    for r, i in enumerate(ids):
+        runs.setdefault(home[i], []).append(r)
+    return list(runs.values())
+
+
 @dataclass
 class IslandGroups:
     """This rank's place: ``island`` (0..K-1), ``place`` in it (0..M-1); ``island_group``: its island's
@@ -36,6 +61,10 @@ class IslandGroups:
     place: int
     island_group: object | None
     cross_group: object | None
+    # an elastic job's live islands (build_live): the ranks of each island, and whether the outer mean is the
+    # world's sum to which only each island's first rank brings its Δ_i (the cross group is then the world)
+    runs: list[list[int]] | None = None
+    leaders_only: bool = False
 
     @classmethod
     def build(cls, rank: int, world: int, islands: int) -> "IslandGroups":
@@ -59,3 +88,22 @@ class IslandGroups:
                 if rank in ranks:
                     mine_cross = g
         return cls(islands, m, rank // m, rank % m, mine_island, mine_cross)
+
+    @classmethod
+    def build_live(cls, rank: int, world: int, runs: list[list[int]]) -> "IslandGroups":
+        """Groups of islands of any sizes (``runs``: each island's ranks, :func:`live_islands`); collective over
+        the world, every rank creating every island's group in island order. ``per_island``: this rank's
+        island's size; ``cross_group``: the world when there are several islands (the outer sum over every
+        rank, ``leaders_only`` when an island has more than one rank), None for one island."""
+        mine_island = None
+        for ranks in runs:
+            if len(ranks) == world and world > 1:
+                mine_island = comm.group.WORLD
+            elif len(ranks) > 1:
+                g = comm.new_group(ranks)
+                if rank in ranks:
+                    mine_island = g
+        island = next(k for k, ranks in enumerate(runs) if rank in ranks)
+        cross = comm.group.WORLD if len(runs) > 1 else None
+        return cls(len(runs), len(runs[island]), island, runs[island].index(rank), mine_island, cross, runs,
+                   leaders_only=cross is not None and len(runs) < world)

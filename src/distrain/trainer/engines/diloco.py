@@ -45,7 +45,8 @@ import torch
 from distrain.parallel.clip import clip_grad_norm
 from distrain.parallel.data_parallel import DistributedDataParallel, accumulate_gradients
 from distrain import comm
-from distrain.parallel.diloco import IslandGroups, OuterStep, StreamingOuter
+from distrain.data.sampler import part_bounds
+from distrain.parallel.diloco import IslandGroups, OuterStep, StreamingOuter, live_islands
 from distrain.trainer.engines.base import Engine, evaluate_batches, part_loss
 
 
@@ -54,11 +55,23 @@ def islands_of(cfg) -> int:
     return cfg.islands or cfg.nproc
 
 
+def elastic_islands(cfg) -> list[list[int]]:
+    """An elastic job's live islands (--islands K): each island's ranks in this group, every rank in the island
+    it started in (islands.live_islands, from the job's starting ids and the group's, this rank's Member's)."""
+    from distrain.elastic.member import current
+
+    member = current()
+    return live_islands(member.founders, cfg.islands, member.ids)
+
+
 class DiLoCoEngine(Engine):
     def __init__(self, cfg, model, loss_fn, optimizer_factory):
         super().__init__(cfg, model, loss_fn, optimizer_factory)
         self.model = model
-        self.groups = g = IslandGroups.build(self.rank, self.world, islands_of(cfg))
+        # an elastic job with --islands: the live islands, each rank in the one it started in (live_islands)
+        runs = elastic_islands(cfg) if cfg.elastic and cfg.islands else None
+        self.groups = g = IslandGroups.build(self.rank, self.world, islands_of(cfg)) if runs is None else \
+            IslandGroups.build_live(self.rank, self.world, runs)
         self.net = model if (g.island_group is None or cfg.layout_invariant) else DistributedDataParallel(
             model, group=g.island_group, algorithm=cfg.algorithm, bucket_cap_mb=cfg.bucket_cap_mb)
         self.optimizer = optimizer_factory(self.model.parameters())  # the inner optimizer: this island's own
@@ -74,10 +87,15 @@ class DiLoCoEngine(Engine):
         self.loss_fn = part_loss(loss_fn, cfg.batch_size, self.dp_size, self.dp_rank)
         self.loss_weight = 1.0 / self.world
         self.invariant = None
+        self.mine = slice(None)  # this rank's samples of the part it reads
+        if runs is not None:
+            self._live_islands(cfg)
         if cfg.layout_invariant:  # (validated: K divides the units, M ranks share an island's U / K)
             self._invariant_islands(cfg)
         stream = f", P={cfg.fragments}, τ={cfg.overlap_steps}" if self.streaming else ""
-        self.label = f"diloco (K={g.islands}×{g.per_island}, H={cfg.inner_steps}{stream})"
+        m = self.ranks_per_island
+        size = f"×{m}" if isinstance(m, int) else f" ({'+'.join(map(str, m))} ranks)"
+        self.label = f"diloco (K={g.islands}{size}, H={cfg.inner_steps}{stream})"
         self.outer_s = 0.0  # seconds this rank spent in outer steps
         # an elastic job's step (a commit hook given): the state of the step's start, copied on a step that takes
         # the outer step (its inner update and the outer all-reduce come before the commit), and the update
@@ -93,6 +111,28 @@ class DiLoCoEngine(Engine):
             total = self._step(x, y, commit)
         self.peak_step_bytes = max(self.peak_step_bytes, led.bytes_sent())
         return total
+
+    @property
+    def ranks_per_island(self):
+        """M, or with islands of different sizes (an elastic job's) each island's, in island order."""
+        g = self.groups
+        sizes = sorted({len(r) for r in g.runs}) if g.runs is not None else [g.per_island]
+        return sizes[0] if len(sizes) == 1 else [len(r) for r in g.runs]
+
+    def _live_islands(self, cfg) -> None:
+        """An elastic job's islands (islands.live_islands: sizes may differ): island i of K reads part i of K of
+        the global batch (dp part i of K: the simulation's), its M_i ranks contiguous slices of it (place j:
+        part_bounds(n_i, M_i, j)), each rank's loss scaled by (its slice's size) · M_i / n_i · n_i · K / B, so
+        that the island's DDP average is the gradient of its part's mean (times n_i · K / B, 1 when K divides
+        B: the one-rank islands' scale) and the logged sum, weights 1 / (M_i · K), the global batch's mean."""
+        g = self.groups
+        self.dp_rank, self.dp_size = g.island, g.islands
+        lo, hi = part_bounds(cfg.batch_size, g.islands, g.island)
+        self.mine = slice(*part_bounds(hi - lo, g.per_island, g.place))
+        # the slice's scale in the island's part, then the part's in the batch (each the function itself when 1)
+        self.loss_fn = part_loss(part_loss(self.eval_loss_fn, hi - lo, g.per_island, g.place), cfg.batch_size,
+                                 g.islands, g.island)
+        self.loss_weight = 1.0 / (g.per_island * g.islands)
 
     def _invariant_islands(self, cfg) -> None:
         """--layout-invariant: island i's part of the global batch is its U / K units (global units
@@ -130,7 +170,8 @@ class DiLoCoEngine(Engine):
         if self.invariant is not None:
             total = self._invariant_loss(x, y)
         else:
-            total = accumulate_gradients(self.net, self.loss_fn, x, y, 1, forward_context=self.autocast)
+            total = accumulate_gradients(self.net, self.loss_fn, x[self.mine], y[self.mine], 1,
+                                         forward_context=self.autocast)
             if self.cfg.grad_clip:  # the island's ranks hold the same (averaged) gradients: no sum over ranks
                 clip_grad_norm([(p.grad, 1) for p in self.model.parameters()], self.cfg.grad_clip)
         if commit is not None:
@@ -160,14 +201,20 @@ class DiLoCoEngine(Engine):
         if (self.step_index + 1) % self.cfg.inner_steps == 0:
             self.start = copy.deepcopy(self.state_dict())  # (the model, the inner and outer optimizers' states)
             self.optimizer.step()
-            mean, wait = self._timed(lambda: self.outer.mean(self.outer.outer_gradient()))
+            mean, wait = self._timed(lambda: self.outer.mean(self._outer_share()))
             self.update = lambda: self.outer.apply(mean)
         else:
             self.update = self.optimizer.step
         commit(total)
         self.finish_step()
-        self.comm_wait_s = wait
+        self.comm_wait_s = wait if self.groups.island_group is None else None
         return total
+
+    def _outer_share(self) -> torch.Tensor:
+        """What this rank brings to the outer all-reduce: its island's Δ_i, or zeros where only each island's
+        first rank brings it (IslandGroups.leaders_only: the world's sum is then the K islands' sum)."""
+        flat = self.outer.outer_gradient()
+        return flat.zero_() if self.groups.leaders_only and self.groups.place != 0 else flat
 
     def _timed(self, outer_work):
         """(``outer_work()``'s result, its seconds), the seconds added to this rank's time in outer steps."""
@@ -234,6 +281,11 @@ class DiLoCoEngine(Engine):
         return {"dp": cfg.nproc, "tp": 1, "pp": 1, "islands": islands_of(cfg)}
 
     @property
+    def layout(self) -> dict:
+        """The live layout: an elastic job's K after an island was lost, not --islands."""
+        return dict(self.layout_of(self.cfg), islands=self.groups.islands)
+
+    @property
     def shard(self):
         return f"island{self.groups.island}"
 
@@ -252,7 +304,7 @@ class DiLoCoEngine(Engine):
 
     def report(self, ledger, steps: int) -> dict:
         c = self.cfg
-        return {"islands": self.groups.islands, "ranks_per_island": self.groups.per_island,
+        return {"islands": self.groups.islands, "ranks_per_island": self.ranks_per_island,
                 "inner_steps": c.inner_steps, "outer_optimizer": c.outer_optimizer, "outer_lr": c.outer_lr,
                 "outer_momentum": c.outer_momentum, "outer_compression": c.outer_compression,
                 "outer_syncs": self.outer.syncs, "outer_s_rank0": self.outer_s, "fragments": c.fragments,
@@ -264,7 +316,9 @@ class DiLoCoEngine(Engine):
     def report_rows(self, summary: dict) -> list[tuple[str, str]]:
         s = summary
         comp = f", {s['outer_compression']} on the wire" if s.get("outer_compression") else ""
-        return [("islands", f"{s['islands']} × {s['ranks_per_island']} rank(s)"),
+        m = s["ranks_per_island"]  # (an elastic job's islands of different sizes: a list)
+        return [("islands", f"{s['islands']} × {m} rank(s)" if isinstance(m, int) else
+                            f"{s['islands']} of {' + '.join(map(str, m))} ranks"),
                 ("outer steps", f"{s['outer_syncs']} (every {s['inner_steps']} steps; {s['outer_optimizer']}, lr "
                                 f"{s['outer_lr']:g}, momentum {s['outer_momentum']:g}{comp})")] + self.streaming_rows(s)
 
