@@ -27,6 +27,12 @@ gradient is the island-on-one-rank's; the outer mean of Δ is an int64 sum at pe
 the islands (OuterStep's ``fixed_point``: distrain.parallel.diloco.exact), a function of the K deltas alone, in
 plain and in Streaming DiLoCo. The logged loss: fsum of the islands' losses / K, on rank 0.
 
+Elastic jobs (--elastic, plain DiLoCo; docs/fault_tolerance.md): with --islands 0 every live rank is an
+island (K follows the world); with --islands K every rank stays in the island it started in
+(parallel.diloco.live_islands: the group's ids against the job's starting ids, this rank's Member's), an
+island of M_i live ranks reads part i of the K live islands' and cuts it among them, and the outer mean is
+one all-reduce over the world to which each island's first rank alone brings Δ_i (_outer_share).
+
 Checkpoints: one shard per island, ``island{i}``, written by the island's first rank: its replica
 (parameters, buffers), its inner optimizer's state and the outer state (θ_prev, the outer optimizer's
 momentum, the sync count; Streaming DiLoCo's per fragment, with the averaged Δ of every exchange still to
@@ -188,15 +194,16 @@ class DiLoCoEngine(Engine):
         return total
 
     def _elastic_step(self, total, commit):
-        """An elastic job's step (one rank per island, plain DiLoCo: elastic/spec.py). Between outer steps:
+        """An elastic job's step (plain DiLoCo: elastic/spec.py; an island of several ranks has averaged its
+        gradients in its DDP, so its ranks take the same updates). Between outer steps:
         the commit, then the inner update (a replica's order: a failure leaves the step's start, a completed
         commit lets this rank finish the step alone). On an outer step the commit comes last: the step's
         start is copied, the inner update taken, the islands' mean Δ all-reduced, and only then the commit,
         so that a commit completed anywhere proves that every rank holds the same mean (each finishes the
         step alone, ``finish_step``: the outer step); a failure before it (a lost island in the outer
         all-reduce) takes every survivor back to its copy of the step's start (``start_state``) and the step
-        is redone by the survivors, the outer mean over K − 1: the lost island's inner progress since the
-        last outer step never reaches it."""
+        is redone by the survivors, the outer mean over the islands left: an island that lost its last rank
+        never brings its inner progress since the last outer step (one that keeps a rank loses nothing)."""
         wait = 0.0
         if (self.step_index + 1) % self.cfg.inner_steps == 0:
             self.start = copy.deepcopy(self.state_dict())  # (the model, the inner and outer optimizers' states)
