@@ -1,4 +1,4 @@
-"""--strategy diloco with --elastic (one rank per island): a lost island dropped, a newcomer fed the outer state.
+"""--strategy diloco with --elastic: a lost island dropped, a newcomer fed the outer state; islands of several ranks.
 
 Against a single-process simulation in plain torch, fp64 at rel 1e-10 (``simulate_elastic``: islands as model
 copies keyed by rank id, each with its own AdamW, every H steps the survivors' mean of θ_prev − θ_i driving
@@ -15,8 +15,14 @@ torch.optim.SGD(nesterov=True) on the master copy):
   θ_prev with a fresh AdamW and reads part K' − 1 of each batch from step j on; the next outer step averages
   over all K' islands.
 
-The refusal of what stays unsupported (islands of several ranks, Streaming DiLoCo) is in the fast tier; the
-multi-process runs are slow.
+With --islands 2 of 2 ranks (ids 0, 1 | 2, 3; each rank stays in its island: live_islands):
+
+* one rank of island 1 SIGKILLed between outer steps and at an outer step: island 1 goes on with its survivor
+  on its whole part of each batch, so the losses, both islands and θ_prev are the fault-free K = 2 simulation's;
+* island 1's two ranks killed one after the other: the simulation with island 1 dropped at the second's step.
+
+The refusal of what stays unsupported (Streaming DiLoCo; with --islands newcomers and the quantized outer
+means) and the island map are in the fast tier; the multi-process runs are slow.
 """
 
 from __future__ import annotations
