@@ -19,6 +19,7 @@ With --islands 2 of 2 ranks (ids 0, 1 | 2, 3; each rank stays in its island: liv
 
 * one rank of island 1 SIGKILLed between outer steps and at an outer step: island 1 goes on with its survivor
   on its whole part of each batch, so the losses, both islands and θ_prev are the fault-free K = 2 simulation's;
+* one rank of island 1 SIGSTOPped at an outer step: the same, the survivors going on at the heartbeat's detection;
 * island 1's two ranks killed one after the other: the simulation with island 1 dropped at the second's step.
 
 The refusal of what stays unsupported (Streaming DiLoCo; with --islands newcomers and the quantized outer
@@ -207,6 +208,23 @@ def test_a_rank_lost_from_an_island_of_two_loses_nothing(tmp_path, monkeypatch, 
     assert close(losses, want), (losses, want)
     check_islands(cfg, [0, 1], states, master, syncs=3)
     assert (summary["outer_syncs"], summary["islands"], summary["ranks_per_island"]) == (3, 2, [2, 1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_frozen_rank_of_an_island_holds_nobody_past_the_detection(tmp_path, monkeypatch):
+    # id 3 SIGSTOPs itself at step 3 (an outer step): id 2 waits on it in island 1's DDP all-reduce, ids 0 and 1 in
+    # the outer all-reduce; the heartbeat's detection breaks both groups long before --collective-timeout 60, and
+    # island 1 goes on with id 2: the fault-free K = 2 simulation
+    cfg, losses, events, summary = run(tmp_path, monkeypatch, "3@3:stop", nproc=4, islands=2, elastic="2:4",
+                                       steps=7, collective_timeout=60)
+    assert isinstance(summary, dict), summary
+    (e,) = events
+    assert (e["old_world"], e["new_world"], e["left"], e["step"], e["rolled_back"]) == (4, 3, [3], 3, 3)
+    assert e["recover_s"] < 30, e
+    want, states, master = simulate_elastic(cfg, [0, 1], {})
+    assert close(losses, want), (losses, want)
+    check_islands(cfg, [0, 1], states, master, syncs=3)
 
 
 @pytest.mark.slow
