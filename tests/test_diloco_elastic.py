@@ -246,23 +246,68 @@ def test_an_island_whose_last_rank_is_lost_is_dropped_at_that_step(tmp_path, mon
     assert (summary["outer_syncs"], summary["islands"], summary["ranks_per_island"]) == (3, 1, 2)
 
 
-def test_live_islands_keep_their_ranks():
-    from distrain.errors import ConfigError
-    from distrain.parallel.diloco import live_islands
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_replacement_joins_the_island_that_lost_a_rank_and_takes_its_inner_state(tmp_path, monkeypatch):
+    # id 3 SIGKILLs itself at step 3 (island 1 goes on with id 2); its replacement (id 4) joins while id 0 holds
+    # step 5: island 1 has the fewest ranks, so id 4 joins it and takes island 1's replica and inner optimizer
+    # state from id 2 (a newcomer holding θ_prev instead would average other gradients in island 1's DDP): the
+    # fault-free K = 2 simulation, and 2 islands of 2 ranks at the end
+    cfg, losses, events, summary = run(tmp_path, monkeypatch, "3@3,0@5:hold", nproc=4, islands=2, elastic="2:4",
+                                       elastic_replace=1, steps=9)
+    assert isinstance(summary, dict), summary
+    lost, join = events
+    assert (lost["left"], lost["joined"], lost["step"], lost["new_world"]) == ([3], [], 3, 3)
+    assert (join["left"], join["joined"], join["new_world"], join["rolled_back"]) == ([], [4], 4, None)
+    assert 4 <= join["step"] <= 6
+    want, states, master = simulate_elastic(cfg, [0, 1], {})
+    assert close(losses, want), (losses, want)
+    check_islands(cfg, [0, 1], states, master, syncs=4)
+    assert (summary["islands"], summary["ranks_per_island"], summary["world_final"]) == (2, 2, 4)
 
-    assert live_islands([0, 1, 2, 3], 2, [0, 1, 2, 3]) == [[0, 1], [2, 3]]
-    assert live_islands([0, 1, 2, 3], 2, [0, 1, 2]) == [[0, 1], [2]]  # (id 3 lost: island 1 keeps id 2)
-    assert live_islands([0, 1, 2, 3], 2, [0, 2, 3]) == [[0], [1, 2]]
-    assert live_islands([0, 1, 2, 3, 4, 5], 3, [1, 4, 5]) == [[0], [1, 2]]  # (island 1 gone: K = 2)
-    with pytest.raises(ConfigError):
-        live_islands([0, 1, 2, 3], 2, [0, 1, 4])
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_replacement_founds_an_island_when_one_was_lost(tmp_path, monkeypatch):
+    # ids 2 and 3 (island 1) SIGKILL themselves at step 3: island 1 is dropped there (K = 1); the replacement (id 4)
+    # joins while id 0 holds step 5 and, fewer than K = 2 islands being live, founds a new island from θ_prev
+    # with a fresh inner optimizer: the simulation with island 1 dropped at step 3 and a new one from the join
+    cfg, losses, events, summary = run(tmp_path, monkeypatch, "2@3,3@3,0@5:hold", nproc=4, islands=2,
+                                       elastic="1:4", elastic_replace=1, steps=9)
+    assert isinstance(summary, dict), summary
+    *losses_events, join = events
+    assert sorted(i for e in losses_events for i in e["left"]) == [2, 3]
+    assert all(e["step"] == 3 and not e["joined"] for e in losses_events)
+    assert (join["left"], join["joined"], join["new_world"], join["rolled_back"]) == ([], [4], 3, None)
+    assert 4 <= join["step"] <= 6
+    want, states, master = simulate_elastic(cfg, [0, 1], {3: ([1], []), join["step"]: ([], [4])})
+    assert close(losses, want), (losses, want)
+    check_islands(cfg, [0, 4], states, master, syncs=4)
+    assert (summary["islands"], summary["ranks_per_island"], summary["world_final"]) == (2, [2, 1], 3)
+
+
+def test_ranks_keep_their_island_and_newcomers_found_or_join_the_smallest():
+    from distrain.parallel.diloco import island_labels, live_islands
+
+    start = [0, 1, 2, 3]
+    assert live_islands(2, [start]) == [[0, 1], [2, 3]]
+    assert live_islands(2, [start, [0, 1, 2]]) == [[0, 1], [2]]  # (id 3 lost: island 1 keeps id 2)
+    assert live_islands(2, [start, [0, 2, 3]]) == [[0], [1, 2]]
+    assert live_islands(3, [[0, 1, 2, 3, 4, 5], [1, 4, 5]]) == [[0], [1, 2]]  # (island 1 gone: K = 2)
+    # a newcomer (id 4) joins the live island with the fewest ranks: island 1, which lost id 3
+    assert island_labels(2, [start, [0, 1, 2], [0, 1, 2, 4]]) == {0: 0, 1: 0, 2: 1, 3: 1, 4: 1}
+    assert live_islands(2, [start, [0, 1, 2], [0, 1, 2, 4]]) == [[0, 1], [2, 3]]
+    # equal islands: the first in island order (island 1's first rank comes first once id 0 is lost)
+    assert island_labels(2, [start, [1, 2, 3], [1, 2, 3, 4]])[4] == 0 and \
+        island_labels(2, [start, [0, 2], [0, 2, 4]])[4] == 0
+    # island 1 gone (K = 1 < 2): a newcomer founds a new island (label 2), after the survivors
+    assert island_labels(2, [start, [0, 1], [0, 1, 4]])[4] == 2
+    assert live_islands(2, [start, [0, 1], [0, 1, 4, 5]]) == [[0, 1], [2, 3]]  # (id 5 joins it then: the smallest)
+    assert island_labels(2, [start, [0, 1], [0, 1, 4], [0, 4, 5]])[5] == 0  # (4 keeps its island; 5: the first)
 
 
 @pytest.mark.parametrize("kw,message", [
-    (dict(nproc=4, islands=2, elastic="2:4", elastic_replace=1),
-     "--elastic 2:4: --elastic-replace 1 with --strategy diloco --islands 2 is not supported (a newcomer would join a "
-     "live island, whose inner state only that island's ranks hold); leave --elastic-replace out, or --islands out "
-     "(0: every rank its own island, a newcomer a new one)"),
+    (dict(nproc=4, islands=2, elastic="2:4", elastic_replace=1), None),  # (newcomers: founders or joiners)
     (dict(nproc=4, islands=2, elastic="2:4", outer_compression="int8"),
      "--elastic 2:4: --outer-compression int8 with --islands 2 is not supported (the outer mean of islands of "
      "different sizes is a sum over every rank, which a quantized reduce-scatter of one chunk per island cannot "
@@ -278,5 +323,5 @@ def test_live_islands_keep_their_ranks():
      "across steps would carry a lost island's outer gradient); use --fragments 1 --overlap-steps 0"),
 ])
 def test_refusals(tmp_path, kw, message):
-    # --islands K: ranks stay in their island; no newcomers, no quantized outer mean; --nproc splits into K
+    # --islands K: no quantized outer mean; --nproc splits into K; MIN below K and newcomers are fine
     assert_refused(trainer_config(tmp_path, strategy="diloco", **kw), message)

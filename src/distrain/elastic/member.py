@@ -78,7 +78,6 @@ class Member:
         self.store, self.ident, self.backend, self.timeout = store, ident, backend, timeout
         self.newcomer, self.hooks, self.run, self.stride = newcomer, hooks or Hooks(), run, max(1, stride)
         self.epoch, self.ids, self.rank, self.world = -1, [], -1, 0
-        self.founders: list[int] = []  # the ids of epoch 0 in rank order (a starting rank's; a newcomer's: [])
         self.live: int | None = None  # boundary of the live state (sharded: None while a step is under way)
         self.snap: dict | None = None
         self.snap_step: int | None = None
@@ -146,9 +145,7 @@ class Member:
         Change with the state a live peer sent."""
         if not self.newcomer:
             self._wait([key("members", 0)], "the first membership")
-            first = self._get(key("members", 0))
-            self.founders = list(first["ids"])
-            self._open(0, first)
+            self._open(0, self._get(key("members", 0)))
             self.live = start
             return None
         self._put(key("ready", self.ident), {"t": time.time()})
@@ -188,6 +185,23 @@ class Member:
         # every BEAT_S (the coordinator tells a frozen member by it), and the break of a group that lost a member
         watchdog.install(dist.PrefixStore(key("wd", epoch), self.store), self.rank, self.world,
                          2 * self.timeout + 30, interval=BEAT_S, interrupt=self._interrupt)
+
+    def memberships(self) -> list[list[int]]:
+        """The ids of every epoch's group so far, in rank order (``[0]``: the starting ranks; ``[-1]``: this
+        rank's group), as the coordinator decided them (its ``members/E``, checked: the store is outside
+        input). CommError for a record that is not a list of rank ids."""
+        out = []
+        for epoch in range(self.epoch + 1):
+            info = self._get(key("members", epoch))
+            ids = info.get("ids") if isinstance(info, dict) else None
+            if not (isinstance(ids, list) and all(isinstance(i, int) and i >= 0 for i in ids) and ids):
+                raise CommError(f"elastic: the membership of epoch {epoch} in the store holds no list of rank ids "
+                                f"({ids!r}); the store is not this job's coordinator's")
+            out.append(ids)
+        if out[-1] != self.ids:
+            raise CommError(f"elastic: the membership of epoch {self.epoch} in the store ({out[-1]}) is not the "
+                            f"group rank id {self.ident} opened ({self.ids})")
+        return out
 
     def _interrupt(self, blocked_s: float) -> None:
         """The watchdog's thread, every beat: once the coordinator has marked the epoch as having lost a

@@ -88,16 +88,11 @@ def check(cfg, launched: tuple[int, int] | None = None) -> tuple[int, int] | Non
 def check_diloco(cfg, tag: str) -> None:
     """Elastic DiLoCo: plain DiLoCo (the outer step on one schedule, blocking), with one rank per island
     (--islands 0: K follows the live world, newcomers are new islands) or --islands K (each rank stays in
-    the island it started in, an island goes on while one of its ranks lives: no newcomers, an outer mean
-    that int8/int4 cannot cut per island). MIN and MAX count ranks, not islands: any MIN works (the job
-    goes on down to one island), and --nproc must split into the K islands (checks/diloco.py)."""
+    the island it started in, an island goes on while one of its ranks lives, a newcomer founds an island
+    while fewer than K live and otherwise joins the smallest; an outer mean that int8/int4 cannot cut per
+    island). MIN and MAX count ranks, not islands: any MIN works (the job goes on down to one island), and
+    --nproc must split into the K islands (checks/diloco.py)."""
     islands = getattr(cfg, "islands", 0)
-    replace = getattr(cfg, "elastic_replace", 0)
-    if islands and replace:
-        raise ConfigError(f"{tag}: --elastic-replace {replace} with --strategy diloco --islands {islands} is not "
-                          f"supported (a newcomer would join a live island, whose inner state only that island's "
-                          f"ranks hold); leave --elastic-replace out, or --islands out (0: every rank its own "
-                          f"island, a newcomer a new one)")
     compression = getattr(cfg, "outer_compression", None)
     if islands and compression in ("int8", "int4"):
         raise ConfigError(f"{tag}: --outer-compression {compression} with --islands {islands} is not supported (the "

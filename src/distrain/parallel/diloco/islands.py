@@ -6,7 +6,8 @@ group). Across islands, the ranks with the same place j in their island form the
 group averages the same outer gradients and every rank gets the averaged one without a collective inside
 the island (each rank's bytes: one all-reduce of the model over K ranks).
 
-An elastic job (--elastic with --islands K) keeps each rank in the island it started in: :func:`live_islands`
+An elastic job (--elastic with --islands K) keeps each rank in the island it started in (a newcomer founds
+an island while fewer than K live, else joins the smallest: :func:`island_labels`); :func:`live_islands`
 gives the islands of the live ranks, which may differ in size, and :meth:`IslandGroups.build_live` their
 groups; there the outer mean is one all-reduce over the world to which only each island's first rank
 brings its Δ_i (the others zeros: x + 0 is x, so the sum is the K islands' sum), as islands of different
@@ -30,22 +31,41 @@ def island_ranks(world: int, islands: int) -> list[list[int]]:
     return [list(range(i * m, (i + 1) * m)) for i in range(islands)]
 
 
-def live_islands(founders: list[int], islands: int, ids: list[int]) -> list[list[int]]:
-    """The ranks of each live island of an elastic job, in island order (by its first live rank).
-
-    ``founders``: the ids of the job's starting ranks in rank order, cut into ``islands`` islands of
-    consecutive ranks (:func:`island_ranks`); ``ids``: the live ranks' ids in rank order (the group's
-    rank r is ``ids[r]``), each a founder. An island keeps its live ranks; one without any is gone.
-    ConfigError for an id that is not a founder (a newcomer has no island: elastic/spec.py refuses them)."""
+def island_labels(islands: int, history: list[list[int]]) -> dict[int, int]:
+    """Each rank id's island (a label) in an elastic job, from its memberships in order (``history[e]``: the
+    ids of epoch e in rank order; epoch 0's, the starting ranks, cut into ``islands`` islands of consecutive
+    ranks as :func:`island_ranks` cuts them). A rank keeps its island for good. A newcomer, at the first
+    epoch that has it, founds a new island (a new label) while fewer than ``islands`` islands have a live
+    rank, else joins the live island with the fewest ranks (ties: the first in island order, by its first
+    rank). A pure function of the history, so every rank of every epoch, newcomers too, computes the same."""
+    founders = history[0]
     m = len(founders) // islands
-    home = {i: k // m for k, i in enumerate(founders)}
-    strangers = [i for i in ids if i not in home]
-    if strangers:
-        raise ConfigError(f"rank ids {strangers} were not among the starting ranks {founders}: they have no island; "
-                          f"an elastic job with --islands takes no newcomers (leave --elastic-replace out)")
+    labels = {i: k // m for k, i in enumerate(founders)}
+    fresh = islands
+    for ids in history[1:]:
+        sizes: dict[int, int] = {}  # the epoch's islands (labels) in island order -> their ranks so far
+        for i in ids:
+            if i in labels:
+                sizes[labels[i]] = sizes.get(labels[i], 0) + 1
+        for i in ids:
+            if i in labels:
+                continue
+            if len(sizes) < islands:
+                labels[i], fresh = fresh, fresh + 1
+            else:
+                labels[i] = min(sizes, key=lambda k: sizes[k])  # (min keeps the first of equals: island order)
+            sizes[labels[i]] = sizes.get(labels[i], 0) + 1
+    return labels
+
+
+def live_islands(islands: int, history: list[list[int]]) -> list[list[int]]:
+    """The ranks of each island of the last membership (``history[-1]``; :func:`island_labels`), in island
+    order: by each island's first rank (survivors keep their order and newcomers come after them, so the
+    islands that go on keep theirs, and a new one is last)."""
+    labels = island_labels(islands, history)
     runs: dict[int, list[int]] = {}
-    for r, i in enumerate(ids):
-        runs.setdefault(home[i], []).append(r)
+    for r, i in enumerate(history[-1]):
+        runs.setdefault(labels[i], []).append(r)
     return list(runs.values())
 
 

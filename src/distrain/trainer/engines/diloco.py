@@ -63,11 +63,11 @@ def islands_of(cfg) -> int:
 
 def elastic_islands(cfg) -> list[list[int]]:
     """An elastic job's live islands (--islands K): each island's ranks in this group, every rank in the island
-    it started in (islands.live_islands, from the job's starting ids and the group's, this rank's Member's)."""
+    it started in, a newcomer in the one it founded or joined (islands.live_islands, from the memberships of
+    every epoch so far: this rank's Member's)."""
     from distrain.elastic.member import current
 
-    member = current()
-    return live_islands(member.founders, cfg.islands, member.ids)
+    return live_islands(cfg.islands, current().memberships())
 
 
 class DiLoCoEngine(Engine):
@@ -240,16 +240,35 @@ class DiLoCoEngine(Engine):
         """The step's start: the copy taken before an outer step's inner update, else the live state."""
         return self.start if self.start is not None else self.state_dict()
 
+    def _share_island_state(self) -> None:
+        """An elastic job with --islands, after every rank loaded its state (collective over each island): the
+        island's first rank sends its replica and inner optimizer state to the others, so that a newcomer
+        that joined a live island holds the island's inner state (the survivors hold it already: the same
+        bits; the first rank is always one of them, newcomers coming after the survivors)."""
+        g = self.groups
+        if g.runs is None or g.island_group is None:
+            return
+        first = g.runs[g.island][0]
+        mine = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()} \
+            if self.rank == first else None
+        got = comm.broadcast_data(mine, src=first, group=g.island_group)  # (data only: tensors and containers)
+        if self.rank != first:
+            self.model.load_state_dict(got["model"])
+            self.optimizer.load_state_dict(got["optimizer"])
+
     def load_newcomer(self, state: dict) -> None:
         """A newcomer's island (elastic jobs) from a live peer's state: the outer state (θ_prev, the outer
         momentum, the sync count: the same on every rank) and the peer's buffers; its parameters θ_prev and
         its inner optimizer fresh (this engine's, just built): it starts its inner phase from the outer
-        parameters, as every island does after an outer step, and takes part from the next one on."""
+        parameters, as every island does after an outer step, and takes part from the next one on. With
+        --islands a newcomer that joins a live island (islands.island_labels) then takes that island's replica
+        and inner optimizer state from its first rank instead (_share_island_state): a replica like the others."""
         self.model.load_state_dict(state["model"])  # (the buffers; the parameters are θ_prev below)
         self.outer.load_state_dict(state.get("outer"), "a peer's state")
         with torch.no_grad():
             for p, m in zip(self.model.parameters(), self.outer.master):
                 p.copy_(m)
+        self._share_island_state()  # (--islands: joining a live island, it takes the island's inner state)
 
     def end_training(self) -> None:
         """Every exchange still in flight completes (its mean waits for its step, or the checkpoint)."""
@@ -308,6 +327,7 @@ class DiLoCoEngine(Engine):
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.outer.load_state_dict(state.get("outer"), f"shard {self.shard}")
+        self._share_island_state()  # (an elastic job's --islands: a newcomer in the island loads at once)
 
     def report(self, ledger, steps: int) -> dict:
         c = self.cfg
