@@ -39,8 +39,7 @@ def island_labels(islands: int, history: list[list[int]]) -> dict[int, int]:
     rank, else joins the live island with the fewest ranks (ties: the first in island order, by its first
     rank). A pure function of the history, so every rank of every epoch, newcomers too, computes the same."""
     founders = history[0]
-    m = len(founders) // islands
-    labels = {i: k // m for k, i in enumerate(founders)}
+    labels = {founders[r]: k for k, run in enumerate(island_ranks(len(founders), islands)) for r in run}
     fresh = islands
     for ids in history[1:]:
         sizes: dict[int, int] = {}  # the epoch's islands (labels) in island order -> their ranks so far
