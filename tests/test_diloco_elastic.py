@@ -20,10 +20,13 @@ With --islands 2 of 2 ranks (ids 0, 1 | 2, 3; each rank stays in its island: liv
 * one rank of island 1 SIGKILLed between outer steps and at an outer step: island 1 goes on with its survivor
   on its whole part of each batch, so the losses, both islands and θ_prev are the fault-free K = 2 simulation's;
 * one rank of island 1 SIGSTOPped at an outer step: the same, the survivors going on at the heartbeat's detection;
-* island 1's two ranks killed one after the other: the simulation with island 1 dropped at the second's step.
+* island 1's two ranks killed one after the other: the simulation with island 1 dropped at the second's step;
+* a replacement after one rank of island 1 was lost: it joins island 1 (the smallest) and takes its inner
+  state, so the losses stay the fault-free simulation's; after both were lost: it founds an island from θ_prev
+  (the simulation with island 1 dropped and a new island from the join).
 
-The refusal of what stays unsupported (Streaming DiLoCo; with --islands newcomers and the quantized outer
-means) and the island map are in the fast tier; the multi-process runs are slow.
+The refusal of what stays unsupported (Streaming DiLoCo; with --islands the quantized outer means) and the
+island map (island_labels, live_islands) are in the fast tier; the multi-process runs are slow.
 """
 
 from __future__ import annotations
