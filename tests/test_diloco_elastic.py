@@ -1,4 +1,4 @@
-"""--strategy diloco with --elastic (one rank per island): a lost island dropped, a newcomer fed the outer state.
+"""--strategy diloco with --elastic: a lost island dropped, a newcomer fed the outer state; islands of several ranks.
 
 Against a single-process simulation in plain torch, fp64 at rel 1e-10 (``simulate_elastic``: islands as model
 copies keyed by rank id, each with its own AdamW, every H steps the survivors' mean of θ_prev − θ_i driving
@@ -15,8 +15,18 @@ torch.optim.SGD(nesterov=True) on the master copy):
   θ_prev with a fresh AdamW and reads part K' − 1 of each batch from step j on; the next outer step averages
   over all K' islands.
 
-The refusal of what stays unsupported (islands of several ranks, Streaming DiLoCo) is in the fast tier; the
-multi-process runs are slow.
+With --islands 2 of 2 ranks (ids 0, 1 | 2, 3; each rank stays in its island: live_islands):
+
+* one rank of island 1 SIGKILLed between outer steps and at an outer step: island 1 goes on with its survivor
+  on its whole part of each batch, so the losses, both islands and θ_prev are the fault-free K = 2 simulation's;
+* one rank of island 1 SIGSTOPped at an outer step: the same, the survivors going on at the heartbeat's detection;
+* island 1's two ranks killed one after the other: the simulation with island 1 dropped at the second's step;
+* a replacement after one rank of island 1 was lost: it joins island 1 (the smallest) and takes its inner
+  state, so the losses stay the fault-free simulation's; after both were lost: it founds an island from θ_prev
+  (the simulation with island 1 dropped and a new island from the join).
+
+The refusal of what stays unsupported (Streaming DiLoCo; with --islands the quantized outer means) and the
+island map (island_labels, live_islands) are in the fast tier; the multi-process runs are slow.
 """
 
 from __future__ import annotations
@@ -170,11 +180,153 @@ def test_a_replacement_takes_the_outer_state_and_joins_the_next_outer_step(tmp_p
     assert summary["outer_syncs"] == 4 and summary["world_final"] == 3
 
 
+def check_one_island(cfg, states: dict, master: dict, syncs: int) -> None:
+    """The last island (shard island0) equals the simulation's, and so does θ_prev; the island differs from θ_prev
+    (the last step is past the last outer step: a real check)."""
+    (i, want), = states.items()
+    saved = shard(cfg.out, "island0")
+    assert_params_close(saved["model"], want)
+    assert saved["outer"]["syncs"] == syncs
+    assert_params_close(dict(zip(master, saved["outer"]["master"])), master)
+    w = next(iter(master))
+    assert not torch.equal(want[w], master[w])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kill", [2, 3], ids=["between-outer-steps", "at-an-outer-step"])
+def test_a_rank_lost_from_an_island_of_two_loses_nothing(tmp_path, monkeypatch, kill):
+    # K = 2 islands of 2 ranks (ids 0, 1 | 2, 3); id 3 SIGKILLs itself at the start of step ``kill`` (3: an outer
+    # step, which island 0 reaches while island 1's DDP all-reduce breaks). Island 1 goes on with id 2 alone,
+    # reading the island's whole part of each batch: the losses, both islands and θ_prev are the fault-free
+    # K = 2 simulation's
+    cfg, losses, events, summary = run(tmp_path, monkeypatch, f"3@{kill}", nproc=4, islands=2, elastic="2:4",
+                                       steps=7)
+    assert isinstance(summary, dict), summary
+    (e,) = events
+    assert (e["event"], e["old_world"], e["new_world"], e["left"], e["joined"], e["step"], e["rolled_back"]) == \
+           ("membership", 4, 3, [3], [], kill, kill)
+    assert 0 < e["recover_s"] < 30
+    want, states, master = simulate_elastic(cfg, [0, 1], {})
+    assert close(losses, want), (losses, want)
+    check_islands(cfg, [0, 1], states, master, syncs=3)
+    assert (summary["outer_syncs"], summary["islands"], summary["ranks_per_island"]) == (3, 2, [2, 1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_frozen_rank_of_an_island_holds_nobody_past_the_detection(tmp_path, monkeypatch):
+    # id 3 SIGSTOPs itself at step 3 (an outer step): id 2 waits on it in island 1's DDP all-reduce, ids 0 and 1 in
+    # the outer all-reduce; the heartbeat's detection breaks both groups long before --collective-timeout 60, and
+    # island 1 goes on with id 2: the fault-free K = 2 simulation
+    cfg, losses, events, summary = run(tmp_path, monkeypatch, "3@3:stop", nproc=4, islands=2, elastic="2:4",
+                                       steps=7, collective_timeout=60)
+    assert isinstance(summary, dict), summary
+    (e,) = events
+    assert (e["old_world"], e["new_world"], e["left"], e["step"], e["rolled_back"]) == (4, 3, [3], 3, 3)
+    assert e["recover_s"] < 30, e
+    want, states, master = simulate_elastic(cfg, [0, 1], {})
+    assert close(losses, want), (losses, want)
+    check_islands(cfg, [0, 1], states, master, syncs=3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_island_whose_last_rank_is_lost_is_dropped_at_that_step(tmp_path, monkeypatch):
+    # id 2 SIGKILLs itself at step 2 (island 1 goes on with id 3), then id 3 at step 5 (an outer step): island 1
+    # is gone from step 5 on, its inner progress since the outer step after step 3 dropped; island 0 (2 ranks)
+    # redoes step 5 alone on the whole batch: the simulation with island 1 dropped at step 5
+    cfg, losses, events, summary = run(tmp_path, monkeypatch, "2@2,3@5", nproc=4, islands=2, elastic="1:4",
+                                       steps=7)
+    assert isinstance(summary, dict), summary
+    first, second = events
+    assert (first["old_world"], first["new_world"], first["left"], first["step"]) == (4, 3, [2], 2)
+    assert (second["old_world"], second["new_world"], second["left"], second["step"], second["rolled_back"]) == \
+           (3, 2, [3], 5, 5)
+    want, states, master = simulate_elastic(cfg, [0, 1], {5: ([1], [])})
+    assert close(losses, want), (losses, want)
+    check_one_island(cfg, states, master, syncs=3)
+    assert (summary["outer_syncs"], summary["islands"], summary["ranks_per_island"]) == (3, 1, 2)
+
+
+def changes_of(events: list[dict]) -> dict[int, tuple[list[int], list[int]]]:
+    """The membership lines as {step: (ids left, ids joined)}, two changes at one step merged."""
+    out: dict[int, tuple[list[int], list[int]]] = {}
+    for e in events:
+        left, joined = out.setdefault(e["step"], ([], []))
+        left += e["left"]
+        joined += e["joined"]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_replacement_joins_the_island_that_lost_a_rank_and_takes_its_inner_state(tmp_path, monkeypatch):
+    # id 3 SIGKILLs itself at step 3 (island 1 goes on with id 2); its replacement (id 4) joins while id 0 holds
+    # step 5: island 1 has the fewest ranks, so id 4 joins it and takes island 1's replica and inner optimizer
+    # state from id 2 (a newcomer holding θ_prev instead would average other gradients in island 1's DDP): the
+    # fault-free K = 2 simulation, and 2 islands of 2 ranks at the end
+    cfg, losses, events, summary = run(tmp_path, monkeypatch, "3@3,0@5:hold", nproc=4, islands=2, elastic="2:4",
+                                       elastic_replace=1, steps=9)
+    assert isinstance(summary, dict), summary
+    assert changes_of(events) == {3: ([3], [])} | {events[-1]["step"]: ([], [4])} or \
+        changes_of(events) == {3: ([3], [4])}  # (a replacement ready before the loss's change is in it)
+    assert events[-1]["new_world"] == 4 and 3 <= events[-1]["step"] <= 6
+    want, states, master = simulate_elastic(cfg, [0, 1], {})
+    assert close(losses, want), (losses, want)
+    check_islands(cfg, [0, 1], states, master, syncs=4)
+    assert (summary["islands"], summary["ranks_per_island"], summary["world_final"]) == (2, 2, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_replacement_founds_an_island_when_one_was_lost(tmp_path, monkeypatch):
+    # ids 2 and 3 (island 1) SIGKILL themselves at step 3: island 1 is dropped there (K = 1); the replacement (id 4)
+    # joins while id 0 holds step 5 and, fewer than K = 2 islands being live, founds a new island from θ_prev
+    # with a fresh inner optimizer: the simulation with island 1 dropped at step 3 and a new one from the join
+    cfg, losses, events, summary = run(tmp_path, monkeypatch, "2@3,3@3,0@5:hold", nproc=4, islands=2,
+                                       elastic="1:4", elastic_replace=1, steps=9)
+    assert isinstance(summary, dict), summary
+    changes = changes_of(events)  # {step: (ids lost, ids joined)}: the losses at step 3 (in one change or two)
+    j = events[-1]["step"]
+    assert sorted(i for lost, _ in changes.values() for i in lost) == [2, 3] and set(changes) == {3, j}
+    assert changes[j][1] == [4] and events[-1]["new_world"] == 3 and 3 <= j <= 6
+    want, states, master = simulate_elastic(cfg, [0, 1], {3: ([1], [4] if j == 3 else [])} |
+                                            ({j: ([], [4])} if j != 3 else {}))
+    assert close(losses, want), (losses, want)
+    check_islands(cfg, [0, 4], states, master, syncs=4)
+    assert (summary["islands"], summary["ranks_per_island"], summary["world_final"]) == (2, [2, 1], 3)
+
+
+def test_ranks_keep_their_island_and_newcomers_found_or_join_the_smallest():
+    from distrain.parallel.diloco import island_labels, live_islands
+
+    start = [0, 1, 2, 3]
+    assert live_islands(2, [start]) == [[0, 1], [2, 3]]
+    assert live_islands(2, [start, [0, 1, 2]]) == [[0, 1], [2]]  # (id 3 lost: island 1 keeps id 2)
+    assert live_islands(2, [start, [0, 2, 3]]) == [[0], [1, 2]]
+    assert live_islands(3, [[0, 1, 2, 3, 4, 5], [1, 4, 5]]) == [[0], [1, 2]]  # (island 1 gone: K = 2)
+    # a newcomer (id 4) joins the live island with the fewest ranks: island 1, which lost id 3
+    assert island_labels(2, [start, [0, 1, 2], [0, 1, 2, 4]]) == {0: 0, 1: 0, 2: 1, 3: 1, 4: 1}
+    assert live_islands(2, [start, [0, 1, 2], [0, 1, 2, 4]]) == [[0, 1], [2, 3]]
+    # equal islands: the first in island order (island 1's first rank comes first once id 0 is lost)
+    assert island_labels(2, [start, [1, 2, 3], [1, 2, 3, 4]])[4] == 0 and \
+        island_labels(2, [start, [0, 2], [0, 2, 4]])[4] == 0
+    # island 1 gone (K = 1 < 2): a newcomer founds a new island (label 2), after the survivors
+    assert island_labels(2, [start, [0, 1], [0, 1, 4]])[4] == 2
+    assert live_islands(2, [start, [0, 1], [0, 1, 4, 5]]) == [[0, 1], [2, 3]]  # (id 5 joins it then: the smallest)
+    assert island_labels(2, [start, [0, 1], [0, 1, 4], [0, 4, 5]])[5] == 0  # (4 keeps its island; 5: the first)
+
+
 @pytest.mark.parametrize("kw,message", [
-    (dict(nproc=4, islands=2, elastic="2:4"),
-     "--elastic 2:4: --strategy diloco with --islands 2 is not supported (an island of several ranks would lose its "
-     "replica with any one of them, and K must follow the live ranks); leave --islands out (0: every rank its own "
-     "island)"),
+    (dict(nproc=4, islands=2, elastic="2:4", elastic_replace=1), None),  # (newcomers: founders or joiners)
+    (dict(nproc=4, islands=2, elastic="2:4", outer_compression="int8"),
+     "--elastic 2:4: --outer-compression int8 with --islands 2 is not supported (the outer mean of islands of "
+     "different sizes is a sum over every rank, which a quantized reduce-scatter of one chunk per island cannot "
+     "make); use --outer-compression bf16 or leave it out"),
+    (dict(nproc=6, islands=4, elastic="2:6"),
+     "--islands 4 does not divide --nproc 6 into equal islands; use a divisor of 6"),
+    (dict(nproc=4, islands=2, elastic="1:4"), None),  # (MIN below K: the job may go on down to one island)
     (dict(nproc=2, elastic="1:2", overlap_steps=1),
      "--elastic 1:2: Streaming DiLoCo (--fragments 1, --overlap-steps 1) is not supported (an exchange in flight "
      "across steps would carry a lost island's outer gradient); use --fragments 1 --overlap-steps 0"),
@@ -183,4 +335,5 @@ def test_a_replacement_takes_the_outer_state_and_joins_the_next_outer_step(tmp_p
      "across steps would carry a lost island's outer gradient); use --fragments 1 --overlap-steps 0"),
 ])
 def test_refusals(tmp_path, kw, message):
+    # --islands K: no quantized outer mean; --nproc splits into K; MIN below K and newcomers are fine
     assert_refused(trainer_config(tmp_path, strategy="diloco", **kw), message)

@@ -186,6 +186,23 @@ class Member:
         watchdog.install(dist.PrefixStore(key("wd", epoch), self.store), self.rank, self.world,
                          2 * self.timeout + 30, interval=BEAT_S, interrupt=self._interrupt)
 
+    def memberships(self) -> list[list[int]]:
+        """The ids of every epoch's group so far, in rank order (``[0]``: the starting ranks; ``[-1]``: this
+        rank's group), as the coordinator decided them (its ``members/E``, checked: the store is outside
+        input). CommError for a record that is not a list of rank ids."""
+        out = []
+        for epoch in range(self.epoch + 1):
+            info = self._get(key("members", epoch))
+            ids = info.get("ids") if isinstance(info, dict) else None
+            if not (isinstance(ids, list) and all(isinstance(i, int) and i >= 0 for i in ids) and ids):
+                raise CommError(f"elastic: the membership of epoch {epoch} in the store holds no list of rank ids "
+                                f"({ids!r}); the store is not this job's coordinator's")
+            out.append(ids)
+        if out[-1] != self.ids:
+            raise CommError(f"elastic: the membership of epoch {self.epoch} in the store ({out[-1]}) is not the "
+                            f"group rank id {self.ident} opened ({self.ids})")
+        return out
+
     def _interrupt(self, blocked_s: float) -> None:
         """The watchdog's thread, every beat: once the coordinator has marked the epoch as having lost a
         member (``lost/E``: a death, a frozen member, or one already gone to the next epoch) and this rank

@@ -15,8 +15,9 @@ from distrain.errors import ConfigError
 # ddp: the whole state on every rank (a lost rank loses nothing the others lack); zero1/2/3: each rank
 # holds one piece and a replica of its predecessor's (member.py), so one lost rank loses nothing either
 # ps-sync: the workers hold no state (they pull the weights each step); a lost server ends the job
-# diloco (one rank per island): a rank's own state is its island's inner progress since the last outer step,
-# which a loss drops by design (the outer state, the same on every rank, survives on any rank)
+# diloco: a rank's own state is its island's inner progress since the last outer step, held by each of the
+# island's ranks (DDP inside it): a lost rank whose island keeps one loses nothing, an island's last one drops
+# that progress by design (the outer state, the same on every rank, survives on any rank)
 SUPPORTED = ("ddp", "zero1", "zero2", "zero3", "ps-sync", "diloco")
 _FORM = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
 
@@ -85,13 +86,19 @@ def check(cfg, launched: tuple[int, int] | None = None) -> tuple[int, int] | Non
 
 
 def check_diloco(cfg, tag: str) -> None:
-    """Elastic DiLoCo: one rank per island (--islands 0, K following the live world) and plain DiLoCo (the
-    outer step on one schedule, blocking)."""
+    """Elastic DiLoCo: plain DiLoCo (the outer step on one schedule, blocking), with one rank per island
+    (--islands 0: K follows the live world, newcomers are new islands) or --islands K (each rank stays in
+    the island it started in, an island goes on while one of its ranks lives, a newcomer founds an island
+    while fewer than K live and otherwise joins the smallest; an outer mean that int8/int4 cannot cut per
+    island). MIN and MAX count ranks, not islands: any MIN works (the job goes on down to one island), and
+    --nproc must split into the K islands (checks/diloco.py)."""
     islands = getattr(cfg, "islands", 0)
-    if islands:
-        raise ConfigError(f"{tag}: --strategy diloco with --islands {islands} is not supported (an island of several "
-                          f"ranks would lose its replica with any one of them, and K must follow the live ranks); "
-                          f"leave --islands out (0: every rank its own island)")
+    compression = getattr(cfg, "outer_compression", None)
+    if islands and compression in ("int8", "int4"):
+        raise ConfigError(f"{tag}: --outer-compression {compression} with --islands {islands} is not supported (the "
+                          f"outer mean of islands of different sizes is a sum over every rank, which a quantized "
+                          f"reduce-scatter of one chunk per island cannot make); use --outer-compression bf16 or "
+                          f"leave it out")
     fragments, overlap = getattr(cfg, "fragments", 1), getattr(cfg, "overlap_steps", 0)
     if fragments != 1 or overlap:
         raise ConfigError(f"{tag}: Streaming DiLoCo (--fragments {fragments}, --overlap-steps {overlap}) is not "

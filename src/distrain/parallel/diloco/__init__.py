@@ -19,9 +19,9 @@ result. Each island's inner optimizer state stays its own.
 Imports distrain.comm, and distrain.parallel.invariant's fixed-point primitives (exact.py).
 """
 
-from distrain.parallel.diloco.islands import IslandGroups, island_ranks
+from distrain.parallel.diloco.islands import IslandGroups, island_labels, island_ranks, live_islands
 from distrain.parallel.diloco.outer import OUTER_COMPRESSIONS, OUTER_OPTIMIZERS, OuterStep
 from distrain.parallel.diloco.streaming import StreamingOuter, fragment_cuts
 
 __all__ = ["IslandGroups", "OUTER_COMPRESSIONS", "OUTER_OPTIMIZERS", "OuterStep", "StreamingOuter", "fragment_cuts",
-           "island_ranks"]
+           "island_labels", "island_ranks", "live_islands"]
