@@ -317,19 +317,20 @@ def test_handshake_adds_one_notice_per_call(P):
 
 
 def test_a_calibration_says_whether_its_transport_has_the_handshake():
-    """bench link over torch's transport writes "handshake": true; its shift's rate leaves out the
+    """bench link over torch's transport writes "handshake": true in its links; its shift's rate leaves out the
     shift's latency (the notice's α and the message's own), so 25 ms links are not taken as host-bound."""
-    from distrain.bench.link.calibrate import _shift_rates
+    from distrain.bench.link.calibrate import shift_rates
     from distrain.costmodel.links import fabric_from_model
 
     alpha, n, P = 25e-3, 4 << 20, 2
     shift = {"bytes": n, "time_us": (2 * alpha + n / B) * 1e6}
-    _shift_rates(shift, P, 2 * alpha * 1e6)
+    shift_rates(shift, P, 2 * alpha * 1e6)
     assert shift["per_link_GBps"] == pytest.approx(B / 1e9, rel=1e-12)
     assert shift["aggregate_GBps"] == pytest.approx(P * B / 1e9, rel=1e-12)
     assert shift["latency_us"] == pytest.approx(2 * alpha * 1e6)
-    cal = {"inter": {"alpha_us": alpha * 1e6, "bandwidth_GBps": B / 1e9}, "gamma_ns_per_byte": 0, "shift": shift}
-    f = fabric_from_model(dict(cal, handshake=True), [0, 1])
+    link = {"alpha_us": alpha * 1e6, "bandwidth_GBps": B / 1e9}
+    cal = {"inter": link, "gamma_ns_per_byte": 0, "shift": shift}
+    f = fabric_from_model(dict(cal, inter=dict(link, handshake=True)), [0, 1])
     assert f.handshake is True and f.host is None
     assert fabric_from_model(cal, [0, 1]).handshake is False  # a calibration from before the field
     # the same shift's time read whole (the old rate: n / time) was 0.72 of B: host-bound, a host of 1.44·B
