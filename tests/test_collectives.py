@@ -227,3 +227,102 @@ def _subgroups(rank: int, transport: str = "torch") -> list[str]:
 @pytest.mark.parametrize("transport", ["torch", "shm"])
 def test_subgroups(transport):
     run_ranks(_subgroups, 5, transport, timeout=90)
+
+
+class _Wire:
+    """In-process point-to-point for the ring's own code: P threads, one FIFO per (src, dst) pair,
+    a message delivered to the receives of its pair in posting order (Gloo's matching). Records every
+    post as (rank, "send" | "recv", peer, elements)."""
+
+    def __init__(self, P: int):
+        import queue
+        import threading
+
+        self.P, self.log, self.lock = P, [], threading.Lock()
+        self.fifo = {(s, d): queue.Queue() for s in range(P) for d in range(P) if s != d}
+        self.posted = {k: [] for k in self.fifo}
+        self.delivered = {k: 0 for k in self.fifo}
+
+    def comm(self, rank: int):
+        wire = self
+
+        class Done:
+            def wait(self, timeout=None):
+                return True
+
+        class Recv:
+            def __init__(self, key, k):
+                self.key, self.k = key, k
+
+            def wait(self, timeout=None):
+                while wire.delivered[self.key] <= self.k:  # deliver in posting order up to this receive
+                    msg = wire.fifo[self.key].get(timeout=30)
+                    buf = wire.posted[self.key][wire.delivered[self.key]]
+                    assert msg.numel() == buf.numel(), "a message matched a receive of another size"
+                    buf.copy_(msg)
+                    wire.delivered[self.key] += 1
+                return True
+
+        class PC:
+            size = wire.P
+
+            def isend(self, t, peer):
+                with wire.lock:
+                    wire.log.append((rank, "send", peer, t.numel()))
+                wire.fifo[(rank, peer)].put(t.clone())
+                return Done()
+
+            def irecv(self, t, peer):
+                with wire.lock:
+                    wire.log.append((rank, "recv", peer, t.numel()))
+                key = (peer, rank)
+                wire.posted[key].append(t)
+                return Recv(key, len(wire.posted[key]) - 1)
+
+        pc = PC()
+        pc.rank = rank
+        return pc
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_ring_all_reduce_posts_the_all_gather_receives_before_its_first_send(P):
+    """Gloo sends a message only once the receiver's "receive ready" notice has arrived, so the ring's
+    all_reduce posts both phases' receives before its first send (docs/cost_model.md, "Latency"); the
+    result stays exact with chunks of two pieces (about 1.5 MiB each, 2 more elements than P chunks)."""
+    import threading
+
+    from distrain.comm.algorithms import ring
+    from distrain.comm.core.ops import resolve_op
+
+    n = P * (3 << 17) + 2  # float32: chunks of 393217, 393217, then 393216 elements: 2 pieces each
+    wire = _Wire(P)
+    xs = [torch.randint(-8, 9, (n,), generator=torch.Generator().manual_seed(r)).float() for r in range(P)]
+    bufs = [x.clone() for x in xs]
+    op = resolve_op("sum", torch.float32, "all_reduce")
+    errors = []
+
+    def rank_main(r):
+        try:
+            ring.all_reduce(wire.comm(r), bufs[r], op)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append((r, e))
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(P)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+    ref = torch.stack(xs).sum(0)
+    for r in range(P):
+        assert torch.equal(bufs[r], ref), r
+    chunks = [393217] * 2 + [393216] * (P - 2)
+    for r in range(P):
+        mine = [(kind, peer, k) for rank, kind, peer, k in wire.log if rank == r]
+        first_send = next(i for i, e in enumerate(mine) if e[0] == "send")
+        # reduce-scatter step s receives chunk r-s-2, all-gather step s chunk r-s-1, each in 2 pieces
+        rs = [c for s in range(P - 1) for c in torch.tensor_split(torch.empty(chunks[(r - s - 2) % P]), 2)]
+        ag = [c for s in range(P - 1) for c in torch.tensor_split(torch.empty(chunks[(r - s - 1) % P]), 2)]
+        assert mine[:first_send] == [("recv", (r - 1) % P, c.numel()) for c in rs + ag], r
+        assert sum(1 for e in mine if e[0] == "recv") == len(rs) + len(ag)

@@ -290,3 +290,50 @@ def test_step_prediction_row_from_a_run_folder(tmp_path):
                            f"{want * 1e3:.0f}"]
         assert row[7] == f"{100 * (want - 0.6) / 0.6:+.0f}%"
         assert seen[-1] == ("mlp-tiny", ranks, pytest.approx(local))
+
+
+@pytest.mark.parametrize("P", [2, 3, 5, 8])
+def test_handshake_adds_one_notice_per_call(P):
+    """Gloo's TCP pair sends once the receiver's "receive ready" notice has arrived: a call's first
+    messages wait α(dst, src) more; every later receive is posted before its sender is ready."""
+    from dataclasses import replace
+
+    from distrain.costmodel.collectives import ring_time
+
+    a = 1e-3
+    f = replace(_fabric(P, alpha=a), handshake=True)
+    depth = max(bin(v).count("1") for v in range(P))
+    assert predict("all_reduce", "star", 4, f).seconds == pytest.approx(3 * a, rel=1e-3)
+    assert predict("all_reduce", "tree", 4, f).seconds == pytest.approx((2 * depth + 1) * a, rel=1e-3)
+    assert predict("reduce_scatter", "ring", 4 * P * P, f).seconds == pytest.approx(P * a, rel=1e-3)
+    if P > 2:
+        assert predict("all_reduce", "ring", 4 * P, f).seconds == pytest.approx((2 * (P - 1) + 1) * a, rel=1e-3)
+    # the closed form (distrain plan's ring): the seeds' 2(P-1)(α + N/(P·B)) plus the one notice
+    N = P * (1 << 20)
+    seconds, _ = ring_time(f, [list(range(P))], N)
+    assert seconds == pytest.approx(2 * (P - 1) * (a + N / P / B) + a, rel=1e-12)
+    assert predict("all_reduce", "ring", N, f).seconds == pytest.approx(seconds, rel=1e-9)
+    assert ring_time(replace(f, handshake=False), [list(range(P))], N)[0] == pytest.approx(seconds - a, rel=1e-12)
+
+
+def test_a_calibration_says_whether_its_transport_has_the_handshake():
+    """bench link over torch's transport writes "handshake": true in its links; its shift's rate leaves out the
+    shift's latency (the notice's α and the message's own), so 25 ms links are not taken as host-bound."""
+    from distrain.bench.link.calibrate import shift_rates
+    from distrain.costmodel.links import fabric_from_model
+
+    alpha, n, P = 25e-3, 4 << 20, 2
+    shift = {"bytes": n, "time_us": (2 * alpha + n / B) * 1e6}
+    shift_rates(shift, P, 2 * alpha * 1e6)
+    assert shift["per_link_GBps"] == pytest.approx(B / 1e9, rel=1e-12)
+    assert shift["aggregate_GBps"] == pytest.approx(P * B / 1e9, rel=1e-12)
+    assert shift["latency_us"] == pytest.approx(2 * alpha * 1e6)
+    link = {"alpha_us": alpha * 1e6, "bandwidth_GBps": B / 1e9}
+    cal = {"inter": link, "gamma_ns_per_byte": 0, "shift": shift}
+    f = fabric_from_model(dict(cal, inter=dict(link, handshake=True)), [0, 1])
+    assert f.handshake is True and f.host is None
+    assert fabric_from_model(cal, [0, 1]).handshake is False  # a calibration from before the field
+    # the same shift's time read whole (the old rate: n / time) was 0.72 of B: host-bound, a host of 1.44·B
+    old = {"bytes": n, "time_us": shift["time_us"], "per_link_GBps": n / (shift["time_us"] * 1e-6) / 1e9,
+           "aggregate_GBps": P * n / (shift["time_us"] * 1e-6) / 1e9}
+    assert fabric_from_model(dict(cal, shift=old), [0, 1]).host == pytest.approx(P * n / (2 * alpha + n / B))

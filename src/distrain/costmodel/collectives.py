@@ -13,7 +13,11 @@ the longer of
   over its P - 1 hops, plus the chunk's other pieces behind it at the slowest hop's pace;
 * the slowest hop's work: P - 1 chunks at its rate, plus one α and one add.
 
-For a ring of equal hops this is 2(P-1)(α + N/(P·B)) (all-reduce), the seeds' closed form.
+For a ring of equal hops this is 2(P-1)(α + N/(P·B)) (all-reduce), the seeds' closed form. On a
+fabric with a ``handshake`` (Gloo's TCP pair: a send leaves once the receiver's "receive ready"
+notice has arrived, :mod:`distrain.costmodel.sim`) a call adds one more α: its first pieces wait
+for the notices of receives posted when it starts; the ring posts every later receive, the
+all-gather's included, before the first send, so no later piece waits on one.
 It is the coarse path of ``distrain plan``; the flow simulator (:mod:`distrain.costmodel.sim`)
 replays every piece. The measured difference (docs/cost_model.md, "Speed"): within 1 % on the
 27 calibrated ring cells of the emulated cluster, median 0.07 % and at most 24 % over 360
@@ -81,6 +85,8 @@ def ring_time(fabric: Fabric, groups: Sequence[Sequence[int]], nbytes: float, co
         # the slowest hop carries P - 1 chunks one after the other
         busy = (P - 1) * slowest + max(a for a, _ in per) + phase_add
         seconds += max(chain, busy)
+    if fabric.handshake:  # every first piece waits for its receiver's "receive ready" notice, once per call
+        seconds += max(fabric.alpha(g[(i + 1) % P], src) for g in groups for i, src in enumerate(g))
     busiest = max((b for link, b in carried.items() if link[0] != "host"), default=0.0)
     return seconds, float(busiest)
 

@@ -72,6 +72,9 @@ class Fabric:
     gamma: float = DEFAULT_GAMMA
     node_links: tuple[Link, ...] | None = None  # per-node inter links (e.g. a slow server link)
     host: float | None = None  # bytes/s shared by all traffic between nodes (one emulating machine)
+    # a send leaves only once the receiver's "receive ready" notice has arrived (Gloo's TCP pair; sim.py):
+    # a calibration by `distrain bench link` over torch's transport says so ("handshake" in its links' model)
+    handshake: bool = False
     notes: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -140,7 +143,8 @@ def calibrated_fabric(path: str, placement) -> Fabric:
 
 
 def fabric_from_model(model: dict, placement) -> Fabric:
-    """A Fabric from a calibration's model dict ({inter, intra: {alpha_us, bandwidth_GBps}, gamma_ns_per_byte})."""
+    """A Fabric from a calibration's model dict ({inter, intra: {alpha_us, bandwidth_GBps, handshake},
+    gamma_ns_per_byte, shift}); a calibration written before ``handshake`` existed has none."""
     inter = _link(model["inter"], "inter") if model.get("inter") else None
     intra = _link(model["intra"], "intra") if model.get("intra") else INTRA["shm"]
     if inter is None:
@@ -149,4 +153,4 @@ def fabric_from_model(model: dict, placement) -> Fabric:
     if shift and model.get("inter") and shift["per_link_GBps"] * 1e9 < HOST_BOUND * inter.bandwidth:
         host = float(shift["aggregate_GBps"]) * 1e9  # all links busy at once got only this much in all
     return Fabric(tuple(placement), inter, intra, float(model.get("gamma_ns_per_byte", DEFAULT_GAMMA * 1e9)) * 1e-9,
-                  host=host)
+                  host=host, handshake=any((model.get(k) or {}).get("handshake") is True for k in ("inter", "intra")))

@@ -9,6 +9,12 @@ here replays the schedule itself:
 * a :class:`Message` goes from rank ``src`` to rank ``dst`` (``nbytes``), becomes *ready*
   when every message in ``deps`` has arrived plus ``delay`` seconds of compute at the sender
   (e.g. γ·bytes to add a received piece before forwarding it);
+* on a fabric with ``handshake`` set (Gloo's TCP transport), it leaves no earlier than the
+  receiver's "receive ready" notice arrives, α(dst, src) after the call starts: Gloo's pair
+  holds an unbound-buffer send until the peer's notice for a posted receive has come
+  (gloo/transport/tcp/pair.cc, Pair::send and handleRemotePendingRecv). The schedules'
+  receives are all posted when the call starts (distrain's star, ring and tree post each
+  one before the sender can be ready), so only a call's first messages wait on a notice;
 * it then waits α of its path (per-message latency and software overhead), and for the
   previous message on the same (src, dst) pair to finish: Gloo sends one pair's messages
   in order over one TCP connection, which is what makes a ring's pieces pipeline;
@@ -43,6 +49,8 @@ class Message:
 
 
 class Fabric(Protocol):
+    handshake: bool  # a send waits for the receiver's "receive ready" notice (Gloo's TCP pair)
+
     def path(self, src: int, dst: int) -> tuple[tuple, ...]: ...
     def alpha(self, src: int, dst: int) -> float: ...
     def bandwidth(self, link: tuple) -> float: ...
@@ -121,9 +129,16 @@ def simulate(messages: Sequence[Message], fabric: Fabric, tail: float = 0.0) -> 
     dep_done = [0.0] * n  # latest arrival among deps
     starts: list[tuple[float, int]] = []  # heap of (earliest byte-flow start, message)
     link_bytes: dict = {}
+
+    def start(m: Message, ready: float) -> float:
+        """When m's bytes may start to flow: it is ready, the receiver's notice (posted at time 0) has
+        reached the sender if the fabric has a handshake, and then α of its path has passed."""
+        notice = fabric.alpha(m.dst, m.src) if fabric.handshake else 0.0
+        return max(ready, notice) + fabric.alpha(m.src, m.dst)
+
     for i, m in enumerate(messages):
         if waiting[i] == 0:
-            heapq.heappush(starts, (m.delay + fabric.alpha(m.src, m.dst), i))
+            heapq.heappush(starts, (start(m, m.delay), i))
     active: list[_Flow] = []
     blocked: dict[int, list[tuple[float, int]]] = {}  # pair predecessor -> (start, message)
     now, done = 0.0, 0
@@ -136,7 +151,7 @@ def simulate(messages: Sequence[Message], fabric: Fabric, tail: float = 0.0) -> 
             dep_done[c] = max(dep_done[c], t)
             waiting[c] -= 1
             if waiting[c] == 0:
-                heapq.heappush(starts, (dep_done[c] + messages[c].delay + fabric.alpha(messages[c].src, messages[c].dst), c))
+                heapq.heappush(starts, (start(messages[c], dep_done[c] + messages[c].delay), c))
         for s, c in blocked.pop(i, []):
             heapq.heappush(starts, (max(s, t), c))
 

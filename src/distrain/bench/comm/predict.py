@@ -43,12 +43,13 @@ def annotate(records: list[dict], fabric: Fabric, dtype_size: int) -> None:
 
 def describe(fabric: Fabric) -> dict:
     """The links a prediction used, in a calibration model's units (``host_GBps`` null unless the
-    calibration's shift found every link sharing one machine's capacity): enough to rebuild it."""
+    calibration's shift found every link sharing one machine's capacity; ``handshake`` whether a send
+    waited for the receiver's notice): enough to rebuild it."""
     def link(ln):
         return {"alpha_us": ln.alpha * 1e6, "bandwidth_GBps": ln.bandwidth / 1e9}
 
     return {"inter": link(fabric.inter), "intra": link(fabric.intra), "gamma_ns_per_byte": fabric.gamma * 1e9,
-            "host_GBps": None if fabric.host is None else fabric.host / 1e9}
+            "host_GBps": None if fabric.host is None else fabric.host / 1e9, "handshake": fabric.handshake}
 
 
 def table(records: list[dict]) -> str:

@@ -14,11 +14,13 @@ Pairs are grouped by placement: "inter" (ranks on different nodes: the shaped li
 cluster run``) or else the host name. The model of a group is the median α and β of its
 pairs. γ (seconds per byte of an element-wise float32 add, the reduction of the
 collectives) is timed on rank 0 on a 16 MiB buffer. ``--json`` writes the records and
-``model`` = {inter, intra: {alpha_us, bandwidth_GBps}, gamma_ns_per_byte}, which
+``model`` = {inter, intra: {alpha_us, bandwidth_GBps, handshake}, gamma_ns_per_byte, shift}, which
 ``distrain bench comm --predict PATH`` and the cost model read.
 
 Then a *shift*: every rank at once sends the largest size to rank r+1 and receives from
-r-1 (mod P), ``--iters`` times; time = the slowest rank's, median. Its per-link rate against
+r-1 (mod P), ``--iters`` times; time = the slowest rank's, median; its bytes' time = that less
+the latency the model gives one such message (α, twice over torch's transport: the receiver's
+"receive ready" notice first: ``handshake`` in the link's model). Its per-link rate against
 the ping-pong's bandwidth says whether the links still give their rate when all are busy;
 where they do not, something they share is the limit. In an emulated cluster that is this
 host's cores, which process every node's packets (``model["shift"]`` also records how busy
@@ -160,12 +162,25 @@ def _shift(rank: int, P: int, n: int, iters: int) -> dict:
         if i:
             ts.append(t.item())
     cpu1, t = _cpu_times(), common.median(ts)
-    res = {"bytes": n, "time_us": t * 1e6, "per_link_GBps": n / t / 1e9, "aggregate_GBps": P * n / t / 1e9}
+    res = {"bytes": n, "time_us": t * 1e6}
+    shift_rates(res, P, 0.0)
     if cpu0 and cpu1:
         d = [b - a for a, b in zip(cpu0, cpu1)]
         res["host_busy"] = 1 - (d[3] + d[4]) / max(1, sum(d))
         res["host_softirq"] = d[6] / max(1, sum(d))
     return res
+
+
+def shift_rates(shift: dict, P: int, latency_us: float) -> None:
+    """Set the shift's rates from its time less ``latency_us``, the part of it that is not bytes (the
+    links' α, and the receiver's notice before it under a handshake): on links of 25 ms one way a
+    4 MiB shift is 13 % latency, which would otherwise pass for a host that halves every link's rate."""
+    t = (shift["time_us"] - latency_us) * 1e-6
+    if not t > 0:  # the latency is noise here: the bytes took no measurable time
+        t = shift["time_us"] * 1e-6
+        latency_us = 0.0
+    shift.update(latency_us=latency_us, per_link_GBps=shift["bytes"] / t / 1e9,
+                 aggregate_GBps=P * shift["bytes"] / t / 1e9)
 
 
 def measure(rank: int, settings: Settings) -> Calibration | None:
@@ -207,7 +222,12 @@ def measure(rank: int, settings: Settings) -> Calibration | None:
         if rs:
             model[kind] = {"alpha_us": common.median([r["alpha_us"] for r in rs]),
                            "bandwidth_GBps": common.median([r["bandwidth_GBps"] for r in rs]),
-                           "source": f"distrain bench link, median of {len(rs)} pair(s)"}
+                           "source": f"distrain bench link, median of {len(rs)} pair(s)",
+                           # torch's transport is Gloo's TCP pair, whose sends wait for the receiver's
+                           # "receive ready" notice (costmodel/sim.py)
+                           "handshake": transports[0] == "torch"}
+    if "inter" in model:  # a shift message, posted with its receive, pays that notice's α before its own
+        shift_rates(shift, P, model["inter"]["alpha_us"] * (2 if model["inter"]["handshake"] else 1))
     return Calibration(records=records, model=model, placement=where, latency=latency)
 
 

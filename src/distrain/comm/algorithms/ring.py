@@ -51,7 +51,20 @@ def _pieces(t: torch.Tensor) -> list[torch.Tensor]:
     return list(torch.tensor_split(t, k))
 
 
-def _reduce_scatter_chunks(pc: PeerComm, chunks: list[torch.Tensor], op: Op) -> None:
+def _post_all_gather(pc: PeerComm, chunks: list[torch.Tensor]) -> tuple[list, list]:
+    """Post every receive of the all-gather (each piece straight into its final place); returns
+    (landing pieces, their receive works), step by step, for :func:`_all_gather_chunks`."""
+    P, r = pc.size, pc.rank
+    landing = [_pieces(chunks[(r - s - 1) % P]) for s in range(P - 1)]
+    return landing, [[pc.irecv(x, (r - 1) % P) for x in step] for step in landing]
+
+
+def _reduce_scatter_chunks(pc: PeerComm, chunks: list[torch.Tensor], op: Op,
+                           gather_next: bool = False) -> tuple[list, list, list] | None:
+    """The reduce-scatter. With ``gather_next`` (all_reduce) it also begins the all-gather: posts
+    that phase's receives (after this phase's own, before the first send) and sends each piece of
+    its now final chunk r as soon as the piece is reduced (the all-gather's step 0); returns
+    (landing pieces, their receives, the sends still in flight) for :func:`_all_gather_chunks`."""
     P, r = pc.size, pc.rank
     nxt, prv = (r + 1) % P, (r - 1) % P
     # All receives are posted up front, each into its own scratch slot, and a piece is sent
@@ -63,24 +76,39 @@ def _reduce_scatter_chunks(pc: PeerComm, chunks: list[torch.Tensor], op: Op) -> 
     acc = [_pieces(chunks[(r - s - 2) % P]) for s in range(P - 1)]  # step s adds into these
     incoming = [_pieces(tmp[s * m:s * m + chunks[(r - s - 2) % P].numel()]) for s in range(P - 1)]
     recvs = [[pc.irecv(x, prv) for x in step] for step in incoming]
+    # Gloo's TCP pair sends a message only once the receiver's "receive ready" notice has reached
+    # the sender (gloo/transport/tcp/pair.cc: Pair::send queues it until handleRemotePendingRecv), so a
+    # receive posted only when the all-gather starts would hold that phase's first piece for one more
+    # one-way latency (docs/cost_model.md, "Latency"). Posted now, its notices travel during this
+    # phase. They match in posting order: prev sends this phase's pieces before the all-gather's.
+    gathered = _post_all_gather(pc, chunks) if gather_next else None
     sends = [pc.isend(x, nxt) for x in _pieces(chunks[(r - 1) % P])]  # step 0: our own data
     for s in range(P - 1):
         for j, (a, x) in enumerate(zip(acc[s], incoming[s])):
             recvs[s][j].wait()
             op.combine(a, x)
-            if s < P - 2:  # the chunk reduced at step s is the one sent at step s + 1
+            # the chunk reduced at step s is the one sent at step s + 1; the last (chunk r, final) is
+            # the all-gather's first: a piece goes on as soon as it is, as costmodel/schedules.py has it
+            if s < P - 2 or gathered is not None:
                 sends.append(pc.isend(a, nxt))
+    if gathered is not None:
+        return (*gathered, sends)
     waitall(sends)  # a piece in flight is never written again in this phase
+    return None
 
 
-def _all_gather_chunks(pc: PeerComm, chunks: list[torch.Tensor]) -> None:
+def _all_gather_chunks(pc: PeerComm, chunks: list[torch.Tensor], started: tuple[list, list, list] | None = None) -> None:
     P, r = pc.size, pc.rank
-    nxt, prv = (r + 1) % P, (r - 1) % P
-    # Receives go straight to their final place, all posted up front; each received piece
-    # is forwarded as soon as it lands.
-    landing = [_pieces(chunks[(r - s - 1) % P]) for s in range(P - 1)]
-    recvs = [[pc.irecv(x, prv) for x in step] for step in landing]
-    sends = [pc.isend(x, nxt) for x in _pieces(chunks[r])]
+    nxt = (r + 1) % P
+    # Receives go straight to their final place, all posted up front (or already, by the
+    # reduce-scatter: ``started``, with step 0's sends); each received piece is forwarded as soon as it
+    # lands. A chunk's piece lands only after prev holds it reduced, so after this rank's last use of
+    # it in the reduce-scatter (its send there has been received downstream).
+    if started is None:
+        landing, recvs = _post_all_gather(pc, chunks)
+        sends = [pc.isend(x, nxt) for x in _pieces(chunks[r])]
+    else:
+        landing, recvs, sends = started
     for s in range(P - 1):
         for j, x in enumerate(landing[s]):
             recvs[s][j].wait()
@@ -91,8 +119,7 @@ def _all_gather_chunks(pc: PeerComm, chunks: list[torch.Tensor]) -> None:
 
 def all_reduce(pc: PeerComm, buf: torch.Tensor, op: Op) -> None:
     chunks = list(torch.tensor_split(buf, pc.size))
-    _reduce_scatter_chunks(pc, chunks, op)
-    _all_gather_chunks(pc, chunks)
+    _all_gather_chunks(pc, chunks, _reduce_scatter_chunks(pc, chunks, op, gather_next=True))
 
 
 def reduce_scatter(pc: PeerComm, out: torch.Tensor, full: torch.Tensor, op: Op) -> None:
