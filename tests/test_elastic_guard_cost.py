@@ -142,3 +142,38 @@ def test_bench_elastic_without_faults_reports_the_steady_state_only():
         "per step, fixed / elastic (medians)", "elastic / fixed, per round", "elastic / fixed, median"]
     with pytest.raises(ConfigError):  # with the kill runs, the same --kill-step is refused
         cost.check(cost.Settings(nproc=2, strategy="zero2", steps=8, kill_step=0))
+
+
+def _affinity(ident: int) -> list[int]:
+    import os
+
+    return sorted(os.sched_getaffinity(0))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="binds a core per rank: needs 2 cores")
+def test_an_elastic_job_binds_its_ranks_to_cores_of_their_own_as_a_fixed_one_does():
+    """A fixed shm job's ranks get cores of their own (spawn's bind_cores); an elastic job's did not, which
+    made every elastic / fixed comparison on shm a comparison of bound against unbound ranks too."""
+    import os
+
+    from distrain.elastic import coordinator
+
+    cores = sorted(os.sched_getaffinity(0))
+    bound, _, _ = coordinator.run(_affinity, 2, 1, 2, bind_cores=True, timeout=60, collective_timeout=10)
+    assert bound == {0: cores[:len(cores) // 2], 1: cores[len(cores) // 2:len(cores) // 2 * 2]}
+    free, _, _ = coordinator.run(_affinity, 2, 1, 2, bind_cores=False, timeout=60, collective_timeout=10)
+    assert free == {0: cores, 1: cores}
+
+
+def test_a_newcomer_takes_the_cores_of_a_rank_that_is_gone_and_none_while_every_slot_is_held():
+    from distrain.elastic.coordinator import Coordinator
+
+    c = Coordinator(_affinity, (), 2, 1, 2, 0, "gloo", None, 10.0)
+    c.slices = [[0], [1]]
+    assert (c._cores(0), c._cores(1)) == ([0], [1])
+    assert c._cores(2) is None  # (0 and 1 still run: a newcomer beside them is left to the scheduler)
+    c.gone.add(0)
+    assert c._cores(3) == [0]  # (rank id 0's slot, free once its process ended)
+    assert c.slot == {0: 0, 1: 1, 3: 0}
