@@ -42,7 +42,9 @@ quorum.sharded_target).
 
 Sharded state (ZeRO, ``sharded``): a rank holds one piece, so ``begin`` also sends its copy to the
 next rank during the step and keeps the previous rank's (pieces.Exchange, waited for in ``end``;
-the copies of the step before stay until every rank has reached the step's end). A rank's arrive
+the copies of the step before stay until every rank has reached the step's end); where the group has
+symmetric memory (shm, one host) the copy is made into a buffer the next rank maps instead, and read
+by it only when the group breaks (pieces.InPlace, taken in ``reform`` before the group is left). A rank's arrive
 record lists the pieces it holds, ``[step, world, rank, "own"|"replica"]``; the coordinator takes the
 latest step whose pieces make a whole (quorum.sharded_target), or the last checkpoint when a rank
 and its successor were lost at once, and the loop gathers the pieces and cuts them for the new
