@@ -142,3 +142,134 @@ def test_bench_elastic_without_faults_reports_the_steady_state_only():
         "per step, fixed / elastic (medians)", "elastic / fixed, per round", "elastic / fixed, median"]
     with pytest.raises(ConfigError):  # with the kill runs, the same --kill-step is refused
         cost.check(cost.Settings(nproc=2, strategy="zero2", steps=8, kill_step=0))
+
+
+def _affinity(ident: int) -> list[int]:
+    import os
+
+    return sorted(os.sched_getaffinity(0))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="binds a core per rank: needs 2 cores")
+def test_an_elastic_job_binds_its_ranks_to_cores_of_their_own_as_a_fixed_one_does():
+    """A fixed shm job's ranks get cores of their own (spawn's bind_cores); an elastic job's did not, which
+    made every elastic / fixed comparison on shm a comparison of bound against unbound ranks too."""
+    import os
+
+    from distrain.elastic import coordinator
+
+    cores = sorted(os.sched_getaffinity(0))
+    bound, _, _ = coordinator.run(_affinity, 2, 1, 2, bind_cores=True, timeout=60, collective_timeout=10)
+    assert bound == {0: cores[:len(cores) // 2], 1: cores[len(cores) // 2:len(cores) // 2 * 2]}
+    free, _, _ = coordinator.run(_affinity, 2, 1, 2, bind_cores=False, timeout=60, collective_timeout=10)
+    assert free == {0: cores, 1: cores}
+
+
+def test_a_newcomer_takes_the_cores_of_a_rank_that_is_gone_and_none_while_every_slot_is_held():
+    from distrain.elastic.coordinator import Coordinator
+
+    c = Coordinator(_affinity, (), 2, 1, 2, 0, "gloo", None, 10.0)
+    c.slices = [[0], [1]]
+    assert (c._cores(0), c._cores(1)) == ([0], [1])
+    assert c._cores(2) is None  # (0 and 1 still run: a newcomer beside them is left to the scheduler)
+    c.gone.add(0)
+    assert c._cores(3) == [0]  # (rank id 0's slot, free once its process ended)
+    assert c.slot == {0: 0, 1: 1, 3: 0}
+
+
+def _pair():
+    """Two InPlace ends over ordinary tensors: ``peer``'s buffers are what ``me`` maps (as symmetric memory
+    gives it), for a piece of two tensors (the shape of a ZeRO piece: a flat shard and a moment)."""
+    import torch
+
+    from distrain.elastic.pieces import HEAD, InPlace, packed_size
+
+    piece = {"shards": [torch.zeros(100)], "state": {"exp_avg": torch.zeros(37, dtype=torch.float64)}, "rank": 0}
+    n = packed_size(piece)
+    peer_bufs = [torch.zeros(HEAD + n, dtype=torch.uint8) for _ in range(2)]
+    me, peer = InPlace(source=1), InPlace(source=0)
+    peer.gens = [dict(bufs=peer_bufs, peers=[torch.zeros(HEAD + n, dtype=torch.uint8)] * 2, views=None, parity=0)]
+    me.gens = [dict(bufs=[torch.zeros(HEAD + n, dtype=torch.uint8) for _ in range(2)], peers=peer_bufs, views=None,
+                    parity=0)]
+    return me, peer, piece
+
+
+def _piece(step: int):
+    import torch
+
+    g = torch.Generator().manual_seed(step)
+    return {"shards": [torch.randn(100, generator=g)],
+            "state": {"exp_avg": torch.randn(37, generator=g, dtype=torch.float64)}, "rank": 1}
+
+
+def test_an_in_place_replica_is_a_whole_steps_piece_never_half_of_two():
+    """pieces.InPlace: the previous rank's piece read from its buffers (symmetric memory) only when the group
+    breaks. A buffer never packed holds nothing (zeros are no step); a rank killed while packing step 4 leaves
+    step 3's whole piece (the other parity) and nothing of 4; once 4 is packed both are offered, bit for bit."""
+    import torch
+
+    from distrain.elastic.pieces import HEAD, leaves
+
+    def flat(tree):
+        out = []
+        leaves(tree, out)
+        return out
+
+    me, peer, mine = _pair()
+    assert me.replicas() == []  # (nothing packed yet on this side: no layout)
+    me.pack(3, mine)
+    assert me.replicas() == []  # (the peer's buffers are new: stamps 0, no step)
+    peer.pack(3, _piece(3))
+    (step, tree), = me.replicas()
+    assert step == 3 and _same_tree(tree["shards"], _piece(3)["shards"]) == [] and \
+        _same_tree(tree["state"], _piece(3)["state"]) == [] and tree["rank"] == 0  # (our labels: the caller's to fix)
+    # killed while packing step 4 into the other buffer: the start stamp moved, the end stamp cleared, half copied
+    buf = peer.gens[-1]["bufs"][4 % 2]
+    head = buf[:16].view(torch.int64)
+    head[1], head[0] = 0, 5
+    buf[HEAD:HEAD + 200] = 7
+    assert [s for s, _ in me.replicas()] == [3]
+    peer.pack(4, _piece(4))
+    got = dict(me.replicas())
+    assert sorted(got) == [3, 4]
+    for s in (3, 4):
+        assert [torch.equal(a, b) for a, b in zip(flat(got[s]), flat(_piece(s)))] == [True, True]
+    # a pack that started again over step 3's buffer while the reader copied: the start stamp no longer matches
+    buf = peer.gens[-1]["bufs"][3 % 2]
+    buf[:16].view(torch.int64)[0] = 6
+    assert sorted(dict(me.replicas())) == [4]
+
+
+def _in_place_over_shm(rank: int) -> list[str]:
+    import torch
+
+    from distrain import comm
+    from distrain.elastic.pieces import InPlace, packed_size
+
+    comm.set_transport("shm")
+    bad = []
+    small = {"shards": [torch.full((10,), float(rank))], "state": {}}
+    big = _piece(10 + rank)  # (the optimizer's state appears at the first step: the piece grows)
+    ip = InPlace.open(packed_size(small), (rank - 1) % 2)
+    if ip is None:
+        return ["no symmetric memory over --transport shm on one host"]
+    ip.pack(0, small)
+    ip.pack(1, big)
+    comm.barrier()
+    got = dict(ip.replicas())
+    theirs = _piece(10 + (rank - 1) % 2)
+    if sorted(got) != [0, 1]:
+        bad.append(f"replicas of steps {sorted(got)}, [0, 1] expected")
+    elif not (torch.equal(got[0]["shards"][0], torch.full((10,), float((rank - 1) % 2))) and
+              _same_tree(got[1]["shards"], theirs["shards"]) == [] and _same_tree(got[1]["state"], theirs["state"]) == []):
+        bad.append("a replica differs from the peer's piece")
+    comm.barrier()  # (the peer's buffers stay mapped while the group lives)
+    return bad
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_over_shm_the_in_place_replica_is_the_previous_ranks_piece_across_a_size_change():
+    run_ranks(_in_place_over_shm, 2)

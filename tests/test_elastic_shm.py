@@ -183,6 +183,7 @@ def no_leftovers():
 @pytest.mark.parametrize("strategy, step, rolled_back, state_from", [
     ("ddp", 2, 2, "peers"),  # the step under way is redone from the survivors' start-of-step state
     ("zero2", 1, 1, "replicas"),  # id 1's piece of step 2 died with it; its copy of step 1 is on id 2
+    ("zero3", 1, 1, "replicas"),  # (the same, read in place from id 1's symmetric memory: pieces.InPlace)
 ])
 def test_sigkill_one_of_three_goes_on_at_two_with_the_same_losses_and_weights(
         tmp_path, tmp_path_factory, monkeypatch, no_leftovers, strategy, step, rolled_back, state_from):

@@ -49,6 +49,7 @@ from distrain.comm.api import (
     set_debug,
     set_transport,
     symmetric_empty,
+    symmetric_peer,
     transport_of,
 )
 from distrain.comm.compat import PASSTHROUGH, configure_from_env, destroy_process_group, init_process_group
@@ -97,5 +98,5 @@ __all__ = [
     "gather", "gather_data", "gather_object", "has_list_all_reduce", "init_process_group", "interrupt_all", "interrupt_group", "irecv", "isend", "isend_tensor",
     "ledger", "recv", "recv_object_list", "recv_tensor", "reduce", "reduce_scatter", "reduce_scatter_tensor",
     "scatter", "scatter_object_list", "send", "send_object_list", "send_tensor", "set_debug",
-    "set_default_transport", "set_shm_kernels", "set_transport", "symmetric_empty", "transport_of",
+    "set_default_transport", "set_shm_kernels", "set_transport", "symmetric_empty", "symmetric_peer", "transport_of",
 ] + [n for n in PASSTHROUGH if hasattr(_torch_dist, n)]

@@ -386,6 +386,16 @@ def symmetric_empty(*size, dtype: torch.dtype = torch.float32, group=None) -> to
     return torch.empty(shape, dtype=dtype)
 
 
+def symmetric_peer(t: torch.Tensor, rank: int, group=None) -> torch.Tensor | None:
+    """Rank ``rank``'s (of ``group``) counterpart of ``t``, a tensor :func:`symmetric_empty` made: a uint8
+    view of the same bytes in that peer's memory, mapped here (read it while the group lives: the mapping goes
+    with the group's transport), or None where ``t`` is not in symmetric memory (ordinary memory: no shared-
+    memory transport, several hosts, /dev/shm full)."""
+    st = resolve(group, "symmetric_peer")
+    peer = getattr(st.transport, "symmetric_peer", None) if st.size > 1 else None
+    return peer(t, rank) if peer is not None else None
+
+
 def set_transport(transport, group=None) -> None:
     """Choose the transport of ``group`` (None = the world) before its first message: a name
     from ``TRANSPORT_NAMES`` or any object implementing ``transports.Transport``."""

@@ -40,6 +40,7 @@ MAX; a replacement joins at a step boundary and is healed from a live peer (memb
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -53,8 +54,9 @@ from distrain.elastic.protocol import BEAT_S, FROZEN_S
 from distrain.elastic import nodes as multinode
 from distrain.elastic.quorum import reachable, refusal, replicated_target, rolled_back, sharded_target, whole_replicas
 from distrain.elastic.ranks import Recipe, threads_per_rank
-from distrain.errors import SpawnTimeoutError, TrainingError
+from distrain.errors import ConfigError, SpawnTimeoutError, TrainingError
 from distrain.launch import local_store
+from distrain.launch.cores import core_slices, free_core_slices
 from distrain.launch.supervisor import Outcome, Supervisor
 
 POLL_S = 0.01
@@ -64,7 +66,7 @@ SAY_S = 5.0  # waiting this long for members to leave an ended epoch: say for wh
 class Coordinator:
     def __init__(self, fn, args: Sequence, nproc: int, lo: int, hi: int, replace: int, backend: str,
                  timeout: float | None, collective_timeout: float, preload: Sequence[str] = (),
-                 grid: tuple[int, int] = (1, 1), nodes=None, servers: int = 0):
+                 grid: tuple[int, int] = (1, 1), nodes=None, servers: int = 0, bind_cores: bool | None = False):
         self.fn, self.args, self.nproc, self.lo, self.hi, self.replace = fn, tuple(args), nproc, lo, hi, replace
         self.grid = grid  # (tp, pp): the members go and stay by whole model replicas of tp x pp ranks
         self.nodes = nodes  # nodes.NodeSpec of a multi-node job (None: one host)
@@ -92,11 +94,27 @@ class Coordinator:
         self.beats_read, self.opened, self.frozen = 0.0, 0.0, set()
         self.said = -1  # the epoch whose wait was told
         self.why: dict[int, str] = {}  # lost ids -> why they left (killed by SIGKILL, exit code 1, frozen, ...)
+        # cores per rank, as a fixed job's spawn binds them (launch/cores.py): MAX slots of cores, chosen at the
+        # start (one host only); a rank takes a slot no running rank holds (a newcomer, the slot of one gone)
+        self.bind_cores, self.slices = bind_cores, None
+        self.slot: dict[int, int] = {}  # id -> its slot in ``slices``
 
     # -- processes ----------------------------------------------------------------------------
     def _start(self, ident: int, newcomer: bool) -> None:
-        self.recipe.start(self.sup, ident, newcomer)
+        self.recipe.start(self.sup, ident, newcomer, cores=self._cores(ident))
         self.started[ident] = self.sup.started[ident]
+
+    def _cores(self, ident: int) -> list[int] | None:
+        """The cores of a free slot for ``ident`` (None: unbound, when not binding or every slot is held: a
+        dropped member may still run on its own)."""
+        if self.slices is None:
+            return None
+        held = {s for i, s in self.slot.items() if i not in self.gone}
+        free = next((k for k in range(len(self.slices)) if k not in held), None)
+        if free is None:
+            return None
+        self.slot[ident] = free
+        return self.slices[free]
 
     def _kill(self, ident: int) -> None:
         if ident not in self.sup.procs:  # a rank of another node: its agent ends it
@@ -329,10 +347,16 @@ class Coordinator:
             self.store = multinode.serve_store(self.nodes, self.hi + self.nodes.nodes, self.ctimeout)
             self.remote = multinode.Remote(self.nodes, self.nproc)
         self.store.set(m.key("run"), self.run_id)  # (node agents give their ranks this run's id)
+        if self.nodes is None and self.bind_cores is not False:  # (None: when MAX cores are free right now)
+            self.slices = core_slices(self.hi) if self.bind_cores else free_core_slices(self.hi)
+            if self.bind_cores and self.slices is None:
+                raise ConfigError(f"elastic: bind_cores=True needs a core per rank, but MAX {self.hi} ranks share "
+                                  f"{len(os.sched_getaffinity(0))} core(s); pass bind_cores=None or False")
         self.recipe = Recipe(self.fn, self.args, self.backend, self.ctimeout, self.store.port, self.run_id,
                              host=self.nodes.host if self.nodes else "127.0.0.1",
                              stride=self.nproc // self.nodes.nodes if self.nodes else 1,
-                             threads=threads_per_rank(self.hi, self.nodes.nodes if self.nodes else 1), secret=secret)
+                             threads=len(self.slices[0]) if self.slices else
+                             threads_per_rank(self.hi, self.nodes.nodes if self.nodes else 1), secret=secret)
         self.store.set(m.key("members", 0), json.dumps({"ids": self.members, "step": None, "old": self.nproc,
                                                           "left": [], "joined": [], "t0": time.time()}))
         for i in self.members if self.nodes is None else self.nodes.ids(self.nproc):
@@ -391,17 +415,18 @@ def signal_name(signum: int) -> str:
 def run(fn: Callable[..., Any], nproc: int, lo: int, hi: int, args: Sequence = (), replace: int = 0,
         backend: str = "gloo", timeout: float | None = None, collective_timeout: float = 300.0,
         preload: Sequence[str] = (), grid: tuple[int, int] = (1, 1), nodes=None,
-        servers: int = 0) -> tuple[dict[int, Any], str | None, list[dict]]:
+        servers: int = 0, bind_cores: bool | None = False) -> tuple[dict[int, Any], str | None, list[dict]]:
     """Run an elastic job (see the module docstring); returns (results by id, the stop reason or
     None, the membership decisions). ``grid`` = (tp, pp): ranks go by whole model replicas.
     ``nodes`` (nodes.NodeSpec): this is one node of several; node 0 coordinates, the others run
-    their ranks (nodes.run_node) and return ({}, None, [])."""
+    their ranks (nodes.run_node) and return ({}, None, []). ``bind_cores`` (one host): as distrain.spawn's, over
+    MAX ranks (None: bind when MAX cores are free at the start; a newcomer takes the cores of a rank gone)."""
     if nodes is not None and nodes.node > 0:  # a node agent: it starts and reports its ranks, decides nothing
         code = multinode.run_node(nodes, nproc, fn, args, backend, collective_timeout, preload, hi)
         if code:
             raise TrainingError(f"elastic: node {nodes.node} lost the coordinator (node 0); its ranks were ended")
         return {}, None, []
     coord = Coordinator(fn, args, nproc, lo, hi, replace, backend, timeout, collective_timeout, preload, grid, nodes,
-                        servers)
+                        servers, bind_cores)
     results = coord.run()
     return results, coord.stop, coord.events

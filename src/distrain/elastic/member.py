@@ -42,7 +42,9 @@ quorum.sharded_target).
 
 Sharded state (ZeRO, ``sharded``): a rank holds one piece, so ``begin`` also sends its copy to the
 next rank during the step and keeps the previous rank's (pieces.Exchange, waited for in ``end``;
-the copies of the step before stay until every rank has reached the step's end). A rank's arrive
+the copies of the step before stay until every rank has reached the step's end); where the group has
+symmetric memory (shm, one host) the copy is made into a buffer the next rank maps instead, and read
+by it only when the group breaks (pieces.InPlace, taken in ``reform`` before the group is left). A rank's arrive
 record lists the pieces it holds, ``[step, world, rank, "own"|"replica"]``; the coordinator takes the
 latest step whose pieces make a whole (quorum.sharded_target), or the last checkpoint when a rank
 and its successor were lost at once, and the loop gathers the pieces and cuts them for the new
@@ -65,7 +67,7 @@ from distrain import comm, sealed
 from distrain.comm.core import watchdog
 from distrain.elastic.asker import Asker
 from distrain.elastic.epoch_store import EpochStore
-from distrain.elastic.pieces import Exchange, pack
+from distrain.elastic.pieces import Exchange, InPlace, clone_tree, pack, packed_size
 from distrain.elastic.protocol import (BEAT_S, ENV_HOST, ENV_ID, ENV_NEW, ENV_PORT, ENV_RUN, ENV_STRIDE, POLL_S,
                                        STUCK_S, Change, Hooks, key)
 from distrain.elastic.sockets import sever
@@ -100,6 +102,9 @@ class Member:
         self.kept: list[dict] = []
         self.pending = None  # (step, pieces.Exchange) in flight from ``begin`` to ``end``
         self.buffers: dict[int, tuple] = {}  # step parity -> (our piece's buffer, the replica's), this group's
+        # this group's in-place replica (pieces.InPlace: symmetric memory, no message per step); None: not tried
+        # yet in this group, False: the group has none (the replica goes as a message: pieces.Exchange)
+        self.inplace: InPlace | bool | None = None
         self.ckpt_step: int | None = None
         self.group_store: EpochStore | None = None  # the current epoch's group's store (_open)
         self.broke = -1  # the epoch whose group this rank's watchdog broke (_interrupt)
@@ -167,7 +172,7 @@ class Member:
     def _open(self, epoch: int, info: dict) -> None:
         """Join epoch ``epoch``'s process group (a barrier first: abort if the epoch is already over)."""
         self.epoch, self.ids = epoch, list(info["ids"])
-        self.buffers = {}  # (a new group: the pieces held so far keep their buffers)
+        self.buffers, self.inplace = {}, None  # (a new group: the pieces held so far keep their buffers)
         self.rank, self.world = self.ids.index(self.ident), len(self.ids)
         set_title(rank_title(self.rank, self.world))  # (ps: its rank in the group of this epoch)
         self.store.set(key("up", epoch, self.ident), "1")
@@ -259,19 +264,27 @@ class Member:
             self.live, self.in_step, self.ready, self.rng, self.held = step, True, False, torch.get_rng_state(), {}
             return
         # our piece, copied once into the buffer that goes to the next rank during the step (a buffer per step
-        # parity, this group's only: the copies of step - 1 stay while step's are made)
-        out, theirs = self.buffers.get(step % 2, (None, None))
-        buf, tree = pack(state_fn(), out)
+        # parity, this group's only: the copies of step - 1 stay while step's are made); with symmetric memory
+        # into a buffer the next rank maps, and nothing is sent (pieces.InPlace)
+        state = state_fn()
+        # the copy goes one node on (``stride`` ranks: nodes hold consecutive ranks) while the group
+        # spans more than one node, else to the next rank
+        stride = self.stride if self.world > self.stride else 1
+        if self.inplace is None and self.world > 1:  # (collective: every rank's first step in the group)
+            self.inplace = InPlace.open(packed_size(state), (self.rank - stride) % self.world) or False
+        ex = None
+        if self.inplace:
+            tree = self.inplace.pack(step, state)
+        else:
+            out, theirs = self.buffers.get(step % 2, (None, None))
+            buf, tree = pack(state, out)
+            ex = Exchange(buf, tree, self.rank, self.world, stride, theirs) if self.world > 1 else None
+            self.buffers[step % 2] = (buf, ex.theirs if ex is not None else None)
         snap = {"engine": tree, "rng": torch.get_rng_state()}
         # the copies of step - 1 stay until ``end`` (a rank may die mid-exchange); a piece is named by
         # (step, world, rank) alone: the same whole state cuts to the same pieces
         mine = dict(step=step, world=self.world, rank=self.rank, kind="own", tree=tree, rng=snap["rng"])
         self.kept = [mine] + [p for p in self.kept if p["step"] in (step - 1, step)]
-        # the copy goes one node on (``stride`` ranks: nodes hold consecutive ranks) while the group
-        # spans more than one node, else to the next rank
-        stride = self.stride if self.world > self.stride else 1
-        ex = Exchange(buf, tree, self.rank, self.world, stride, theirs) if self.world > 1 else None
-        self.buffers[step % 2] = (buf, ex.theirs if ex is not None else None)
         self.pending = (step, ex) if ex is not None else None
         self.snap, self.snap_step, self.live = snap, step, None
 
@@ -372,6 +385,7 @@ class Member:
         t_left = time.time()
         if held is not None:
             self.held = held
+        self._take_inplace()
         self.hooks.in_reform(self, self.live if self.live is not None else self.snap_step)
         while True:
             nxt = self.epoch + 1
@@ -417,6 +431,19 @@ class Member:
             except Exception as e:  # noqa: BLE001 - a peer died during the change: once more
                 if not self.failed(e):
                     raise
+
+    def _take_inplace(self) -> None:
+        """Before the group (and its symmetric memory) is left: our pieces copied out of our buffers, and the
+        whole pieces of the previous rank in its buffers (pieces.InPlace.replicas) kept as its replicas."""
+        if not self.inplace:
+            return
+        inplace, self.inplace = self.inplace, None
+        own = {id(p["tree"]): clone_tree(p["tree"]) for p in self.kept if p["kind"] == "own"}
+        self.kept = [dict(p, tree=own.get(id(p["tree"]), p["tree"])) for p in self.kept]
+        if self.snap is not None:
+            self.snap = dict(self.snap, engine=own.get(id(self.snap["engine"]), self.snap["engine"]))
+        self.kept += [dict(step=step, world=self.world, rank=inplace.source, kind="replica", tree=tree)
+                      for step, tree in inplace.replicas()]
 
     def _heal(self, info: dict, state: dict | None) -> Change:
         """The ranks without the state at the step (newcomers; survivors behind a step their peers

@@ -5,7 +5,9 @@ an elastic rank rolls back to); :func:`pack` copies it into one buffer, and :cla
 sends that buffer to the next rank while the step computes, so each rank of a group gets a copy
 of its predecessor's tree, in one message each way (Horovod Elastic keeps state in memory the same way;
 torchft heals from a live replica): with sharded state (ZeRO), a rank that dies leaves its piece
-on its successor, so the others go on without a checkpoint.
+on its successor, so the others go on without a checkpoint. Where the group's transport has symmetric
+memory (``--transport shm``, one host), :class:`InPlace` replaces the message: the tree is packed into a
+buffer the successor maps, which it reads only when the group breaks.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from distrain import comm
 from distrain.comm.core import tags
+from distrain.errors import TrainingError
 
 
 def clone_tree(obj):
@@ -47,6 +50,13 @@ def rebuild_tree(tree, tensors):
     if isinstance(tree, (list, tuple)):
         return type(tree)(rebuild_tree(v, tensors) for v in tree)
     return tree
+
+
+def packed_size(tree) -> int:
+    """The bytes :func:`pack` puts ``tree``'s tensors in."""
+    flat: list[torch.Tensor] = []
+    leaves(tree, flat)
+    return sum(-(-t.numel() * t.element_size() // 64) * 64 for t in flat)
 
 
 def pack(tree, out: torch.Tensor | None = None):
@@ -106,3 +116,85 @@ class Exchange:
         flat: list[torch.Tensor] = []
         leaves(self.views, flat)  # (views into our buffer: their offsets are the same in the peer's)
         return unpack(self.theirs, self.views, flat, [t.storage_offset() * t.element_size() for t in flat])
+
+
+HEAD = 64  # bytes before an in-place piece's data: int64 [1 + the step whose copy started, 1 + the one whose ended]
+
+
+class InPlace:
+    """The replica of the previous rank's piece without a message: each rank packs its piece, at every step's
+    start, into a buffer of symmetric memory (comm.symmetric_empty, one per step parity), which the rank that
+    keeps its replica maps; nothing is sent or received per step (the pack is the only copy, against the pack,
+    a copy into the peer's ring and one out of it for :class:`Exchange`). The successor reads the buffers only
+    when the group breaks (:meth:`replicas`, before the group's transport is closed).
+
+    Consistency (a piece whole at one step, never half of two): every buffer starts with HEAD bytes, two int64
+    stamps, 1 + a step (0, a new buffer's zeros: nothing); a pack sets the end stamp to 0, the start stamp to its
+    step's, copies, then the end stamp to it. A reader copies the data out between reading the end stamp and the
+    start stamp: a buffer is that step's whole piece when both equal it (a rank killed mid-pack leaves 0; one that
+    started packing again meanwhile moved the start). With a buffer per step parity the piece of the step before stays whole while the next
+    is packed. A piece that changes size (the optimizer's state appears at the first step) gets new buffers;
+    the last pair stays readable (its step is the one before). Collective, on the default group: construction
+    and a pack of a new size (every rank's piece has the same size at a step, as :class:`Exchange` needs)."""
+
+    def __init__(self, source: int):
+        self.source = source
+        self.gens: list[dict] = []  # the last two sizes' {"bufs", "peers", "views", "parity"}, the newest last
+
+    @classmethod
+    def open(cls, nbytes: int, source: int) -> "InPlace | None":
+        """Buffers for pieces of ``nbytes`` (every rank of the group calls it with the same size), of rank
+        ``source`` too; None on every rank where the group has no symmetric memory."""
+        inplace = cls(source)
+        return inplace if inplace._grow(nbytes) else None
+
+    def _grow(self, nbytes: int) -> bool:
+        with comm.transport_errors("elastic: the replica's buffers"):  # (a peer lost: PeerLostError)
+            bufs = [comm.symmetric_empty(HEAD + nbytes, dtype=torch.uint8) for _ in range(2)]
+            peers = [comm.symmetric_peer(b, self.source) for b in bufs]
+        if any(p is None for p in peers):
+            return False
+        self.gens = self.gens[-1:] + [dict(bufs=bufs, peers=peers, views=None, parity=0)]
+        return True
+
+    def pack(self, step: int, tree):
+        """Pack ``tree`` (this rank's piece at the start of ``step``) into the buffer of ``step``'s parity;
+        returns the tree of views into it."""
+        nbytes = packed_size(tree)
+        if nbytes != self.gens[-1]["bufs"][0].numel() - HEAD and not self._grow(nbytes):
+            raise TrainingError(f"elastic: no symmetric memory for the piece of step {step} ({nbytes} bytes), "
+                                f"where its group had some; free /dev/shm or run with --transport torch")
+        g = self.gens[-1]
+        buf = g["bufs"][step % 2]
+        head = buf[:16].view(torch.int64)
+        head[1] = 0
+        head[0] = step + 1
+        _, g["views"] = pack(tree, buf[HEAD:])
+        g["parity"] = step % 2
+        head[1] = step + 1
+        return g["views"]
+
+    def replicas(self) -> list[tuple[int, object]]:
+        """The source rank's whole pieces in its buffers, copied out: [(step, tree)] (the tree has our
+        non-tensor leaves, as :meth:`Exchange.wait`'s)."""
+        out = []
+        for g in self.gens:
+            if g["views"] is None:
+                continue
+            flat = _flat(g["views"])
+            mine = g["bufs"][g["parity"]][HEAD:].data_ptr()
+            offsets = [t.data_ptr() - mine for t in flat]  # (our views' offsets: the same in any buffer of the pair)
+            for peer in g["peers"]:
+                head = peer[:16].view(torch.int64)
+                end = int(head[1])
+                data = peer[HEAD:].clone()
+                start = int(head[0])
+                if end > 0 and start == end:
+                    out.append((end - 1, unpack(data, g["views"], flat, offsets)))
+        return out
+
+
+def _flat(tree) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    leaves(tree, out)
+    return out

@@ -49,11 +49,11 @@ class Recipe:
     extra_env: dict = field(default_factory=dict)
     secret: str = field(default="", repr=False)  # the job's (distrain.sealed): the ranks seal the store with it
 
-    def start(self, sup: Supervisor, ident: int, newcomer: bool) -> None:
+    def start(self, sup: Supervisor, ident: int, newcomer: bool, cores: list[int] | None = None) -> None:
         env = local_env() | env_for(self.port, ident, newcomer, self.run, self.host, self.stride)
         env[sealed.ENV] = self.secret
         env[faults.ENV] = os.environ.get(faults.ENV, "")  # (the fork server's environment is older than ours)
-        sup.start(ident, self.fn, self.args, env=env | self.extra_env, threads=self.threads,
+        sup.start(ident, self.fn, self.args, env=env | self.extra_env, threads=self.threads, cores=cores,
                   setup=Enter(self.backend, self.timeout), title=f"distrain rank id {ident}")  # (its rank: _open)
 
 

@@ -106,6 +106,7 @@ class ElasticGuard(Guard):
         self.done_events: list[dict] = []  # its line, once that step is done (written with the next lines)
         self.records: list[dict] = []  # the group's step lines not yet written, agreed at a change (_load)
         self.copy_s = 0.0
+        self.guard_s = 0.0  # this rank's time in the guard's calls of the step (begin, commit, end): its per-step cost
         self.buffers: list = []  # (buffer, its value at the step's start): a forward may change buffers
         self.committed: tuple[float, bool] | None = None
         self.newcomer = False  # this rank joined with a peer's state and has not finished a step yet
@@ -140,7 +141,7 @@ class ElasticGuard(Guard):
         if not self.q.sharded:
             self.buffers = [(b, b.detach().clone()) for b in engine.buffers()]
         self.committed = None
-        self.copy_s = time.perf_counter() - t
+        self.copy_s = self.guard_s = time.perf_counter() - t
 
     def commit_hook(self, step: int, engine):
         self.q.whole = engine.holds_whole_state
@@ -149,6 +150,7 @@ class ElasticGuard(Guard):
     def end(self, step: int, engine, record: dict) -> None:
         """The step's loss summed over the group (``record["loss"]`` becomes a float) and whether the group
         must change (``wanted``): the quorum (sharded), or what the commit said (replicated)."""
+        t = time.perf_counter()
         if self.q.sharded:
             total, self.wanted = self.q.end(step, record["loss"], engine.loss_weight)
         else:
@@ -157,7 +159,8 @@ class ElasticGuard(Guard):
                                     f"that trains an elastic job calls it between its gradient sync and its update")
             (total, self.wanted), self.committed = self.committed, None
             self.q.updated(step)
-        record.update(loss=total, world=self.q.world, copy_s=self.copy_s)
+        self.guard_s += time.perf_counter() - t
+        record.update(loss=total, world=self.q.world, copy_s=self.copy_s, guard_s=self.guard_s)
         self.newcomer = False  # (its first step is done: the state it holds is its own)
         if self.pending_event is not None:  # the first step at the new size is done: the change is complete
             e, self.pending_event = self.pending_event, None
@@ -284,13 +287,20 @@ class _Commit:
         self.guard, self.step, self.engine = guard, step, engine
 
     def __call__(self, loss) -> None:
+        t = time.perf_counter()
         self.guard.committed = self.guard.q.commit(self.step, loss, self.engine.loss_weight)
+        self.guard.guard_s += time.perf_counter() - t
 
     def values(self, loss) -> torch.Tensor:
-        return self.guard.q.carry_values(self.step, loss)
+        t = time.perf_counter()
+        out = self.guard.q.carry_values(self.step, loss)
+        self.guard.guard_s += time.perf_counter() - t
+        return out
 
     def averaged(self, averages: torch.Tensor) -> None:
+        t = time.perf_counter()
         self.guard.committed = self.guard.q.agreed(self.step, averages)
+        self.guard.guard_s += time.perf_counter() - t
 
 
 def stop_step(out) -> int | str:

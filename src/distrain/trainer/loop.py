@@ -148,7 +148,9 @@ def _run_elastic(cfg: TrainConfig, parts) -> dict:
                                        collective_timeout=cfg.collective_timeout, preload=["distrain.trainer.loop"],
                                        grid=(cfg.tp * cfg.cp, cfg.pp),  # (cp x tp: the ranks inside a dp index)
                                        nodes=spread,
-                                       servers=cfg.servers if cfg.strategy == "ps-sync" else 0)
+                                       servers=cfg.servers if cfg.strategy == "ps-sync" else 0,
+                                       # (as a fixed job's spawn: ranks that poll shared memory get cores of their own)
+                                       bind_cores=None if cfg.transport in ("shm", "auto") else False)
     if stop:
         raise TrainingError(f"{stop}; the checkpoint of step {stop_step(cfg.out)} is in {cfg.out} (--resume "
                             f"continues it)")

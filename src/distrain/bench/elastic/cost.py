@@ -109,6 +109,14 @@ def step_time(out: Path, warmup: int) -> float:
     return statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
 
 
+def guard_time(out: Path, warmup: int) -> float | None:
+    """Median seconds rank 0 spent in the elastic guard's calls per step (the step lines' ``guard_s``), after
+    ``warmup`` steps; None for a fixed job's lines."""
+    steps, _ = _lines(out)
+    spent = [r["guard_s"] for r in steps[warmup:] if "guard_s" in r]
+    return statistics.median(spent) if spent else None
+
+
 def run(s: Settings) -> dict:
     check(s)
     records: list[dict] = []
@@ -119,8 +127,10 @@ def run(s: Settings) -> dict:
             for kind, elastic in (("fixed", None), ("elastic", f"{s.nproc - 1}:{s.nproc}")):
                 _train(s, out, elastic)
                 pair[kind] = step_time(out, s.warmup)
-                records.append({"what": "steady", "round": r, "kind": kind, "step_s": pair[kind]})
-                common.progress(f"round {r + 1}/{s.rounds}: {kind} {1e3 * pair[kind]:.2f} ms per step")
+                guard = guard_time(out, s.warmup)
+                records.append({"what": "steady", "round": r, "kind": kind, "step_s": pair[kind], "guard_s": guard})
+                common.progress(f"round {r + 1}/{s.rounds}: {kind} {1e3 * pair[kind]:.2f} ms per step" +
+                                (f" (the guard's {1e3 * guard:.2f} ms)" if guard is not None else ""))
             records.append({"what": "ratio", "round": r, "elastic_over_fixed": pair["elastic"] / pair["fixed"]})
         for kind, replace in (("recovery", 0), ("join", 1)) if s.faults else ():
             _train(s, out, f"{s.nproc - 1}:{s.nproc}", faults=f"{KILLED}@{s.kill_step}", replace=replace)
@@ -144,8 +154,11 @@ def summarize(records: list[dict]) -> dict:
     ratios = [r["elastic_over_fixed"] for r in records if r["what"] == "ratio"]
     fixed = [r["step_s"] for r in records if r["what"] == "steady" and r["kind"] == "fixed"]
     elastic = [r["step_s"] for r in records if r["what"] == "steady" and r["kind"] == "elastic"]
+    guards = [r["guard_s"] for r in records if r["what"] == "steady" and r.get("guard_s") is not None]
     out = {"ratio_median": statistics.median(ratios), "ratios": ratios, "fixed_step_s": statistics.median(fixed),
            "elastic_step_s": statistics.median(elastic)}
+    if guards:  # (rank 0's time in the guard's calls per step, each elastic run's median: records that have it)
+        out.update(guard_s=guards, guard_s_median=statistics.median(guards))
     rec = next((r for r in records if r["what"] == "recovery"), None)
     join = next((r for r in records if r["what"] == "join"), None)
     if rec is None or join is None:  # (--no-faults)
@@ -165,6 +178,9 @@ def format_report(s: Settings, m: dict) -> str:
     rows = [("per step, fixed / elastic (medians)", f"{1e3 * m['fixed_step_s']:.2f} ms / {1e3 * m['elastic_step_s']:.2f} ms"),
             ("elastic / fixed, per round", ", ".join(f"{x:.3f}" for x in m["ratios"])),
             ("elastic / fixed, median", f"{m['ratio_median']:.3f}")]
+    if m.get("guard_s_median") is not None:  # (rank 0's time in the guard's calls, per step: load moves it less)
+        rows += [("the guard's work per step, rank 0, per round", ", ".join(f"{1e3 * x:.2f}" for x in m["guard_s"])),
+                 ("the guard's work per step, median", f"{1e3 * m['guard_s_median']:.2f} ms")]
     if "recover_s" in m:
         rows += [(f"rank {KILLED} killed at step {s.kill_step}: to the first step at {s.nproc - 1}",
                   f"{m['recover_s']:.3f} s" + (" (the step cut in half redone)" if m["redone"] else "")),

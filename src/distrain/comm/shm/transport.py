@@ -256,6 +256,15 @@ class ShmTransport(Waits):
             compiled.add_symmetric(self.plane, self, self.heap.allocs[-1])
         return t, why
 
+    def symmetric_peer(self, t: torch.Tensor, q: int) -> torch.Tensor | None:
+        """Peer ``q``'s counterpart of ``t`` (uint8, its bytes; group rank q), or None when ``t`` is not in
+        this group's symmetric memory."""
+        found = self.heap.locate(t) if self.heap is not None else None
+        if found is None or q not in found[0].views:
+            return None
+        alloc, offset = found
+        return alloc.views[q][offset:offset + t.numel() * t.element_size()]
+
     # -- point-to-point ------------------------------------------------------------------
     def _channels(self):
         if self.p2p is None:
