@@ -30,6 +30,16 @@ SLOW_TESTS = {"test_gpt_learns_tiny_repeated_text", "test_generate",
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: a long test (multi-process training jobs); skipped by -m 'not slow'")
     config.addinivalue_line("markers", "faults_long: randomized fault-injection trials; run only with -m faults_long")
+    # One torch thread per process: make test runs two test processes (xdist) on 2 cores beside the ranks
+    # they spawn, and torch's default (a thread per core) then oversubscribes the cores; its OpenMP threads
+    # spin-wait on each other, so a tiny model's 30 AdamW steps took 11-27 s instead of 1 s here and a
+    # one-process 300-step mlp-tiny run 30 s instead of 5 s (measured under load). This process sets its own;
+    # OMP_NUM_THREADS reaches the ranks (spawn's default_threads) and CLI subprocesses (torch reads it).
+    # Tests of the thread defaults unset it; those that measure throughput set their threads themselves.
+    # (Here, not at import: a spawned rank imports this file too.)
+    import torch
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items):

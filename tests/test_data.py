@@ -223,21 +223,40 @@ def test_digits_loader():
     xb, yb = tr.get_batch(torch.tensor([3, 0, 3]))
     assert torch.equal(xb[0], tr.x[3]) and torch.equal(yb, tr.y[[3, 0, 3]])
     assert tr.to(torch.float64).x.dtype == torch.float64
+    # the file is read without importing scikit-learn, to the same images and labels as its own loader
+    from sklearn.datasets import load_digits as sklearn_digits
+
+    d = sklearn_digits()
+    x, y = torch.cat([tr.x, te.x]).squeeze(1), torch.cat([tr.y, te.y])
+    back = torch.from_numpy(np.random.default_rng(0).permutation(1797)).argsort()  # (the split's permutation)
+    assert torch.equal(x[back], torch.from_numpy(d.images / 16.0).float())
+    assert torch.equal(y[back], torch.from_numpy(d.target).long())
 
 
 def test_digits_missing_sklearn(monkeypatch):
-    import builtins
+    import importlib.util
 
-    real_import = builtins.__import__
-
-    def fake_import(name, *a, **k):
-        if name.startswith("sklearn"):
-            raise ImportError("No module named 'sklearn'")
-        return real_import(name, *a, **k)
-
-    monkeypatch.setattr(builtins, "__import__", fake_import)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sklearn"
+                        else real_find_spec(name, *a))
     with pytest.raises(ConfigError, match="pip install scikit-learn"):
         load_digits()
+
+
+def test_digits_file_that_is_not_the_table_is_refused(monkeypatch, tmp_path):
+    import importlib.util
+
+    from distrain.data import images
+
+    bad = tmp_path / "sklearn" / "datasets" / "data"
+    bad.mkdir(parents=True)
+    with gzip.open(bad / "digits.csv.gz", "wt") as f:
+        f.write("1,2,3\n4,5,6\n")  # 3 columns, not 64 pixels and a label
+    spec = importlib.util.spec_from_file_location("sklearn", tmp_path / "sklearn" / "__init__.py",
+                                                  submodule_search_locations=[str(tmp_path / "sklearn")])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec)
+    with pytest.raises(ConfigError, match=r"is not 8x8 images of 0\.\.16 with labels 0\.\.9 \(shape \(2, 3\)\)"):
+        images.load_digits()
 
 
 def test_array_dataset_length_mismatch():

@@ -19,6 +19,7 @@ submodule imported inside that package are no reaches.
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 import warnings
 from collections import Counter
@@ -87,6 +88,29 @@ def _targets(mod: str, node, is_pkg: bool, known) -> list[str]:
     return out
 
 
+def parsed(path: Path) -> ast.AST:
+    """The syntax tree of a source file, parsed once per test process for each (path, mtime, size): five
+    checks read every file's tree, and parsing and walking them all took 2-7 s each time (trees only read)."""
+    st = path.stat()
+    return _parse(path, st.st_mtime_ns, st.st_size)
+
+
+def import_nodes(path: Path) -> tuple[ast.Import | ast.ImportFrom, ...]:
+    """Every import statement of a source file (lazy ones in functions included), as :func:`parsed`."""
+    st = path.stat()
+    return _imports(path, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _parse(path: Path, mtime_ns: int, size: int) -> ast.AST:
+    return ast.parse(path.read_text(), str(path))
+
+
+@functools.lru_cache(maxsize=None)
+def _imports(path: Path, mtime_ns: int, size: int) -> tuple[ast.Import | ast.ImportFrom, ...]:
+    return tuple(n for n in ast.walk(_parse(path, mtime_ns, size)) if isinstance(n, (ast.Import, ast.ImportFrom)))
+
+
 def import_graph() -> dict[str, set[str]]:
     known = modules()
     graph = {}
@@ -94,9 +118,8 @@ def import_graph() -> dict[str, set[str]]:
         if path.suffix != ".py":
             graph[mod] = set()
             continue
-        tree = ast.parse(path.read_text(), str(path))
-        graph[mod] = {t for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
-                      for t in _targets(mod, n, path.name == "__init__.py", known) if t != mod}
+        graph[mod] = {t for n in import_nodes(path) for t in _targets(mod, n, path.name == "__init__.py", known)
+                      if t != mod}
     return graph
 
 
@@ -330,7 +353,7 @@ def private_reaches() -> list[str]:
     for mod, path in sorted(known.items()):
         if path.suffix != ".py":
             continue
-        tree = ast.parse(path.read_text(), str(path))
+        tree = parsed(path)
         rel = path.relative_to(SRC)
         out += [f"{rel}:{line}: {what}" for line, what in private_reaches_in(mod, tree, path.name == "__init__.py",
                                                                                 known)]
@@ -347,10 +370,11 @@ def _without_line(reach: str) -> str:
 
 
 def test_no_private_name_crosses_a_module():
-    bad = [r for r in private_reaches() if _without_line(r) not in ALLOWED]
+    reaches = private_reaches()
+    bad = [r for r in reaches if _without_line(r) not in ALLOWED]
     assert bad == [], "private names reached across modules (give them a public name in their owner):\n" + \
         "\n".join(bad)
-    stale = ALLOWED - {_without_line(r) for r in private_reaches()}
+    stale = ALLOWED - {_without_line(r) for r in reaches}
     assert not stale, f"allowed reaches that no longer exist (remove them from ALLOWED): {sorted(stale)}"
 
 

@@ -134,6 +134,21 @@ def _affinity(rank):
     return sorted(os.sched_getaffinity(0)), torch.get_num_threads()
 
 
+@pytest.mark.timeout(100)
+def test_unbound_ranks_take_omp_num_threads_when_set_else_cores_per_rank(monkeypatch):
+    import distrain
+    from distrain.errors import ConfigError
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert [t for _, t in distrain.spawn(_affinity, 1, timeout=90, bind_cores=False)] == [1]
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    want = max(1, (os.cpu_count() or 1) // 1)
+    assert [t for _, t in distrain.spawn(_affinity, 1, timeout=90, bind_cores=False)] == [want]
+    monkeypatch.setenv("OMP_NUM_THREADS", "two")
+    with pytest.raises(ConfigError, match=r"^OMP_NUM_THREADS='two' is not a positive whole number of threads"):
+        distrain.spawn(_affinity, 1, timeout=90, bind_cores=False)
+
+
 @pytest.mark.timeout(120)
 def test_spawn_binds_each_rank_to_its_own_cores():
     import distrain

@@ -9,8 +9,8 @@ Both loaders return ``(train, test)`` :class:`ArrayDataset` objects with
   (gzipped IDX). The IDX format is parsed here with numpy (:func:`read_idx`);
   uncompressed files are accepted too. Split: the official 60 000 / 10 000.
   Pixels are ``uint8 / 255``.
-* Digits: scikit-learn's bundled ``load_digits`` (1797 images of 8x8, values
-  0..16, scaled by ``/ 16``). Split rule: a permutation of the 1797 indices from
+* Digits: scikit-learn's bundled digits (the file its ``load_digits`` reads, read here without
+  importing scikit-learn; 1797 images of 8x8, values 0..16, scaled by ``/ 16``). Split rule: a permutation of the 1797 indices from
   ``numpy.random.default_rng(seed)``; the first ``N - floor(N * test_fraction)``
   permuted indices are train, the rest test (default 1438 / 359).
 """
@@ -177,18 +177,41 @@ def load_fashion_mnist(root: PathLike | None = None, dtype: torch.dtype = torch.
 
 
 # --------------------------------------------------------------------------- digits
+DIGITS_FILE = ("datasets", "data", "digits.csv.gz")  # inside the sklearn package: what its load_digits reads
+
+
+def _digits_table() -> np.ndarray:
+    """The rows of scikit-learn's bundled digits file, read as its ``load_digits`` reads them (``np.loadtxt``
+    of the gzipped CSV) but without importing scikit-learn: that import takes about 2 s, in every rank of
+    every job on digits. The file is checked (shape, labels, pixel range) like any input."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("the digits data set needs scikit-learn: `pip install scikit-learn` (sklearn not found)")
+    path = Path(list(spec.submodule_search_locations)[0]).joinpath(*DIGITS_FILE)
+    try:
+        with gzip.open(path, "rt") as f:
+            table = np.loadtxt(f, delimiter=",")
+    except (OSError, ValueError, EOFError) as e:
+        raise ConfigError(f"the digits data set {str(path)!r} is unreadable ({e}); reinstall it with "
+                          f"`pip install --force-reinstall scikit-learn`") from None
+    ok = (table.ndim == 2 and table.shape[1] == 65 and len(table) > 0 and table.min() >= 0
+          and table[:, :64].max() <= 16 and set(np.unique(table[:, 64])) <= set(range(10)))
+    if not ok:
+        raise ConfigError(f"the digits data set {str(path)!r} is not 8x8 images of 0..16 with labels 0..9 (shape "
+                          f"{table.shape}); reinstall it with `pip install --force-reinstall scikit-learn`")
+    return table
+
+
 def load_digits(test_fraction: float = 0.2, seed: int = 0, dtype: torch.dtype = torch.float32
                 ) -> tuple[ArrayDataset, ArrayDataset]:
     """scikit-learn's digits: (train, test); x ``(N, 1, 8, 8)`` in [0, 1], y int64."""
-    try:
-        from sklearn.datasets import load_digits as _sk_load_digits
-    except ImportError as e:
-        raise ConfigError(f"the digits data set needs scikit-learn: `pip install scikit-learn` ({e})") from None
     if not 0.0 < test_fraction < 1.0:
         raise ConfigError(f"test_fraction must be in (0, 1), got {test_fraction}")
-    d = _sk_load_digits()
-    images = np.asarray(d.images, dtype=np.float64) / 16.0  # (1797, 8, 8), values 0..16
-    labels = np.asarray(d.target, dtype=np.int64)
+    table = _digits_table()  # (1797, 65): 64 pixels (row-major 8x8, values 0..16), then the label
+    images = table[:, :64].reshape(-1, 8, 8) / 16.0
+    labels = table[:, 64].astype(np.int64)
     n = len(labels)
     perm = np.random.default_rng(seed).permutation(n)
     n_test = math.floor(n * test_fraction)

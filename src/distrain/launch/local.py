@@ -118,6 +118,20 @@ def local_env() -> dict[str, str]:
     return env
 
 
+def default_threads(nprocs: int) -> int:
+    """Each of ``nprocs`` unbound local ranks' torch threads: ``OMP_NUM_THREADS`` when it is set (torch's
+    convention for a process's thread count: the machine's cores are shared with other work, e.g. two test
+    processes on 2 cores, whose OpenMP threads would otherwise spin-wait on each other), else
+    cpu_count // nprocs, at least 1."""
+    given = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if given:
+        if not given.isdigit() or int(given) < 1:
+            raise ConfigError(f"OMP_NUM_THREADS={given!r} is not a positive whole number of threads; set it to "
+                              f"one (e.g. 1) or unset it (each rank then gets cpu_count // ranks)")
+        return int(given)
+    return max(1, (os.cpu_count() or 1) // nprocs)
+
+
 def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str = "auto",
           timeout: float | None = 600.0, init_timeout: float | None = None, start_method: str = "forkserver",
           threads_per_rank: int | None = None, env: dict[str, str] | None = None, init: bool = True,
@@ -126,8 +140,9 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
 
     ``fn`` must be importable by name (a module-level function). ``timeout`` bounds the whole
     run (None: no limit); ``init_timeout`` (default: ``timeout``, or 300 s without one) bounds
-    the rendezvous and each collective. ``threads_per_rank`` defaults to cpu_count // nprocs
-    (at least 1) so ranks do not fight for cores. ``env`` adds environment variables in the
+    the rendezvous and each collective. ``threads_per_rank`` defaults to the cores of a bound rank,
+    else ``OMP_NUM_THREADS`` when set, else cpu_count // nprocs (at least 1; :func:`default_threads`)
+    so ranks do not fight for cores. ``env`` adds environment variables in the
     children. The ranks die with this process, whatever kills it (see distrain.lifeline).
     ``init=False`` leaves the process group to ``fn`` (torch.multiprocessing.spawn's contract):
     the launcher environment is set, so ``init_process_group("gloo")`` (env://) joins the
@@ -163,7 +178,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence = (), backend: str
     if bind_cores and slices is None:
         raise ConfigError(f"spawn: bind_cores=True needs a core per rank, but {nprocs} ranks share "
                           f"{len(os.sched_getaffinity(0))} core(s); pass bind_cores=None or False")
-    threads = threads_per_rank or (len(slices[0]) if slices else max(1, (os.cpu_count() or 1) // nprocs))
+    threads = threads_per_rank or (len(slices[0]) if slices else default_threads(nprocs))
     secret = sealed.new()  # this job's: other users of the host can reach its loopback store, not its keys
     store = sealed.SealedStore(local_store(nprocs, init_timeout), secret.encode())
     sup = Supervisor(start_method)

@@ -76,6 +76,7 @@ from distrain.bench.comm.report import (  # noqa: F401  (re-exported: the conven
 from distrain.bench.comm.timing import (  # noqa: F401  (re-exported: the per-rank side, see timing.py)
     DTYPES, BURST_S, MAX_BURST, MAX_ITERS, MIN_ITERS, ROOT, TARGET_S, labels, run_rank, time_case)
 from distrain.launch.cores import free_core_slices
+from distrain.launch.local import default_threads
 
 
 def _bound(cfg: dict, P: int) -> bool:
@@ -156,7 +157,7 @@ def run(cfg: dict[str, Any], json_path: str | None = None, plot_path: str | None
                                warmup=cfg["warmup"], iters=cfg["iters"] if cfg["iters"] else
                                f"adaptive: ceil({TARGET_S}s / slowest warm-up call), clamped to [{MIN_ITERS}, {MAX_ITERS}]",
                                elapsed_s=round(elapsed, 1), memcpy_GBps=memcpy,
-                               threads_per_rank={str(P): max(1, (os.cpu_count() or 1) // P) for P in cfg["nprocs"]},
+                               threads_per_rank={str(P): default_threads(P) for P in cfg["nprocs"]},
                                bind_cores=cfg.get("bound") or {str(P): _bound(cfg, P) for P in cfg["nprocs"]},
                                method="per sample: native barrier, then `burst` blocking calls back to back, "
                                       "perf_counter / burst; per iteration max over ranks; median over iterations; "
