@@ -325,8 +325,11 @@ def test_a_calibration_says_whether_its_transport_has_the_handshake():
     alpha, n, P = 25e-3, 4 << 20, 2
     shift = {"bytes": n, "time_us": (2 * alpha + n / B) * 1e6}
     shift_rates(shift, P, 2 * alpha * 1e6)
-    assert shift["per_link_GBps"] == pytest.approx(B / 1e9, rel=1e-12)
-    assert shift["aggregate_GBps"] == pytest.approx(P * B / 1e9, rel=1e-12)
+    assert shift["per_link_bytes_GBps"] == pytest.approx(B / 1e9, rel=1e-12)
+    assert shift["aggregate_bytes_GBps"] == pytest.approx(P * B / 1e9, rel=1e-12)
+    # the whole time's rate stays what the links carried, latency included
+    assert shift["per_link_GBps"] == pytest.approx(n / (2 * alpha + n / B) / 1e9, rel=1e-12)
+    assert shift["aggregate_GBps"] == pytest.approx(P * shift["per_link_GBps"], rel=1e-12)
     assert shift["latency_us"] == pytest.approx(2 * alpha * 1e6)
     link = {"alpha_us": alpha * 1e6, "bandwidth_GBps": B / 1e9}
     cal = {"inter": link, "gamma_ns_per_byte": 0, "shift": shift}

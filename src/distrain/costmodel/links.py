@@ -150,7 +150,11 @@ def fabric_from_model(model: dict, placement) -> Fabric:
     if inter is None:
         inter = intra  # one node: every message stays inside it
     host, shift = None, model.get("shift")
-    if shift and model.get("inter") and shift["per_link_GBps"] * 1e9 < HOST_BOUND * inter.bandwidth:
-        host = float(shift["aggregate_GBps"]) * 1e9  # all links busy at once got only this much in all
+    # the shift's rate of bytes, its latency left out (bench link's shift_rates; a calibration written
+    # before that field has the whole time's rate only)
+    per_link = shift and (shift.get("per_link_bytes_GBps") or shift["per_link_GBps"])
+    if shift and model.get("inter") and per_link * 1e9 < HOST_BOUND * inter.bandwidth:
+        # all links busy at once got only this much in all
+        host = float(shift.get("aggregate_bytes_GBps") or shift["aggregate_GBps"]) * 1e9
     return Fabric(tuple(placement), inter, intra, float(model.get("gamma_ns_per_byte", DEFAULT_GAMMA * 1e9)) * 1e-9,
                   host=host, handshake=any((model.get(k) or {}).get("handshake") is True for k in ("inter", "intra")))
