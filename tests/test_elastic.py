@@ -116,7 +116,7 @@ def test_kill_during_a_heal_finishes_with_the_survivors_and_the_same_losses(tmp_
     assert isinstance(summary, dict), summary
     assert close(losses, reference_losses(tmp_path_factory)), (losses, reference_losses(tmp_path_factory))
     # the heal that failed never completed a step: one line for the whole change, from the group of 3 that last
-    # trained to the 3 it goes on with (id 1 left, the newcomer 3 joined; elastic/member.py whole_change)
+    # trained to the 3 it goes on with (id 1 left, the newcomer 3 joined; elastic/protocol.py whole_change)
     (e,) = events
     assert (e["event"], e["old_world"], e["new_world"], e["left"], e["joined"]) == ("membership", 3, 3, [1], [3])
     assert 1 <= e["step"] <= 3

@@ -143,7 +143,7 @@ def expected(pattern: str, plan: str, events: list[dict]) -> tuple[int, int]:
 
     Every pattern but replace is one change: one loss, or two at the same step (both gone before the
     survivors' new epoch), or a second loss inside the recovery from the first (reform, open, load: a
-    change cut short is one line, elastic/member.py: whole_change); every id of the plan leaves once.
+    change cut short is one line, elastic/protocol.py: whole_change); every id of the plan leaves once.
     replace: the first loss; the replacement's join, when it joined before the end (its start-up time is
     not the plan's: the lines say it) in a line of its own unless it arrived while a loss was being recovered
     (then that loss's line names it too: one change); the second kill, which takes effect on an original rank

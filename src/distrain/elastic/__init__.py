@@ -10,10 +10,14 @@
     ranks.py        how a rank process is started (environment, the Member it installs first)
     member.py       one rank: a process group per membership epoch, the per-step quorum ("is the group
                     still whole?"), roll-back to the start of a step cut in half, healing a newcomer
-    pieces.py       state trees: the start-of-step copy, and ZeRO's replica of the previous rank's piece
+    copies.py       a ZeRO rank's copies: its piece at each step's start and the previous rank's (the
+                    replica), in place over symmetric memory or as a message
+    pieces.py       state trees: packing, the replica's message (Exchange) and its in-place buffers (InPlace)
+    breaker.py      when a rank breaks its epoch's group (it lost a member): the watchdog's call
     sockets.py      leaving a broken Gloo group at once (its TCP connections shut down; the shm
                     transport's waits end through comm.interrupt_group)
     protocol.py     the store's keys, a rank's environment, the test hooks' points, the change record
+                    and the checks of the coordinator's membership records
     faults.py       fault injection for tests (DISTRAIN_ELASTIC_FAULTS), read in one place
 
 The trainer's one loop (trainer/loop.py) calls an ElasticGuard (trainer/guard.py) at the start and

@@ -40,11 +40,8 @@ a rank offers its boundaries (replicated: ``live``, ``next`` when it can roll fo
 pieces) and the coordinator picks one every kept survivor can reach (quorum.replicated_target,
 quorum.sharded_target).
 
-Sharded state (ZeRO, ``sharded``): a rank holds one piece, so ``begin`` also sends its copy to the
-next rank during the step and keeps the previous rank's (pieces.Exchange, waited for in ``end``;
-the copies of the step before stay until every rank has reached the step's end); where the group has
-symmetric memory (shm, one host) the copy is made into a buffer the next rank maps instead, and read
-by it only when the group breaks (pieces.InPlace, taken in ``reform`` before the group is left). A rank's arrive
+Sharded state (ZeRO, ``sharded``): a rank holds one piece; ``begin`` copies it and gives the copy to the
+next rank as its replica, in place over symmetric memory or as a message (copies.Copies). A rank's arrive
 record lists the pieces it holds, ``[step, world, rank, "own"|"replica"]``; the coordinator takes the
 latest step whose pieces make a whole (quorum.sharded_target), or the last checkpoint when a rank
 and its successor were lost at once, and the loop gathers the pieces and cuts them for the new
@@ -66,10 +63,11 @@ import torch.distributed as dist
 from distrain import comm, sealed
 from distrain.comm.core import watchdog
 from distrain.elastic.asker import Asker
+from distrain.elastic.breaker import Breaker
+from distrain.elastic.copies import Copies
 from distrain.elastic.epoch_store import EpochStore
-from distrain.elastic.pieces import Exchange, InPlace, clone_tree, pack, packed_size
 from distrain.elastic.protocol import (BEAT_S, ENV_HOST, ENV_ID, ENV_NEW, ENV_PORT, ENV_RUN, ENV_STRIDE, POLL_S,
-                                       STUCK_S, Change, Hooks, key)
+                                       Change, Hooks, key, memberships, whole_change)
 from distrain.elastic.sockets import sever
 from distrain.errors import CommError, PeerLostError
 from distrain.launch.title import rank_title, set_title
@@ -93,22 +91,14 @@ class Member:
         # the decisions of a change not yet complete (its first step not done): a second loss during the change
         # makes it several decisions, reported as one change (_heal) from the last complete membership
         self.cut: list[dict] = []
-        # sharded state (ZeRO): each rank holds one piece, (world, rank) of the layout it was cut for; at
-        # every step start it also keeps a copy of the previous rank's piece (the replica), so one lost
-        # rank's piece survives on its successor. ``kept``: {step, world, rank, kind, tree} of the copies
-        # held, the previous step's too until the step's end proves that every rank made its new ones.
-        # ``ckpt_step``: the last checkpoint (the fallback when a piece is lost with its replica).
+        # sharded state (ZeRO): each rank holds one piece, (world, rank) of the layout it was cut for, and the
+        # copies of its own and its predecessor's (copies.Copies); ``ckpt_step``: the last checkpoint (the
+        # fallback when a piece is lost with its replica)
         self.sharded = False
-        self.kept: list[dict] = []
-        self.pending = None  # (step, pieces.Exchange) in flight from ``begin`` to ``end``
-        self.buffers: dict[int, tuple] = {}  # step parity -> (our piece's buffer, the replica's), this group's
-        # this group's in-place replica (pieces.InPlace: symmetric memory, no message per step); None: not tried
-        # yet in this group, False: the group has none (the replica goes as a message: pieces.Exchange)
-        self.inplace: InPlace | bool | None = None
+        self.copies = Copies()
         self.ckpt_step: int | None = None
         self.group_store: EpochStore | None = None  # the current epoch's group's store (_open)
-        self.broke = -1  # the epoch whose group this rank's watchdog broke (_interrupt)
-        self.lost_seen = (-1, 0.0)  # (epoch, when this rank saw that it lost a member)
+        self.breaker = Breaker(store)  # the watchdog's break of a group that lost a member (_interrupt)
         # rank 0's store round trips of each step (the group's step written, the change flag read), asked at
         # the step's start on a thread of their own and answered by the quorum: off the step's path
         self.asker: Asker | None = None
@@ -172,7 +162,7 @@ class Member:
     def _open(self, epoch: int, info: dict) -> None:
         """Join epoch ``epoch``'s process group (a barrier first: abort if the epoch is already over)."""
         self.epoch, self.ids = epoch, list(info["ids"])
-        self.buffers, self.inplace = {}, None  # (a new group: the pieces held so far keep their buffers)
+        self.copies.new_group()  # (the pieces held so far keep their buffers)
         self.rank, self.world = self.ids.index(self.ident), len(self.ids)
         set_title(rank_title(self.rank, self.world))  # (ps: its rank in the group of this epoch)
         self.store.set(key("up", epoch, self.ident), "1")
@@ -193,47 +183,15 @@ class Member:
 
     def memberships(self) -> list[list[int]]:
         """The ids of every epoch's group so far, in rank order (``[0]``: the starting ranks; ``[-1]``: this
-        rank's group), as the coordinator decided them (its ``members/E``, checked: the store is outside
-        input). CommError for a record that is not a list of rank ids."""
-        out = []
-        for epoch in range(self.epoch + 1):
-            info = self._get(key("members", epoch))
-            ids = info.get("ids") if isinstance(info, dict) else None
-            if not (isinstance(ids, list) and all(isinstance(i, int) and i >= 0 for i in ids) and ids):
-                raise CommError(f"elastic: the membership of epoch {epoch} in the store holds no list of rank ids "
-                                f"({ids!r}); the store is not this job's coordinator's")
-            out.append(ids)
-        if out[-1] != self.ids:
-            raise CommError(f"elastic: the membership of epoch {self.epoch} in the store ({out[-1]}) is not the "
-                            f"group rank id {self.ident} opened ({self.ids})")
-        return out
+        rank's group), as the coordinator decided them (its ``members/E``, checked: protocol.memberships)."""
+        return memberships([self._get(key("members", e)) for e in range(self.epoch + 1)], self.ident, self.ids)
 
     def _interrupt(self, blocked_s: float) -> None:
-        """The watchdog's thread, every beat: once the coordinator has marked the epoch as having lost a
-        member (``lost/E``: a death, a frozen member, or one already gone to the next epoch) and this rank
-        is still in the epoch STUCK_S later, or has been blocked in one call that long, shut the group's
-        connections down, raise its shared-memory ABORT lines (comm.interrupt_all, --transport shm: every
-        segment of the group that this rank mapped) and break this rank's waits on torch's Works (a Gloo
-        message cut off mid-transfer is not woken by the sever), so that what waits on the group fails now,
-        with a PeerLostError, instead of at its time-out (a dead peer's connections close by themselves and its
-        segment's lock is dropped, but one that left the group alive, froze, or never joined it may keep
-        them open; a point-to-point wait is not a bracketed call)."""
-        epoch = self.epoch
-        if self.broke == epoch:
-            return
-        if self.lost_seen[0] != epoch:
-            if not self.store.check([key("lost", epoch)]):
-                return
-            self.lost_seen = (epoch, time.monotonic())
-        if blocked_s >= STUCK_S or time.monotonic() - self.lost_seen[1] >= STUCK_S:
-            self.broke = epoch
-            sever(self.store.port)
-            # every wait on the epoch's groups ends: shm's on every rank; this rank's on torch Works too, which
-            # the sever does not wake when a message was cut off mid-transfer (a link cut: GroupState.wait)
-            comm.interrupt_all()
+        """The watchdog's thread, every beat: break this epoch's group once it lost a member (breaker.py)."""
+        self.breaker.check(self.epoch, blocked_s)
 
     def _close(self, broken: bool = False) -> None:
-        self.pending = None  # an exchange cut off with the group: its copy never counts
+        self.copies.cut_off()
         watchdog.uninstall()
         if broken and dist.is_initialized():
             sever(self.store.port)  # (its pending work ends at once; a full gc.collect() here cost 0.2-0.25 s)
@@ -263,30 +221,13 @@ class Member:
         if not self.sharded:
             self.live, self.in_step, self.ready, self.rng, self.held = step, True, False, torch.get_rng_state(), {}
             return
-        # our piece, copied once into the buffer that goes to the next rank during the step (a buffer per step
-        # parity, this group's only: the copies of step - 1 stay while step's are made); with symmetric memory
-        # into a buffer the next rank maps, and nothing is sent (pieces.InPlace)
-        state = state_fn()
-        # the copy goes one node on (``stride`` ranks: nodes hold consecutive ranks) while the group
-        # spans more than one node, else to the next rank
+        # our piece, copied once, the copy the next rank's replica (copies.Copies: in place or a message); it
+        # goes one node on (``stride`` ranks: nodes hold consecutive ranks) while the group spans more than one
+        # node, else to the next rank
         stride = self.stride if self.world > self.stride else 1
-        if self.inplace is None and self.world > 1:  # (collective: every rank's first step in the group)
-            self.inplace = InPlace.open(packed_size(state), (self.rank - stride) % self.world) or False
-        ex = None
-        if self.inplace:
-            tree = self.inplace.pack(step, state)
-        else:
-            out, theirs = self.buffers.get(step % 2, (None, None))
-            buf, tree = pack(state, out)
-            ex = Exchange(buf, tree, self.rank, self.world, stride, theirs) if self.world > 1 else None
-            self.buffers[step % 2] = (buf, ex.theirs if ex is not None else None)
-        snap = {"engine": tree, "rng": torch.get_rng_state()}
-        # the copies of step - 1 stay until ``end`` (a rank may die mid-exchange); a piece is named by
-        # (step, world, rank) alone: the same whole state cuts to the same pieces
-        mine = dict(step=step, world=self.world, rank=self.rank, kind="own", tree=tree, rng=snap["rng"])
-        self.kept = [mine] + [p for p in self.kept if p["step"] in (step - 1, step)]
-        self.pending = (step, ex) if ex is not None else None
-        self.snap, self.snap_step, self.live = snap, step, None
+        rng = torch.get_rng_state()
+        tree = self.copies.make(step, state_fn(), rng, self.rank, self.world, stride)
+        self.snap, self.snap_step, self.live = {"engine": tree, "rng": rng}, step, None
 
     def offers(self) -> dict:
         """What this rank can offer a new group (its arrive record): boundaries, pieces, checkpoint."""
@@ -296,7 +237,7 @@ class Member:
                        in_step=self.in_step, snap=None, whole=self.whole)
         if self.sharded:
             pieces = [[self.live, self.world, self.rank, "own"]] if self.live is not None else []
-            pieces += [[p["step"], p["world"], p["rank"], p["kind"]] for p in self.kept]
+            pieces += self.copies.offered()
             out.update(pieces=pieces, ckpt=self.ckpt_step)
         return out
 
@@ -349,15 +290,10 @@ class Member:
 
     def end(self, step: int, loss, weight: float) -> tuple[float, bool]:
         """Sharded state, the end of ``step``: the replica received, then the quorum (collective)."""
-        if self.pending is not None:  # the predecessor's piece of this step, received while we computed
-            at, ex = self.pending
-            self.pending = None
-            self.kept.append(dict(step=at, world=self.world, rank=ex.source, kind="replica",
-                                  tree=ex.wait()))
+        self.copies.received(self.world)
         total, wanted = self._quorum(step, loss, weight)
         self.live = step + 1
-        # every rank reached this all-reduce, so every rank finished begin(step): its copies are whole
-        self.kept = [p for p in self.kept if p["step"] == step]
+        self.copies.whole(step)  # every rank reached this all-reduce, so every rank finished begin(step)
         return total, wanted
 
     def failed(self, exc: BaseException) -> bool:
@@ -385,7 +321,7 @@ class Member:
         t_left = time.time()
         if held is not None:
             self.held = held
-        self._take_inplace()
+        self.snap = self.copies.take(self.world, self.snap)  # (before the group's symmetric memory is left)
         self.hooks.in_reform(self, self.live if self.live is not None else self.snap_step)
         while True:
             nxt = self.epoch + 1
@@ -408,19 +344,16 @@ class Member:
             elif target in self.held:
                 state = self.held[target]
                 if self.sharded:
-                    self.kept.append(dict(step=target, world=self.world, rank=self.rank, kind="own",
-                                          tree=state["engine"], rng=state["rng"]))
+                    self.copies.keep_own(target, self.world, self.rank, state)
             elif self.snap_step == target or source == "checkpoint":
                 state = self.snap
             elif self.sharded:  # the state of that step: our own piece if we kept it, and the replicas we hold
-                own = next((p for p in self.kept if p["step"] == target and p["kind"] == "own"), None)
-                state = {"engine": own["tree"], "rng": own["rng"]} if own else {"engine": None, "rng": None}
+                state = self.copies.own(target)
             else:
                 raise CommError(f"elastic: rank id {self.ident} holds steps {self.live}/{self.snap_step}, the group "
                                 f"goes on from {target}")
             if self.sharded:  # the pieces we hold at the target (the loop gathers everyone's)
-                self.kept = [p for p in self.kept if p["step"] == target]
-                state = dict(state, pieces=[(p["world"], p["rank"], p["tree"]) for p in self.kept])
+                state = dict(state, pieces=self.copies.at(target))
             # what we can offer if this change fails too
             self._settle(state, target)
             try:
@@ -431,19 +364,6 @@ class Member:
             except Exception as e:  # noqa: BLE001 - a peer died during the change: once more
                 if not self.failed(e):
                     raise
-
-    def _take_inplace(self) -> None:
-        """Before the group (and its symmetric memory) is left: our pieces copied out of our buffers, and the
-        whole pieces of the previous rank in its buffers (pieces.InPlace.replicas) kept as its replicas."""
-        if not self.inplace:
-            return
-        inplace, self.inplace = self.inplace, None
-        own = {id(p["tree"]): clone_tree(p["tree"]) for p in self.kept if p["kind"] == "own"}
-        self.kept = [dict(p, tree=own.get(id(p["tree"]), p["tree"])) for p in self.kept]
-        if self.snap is not None:
-            self.snap = dict(self.snap, engine=own.get(id(self.snap["engine"]), self.snap["engine"]))
-        self.kept += [dict(step=step, world=self.world, rank=inplace.source, kind="replica", tree=tree)
-                      for step, tree in inplace.replicas()]
 
     def _heal(self, info: dict, state: dict | None) -> Change:
         """The ranks without the state at the step (newcomers; survivors behind a step their peers
@@ -470,7 +390,6 @@ class Member:
         """The first step after the last change is done: the change is complete (a later one starts anew)."""
         self.cut = []
 
-
     def _settle(self, state: dict, step: int) -> None:
         """``state`` (at ``step``) is what this rank holds for the new group until its first step (and
         offers again if the change fails)."""
@@ -478,18 +397,6 @@ class Member:
             self.snap, self.snap_step, self.live = state, step, None
         else:
             self.held, self.live, self.in_step, self.ready = {step: state}, step, False, False
-
-
-def whole_change(cut: list[dict]) -> tuple[int, list, list, float, dict]:
-    """The decisions of one change, cut short by losses while the group re-formed, as one change from the
-    group before the first to the group of the last: (old world, left ids, joined ids, t0 (the first
-    loss), newcomers' start times). A newcomer of one decision that left in a later one is in neither."""
-    left, joined, spawned = [], [], {}
-    for info in cut:
-        left += [i for i in info["left"] if i not in joined and i not in left]
-        joined = [i for i in joined if i not in info["left"]] + [i for i in info["joined"] if i not in joined]
-        spawned.update(info.get("spawned", {}))
-    return cut[0]["old"], left, joined, min(info["t0"] for info in cut), spawned
 
 
 _current: Member | None = None

@@ -21,6 +21,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from distrain.errors import CommError
+
 PREFIX = "elastic/"
 ENV_HOST = "DISTRAIN_ELASTIC_HOST"  # the store's host: the coordinator's (127.0.0.1) or node 0's (nodes.py)
 ENV_STRIDE = "DISTRAIN_ELASTIC_STRIDE"  # ranks per node (a ZeRO replica goes one node on)
@@ -91,3 +93,32 @@ class Change:
                 "new_world": self.new_world, "left": self.left, "joined": self.joined,
                 "rolled_back": self.rolled_back, "rolled_forward": self.rolled_forward, "epoch": self.epoch,
                 "state_from": self.source}
+
+
+def whole_change(cut: list[dict]) -> tuple[int, list, list, float, dict]:
+    """The decisions of one change, cut short by losses while the group re-formed, as one change from the
+    group before the first to the group of the last: (old world, left ids, joined ids, t0 (the first
+    loss), newcomers' start times). A newcomer of one decision that left in a later one is in neither."""
+    left, joined, spawned = [], [], {}
+    for info in cut:
+        left += [i for i in info["left"] if i not in joined and i not in left]
+        joined = [i for i in joined if i not in info["left"]] + [i for i in info["joined"] if i not in joined]
+        spawned.update(info.get("spawned", {}))
+    return cut[0]["old"], left, joined, min(info["t0"] for info in cut), spawned
+
+
+def memberships(records: list, ident: int, ids: list[int]) -> list[list[int]]:
+    """The ids of every epoch's group from the coordinator's ``members/E`` records (epoch 0 to this rank's,
+    ``ids``: the group rank id ``ident`` opened), checked: the store is outside input. CommError for a record
+    that holds no list of rank ids, or a last one that is not this rank's group."""
+    out = []
+    for epoch, info in enumerate(records):
+        got = info.get("ids") if isinstance(info, dict) else None
+        if not (isinstance(got, list) and all(isinstance(i, int) and i >= 0 for i in got) and got):
+            raise CommError(f"elastic: the membership of epoch {epoch} in the store holds no list of rank ids "
+                            f"({got!r}); the store is not this job's coordinator's")
+        out.append(got)
+    if out[-1] != ids:
+        raise CommError(f"elastic: the membership of epoch {len(out) - 1} in the store ({out[-1]}) is not the "
+                        f"group rank id {ident} opened ({ids})")
+    return out
