@@ -6,6 +6,7 @@
     coordinator.py  the top process: hosts the store, decides every new membership (who is in, the
                     step to go on from), starts replacements, stops below MIN; its processes are
                     the launcher's (distrain.launch.supervisor), as every job's
+    beats.py        the coordinator's watch on its members' heartbeats (frozen members, what late ones do)
     nodes.py        several nodes: node agents (on the same supervisor) report their ranks to node 0
     ranks.py        how a rank process is started (environment, the Member it installs first)
     member.py       one rank: a process group per membership epoch, the per-step quorum ("is the group

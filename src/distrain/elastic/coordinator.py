@@ -50,7 +50,7 @@ from typing import Any, Callable, Sequence
 from distrain import sealed
 from distrain.blame import Failure, blame
 from distrain.elastic import protocol as m  # (the store's keys)
-from distrain.elastic.protocol import BEAT_S, FROZEN_S
+from distrain.elastic.beats import Beats
 from distrain.elastic import nodes as multinode
 from distrain.elastic.quorum import reachable, refusal, replicated_target, rolled_back, sharded_target, whole_replicas
 from distrain.elastic.ranks import Recipe, threads_per_rank
@@ -88,10 +88,7 @@ class Coordinator:
         self.run_id = uuid.uuid4().hex[:12]  # a rank of another run (another store, same port) is refused
         self.dropped: dict[int, int] = {}  # members dropped while alive (silent): id -> the epoch they would arrive at
         self.refused: dict[int, str] = {}  # id -> the one-line refusal it was given
-        # the current epoch's heartbeats: member -> (its last beat seen, when it moved; this clock), the time the
-        # group opened (its first beat), the members found frozen (_watch_beats)
-        self.beats: dict[int, tuple] = {}
-        self.beats_read, self.opened, self.frozen = 0.0, 0.0, set()
+        self.beats = Beats()  # the current epoch's heartbeats, the members found frozen (_watch_beats)
         self.said = -1  # the epoch whose wait was told
         self.why: dict[int, str] = {}  # lost ids -> why they left (killed by SIGKILL, exit code 1, frozen, ...)
         # cores per rank, as a fixed job's spawn binds them (launch/cores.py): MAX slots of cores, chosen at the
@@ -179,12 +176,12 @@ class Coordinator:
         if self.want is None:
             return
         late = [i for i in survivors if i not in arrived]
-        if any(i not in self.frozen for i in late) and time.time() - self.want < self.ctimeout:
+        if any(i not in self.beats.frozen for i in late) and time.time() - self.want < self.ctimeout:
             self._say_waiting(late)
             return
         for i in late:  # frozen, or alive but silent past the time-out: dropped; if it comes back, refused (_admit)
             self.lost[i], self.dropped[i] = time.time(), nxt
-            self.why[i] = "frozen: no heartbeat" if i in self.frozen else "silent past --collective-timeout"
+            self.why[i] = "frozen: no heartbeat" if i in self.beats.frozen else "silent past --collective-timeout"
         stateless = [i for i, r in arrived.items() if r["live"] is None and r["snap"] is None]  # a failed heal
         offers = {i: r for i, r in arrived.items() if i not in stateless}
         if not offers:
@@ -233,7 +230,7 @@ class Coordinator:
         holder = next((i for i in info["ids"] if i not in behind and i not in joiners), None)
         info.update(receive=behind + joiners, sender=info["ids"].index(holder) if holder is not None else 0)
         self.epoch, self.members, self.want = nxt, info["ids"], None
-        self.beats, self.opened = {}, 0.0
+        self.beats.new_epoch()
         self.store.set(m.key("members", nxt), json.dumps(info))
         for i in joiners:
             self.waiting.pop(i, None)
@@ -262,36 +259,13 @@ class Coordinator:
         print(f"distrain: elastic: {', '.join(parts) or 'membership changed'}; {world}; {then}", flush=True)
 
     def _watch_beats(self) -> None:
-        """Every BEAT_S / 2: note when each member's heartbeat (its watchdog's record in ``wd/E/``, read on
-        this clock) last moved, from the moment the epoch's group opened (the first beat of any member). A
-        member silent for FROZEN_S since is frozen (stopped, or a machine that hangs): waiting for it is
-        waiting for the time-out. While the group runs, that is a loss: the epoch ends (its blocked calls
-        break, member.py), and the member is dropped when the others have arrived."""
-        now = time.time()
-        if now - self.beats_read < BEAT_S / 2:
-            return
-        self.beats_read = now
-        for k, i in enumerate(self.members):
-            if i in self.lost or i in self.gone:
-                continue
-            key = m.key("wd", self.epoch, "wd", k)
-            beat = self.store.get(key) if self.store.check([key]) else None
-            seen, moved = self.beats.get(i, (None, now))
-            if beat is not None and beat != seen:
-                self.beats[i] = (beat, now)
-                self.opened = self.opened or now
-            elif i not in self.beats:
-                self.beats[i] = (None, now)
-        if not self.opened:
-            return
-        frozen = [i for i in self.members if i in self.beats and i not in self.lost and i not in self.gone
-                  and now - max(self.beats[i][1], self.opened) > FROZEN_S
-                  and not self.store.check([m.key("arrive", self.epoch + 1, i)])]  # (one that left beats no more)
-        new = [i for i in frozen if i not in self.frozen]
+        """A member frozen (beats.Beats: no heartbeat for FROZEN_S once the group opened) while the group runs is
+        a loss: the epoch ends (its blocked calls break, member.py), and the member is dropped when the others
+        have arrived."""
+        new = self.beats.watch(self.store, self.epoch, self.members, self.lost.keys() | self.gone)
         if new:
-            print(f"distrain: elastic: rank id(s) {', '.join(map(str, new))} frozen (no heartbeat for {FROZEN_S:g}s in "
+            print(f"distrain: elastic: rank id(s) {', '.join(map(str, new))} frozen (no heartbeat for {m.FROZEN_S:g}s in "
                   f"epoch {self.epoch}): the group goes on without {'it' if len(new) == 1 else 'them'}", flush=True)
-            self.frozen |= set(new)
             self._want(lost=True)
 
     def _say_waiting(self, late: list[int]) -> None:
@@ -299,15 +273,9 @@ class Coordinator:
         if self.said == self.epoch or time.time() - self.want < SAY_S:
             return
         self.said = self.epoch
-        what = []
-        for i in late:
-            raw = self.beats.get(i, (None,))[0]
-            beat = json.loads(raw) if raw is not None else None
-            what.append(f"rank id {i} " + ("not yet in the group" if beat is None else
-                                           f"in {beat['op'].split('(')[0]} for {beat['blocked_s']:.0f}s" if beat["op"]
-                                           else "computing"))
+        what = "; ".join(f"rank id {i} {self.beats.doing(i)}" for i in late)
         print(f"distrain: elastic: epoch {self.epoch} ended {time.time() - self.want:.0f}s ago; waiting for "
-              f"{'; '.join(what)} to leave it (at most --collective-timeout {self.ctimeout:g}s)", flush=True)
+              f"{what} to leave it (at most --collective-timeout {self.ctimeout:g}s)", flush=True)
 
     def _group_step(self) -> int | None:
         """The group's step: the one rank 0 last started (``step``: every step before it is done), else the
@@ -318,7 +286,7 @@ class Coordinator:
 
     def _refuse(self, ident: int, offer: dict, epoch: int) -> None:
         self.dropped.setdefault(ident, epoch)
-        why = self.refused[ident] = refusal(ident, offer, self.run_id, self._group_step(), ident in self.frozen)
+        why = self.refused[ident] = refusal(ident, offer, self.run_id, self._group_step(), ident in self.beats.frozen)
         self.store.set(m.key("refuse", ident), why)
         print(f"distrain: {why}", flush=True)
 
