@@ -9,6 +9,7 @@ Architecture" (the ring and tree all-reduce diagrams: which algorithm a bucket u
     ddp.py         DistributedDataParallel: parameters broadcast from the group's first rank (DP
                    step 2, once), gradient buckets all-reduced during backward (DDP's overlap),
                    ``no_sync()`` for gradient accumulation.
+    buckets.py     many tensors in one flat buffer: the gradient buckets' plan, the coalesced broadcast.
     comm_hooks.py  ``register_comm_hook``'s bucket and our hooks on distrain.comm: allreduce,
                    fp16/bf16 compression; powersgd.py: PowerSGD (Vogels et al. 2019).
     join.py        ``join()``: ranks with fewer batches answer the others' all-reduces with zeros.

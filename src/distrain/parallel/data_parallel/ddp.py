@@ -8,7 +8,7 @@ selectable (native, star, ring, tree):
    replica starts from the same weights.
 2. Parameters are packed, in *reverse* registration order (roughly the order in which
    backward produces their gradients), into buckets of at most ``bucket_cap_mb`` (the
-   first one at most 1 MiB, so that communication starts early).
+   first one at most 1 MiB, so that communication starts early; buckets.py).
 3. A post-accumulate-grad hook on every parameter marks it ready; when a bucket is full
    its gradients are copied into the bucket's flat buffer, pre-divided by the group size,
    and all-reduced (sum) *asynchronously*, so communication overlaps the rest of backward.
@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -58,26 +57,11 @@ from distrain import comm
 from distrain.comm.core.util import nbytes
 from distrain.errors import CommError, ConfigError
 from distrain.parallel.data_parallel import comm_hooks
+from distrain.parallel.data_parallel.buckets import Bucket, coalesced_batches, plan_buckets, views_of
 from distrain.parallel.data_parallel.join import Join
 from distrain.parallel.data_parallel.torch_options import torch_options, unsupported
 
-FIRST_BUCKET_BYTES = 1 << 20
-_BROADCAST_BATCH_BYTES = 64 << 20  # parameters/buffers packed per broadcast, at most (a copy of this size)
 _COMPRESSION = {None: None, "none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass
-class Bucket:
-    """One bucket of gradients: the parameters it holds and the flat buffer reduced for them."""
-
-    params: list[nn.Parameter]
-    names: list[str]
-    buffer: torch.Tensor  # flat, the dtype of the parameters
-    views: list[torch.Tensor] = field(default_factory=list)  # buffer slices, one per param
-    pending: int = 0
-    handle: object | None = None
-    wire: torch.Tensor | None = None  # what is all-reduced (buffer, or its compressed copy)
-    index: int = 0  # position in launch order
 
 
 class DistributedDataParallel(nn.Module):
@@ -160,15 +144,8 @@ class DistributedDataParallel(nn.Module):
         one collective before each forward, not one per layer."""
         tensors = ([p for n, p in self.module.named_parameters() if n not in self._ignored] if params else []) + \
             ([b for n, b in self.module.named_buffers() if n not in self._ignored] if buffers else [])
-        batches: dict[tuple, list[list[torch.Tensor]]] = {}  # (dtype, device) -> batches of <= 64 MiB
-        for t in tensors:
-            if t.numel():
-                b = batches.setdefault((t.dtype, t.device), [[]])
-                if b[-1] and nbytes(t) + sum(nbytes(x) for x in b[-1]) > _BROADCAST_BATCH_BYTES:
-                    b.append([])
-                b[-1].append(t.data)
         with torch.no_grad():
-            for group in (g for bs in batches.values() for g in bs):
+            for group in coalesced_batches(tensors):
                 flat = torch.cat([t.reshape(-1) for t in group])
                 comm.broadcast(flat, src=self.src if src is None else src, group=self.group, algorithm=self.algorithm)
                 torch._foreach_copy_(group, [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in group]),
@@ -178,27 +155,12 @@ class DistributedDataParallel(nn.Module):
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad and n not in self._ignored]
         if not named:
             raise ConfigError("DistributedDataParallel: the module has no parameter that requires grad")
-        buckets, cur, size = [], [], 0
-        for n, p in reversed(named):
-            size_p = nbytes(p)
-            # The first bucket (the last layers, whose gradients come first) is capped at
-            # 1 MiB, as in torch DDP: its all-reduce starts early and overlaps the rest.
-            cap = min(cap_bytes, FIRST_BUCKET_BYTES) if not buckets else cap_bytes
-            if cur and (size + size_p > cap or p.dtype != cur[0][1].dtype):
-                buckets.append(cur)
-                cur, size = [], 0
-            cur.append((n, p))
-            size += size_p
-        buckets.append(cur)
         out = []
-        for group in buckets:
+        for group in plan_buckets(named, cap_bytes):  # (reverse order, the first bucket at most 1 MiB)
             params = [p for _, p in group]
             buf = self._bucket_buffer(sum(p.numel() for p in params), params[0])
-            views, off = [], 0
-            for p in params:
-                views.append(buf[off:off + p.numel()])
-                off += p.numel()
-            out.append(Bucket(params=params, names=[n for n, _ in group], buffer=buf, views=views, index=len(out)))
+            out.append(Bucket(params=params, names=[n for n, _ in group], buffer=buf, views=views_of(buf, params),
+                              index=len(out)))
         return out
 
     def _bucket_buffer(self, n: int, like: torch.Tensor) -> torch.Tensor:
@@ -251,10 +213,7 @@ class DistributedDataParallel(nn.Module):
         n = sum(v.numel() for v in b.views)
         buf = self._bucket_buffer(n + k, b.buffer)
         buf[:n].copy_(b.buffer[:n])
-        b.buffer, b.views, off = buf, [], 0
-        for p in b.params:
-            b.views.append(buf[off:off + p.numel()])
-            off += p.numel()
+        b.buffer, b.views = buf, views_of(buf, b.params)
         self._carry_slots = k
 
     # -- forward / backward ------------------------------------------------------------------
