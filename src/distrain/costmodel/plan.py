@@ -9,7 +9,7 @@ that very batch for a preset (small batches do not scale linearly) or T·b/B fro
 * DDP with dp = P ranks (ring/tree/star): fb(B/P) + the optimizer step over every
   parameter, plus the exposed part of the gradient all-reduce. The gradients go in the
   buckets distrain's DDP builds (reverse parameter order, the first at most 1 MiB, then
-  25 MiB: parallel/data_parallel/ddp.py); bucket i is ready when backward has produced its
+  25 MiB: parallel/data_parallel/buckets.py); bucket i is ready when backward has produced its
   gradients (backward time taken proportional to the parameter bytes behind it) and its
   all-reduce (simulated schedule) starts once it is ready and the previous bucket's is done
   (one communication thread runs them in order). Exposed = the last all-reduce's end minus
