@@ -16,6 +16,8 @@ Four layers, each a folder; imports run downward only (tests/test_import_graph.p
                   dispatch.py  argument checks, debug fingerprint, the dispatcher (ledger,
                                ours, direct or native), async handles
                   api.py       the eight collectives with torch.distributed's signatures
+                  group_transport.py  a group's transport (set_transport, transport_of) and its
+                               symmetric memory (symmetric_empty, symmetric_peer)
                   forms.py     *_into_tensor / *_tensor / coalesced forms, P2POp, batch_isend_irecv
                   alltoall.py  all_to_all, all_to_all_single (p2p: the direct exchange)
                   objects.py   the object collectives (pickled, torch's API) and the data ones (distrain's own)
@@ -47,10 +49,6 @@ from distrain.comm.api import (
     reduce_scatter,
     scatter,
     set_debug,
-    set_transport,
-    symmetric_empty,
-    symmetric_peer,
-    transport_of,
 )
 from distrain.comm.compat import PASSTHROUGH, configure_from_env, destroy_process_group, init_process_group
 from distrain.comm.shm.compiled import set_kernels as set_shm_kernels
@@ -77,6 +75,7 @@ from distrain.comm.objects import (
     send_object_list,
 )
 from distrain.comm.core.transport import TRANSPORT_NAMES, Transport, set_default_transport
+from distrain.comm.group_transport import set_transport, symmetric_empty, symmetric_peer, transport_of
 from distrain.comm.core.p2p import irecv, isend, isend_tensor, recv, recv_tensor, send, send_tensor
 
 globals().update({_n: getattr(_torch_dist, _n) for _n in PASSTHROUGH if hasattr(_torch_dist, _n)})
