@@ -324,19 +324,50 @@ def test_elastic_zero2_on_two_nodes_of_two_loses_node_one(emulated_cluster, tmp_
     assert back["time"] - t_kill < 30, "the survivors waited for the collective time-out"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_elastic_diloco_island_per_node_loses_node_one(emulated_cluster, tmp_path):
+    """2 nodes x 2 ranks, `--strategy diloco --islands 2 --elastic 2:4`: each node is an island (islands are
+    consecutive ranks); node 1 dies whole mid-run, so island 1 is dropped and node 0's island goes on alone (K
+    2 -> 1) from the step the change records, with no wait for --collective-timeout (120 s). Every step's loss
+    equals the one-process simulation of the islands with island 1 dropped at that step (fp64, rel 1e-10:
+    test_diloco_elastic.simulate_elastic), and the job's summary counts one island at the end."""
+    from test_diloco import close
+    from test_diloco_elastic import simulate_elastic
+
+    from distrain.trainer.metrics import read_events
+
+    got, _, t_kill = _elastic_run_then_kill(emulated_cluster, tmp_path, 2, 2, "diloco", "2:4",
+                                            lambda spec: netns.pids(spec.netns(1)),
+                                            extra=dict(islands=2, inner_steps=5), reference=False)
+    (e,) = read_events(tmp_path / "run" / "metrics.jsonl")
+    assert (e["old_world"], e["new_world"], e["left"]) == (4, 2, [2, 3])
+    assert got[0]["world"] == 4 and got[-1]["world"] == 2
+    cfg = _train_cfg(tmp_path / "run", nproc=4, steps=150, strategy="diloco", islands=2, inner_steps=5)
+    want, _, _ = simulate_elastic(cfg, [0, 1], {e["step"]: ([1], [])})
+    losses = [g["loss"] for g in got]
+    assert close(losses, want), [(i, a, b) for i, (a, b) in enumerate(zip(losses, want)) if abs(a - b) > 1e-10 * abs(b)][:5]
+    back = next(g for g in got if g["world"] == 2)
+    assert back["time"] - t_kill < 30, "the survivors waited for the collective time-out"
+
+
 def _elastic_run_then_kill(emulated_cluster, tmp_path, nodes: int, per_node: int, strategy: str, elastic: str,
-                           victims_of, victims: int | None = None, steps: int = 150):
+                           victims_of, victims: int | None = None, steps: int = 150, extra: dict | None = None,
+                           reference: bool = True):
     """`distrain cluster run -- distrain train --elastic ELASTIC` on NODES x PER_NODE ranks with its
-    single-process reference; once 20 steps are done, SIGKILL the pids ``victims_of(spec)`` returns
+    single-process reference (``reference``; ``extra``: more train flags); once 20 steps are done, SIGKILL the pids ``victims_of(spec)`` returns
     (``victims``: how many there must be), wait for the job and check that node 0's exit is 0, every step
     has its line and no process is left. Returns (the job's step lines, the reference's, the kill's time).
     150 steps: the kill comes after 20, so 130 are left, 4 s or more of steps at the quickest
     pace seen (0.03 s per step; 0.2-0.3 s under load), against a 0.1 s poll; the losses' equality with one
     process holds at 150 steps as at 300."""
-    train(_train_cfg(tmp_path / "ref", nproc=1, strategy="single", steps=steps))
+    if reference:
+        train(_train_cfg(tmp_path / "ref", nproc=1, strategy="single", steps=steps))
     spec = emulated_cluster(nodes=nodes, link="1gbit")
     cfg = _train_cfg(tmp_path / "run", nproc=nodes * per_node, steps=steps, strategy=strategy, ckpt_every=0)
     cmd = _cli(cfg) + ["--elastic", elastic, "--collective-timeout", "120"]
+    for k, v in (extra or {}).items():
+        cmd += ["--" + k.replace("_", "-"), str(v)]
     metrics = tmp_path / "run" / "metrics.jsonl"
     result: dict = {}
     th = threading.Thread(target=lambda: result.setdefault("res", runner.run(
@@ -358,7 +389,7 @@ def _elastic_run_then_kill(emulated_cluster, tmp_path, nodes: int, per_node: int
     got = read_metrics(metrics)
     assert [g["step"] for g in got] == list(range(steps))
     assert all(not netns.pids(spec.netns(i)) for i in range(nodes))
-    return got, read_metrics(tmp_path / "ref" / "metrics.jsonl"), t_kill
+    return got, read_metrics(tmp_path / "ref" / "metrics.jsonl") if reference else None, t_kill
 
 
 # ---------------------------------------------------------------------------------------

@@ -58,13 +58,13 @@ def simulation_parts(cfg):
     function, its batch sampler), built as the trainer builds them."""
     from distrain.data import DistributedBatchSampler
     from distrain.trainer.custom import UserParts
-    from distrain.trainer.loop import new_model
+    from distrain.trainer.loop import new_model, sequence_length
     from distrain.trainer.task import build_task, loss_function
 
     cpu = torch.device("cpu")
     parts = UserParts.from_config(cfg)
     start = new_model(cfg, parts, cpu)
-    task = build_task(cfg, start.config.block_size, cpu, parts)
+    task = build_task(cfg, sequence_length(cfg, start), cpu, parts)
     return start, task, loss_function(cfg, parts), DistributedBatchSampler(len(task.train), cfg.batch_size,
                                                                            seed=cfg.seed)
 
