@@ -34,6 +34,39 @@ def check_diloco(cfg) -> None:
          f"--islands {cfg.islands} does not divide --nproc {cfg.nproc} into equal islands; use a divisor of "
          f"{cfg.nproc}")
     check_streaming(cfg)
+    check_island_grid(cfg)
+
+
+def check_island_grid(cfg) -> None:
+    """Islands that are grids (--tp/--pp/--inner-strategy zeroN: engines/diloco_grid.py): each island's
+    --nproc / K ranks a whole dp x tp x pp grid (island dp = --nproc / (K x tp x pp); --dp, --cp and --ep are
+    not island axes yet), a ZeRO stage that fits it, and none of what the grid islands do not do yet (elastic
+    islands, --layout-invariant, Streaming DiLoCo, a compressed outer gradient), each refused by name."""
+    if not cfg.island_grid:
+        return
+    k = cfg.islands or cfg.nproc
+    m = cfg.nproc // k
+    need(cfg.dp == 0, f"--dp {cfg.dp} with --strategy diloco: an island's dp is --nproc / (--islands x --tp x --pp), "
+                      f"not given; drop --dp and choose --islands")
+    need(cfg.cp == 1 and cfg.ep == 1, f"--cp {cfg.cp} --ep {cfg.ep} with --strategy diloco: an island's grid is dp x "
+                                      f"tp x pp for now; drop --cp/--ep, or train with --strategy ddp")
+    need(m % (cfg.tp * cfg.pp) == 0,
+         f"--tp {cfg.tp} --pp {cfg.pp} with --strategy diloco: each of the {k} islands has --nproc / --islands = {m} "
+         f"rank(s), which a tp x pp = {cfg.tp * cfg.pp} grid does not divide; give --islands K with --nproc / K a "
+         f"multiple of {cfg.tp * cfg.pp}")
+    for flag, set_, fix in (("--elastic", bool(cfg.elastic), "drop --elastic (elastic islands are DDP islands)"),
+                            ("--layout-invariant", cfg.layout_invariant, "drop --layout-invariant"),
+                            ("--fragments", cfg.fragments > 1, "use --fragments 1"),
+                            ("--overlap-steps", cfg.overlap_steps > 0, "use --overlap-steps 0"),
+                            ("--outer-compression", cfg.outer_compression is not None, "drop --outer-compression")):
+        need(not set_, f"{flag} with --strategy diloco islands of --tp/--pp/--inner-strategy {cfg.inner_strategy} is "
+                       f"not supported (DDP islands only); {fix}, or use DDP islands (no --tp/--pp, --inner-strategy "
+                       f"ddp)")
+    stage = int(cfg.inner_strategy[4:]) if cfg.inner_strategy.startswith("zero") else 0
+    if stage:
+        from distrain.parallel.parallelize import check_zero_layout
+
+        check_zero_layout(stage, m // (cfg.tp * cfg.pp), cfg.pp, cfg.cp)
 
 
 def check_streaming(cfg) -> None:
