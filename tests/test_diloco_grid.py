@@ -64,6 +64,12 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
 
     with pytest.raises(ConfigError, match="was written with layout"):
         check_resume(trainer_config(out, steps=8, resume=True, **{**kw, "tp": 1, "inner_strategy": "zero1"}))
+    with pytest.raises(ConfigError, match="--reshard: --strategy diloco's grid islands each hold their own state"):
+        check_resume(trainer_config(out, steps=8, resume=True, reshard=True, **kw))
+    from distrain.checkpoint.reshard import consolidate
+
+    with pytest.raises(ConfigError, match="written by --strategy diloco with grid islands"):
+        consolidate(out)  # (`distrain checkpoint consolidate`)
 
 
 GRID = dict(strategy="diloco", nproc=4, islands=2)
@@ -91,3 +97,18 @@ NOT_YET = "with --strategy diloco islands of --tp/--pp/--inner-strategy"
 ])
 def test_refusals(tmp_path, kw, message):
     assert_refused(trainer_config(tmp_path, **kw), message)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["tp2", "zero3"])
+def test_clipping_and_evaluation_equal_ddp_islands(tmp_path, layout):
+    """With --grad-clip (the island's whole-model norm: its tp shards or ZeRO shards summed over the island) and
+    validation on θ_prev (the island's grid evaluation), K = 2 grid islands equal K = 2 DDP islands of 2 ranks
+    (test_diloco's engine): every step's loss and the validation losses after steps 2 and 4."""
+    from conftest import EVAL, assert_rows_equal, train_rows
+
+    kw = dict(strategy="diloco", nproc=4, islands=2, inner_steps=2, grad_clip=0.05, **EVAL)
+    ref = train_rows(trainer_config(tmp_path / "ddp", **kw))
+    got = train_rows(trainer_config(tmp_path / layout, **kw, **LAYOUTS[layout]))
+    assert_rows_equal(got, ref)
