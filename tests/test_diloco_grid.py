@@ -72,6 +72,26 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
         consolidate(out)  # (`distrain checkpoint consolidate`)
 
 
+def test_the_island_axis_is_outermost_and_every_grid_group_stays_in_its_island():
+    """Topology(islands=K): rank = island x M + the in-island rank; the grid's groups are each island's own, the
+    cross groups join one place of every island; K = 1 is the grid it always was."""
+    from distrain.topology import Topology
+
+    t = Topology(1, 2, 1, islands=2, rank=3)
+    assert t.per_island == 2 and t.island == 1 and t.tp_rank == 1
+    assert t.groups_of("tp") == t.groups_of("island") == [[0, 1], [2, 3]]
+    assert t.groups_of("cross") == [[0, 2], [1, 3]] and t.ranks_of("cross") == [1, 3]
+    t = Topology(2, 1, 2, islands=2, rank=5)  # island 1 = ranks 4..7, a dp 2 x pp 2 grid
+    assert t.groups_of("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]] and t.pp_next == 7 and t.pp_prev is None
+    assert t.groups_of("dp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert t.groups_of("cross") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    for r in range(8):
+        c = t.coords_of(r)
+        assert t.rank_of(**c._asdict()) == r
+    plain = Topology(2, 1, 2, rank=3)
+    assert plain.groups_of("pp") == [[0, 2], [1, 3]] and plain.island == 0 and plain.per_island == 4
+
+
 GRID = dict(strategy="diloco", nproc=4, islands=2)
 NOT_YET = "with --strategy diloco islands of --tp/--pp/--inner-strategy"
 
