@@ -21,7 +21,7 @@ from conftest import assert_refused, reference_losses, train_losses, trainer_con
 from test_diloco import EXACT_H1, SGD_DDP, close, shard, simulate
 
 LAYOUTS = {"tp2": dict(tp=2), "zero2": dict(inner_strategy="zero2"), "zero3": dict(inner_strategy="zero3"),
-           "pp2": dict(pp=2, microbatches=2)}
+           "pp2": dict(pp=2, microbatches=2), "cp2": dict(cp=2)}
 
 
 @pytest.mark.slow
@@ -105,13 +105,15 @@ NOT_YET = "with --strategy diloco islands of --tp/--pp/--inner-strategy"
     (dict(GRID, nproc=2, islands=0, tp=2), "each of the 2 islands has --nproc / --islands = 1 rank(s)"),
     (dict(GRID, tp=2, inner_strategy="zero1"), "it needs dp >= 2"),  # an island of tp 2 has dp 1
     (dict(GRID, dp=1, tp=2), "--dp 1 with --strategy diloco"),
-    (dict(GRID, cp=2), "--cp 2 --ep 1 with --strategy diloco"),
+    (dict(GRID, cp=2), None),
+    (dict(GRID, cp=2, tp=2), "a cp x tp x pp = 4 grid does not divide"),
     (dict(GRID, tp=2, elastic="2:4"), "--elastic 2:4: with --tp/--pp only --strategy ddp is supported"),
     (dict(GRID, inner_strategy="zero2", elastic="2:4"), f"--elastic {NOT_YET}"),
     (dict(GRID, tp=2, layout_invariant=True), f"--layout-invariant {NOT_YET}"),
     (dict(GRID, tp=2, fragments=2), f"--fragments {NOT_YET}"),
     (dict(GRID, tp=2, overlap_steps=1), f"--overlap-steps {NOT_YET}"),
-    (dict(GRID, tp=2, outer_compression="bf16"), f"--outer-compression {NOT_YET}"),
+    (dict(GRID, tp=2, outer_compression="bf16"), None),
+    (dict(GRID, tp=2, outer_compression="int8"), f"--outer-compression {NOT_YET}"),
     (dict(strategy="ddp", nproc=4, tp=2, inner_strategy="zero1"), "--inner-strategy applies only to --strategy "
                                                                   "diloco"),
 ])
@@ -121,14 +123,16 @@ def test_refusals(tmp_path, kw, message):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("layout", ["tp2", "zero3"])
-def test_clipping_and_evaluation_equal_ddp_islands(tmp_path, layout):
+@pytest.mark.parametrize("layout,compression", [("tp2", None), ("zero3", None), ("tp2", "bf16")])
+def test_clipping_and_evaluation_equal_ddp_islands(tmp_path, layout, compression):
     """With --grad-clip (the island's whole-model norm: its tp shards or ZeRO shards summed over the island) and
     validation on θ_prev (the island's grid evaluation), K = 2 grid islands equal K = 2 DDP islands of 2 ranks
-    (test_diloco's engine): every step's loss and the validation losses after steps 2 and 4."""
+    (test_diloco's engine): every step's loss and the validation losses after steps 2 and 4; with Δ in bf16 on
+    the wire too (elementwise: a shard's bf16 values are the whole model's, and two islands' sum is one add)."""
     from conftest import EVAL, assert_rows_equal, train_rows
 
-    kw = dict(strategy="diloco", nproc=4, islands=2, inner_steps=2, grad_clip=0.05, **EVAL)
+    kw = dict(strategy="diloco", nproc=4, islands=2, inner_steps=2, grad_clip=0.05, outer_compression=compression,
+              **EVAL)
     ref = train_rows(trainer_config(tmp_path / "ddp", **kw))
     got = train_rows(trainer_config(tmp_path / layout, **kw, **LAYOUTS[layout]))
     assert_rows_equal(got, ref)

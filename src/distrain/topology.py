@@ -160,12 +160,16 @@ class Topology:
         if product != ws:
             names, sizes = ("dp*cp*tp*pp", (self.dp, self.cp, self.tp, self.pp)) if self.cp > 1 else \
                 ("dp*tp*pp", (self.dp, self.tp, self.pp))
+            hint = _suggest(ws, self.dp, self.tp, self.pp, self.cp)
             if self.islands > 1:
                 names, sizes = f"islands*{names}", (self.islands,) + sizes
+                k = self.islands
+                hint = f"islands={k} of " + _suggest(ws // k, self.dp, self.tp, self.pp, self.cp) if ws % k == 0 \
+                    else f"islands among the divisors of {ws}"
             raise ConfigError(
                 f"{names} = {'*'.join(map(str, sizes))} = {product} does not equal the "
                 f"world size {ws}; choose sizes whose product is {ws} "
-                f"(e.g. {_suggest(ws // self.islands if ws % self.islands == 0 else ws, self.dp, self.tp, self.pp, self.cp)})"
+                f"(e.g. {hint})"
             )
         if not 0 <= self.rank < ws:
             raise ConfigError(f"rank {self.rank} is out of range [0, {ws}) for world size {ws}")

@@ -76,7 +76,7 @@ class TrainConfig:
     # step every inner_steps
     # (before --islands: a job that gives both to another strategy is told of this one first)
     inner_strategy: str = opt("ddp", "DiLoCo: what each island runs over its ranks: ddp, or zero1/zero2/zero3 (ZeRO "
-                                     "over the island's dp group), with --tp/--pp inside the island too",
+                                     "over the island's dp group), with --tp/--pp/--cp inside the island too",
                               choices=INNER_STRATEGIES, only=("diloco",))
     islands: int = opt(0, "DiLoCo islands: data-parallel groups of --nproc / --islands consecutive ranks (DDP inside "
                           "over their fast links, or with --tp/--pp/--inner-strategy a grid); 0: every rank is an "

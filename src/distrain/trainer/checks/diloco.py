@@ -38,9 +38,9 @@ def check_diloco(cfg) -> None:
 
 
 def check_island_grid(cfg) -> None:
-    """Islands that are grids (--tp/--pp/--inner-strategy zeroN: engines/diloco_grid.py): each island's
-    --nproc / K ranks a whole dp x tp x pp grid (island dp = --nproc / (K x tp x pp); --dp, --cp and --ep are
-    not island axes yet), a ZeRO stage that fits it, and none of what the grid islands do not do yet (elastic
+    """Islands that are grids (--tp/--pp/--cp/--inner-strategy zeroN: engines/diloco_grid.py): each island's
+    --nproc / K ranks a whole dp x cp x tp x pp grid (island dp = --nproc / (K x cp x tp x pp); --dp and --ep
+    are not island axes yet), a ZeRO stage that fits it, and none of what the grid islands do not do yet (elastic
     islands, --layout-invariant, Streaming DiLoCo, a compressed outer gradient), each refused by name."""
     if not cfg.island_grid:
         return
@@ -48,17 +48,19 @@ def check_island_grid(cfg) -> None:
     m = cfg.nproc // k
     need(cfg.dp == 0, f"--dp {cfg.dp} with --strategy diloco: an island's dp is --nproc / (--islands x --tp x --pp), "
                       f"not given; drop --dp and choose --islands")
-    need(cfg.cp == 1 and cfg.ep == 1, f"--cp {cfg.cp} --ep {cfg.ep} with --strategy diloco: an island's grid is dp x "
-                                      f"tp x pp for now; drop --cp/--ep, or train with --strategy ddp")
-    need(m % (cfg.tp * cfg.pp) == 0,
-         f"--tp {cfg.tp} --pp {cfg.pp} with --strategy diloco: each of the {k} islands has --nproc / --islands = {m} "
-         f"rank(s), which a tp x pp = {cfg.tp * cfg.pp} grid does not divide; give --islands K with --nproc / K a "
-         f"multiple of {cfg.tp * cfg.pp}")
+    need(cfg.ep == 1, f"--ep {cfg.ep} with --strategy diloco: an island's grid is dp x cp x tp x pp for now; drop "
+                      f"--ep, or train with --strategy ddp")
+    mp = cfg.tp * cfg.pp * cfg.cp
+    need(m % mp == 0,
+         f"--tp {cfg.tp} --pp {cfg.pp}{f' --cp {cfg.cp}' if cfg.cp > 1 else ''} with --strategy diloco: each of the "
+         f"{k} islands has --nproc / --islands = {m} rank(s), which a {'cp x ' if cfg.cp > 1 else ''}tp x pp = {mp} "
+         f"grid does not divide; give --islands K with --nproc / K a multiple of {mp}")
     for flag, set_, fix in (("--elastic", bool(cfg.elastic), "drop --elastic (elastic islands are DDP islands)"),
                             ("--layout-invariant", cfg.layout_invariant, "drop --layout-invariant"),
                             ("--fragments", cfg.fragments > 1, "use --fragments 1"),
                             ("--overlap-steps", cfg.overlap_steps > 0, "use --overlap-steps 0"),
-                            ("--outer-compression", cfg.outer_compression is not None, "drop --outer-compression")):
+                            ("--outer-compression", cfg.outer_compression in ("int8", "int4"),
+                             "use --outer-compression bf16 or none")):
         need(not set_, f"{flag} with --strategy diloco islands of --tp/--pp/--inner-strategy {cfg.inner_strategy} is "
                        f"not supported (DDP islands only); {fix}, or use DDP islands (no --tp/--pp, --inner-strategy "
                        f"ddp)")
@@ -66,7 +68,7 @@ def check_island_grid(cfg) -> None:
     if stage:
         from distrain.parallel.parallelize import check_zero_layout
 
-        check_zero_layout(stage, m // (cfg.tp * cfg.pp), cfg.pp, cfg.cp)
+        check_zero_layout(stage, m // mp, cfg.pp, cfg.cp)
 
 
 def check_streaming(cfg) -> None:

@@ -1,7 +1,7 @@
-"""DiLoCo whose islands are grids (``--strategy diloco`` with --tp/--pp or --inner-strategy zero1-3).
+"""DiLoCo whose islands are grids (``--strategy diloco`` with --tp/--pp/--cp or --inner-strategy zero1-3).
 
 The world's P ranks form K = --islands islands of M = P / K consecutive ranks (0: K = P), and each island
-is a whole dp x tp x pp grid of its own (island dp = M / (tp x pp); Topology's ``islands`` axis, outermost:
+is a whole dp x cp x tp x pp grid of its own (island dp = M / (cp x tp x pp); Topology's ``islands`` axis, outermost:
 rank = island x M + the rank inside the island). The inner step is the grid engine's step on the island's
 grid (:class:`~distrain.trainer.engines.grid.GridEngine` built with ``islands=K``: tensor parallel, the
 pipeline, DDP or ZeRO stage N over the island's dp group, clipping by the island's whole-model norm, the
@@ -23,8 +23,10 @@ Checkpoints: each island writes its grid's shards, named ``island{i}-`` + the gr
 ``...-dp{d}`` with ZeRO), each with the outer state of the parameters it holds; a resume needs the same
 layout (K, the island's dp, tp, pp, the ZeRO stage): --reshard is refused (the base engine's load_full).
 
+--outer-compression bf16: Δ travels in bfloat16, as in plain DiLoCo (elementwise, so the same on shards).
 Not here (refused by the config, checks/diloco.py): elastic islands, --layout-invariant, Streaming DiLoCo,
-a compressed outer gradient, --cp/--ep/--dp inside an island.
+the quantized outer mean (int8/int4: its blocks would cut this rank's shard, not the model), --ep/--dp
+inside an island.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ class DiLoCoGridEngine(Engine):
         # what this rank holds: ZeRO-3's flat shards (its module holds no parameter), else its module's parameters
         self.held = list(g.pm.zero.parameters()) if g.zero_stage == 3 else list(g.pm.module.parameters())
         self.outer = OuterStep(self.held, group=t.cross_group, islands=k, optimizer=cfg.outer_optimizer,
-                               lr=cfg.outer_lr, momentum=cfg.outer_momentum, algorithm=cfg.algorithm, place=t.island)
+                               lr=cfg.outer_lr, momentum=cfg.outer_momentum, algorithm=cfg.algorithm, place=t.island,
+                               compression=cfg.outer_compression)  # (bf16 or None: checks/diloco.py)
         self.dp_rank, self.dp_size, self.loss_weight = g.dp_rank, g.dp_size, g.loss_weight
         self.optimizer = g.optimizer
         self.label = f"diloco (K={k}×{t.per_island}: {g.label}, H={cfg.inner_steps})"
@@ -107,8 +110,8 @@ class DiLoCoGridEngine(Engine):
     def layout_of(cls, cfg) -> dict:
         k = islands_of(cfg)
         z = zero_stage_of(dataclasses.replace(cfg, strategy=cfg.inner_strategy))
-        return {"dp": cfg.nproc // (k * cfg.tp * cfg.pp), "tp": cfg.tp, "pp": cfg.pp, "islands": k,
-                **({"zero": z} if z else {})}
+        return {"dp": cfg.nproc // (k * cfg.tp * cfg.pp * cfg.cp), "tp": cfg.tp, "pp": cfg.pp,
+                **({"cp": cfg.cp} if cfg.cp > 1 else {}), "islands": k, **({"zero": z} if z else {})}
 
     @property
     def shard(self):
@@ -129,6 +132,7 @@ class DiLoCoGridEngine(Engine):
         c, t = self.cfg, self.grid.topo
         return {"islands": t.islands, "ranks_per_island": t.per_island, "island_grid": self.grid.label,
                 "inner_strategy": c.inner_strategy, "inner_steps": c.inner_steps,
+                "outer_compression": c.outer_compression,
                 "outer_optimizer": c.outer_optimizer, "outer_lr": c.outer_lr, "outer_momentum": c.outer_momentum,
                 "outer_syncs": self.outer.syncs, "outer_s_rank0": self.outer_s}
 
