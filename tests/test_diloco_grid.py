@@ -86,8 +86,7 @@ def test_the_island_axis_is_outermost_and_every_grid_group_stays_in_its_island()
     assert t.groups_of("dp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert t.groups_of("cross") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     for r in range(8):
-        c = t.coords_of(r)
-        assert t.rank_of(**c._asdict()) == r
+        assert t.rank_of(**t.coords_of(r)._asdict(), island=t.island_of(r)) == r
     plain = Topology(2, 1, 2, rank=3)
     assert plain.groups_of("pp") == [[0, 2], [1, 3]] and plain.island == 0 and plain.per_island == 4
 

@@ -103,7 +103,6 @@ class Coords(NamedTuple):
     dp: int
     tp: int
     cp: int = 0
-    island: int = 0  # DiLoCo's island (islands > 1; module docstring)
 
 
 def _suggest(world_size: int, dp: int, tp: int, pp: int, cp: int = 1) -> str:
@@ -197,8 +196,11 @@ class Topology:
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise ConfigError(f"rank {rank!r} is out of range [0, {self.world_size})")
         inside = rank % self.per_island
-        return Coords(**{a: (inside // self.stride(a)) % getattr(self, a) for a in ORDER},
-                      island=rank // self.per_island)
+        return Coords(**{a: (inside // self.stride(a)) % getattr(self, a) for a in ORDER})
+
+    def island_of(self, rank: int) -> int:
+        """The DiLoCo island of any global ``rank`` (its coordinates, :meth:`coords_of`, are inside it)."""
+        return rank // self.per_island
 
     @property
     def coords(self) -> Coords:
@@ -208,7 +210,7 @@ class Topology:
     tp_rank = property(lambda self: self.coords.tp, doc="This rank's index along tp.")
     pp_rank = property(lambda self: self.coords.pp, doc="This rank's index (stage) along pp.")
     cp_rank = property(lambda self: self.coords.cp, doc="This rank's index along cp (its chunks of the sequence).")
-    island = property(lambda self: self.coords.island, doc="This rank's DiLoCo island (0 when islands is 1).")
+    island = property(lambda self: self.island_of(self.rank), doc="This rank's DiLoCo island (0 when islands is 1).")
 
     def size_of(self, axis: str) -> int:
         """Size of ``axis`` (one of "dp", "tp", "pp", "cp"), of a joint group ("dp_cp": dp * cp), or of
@@ -217,10 +219,10 @@ class Topology:
             return self.ep if axis == "ep" else self.dp * self.cp // self.ep
         return math.prod(self._size(a) for a in self._axes(axis))
 
-    def _expert_ranks(self, axis: str, c: Coords) -> list[int]:
+    def _expert_ranks(self, axis: str, c: Coords, island: int = 0) -> list[int]:
         """The ep or edp group of the rank at ``c``: its dp_cp group (in rank order: i = dp * cp + cp)
         cut into consecutive blocks of ep (ep), or every ep-th of it from its place in its block (edp)."""
-        ranks = self._ranks_along("dp_cp", c)
+        ranks = self._ranks_along("dp_cp", c, island)
         i = c.dp * self.cp + c.cp
         block = i // self.ep * self.ep
         return ranks[block:block + self.ep] if axis == "ep" else ranks[i % self.ep::self.ep]
@@ -258,12 +260,12 @@ class Topology:
                               f"(and the joint groups {', '.join(map(repr, (*JOINT, *ISLAND)))})")
         return (axis,)
 
-    def _ranks_along(self, axis: str, c: Coords) -> list[int]:
+    def _ranks_along(self, axis: str, c: Coords, island: int = 0) -> list[int]:
         """Ranks sharing every coordinate of ``c`` except those of ``axis`` (a joint group: all of
         its axes), in rank order (for one axis: axis order); an expert group: :meth:`_expert_ranks`."""
         if axis in EXPERT:
-            return self._expert_ranks(axis, c)
-        axes, fixed = self._axes(axis), c._asdict()
+            return self._expert_ranks(axis, c, island)
+        axes, fixed = self._axes(axis), {**c._asdict(), "island": island}
         out = []
         for values in itertools.product(*(range(self._size(a)) for a in axes)):
             fixed.update(zip(axes, values))
@@ -278,19 +280,20 @@ class Topology:
         same list -- required because ``new_group`` must be called identically everywhere.
         """
         if axis in EXPERT:
-            seen = dict.fromkeys(tuple(self._expert_ranks(axis, self.coords_of(r))) for r in range(self.world_size))
+            seen = dict.fromkeys(tuple(self._expert_ranks(axis, self.coords_of(r), self.island_of(r)))
+                                 for r in range(self.world_size))
             return sorted(list(g) for g in seen)
         axes = self._axes(axis)
         groups = []
         for r in range(self.world_size):
-            c = self.coords_of(r)
-            if all(getattr(c, a) == 0 for a in axes):  # the first member of each group names it
-                groups.append(self._ranks_along(axis, c))
+            c, island = self.coords_of(r), self.island_of(r)
+            if all((island if a == "island" else getattr(c, a)) == 0 for a in axes):  # its first member names it
+                groups.append(self._ranks_along(axis, c, island))
         return groups
 
     def ranks_of(self, axis: str) -> list[int]:
         """Global ranks of this rank's group along ``axis`` (or joint group), in axis order."""
-        return self._ranks_along(axis, self.coords)
+        return self._ranks_along(axis, self.coords, self.island)
 
     dp_ranks = property(lambda self: self.ranks_of("dp"), doc="Ranks of this rank's dp group.")
     tp_ranks = property(lambda self: self.ranks_of("tp"), doc="Ranks of this rank's tp group.")
@@ -343,7 +346,7 @@ class Topology:
             rows = [[self.rank_of(dp=d, cp=k, tp=t, pp=p) for k in range(self.cp) for t in range(self.tp)]
                     for d in range(self.dp)]
             lines.append(f"  pp stage {p} (rows dp, columns {cols}): {rows}")
-        lines.append(f"  this rank {self.rank}: " + (f"island={c.island} " if self.islands > 1 else "")
+        lines.append(f"  this rank {self.rank}: " + (f"island={self.island} " if self.islands > 1 else "")
                      + f"pp={c.pp} dp={c.dp}" + (f" cp={c.cp}" if self.cp > 1 else "")
                      + f" tp={c.tp}" + (f" ep={self.ep_rank}" if self.ep > 1 else ""))
         if self.ep > 1:
