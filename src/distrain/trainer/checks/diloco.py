@@ -41,13 +41,13 @@ def check_island_grid(cfg) -> None:
     """Islands that are grids (--tp/--pp/--cp/--inner-strategy zeroN: engines/diloco_grid.py): each island's
     --nproc / K ranks a whole dp x cp x tp x pp grid (island dp = --nproc / (K x cp x tp x pp); --dp and --ep
     are not island axes yet), a ZeRO stage that fits it, and none of what the grid islands do not do yet (elastic
-    islands, --layout-invariant, Streaming DiLoCo, a compressed outer gradient), each refused by name."""
+    islands, --layout-invariant, Streaming DiLoCo, the quantized outer mean), each refused by name."""
     if not cfg.island_grid:
         return
     k = cfg.islands or cfg.nproc
     m = cfg.nproc // k
-    need(cfg.dp == 0, f"--dp {cfg.dp} with --strategy diloco: an island's dp is --nproc / (--islands x --tp x --pp), "
-                      f"not given; drop --dp and choose --islands")
+    need(cfg.dp == 0, f"--dp {cfg.dp} with --strategy diloco: an island's dp is --nproc / (--islands x --cp x --tp x "
+                      f"--pp), not given; drop --dp and choose --islands")
     need(cfg.ep == 1, f"--ep {cfg.ep} with --strategy diloco: an island's grid is dp x cp x tp x pp for now; drop "
                       f"--ep, or train with --strategy ddp")
     mp = cfg.tp * cfg.pp * cfg.cp
