@@ -254,7 +254,8 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path, stop):
     (dict(nproc=4, islands=3), "--islands 3 does not divide --nproc 4 into equal islands"),
     (dict(nproc=2, islands=3), "--islands must be in 0..--nproc 2"),
     (dict(nproc=2, islands=-1), "--islands must be in 0..--nproc 2"),
-    (dict(nproc=2, tp=2), "compose with --strategy ddp only"),
+    # islands that are grids: tests/test_diloco_grid.py; one rank per island holds no tp 2
+    (dict(nproc=2, tp=2), "each of the 2 islands has --nproc / --islands = 1 rank(s)"),
     (dict(nproc=4, islands=2, elastic="2:4"), None),  # valid: islands of 2 ranks (tests/test_diloco_elastic.py)
     (dict(nproc=4, islands=2, elastic="2:4", outer_compression="int4"),
      "--outer-compression int4 with --islands 2 is not supported"),

@@ -285,7 +285,9 @@ def test_metrics_lines_are_on_disk_before_a_checkpoint_names_their_step(tmp_path
 _ONLY_VALUES = {"compression": "bf16", "algorithm": "tree", "bucket_cap_mb": 5.0, "servers": 2, "max_staleness": 1,
                 "accum_steps": 2, "elastic": "2:3", "islands": 3, "inner_steps": 5, "outer_optimizer": "sgd",
                 "outer_lr": 0.5, "outer_momentum": 0.5, "outer_compression": "bf16",
-                "fragments": 2, "overlap_steps": 1, "overlap_alpha": 0.25}
+                "fragments": 2, "overlap_steps": 1, "overlap_alpha": 0.25,
+                # (a dict: the flag with what it needs; ZeRO inside one island of the 3 ranks)
+                "inner_strategy": {"inner_strategy": "zero1", "islands": 1}}
 
 
 def test_every_flag_helps_with_the_strategies_it_acts_on_and_refuses_the_others(tmp_path):
@@ -306,7 +308,8 @@ def test_every_flag_helps_with_the_strategies_it_acts_on_and_refuses_the_others(
         for strategy in STRATEGIES:
             cfg = TrainConfig(strategy=strategy, nproc=1 if strategy == "single" else 3, model="gpt-tiny", steps=2,
                               batch_size=12, eval_every=0, out=str(tmp_path / "never"),
-                              **{dest: _ONLY_VALUES[dest]})
+                              **(_ONLY_VALUES[dest] if isinstance(_ONLY_VALUES[dest], dict) else
+                                 {dest: _ONLY_VALUES[dest]}))
             try:
                 cfg.validate()
                 accepted.add(strategy)

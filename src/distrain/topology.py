@@ -63,6 +63,16 @@ peers on neighbouring dp_cp ranks (with ep = cp the ep groups are the cp groups)
 With dp=4, ep=2 (4 ranks)::
 
     ep groups: [0,1] [2,3]      edp groups: [0,2] [1,3]     (rank 0 and 2 hold experts 0..E/2-1)
+
+DiLoCo's islands (``islands`` K, --strategy diloco with a grid inside each island) are one more axis,
+outside all of them: the world is K islands of dp * cp * tp * pp consecutive ranks each,
+
+    rank = island * (dp * cp * tp * pp) + (the rank inside the island, as above)
+
+and every group above lies inside one island (an island is a whole grid of its own). Two groups span
+them: ``"island"``, this rank's island's ranks, and ``"cross"``, the ranks with this rank's coordinates
+in every island (which hold the same shard: DiLoCo's outer all-reduce runs over them). With dp=1,
+tp=2, islands=2 (4 ranks): tp groups [0,1] [2,3], island groups [0,1] [2,3], cross groups [0,2] [1,3].
 """
 
 from __future__ import annotations
@@ -78,6 +88,7 @@ from distrain.errors import ConfigError
 AXES = ("dp", "tp", "pp", "cp")
 ORDER = ("pp", "dp", "cp", "tp")  # the rank's digits, outermost (slowest) first
 JOINT = {"dp_cp": ("dp", "cp")}  # groups over several axes: name -> axes
+ISLAND = {"island": ORDER, "cross": ("island",)}  # DiLoCo's: this rank's island, its place in every island
 EXPERT = ("ep", "edp")  # groups carved out of dp_cp by ep (module docstring)
 # Order in which from_world creates groups; every rank must use the same one.
 _GROUP_CREATION_ORDER = ("tp", "cp", "dp", "pp")
@@ -124,6 +135,7 @@ class Topology:
     cp: int = 1
     ep: int = 1  # expert parallelism: borrows ranks from dp x cp (module docstring)
     _: dataclasses.KW_ONLY
+    islands: int = 1  # DiLoCo's islands, each a whole grid of dp x cp x tp x pp ranks (module docstring)
     rank: int = 0
     world_size: int | None = None
     # Process groups, set only by from_world; not part of equality or repr.
@@ -132,13 +144,13 @@ class Topology:
     )
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "cp", "ep", "rank"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "islands", "rank"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
                 raise ConfigError(f"{name} must be an int, got {v!r} ({type(v).__name__})")
             if name != "rank" and v < 1:
                 raise ConfigError(f"{name} must be >= 1, got {name}={v}")
-        product = self.dp * self.tp * self.pp * self.cp
+        product = self.dp * self.tp * self.pp * self.cp * self.islands
         if self.world_size is None:
             object.__setattr__(self, "world_size", product)  # frozen: set once here
         ws = self.world_size
@@ -147,10 +159,16 @@ class Topology:
         if product != ws:
             names, sizes = ("dp*cp*tp*pp", (self.dp, self.cp, self.tp, self.pp)) if self.cp > 1 else \
                 ("dp*tp*pp", (self.dp, self.tp, self.pp))
+            hint = _suggest(ws, self.dp, self.tp, self.pp, self.cp)
+            if self.islands > 1:
+                names, sizes = f"islands*{names}", (self.islands,) + sizes
+                k = self.islands
+                hint = f"islands={k} of " + _suggest(ws // k, self.dp, self.tp, self.pp, self.cp) if ws % k == 0 \
+                    else f"islands among the divisors of {ws}"
             raise ConfigError(
                 f"{names} = {'*'.join(map(str, sizes))} = {product} does not equal the "
                 f"world size {ws}; choose sizes whose product is {ws} "
-                f"(e.g. {_suggest(ws, self.dp, self.tp, self.pp, self.cp)})"
+                f"(e.g. {hint})"
             )
         if not 0 <= self.rank < ws:
             raise ConfigError(f"rank {self.rank} is out of range [0, {ws}) for world size {ws}")
@@ -165,11 +183,24 @@ class Topology:
         inner = ORDER[ORDER.index(self._check_axis(axis)) + 1:]
         return math.prod(getattr(self, a) for a in inner)
 
+    @property
+    def per_island(self) -> int:
+        """Ranks in one island: dp * cp * tp * pp (the world when islands is 1)."""
+        return self.world_size // self.islands
+
+    def _size(self, axis: str) -> int:
+        return self.islands if axis == "island" else getattr(self, axis)
+
     def coords_of(self, rank: int) -> Coords:
         """Coordinates of any global ``rank`` (the inverse of :meth:`rank_of`)."""
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise ConfigError(f"rank {rank!r} is out of range [0, {self.world_size})")
-        return Coords(**{a: (rank // self.stride(a)) % getattr(self, a) for a in ORDER})
+        inside = rank % self.per_island
+        return Coords(**{a: (inside // self.stride(a)) % getattr(self, a) for a in ORDER})
+
+    def island_of(self, rank: int) -> int:
+        """The DiLoCo island of any global ``rank`` (its coordinates, :meth:`coords_of`, are inside it)."""
+        return rank // self.per_island
 
     @property
     def coords(self) -> Coords:
@@ -179,18 +210,19 @@ class Topology:
     tp_rank = property(lambda self: self.coords.tp, doc="This rank's index along tp.")
     pp_rank = property(lambda self: self.coords.pp, doc="This rank's index (stage) along pp.")
     cp_rank = property(lambda self: self.coords.cp, doc="This rank's index along cp (its chunks of the sequence).")
+    island = property(lambda self: self.island_of(self.rank), doc="This rank's DiLoCo island (0 when islands is 1).")
 
     def size_of(self, axis: str) -> int:
         """Size of ``axis`` (one of "dp", "tp", "pp", "cp"), of a joint group ("dp_cp": dp * cp), or of
         an expert group ("ep": ep, "edp": dp * cp / ep)."""
         if axis in EXPERT:
             return self.ep if axis == "ep" else self.dp * self.cp // self.ep
-        return math.prod(getattr(self, a) for a in self._axes(axis))
+        return math.prod(self._size(a) for a in self._axes(axis))
 
-    def _expert_ranks(self, axis: str, c: Coords) -> list[int]:
+    def _expert_ranks(self, axis: str, c: Coords, island: int = 0) -> list[int]:
         """The ep or edp group of the rank at ``c``: its dp_cp group (in rank order: i = dp * cp + cp)
         cut into consecutive blocks of ep (ep), or every ep-th of it from its place in its block (edp)."""
-        ranks = self._ranks_along("dp_cp", c)
+        ranks = self._ranks_along("dp_cp", c, island)
         i = c.dp * self.cp + c.cp
         block = i // self.ep * self.ep
         return ranks[block:block + self.ep] if axis == "ep" else ranks[i % self.ep::self.ep]
@@ -201,14 +233,14 @@ class Topology:
         c = self.coords
         return (c.dp * self.cp + c.cp) % self.ep
 
-    def rank_of(self, *, dp: int = 0, tp: int = 0, pp: int = 0, cp: int = 0) -> int:
+    def rank_of(self, *, dp: int = 0, tp: int = 0, pp: int = 0, cp: int = 0, island: int = 0) -> int:
         """Global rank at the given coordinates; each must lie in [0, axis size)."""
-        given = {"dp": dp, "tp": tp, "pp": pp, "cp": cp}
-        for name in AXES:
-            v, size = given[name], getattr(self, name)
+        given = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "island": island}
+        for name in AXES + ("island",):
+            v, size = given[name], self._size(name)
             if not isinstance(v, int) or not 0 <= v < size:
                 raise ConfigError(f"{name} coordinate {v!r} is out of range [0, {size})")
-        return sum(given[a] * self.stride(a) for a in ORDER)
+        return island * self.per_island + sum(given[a] * self.stride(a) for a in ORDER)
 
     @staticmethod
     def _check_axis(axis: str) -> str:
@@ -218,22 +250,24 @@ class Topology:
 
     @classmethod
     def _axes(cls, axis: str) -> tuple[str, ...]:
-        """The axes a group name spans: one axis, or a joint group's (JOINT)."""
+        """The axes a group name spans: one axis, or a joint group's (JOINT, ISLAND)."""
         if axis in JOINT:
             return JOINT[axis]
+        if axis in ISLAND:
+            return ISLAND[axis]
         if axis not in AXES:
             raise ConfigError(f"unknown axis {axis!r}; valid axes are {', '.join(map(repr, AXES))} "
-                              f"(and the joint groups {', '.join(map(repr, JOINT))})")
+                              f"(and the joint groups {', '.join(map(repr, (*JOINT, *ISLAND)))})")
         return (axis,)
 
-    def _ranks_along(self, axis: str, c: Coords) -> list[int]:
+    def _ranks_along(self, axis: str, c: Coords, island: int = 0) -> list[int]:
         """Ranks sharing every coordinate of ``c`` except those of ``axis`` (a joint group: all of
         its axes), in rank order (for one axis: axis order); an expert group: :meth:`_expert_ranks`."""
         if axis in EXPERT:
-            return self._expert_ranks(axis, c)
-        axes, fixed = self._axes(axis), c._asdict()
+            return self._expert_ranks(axis, c, island)
+        axes, fixed = self._axes(axis), {**c._asdict(), "island": island}
         out = []
-        for values in itertools.product(*(range(getattr(self, a)) for a in axes)):
+        for values in itertools.product(*(range(self._size(a)) for a in axes)):
             fixed.update(zip(axes, values))
             out.append(self.rank_of(**fixed))
         return sorted(out)
@@ -246,19 +280,20 @@ class Topology:
         same list -- required because ``new_group`` must be called identically everywhere.
         """
         if axis in EXPERT:
-            seen = dict.fromkeys(tuple(self._expert_ranks(axis, self.coords_of(r))) for r in range(self.world_size))
+            seen = dict.fromkeys(tuple(self._expert_ranks(axis, self.coords_of(r), self.island_of(r)))
+                                 for r in range(self.world_size))
             return sorted(list(g) for g in seen)
         axes = self._axes(axis)
         groups = []
         for r in range(self.world_size):
-            c = self.coords_of(r)
-            if all(getattr(c, a) == 0 for a in axes):  # the first member of each group names it
-                groups.append(self._ranks_along(axis, c))
+            c, island = self.coords_of(r), self.island_of(r)
+            if all((island if a == "island" else getattr(c, a)) == 0 for a in axes):  # its first member names it
+                groups.append(self._ranks_along(axis, c, island))
         return groups
 
     def ranks_of(self, axis: str) -> list[int]:
         """Global ranks of this rank's group along ``axis`` (or joint group), in axis order."""
-        return self._ranks_along(axis, self.coords)
+        return self._ranks_along(axis, self.coords, self.island)
 
     dp_ranks = property(lambda self: self.ranks_of("dp"), doc="Ranks of this rank's dp group.")
     tp_ranks = property(lambda self: self.ranks_of("tp"), doc="Ranks of this rank's tp group.")
@@ -302,13 +337,17 @@ class Topology:
         c = self.coords
         cp = f" cp={self.cp}" if self.cp > 1 else ""
         lines = [f"Topology dp={self.dp}{cp} tp={self.tp} pp={self.pp}" + (f" ep={self.ep}" if self.ep > 1 else "")
-                 + f" (world size {self.world_size})"]
+                 + (f" islands={self.islands}" if self.islands > 1 else "") + f" (world size {self.world_size})"]
+        if self.islands > 1:
+            lines.append(f"  (island 0 below; island i is the same grid shifted by i x {self.per_island}; cross "
+                         f"groups {self.groups_of('cross')})")
         cols = "cp x tp" if self.cp > 1 else "tp"
         for p in range(self.pp):
             rows = [[self.rank_of(dp=d, cp=k, tp=t, pp=p) for k in range(self.cp) for t in range(self.tp)]
                     for d in range(self.dp)]
             lines.append(f"  pp stage {p} (rows dp, columns {cols}): {rows}")
-        lines.append(f"  this rank {self.rank}: pp={c.pp} dp={c.dp}" + (f" cp={c.cp}" if self.cp > 1 else "")
+        lines.append(f"  this rank {self.rank}: " + (f"island={self.island} " if self.islands > 1 else "")
+                     + f"pp={c.pp} dp={c.dp}" + (f" cp={c.cp}" if self.cp > 1 else "")
                      + f" tp={c.tp}" + (f" ep={self.ep_rank}" if self.ep > 1 else ""))
         if self.ep > 1:
             lines.append(f"  ep={self.ep} (borrowed from dp x cp): ep groups {self.groups_of('ep')}, expert replicas "
@@ -317,7 +356,7 @@ class Topology:
 
     @classmethod
     def from_world(
-        cls, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, *,
+        cls, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, *, islands: int = 1,
         backend_timeout: timedelta | float | None = None
     ) -> Topology:
         """Build the topology of the initialised world and create its process groups.
@@ -325,8 +364,8 @@ class Topology:
         Collective: every rank must call it with the same sizes. Every rank calls
         ``torch.distributed.new_group`` for every group of every axis (order: tp, cp, dp,
         pp; groups in ``groups_of`` order), then, when cp > 1, for every dp_cp group (with
-        cp = 1 it is the dp group), then, when ep > 1, for every ep and edp group, and keeps the groups
-        it belongs to.
+        cp = 1 it is the dp group), then, when ep > 1, for every ep and edp group, then, when islands > 1,
+        for every island and cross group, and keeps the groups it belongs to.
         ``backend_timeout`` (timedelta or seconds) is passed to ``new_group``.
         """
         import torch.distributed as dist  # only the distributed part needs torch
@@ -337,7 +376,7 @@ class Topology:
                 "call distrain.runtime.init() or use distrain.spawn first "
                 "(or build a pure Topology(dp, tp, pp, rank=..., world_size=...))"
             )
-        topo = cls(dp, tp, pp, cp, ep, rank=dist.get_rank(), world_size=dist.get_world_size())
+        topo = cls(dp, tp, pp, cp, ep, islands=islands, rank=dist.get_rank(), world_size=dist.get_world_size())
         kwargs: dict[str, Any] = {}
         if backend_timeout is not None:
             if not isinstance(backend_timeout, timedelta):
@@ -345,7 +384,8 @@ class Topology:
             kwargs["timeout"] = backend_timeout
         groups: dict[str, Any] = {}
         for axis in _GROUP_CREATION_ORDER + tuple(j for j, axes in JOINT.items() if topo.size_of(j) > max(
-                getattr(topo, a) for a in axes)) + (EXPERT if topo.ep > 1 else ()):  # a joint group equal to one
+                getattr(topo, a) for a in axes)) + (EXPERT if topo.ep > 1 else ()) + (
+                tuple(ISLAND) if topo.islands > 1 else ()):  # a joint group equal to one
             # axis's is that axis's
             for ranks in topo.groups_of(axis):
                 # new_group is collective over the whole world: call it for every group,
@@ -362,6 +402,8 @@ class Topology:
         """This rank's ProcessGroup along ``axis`` (or joint group: "dp_cp"); only on a Topology
         from from_world."""
         axes = self._axes(axis) if axis not in EXPERT else ()
+        if axis in ISLAND and self._groups is not None and self.islands == 1:
+            return None  # one island: the world (island), nothing across (cross)
         if self._groups is None:
             raise ConfigError(
                 f"{axis}_group exists only on a Topology built with Topology.from_world(...); "
@@ -383,3 +425,7 @@ class Topology:
                         doc="This rank's expert-parallel ProcessGroup (None when ep is 1).")
     edp_group = property(lambda self: self.group("edp"),
                          doc="The ranks holding this rank's experts (the dp x cp group when ep is 1).")
+    island_group = property(lambda self: self.group("island"),
+                            doc="This rank's DiLoCo island (None when islands is 1: the world, as comm reads None).")
+    cross_group = property(lambda self: self.group("cross"),
+                           doc="The ranks at this rank's place in every island (None when islands is 1: none).")

@@ -150,6 +150,10 @@ def consolidate(out: str | Path, manifest: dict | None = None) -> dict:
     manifest = manifest or store.read_manifest(out)
     store.verify(out, manifest)
     files = _files(out, manifest)
+    if "islands" in manifest.get("layout", {}):  # (plain DiLoCo's shards record no names: refused by _files)
+        raise ConfigError(f"checkpoint {out} was written by --strategy diloco with grid islands (layout "
+                          f"{manifest['layout']}): each island holds its own model and outer state, not one model; "
+                          f"resume it with the layout it was written with")
     if len(files) == 1 and files[0].get("kind") == FULL:  # a set made by `distrain checkpoint import`
         return {k: v for k, v in files[0].items() if k not in ("format", "shard")}
     groups: dict[str, list[dict]] = {}

@@ -11,6 +11,7 @@ import os
 STRATEGIES = ("single", "ddp", "torch-ddp", "ps-sync", "ps-async", "zero1", "zero2", "zero3", "local", "diloco")
 OUTER_OPTIMIZERS = ("nesterov", "sgd")  # --outer-optimizer (diloco): torch SGD, with Nesterov momentum or without
 OUTER_COMPRESSIONS = ("bf16", "int8", "int4")  # --outer-compression (diloco): the outer gradient on the wire
+INNER_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")  # --inner-strategy (diloco): each island's data parallelism
 DEFAULT_INNER_STEPS = 100  # --inner-steps (diloco): the paper trains 500; short runs need fewer
 DATASETS = ("shakespeare", "fashion-mnist", "digits")
 DTYPES = ("float32", "float64")

@@ -16,8 +16,8 @@ from distrain.models.registry import DEFAULT_MODEL
 from distrain.optim import DEFAULTS as OPTIMIZER_DEFAULTS
 from distrain.optim import OPTIMIZERS
 from distrain.trainer.choices import (  # noqa: F401  (LOCAL_RANKS_PER_CORE, SEED_MAX, local_rank_limit: re-exported)
-    AUTOCASTS, CP_ALGORITHMS, DATASETS, DEFAULT_INNER_STEPS, DEVICES, DTYPES, LOCAL_RANKS_PER_CORE, LR_SCHEDULES,
-    MODEL_DATA, OUTER_COMPRESSIONS, OUTER_OPTIMIZERS, SCHEDULES, SEED_MAX, STRATEGIES, VIRTUAL_STAGES, either,
+    AUTOCASTS, CP_ALGORITHMS, DATASETS, DEFAULT_INNER_STEPS, DEVICES, DTYPES, INNER_STRATEGIES, LOCAL_RANKS_PER_CORE,
+    LR_SCHEDULES, MODEL_DATA, OUTER_COMPRESSIONS, OUTER_OPTIMIZERS, SCHEDULES, SEED_MAX, STRATEGIES, VIRTUAL_STAGES, either,
     local_rank_limit)
 
 
@@ -72,9 +72,15 @@ class TrainConfig:
     servers: int = opt(1, "parameter servers; the other ranks work", only=("ps-sync", "ps-async"))
     max_staleness: int | None = opt(None, "bound on gradient staleness (none: unbounded)", type=int,
                                     only=("ps-async",))
-    # DiLoCo (docs/slow_links.md): islands of nproc / islands ranks, DDP inside, an outer step every inner_steps
+    # DiLoCo (docs/slow_links.md): islands of nproc / islands ranks, DDP (or a dp x tp x pp grid) inside, an outer
+    # step every inner_steps
+    # (before --islands: a job that gives both to another strategy is told of this one first)
+    inner_strategy: str = opt("ddp", "DiLoCo: what each island runs over its ranks: ddp, or zero1/zero2/zero3 (ZeRO "
+                                     "over the island's dp group), with --tp/--pp/--cp inside the island too",
+                              choices=INNER_STRATEGIES, only=("diloco",))
     islands: int = opt(0, "DiLoCo islands: data-parallel groups of --nproc / --islands consecutive ranks (DDP inside "
-                          "over their fast links); 0: every rank is an island", only=("diloco",))
+                          "over their fast links, or with --tp/--pp/--inner-strategy a grid); 0: every rank is an "
+                          "island", only=("diloco",))
     inner_steps: int = opt(DEFAULT_INNER_STEPS, "DiLoCo: inner optimizer steps (--optimizer, each island its own) "
                                                 "between outer steps (H)", only=("diloco",))
     outer_optimizer: str = opt("nesterov", "DiLoCo: the outer step on the islands' averaged parameter change: SGD "
@@ -180,6 +186,12 @@ class TrainConfig:
     @property
     def model_parallel(self) -> bool:
         return self.tp > 1 or self.pp > 1 or self.cp > 1 or self.ep > 1
+
+    @property
+    def island_grid(self) -> bool:
+        """--strategy diloco whose islands are grids (--tp/--pp or --inner-strategy zeroN inside each island:
+        engines/diloco_grid.py), not plain DDP islands."""
+        return self.strategy == "diloco" and (self.model_parallel or self.dp > 0 or self.inner_strategy != "ddp")
 
     @property
     def dp_size(self) -> int:

@@ -62,6 +62,9 @@ def check_resume(cfg: TrainConfig) -> dict:
         raise ConfigError(f"--resume: checkpoint {where} was written with layout {manifest['layout']}, this run uses "
                           f"{layout}; resume with the same --dp/--tp/--pp (and --strategy, --nproc, --servers), or "
                           f"add --reshard to load it into this layout")
+    if cfg.reshard and cfg.island_grid:
+        raise ConfigError(f"--reshard: --strategy diloco's grid islands each hold their own state (and the outer "
+                          f"state), not one model; resume without --reshard and with the layout {layout}")
     if cfg.reshard:
         ps = [s for s in (manifest.get("strategy"), cfg.strategy) if str(s).startswith("ps-")]
         if ps:

@@ -136,7 +136,7 @@ class Zero:
         return self._masks
 
     def clip_grad_norm_(self, max_norm: float, count: Callable[[str], bool] | None = None,
-                        whole_world: bool = False) -> float:
+                        whole_world: bool = False, world=None) -> float:
         """Scale every shard's gradient so that the global L2 norm is at most max_norm; return the norm.
 
         Each rank sums the squares of its shard (padding is zero), one all-reduce adds them;
@@ -144,12 +144,13 @@ class Zero:
         Inside a dp x tp x pp mesh the norm covers the whole model: ``whole_world`` sums over
         every rank (each tp and pp shard, each dp shard) and ``count(name)`` is False for the parameters this rank holds
         a copy of that another rank counts (a tp-replicated LayerNorm counted on tp rank 0 only).
+        ``world``: the group ``whole_world`` sums over (None: the world; a DiLoCo island's grid: its island).
         """
         if not max_norm > 0:
             raise ConfigError(f"Zero.clip_grad_norm_: max_norm must be positive, got {max_norm}")
         masks = self._count_masks(count) if count is not None else [None] * len(self.units)
         terms = [(s.grad, 1 if m is None else m) for s, m in zip(self.impl.shards, masks)]
-        return clip_grad_norm(terms, max_norm, reduce=True, group=None if whole_world else self.group,
+        return clip_grad_norm(terms, max_norm, reduce=True, group=world if whole_world else self.group,
                               algorithm=self.algorithm)
 
     def step(self) -> None:

@@ -34,6 +34,41 @@ def check_diloco(cfg) -> None:
          f"--islands {cfg.islands} does not divide --nproc {cfg.nproc} into equal islands; use a divisor of "
          f"{cfg.nproc}")
     check_streaming(cfg)
+    check_island_grid(cfg)
+
+
+def check_island_grid(cfg) -> None:
+    """Islands that are grids (--tp/--pp/--cp/--inner-strategy zeroN: engines/diloco_grid.py): each island's
+    --nproc / K ranks a whole dp x cp x tp x pp grid (island dp = --nproc / (K x cp x tp x pp); --dp and --ep
+    are not island axes yet), a ZeRO stage that fits it, and none of what the grid islands do not do yet (elastic
+    islands, --layout-invariant, Streaming DiLoCo, the quantized outer mean), each refused by name."""
+    if not cfg.island_grid:
+        return
+    k = cfg.islands or cfg.nproc
+    m = cfg.nproc // k
+    need(cfg.dp == 0, f"--dp {cfg.dp} with --strategy diloco: an island's dp is --nproc / (--islands x --cp x --tp x "
+                      f"--pp), not given; drop --dp and choose --islands")
+    need(cfg.ep == 1, f"--ep {cfg.ep} with --strategy diloco: an island's grid is dp x cp x tp x pp for now; drop "
+                      f"--ep, or train with --strategy ddp")
+    mp = cfg.tp * cfg.pp * cfg.cp
+    need(m % mp == 0,
+         f"--tp {cfg.tp} --pp {cfg.pp}{f' --cp {cfg.cp}' if cfg.cp > 1 else ''} with --strategy diloco: each of the "
+         f"{k} islands has --nproc / --islands = {m} rank(s), which a {'cp x ' if cfg.cp > 1 else ''}tp x pp = {mp} "
+         f"grid does not divide; give --islands K with --nproc / K a multiple of {mp}")
+    for flag, set_, fix in (("--elastic", bool(cfg.elastic), "drop --elastic (elastic islands are DDP islands)"),
+                            ("--layout-invariant", cfg.layout_invariant, "drop --layout-invariant"),
+                            ("--fragments", cfg.fragments > 1, "use --fragments 1"),
+                            ("--overlap-steps", cfg.overlap_steps > 0, "use --overlap-steps 0"),
+                            ("--outer-compression", cfg.outer_compression in ("int8", "int4"),
+                             "use --outer-compression bf16 or none")):
+        need(not set_, f"{flag} with --strategy diloco islands of --tp/--pp/--inner-strategy {cfg.inner_strategy} is "
+                       f"not supported (DDP islands only); {fix}, or use DDP islands (no --tp/--pp, --inner-strategy "
+                       f"ddp)")
+    stage = int(cfg.inner_strategy[4:]) if cfg.inner_strategy.startswith("zero") else 0
+    if stage:
+        from distrain.parallel.parallelize import check_zero_layout
+
+        check_zero_layout(stage, m // mp, cfg.pp, cfg.cp)
 
 
 def check_streaming(cfg) -> None:

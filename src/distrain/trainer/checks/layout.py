@@ -33,11 +33,14 @@ def check_experts(cfg) -> None:
 
 
 def check_grid(cfg) -> None:
-    """--cp-algorithm needs --cp > 1; --dp/--tp/--pp/--cp/--ep compose with ddp or zero1-3, their product is
+    """--cp-algorithm needs --cp > 1; --dp/--tp/--pp/--cp/--ep compose with ddp or zero1-3 (or diloco's islands:
+    checks/diloco.py), their product is
     --nproc (Topology), and a ZeRO stage fits the grid (parallel/parallelize.py: check_zero_layout)."""
     need(cfg.cp > 1 or cfg.cp_algorithm == "ring",
          f"--cp-algorithm {cfg.cp_algorithm} chooses the attention across context-parallel ranks; with --cp "
          f"{cfg.cp} there are none: drop it, or give --cp 2 or more")
+    if cfg.island_grid:
+        return  # DiLoCo's islands, each a grid (checks/diloco.py: check_island_grid)
     if cfg.model_parallel or cfg.dp:
         from distrain.topology import Topology
 

@@ -5,6 +5,8 @@
     single.py     one process
     ps.py         parameter server: workers train, servers serve (ps-sync, ps-async)
     diloco.py     DiLoCo: islands of data-parallel ranks, an outer step every --inner-steps steps
+    diloco_grid.py  DiLoCo whose islands are grids (--tp/--pp/--inner-strategy): the grid engine's step
+                  inside each island, the outer step on this rank's shard across the islands
     baselines.py  what benchmarks compare with: torch's DDP (torch-ddp), and local, the same ranks
                   with no gradient exchange (a step's floor)
 
@@ -32,8 +34,12 @@ ENGINES = {
 }
 
 
+# --strategy diloco whose islands are grids (--tp/--pp/--inner-strategy: cfg.island_grid)
+DILOCO_GRID = "distrain.trainer.engines.diloco_grid:DiLoCoGridEngine"
+
+
 def engine_class(cfg) -> type[Engine]:
-    module, name = ENGINES[cfg.strategy].split(":")
+    module, name = (DILOCO_GRID if getattr(cfg, "island_grid", False) else ENGINES[cfg.strategy]).split(":")
     return getattr(importlib.import_module(module), name)
 
 

@@ -42,13 +42,18 @@ from distrain.trainer.engines.base import Engine, part_loss, score
 
 
 class GridEngine(Engine):
-    def __init__(self, cfg, model, loss_fn, optimizer_factory):
+    """``islands`` K > 1: this grid is one of DiLoCo's K islands (engines/diloco_grid.py, which drives it): the
+    Topology's groups lie inside this rank's island, replica d of island i reads part i·dp + d of K·dp of
+    every batch, clipping and evaluation are the island's own, and the logged loss is weighted 1/K more."""
+
+    def __init__(self, cfg, model, loss_fn, optimizer_factory, islands: int = 1):
         from distrain.models.registry import model_cp_plan, model_ep_plan, model_tp_plan
         from distrain.parallel import parallelize
 
         super().__init__(cfg, model, loss_fn, optimizer_factory)
         self.zero_stage = zero_stage_of(cfg)
-        self.topo = topo = Topology.from_world(dp=cfg.dp_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep)
+        self.topo = topo = Topology.from_world(dp=cfg.dp_size // islands, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep,
+                                               islands=islands)
         # the plan lives beside the model (models/gpt/plan.py, models/llama/plan.py, ...); a user's model
         # brings its own as ``model.tp_plan`` when tp > 1 (a Hugging Face model's ``tp_plan`` is HF's, in
         # HF's styles: model_tp_plan gives distrain's plan for it instead)
@@ -58,7 +63,9 @@ class GridEngine(Engine):
             from distrain.trainer.engines.invariant import invariant_tp_plan
 
             plan, chunks = invariant_tp_plan(cfg, model)
-        self.loss_fn = part_loss(loss_fn, cfg.batch_size, topo.dp, topo.dp_rank)  # (elastic: uneven replicas)
+        # this replica's part of the global batch (islands: the K islands' dp replicas in island order)
+        self.dp_rank, self.dp_size = topo.island * topo.dp + topo.dp_rank, topo.islands * topo.dp
+        self.loss_fn = part_loss(loss_fn, cfg.batch_size, self.dp_size, self.dp_rank)  # (elastic: uneven replicas)
         self.pm = parallelize(model, topo, loss_fn=self.loss_fn, tp_plan=plan, algorithm=cfg.algorithm,
                               microbatches=cfg.microbatches, schedule=cfg.schedule,
                               virtual_stages=cfg.virtual_stages,
@@ -70,8 +77,8 @@ class GridEngine(Engine):
                               ep_plan=None if cfg.layout_invariant else model_ep_plan(model),
                               compression=cfg.compression, tp_chunks=chunks)
         self.optimizer = self.pm.optimizer or optimizer_factory(self.pm.parameters())
-        self.dp_rank, self.dp_size = topo.dp_rank, topo.dp
-        self.loss_weight = 1.0 / (topo.dp * topo.cp) if (self.pm.has_loss and topo.tp_rank == 0) else 0.0
+        self.loss_weight = 1.0 / (topo.dp * topo.cp * topo.islands) if (self.pm.has_loss and topo.tp_rank == 0) \
+            else 0.0
         # every rank holds the whole model and optimizer state (DDP replicas): an elastic job commits it as is
         self.whole = topo.tp == topo.pp == topo.cp == topo.ep == 1
         self.holds_whole_state = self.whole and not self.zero_stage
@@ -130,14 +137,14 @@ class GridEngine(Engine):
         if pm.zero is not None:
             info = pm.tp_info
             return pm.zero.clip_grad_norm_(max_norm, count=None if self.whole else (
-                lambda n: tp0 or info[n].dim is not None), whole_world=not self.whole)
+                lambda n: tp0 or info[n].dim is not None), whole_world=not self.whole, world=t.island_group)
         if self.whole:
             return clip_grad_norm([(p.grad, 1) for p in pm.module.parameters()], max_norm)
         info = pm.tp_info
         experts = {id(p) for p in pm.expert_params or ()}
         terms = [(p.grad, (t.ep if id(p) in experts else 1) if (info[n].dim is not None or tp0) else 0)
                  for n, p in pm.module.named_parameters()]
-        return clip_grad_norm(terms, max_norm, reduce=True, replicas=t.dp * t.cp)
+        return clip_grad_norm(terms, max_norm, reduce=True, group=t.island_group, replicas=t.dp * t.cp)
 
     def finish_step(self) -> None:
         if self.pm.zero is not None:
@@ -152,7 +159,8 @@ class GridEngine(Engine):
         """--trace/--gantt: the last step's timeline of the pipeline that holds rank 0 (collective
         over its pp group), written by rank 0."""
         c = self.cfg
-        if not (c.trace or c.gantt) or self.pm.stage is None or self.topo.dp_rank or self.topo.tp_rank:
+        if not (c.trace or c.gantt) or self.pm.stage is None or self.topo.dp_rank or self.topo.tp_rank or \
+                self.topo.island:
             return
         from distrain.parallel.pipeline_parallel import collect_timeline
 
@@ -234,7 +242,8 @@ class GridEngine(Engine):
             got = torch.stack(rows).view(len(batches), m, 3).to(self.device)
             samples = torch.tensor(sizes, dtype=torch.float64, device=self.device).view(len(batches), m, 1)
             table[:, t.dp_rank * m:(t.dp_rank + 1) * m, t.cp_rank] = torch.cat([got, samples], dim=-1)
-        comm.all_reduce(table, op="sum", algorithm="native")  # one contributor per entry: exact
+        # one contributor per entry: exact (islands: each island's own table, over its ranks)
+        comm.all_reduce(table, op="sum", group=t.island_group, algorithm="native")
         per_mb = table[..., 0].mean(dim=2)  # (batches, n): a micro-batch's loss, the mean over its cp columns
         samples = table[:, :, 0, 3]
         losses = []

@@ -1,0 +1,143 @@
+"""DiLoCo whose islands are grids (``--strategy diloco`` with --tp/--pp/--cp or --inner-strategy zero1-3).
+
+The world's P ranks form K = --islands islands of M = P / K consecutive ranks (0: K = P), and each island
+is a whole dp x cp x tp x pp grid of its own (island dp = M / (cp x tp x pp); Topology's ``islands`` axis, outermost:
+rank = island x M + the rank inside the island). The inner step is the grid engine's step on the island's
+grid (:class:`~distrain.trainer.engines.grid.GridEngine` built with ``islands=K``: tensor parallel, the
+pipeline, DDP or ZeRO stage N over the island's dp group, clipping by the island's whole-model norm, the
+inner optimizer, its state sharded inside the island with ZeRO). Island i's dp replica d reads part
+i x dp + d of K x dp of every global batch, so island i trains on the contiguous parts of its replicas, as
+plain DiLoCo's islands do.
+
+The outer step (:class:`~distrain.parallel.diloco.OuterStep`) runs on what THIS rank holds: its module's
+parameters (its tp shard of its pipeline stage; with ZeRO-1/2 the whole stage, which the shards are views
+of), or with ZeRO-3 its flat shards, over the ``cross`` group: the ranks with this rank's coordinates in
+every island, which hold the same shard. θ_prev and the outer momentum are per local parameter. After
+global steps s with (s + 1) % H == 0: the islands' mean of θ_prev − θ_i, the outer SGD/Nesterov step on
+θ_prev, θ_i ← θ_prev (every rank of every island then holds θ_prev's shard).
+
+The logged loss: the grid's, each island's weighted 1/K (the global batch's mean, each island's part on
+its own parameters). Validation runs the island's grid evaluation on θ_prev (the same on every island).
+
+Checkpoints: each island writes its grid's shards, named ``island{i}-`` + the grid's name (``tp{t}-pp{p}``,
+``...-dp{d}`` with ZeRO), each with the outer state of the parameters it holds; a resume needs the same
+layout (K, the island's dp, tp, pp, the ZeRO stage): --reshard is refused (the base engine's load_full).
+
+--outer-compression bf16: Δ travels in bfloat16, as in plain DiLoCo (elementwise, so the same on shards).
+Not here (refused by the config, checks/diloco.py): elastic islands, --layout-invariant, Streaming DiLoCo,
+the quantized outer mean (int8/int4: its blocks would cut this rank's shard, not the model), --ep/--dp
+inside an island.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+
+import torch
+
+from distrain.parallel.diloco import OuterStep
+from distrain.trainer.engines.base import Engine
+from distrain.trainer.engines.grid import GridEngine, zero_stage_of
+
+
+def islands_of(cfg) -> int:
+    """K: --islands, or every rank its own island (0)."""
+    return cfg.islands or cfg.nproc
+
+
+class DiLoCoGridEngine(Engine):
+    def __init__(self, cfg, model, loss_fn, optimizer_factory):
+        super().__init__(cfg, model, loss_fn, optimizer_factory)
+        k = islands_of(cfg)
+        # the island's grid: the grid engine of the inner strategy (ddp or zeroN) on K islands
+        self.grid = g = GridEngine(dataclasses.replace(cfg, strategy=cfg.inner_strategy), model, loss_fn,
+                                   optimizer_factory, islands=k)
+        t = g.topo
+        # what this rank holds: ZeRO-3's flat shards (its module holds no parameter), else its module's parameters
+        self.held = list(g.pm.zero.parameters()) if g.zero_stage == 3 else list(g.pm.module.parameters())
+        self.outer = OuterStep(self.held, group=t.cross_group, islands=k, optimizer=cfg.outer_optimizer,
+                               lr=cfg.outer_lr, momentum=cfg.outer_momentum, algorithm=cfg.algorithm, place=t.island,
+                               compression=cfg.outer_compression)  # (bf16 or None: checks/diloco.py)
+        self.dp_rank, self.dp_size, self.loss_weight = g.dp_rank, g.dp_size, g.loss_weight
+        self.optimizer = g.optimizer
+        self.label = f"diloco (K={k}×{t.per_island}: {g.label}, H={cfg.inner_steps})"
+        self.outer_s = 0.0  # seconds this rank spent in outer steps
+
+    def train_step(self, x, y, commit=None):
+        """The island's grid step (its inner optimizer's update included), then the outer step when the global
+        step closes an interval of H."""
+        self.grid.step_index = self.step_index
+        loss = self.grid.train_step(x, y)
+        if (self.step_index + 1) % self.cfg.inner_steps == 0:
+            t0 = time.perf_counter()
+            self.outer.sync()
+            self.outer_s += time.perf_counter() - t0
+        self.comm_wait_s = None  # (the grid's waits and the outer all-reduce: not one measure)
+        return loss
+
+    def optimizers(self):
+        return self.grid.optimizers()  # the schedule drives the inner optimizer; the outer lr stays --outer-lr
+
+    def buffers(self):
+        return self.grid.buffers()
+
+    def end_training(self) -> None:
+        self.grid.end_training()
+
+    @contextlib.contextmanager
+    def outer_parameters(self):
+        """What this rank holds set to θ_prev inside the block, its own values again after it."""
+        kept = [p.detach().clone() for p in self.held]
+        with torch.no_grad():
+            for p, m in zip(self.held, self.outer.master):
+                p.copy_(m)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, h in zip(self.held, kept):
+                    p.copy_(h)
+
+    def evaluate(self, batches):
+        """The outer parameters' validation loss: the island's grid evaluation on θ_prev (collective over the
+        island; every island computes the same)."""
+        with self.outer_parameters():
+            return self.grid.evaluate(batches)
+
+    @classmethod
+    def layout_of(cls, cfg) -> dict:
+        k = islands_of(cfg)
+        z = zero_stage_of(dataclasses.replace(cfg, strategy=cfg.inner_strategy))
+        return {"dp": cfg.nproc // (k * cfg.tp * cfg.pp * cfg.cp), "tp": cfg.tp, "pp": cfg.pp,
+                **({"cp": cfg.cp} if cfg.cp > 1 else {}), "islands": k, **({"zero": z} if z else {})}
+
+    @property
+    def shard(self):
+        return f"island{self.grid.topo.island}-{self.grid.shard}"
+
+    @property
+    def writes_shard(self) -> bool:
+        return self.grid.writes_shard
+
+    def state_dict(self) -> dict:
+        return {**self.grid.state_dict(), "outer": self.outer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.grid.load_state_dict({k: v for k, v in state.items() if k != "outer"})
+        self.outer.load_state_dict(state.get("outer"), f"shard {self.shard}")
+
+    def report(self, ledger, steps: int) -> dict:
+        c, t = self.cfg, self.grid.topo
+        return {"islands": t.islands, "ranks_per_island": t.per_island, "island_grid": self.grid.label,
+                "inner_strategy": c.inner_strategy, "inner_steps": c.inner_steps,
+                "outer_compression": c.outer_compression,
+                "outer_optimizer": c.outer_optimizer, "outer_lr": c.outer_lr, "outer_momentum": c.outer_momentum,
+                "outer_syncs": self.outer.syncs, "outer_s_rank0": self.outer_s}
+
+    def report_rows(self, summary: dict) -> list[tuple[str, str]]:
+        s = summary
+        return [("islands", f"{s['islands']} × {s['ranks_per_island']} rank(s), each {s['island_grid']}"),
+                ("outer steps", f"{s['outer_syncs']} (every {s['inner_steps']} steps; {s['outer_optimizer']}, lr "
+                                f"{s['outer_lr']:g}, momentum {s['outer_momentum']:g})")]

@@ -1,0 +1,154 @@
+"""--strategy diloco whose islands are grids (--tp/--pp/--inner-strategy zeroN inside each island;
+engines/diloco_grid.py), fp64 against its ground truths at rel 1e-10.
+
+* K = 2 islands, each tp = 2, or ZeRO-2 / ZeRO-3 over 2 ranks, or a 2-stage pipeline (4 ranks), H = 2 with
+  the Nesterov outer step: every step's loss equals test_diloco's one-process simulation of K = 2 islands
+  (K model copies, each its own AdamW on its part of every batch, the outer SGD(nesterov) on a master copy),
+  through two outer steps and an inner step past the last.
+* H = 1, outer SGD at lr 1 without momentum, inner SGD: the step is the plain grid's, so the losses equal one
+  process's.
+* A run stopped between syncs and resumed equals the uninterrupted one, bit for bit (shards
+  ``island{i}-tp{t}-pp{p}``, each with its outer state).
+* Refusals: what the grid islands do not do yet, each a one-line ConfigError naming the flag.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_refused, reference_losses, train_losses, trainer_config
+from test_diloco import EXACT_H1, SGD_DDP, close, shard, simulate
+
+LAYOUTS = {"tp2": dict(tp=2), "zero2": dict(inner_strategy="zero2"), "zero3": dict(inner_strategy="zero3"),
+           "pp2": dict(pp=2, microbatches=2), "cp2": dict(cp=2)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_grid_islands_equal_the_simulation(tmp_path, layout):
+    """4 ranks, K = 2 islands of 2, H = 2, 5 steps (syncs after steps 2 and 4): the losses of every step."""
+    cfg = trainer_config(tmp_path / "run", strategy="diloco", nproc=4, islands=2, inner_steps=2, **LAYOUTS[layout])
+    got = train_losses(cfg)
+    losses, _, _, _ = simulate(cfg, 2)
+    assert close(got, losses), (got, losses)
+    assert shard(cfg.out, "island1-tp0-pp0" + ("-dp1" if "zero" in layout else ""))["outer"]["syncs"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_h1_outer_sgd_lr1_is_the_plain_grid(tmp_path, tmp_path_factory):
+    got = train_losses(trainer_config(tmp_path / "run", strategy="diloco", nproc=4, islands=2, tp=2, **EXACT_H1,
+                                      **SGD_DDP))
+    ref = reference_losses(tmp_path_factory, **SGD_DDP)
+    assert close(got, ref), (got, ref)
+
+
+def tensors(tree) -> list[torch.Tensor]:
+    """Every tensor of a nested state (dicts in key order, lists in order)."""
+    if torch.is_tensor(tree):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for k in sorted(tree, key=str) for t in tensors(tree[k])]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in tensors(v)]
+    return []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout,names", [("tp2", ("island0-tp0-pp0", "island1-tp1-pp0")),
+                                          ("zero3", ("island0-tp0-pp0-dp0", "island1-tp0-pp0-dp1"))])
+def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path, layout, names):
+    """Stopped after step 3 (between the syncs after steps 2 and 4) and resumed: every loss, and each shard's
+    state (the grid's: tp shards, or ZeRO-3's flat shards and their inner optimizer state; the outer state)."""
+    kw = dict(strategy="diloco", nproc=4, islands=2, inner_steps=2, **LAYOUTS[layout])
+    whole = tmp_path / "whole"
+    ref = train_losses(trainer_config(whole, steps=5, **kw))
+    out = tmp_path / "resumed"
+    train_losses(trainer_config(out, steps=3, ckpt_every=3, **kw))
+    got = train_losses(trainer_config(out, steps=5, resume=True, **kw))
+    assert got == ref  # the same computation on the same bits
+    for name in names:
+        a, b = tensors(shard(out, name)), tensors(shard(whole, name))
+        assert len(a) == len(b) > 0 and all(torch.equal(x, y) for x, y in zip(a, b)), name
+        assert shard(out, name)["outer"]["syncs"] == 2
+    if layout != "tp2":
+        return
+    from distrain.errors import ConfigError
+    from distrain.trainer.run_folder import check_resume
+
+    with pytest.raises(ConfigError, match="was written with layout"):
+        check_resume(trainer_config(out, steps=8, resume=True, **{**kw, "tp": 1, "inner_strategy": "zero2"}))
+    with pytest.raises(ConfigError, match="--reshard: --strategy diloco's grid islands each hold their own state"):
+        check_resume(trainer_config(out, steps=8, resume=True, reshard=True, **kw))
+    from distrain.checkpoint.reshard import consolidate
+
+    with pytest.raises(ConfigError, match="written by --strategy diloco with grid islands"):
+        consolidate(out)  # (`distrain checkpoint consolidate`)
+
+
+def test_the_island_axis_is_outermost_and_every_grid_group_stays_in_its_island():
+    """Topology(islands=K): rank = island x M + the in-island rank; the grid's groups are each island's own, the
+    cross groups join one place of every island; K = 1 is the grid it always was."""
+    from distrain.topology import Topology
+
+    t = Topology(1, 2, 1, islands=2, rank=3)
+    assert t.per_island == 2 and t.island == 1 and t.tp_rank == 1
+    assert t.groups_of("tp") == t.groups_of("island") == [[0, 1], [2, 3]]
+    assert t.groups_of("cross") == [[0, 2], [1, 3]] and t.ranks_of("cross") == [1, 3]
+    t = Topology(2, 1, 2, islands=2, rank=5)  # island 1 = ranks 4..7, a dp 2 x pp 2 grid
+    assert t.groups_of("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]] and t.pp_next == 7 and t.pp_prev is None
+    assert t.groups_of("dp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert t.groups_of("cross") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    for r in range(8):
+        assert t.rank_of(**t.coords_of(r)._asdict(), island=t.island_of(r)) == r
+    plain = Topology(2, 1, 2, rank=3)
+    assert plain.groups_of("pp") == [[0, 2], [1, 3]] and plain.island == 0 and plain.per_island == 4
+
+
+GRID = dict(strategy="diloco", nproc=4, islands=2)
+NOT_YET = "with --strategy diloco islands of --tp/--pp/--inner-strategy"
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(GRID, tp=2), None),
+    (dict(GRID, pp=2), None),
+    (dict(GRID, inner_strategy="zero3"), None),
+    (dict(GRID, islands=1, tp=2, inner_strategy="zero1"), None),  # one island: 2 replicas x tp 2
+    (dict(GRID, islands=0, tp=2), "each of the 4 islands has --nproc / --islands = 1 rank(s)"),
+    (dict(GRID, nproc=2, islands=0, tp=2), "each of the 2 islands has --nproc / --islands = 1 rank(s)"),
+    (dict(GRID, tp=2, inner_strategy="zero1"), "it needs dp >= 2"),  # an island of tp 2 has dp 1
+    (dict(GRID, dp=1, tp=2), "--dp 1 with --strategy diloco"),
+    (dict(GRID, cp=2), None),
+    (dict(GRID, cp=2, tp=2), "a cp x tp x pp = 4 grid does not divide"),
+    (dict(GRID, tp=2, elastic="2:4"), "--elastic 2:4: with --tp/--pp only --strategy ddp is supported"),
+    (dict(GRID, inner_strategy="zero2", elastic="2:4"), f"--elastic {NOT_YET}"),
+    (dict(GRID, tp=2, layout_invariant=True), f"--layout-invariant {NOT_YET}"),
+    (dict(GRID, tp=2, fragments=2), f"--fragments {NOT_YET}"),
+    (dict(GRID, tp=2, overlap_steps=1), f"--overlap-steps {NOT_YET}"),
+    (dict(GRID, tp=2, outer_compression="bf16"), None),
+    (dict(GRID, tp=2, outer_compression="int8"), f"--outer-compression {NOT_YET}"),
+    (dict(strategy="ddp", nproc=4, tp=2, inner_strategy="zero1"), "--inner-strategy applies only to --strategy "
+                                                                  "diloco"),
+])
+def test_refusals(tmp_path, kw, message):
+    assert_refused(trainer_config(tmp_path, **kw), message)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout,compression", [("tp2", None), ("zero3", None), ("tp2", "bf16")])
+def test_clipping_and_evaluation_equal_ddp_islands(tmp_path, layout, compression):
+    """With --grad-clip (the island's whole-model norm: its tp shards or ZeRO shards summed over the island) and
+    validation on θ_prev (the island's grid evaluation), K = 2 grid islands equal K = 2 DDP islands of 2 ranks
+    (test_diloco's engine): every step's loss and the validation losses after steps 2 and 4; with Δ in bf16 on
+    the wire too (elementwise: a shard's bf16 values are the whole model's, and two islands' sum is one add)."""
+    from conftest import EVAL, assert_rows_equal, train_rows
+
+    kw = dict(strategy="diloco", nproc=4, islands=2, inner_steps=2, grad_clip=0.05, outer_compression=compression,
+              **EVAL)
+    ref = train_rows(trainer_config(tmp_path / "ddp", **kw))
+    got = train_rows(trainer_config(tmp_path / layout, **kw, **LAYOUTS[layout]))
+    assert_rows_equal(got, ref)
