@@ -39,12 +39,8 @@ import torch
 
 from distrain.parallel.diloco import OuterStep
 from distrain.trainer.engines.base import Engine
+from distrain.trainer.engines.diloco import islands_of
 from distrain.trainer.engines.grid import GridEngine, zero_stage_of
-
-
-def islands_of(cfg) -> int:
-    """K: --islands, or every rank its own island (0)."""
-    return cfg.islands or cfg.nproc
 
 
 class DiLoCoGridEngine(Engine):
