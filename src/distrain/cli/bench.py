@@ -103,6 +103,9 @@ def add_comm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burst", default=None,
                    help=f"calls back to back per timed sample (time / calls); default adaptive: about "
                         f"{BURST_S * 1e3:g} ms, at most {MAX_BURST}; 1 = one call after each barrier")
+    p.add_argument("--start", default="window", choices=["window", "barrier"],
+                   help="each sample's start: window = a common instant on ping-pong-corrected clocks, timed from it "
+                        "(what the cost model assumes); barrier = each rank's exit from a native barrier (default window)")
     p.add_argument("--bind-cores", default="auto", choices=["auto", "on", "off"],
                    help="pin each rank to cores of its own (distrain.spawn's bind_cores); auto: when a measured "
                         "transport polls shared memory (shm, auto) and P cores are free at the start (not under "
@@ -141,6 +144,7 @@ def comm_config(args: argparse.Namespace) -> dict[str, Any]:
         "iters": None if args.iters in (None, "", "auto") else common.parse_int(args.iters, "--iters", 1),
         "burst": None if getattr(args, "burst", None) in (None, "", "auto") else common.parse_int(args.burst, "--burst", 1),
         "timeout": timeout,
+        "start": getattr(args, "start", "window"),
         "bind_cores": None,
         "target_s": TARGET_S,
         "predict": getattr(args, "predict", None),
@@ -166,7 +170,7 @@ def comm_command_line(args: argparse.Namespace) -> str:
     """The equivalent ``distrain bench comm ...`` command, every flag spelled out."""
     parts = ["distrain", "bench", "comm"]
     for flag in ("nproc", "ops", "algorithms", "transport", "sizes", "dtype", "warmup", "iters", "json", "plot",
-                 "timeout", "predict", "background_load", "symmetric"):
+                 "timeout", "predict", "background_load", "symmetric", "start"):
         v = getattr(args, flag, None)
         if v is True:
             parts.append(f"--{flag}")

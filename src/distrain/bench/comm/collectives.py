@@ -16,19 +16,25 @@ for each op, then each size:
    to [5, 50], i.e. about half a second for the slowest algorithm of the cell, at least 5
    and at most 50 iterations. With ``--warmup 0`` one untimed probe round is run for it;
 4. choose each algorithm's *burst* (unless ``--burst`` is given): ceil(BURST_S / its slowest
-   warm-up call), clamped to [1, MAX_BURST], the same on every rank. A timed sample is one
-   native ``torch.distributed.barrier()``, then ``burst`` blocking calls back to back
-   (``async_op=False``), timed on each rank with ``time.perf_counter``, divided by ``burst``:
-   nccl-tests' and the OSU benchmarks' method (many calls in a row, time over count). A lone
-   call after a barrier would also time the barrier's exit skew between ranks and the wake-up
-   of a rank that slept in it (hundreds of microseconds over Gloo), which hides a latency of a
-   few microseconds; ``--burst 1`` gives that per-call method back. Bursts last about
+   warm-up call), clamped to [1, MAX_BURST], the same on every rank. A timed sample starts (the
+   sample's start, ``--start``, :mod:`distrain.bench.comm.start`) and then makes ``burst``
+   blocking calls back to back (``async_op=False``), timed on each rank with
+   ``time.perf_counter`` from the start to its last call's return, divided by ``burst``:
+   nccl-tests' and the OSU benchmarks' method (many calls in a row, time over count). The start
+   (default ``window``, ReproMPI's window synchronisation) is a common instant: once per cell each
+   rank's clock offset to rank 0 is estimated by ping-pong (NTP's formula, the shortest round trip),
+   and before each sample rank 0 fixes ``now + margin`` and every rank waits for that instant on its
+   corrected clock, so every rank starts together, as the cost model's schedules do. ``--start
+   barrier`` starts each rank at its exit from a native barrier instead; ranks leave a barrier up
+   to a link latency apart per round, which a slowest-rank time then holds. A lone call also
+   times the wake-up of a rank that waited (hundreds of microseconds over Gloo), which hides a
+   latency of a few microseconds; ``--burst 1`` gives that per-call method back. Bursts last about
    BURST_S, so at 1 MiB and above a burst is one call;
 5. time ``iters`` rounds. In round i the algorithms run back to back in an order rotated
    by i (native, star, ring, tree; then star, ring, tree, native; ...) so that machine noise
    and cache state hit every algorithm alike;
-6. gather every rank's per-iteration times to every rank (a native all_gather of a float64
-   tensor); per iteration take the max over ranks (the slowest rank's time: a collective is
+6. gather every rank's per-iteration times (and starts) to every rank (a native all_gather of a
+   float64 tensor); per iteration take the max over ranks (the slowest rank's time: a collective is
    done when its last rank is), then the median over iterations -> ``time``;
 7. one extra, untimed call per algorithm inside a :func:`distrain.comm.core.ledger` records the
    payload bytes each rank sent (max over ranks, and the total); Gloo's native calls are
@@ -77,6 +83,17 @@ from distrain.bench.comm.timing import (  # noqa: F401  (re-exported: the per-ra
     DTYPES, BURST_S, MAX_BURST, MAX_ITERS, MIN_ITERS, ROOT, TARGET_S, labels, run_rank, time_case)
 from distrain.launch.cores import free_core_slices
 from distrain.launch.local import default_threads
+
+
+METHODS = {  # the JSON's meta "method", by --start
+    "window": "per sample: every rank starts at a common instant rank 0 fixes ahead (all_reduce, then a broadcast "
+              "of now + margin; each rank's clock offset to rank 0 by NTP-style ping-pong once per cell, the "
+              "shortest round trip's), then `burst` blocking calls back to back, perf_counter from the common "
+              "start / burst; per iteration max over ranks; median over iterations; algorithms interleaved in "
+              "rotated order per round",
+    "barrier": "per sample: native barrier, then `burst` blocking calls back to back, perf_counter / burst; per "
+               "iteration max over ranks; median over iterations; algorithms interleaved in rotated order per round",
+}
 
 
 def _bound(cfg: dict, P: int) -> bool:
@@ -159,9 +176,8 @@ def run(cfg: dict[str, Any], json_path: str | None = None, plot_path: str | None
                                elapsed_s=round(elapsed, 1), memcpy_GBps=memcpy,
                                threads_per_rank={str(P): default_threads(P) for P in cfg["nprocs"]},
                                bind_cores=cfg.get("bound") or {str(P): _bound(cfg, P) for P in cfg["nprocs"]},
-                               method="per sample: native barrier, then `burst` blocking calls back to back, "
-                                      "perf_counter / burst; per iteration max over ranks; median over iterations; "
-                                      "algorithms interleaved in rotated order per round",
+                               start=cfg.get("start", "window"),
+                               method=METHODS[cfg.get("start", "window")],
                                **background.meta(cfg["background_load"], windows))
         common.write_json(json_path, meta, records)
         common.progress(f"wrote {json_path}")

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from distrain.bench import background, common
-from distrain.bench.comm import columns, predict
+from distrain.bench.comm import columns, predict, start
 from distrain.bench.comm.report import bandwidths, busbw_factor, full_size, per_rank_count
 from distrain.comm.core.ops import SUPPORTED_DTYPES
 from distrain.errors import ConfigError
@@ -118,28 +118,32 @@ def _make_call_on(op: str, n: int, P: int, rank: int, z) -> Callable[[str, Any],
     raise ConfigError(f"unknown collective {op!r}")
 
 
-def _timed_round(call, algs: list[str], order_shift: int, dist, bursts: list[int]) -> list[float]:
-    """One sample of every algorithm (order rotated by order_shift): after a barrier, ``bursts[k]``
-    calls back to back; returns seconds per call for each algorithm."""
+def _timed_round(call, algs: list[str], order_shift: int, starter: start.Starter,
+                 bursts: list[int]) -> tuple[list[float], list[float], list[float]]:
+    """One sample of every algorithm (order rotated by order_shift): from the sample's start
+    (:meth:`start.Starter.begin`: a common instant, or a barrier's exit), ``bursts[k]`` calls back to
+    back; returns seconds per call, the actual start (rank 0's clock) and the lateness past the
+    common start for each algorithm."""
     A = len(algs)
-    out = [0.0] * A
+    out, starts, late = [0.0] * A, [0.0] * A, [0.0] * A
     for j in range(A):
         k = (j + order_shift) % A
-        dist.barrier()
-        t0 = time.perf_counter()
+        t0 = starter.begin()
         for _ in range(bursts[k]):
             call(algs[k])
-        out[k] = (time.perf_counter() - t0) / bursts[k]
-    return out
+        out[k] = (starter.clock() - t0) / bursts[k]
+        starts[k], late[k] = starter.actual_start(), starter.late
+    return out, starts, late
 
 
-def _choose(last: list[float] | None, cfg: dict, call, algs: list[str], dist) -> tuple[int, list[int]]:
+def _choose(last: list[float] | None, cfg: dict, call, algs: list[str], dist,
+            starter: start.Starter) -> tuple[int, list[int]]:
     """Rounds and bursts, identical on every rank (from the slowest rank's warm-up calls)."""
     A = len(algs)
     if cfg["iters"] is not None and cfg["burst"] is not None:
         return cfg["iters"], [cfg["burst"]] * A
     if last is None:  # --warmup 0: one untimed probe round
-        last = _timed_round(call, algs, 0, dist, [1] * A)
+        last = _timed_round(call, algs, 0, starter, [1] * A)[0]
     probe = torch.tensor(last, dtype=torch.float64)
     dist.all_reduce(probe, op=dist.ReduceOp.MAX)
     t = probe.tolist()
@@ -163,14 +167,16 @@ def time_case(rank: int, P: int, op: str, size: int, cfg: dict, dist, groups: di
     S = full_size(op, n, P, elem)
     call = _make_call(op, n, P, rank, dtype, groups, arenas)
 
+    starter = start.Starter(cfg.get("start", "window"), dist, rank, P)
+    clocks = starter.sync()  # every rank's offset to rank 0's clock, once per cell
     last = None
     for w in range(cfg["warmup"]):
-        last = _timed_round(call, algs, w, dist, [1] * A)
-    iters, bursts = _choose(last, cfg, call, algs, dist)
+        last = _timed_round(call, algs, w, starter, [1] * A)[0]
+    iters, bursts = _choose(last, cfg, call, algs, dist, starter)
 
-    times = torch.zeros(A, iters, dtype=torch.float64)
+    times = torch.zeros(3, A, iters, dtype=torch.float64)  # seconds per call, actual start, lateness
     for i in range(iters):
-        times[:, i] = torch.tensor(_timed_round(call, algs, i, dist, bursts), dtype=torch.float64)
+        times[:, :, i] = torch.tensor(_timed_round(call, algs, i, starter, bursts), dtype=torch.float64)
 
     # Traffic: one extra untimed call per algorithm under a ledger.
     traffic = torch.zeros(A, 2, dtype=torch.int64)
@@ -188,7 +194,7 @@ def time_case(rank: int, P: int, op: str, size: int, cfg: dict, dist, groups: di
 
     records = []
     for k, a in enumerate(algs):
-        per_rank = [t[k].tolist() for t in all_times]  # [rank][iteration]
+        per_rank = [t[0, k].tolist() for t in all_times]  # [rank][iteration]
         slowest = common.slowest_rank_times(per_rank)
         sec = common.median(slowest)
         algbw, busbw = bandwidths(op, S, P, sec)
@@ -205,6 +211,12 @@ def time_case(rank: int, P: int, op: str, size: int, cfg: dict, dist, groups: di
             "bytes_recv_max_rank": None if native else max(recv),
             "bytes_sent_total": None if native else sum(sent),
             "times_us": [t * 1e6 for t in slowest],  # per iteration, slowest rank
+            "rank_times_us": [[t * 1e6 for t in row] for row in per_rank],  # [rank][iteration]
+            "start": dict(start.summary(starter.mode, [t[1, k].tolist() for t in all_times],
+                                        [t[2, k].tolist() for t in all_times]),
+                          late_us=[[x * 1e6 for x in t[2, k].tolist()] for t in all_times],  # [rank][iteration]
+                          margin_us=starter.margin * 1e6 if starter.mode == "window" else None,
+                          clock_offset_us=clocks["offset_us"], clock_sync_rtt_us=clocks["rtt_us"]),
         })
     return records
 
