@@ -11,7 +11,7 @@ import pytest
 from distrain import cli
 from distrain.bench import common
 from distrain.bench.comm import collectives as comm_bench
-from distrain.cli import bench as bench_cli
+from distrain.cli import bench_comm as bench_cli
 from distrain.errors import ConfigError
 
 

@@ -14,7 +14,7 @@
     common.py   sizes, statistics, metadata, JSON and tables every tool shares
     background.py  --background-load N: busy processes beside a benchmark (comm and train)
 
-The command line (distrain/cli/bench.py, and cli/bench_studies.py for the studies behind the
+The command line (distrain/cli/bench.py, cli/bench_comm.py for comm and link, and cli/bench_studies.py for the studies behind the
 documents' tables: cp-memory, activation-memory, predict, step-predict) parses every tool's
 flags and calls the tool's typed ``run``; no module here parses ``argv``.
 """

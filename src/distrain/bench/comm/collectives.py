@@ -65,7 +65,7 @@ Roots (src/dst) are rank 0.
 first spawn and stops them after the last; every cell records the load average at its start
 and end. The per-rank side (steps 1-7) lives in :mod:`distrain.bench.comm.timing`. The flags are
 parsed and checked into the plain, picklable ``cfg`` dict :func:`run` and :func:`measure` take
-by the command line (distrain/cli/bench.py, ``comm_config``).
+by the command line (distrain/cli/bench_comm.py, ``comm_config``).
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def _load_windows(records: list[dict]) -> list[dict]:
 
 def run(cfg: dict[str, Any], json_path: str | None = None, plot_path: str | None = None,
         markdown_path: str | None = None, command: str | None = None) -> int:
-    """Measure ``cfg`` (the flags as distrain/cli/bench.py checks them: ``comm_config``), print the
+    """Measure ``cfg`` (the flags as distrain/cli/bench_comm.py checks them: ``comm_config``), print the
     tables, and write the JSON (its metadata naming ``command``), the plot and the Markdown asked for."""
     # launched: one set of busy processes per host (local rank 0's); spawned: ours, around every spawn
     from distrain import runtime
