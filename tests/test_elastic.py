@@ -12,7 +12,6 @@ parallel job (the slow test checks that form literally, resuming a world-3 run f
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
