@@ -12,7 +12,6 @@ parallel job (the slow test checks that form literally, resuming a world-3 run f
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -251,16 +250,16 @@ def test_bad_input_is_refused_before_start_with_the_rule(tmp_path, kw, message):
     assert not (tmp_path / "never").exists()
 
 
-def test_the_cli_refuses_before_start(tmp_path):
-    import subprocess
-    import sys
+def test_the_cli_refuses_before_start(tmp_path, capsys, monkeypatch):
+    # the command's own entry (cli.main) in this process: a fresh interpreter only added torch's import
+    # (`python -m distrain` itself: tests/test_first_contact.py::test_version_and_python_m)
+    from distrain.cli import main
 
     out = tmp_path / "never"
-    p = subprocess.run([sys.executable, "-m", "distrain", "train", "--elastic", "3:2", "--nproc", "2", "--model",
-                        "gpt-tiny", "--out", str(out)], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "DISTRAIN_ELASTIC_FAULTS": ""})
-    assert p.returncode != 0
-    assert "--elastic 3:2: MIN 3 is larger than MAX 2" in p.stderr
+    monkeypatch.setenv("DISTRAIN_ELASTIC_FAULTS", "")
+    code = main(["train", "--elastic", "3:2", "--nproc", "2", "--model", "gpt-tiny", "--out", str(out)])
+    assert code != 0
+    assert "--elastic 3:2: MIN 3 is larger than MAX 2" in capsys.readouterr().err
     assert not out.exists()
 
 

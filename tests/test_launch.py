@@ -115,8 +115,12 @@ def test_launch_failing_rank_fails_the_job(tmp_path):
     assert "rank 1 fails on purpose" in out
 
 
-def test_launch_needs_endpoint_for_many_nodes(tmp_path):
-    code, out = _finish(_launch("--nnodes", "2", "--nproc-per-node", "1", "x.py"))
+def test_launch_needs_endpoint_for_many_nodes(capsys):
+    # refused before torchrun or any rank: the command's entry (cli.main) in this process, no fresh interpreter
+    from distrain.cli import main
+
+    code = main(["launch", "--nnodes", "2", "--nproc-per-node", "1", "x.py"])
+    out = "".join(capsys.readouterr())
     assert code == 2 and "--nnodes=2 needs --rdzv-endpoint HOST:PORT" in out
 
 

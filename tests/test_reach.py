@@ -46,10 +46,12 @@ def _blackhole() -> tuple[socket.socket, list[socket.socket], tuple[str, int]]:
 
 @pytest.mark.timeout(30)
 def test_a_stopped_process_still_answers_a_closed_port_refuses_and_a_silent_one_is_unreachable_in_probe_s():
+    # the child loads reach.py alone (it imports the standard library only), not the distrain package and torch
     child = subprocess.Popen([sys.executable, "-c", (
-        "import os, signal, sys; sys.path.insert(0, sys.argv[1]); from distrain.comm.core import reach; "
+        "import importlib.util, os, signal, sys; spec = importlib.util.spec_from_file_location('reach', sys.argv[1]); "
+        "reach = sys.modules['reach'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(reach); "
         "l = reach.Listener('127.0.0.1'); print(l.address[1], flush=True); os.kill(os.getpid(), signal.SIGSTOP)"),
-        str(__import__("pathlib").Path(__file__).resolve().parents[1] / "src")], stdout=subprocess.PIPE, text=True)
+        reach.__file__], stdout=subprocess.PIPE, text=True)
     try:
         port = int(child.stdout.readline())
         deadline = time.monotonic() + 10

@@ -512,26 +512,30 @@ def test_shm_transport_refuses_ranks_on_other_hosts():
     assert "use transport 'auto'" in msgs[0]
 
 
-def _late_peer(rank: int, kernels: str) -> str:
+def _late_peer(rank: int, kernels: str, gave_up: str) -> str:
     import time
 
     comm.set_shm_kernels(kernels)
     comm.set_default_transport("shm", timeout=1.5)
     comm.all_reduce(torch.ones(2))  # both present
-    if rank == 1:
-        time.sleep(4)  # never calls the second all_reduce
+    if rank == 1:  # never calls the second all_reduce; stays alive until rank 0 has given up on it
+        deadline = time.monotonic() + 60
+        while not os.path.exists(gave_up) and time.monotonic() < deadline:
+            time.sleep(0.05)
         return ""
     try:
         comm.all_reduce(torch.ones(2))
         return "no error"
     except CommError as e:
         return str(e)
+    finally:
+        open(gave_up, "w").close()
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kernels", KERNELS)
-def test_wait_honours_the_timeout_and_names_the_peer(kernels):
-    msg = distrain.spawn(_late_peer, 2, args=(kernels,), timeout=90)[0]
+def test_wait_honours_the_timeout_and_names_the_peer(kernels, tmp_path):
+    msg = distrain.spawn(_late_peer, 2, args=(kernels, str(tmp_path / "gave-up")), timeout=90)[0]
     assert msg.startswith("all_reduce(transport=shm) on rank 0: timed out after 1.5s waiting for rank(s) [0, 1]") \
         or msg.startswith("all_reduce(transport=shm) on rank 0: timed out after 1.5s waiting for rank(s) [1]"), msg
 

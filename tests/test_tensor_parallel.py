@@ -77,47 +77,65 @@ def _close(a: torch.Tensor, b: torch.Tensor, rtol=1e-10, atol=1e-13) -> bool:
 # The whole GPT against one process
 # ---------------------------------------------------------------------------------------
 
+def _reference_run(opt_name: str) -> dict:
+    """The one-process run every algorithm is held to: the initial parameters, each step's loss, the first
+    step's gradients and the parameters after STEPS steps (fp64, the same seed and batches each time, so one
+    run serves every algorithm of a rank)."""
+    ref = _full_model()
+    ref_opt = _optimizer(ref.parameters(), opt_name)
+    ref_params = dict(ref.named_parameters())
+    run = {"initial": {n: p.detach().clone() for n, p in ref_params.items()}, "losses": [], "grads": None}
+    for s in range(STEPS):
+        x, y = _batch(s)
+        ref_opt.zero_grad()
+        ref_loss = lm_loss(ref(x), y)
+        ref_loss.backward()
+        run["losses"].append(ref_loss.detach())
+        if s == 0:
+            run["grads"] = {n: p.grad.detach().clone() for n, p in ref_params.items()}
+        ref_opt.step()
+    run["final"] = {n: p.detach().clone() for n, p in ref_params.items()}
+    return run
+
+
 def _gpt_matches_reference(rank: int, algs: list[str], opts: list[str]) -> list[str]:
     P = dist.get_world_size()
     bad: list[str] = []
+    refs = {opt_name: _reference_run(opt_name) for opt_name in opts}
     for alg in algs:
         for opt_name in opts:
-            ref = _full_model()
+            ref = refs[opt_name]
             tpm = apply_tensor_parallel(_full_model(), None, alg, plan=GPT_PLAN)
-            ref_opt, tp_opt = _optimizer(ref.parameters(), opt_name), _optimizer(tpm.parameters(), opt_name)
-            ref_params = dict(ref.named_parameters())
+            tp_opt = _optimizer(tpm.parameters(), opt_name)
             info = tp_shard_info(tpm)
             tag = f"rank {rank} tp={P} {alg} {opt_name}"
             if {(i.tp_rank, i.tp_size) for i in info.values()} != {(rank, P)}:
                 bad.append(f"{tag}: shard info ranks {set((i.tp_rank, i.tp_size) for i in info.values())}")
             for name, p in tpm.named_parameters():
-                want = _expected_shard(name, ref_params[name].detach(), rank, P)
-                if not torch.equal(p.detach(), want) or not torch.equal(info[name].take(ref_params[name]), want):
+                want = _expected_shard(name, ref["initial"][name], rank, P)
+                if not torch.equal(p.detach(), want) or not torch.equal(info[name].take(ref["initial"][name]), want):
                     bad.append(f"{tag}: initial shard or shard info of {name} is not the expected slice")
             for s in range(STEPS):
                 x, y = _batch(s)
-                ref_opt.zero_grad()
                 tp_opt.zero_grad()
-                ref_loss = lm_loss(ref(x), y)
-                ref_loss.backward()
+                ref_loss = ref["losses"][s]
                 shard = tpm(x)
                 if shard.shape != (B, T, 256 // P):
                     bad.append(f"{tag}: logits shard has shape {tuple(shard.shape)}")
                 loss = tp_loss(shard, y, None, alg)
                 loss.backward()
-                if not _close(loss.detach(), ref_loss.detach()):
+                if not _close(loss.detach(), ref_loss):
                     bad.append(f"{tag} step {s}: loss {loss.item()!r} != reference {ref_loss.item()!r}")
                 if s == 0:
                     for name, p in tpm.named_parameters():
-                        want = _expected_shard(name, ref_params[name].grad, rank, P)
+                        want = _expected_shard(name, ref["grads"][name], rank, P)
                         if not _close(p.grad, want):
                             err = (p.grad - want).abs().max().item() if p.grad.shape == want.shape else "shape"
                             bad.append(f"{tag}: gradient of {name} differs from the reference slice ({err})")
                     bad += _replicated_grads_identical(tpm, tag)
-                ref_opt.step()
                 tp_opt.step()
             for name, p in tpm.named_parameters():
-                want = _expected_shard(name, ref_params[name].detach(), rank, P)
+                want = _expected_shard(name, ref["final"][name], rank, P)
                 if not _close(p.detach(), want, rtol=1e-9, atol=1e-12):
                     bad.append(f"{tag}: parameter {name} after {STEPS} steps differs from the reference slice")
     return bad

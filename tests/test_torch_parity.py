@@ -169,15 +169,21 @@ def _groups_and_p2p(rank: int) -> list[str]:
     return bad
 
 
-def _barrier_times_out(rank: int) -> str:
-    if rank == 1:  # never enters the barrier; stays alive until rank 0 has given up on it
-        import time
-        time.sleep(8)
+def _barrier_times_out(rank: int, gave_up: str) -> str:
+    import time
+    from pathlib import Path
+
+    if rank == 1:  # never enters the barrier; stays alive until rank 0 has given up on it (its file says so)
+        deadline = time.monotonic() + 60
+        while not Path(gave_up).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         return "skipped"
     try:
         comm.barrier(timeout=2, algorithm="ring")
     except CommError as e:
         return str(e)
+    finally:
+        Path(gave_up).touch()
     return "returned"
 
 
@@ -207,8 +213,8 @@ def test_groups_p2p_handles_as_torch():
 
 
 @pytest.mark.timeout(120)
-def test_barrier_timeout_raises_instead_of_hanging():
-    out = distrain.spawn(_barrier_times_out, 2, timeout=90)
+def test_barrier_timeout_raises_instead_of_hanging(tmp_path):
+    out = distrain.spawn(_barrier_times_out, 2, args=(str(tmp_path / "gave-up"),), timeout=90)
     assert "barrier(algorithm=ring" in out[0] and "not completed within 2" in out[0], out
 
 
