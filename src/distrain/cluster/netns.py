@@ -64,9 +64,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from distrain.cluster.settings import (
-    format_loss, format_rate, format_time_us, parse_loss, parse_rate, parse_time_us, per_node,
+    DEFAULT_QUEUE_US, format_loss, format_rate, format_time_us, parse_loss, parse_queue_us, parse_rate, parse_time_us,
+    per_node,
 )
-from distrain.cluster.shaping import rate_of, run as _sh, shape, shape_of
+from distrain.cluster.shaping import rate_of, run as _sh, shape, shape_of, tbf_limit_bytes
 from distrain.errors import ClusterError, ConfigError
 
 SUBNET = "10.251.0"  # private /24 that exists only inside the cluster's namespaces
@@ -80,7 +81,8 @@ class ClusterSpec:
     """N nodes; ``links[i]`` is node i's link rate in bits/s (None: unshaped veth), ``delays_us[i]``
     and ``jitters_us[i]`` its one-way delay and jitter in µs (between two nodes of delay D: D one
     way, 2D round trip), ``losses[i]`` its loss in percent (of a packet between two nodes of loss
-    P: P), ``down[i]`` whether it is cut off. The last four default to none/up for every node."""
+    P: P), ``down[i]`` whether it is cut off, ``queues_us[i]`` how much its tbf queues, in µs of traffic at
+    its rate (both halves of its link; only with a rate). The last five default to none/up/50 ms."""
 
     name: str
     links: tuple[float | None, ...]
@@ -89,10 +91,12 @@ class ClusterSpec:
     jitters_us: tuple[int, ...] = field(default=())
     losses: tuple[float, ...] = field(default=())
     down: tuple[bool, ...] = field(default=())
+    queues_us: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
         n = len(self.links)
-        for attr, zero in (("delays_us", 0), ("jitters_us", 0), ("losses", 0.0), ("down", False)):
+        for attr, zero in (("delays_us", 0), ("jitters_us", 0), ("losses", 0.0), ("down", False),
+                           ("queues_us", DEFAULT_QUEUE_US)):
             if not getattr(self, attr):
                 object.__setattr__(self, attr, (zero,) * n)
             elif len(getattr(self, attr)) != n:
@@ -101,6 +105,13 @@ class ClusterSpec:
             if j > d:
                 raise ConfigError(f"--jitter: {format_time_us(j)} is more than --delay {format_time_us(d)} "
                                   f"(node {i}); give a jitter at most the delay")
+        for i, (bits, q) in enumerate(zip(self.links, self.queues_us)):
+            if bits is None and q != DEFAULT_QUEUE_US:
+                raise ConfigError(f"--queue: node {i} has no rate (--link none), so no tbf and no queue to size; "
+                                  f"give it a --link rate or leave --queue out")
+            if bits is not None and tbf_limit_bytes(bits, self.mtu, q) >= 1 << 32:
+                raise ConfigError(f"--queue: {format_time_us(q)} at {format_rate(bits)} (node {i}) is over 4 GiB, "
+                                  f"tbf's largest queue; give a shorter --queue")
 
     @property
     def nodes(self) -> int:
@@ -119,13 +130,14 @@ class ClusterSpec:
 
     @classmethod
     def build(cls, name: str, nodes: int, link: str | None, mtu: int = 9000, delay: str | None = None,
-              jitter: str | None = None, loss: str | None = None) -> "ClusterSpec":
-        """Validate the CLI's ``--name/--nodes/--link/--mtu/--delay/--jitter/--loss`` (each of the last
-        four: one value for every node, or one per node, comma-separated)."""
+              jitter: str | None = None, loss: str | None = None, queue: str | None = None) -> "ClusterSpec":
+        """Validate the CLI's ``--name/--nodes/--link/--mtu/--delay/--jitter/--loss/--queue`` (each of the
+        last five: one value for every node, or one per node, comma-separated)."""
         spec = cls._build_rates(name, nodes, link, mtu)
         return replace(spec, delays_us=per_node(delay, nodes, "--delay", lambda t: parse_time_us(t, "--delay"), 0),
                        jitters_us=per_node(jitter, nodes, "--jitter", lambda t: parse_time_us(t, "--jitter"), 0),
-                       losses=per_node(loss, nodes, "--loss", parse_loss, 0.0))
+                       losses=per_node(loss, nodes, "--loss", parse_loss, 0.0),
+                       queues_us=per_node(queue, nodes, "--queue", parse_queue_us, DEFAULT_QUEUE_US))
 
     @classmethod
     def _build_rates(cls, name: str, nodes: int, link: str | None, mtu: int) -> "ClusterSpec":
@@ -245,10 +257,10 @@ def _stop(pid: int) -> None:
 def _apply(spec: ClusterSpec, i: int, fresh: bool = False) -> None:
     """Node i's link as ``spec`` says: both halves' rate, loss and cut, and its path through the switch.
     ``fresh``: node i was just built (p{i} a bridge port, no qdisc), so an undelayed node needs no more."""
-    bits, loss, down = spec.links[i], spec.losses[i], spec.down[i]
+    bits, loss, down, queue = spec.links[i], spec.losses[i], spec.down[i], spec.queues_us[i]
     if not (fresh and bits is None and not loss and not down):
-        shape(spec.netns(i), "eth0", bits, spec.mtu, loss, down)  # uplink: node -> switch
-        shape(spec.switch, f"p{i}", bits, spec.mtu, loss, down)  # downlink: switch -> node
+        shape(spec.netns(i), "eth0", bits, spec.mtu, loss, down, queue)  # uplink: node -> switch
+        shape(spec.switch, f"p{i}", bits, spec.mtu, loss, down, queue)  # downlink: switch -> node
     if not (fresh and not spec.delays_us[i] and not spec.jitters_us[i]):
         _set_wire(spec.name, i, spec.mtu, spec.delays_us[i], spec.jitters_us[i])
 
@@ -353,15 +365,17 @@ def status(name: str) -> ClusterSpec | None:
     mtu = re.search(r" mtu (\d+)", _sh("ip", "-n", f"{name}-0", "link", "show", "eth0", check=False))
     shapes = [shape_of(f"{name}-{i}", "eth0") for i in nodes]
     wires = [_wire_of(name, i) for i in nodes]
-    return ClusterSpec(name, tuple(r for r, _, _ in shapes), int(mtu.group(1)) if mtu else 1500,
+    return ClusterSpec(name, tuple(r for r, _, _, _ in shapes), int(mtu.group(1)) if mtu else 1500,
                        delays_us=tuple(d for d, _ in wires), jitters_us=tuple(j for _, j in wires),
-                       losses=tuple(loss for _, loss, _ in shapes), down=tuple(d for _, _, d in shapes))
+                       losses=tuple(loss for _, _, loss, _ in shapes), down=tuple(d for _, _, _, d in shapes),
+                       queues_us=tuple(DEFAULT_QUEUE_US if q is None else q for _, q, _, _ in shapes))
 
 
 def set_link(name: str, node: int, link: str | None = None, delay: str | None = None, jitter: str | None = None,
-             loss: str | None = None, down: bool | None = None) -> ClusterSpec:
+             loss: str | None = None, down: bool | None = None, queue: str | None = None) -> ClusterSpec:
     """Change node ``node``'s link on a running cluster (None: keep that setting); returns the cluster as
-    it is then. Every value is checked before anything changes."""
+    it is then. Every value is checked before anything changes. A node made unshaped (``link="none"``)
+    loses its queue with its tbf: shaped again, it queues the default 50 ms unless ``queue`` says."""
     spec = status(name)
     if spec is None:
         raise ClusterError(f"no cluster named {name!r}; create it with `distrain cluster up --name {name} --nodes N`")
@@ -376,7 +390,8 @@ def set_link(name: str, node: int, link: str | None = None, delay: str | None = 
                   delays_us=one(spec.delays_us, delay, lambda t: parse_time_us(t, "--delay")),
                   jitters_us=one(spec.jitters_us, jitter, lambda t: parse_time_us(t, "--jitter")),
                   losses=one(spec.losses, loss, parse_loss),
-                  down=one(spec.down, None if down is None else "x", lambda _: bool(down)))
+                  down=one(spec.down, None if down is None else "x", lambda _: bool(down)),
+                  queues_us=one(spec.queues_us, "50ms" if link == "none" and queue is None else queue, parse_queue_us))
     _apply(new, node)
     return new
 
@@ -388,5 +403,6 @@ def describe(spec: ClusterSpec) -> str:
         rows.append(f"  node {i}: netns {spec.netns(i)}  eth0 {spec.address(i)}/24  link "
                     f"{format_rate(bits) if bits else 'unshaped'}  delay {format_time_us(spec.delays_us[i])}  "
                     f"jitter {format_time_us(spec.jitters_us[i])}  loss {format_loss(spec.losses[i])}  "
-                    f"{'DOWN' if spec.down[i] else 'up'}  mtu {spec.mtu}  processes {procs}")
+                    f"{'DOWN' if spec.down[i] else 'up'}  "
+                    f"{'queue ' + format_time_us(spec.queues_us[i]) + '  ' if bits else ''}mtu {spec.mtu}  processes {procs}")
     return "\n".join(rows)
