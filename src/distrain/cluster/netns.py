@@ -9,13 +9,11 @@ the cluster created, so the host's own network, addresses and routes are never t
 Each link is shaped in both directions with the token bucket filter (``tc qdisc ... tbf
 rate R``): on eth0 (node i's uplink) and on p{i} (its downlink, i.e. the switch port's
 egress), so a node can neither send nor receive faster than its link, exactly as a host
-behind a full-duplex switch port. Links carry jumbo frames (MTU 9000, as data-centre and HPC
-fabrics do; ``--mtu`` changes it): every node's packets are processed by this one host's
-cores, and at MTU 1500 that work is the bottleneck long before the links are. Measured with
-eight nodes on 200 Mbit/s links, all sending at once (docs/cost_model.md): MTU 1500 kept the
-2 cores 84-91 % busy (softirq 59-74 %) and moved 96-140 MB/s in all; MTU 9000 moved 159-167
-MB/s with the cores 37-49 % busy. Each node sets ``net.ipv4.tcp_slow_start_after_idle=0``
-(its own namespace's sysctl).
+behind a full-duplex switch port; each tbf queues ``--queue`` of traffic (tc's ``latency``, 50 ms
+unless given) and drops the rest. Links carry jumbo frames (MTU 9000, ``--mtu`` changes it): every
+node's packets are processed by this one host's cores, and at MTU 1500 that work is the bottleneck
+long before the links are (docs/cluster.md has the measurement). Each node sets
+``net.ipv4.tcp_slow_start_after_idle=0`` (its own namespace's sysctl).
 
 Latency, jitter, loss and cuts (``--delay/--jitter/--loss``, ``cluster link --down``). The kernel
 here has neither ``netem`` nor ``fq``, so:
@@ -42,7 +40,7 @@ Without delay and jitter a node's path is the plain one above (no extra device, 
 with neither loss nor a cut, tbf as the root qdisc, or no qdisc when unshaped), so a cluster
 built without link settings is exactly the cluster that existed before they did.
 
-A node's settings are read back from the kernel: the rate from tbf, P from the filter's
+A node's settings are read back from the kernel: the rate and queue from tbf, P from the filter's
 threshold, down from the second filter, delay and jitter from the wire process's command line.
 
 Nothing is kept in files: the cluster *is* its namespaces, so ``status`` reads it back
@@ -63,11 +61,9 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from distrain.cluster.settings import (
-    DEFAULT_QUEUE_US, format_loss, format_rate, format_time_us, parse_loss, parse_queue_us, parse_rate, parse_time_us,
-    per_node,
-)
-from distrain.cluster.shaping import rate_of, run as _sh, shape, shape_of, tbf_limit_bytes
+from distrain.cluster.settings import (DEFAULT_QUEUE_US, format_loss, format_rate, format_time_us, parse_loss,
+                                       parse_queue_us, parse_rate, parse_time_us, per_node)
+from distrain.cluster.shaping import check_queue, rate_of, run as _sh, shape, shape_of
 from distrain.errors import ClusterError, ConfigError
 
 SUBNET = "10.251.0"  # private /24 that exists only inside the cluster's namespaces
@@ -106,12 +102,7 @@ class ClusterSpec:
                 raise ConfigError(f"--jitter: {format_time_us(j)} is more than --delay {format_time_us(d)} "
                                   f"(node {i}); give a jitter at most the delay")
         for i, (bits, q) in enumerate(zip(self.links, self.queues_us)):
-            if bits is None and q != DEFAULT_QUEUE_US:
-                raise ConfigError(f"--queue: node {i} has no rate (--link none), so no tbf and no queue to size; "
-                                  f"give it a --link rate or leave --queue out")
-            if bits is not None and tbf_limit_bytes(bits, self.mtu, q) >= 1 << 32:
-                raise ConfigError(f"--queue: {format_time_us(q)} at {format_rate(bits)} (node {i}) is over 4 GiB, "
-                                  f"tbf's largest queue; give a shorter --queue")
+            check_queue(i, bits, self.mtu, q)
 
     @property
     def nodes(self) -> int:
@@ -374,8 +365,8 @@ def status(name: str) -> ClusterSpec | None:
 def set_link(name: str, node: int, link: str | None = None, delay: str | None = None, jitter: str | None = None,
              loss: str | None = None, down: bool | None = None, queue: str | None = None) -> ClusterSpec:
     """Change node ``node``'s link on a running cluster (None: keep that setting); returns the cluster as
-    it is then. Every value is checked before anything changes. A node made unshaped (``link="none"``)
-    loses its queue with its tbf: shaped again, it queues the default 50 ms unless ``queue`` says."""
+    it is then. Every value is checked before anything changes. A node made unshaped loses its queue
+    with its tbf (shaped again: 50 ms unless ``queue`` says)."""
     spec = status(name)
     if spec is None:
         raise ClusterError(f"no cluster named {name!r}; create it with `distrain cluster up --name {name} --nodes N`")

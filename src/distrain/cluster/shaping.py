@@ -11,8 +11,8 @@ import json
 import re
 import subprocess
 
-from distrain.cluster.settings import DEFAULT_QUEUE_US, QUEUE_STEP_US
-from distrain.errors import ClusterError
+from distrain.cluster.settings import DEFAULT_QUEUE_US, QUEUE_STEP_US, format_rate, format_time_us
+from distrain.errors import ClusterError, ConfigError
 
 RAND = 4294963256  # classic BPF: ld [SKF_AD_OFF + SKF_ADRANDOM], a random u32 per packet
 
@@ -39,8 +39,15 @@ def tbf_args(bits: float, mtu: int, queue_us: int = DEFAULT_QUEUE_US) -> list[st
     return ["tbf", "rate", f"{int(bits)}bit", "burst", str(tbf_burst(bits, mtu)), "latency", f"{int(queue_us)}us"]
 
 
-def tbf_limit_bytes(bits: float, mtu: int, queue_us: int) -> int:
-    return int(bits / 8 * queue_us / 1e6) + tbf_burst(bits, mtu)
+def check_queue(node: int, bits: float | None, mtu: int, queue_us: int) -> None:
+    """Refuse (one line) a queue that node ``node``'s link cannot have: one set without a rate (no tbf), or
+    one over tbf's limit (a u32 of bytes: rate x queue + burst)."""
+    if bits is None and queue_us != DEFAULT_QUEUE_US:
+        raise ConfigError(f"--queue: node {node} has no rate (--link none), so no tbf and no queue to size; "
+                          f"give it a --link rate or leave --queue out")
+    if bits is not None and int(bits / 8 * queue_us / 1e6) + tbf_burst(bits, mtu) >= 1 << 32:
+        raise ConfigError(f"--queue: {format_time_us(queue_us)} at {format_rate(bits)} (node {node}) is over "
+                          f"4 GiB, tbf's largest queue; give a shorter --queue")
 
 
 def loss_threshold(pct: float) -> int:
