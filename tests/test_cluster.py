@@ -595,3 +595,81 @@ def test_loss_of_a_delayed_node_drops_both_ways(emulated_cluster):
             sink.kill()
             sink.wait()
         assert 0.15 <= 1 - got / sent <= 0.25, (src, dst, got)
+
+
+# ---------------------------------------------------------------------------------------
+# The link queue (cluster up/link --queue): tbf's latency on both halves of a shaped link
+# ---------------------------------------------------------------------------------------
+
+def test_queue_parses_per_node_and_refuses_bad_values(capsys):
+    spec = netns.ClusterSpec.build("c1", 3, "100mbit", queue="500ms")
+    assert spec.queues_us == (500000, 500000, 500000)
+    assert netns.ClusterSpec.build("c1", 3, "100mbit", queue="50ms,0.5s,2.5ms").queues_us == (50000, 500000, 2500)
+    assert netns.ClusterSpec.build("c1", 2, "1gbit").queues_us == (50000, 50000)  # the default: as before
+    assert netns.ClusterSpec.build("c1", 2, "none").queues_us == (50000, 50000)
+    assert shaping.tbf_args(1e8, 9000) == ["tbf", "rate", "100000000bit", "burst", "18028", "latency", "50000us"]
+    assert shaping.tbf_args(1e8, 9000, 500000)[-1] == "500000us"
+    for kw, msg in ((dict(queue="500"), r"^--queue: bad time '500'; use a number with a unit"),
+                    (dict(queue="0"), r"^--queue: bad time '0'"),
+                    (dict(queue="0ms"), r"^--queue: '0ms' is not in \(0, 2s\]"),
+                    (dict(queue="3s"), r"^--queue: '3s' is not in \(0, 2s\]"),
+                    (dict(queue="-5ms"), r"^--queue: bad time '-5ms'"),
+                    (dict(queue="50.05ms"), r"^--queue: '50.05ms' is not a whole number of 0.1 ms"),
+                    (dict(queue="1ms,2ms"), r"^--queue: give one value for all nodes or exactly 3 \(one per node\), got 2"),
+                    (dict(link="none", queue="500ms"), r"^--queue: node 0 has no rate \(--link none\), so no tbf"),
+                    (dict(link="20gbit", queue="2s"), r"^--queue: 2000ms at 20gbit \(node 0\) is over 4 GiB")):
+        with pytest.raises(ConfigError, match=msg):
+            netns.ClusterSpec.build("c1", 3, kw.pop("link", "100mbit"), **kw)
+    with pytest.raises(ConfigError, match=r"^--queue: node 1 has no rate"):
+        netns.ClusterSpec("c1", (1e8, None), queues_us=(500000, 500000))
+    # read back from tc: tc -j's lat (µs, a few µs off: the kernel keeps bytes), or the text's lat
+    assert shaping.queue_of("", '[{"kind":"tbf","options":{"rate":12500000,"burst":18025,"lat":500001}}]') == 500000
+    assert shaping.queue_of("", '[{"kind":"htb"},{"kind":"tbf","options":{"lat":1234}}]') == 1200
+    for text, us in (("lat 500ms", 500000), ("lat 1.25s", 1250000), ("lat 2.5ms", 2500), ("lat 334us", 300)):
+        assert shaping.queue_of(f"qdisc tbf 8031: root refcnt 3 rate 1Gbit burst 31125b {text} ", "not json") == us
+    assert shaping.queue_of("qdisc pfifo 20: parent 1:20 limit 0p", "[]") is None
+    from distrain.cli import main
+
+    assert main(["cluster", "up", "--name", "zz", "--nodes", "2", "--link", "none", "--queue", "500ms"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("distrain: error: --queue: node 0 has no rate") and err.count("\n") == 1
+    assert main(["cluster", "up", "--name", "zz", "--nodes", "2", "--queue", "5s"]) == 2
+    assert capsys.readouterr().err.startswith("distrain: error: --queue: '5s' is not in (0, 2s]")
+    assert not any(n.startswith("zz-") for n in _netns_names())
+
+
+def _tbf_lat(ns: str, dev: str) -> str:
+    out = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev], capture_output=True,
+                         text=True, check=True).stdout
+    return re.search(r"tbf .*?\blat (\S+)", out).group(1)
+
+
+@pytest.mark.timeout(120)
+def test_queue_up_and_link_set_both_halves_and_status_reads_them_back(emulated_cluster, capsys):
+    from distrain.cli import main
+
+    plain = emulated_cluster(nodes=2, link="100mbit")  # the default stays 50 ms
+    assert plain.queues_us == (50000, 50000) and netns.status(plain.name) == plain
+    assert {_tbf_lat(ns, dev) for ns, dev in ((plain.netns(0), "eth0"), (plain.switch, "p1"))} == {"50ms"}
+    spec = emulated_cluster(nodes=3, link="100mbit", queue="500ms")
+    assert netns.status(spec.name) == spec and spec.queues_us == (500000,) * 3
+    for i in range(3):  # both halves: the node's eth0 (uplink) and its switch port (downlink)
+        assert _tbf_lat(spec.netns(i), "eth0") == "500ms" and _tbf_lat(spec.switch, f"p{i}") == "500ms"
+    assert main(["cluster", "status", "--name", spec.name]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert all("link 100mbit  delay 0ms  jitter 0ms  loss 0%  up  queue 500ms  mtu 9000" in r for r in rows[1:])
+    # one node's queue changed on the running cluster; the others keep theirs
+    assert main(["cluster", "link", "--name", spec.name, "--node", "1", "--queue", "1.5s"]) == 0
+    assert "queue 1500ms" in capsys.readouterr().out
+    back = netns.status(spec.name)
+    assert back.queues_us == (500000, 1500000, 500000)
+    assert _tbf_lat(spec.netns(1), "eth0") == "1.5s" and _tbf_lat(spec.switch, "p1") == "1.5s"
+    assert _tbf_lat(spec.switch, "p0") == "500ms"
+    # under the loss filter's htb the tbf keeps the queue, and a new rate keeps it too
+    lossy = netns.set_link(spec.name, 1, loss="1", link="200mbit")
+    assert lossy.queues_us[1] == 1500000 and netns.status(spec.name) == lossy
+    assert _tbf_lat(spec.switch, "p1") == "1.5s"
+    # unshaped, a node has no queue to size: refused in one line, nothing changed
+    assert main(["cluster", "link", "--name", spec.name, "--node", "2", "--link", "none", "--queue", "10ms"]) == 2
+    assert capsys.readouterr().err.startswith("distrain: error: --queue: node 2 has no rate")
+    assert netns.status(spec.name) == lossy

@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = ("An emulated cluster on this host: one network namespace per node, veth pairs to a bridge, "
-                     "each link shaped with tc tbf (rate), a drop filter (loss, down) and a delay line (delay, jitter). Needs root and iproute2. See docs/cluster.md.")
+                     "each link shaped with tc tbf (rate, queue), a drop filter (loss, down) and a delay line (delay, jitter). Needs root and iproute2. See docs/cluster.md.")
     sub = p.add_subparsers(dest="cluster_command", required=True)
     up = sub.add_parser("up", help="build the cluster (replacing one of the same name)")
     up.add_argument("--nodes", type=int, default=2, help="number of nodes (default 2)")
@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     down.set_defaults(func=_down)
     st = sub.add_parser("status", help="show the nodes, addresses, link rates and processes")
     st.set_defaults(func=_status)
-    ln = sub.add_parser("link", help="change one node's link on a running cluster (rate, delay, jitter, loss, down/up)")
+    ln = sub.add_parser("link", help="change one node's link on a running cluster (rate, delay, jitter, loss, queue, down/up)")
     ln.add_argument("--node", type=int, required=True, help="the node whose link changes (0..N-1)")
     ln.add_argument("--link", default=None, help="its new rate (e.g. 100mbit, or none: unshaped)")
     _link_flags(ln, "its new", " (default: unchanged)", per_node=False)
@@ -67,11 +67,15 @@ def _link_flags(p: argparse.ArgumentParser, whose: str, default: str, per_node: 
                                                   f"uniform, never reordered){each}{default}")
     p.add_argument("--loss", default=None, help=f"{whose} packet loss in percent (e.g. 1 or 0.5%%: of the packets "
                                                 f"between two nodes of loss P, P are lost){each}{default}")
+    p.add_argument("--queue", default=None,
+                   help=f"{whose} link queue, as a time of traffic at its rate (tbf's latency; e.g. 500ms: what "
+                        f"more waits is dropped), on both halves of the link; only with a rate (--link), in "
+                        f"(0, 2s]{each}{default.replace('0)', '50ms)')}")
 
 
 def _up(args: argparse.Namespace) -> int:
     spec = netns.up(netns.ClusterSpec.build(args.name, args.nodes, args.link, args.mtu, delay=args.delay,
-                                            jitter=args.jitter, loss=args.loss))
+                                            jitter=args.jitter, loss=args.loss, queue=args.queue))
     print(netns.describe(spec))
     return 0
 
@@ -96,7 +100,7 @@ def _status(args: argparse.Namespace) -> int:
 
 def _link(args: argparse.Namespace) -> int:
     spec = netns.set_link(args.name, args.node, link=args.link, delay=args.delay, jitter=args.jitter, loss=args.loss,
-                          down=args.cut)
+                          down=args.cut, queue=args.queue)
     print(netns.describe(spec).splitlines()[1 + args.node].strip())
     return 0
 

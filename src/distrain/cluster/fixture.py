@@ -45,10 +45,11 @@ def emulated_cluster():
     made: list[str] = []
 
     def make(nodes: int = 2, link: str | None = "1gbit", mtu: int = 9000, delay: str | None = None,
-             jitter: str | None = None, loss: str | None = None) -> netns.ClusterSpec:
+             jitter: str | None = None, loss: str | None = None, queue: str | None = None) -> netns.ClusterSpec:
         name = f"dtt{os.getpid()}k{len(made)}"
         made.append(name)
-        return netns.up(netns.ClusterSpec.build(name, nodes, link, mtu, delay=delay, jitter=jitter, loss=loss))
+        return netns.up(netns.ClusterSpec.build(name, nodes, link, mtu, delay=delay, jitter=jitter, loss=loss,
+                                                queue=queue))
 
     yield make
     for name in made:

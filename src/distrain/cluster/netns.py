@@ -9,13 +9,11 @@ the cluster created, so the host's own network, addresses and routes are never t
 Each link is shaped in both directions with the token bucket filter (``tc qdisc ... tbf
 rate R``): on eth0 (node i's uplink) and on p{i} (its downlink, i.e. the switch port's
 egress), so a node can neither send nor receive faster than its link, exactly as a host
-behind a full-duplex switch port. Links carry jumbo frames (MTU 9000, as data-centre and HPC
-fabrics do; ``--mtu`` changes it): every node's packets are processed by this one host's
-cores, and at MTU 1500 that work is the bottleneck long before the links are. Measured with
-eight nodes on 200 Mbit/s links, all sending at once (docs/cost_model.md): MTU 1500 kept the
-2 cores 84-91 % busy (softirq 59-74 %) and moved 96-140 MB/s in all; MTU 9000 moved 159-167
-MB/s with the cores 37-49 % busy. Each node sets ``net.ipv4.tcp_slow_start_after_idle=0``
-(its own namespace's sysctl).
+behind a full-duplex switch port; each tbf queues ``--queue`` of traffic (tc's ``latency``, 50 ms
+unless given) and drops the rest. Links carry jumbo frames (MTU 9000, ``--mtu`` changes it): every
+node's packets are processed by this one host's cores, and at MTU 1500 that work is the bottleneck
+long before the links are (docs/cluster.md has the measurement). Each node sets
+``net.ipv4.tcp_slow_start_after_idle=0`` (its own namespace's sysctl).
 
 Latency, jitter, loss and cuts (``--delay/--jitter/--loss``, ``cluster link --down``). The kernel
 here has neither ``netem`` nor ``fq``, so:
@@ -42,7 +40,7 @@ Without delay and jitter a node's path is the plain one above (no extra device, 
 with neither loss nor a cut, tbf as the root qdisc, or no qdisc when unshaped), so a cluster
 built without link settings is exactly the cluster that existed before they did.
 
-A node's settings are read back from the kernel: the rate from tbf, P from the filter's
+A node's settings are read back from the kernel: the rate and queue from tbf, P from the filter's
 threshold, down from the second filter, delay and jitter from the wire process's command line.
 
 Nothing is kept in files: the cluster *is* its namespaces, so ``status`` reads it back
@@ -63,10 +61,9 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from distrain.cluster.settings import (
-    format_loss, format_rate, format_time_us, parse_loss, parse_rate, parse_time_us, per_node,
-)
-from distrain.cluster.shaping import rate_of, run as _sh, shape, shape_of
+from distrain.cluster.settings import (DEFAULT_QUEUE_US, format_loss, format_rate, format_time_us, parse_loss,
+                                       parse_queue_us, parse_rate, parse_time_us, per_node)
+from distrain.cluster.shaping import check_queue, rate_of, run as _sh, shape, shape_of
 from distrain.errors import ClusterError, ConfigError
 
 SUBNET = "10.251.0"  # private /24 that exists only inside the cluster's namespaces
@@ -80,7 +77,8 @@ class ClusterSpec:
     """N nodes; ``links[i]`` is node i's link rate in bits/s (None: unshaped veth), ``delays_us[i]``
     and ``jitters_us[i]`` its one-way delay and jitter in µs (between two nodes of delay D: D one
     way, 2D round trip), ``losses[i]`` its loss in percent (of a packet between two nodes of loss
-    P: P), ``down[i]`` whether it is cut off. The last four default to none/up for every node."""
+    P: P), ``down[i]`` whether it is cut off, ``queues_us[i]`` how much its tbf queues, in µs of traffic at
+    its rate (both halves of its link; only with a rate). The last five default to none/up/50 ms."""
 
     name: str
     links: tuple[float | None, ...]
@@ -89,10 +87,12 @@ class ClusterSpec:
     jitters_us: tuple[int, ...] = field(default=())
     losses: tuple[float, ...] = field(default=())
     down: tuple[bool, ...] = field(default=())
+    queues_us: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
         n = len(self.links)
-        for attr, zero in (("delays_us", 0), ("jitters_us", 0), ("losses", 0.0), ("down", False)):
+        for attr, zero in (("delays_us", 0), ("jitters_us", 0), ("losses", 0.0), ("down", False),
+                           ("queues_us", DEFAULT_QUEUE_US)):
             if not getattr(self, attr):
                 object.__setattr__(self, attr, (zero,) * n)
             elif len(getattr(self, attr)) != n:
@@ -101,6 +101,8 @@ class ClusterSpec:
             if j > d:
                 raise ConfigError(f"--jitter: {format_time_us(j)} is more than --delay {format_time_us(d)} "
                                   f"(node {i}); give a jitter at most the delay")
+        for i, (bits, q) in enumerate(zip(self.links, self.queues_us)):
+            check_queue(i, bits, self.mtu, q)
 
     @property
     def nodes(self) -> int:
@@ -119,13 +121,14 @@ class ClusterSpec:
 
     @classmethod
     def build(cls, name: str, nodes: int, link: str | None, mtu: int = 9000, delay: str | None = None,
-              jitter: str | None = None, loss: str | None = None) -> "ClusterSpec":
-        """Validate the CLI's ``--name/--nodes/--link/--mtu/--delay/--jitter/--loss`` (each of the last
-        four: one value for every node, or one per node, comma-separated)."""
+              jitter: str | None = None, loss: str | None = None, queue: str | None = None) -> "ClusterSpec":
+        """Validate the CLI's ``--name/--nodes/--link/--mtu/--delay/--jitter/--loss/--queue`` (each of the
+        last five: one value for every node, or one per node, comma-separated)."""
         spec = cls._build_rates(name, nodes, link, mtu)
         return replace(spec, delays_us=per_node(delay, nodes, "--delay", lambda t: parse_time_us(t, "--delay"), 0),
                        jitters_us=per_node(jitter, nodes, "--jitter", lambda t: parse_time_us(t, "--jitter"), 0),
-                       losses=per_node(loss, nodes, "--loss", parse_loss, 0.0))
+                       losses=per_node(loss, nodes, "--loss", parse_loss, 0.0),
+                       queues_us=per_node(queue, nodes, "--queue", parse_queue_us, DEFAULT_QUEUE_US))
 
     @classmethod
     def _build_rates(cls, name: str, nodes: int, link: str | None, mtu: int) -> "ClusterSpec":
@@ -245,10 +248,10 @@ def _stop(pid: int) -> None:
 def _apply(spec: ClusterSpec, i: int, fresh: bool = False) -> None:
     """Node i's link as ``spec`` says: both halves' rate, loss and cut, and its path through the switch.
     ``fresh``: node i was just built (p{i} a bridge port, no qdisc), so an undelayed node needs no more."""
-    bits, loss, down = spec.links[i], spec.losses[i], spec.down[i]
+    bits, loss, down, queue = spec.links[i], spec.losses[i], spec.down[i], spec.queues_us[i]
     if not (fresh and bits is None and not loss and not down):
-        shape(spec.netns(i), "eth0", bits, spec.mtu, loss, down)  # uplink: node -> switch
-        shape(spec.switch, f"p{i}", bits, spec.mtu, loss, down)  # downlink: switch -> node
+        shape(spec.netns(i), "eth0", bits, spec.mtu, loss, down, queue)  # uplink: node -> switch
+        shape(spec.switch, f"p{i}", bits, spec.mtu, loss, down, queue)  # downlink: switch -> node
     if not (fresh and not spec.delays_us[i] and not spec.jitters_us[i]):
         _set_wire(spec.name, i, spec.mtu, spec.delays_us[i], spec.jitters_us[i])
 
@@ -353,15 +356,17 @@ def status(name: str) -> ClusterSpec | None:
     mtu = re.search(r" mtu (\d+)", _sh("ip", "-n", f"{name}-0", "link", "show", "eth0", check=False))
     shapes = [shape_of(f"{name}-{i}", "eth0") for i in nodes]
     wires = [_wire_of(name, i) for i in nodes]
-    return ClusterSpec(name, tuple(r for r, _, _ in shapes), int(mtu.group(1)) if mtu else 1500,
+    return ClusterSpec(name, tuple(r for r, _, _, _ in shapes), int(mtu.group(1)) if mtu else 1500,
                        delays_us=tuple(d for d, _ in wires), jitters_us=tuple(j for _, j in wires),
-                       losses=tuple(loss for _, loss, _ in shapes), down=tuple(d for _, _, d in shapes))
+                       losses=tuple(loss for _, _, loss, _ in shapes), down=tuple(d for _, _, _, d in shapes),
+                       queues_us=tuple(DEFAULT_QUEUE_US if q is None else q for _, q, _, _ in shapes))
 
 
 def set_link(name: str, node: int, link: str | None = None, delay: str | None = None, jitter: str | None = None,
-             loss: str | None = None, down: bool | None = None) -> ClusterSpec:
+             loss: str | None = None, down: bool | None = None, queue: str | None = None) -> ClusterSpec:
     """Change node ``node``'s link on a running cluster (None: keep that setting); returns the cluster as
-    it is then. Every value is checked before anything changes."""
+    it is then. Every value is checked before anything changes. A node made unshaped loses its queue
+    with its tbf (shaped again: 50 ms unless ``queue`` says)."""
     spec = status(name)
     if spec is None:
         raise ClusterError(f"no cluster named {name!r}; create it with `distrain cluster up --name {name} --nodes N`")
@@ -376,7 +381,8 @@ def set_link(name: str, node: int, link: str | None = None, delay: str | None = 
                   delays_us=one(spec.delays_us, delay, lambda t: parse_time_us(t, "--delay")),
                   jitters_us=one(spec.jitters_us, jitter, lambda t: parse_time_us(t, "--jitter")),
                   losses=one(spec.losses, loss, parse_loss),
-                  down=one(spec.down, None if down is None else "x", lambda _: bool(down)))
+                  down=one(spec.down, None if down is None else "x", lambda _: bool(down)),
+                  queues_us=one(spec.queues_us, "50ms" if link == "none" and queue is None else queue, parse_queue_us))
     _apply(new, node)
     return new
 
@@ -388,5 +394,6 @@ def describe(spec: ClusterSpec) -> str:
         rows.append(f"  node {i}: netns {spec.netns(i)}  eth0 {spec.address(i)}/24  link "
                     f"{format_rate(bits) if bits else 'unshaped'}  delay {format_time_us(spec.delays_us[i])}  "
                     f"jitter {format_time_us(spec.jitters_us[i])}  loss {format_loss(spec.losses[i])}  "
-                    f"{'DOWN' if spec.down[i] else 'up'}  mtu {spec.mtu}  processes {procs}")
+                    f"{'DOWN' if spec.down[i] else 'up'}  "
+                    f"{'queue ' + format_time_us(spec.queues_us[i]) + '  ' if bits else ''}mtu {spec.mtu}  processes {procs}")
     return "\n".join(rows)

@@ -15,6 +15,9 @@ _TIME_RE = re.compile(r"^(\d+(?:\.\d+)?)(s|ms|us)$")
 _TIME_UNIT_US = {"s": 1_000_000, "ms": 1000, "us": 1}
 _LOSS_RE = re.compile(r"^(\d+(?:\.\d+)?)%?$")
 MAX_DELAY_US = 10_000_000  # 10 s one way: beyond any real link
+DEFAULT_QUEUE_US = 50_000  # a shaped half-link's tbf queue (tc's ``latency``) unless --queue says otherwise
+QUEUE_STEP_US = 100  # the queue's resolution: what tc reads back is rounded to it
+MAX_QUEUE_US = 2_000_000  # 2 s of traffic: tbf's limit is a u32 of bytes (3.4 s at 10gbit), and beyond any switch
 
 def parse_rate(text: str) -> float:
     """``"1gbit"`` -> 1e9 bits/s (tc's units: bit, kbit, mbit, gbit; powers of 1000)."""
@@ -38,6 +41,22 @@ def parse_time_us(text: str, flag: str) -> int:
     us = round(float(m.group(1)) * _TIME_UNIT_US[m.group(2)])
     if us > MAX_DELAY_US:
         raise ConfigError(f"{flag}: {text!r} is over 10s one way; give a smaller time such as 25ms")
+    return us
+
+
+def parse_queue_us(text: str) -> int:
+    """``"500ms"`` -> 500000 µs: how much traffic a shaped half-link's tbf queues, in time at its rate
+    (tc's ``latency``); more than 0, at most 2 s, in steps of 0.1 ms (tc reads it back to within a few
+    µs: the kernel keeps the queue as bytes)."""
+    m = _TIME_RE.match(str(text).strip().lower())
+    if not m:
+        raise ConfigError(f"--queue: bad time {text!r}; use a number with a unit such as 50ms, 500ms, 0.5s")
+    us = round(float(m.group(1)) * _TIME_UNIT_US[m.group(2)])
+    if not 0 < us <= MAX_QUEUE_US:
+        raise ConfigError(f"--queue: {text!r} is not in (0, 2s]; give the queue as a time of traffic at the "
+                          f"link's rate such as 50ms (the default) or 500ms")
+    if us % QUEUE_STEP_US:
+        raise ConfigError(f"--queue: {text!r} is not a whole number of 0.1 ms; give e.g. 50ms, 500ms or 2.5ms")
     return us
 
 

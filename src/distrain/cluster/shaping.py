@@ -7,10 +7,12 @@ the kernel does."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 
-from distrain.errors import ClusterError
+from distrain.cluster.settings import DEFAULT_QUEUE_US, QUEUE_STEP_US, format_rate, format_time_us
+from distrain.errors import ClusterError, ConfigError
 
 RAND = 4294963256  # classic BPF: ld [SKF_AD_OFF + SKF_ADRANDOM], a random u32 per packet
 
@@ -26,12 +28,26 @@ def tc(ns: str, *argv: str, check: bool = True) -> str:
     return run("ip", "netns", "exec", ns, "tc", *argv, check=check)
 
 
-def tbf_args(bits: float, mtu: int) -> list[str]:
-    """Token bucket at ``bits``/s: burst = 1/4000 s of traffic (>= 8 KiB, and >= two frames, or
-    tbf could never send a full frame) so TCP reaches the rate, queue = 50 ms of traffic (tc's
-    ``latency``)."""
-    burst = max(8192, 2 * (mtu + 14), int(bits / 8 / 4000))
-    return ["tbf", "rate", f"{int(bits)}bit", "burst", str(burst), "latency", "50ms"]
+def tbf_burst(bits: float, mtu: int) -> int:
+    """burst = 1/4000 s of traffic (>= 8 KiB, and >= two frames, or tbf could never send a full frame)."""
+    return max(8192, 2 * (mtu + 14), int(bits / 8 / 4000))
+
+
+def tbf_args(bits: float, mtu: int, queue_us: int = DEFAULT_QUEUE_US) -> list[str]:
+    """Token bucket at ``bits``/s: burst :func:`tbf_burst` so TCP reaches the rate, queue = ``queue_us``
+    of traffic (tc's ``latency``: tc makes it the limit, rate x latency + burst bytes; more is dropped)."""
+    return ["tbf", "rate", f"{int(bits)}bit", "burst", str(tbf_burst(bits, mtu)), "latency", f"{int(queue_us)}us"]
+
+
+def check_queue(node: int, bits: float | None, mtu: int, queue_us: int) -> None:
+    """Refuse (one line) a queue that node ``node``'s link cannot have: one set without a rate (no tbf), or
+    one over tbf's limit (a u32 of bytes: rate x queue + burst)."""
+    if bits is None and queue_us != DEFAULT_QUEUE_US:
+        raise ConfigError(f"--queue: node {node} has no rate (--link none), so no tbf and no queue to size; "
+                          f"give it a --link rate or leave --queue out")
+    if bits is not None and int(bits / 8 * queue_us / 1e6) + tbf_burst(bits, mtu) >= 1 << 32:
+        raise ConfigError(f"--queue: {format_time_us(queue_us)} at {format_rate(bits)} (node {node}) is over "
+                          f"4 GiB, tbf's largest queue; give a shorter --queue")
 
 
 def loss_threshold(pct: float) -> int:
@@ -48,11 +64,13 @@ def loss_of_threshold(t: int) -> float:
 _DOWN_PRIO, _LOSS_PRIO = "1", "2"
 
 
-def shape(ns: str, dev: str, bits: float | None, mtu: int, loss: float, down: bool) -> None:
-    """The egress of one half of a link: rate ``bits`` (tbf), then, with loss or down, a drop class."""
+def shape(ns: str, dev: str, bits: float | None, mtu: int, loss: float, down: bool,
+          queue_us: int = DEFAULT_QUEUE_US) -> None:
+    """The egress of one half of a link: rate ``bits`` with a queue of ``queue_us`` (tbf), then, with loss
+    or down, a drop class."""
     if not loss and not down:  # the plain link: tbf alone (replaced in place), or the device's default
         if bits is not None:
-            tc(ns, "qdisc", "replace", "dev", dev, "root", *tbf_args(bits, mtu))
+            tc(ns, "qdisc", "replace", "dev", dev, "root", *tbf_args(bits, mtu, queue_us))
         else:
             tc(ns, "qdisc", "del", "dev", dev, "root", check=False)
         return
@@ -62,7 +80,7 @@ def shape(ns: str, dev: str, bits: float | None, mtu: int, loss: float, down: bo
     for cls in ("1:10", "1:20"):
         tc(ns, "class", "add", "dev", dev, "parent", "1:", "classid", cls, "htb", "rate", "100gbit", "quantum", "200000")
     tc(ns, "qdisc", "add", "dev", dev, "parent", "1:10", "handle", "10:",
-        *(tbf_args(bits, mtu) if bits is not None else ["pfifo", "limit", "1000"]))
+        *(tbf_args(bits, mtu, queue_us) if bits is not None else ["pfifo", "limit", "1000"]))
     tc(ns, "qdisc", "add", "dev", dev, "parent", "1:20", "handle", "20:", "pfifo", "limit", "0")  # drops all
     if down:  # every packet: return -1 (the filter's flowid)
         tc(ns, "filter", "add", "dev", dev, "parent", "1:", "prio", _DOWN_PRIO, "bpf", "bytecode",
@@ -75,11 +93,35 @@ def shape(ns: str, dev: str, bits: float | None, mtu: int, loss: float, down: bo
             "flowid", "1:20")
 
 
-def shape_of(ns: str, dev: str) -> tuple[float | None, float, bool]:
-    """(rate, loss %, down) of one half of a link, read back from tc."""
+_TIME_US = {"s": 1_000_000, "ms": 1000, "us": 1}
+
+
+def queue_of(text_out: str, json_out: str) -> int | None:
+    """The tbf's queue in µs (tc's ``lat``), rounded to the 0.1 ms that ``--queue`` is given in; None
+    without a tbf. From ``tc -j``'s ``lat`` (µs, within a few µs of what was set: the kernel keeps a
+    byte limit), else from the text's ``lat 500ms`` / ``lat 1.25s`` (three significant digits)."""
+    us = None
+    try:
+        for q in json.loads(json_out or "[]"):
+            if q.get("kind") == "tbf" and "lat" in q.get("options", {}):
+                us = float(q["options"]["lat"])
+    except (ValueError, AttributeError, TypeError):
+        us = None
+    if us is None:
+        m = re.search(r"tbf .*?\blat (\d+(?:\.\d+)?)(s|ms|us)\b", text_out)
+        if not m:
+            return None
+        us = float(m.group(1)) * _TIME_US[m.group(2)]
+    return max(QUEUE_STEP_US, round(us / QUEUE_STEP_US) * QUEUE_STEP_US)
+
+
+def shape_of(ns: str, dev: str) -> tuple[float | None, int | None, float, bool]:
+    """(rate, queue µs, loss %, down) of one half of a link, read back from tc (rate and queue None
+    without a tbf)."""
     out = tc(ns, "qdisc", "show", "dev", dev, check=False)
     m = re.search(r"tbf .*?rate (\d+(?:\.\d+)?)([KMG]?)bit", out)
     rate = float(m.group(1)) * {"": 1, "K": 1e3, "M": 1e6, "G": 1e9}[m.group(2)] if m else None
+    queue = queue_of(out, tc(ns, "-j", "qdisc", "show", "dev", dev, check=False)) if m else None
     loss, down = 0.0, False
     if "htb" in out:
         filters = tc(ns, "filter", "show", "dev", dev, check=False)
@@ -89,7 +131,11 @@ def shape_of(ns: str, dev: str) -> tuple[float | None, float, bool]:
             elif pref == _LOSS_PRIO:
                 m = re.match(r"4,32 0 0 \d+,53 0 1 (\d+),", code)
                 loss = loss_of_threshold(int(m.group(1))) if m else 100.0
-    return rate, loss, down
+    return rate, queue, loss, down
+
+
+def queue_of_dev(ns: str, dev: str) -> int | None:
+    return shape_of(ns, dev)[1]
 
 
 def rate_of(ns: str, dev: str) -> float | None:
