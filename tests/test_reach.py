@@ -74,6 +74,46 @@ def test_a_stopped_process_still_answers_a_closed_port_refuses_and_a_silent_one_
     assert result == "unreachable" and reach.PROBE_S <= took < reach.PROBE_S + 1.0, (result, took)
 
 
+@pytest.mark.timeout(30)
+def test_tries_are_spread_so_one_burst_of_drops_does_not_take_them_all():
+    """A saturated tail-drop queue drops every packet while it is full: SYNs sent together are lost together, and
+    their retransmission (1 s) comes after PROBE_S. Emulated: a listener whose full queue drops the first try's
+    SYN (a burst), then drained (the burst ends) before the second try is due: the second completes, the host is
+    reachable. (With the four tries opened at once, all four SYNs fell in the burst: "unreachable" at PROBE_S.)
+    The clock handed to the probe is its own, so the outcome does not depend on this host's scheduling: the real
+    time this takes (< 0.5 s) is well before the first try's SYN is sent again."""
+    s, fill, address = _blackhole()
+    try:
+        t0 = time.monotonic()
+        probe = reach.Probe(address, t0)
+        time.sleep(0.05)
+        assert probe.poll(t0 + 0.05) is None and probe.opened == 1  # its SYN dropped: the queue is full
+        for c in fill:  # the burst ends: the queue drains
+            c.close()
+        s.setblocking(False)
+        conn, _ = s.accept()
+        conn.close()
+        assert probe.poll(t0 + reach.SPACING_S) is None and probe.opened == 2
+        time.sleep(0.05)
+        assert probe.poll(t0 + reach.PROBE_S) == "reachable"
+    finally:
+        for c in [s, *fill]:
+            c.close()
+    # a host that answers none: every try is opened, one SPACING_S apart, and the probe ends at PROBE_S
+    s, fill, address = _blackhole()
+    try:
+        t0 = time.monotonic()
+        probe = reach.Probe(address, t0)
+        for i in range(1, reach.TRIES):
+            assert probe.poll(t0 + i * reach.SPACING_S - 0.01) is None and probe.opened == i
+            assert probe.poll(t0 + i * reach.SPACING_S) is None and probe.opened == i + 1
+        assert probe.poll(t0 + reach.PROBE_S - 0.01) is None
+        assert probe.poll(t0 + reach.PROBE_S) == "unreachable" and probe.socks == []
+    finally:
+        for c in [s, *fill]:
+            c.close()
+
+
 def _start(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[19])

@@ -11,14 +11,23 @@ behind a cut link does not.
 
 So each rank of a fixed job listens on its own address (the one its packets to the store leave from;
 loopback for a job on one machine), accepts nothing but closes what it finds, and publishes the address
-in its heartbeat. A rank that waits on a quiet peer opens :data:`TRIES` connections to the peer's address
-at once, without blocking (:class:`Probe`), and reads the outcome on later beats:
+in its heartbeat. A rank that waits on a quiet peer probes the peer's address with :data:`TRIES`
+connections, without blocking (:class:`Probe`): one at once and the others one every :data:`SPACING_S`,
+each opened at the first poll due, all kept open until the probe is decided; it reads the outcome on
+later beats:
 
 * ``"reachable"``: one connection completed: the host and its kernel answer; the rank is slow, not cut;
 * ``"refused"``: the host answered with a reset: nobody listens there any more, the process is gone;
-* ``"unreachable"``: none completed within :data:`PROBE_S` (or every one failed): the link or the host is
-  down. With 10 % loss each way one connection fails with probability 0.19; all four, 0.0013, and only
-  while the heartbeat is quiet too.
+* ``"unreachable"``: none completed within :data:`PROBE_S` of the first (or every one of the TRIES
+  failed): the link or the host is down.
+
+Spread, not at once: losses on a saturated link are not independent. A full tail-drop queue drops every
+packet that arrives while it is full, so four SYNs sent together (or their SYN-ACKs coming back together)
+are lost together, and a SYN's retransmission comes after PROBE_S (the kernel's first RTO is 1 s). The
+16 MiB star of ``distrain bench comm`` at P = 4 on 100 Mbit/s links with 25 ms of delay (three flows into
+node 0's downlink, 1300-4456 packets dropped per run) ended that way: rank 0 named live ranks "cut off".
+Tries one SPACING_S apart meet the queue at different moments of its fill-and-drain cycle; with
+independent 10 % loss each way one try fails with probability 0.19 and all four with 0.0013, as before.
 
 Nothing is read from a probe connection or the listener: the peer's address comes from its heartbeat (a
 value of the job's sealed store, checked by :func:`address_of` before any use) and a connection's only
@@ -33,7 +42,10 @@ import select
 import socket
 
 PROBE_S = 1.0  # a probe whose connections have not completed by then: unreachable (>= 2 x a 200 ms spike's RTT)
-TRIES = 4  # connections per probe, opened at once: independent SYNs, so a lossy link is not taken for a cut
+TRIES = 4  # connections per probe, so a lossy link is not taken for a cut
+# one try opened at once, the next ones this far apart (the last one 0.75 s in, 0.25 s before PROBE_S: > 1 RTT on
+# a saturated 25 ms link, 50 ms queue), so that one burst of a full queue's drops cannot take them all
+SPACING_S = PROBE_S / TRIES
 BACKLOG = 512  # the accept queue: probes wait here while this rank's watchdog thread is starved (see REPROBE_S)
 # A peer that answered is probed again only this often while it stays quiet: each probe leaves TRIES
 # connections in the quiet rank's queue until its thread drains it, and a full queue drops SYNs as a cut does
@@ -106,45 +118,53 @@ def address_of(hb: dict | None) -> tuple[str, int] | None:
 
 
 class Probe:
-    """:data:`TRIES` non-blocking connections to ``address`` opened at ``now``; :meth:`poll` says how they ended."""
+    """:data:`TRIES` non-blocking connections to ``address``: the first opened at ``now``, the others one every
+    :data:`SPACING_S` (by :meth:`poll`, at its first call due); :meth:`poll` says how they ended."""
 
     def __init__(self, address: tuple[str, int], now: float):
         self.address, self.began = address, now
-        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.socks: list[socket.socket] = []
+        self.opened = 0  # tries opened so far
         self.failed = 0
-        for _ in range(TRIES):
-            s = socket.socket(family, socket.SOCK_STREAM)
+        self.result: str | None = None
+        self._open_due(now)
+
+    def _open_due(self, now: float) -> None:
+        """Open every try due by ``now`` (try i at ``began + i * SPACING_S``); a refused one decides the probe."""
+        while self.result is None and self.opened < TRIES and now - self.began >= self.opened * SPACING_S:
+            self.opened += 1
+            s = socket.socket(self.family, socket.SOCK_STREAM)
             s.setblocking(False)
-            code = s.connect_ex(address)
-            if code not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK):
-                s.close()
-                if code == errno.ECONNREFUSED:
-                    self.close()
-                    self.result: str | None = "refused"
-                    return
-                self.failed += 1
+            code = s.connect_ex(self.address)
+            if code in (0, errno.EINPROGRESS, errno.EWOULDBLOCK):
+                self.socks.append(s)
                 continue
-            self.socks.append(s)
-        self.result = None if self.socks else "unreachable"
+            s.close()
+            if code == errno.ECONNREFUSED:
+                self._decide("refused")
+                return
+            self.failed += 1
 
     def poll(self, now: float) -> str | None:
         """"reachable", "refused" or "unreachable" once decided (then the sockets are closed), else None."""
         if self.result is not None:
             return self.result
-        _, done, _ = select.select([], self.socks, [], 0)
-        for s in done:
-            code = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if code == 0:
-                return self._decide("reachable")
-            if code == errno.ECONNREFUSED:
-                return self._decide("refused")
-            self.socks.remove(s)  # (host or net unreachable, a time-out: this try failed)
-            s.close()
-            self.failed += 1
-        if not self.socks or now - self.began >= PROBE_S:
+        if self.socks:
+            _, done, _ = select.select([], self.socks, [], 0)
+            for s in done:
+                code = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if code == 0:
+                    return self._decide("reachable")
+                if code == errno.ECONNREFUSED:
+                    return self._decide("refused")
+                self.socks.remove(s)  # (host or net unreachable, a time-out: this try failed)
+                s.close()
+                self.failed += 1
+        if now - self.began >= PROBE_S or self.failed == TRIES:
             return self._decide("unreachable")
-        return None
+        self._open_due(now)  # (after the check: a try opened now has its first chance at the next poll)
+        return self.result
 
     def _decide(self, result: str) -> str:
         self.result = result

@@ -26,8 +26,9 @@ reports at once, through the same path as the time-out, naming the call and its 
 Seen how: the heartbeat carries the process's pid, start time, boot id and PID namespace, so a process
 of the same kernel and namespace is looked up in /proc (process.py: stopped or gone); and it
 carries the address of a listener the rank's kernel answers (reach.py), so a rank quiet for
-``quiet_s - reach.PROBE_S`` has its host probed with a few connections at once: none completing within
-``reach.PROBE_S`` means its link or host is down, a reset means its process is gone. A quiet rank whose
+``quiet_s - reach.PROBE_S`` has its host probed with a few connections, spread over the probe's first
+beats: none completing within ``reach.PROBE_S`` of the first means its link or host is down, a reset
+means its process is gone. A quiet rank whose
 process is alive and whose host answers (a starved CPU, a GIL held in a long C call) is left to the
 time-out: a heartbeat that stops is not proof by itself. A rank that is busy (fresh heartbeats, not
 in a call) is never named early: the time-out governs it, a long step is legitimate. With
