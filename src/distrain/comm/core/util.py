@@ -54,3 +54,12 @@ def chunk_sizes(N: int, P: int) -> list[int]:
     """Sizes of ``torch.tensor_split(t, P)`` for N elements: the first N mod P get one extra."""
     q, rem = divmod(N, P)
     return [q + 1 if i < rem else q for i in range(P)]
+
+
+def chunk_bounds(N: int, P: int) -> list[tuple[int, int]]:
+    """``(lo, hi)`` of each of the P parts of :func:`chunk_sizes`, in order."""
+    out, lo = [], 0
+    for k in chunk_sizes(N, P):
+        out.append((lo, lo + k))
+        lo += k
+    return out

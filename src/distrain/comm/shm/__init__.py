@@ -7,6 +7,7 @@
     symmetric.py    symmetric memory: buffers every rank allocates alike and every peer maps
     p2p.py          isend/irecv through per-pair byte rings (what star/ring/tree run on)
     collectives.py  direct collectives ("native" on this transport): read peers' slots in place
+    symmetric_collectives.py  the collectives on symmetric memory, and each rank's declaration of its buffer
     hierarchy.py    all_reduce of a group over several hosts: shm inside, torch between leaders
 
 Imports the core only. It registers itself with :mod:`distrain.comm.core.transport` on

@@ -2,11 +2,12 @@
 // collective (flag protocol, waits, copies, reductions) and of point-to-point messages (the byte
 // rings, and a whole blocking send or receive in one call).
 //
-// The Python modules beside this file are the reference: collectives.py (the algorithms),
-// transport.py (the waits and the wake-up protocol), segment.py (the layout of a rank's
-// segment), symmetric.py (symmetric allocations), p2p.py (the byte rings). This file follows
-// them step for step (same steps, same slots, same control lines, same order of reduction), so
-// a result has the same bits whichever runs, and the two interoperate on one segment layout.
+// The Python modules beside this file are the reference: collectives.py and
+// symmetric_collectives.py (the algorithms), transport.py (the waits and the wake-up protocol),
+// segment.py (the layout of a rank's segment), symmetric.py (symmetric allocations), p2p.py (the
+// byte rings). This file follows them step for step (same steps, same slots, same control lines,
+// same order of reduction), so a result has the same bits whichever runs, and the two interoperate
+// on one segment layout.
 // Read the Python first; the comments here say only what differs or why the C++ is shaped so.
 //
 // Memory ordering. The Python relies on x86-64 TSO and on each access being a separate call.
@@ -65,8 +66,8 @@ constexpr double SPIN_MAX_S = 1e-3;        // segment.SPIN_MAX_S
 constexpr double SPIN_MIN_S = 5e-6;        // segment.SPIN_MIN_S
 constexpr int MAX_BLOCK_MS = 50;           // segment.MAX_BLOCK (seconds there)
 constexpr double CHECK_EVERY_S = 0.05;     // segment.CHECK_EVERY
-constexpr int CODE_BITS = 56;              // collectives.CODE_BITS
-constexpr int64_t STEP_MASK = 0x7F;        // collectives.STEP_MASK: a SYMMETRIC line's step bits
+constexpr int CODE_BITS = 56;              // symmetric_collectives.CODE_BITS
+constexpr int64_t STEP_MASK = 0x7F;        // symmetric_collectives.STEP_MASK: a SYMMETRIC line's step bits
 constexpr int OFFSET_BITS = 40;            // symmetric.OFFSET_BITS: a symmetric code's offset bits
 constexpr int HEAD_LINE_0 = 8;             // segment.Layout.head_line(0): the channel to rank q's head is
 constexpr int TAIL_LINE_0 = 9;             // on line HEAD_LINE_0 + 2q, its tail on TAIL_LINE_0 + 2q
@@ -592,7 +593,7 @@ class Plane {
     return OK;
   }
 
-  // -- what each rank works on (collectives._declare / _check_same) ---------------------------
+  // -- what each rank works on (symmetric_collectives.declare / check_same) -----------------
   int64_t declare(int64_t s, int64_t code) {
     int64_t l = (s & STEP_MASK) << CODE_BITS | code;
     set(SYMMETRIC, l);
@@ -780,7 +781,7 @@ class Plane {
     return OK;
   }
 
-  // collectives._all_reduce_symmetric: rank r reduces part r of all P copies and writes it into
+  // symmetric_collectives.all_reduce: rank r reduces part r of all P copies and writes it into
   // every copy; two waits for the whole tensor.
   int all_reduce_symmetric(const Symmetric& a, int64_t off, int64_t n, int64_t es, FoldFn f) {
     int P = size_, r = rank_;

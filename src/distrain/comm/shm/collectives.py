@@ -21,11 +21,11 @@ saving the second wait, which dominates latency. At P = 2 every chunk takes one 
 second wait costs more than reducing the whole chunk twice (measured 1.05-1.2x faster at
 64 KiB-16 MiB on the loaded 2-core machine, both ways interleaved in one run).
 
-all_reduce of a tensor in symmetric memory (symmetric.py; every peer maps its counterpart)
-skips the slots: two waits for the whole tensor, between them rank r reduces part r of all P
-copies and writes it into every copy (:func:`_all_reduce_symmetric`). Each rank declares on its
-SYMMETRIC line what it passes, so a rank that passes an ordinary tensor against symmetric ones
-is named instead of reading the wrong memory.
+A tensor in symmetric memory (symmetric.py; every peer maps its counterpart) skips the slots:
+all_reduce, all_gather and reduce_scatter hand it to symmetric_collectives.py, which also holds
+the declaration every rank makes (where the group has symmetric memory) of what it passes, so a
+rank that passes an ordinary tensor against symmetric ones is named instead of reading the wrong
+memory; the slot path below declares ordinary memory through it.
 
 reduce_scatter: step with the P pieces destined to each rank; rank r folds piece r of all
 slots. all_gather / gather: each copies its piece in; readers copy all. broadcast / scatter:
@@ -40,10 +40,9 @@ from __future__ import annotations
 import torch
 
 from distrain.comm.core.ops import Op
-from distrain.comm.shm.segment import ARRIVE, CONSUMED, DONE, SYMMETRIC
-from distrain.comm.shm.symmetric import OFFSET_BITS
-from distrain.comm.core.util import chunk_sizes
-from distrain.errors import CommError
+from distrain.comm.core.util import chunk_bounds
+from distrain.comm.shm import symmetric_collectives
+from distrain.comm.shm.segment import ARRIVE, CONSUMED, DONE
 
 SMALL_BYTES = 32 << 10
 READS_INPUT_ONLY = True  # reduce_scatter reads its input in place (api.reduce_scatter skips the work copy)
@@ -55,28 +54,13 @@ def _sh(pc):
 
 def _step(sh, what: str) -> int:
     """Start a step: peers' segments open, the step number for this chunk."""
-    _open(sh, what)
+    sh.open_peers(what)
     return sh.begin()
-
-
-def _open(sh, what: str) -> None:
-    """Every peer's segment mapped (the first collective of a group opens them)."""
-    if len(sh.peers) < sh.size:
-        sh.coll = what
-        sh.open_all()
 
 
 def _arrive(sh, step: int, what: str) -> None:
     sh.post(ARRIVE, step)
     sh.wait_all(ARRIVE, step, what)
-
-
-def _bounds(c: int, P: int) -> list[tuple[int, int]]:
-    out, lo = [], 0
-    for k in chunk_sizes(c, P):
-        out.append((lo, lo + k))
-        lo += k
-    return out
 
 
 def _chunk(sh, t: torch.Tensor, per: int = 1) -> int:
@@ -99,13 +83,13 @@ def _pipelined(sh, what: str, chunks: int, copy_in, fold) -> None:
     the last chunk (every peer's ARRIVE >= last) every peer has read the slot that the next
     lock-step collective writes at once, as lock-step collectives assume.
     """
-    _open(sh, what)
+    sh.open_peers(what)
     K = sh.layout.slots
     base = sh.step
     sh.me.set_line(CONSUMED, base)  # every earlier step is read (steps run in order on a rank)
     # what each rank works on, checked once every peer arrived: only where symmetric memory exists
     # (its allocation is collective, so either every rank of the group has a heap or none has)
-    line = _declare(sh, base + 1, 0) if sh.heap is not None else None
+    line = symmetric_collectives.declare(sh, base + 1, 0) if sh.heap is not None else None
     posted = folded = 0
     while folded < chunks:
         while posted < chunks and posted - folded < K - 1:
@@ -121,135 +105,17 @@ def _pipelined(sh, what: str, chunks: int, copy_in, fold) -> None:
         s = base + 1 + folded
         sh.wait_all(ARRIVE, s, what)
         if not folded and line is not None:
-            _check_same(sh, line, what)
+            symmetric_collectives.check_same(sh, line, what)
         fold(folded, s)
         folded += 1
         sh.post(CONSUMED, s)
-
-
-CODE_BITS = 56  # SYMMETRIC line: (first step & STEP_MASK) << 56 | the tensor's code (0: slots); fits an int64
-STEP_MASK = 0x7F
-
-
-def _declare(sh, step: int, code: int) -> int:
-    """Say what this rank's all_reduce starting at ``step`` works on (its SYMMETRIC line)."""
-    line = (step & STEP_MASK) << CODE_BITS | code
-    sh.me.set_line(SYMMETRIC, line)
-    return line
-
-
-def _kind(code: int) -> str:
-    code &= (1 << CODE_BITS) - 1
-    if not code:
-        return "an ordinary tensor"
-    return f"symmetric allocation {(code >> OFFSET_BITS) - 1} at byte offset {code & ((1 << OFFSET_BITS) - 1)}"
-
-
-def _check_same(sh, line: int, what: str) -> None:
-    """After every peer arrived at the first step: each declared the same kind of buffer. (A peer
-    whose line carries another step has finished this call and moved on: nothing to compare.)"""
-    tag = line >> CODE_BITS
-    for q, seg in sh.peers.items():
-        theirs = seg.line(SYMMETRIC)
-        if theirs != line and theirs >> CODE_BITS == tag:
-            raise mismatch(sh, q, theirs, line, what)
-
-
-def mismatch(sh, q: int, theirs: int, line: int, what: str) -> CommError:
-    """The error when rank q declared another buffer than this rank (the compiled check's too)."""
-    return CommError(f"{what} on rank {sh.me_global}: rank {sh.ranks[q]} passed {_kind(theirs)}, this rank "
-                     f"{_kind(line)}; every rank must pass its counterpart: a symmetric tensor "
-                     f"(comm.symmetric_empty, same allocation and offset) everywhere, or ordinary ones everywhere")
-
-
-def _declared(sh) -> int | None:
-    """Where symmetric memory exists, declare that this collective works on ordinary memory (on
-    the step its first arrival carries); the caller checks the peers after that arrival."""
-    return _declare(sh, sh.step + 1, 0) if sh.heap is not None else None
-
-
-def _symmetric_steps(sh, alloc, offset: int, what: str, work) -> None:
-    """A collective on symmetric memory: declare it, arrive, check every peer passed the
-    counterpart, ``work()`` on the peers' memory, then a second wait (DONE) so that no rank
-    changes its buffer while a peer still reads it."""
-    _open(sh, what)
-    step = sh.begin()
-    line = _declare(sh, step, alloc.code(offset))
-    sh.post(ARRIVE, step)
-    sh.wait_all(ARRIVE, step, what)
-    _check_same(sh, line, what)
-    work()
-    sh.post(DONE, step)
-    sh.wait_all(DONE, step, what)
-
-
-def _all_reduce_symmetric(sh, buf: torch.Tensor, op: Op, alloc, offset: int, what: str) -> None:
-    """all_reduce of a tensor in symmetric memory, in place in every rank's copy (two phases).
-
-    After every rank arrived, rank r reduces part r (``tensor_split`` sizes) of all P buffers,
-    read straight from the peers' memory in rank order 0..P-1, and writes the result into part r
-    of every rank's buffer; once every rank is done, each buffer holds the whole result. Per
-    rank: n elements read and n written, against the slot path's copy in, P reads and a write
-    per element (the reduction work is split P ways and nothing is copied twice). Parts are
-    disjoint, so no rank reads what another writes until the DONE wait.
-    """
-    P, r, n, es = sh.size, sh.rank, buf.numel(), buf.element_size()
-
-    def work() -> None:
-        bufs = [alloc.views[q][offset:offset + n * es].view(buf.dtype) for q in range(P)]
-        lo, hi = _bounds(n, P)[r]
-        c = max(1, sh.layout.slot_bytes // (2 * es))  # a chunk of each input and the result stay in cache
-        for a in range(lo, hi, c):
-            b = min(a + c, hi)
-            parts = [x[a:b] for x in bufs]
-            if r < 2:  # fold may write over its first or second input: straight into this rank's part
-                out = parts[r]
-            else:
-                if sh.scratch is None or sh.scratch.numel() < sh.layout.slot_bytes:
-                    sh.scratch = torch.empty(sh.layout.slot_bytes, dtype=torch.uint8)
-                out = sh.scratch[:(b - a) * es].view(buf.dtype)
-            op.fold(out, parts)
-            for q in range(P):
-                if parts[q] is not out:
-                    parts[q].copy_(out)
-
-    _symmetric_steps(sh, alloc, offset, what, work)
-
-
-def _all_gather_symmetric(sh, full: torch.Tensor, n: int, alloc, offset: int, what: str) -> None:
-    """all_gather into a (P, n) buffer in symmetric memory whose row r holds rank r's input:
-    each rank copies the P-1 other rows straight from their owners' buffers (no slot copies)."""
-    P, r, es = sh.size, sh.rank, full.element_size()
-
-    def work() -> None:
-        rows = full.view(P, n)
-        for q in range(P):
-            if q != r:
-                rows[q].copy_(alloc.views[q][offset + q * n * es:offset + (q + 1) * n * es].view(full.dtype))
-
-    _symmetric_steps(sh, alloc, offset, what, work)
-
-
-def _reduce_scatter_symmetric(sh, out: torch.Tensor, full: torch.Tensor, op: Op, alloc, offset: int,
-                              what: str) -> None:
-    """reduce_scatter of a (P, n) input in symmetric memory: rank r folds block r of every rank's
-    input straight from their memory, in rank order, in cache-sized pieces."""
-    P, r, n, es = sh.size, sh.rank, out.numel(), out.element_size()
-
-    def work() -> None:
-        blocks = [alloc.views[q][offset + r * n * es:offset + (r + 1) * n * es].view(out.dtype) for q in range(P)]
-        c = max(1, sh.layout.slot_bytes // (2 * es))
-        for a in range(0, n, c):
-            op.fold(out[a:a + c], [x[a:a + c] for x in blocks])
-
-    _symmetric_steps(sh, alloc, offset, what, work)
 
 
 def all_reduce(pc, buf: torch.Tensor, op: Op) -> None:
     sh, what = _sh(pc), f"{pc.op}(transport=shm)"
     where = sh.heap.locate(buf) if sh.heap is not None else None
     if where is not None:
-        _all_reduce_symmetric(sh, buf, op, *where, what)
+        symmetric_collectives.all_reduce(sh, buf, op, *where, what)
         return
     P, r, n = sh.size, sh.rank, buf.numel()
     m = _chunk(sh, buf)
@@ -269,7 +135,7 @@ def all_reduce(pc, buf: torch.Tensor, op: Op) -> None:
         c = x.numel()
         step = _step(sh, what)
         if not a and sh.heap is not None:
-            _declare(sh, step, 0)
+            symmetric_collectives.declare(sh, step, 0)
         if c * buf.element_size() < SMALL_BYTES:
             slots = sh.views(step, buf.dtype, c)
             slots[r].copy_(x)
@@ -288,7 +154,7 @@ def _reduce_parts(sh, x: torch.Tensor, mine: torch.Tensor, step: int, op: Op, wh
     this rank's slot (where the peers copy it from) and then into x.
     """
     P, r, c = sh.size, sh.rank, x.numel()
-    parts = _bounds(c, P)
+    parts = chunk_bounds(c, P)
     lo, hi = parts[r]
     if lo > 0:
         mine[:lo].copy_(x[:lo])
@@ -336,18 +202,18 @@ def all_gather(pc, full: torch.Tensor, n: int) -> None:
     P, r = sh.size, sh.rank
     where = sh.heap.locate(full) if sh.heap is not None else None
     if where is not None:
-        _all_gather_symmetric(sh, full, n, *where, what)
+        symmetric_collectives.all_gather(sh, full, n, *where, what)
         return
     rows = full.view(P, n)
     m = _chunk(sh, full)
-    line = _declared(sh)
+    line = symmetric_collectives.declared(sh)
     for a in range(0, n, m):
         c = min(m, n - a)
         step = _step(sh, what)
         sh.slot(r, step, full.dtype)[:c].copy_(rows[r, a:a + c])
         _arrive(sh, step, what)
         if line is not None:
-            _check_same(sh, line, what)
+            symmetric_collectives.check_same(sh, line, what)
             line = None
         for q in range(P):
             if q != r:
@@ -389,17 +255,17 @@ def reduce_scatter(pc, out: torch.Tensor, full: torch.Tensor, op: Op) -> None:
     P, r, n = sh.size, sh.rank, out.numel()
     where = sh.heap.locate(full) if sh.heap is not None and not _overlap(out, full) else None
     if where is not None:
-        _reduce_scatter_symmetric(sh, out, full, op, *where, what)
+        symmetric_collectives.reduce_scatter(sh, out, full, op, *where, what)
         return
     m = _chunk(sh, out, per=P)
-    line = _declared(sh)
+    line = symmetric_collectives.declared(sh)
     for a in range(0, n, m):
         c = min(m, n - a)
         step = _step(sh, what)
         sh.slot(r, step, out.dtype)[:P * c].view(P, c).copy_(full.view(P, n)[:, a:a + c])
         _arrive(sh, step, what)
         if line is not None:
-            _check_same(sh, line, what)
+            symmetric_collectives.check_same(sh, line, what)
             line = None
         op.fold(out[a:a + c], [sh.slot(q, step, out.dtype)[r * c:(r + 1) * c] for q in range(P)])
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from distrain.comm.core import ledger
 from distrain.comm.core import watchdog
 from distrain.comm.core.ops import Op
-from distrain.comm.shm import collectives, segment, symmetric
+from distrain.comm.shm import collectives, segment, symmetric, symmetric_collectives
 from distrain.comm.shm.segment import MAX_MESSAGE, Layout, ring_error
 from distrain.errors import ConfigError, DataPlaneMismatchError
 
@@ -71,8 +71,8 @@ def reference() -> dict[str, int | float]:
            for name in ("ARRIVE", "DONE", "ABORT", "PID", "RESULT", "SLEEPING", "CONSUMED", "SYMMETRIC")},
         "HEAD_LINE_0": Layout.head_line(0), "TAIL_LINE_0": Layout.tail_line(0),
         "LINES_PER_CHANNEL": Layout.head_line(1) - Layout.head_line(0),
-        "SMALL_BYTES": collectives.SMALL_BYTES, "CODE_BITS": collectives.CODE_BITS,
-        "STEP_MASK": collectives.STEP_MASK, "OFFSET_BITS": symmetric.OFFSET_BITS,
+        "SMALL_BYTES": collectives.SMALL_BYTES, "CODE_BITS": symmetric_collectives.CODE_BITS,
+        "STEP_MASK": symmetric_collectives.STEP_MASK, "OFFSET_BITS": symmetric.OFFSET_BITS,
         "HEADER": segment.HEADER, "WORD_LIMIT": segment.WORD_LIMIT, "BAD_WORDS": BAD_WORDS,
         "SPIN_MAX_S": segment.SPIN_MAX_S, "SPIN_MIN_S": segment.SPIN_MIN_S, "MAX_BLOCK_S": segment.MAX_BLOCK,
         "CHECK_EVERY_S": segment.CHECK_EVERY,
@@ -227,7 +227,7 @@ def error(sh, rc: int, what: str) -> Exception:
     plane = sh.plane
     q = plane.err_peer
     if rc == MISMATCH:
-        return collectives.mismatch(sh, q, plane.err_theirs, plane.err_mine, what)
+        return symmetric_collectives.mismatch(sh, q, plane.err_theirs, plane.err_mine, what)
     kind = {PEER_ABORTED: "aborted", PEER_DIED: "died", TIMED_OUT: "timeout"}[rc]
     return sh.lost(kind, q if q >= 0 else None, what, range(sh.size))
 

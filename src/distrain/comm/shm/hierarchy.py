@@ -30,7 +30,7 @@ from distrain.comm.core.ops import Op
 from distrain.comm.core.p2p import PeerComm
 from distrain.comm.shm.segment import ARRIVE, DONE, RESULT
 from distrain.comm.core.transport import TORCH
-from distrain.comm.core.util import chunk_sizes
+from distrain.comm.core.util import chunk_bounds
 
 
 def _plan(sh) -> SimpleNamespace:
@@ -73,7 +73,7 @@ def all_reduce(pc: PeerComm, buf: torch.Tensor, op: Op) -> None:
         sh.post(ARRIVE, step)
         sh.wait_all(ARRIVE, step, what, peers=plan.local)
         sh.unlink_when_mapped()  # every rank of this host has mapped our segment by now
-        bounds = _bounds(c, L)
+        bounds = chunk_bounds(c, L)
         lo, hi = bounds[i]
         op.fold(x[lo:hi], [s[lo:hi] for s in slots])
         slots[i][lo:hi].copy_(x[lo:hi])
@@ -90,14 +90,6 @@ def all_reduce(pc: PeerComm, buf: torch.Tensor, op: Op) -> None:
         else:
             sh.wait_all(RESULT, step, what, peers=[plan.leader])
             x.copy_(slots[0])
-
-
-def _bounds(c: int, L: int) -> list[tuple[int, int]]:
-    out, lo = [], 0
-    for k in chunk_sizes(c, L):
-        out.append((lo, lo + k))
-        lo += k
-    return out
 
 
 def traffic(coll: str, P: int, rank: int, count: int, root: int) -> tuple[int, int]:

@@ -175,6 +175,13 @@ class ShmTransport(Waits):
     def open_all(self) -> list[Segment]:
         return [self.seg(q) for q in range(self.size)]
 
+    def open_peers(self, what: str) -> None:
+        """Every peer's segment mapped (the first collective of a group opens them), errors
+        meanwhile naming ``what``."""
+        if len(self.peers) < self.size:
+            self.coll = what
+            self.open_all()
+
     def compiled(self):
         """The compiled data plane of this group (compiled.make_plane), built on first use."""
         if self.plane is None:
