@@ -6,6 +6,7 @@
     host.py         which host a rank is on; whether this host can use the transport
     symmetric.py    symmetric memory: buffers every rank allocates alike and every peer maps
     p2p.py          isend/irecv through per-pair byte rings (what star/ring/tree run on)
+    compiled_p2p.py the same rings through the C++ extension (p2p.py's compiled path)
     collectives.py  direct collectives ("native" on this transport): read peers' slots in place
     symmetric_collectives.py  the collectives on symmetric memory, and each rank's declaration of its buffer
     hierarchy.py    all_reduce of a group over several hosts: shm inside, torch between leaders

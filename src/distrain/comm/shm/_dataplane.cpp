@@ -850,7 +850,7 @@ class Plane {
 // (acquire load); a tail is stored after the bytes it frees were copied out, and the writer loads
 // it (acquire) before overwriting them. The matching of messages to receives, the stash and every
 // handle stay in Python: p2p.Channels calls push/header/pull as the inner loops of its progress
-// engine, and send/recv for a blocking transfer when nothing else is pending (see there).
+// engine, and send/recv for a blocking transfer when nothing else is pending (compiled_p2p.py).
 //
 // Words read from shared memory are data: a peer maps the whole segment and may write anything
 // into it. Each head and tail is loaded once, checked (segment.words_ok: multiples of 16, 0 <= tail <=
@@ -861,7 +861,7 @@ class Plane {
 // the step after it reports them instead of waiting for the deadline.
 //
 // Why send and recv cannot deadlock: they run only when the Python engine has nothing to do but
-// this one transfer (p2p.Channels._fast checks that), and they *wait* only while that still holds:
+// this one transfer (compiled_p2p.finish checks that), and they *wait* only while that still holds:
 // no unread bytes in another incoming ring (for a send: in any incoming ring, the peer's own
 // included), and no other thread of this rank asking for the channels (`want`). The moment one
 // of those appears, the call returns UNSUPPORTED with its progress (the offset), and the Python
@@ -907,7 +907,7 @@ class Rings {
   // SLEEPING counts this rank's threads blocked on its pipe, whoever waits (transport._sleepers).
   void sleepers(int delta) { __atomic_fetch_add(ctrl(rank_, SLEEPING), delta, __ATOMIC_SEQ_CST); }
 
-  // Another thread of this rank waits for the channels (p2p.Channels' lock), or stops waiting:
+  // Another thread of this rank waits for the channels (compiled_p2p.Guard), or stops waiting:
   // a blocking send/recv in flight hands back as soon as it sees a positive count.
   void want(int delta) {
     __atomic_fetch_add(&want_, delta, __ATOMIC_SEQ_CST);
@@ -918,7 +918,7 @@ class Rings {
     }
   }
 
-  // -- the inner loops of p2p.Channels._push / _pull ------------------------------------------
+  // -- the inner loops of p2p.Channels._push / _pull (compiled_p2p.push / pull) ---------------
 
   // Write what fits of one message to q (`off` -1: its header is not written yet); returns the
   // new offset into the padded message (p2p._Send.off), or BAD_WORDS. Never waits.

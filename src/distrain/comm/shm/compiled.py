@@ -25,6 +25,8 @@ Contract of the module-level collectives (what :meth:`ShmTransport.direct` hands
 dispatcher in compiled mode): the same signatures as collectives.py; a call the extension
 cannot take (a dtype or layout it does not know) runs the Python version, with the step counter
 handed over both ways. A failure raises the same typed errors as the Python waits do.
+
+Point-to-point's compiled path (the extension's byte rings under p2p.Channels) is compiled_p2p.py.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from distrain.comm.core import ledger
 from distrain.comm.core import watchdog
 from distrain.comm.core.ops import Op
 from distrain.comm.shm import collectives, segment, symmetric, symmetric_collectives
-from distrain.comm.shm.segment import MAX_MESSAGE, Layout, ring_error
+from distrain.comm.shm.segment import Layout
 from distrain.errors import ConfigError, DataPlaneMismatchError
 
 KERNELS = ("auto", "compiled", "python")
@@ -52,7 +54,7 @@ READS_INPUT_ONLY = True  # as collectives.py: reduce_scatter reads its input in 
 CODES = {"sum": 0, "prod": 1, "min": 2, "max": 3, "band": 4, "bor": 5, "bxor": 6, "avg": 7}
 OP_CODES = {**CODES, "avg": CODES["sum"]}
 # What the extension's calls return (_dataplane.cpp's enum Status); each failure becomes the typed
-# error the Python waits raise (error, p2p_error, checked).
+# error the Python waits raise (error here; compiled_p2p.p2p_error and checked for the byte rings).
 OK, UNSUPPORTED, PEER_ABORTED, PEER_DIED, TIMED_OUT, MISMATCH, CORRUPT = 0, 1, 2, 3, 4, 5, 6
 BAD_WORDS = -2  # Rings.push/pull's offset, Rings.header's byte count: the ring's words are invalid (err_*)
 
@@ -145,7 +147,7 @@ def make_plane(sh):
     lay = sh.layout
     base = [s.bytes.data_ptr() for s in segs]
     plane = ext.Plane(sh.rank, sh.size, lay.slots, lay.slot_bytes, base, [b + lay.coll_offset for b in base],
-                      [s.wake_fd for s in segs], [_lock_fd(s) for s in segs], float(sh.timeout),
+                      [s.wake_fd for s in segs], [lock_fd(s) for s in segs], float(sh.timeout),
                       threading.main_thread().ident)
     plane.step, plane.spin = sh.step, sh.spin
     for a in (sh.heap.allocs if sh.heap is not None else ()):
@@ -153,7 +155,7 @@ def make_plane(sh):
     return plane
 
 
-def _lock_fd(seg) -> int:
+def lock_fd(seg) -> int:
     """The descriptor the extension tests a segment's owner through (segment.Segment.owner_alive):
     a peer's; -1 for this rank's own (never tested: its lock is this rank's)."""
     return -1 if seg.owner or seg.fd is None else seg.fd
@@ -353,42 +355,3 @@ def unregister(sh) -> None:
     fp = sh.state.fast
     if fp is not None and fp.sh is sh:
         sh.state.fast = None
-
-
-# ---------------------------------------------------------------------------------------------
-# Point-to-point: the extension's byte rings (p2p.Channels drives them)
-# ---------------------------------------------------------------------------------------------
-
-def make_rings(sh):
-    """The extension's Rings for transport ``sh``'s point-to-point channels, this rank's own segment
-    known (peers are added as they are opened: a pair never waits for ranks it does not talk to);
-    a message header announcing more than segment.MAX_MESSAGE bytes is refused, as in Python."""
-    rings = ext.Rings(sh.rank, sh.size, sh.layout.ring_bytes, sh.layout.chan_offset, float(sh.timeout),
-                      threading.main_thread().ident, MAX_MESSAGE)
-    add_peer(rings, sh, sh.rank)
-    # The SLEEPING line counts this rank's blocked threads, C++ waits and Python waits alike: the
-    # transport's Python count (a plain store until a Plane exists) would overwrite the extension's
-    # atomic adds, so from now on the transport counts through the same atomic add.
-    sh.count_sleepers_with(rings.sleepers)
-    return rings
-
-
-def add_peer(rings, sh, q: int) -> None:
-    s = sh.peers[q]
-    rings.add_peer(q, s.bytes.data_ptr(), s.wake_fd, _lock_fd(s))
-
-
-def checked(sh, rings, value: int) -> int:
-    """``value`` (an offset or byte count from ``rings``), or, for BAD_WORDS, the PeerCorruptError of
-    the words the Rings found invalid (segment.ring_error: what the Python engine raises for them)."""
-    if value == BAD_WORDS:
-        raise ring_error(sh, rings.err_peer, rings.err_out, rings.err_head, rings.err_tail,
-                         rings.err_count if rings.err_header else None)
-    return value
-
-
-def p2p_error(sh, rc: int, q: int, what: str) -> Exception:
-    """The typed error of a failed blocking send/recv of the Rings (what transport.wait raises);
-    CORRUPT is :func:`checked`'s."""
-    kind = {PEER_ABORTED: "aborted", PEER_DIED: "died", TIMED_OUT: "timeout"}[rc]
-    return sh.lost(kind, None if kind == "timeout" else q, what, [q])

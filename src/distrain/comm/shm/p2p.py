@@ -19,39 +19,22 @@ Words a peer can write are data: heads and tails are checked (segment.words_ok) 
 a ring, a header's byte count (at most this host's memory) before anything is allocated for it; both
 kernels raise segment.ring_error's PeerCorruptError for the same words.
 
-Compiled kernels (compiled.kernels() == "compiled"): the same protocol, byte for byte, with the
-copies and head/tail accesses done by the extension's Rings (_dataplane.cpp), so a compiled rank
-and a Python rank can talk to each other. Three things change, never the semantics:
-
-* ``_push``/``_pull`` copy through ``Rings.push/header/pull`` (one call per message piece);
-* an ``isend`` with nothing queued before it on its channel writes what fits at once, and is
-  complete when the whole message fitted; what did not fit, like an ``irecv``, is left to a wait
-  (no progress call when posting);
-* waiting on a handle first tries the whole transfer in one C++ call with the GIL released
-  (:meth:`Channels._fast`): a send that is the only one pending, or the receive that the next
-  message from its peer goes to (the oldest posted of its (peer, tag), nothing else pending to
-  send). The call waits only while the Python engine would have nothing else to do, and hands
-  back its progress otherwise; why that cannot deadlock is said in _dataplane.cpp ("Point-to-point").
-  Anything else (a stashed message, another tag first, several messages pending, a wrong size)
-  runs the Python engine below. ``fast_sent``/``fast_received`` count what the C++ completed.
-
-A tensor outside CPU memory turns the group's channels to the Python copies for good (the
-extension copies host memory); the protocol being the same, the switch may happen anywhere.
+Compiled kernels (compiled.kernels() == "compiled"): the same protocol, byte for byte, the
+extension's byte rings doing the copies and head/tail accesses (compiled_p2p.py: what changes,
+never the semantics), so a compiled rank and a Python rank can talk to each other. The engine here
+stays the reference and runs whatever the compiled path does not take.
 """
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 
 import torch
 
-from distrain.comm.shm import compiled
-from distrain.comm.shm.segment import HEADER, MAX_MESSAGE, ring_error, words_ok
+from distrain.comm.shm import compiled_p2p
+from distrain.comm.shm.compiled_p2p import Guard
+from distrain.comm.shm.segment import HEADER, MAX_MESSAGE, padded, ring_error, words_ok
 from distrain.errors import CommError
-
-def _pad(n: int) -> int:
-    return -(-n // HEADER) * HEADER
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -87,7 +70,7 @@ class ShmWork:
 class _Send:
     def __init__(self, work: ShmWork, data: torch.Tensor, tag: int):
         self.work, self.data, self.tag = work, data, tag
-        self.total = _pad(data.numel())
+        self.total = padded(data.numel())
         self.off = -1  # -1: header not written yet
 
 
@@ -98,44 +81,18 @@ class _Recv:
         self.waiter: _Recv | None = None  # an irecv that took this stashed message while it streamed
 
 
-class _Guard:
-    """The channels' lock. A thread that finds it taken first asks a blocking compiled transfer
-    holding it to hand back (``Rings.want``): that transfer may wait for a long time, and this
-    thread's message may be what its peer waits for."""
-
-    __slots__ = ("chans", "lock")
-
-    def __init__(self, chans: "Channels"):
-        self.chans, self.lock = chans, threading.RLock()
-
-    def __enter__(self) -> None:
-        if not self.lock.acquire(False):
-            rings = self.chans.rings
-            if rings is None:
-                self.lock.acquire()
-                return
-            rings.want(1)
-            try:
-                self.lock.acquire()
-            finally:
-                rings.want(-1)
-
-    def __exit__(self, *exc) -> None:
-        self.lock.release()
-
-
 class Channels:
     """All shared-memory P2P channels of one group, seen from this rank."""
 
     def __init__(self, sh):
         self.sh = sh
         self.R = sh.layout.ring_bytes
-        self.guard = _Guard(self)
+        self.guard = Guard(self)
         self.sends: dict[int, deque[_Send]] = {}
         self.posted: dict[tuple[int, int], deque[_Recv]] = {}
         self.stash: dict[tuple[int, int], deque[_Recv]] = {}
         self.current: dict[int, tuple[_Recv, int, int]] = {}  # peer -> (message, bytes read, padded size)
-        self.rings = compiled.make_rings(sh) if sh.kernels == "compiled" else None
+        self.rings = compiled_p2p.make_rings(sh) if sh.kernels == "compiled" else None  # None: Python copies
         self.known = {sh.rank}  # the peers whose segment the rings know
         self.fast_sent = self.fast_received = 0  # messages the compiled path completed (tests check it)
 
@@ -145,14 +102,11 @@ class Channels:
         m = w.op = _Send(w, _bytes(tensor), tag)
         with self.guard:
             pending = self.sends.setdefault(q, deque())
-            rings = self._rings_for(tensor)
-            if rings is not None and not pending and self._knows(q):
-                m.off = compiled.checked(self.sh, rings, rings.push(q, tag, m.data, -1))
-                self.sh.unlink_if_all_opened()
-                if m.off == m.total:
-                    w.done = True
-                    self.fast_sent += 1
-                    return w
+            rings = compiled_p2p.rings_for(self, tensor)
+            if rings is not None and not pending and compiled_p2p.knows(self, q) and \
+                    compiled_p2p.send_at_once(self, rings, q, m):
+                w.done = True
+                return w
             pending.append(m)
             if rings is not None:
                 return w  # the rest waits for a wait (in one C++ call when nothing else is pending)
@@ -163,7 +117,7 @@ class Channels:
         w = ShmWork(self, False, q, tag)
         r = w.op = _Recv(w, _bytes(tensor), tag)
         with self.guard:
-            rings = self._rings_for(tensor)
+            rings = compiled_p2p.rings_for(self, tensor)
             stashed = self.stash.get((q, tag))
             if stashed:
                 m = stashed.popleft()
@@ -198,15 +152,8 @@ class Channels:
                     self._pull(q, s)
 
     def _push(self, q: int, pending: deque) -> None:
-        rings = self.rings
-        if rings is not None:
-            while pending and self._knows(q):
-                m = pending[0]
-                m.off = compiled.checked(self.sh, rings, rings.push(q, m.tag, m.data, m.off))
-                if m.off != m.total:
-                    return
-                pending.popleft()
-                m.work.done = True
+        if self.rings is not None:
+            compiled_p2p.push(self, q, pending)
             return
         me = self.sh.me
         head_line, tail_line = me.layout.head_line(q), me.layout.tail_line(q)
@@ -240,8 +187,7 @@ class Channels:
 
     def _pull(self, q: int, s) -> None:
         if self.rings is not None:
-            if self._knows(q):
-                self._pull_compiled(q)
+            compiled_p2p.pull(self, q)
             return
         head_line, tail_line = s.layout.head_line(self.sh.rank), s.layout.tail_line(self.sh.rank)
         head, tail = s.line(head_line), s.line(tail_line)
@@ -259,9 +205,9 @@ class Channels:
                 if not 0 <= n <= MAX_MESSAGE:
                     raise ring_error(self.sh, q, False, head, tail, n)
                 tail, avail = tail + HEADER, avail - HEADER
-                cur = (self._match(q, tag, n), 0, _pad(n))
+                cur = (self.match(q, tag, n), 0, padded(n))
                 if n == 0:
-                    self._complete(cur[0])
+                    self.complete(cur[0])
                     continue
             m, off, total = cur
             pos = tail % self.R
@@ -272,38 +218,16 @@ class Channels:
             off, tail, avail = off + k, tail + k, avail - k
             if off == total:
                 self.current.pop(q, None)
-                self._complete(m)
+                self.complete(m)
             else:
                 self.current[q] = (m, off, total)
         s.set_line(tail_line, tail)  # after the bytes are copied out: the sender may reuse them
         self.sh.wake_peers((q,))
 
-    def _pull_compiled(self, q: int) -> None:
-        """_pull with the extension's copies (the same steps)."""
-        rings = self.rings
-        while True:
-            cur = self.current.get(q)
-            if cur is None:
-                h = rings.header(q)
-                if h is None:
-                    return
-                tag, n = h
-                compiled.checked(self.sh, rings, n)
-                m = self._match(q, tag, n)
-                if n == 0:
-                    self._complete(m)
-                    continue
-                cur = (m, 0, _pad(n))
-            m, off, total = cur
-            off = compiled.checked(self.sh, rings, rings.pull(q, m.data, off, total))
-            if off == total:
-                self.current.pop(q, None)
-                self._complete(m)
-            else:
-                self.current[q] = (m, off, total)
-                return
-
-    def _match(self, q: int, tag: int, n: int) -> _Recv:
+    def match(self, q: int, tag: int, n: int) -> _Recv:
+        """Where peer q's arriving message (tag, n bytes) is read to: the oldest posted receive of its
+        (peer, tag), else a buffer aside (stashed while nobody waits; for a posted receive of another
+        size, reported on it once read)."""
         posted = self.posted.get((q, tag))
         if posted:
             r = posted.popleft()
@@ -317,7 +241,9 @@ class Channels:
         self.stash.setdefault((q, tag), deque()).append(m)
         return m
 
-    def _complete(self, m: _Recv) -> None:
+    def complete(self, m: _Recv) -> None:
+        """Message ``m`` has arrived whole: its handle is done, or it is delivered to the receive
+        that took it while it streamed."""
         if m.work is not None:
             m.work.done = True
             return
@@ -328,7 +254,7 @@ class Channels:
     # -- waiting -------------------------------------------------------------------------
     def wait(self, w: ShmWork) -> None:
         if not w.done and self.rings is not None:
-            self._fast(w)
+            compiled_p2p.finish(self, w)
 
         def ready() -> bool:
             if not w.done:
@@ -339,71 +265,3 @@ class Channels:
             self.sh.wait(ready, [w.peer], w.desc)
         if w.error:
             raise CommError(w.error)
-
-    # -- the compiled path -----------------------------------------------------------------
-    def _fast(self, w: ShmWork) -> None:
-        """Finish ``w`` in one call of the extension if the Python engine has nothing else to do:
-        a send that is the only message pending, or the receive that the next message from its
-        peer goes to, with no send pending. Whatever the call did not finish (it hands back when
-        something else needs this rank, see _dataplane.cpp) stays recorded for the engine."""
-        sh = self.sh
-        with self.guard:
-            rings, q, m = self.rings, w.peer, w.op
-            if w.done or rings is None or sh.me is None or not self._knows(q):
-                return
-            self._add_opened_peers()  # the call watches every ring the engine would drain
-            if w.send:
-                pending = self.sends.get(q)
-                if not pending or pending[0] is not m or sum(map(len, self.sends.values())) != 1:
-                    return
-                rc, m.off = rings.send(q, m.tag, m.data, m.off)
-                if rc == compiled.OK:
-                    pending.popleft()
-                    w.done = True
-                    self.fast_sent += 1
-            else:
-                cur = self.current.get(q)
-                if cur is None:
-                    posted = self.posted.get((q, m.tag))
-                    if not posted or posted[0] is not m:
-                        return
-                elif cur[0] is not m:
-                    return
-                if any(self.sends.values()):
-                    return
-                rc, off = rings.recv(q, m.tag, m.data, -1 if cur is None else cur[1])
-                if off >= 0:  # its header is read: the message is this receive's
-                    if cur is None:
-                        posted.popleft()
-                    self.current[q] = (m, off, _pad(m.data.numel()))
-                if rc == compiled.OK:
-                    del self.current[q]
-                    w.done = True
-                    self.fast_received += 1
-            sh.unlink_if_all_opened()  # as progress() does: the peer that sent has mapped this rank's segment
-            if rc == compiled.CORRUPT:
-                compiled.checked(sh, rings, compiled.BAD_WORDS)
-            if rc not in (compiled.OK, compiled.UNSUPPORTED):
-                raise compiled.p2p_error(sh, rc, rings.err_peer, w.desc)
-
-    def _rings_for(self, tensor: torch.Tensor):
-        """The rings, or None: a tensor outside CPU memory turns them off for good (see the module
-        doc), and so does a closed transport (the rings point into its unmapped segments)."""
-        if self.rings is not None and (not tensor.is_cpu or self.sh.me is None):
-            self.rings = None
-        return self.rings
-
-    def _knows(self, q: int) -> bool:
-        """Whether the rings know peer q's segment (after adding what the transport has opened)."""
-        if q not in self.known:
-            self._add_opened_peers()
-        return q in self.known
-
-    def _add_opened_peers(self) -> None:
-        """Give the rings every segment the transport has opened (the engine looks at the rings of all
-        of them, so must the compiled waits)."""
-        if len(self.known) != len(self.sh.peers):
-            for p in list(self.sh.peers):
-                if p not in self.known:
-                    compiled.add_peer(self.rings, self.sh, p)
-                    self.known.add(p)

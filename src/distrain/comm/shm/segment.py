@@ -73,6 +73,11 @@ WORD_LIMIT = 1 << 62  # no head reaches it (2^62 bytes sent); keeps head + ring 
 MAX_MESSAGE = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # no message is larger than the host
 
 
+def padded(n: int) -> int:
+    """The bytes a message of ``n`` bytes takes in a ring after its header: ``n`` padded to HEADER."""
+    return -(-n // HEADER) * HEADER
+
+
 def words_ok(head: int, tail: int, ring_bytes: int) -> bool:
     """Whether a ring's head and tail, as read from shared memory, index it safely: multiples of 16,
     0 <= tail <= head < WORD_LIMIT, at most a ring apart (the extension's Rings::words_ok)."""
