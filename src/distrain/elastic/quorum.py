@@ -21,7 +21,7 @@ from distrain.errors import TrainingError
 
 def whole_replicas(members: list[int], keep: list[int], tp: int, pp: int) -> list[int]:
     """The ids of ``keep`` whose model replica (the dp index of their position in ``members`` on the
-    dp x tp x pp grid, topology.py's order: position = pp_rank * dp * tp + dp_rank * tp + tp_rank) is
+    dp x tp x pp grid, distrain.topology's order: position = pp_rank * dp * tp + dp_rank * tp + tp_rank) is
     whole in ``keep``. Kept in ``members`` order, so every survivor keeps its (tp, pp) coordinate on
     the smaller grid, and holds the shard it had."""
     dp = len(members) // (tp * pp)

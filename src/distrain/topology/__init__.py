@@ -3,7 +3,8 @@
 A :class:`Topology` is passed around explicitly (there is no global singleton and
 no environment variable is read). The pure part -- sizes, this rank's coordinates,
 the ranks of every group, neighbours -- needs no processes; only
-:meth:`Topology.from_world` touches ``torch.distributed`` to create process groups.
+:meth:`Topology.from_world` touches ``torch.distributed`` to create process groups. Which
+sizes are accepted, and what is suggested instead, is sizes.py.
 
 Layout: tp varies fastest, then cp, then dp, then pp (``ORDER``, outermost first)::
 
@@ -84,6 +85,7 @@ from datetime import timedelta
 from typing import Any, NamedTuple
 
 from distrain.errors import ConfigError
+from distrain.topology.sizes import checked_world_size
 
 AXES = ("dp", "tp", "pp", "cp")
 ORDER = ("pp", "dp", "cp", "tp")  # the rank's digits, outermost (slowest) first
@@ -105,28 +107,14 @@ class Coords(NamedTuple):
     cp: int = 0
 
 
-def _suggest(world_size: int, dp: int, tp: int, pp: int, cp: int = 1) -> str:
-    """Suggest sizes whose product is world_size, keeping the user's tp/pp/cp where possible."""
-    options = [f"dp={world_size}"]
-    mp = tp * pp * cp
-    if mp > 1 and world_size % mp == 0 and world_size != mp:
-        kept = (f"dp={world_size // mp}" + (f", cp={cp}" if cp > 1 else "") + f", tp={tp}"
-                + (f", pp={pp}" if pp > 1 else ""))
-        options.append(kept)
-    else:  # split off the smallest prime factor as tp
-        f = next((k for k in range(2, world_size) if world_size % k == 0), None)
-        if f is not None:
-            options.append(f"dp={world_size // f}, tp={f}")
-    return " or ".join(options)
-
-
 @dataclasses.dataclass(frozen=True)
 class Topology:
     """How ``world_size`` ranks form a dp x cp x tp x pp grid, seen from ``rank``.
 
     Pure and immutable: building one starts no process. ``world_size`` defaults to
-    ``dp * cp * tp * pp``. Invalid sizes or rank raise :class:`ConfigError`. ``cp`` comes
-    after pp (``Topology(dp, tp, pp, cp)``) so that positional dp, tp, pp keep their meaning.
+    ``dp * cp * tp * pp``. Invalid sizes or rank raise :class:`ConfigError` (the rules: sizes.py).
+    ``cp`` comes after pp (``Topology(dp, tp, pp, cp)``) so that positional dp, tp, pp keep their
+    meaning.
     """
 
     dp: int = 1
@@ -144,38 +132,7 @@ class Topology:
     )
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "cp", "ep", "islands", "rank"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise ConfigError(f"{name} must be an int, got {v!r} ({type(v).__name__})")
-            if name != "rank" and v < 1:
-                raise ConfigError(f"{name} must be >= 1, got {name}={v}")
-        product = self.dp * self.tp * self.pp * self.cp * self.islands
-        if self.world_size is None:
-            object.__setattr__(self, "world_size", product)  # frozen: set once here
-        ws = self.world_size
-        if not isinstance(ws, int) or isinstance(ws, bool) or ws < 1:
-            raise ConfigError(f"world_size must be an int >= 1, got {ws!r}")
-        if product != ws:
-            names, sizes = ("dp*cp*tp*pp", (self.dp, self.cp, self.tp, self.pp)) if self.cp > 1 else \
-                ("dp*tp*pp", (self.dp, self.tp, self.pp))
-            hint = _suggest(ws, self.dp, self.tp, self.pp, self.cp)
-            if self.islands > 1:
-                names, sizes = f"islands*{names}", (self.islands,) + sizes
-                k = self.islands
-                hint = f"islands={k} of " + _suggest(ws // k, self.dp, self.tp, self.pp, self.cp) if ws % k == 0 \
-                    else f"islands among the divisors of {ws}"
-            raise ConfigError(
-                f"{names} = {'*'.join(map(str, sizes))} = {product} does not equal the "
-                f"world size {ws}; choose sizes whose product is {ws} "
-                f"(e.g. {hint})"
-            )
-        if not 0 <= self.rank < ws:
-            raise ConfigError(f"rank {self.rank} is out of range [0, {ws}) for world size {ws}")
-        if (self.dp * self.cp) % self.ep:
-            fit = [d for d in range(1, self.dp * self.cp + 1) if (self.dp * self.cp) % d == 0]
-            raise ConfigError(f"ep={self.ep} does not divide dp*cp = {self.dp * self.cp}: expert parallelism borrows "
-                              f"its ranks from the data-parallel ones; choose ep among {', '.join(map(str, fit))}")
+        object.__setattr__(self, "world_size", checked_world_size(self))  # frozen: set once here (sizes.py)
 
     def stride(self, axis: str) -> int:
         """How far apart in rank two neighbours along ``axis`` are: the product of the sizes of
