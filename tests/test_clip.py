@@ -1,5 +1,5 @@
 """parallel/clip.py: the one global-norm clip every engine uses (the layouts' equivalence tests run it
-across ranks; these pin down its arithmetic on one process)."""
+across ranks; these pin down its arithmetic on one process), and the group ZeRO's clip sums over (2 ranks)."""
 
 from __future__ import annotations
 
@@ -50,3 +50,39 @@ def test_under_the_limit_nothing_changes_and_a_bad_limit_is_refused():
     assert all(torch.equal(a, b) for a, b in zip(g, before))
     with pytest.raises(ConfigError, match=r"clip_grad_norm: max_norm must be positive, got 0"):
         clip_grad_norm([(t, 1) for t in g], 0)
+
+
+def _zero_groups(rank: int) -> list[str]:
+    """Each rank's Zero over a group of its own (its shards are its whole model, its gradients its own): the clip's
+    norm is this rank's alone by default, both ranks' with group None (the world) or a group of both."""
+    import torch.distributed as dist
+
+    from distrain import comm
+    from distrain.parallel.zero import Zero
+
+    alone = [dist.new_group([r]) for r in range(2)][rank]
+    both = dist.new_group([0, 1])
+    bad = []
+    for stage in (1, 3):
+        torch.manual_seed(0)
+        engine = Zero(torch.nn.Linear(4, 3, dtype=torch.float64), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                      stage=stage, group=alone)
+        engine(torch.full((2, 4), rank + 1.0, dtype=torch.float64)).pow(2).sum().backward()
+        own = sum(s.grad.pow(2).sum() for s in engine.parameters())
+        world = own.clone()
+        comm.all_reduce(world)
+        for name, kw, want in (("left out", {}, own), ("None", dict(group=None), world),
+                               ("both", dict(group=both), world), ("alone", dict(group=alone), own)):
+            got = engine.clip_grad_norm_(1e9, **kw)  # (no scaling: the gradients stay as they are)
+            if got != pytest.approx(want.sqrt().item(), rel=1e-15):
+                bad.append(f"stage {stage} group {name}: norm {got} != {want.sqrt().item()}")
+        if own == world:
+            bad.append("the ranks' gradients do not differ: the test would not tell the groups apart")
+    return bad
+
+
+@pytest.mark.timeout(60)
+def test_zeros_clip_sums_over_its_group_by_default_and_over_the_group_given():
+    from conftest import run_ranks
+
+    run_ranks(_zero_groups, 2, timeout=50)

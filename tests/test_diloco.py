@@ -53,16 +53,17 @@ def _float_means(deltas: list) -> list:
     return [torch.stack(ds).mean(dim=0) for ds in zip(*deltas)]
 
 
-def simulation_parts(cfg):
+def simulation_parts(cfg, parts=None):
     """What a one-process simulation of the islands starts from: (the run's seeded model, its task, its loss
-    function, its batch sampler), built as the trainer builds them."""
+    function, its batch sampler), built as the trainer builds them (``parts``: the caller's, as
+    ``distrain.train(model=...)`` got them; else the config's)."""
     from distrain.data import DistributedBatchSampler
     from distrain.trainer.custom import UserParts
     from distrain.trainer.loop import new_model, sequence_length
     from distrain.trainer.task import build_task, loss_function
 
     cpu = torch.device("cpu")
-    parts = UserParts.from_config(cfg)
+    parts = parts if parts is not None else UserParts.from_config(cfg)
     start = new_model(cfg, parts, cpu)
     task = build_task(cfg, sequence_length(cfg, start), cpu, parts)
     return start, task, loss_function(cfg, parts), DistributedBatchSampler(len(task.train), cfg.batch_size,
@@ -100,7 +101,7 @@ def outer_steps(step: int, held: list, master: list, outer: list, cuts: list, pe
                 apply(f, means, merge=False)
 
 
-def simulate(cfg, K: int, fragments: int = 1, overlap: int = 0, alpha: float = 0.5):
+def simulate(cfg, K: int, fragments: int = 1, overlap: int = 0, alpha: float = 0.5, parts=None):
     """DiLoCo in one process, plain torch: (the step losses, each island's final state_dict, the outer
     parameters by name, the exchanges not yet applied {fragment: mean Δ by name}). Island i reads part i of
     K of every global batch (the trainer's ranks' parts joined: consecutive ranks form an island).
@@ -108,11 +109,12 @@ def simulate(cfg, K: int, fragments: int = 1, overlap: int = 0, alpha: float = 0
     Streaming DiLoCo (``fragments`` P, ``overlap`` τ, ``alpha`` α): the parameters in P contiguous
     fragments (distrain's cut: fragment_cuts), each with its own torch.optim.SGD on its master slice;
     fragment p's mean Δ is taken after steps s with (s + 1 − p·H//P) mod H = 0 and applied then (τ = 0:
-    every island takes the master) or after step s + τ (every island: α·θ_i + (1 − α)·master)."""
+    every island takes the master) or after step s + τ (every island: α·θ_i + (1 − α)·master). ``parts``: the
+    caller's model instead of the config's (simulation_parts)."""
     from distrain.parallel.diloco import fragment_cuts
     from distrain.trainer.task import build_optimizer
 
-    start, task, loss_fn, sampler = simulation_parts(cfg)
+    start, task, loss_fn, sampler = simulation_parts(cfg, parts)
     islands = [copy.deepcopy(start) for _ in range(K)]
     inner = [build_optimizer(cfg, m.parameters()) for m in islands]
     names = [n for n, _ in start.named_parameters()]

@@ -10,6 +10,8 @@ engines/diloco_grid.py), fp64 against its ground truths at rel 1e-10.
 * A run stopped between syncs and resumed equals the uninterrupted one, bit for bit (shards
   ``island{i}-tp{t}-pp{p}``, each with its outer state).
 * Refusals: what the grid islands do not do yet, each a one-line ConfigError naming the flag.
+
+In float32 through ``distrain.train(model=...)`` against the same simulation: tests/test_python_api_float32.py.
 """
 
 from __future__ import annotations

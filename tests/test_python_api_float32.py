@@ -6,7 +6,8 @@ hid a bug here: spawned ranks received the model's tensors in shared memory, so 
 rank's optimizer updated one storage (P updates per step) and the caller's model changed;
 converting to float64 copied the tensors and hid it. Also: the caller's model and data are
 bitwise unchanged, bf16 autocast runs through the same path, and a model whose forward
-returns an output object (as Hugging Face models do) trains and evaluates.
+returns an output object (as Hugging Face models do) trains and evaluates. DiLoCo whose islands are grids
+(tp 2, ZeRO-3) equals the one-process simulation of its islands (tests/test_diloco.py) within the same tolerance.
 
 ``python tests/test_python_api_float32.py`` prints the table of max differences.
 """
@@ -122,6 +123,37 @@ def test_elastic_float32_through_the_python_api_survives_a_kill(tmp_path, tmp_pa
     assert summary["membership_changes"] == 1 and summary["world_final"] == 3
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before), "train() changed the caller's model"
+
+
+# DiLoCo whose islands are grids (engines/diloco_grid.py): K = 2 islands of 2 ranks, each tp 2 or ZeRO-3 over its
+# 2 ranks, H = 2, 5 steps (outer Nesterov steps after steps 2 and 4; step 5's loss is on what both made)
+GRID_ISLANDS = {"diloco K=2 x tp2 P=4": dict(tp=2), "diloco K=2 x zero3 P=4": dict(inner_strategy="zero3")}
+
+
+@pytest.mark.slow  # each run 3-20 s here (4 ranks on 2 busy cores)
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name", list(GRID_ISLANDS))
+def test_diloco_grid_islands_float32_equal_the_one_process_simulation(tmp_path, name):
+    """Grid islands the way a user runs them (float32, a model object) equal test_diloco's one-process simulation
+    of K = 2 islands of the same model (K copies, each its own AdamW on its part of every batch, the outer
+    Nesterov step on a master copy) within float32, every step's loss; the caller's model is unchanged."""
+    from test_diloco import simulate
+
+    from distrain.trainer.custom import UserParts
+
+    model = _model()
+    before = _state(model)
+    cfg = _config(tmp_path / "run", strategy="diloco", nproc=4, islands=2, inner_steps=2, steps=5,
+                  **GRID_ISLANDS[name])
+    summary = distrain.train(model=model, config=cfg)
+    got = _losses(tmp_path / "run")
+    ref, _, _, _ = simulate(cfg, 2, parts=UserParts(model=model))
+    assert len(got) == len(ref) == 5
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=RTOL, atol=0,
+                               msg=lambda m: f"{name}: losses {got} vs the simulation {ref}: {m}")
+    assert summary["outer_syncs"] == 2
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), f"{name}: train() changed the caller's model"
 
 
 class Regressor(nn.Module):

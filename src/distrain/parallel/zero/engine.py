@@ -37,6 +37,16 @@ STAGES = (1, 2, 3)
 FORMAT = "distrain.zero/1"
 
 
+class _OwnGroup:
+    """The default ``group`` of :meth:`Zero.clip_grad_norm_`: the engine's own (None already means the world)."""
+
+    def __repr__(self) -> str:
+        return "<this engine's group>"
+
+
+_OWN_GROUP = _OwnGroup()
+
+
 class Zero:
     """ZeRO data parallelism over ``group`` (None = world) on distrain.comm's ``algorithm``."""
 
@@ -136,21 +146,23 @@ class Zero:
         return self._masks
 
     def clip_grad_norm_(self, max_norm: float, count: Callable[[str], bool] | None = None,
-                        whole_world: bool = False, world=None) -> float:
+                        group=_OWN_GROUP) -> float:
         """Scale every shard's gradient so that the global L2 norm is at most max_norm; return the norm.
 
-        Each rank sums the squares of its shard (padding is zero), one all-reduce adds them;
-        the scale is min(1, max_norm / (norm + 1e-6)), as in torch.nn.utils.clip_grad_norm_.
-        Inside a dp x tp x pp mesh the norm covers the whole model: ``whole_world`` sums over
-        every rank (each tp and pp shard, each dp shard) and ``count(name)`` is False for the parameters this rank holds
-        a copy of that another rank counts (a tp-replicated LayerNorm counted on tp rank 0 only).
-        ``world``: the group ``whole_world`` sums over (None: the world; a DiLoCo island's grid: its island).
+        Each rank sums the squares of its shard (padding is zero), one all-reduce over ``group`` adds
+        them; the scale is min(1, max_norm / (norm + 1e-6)), as in torch.nn.utils.clip_grad_norm_.
+        ``group``: the ranks whose shards make up the model, the group that all-reduce runs over; left
+        out, this engine's group (its ranks' shards are the whole module). Inside a dp x tp x pp mesh
+        the norm covers the whole model: pass the group of every rank of the mesh (each tp and pp
+        shard, each dp shard): None for the world (as distrain.comm reads None), a DiLoCo island's
+        group for an island's grid; and ``count(name)`` False for the parameters this rank holds a copy
+        of that another rank counts (a tp-replicated LayerNorm counted on tp rank 0 only).
         """
         if not max_norm > 0:
             raise ConfigError(f"Zero.clip_grad_norm_: max_norm must be positive, got {max_norm}")
         masks = self._count_masks(count) if count is not None else [None] * len(self.units)
         terms = [(s.grad, 1 if m is None else m) for s, m in zip(self.impl.shards, masks)]
-        return clip_grad_norm(terms, max_norm, reduce=True, group=world if whole_world else self.group,
+        return clip_grad_norm(terms, max_norm, reduce=True, group=self.group if group is _OWN_GROUP else group,
                               algorithm=self.algorithm)
 
     def step(self) -> None:

@@ -135,9 +135,11 @@ class GridEngine(Engine):
         pm, t = self.pm, self.topo
         tp0 = t.tp_rank == 0
         if pm.zero is not None:
-            info = pm.tp_info
-            return pm.zero.clip_grad_norm_(max_norm, count=None if self.whole else (
-                lambda n: tp0 or info[n].dim is not None), whole_world=not self.whole, world=t.island_group)
+            if self.whole:  # the dp group's shards are the whole model: ZeRO's own group
+                return pm.zero.clip_grad_norm_(max_norm)
+            info = pm.tp_info  # every shard of the island's grid (the world when islands is 1: None)
+            return pm.zero.clip_grad_norm_(max_norm, count=lambda n: tp0 or info[n].dim is not None,
+                                           group=t.island_group)
         if self.whole:
             return clip_grad_norm([(p.grad, 1) for p in pm.module.parameters()], max_norm)
         info = pm.tp_info
