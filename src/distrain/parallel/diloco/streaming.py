@@ -68,12 +68,21 @@ def offsets(parts: int, inner_steps: int) -> list[int]:
 class StreamingOuter:
     """The outer half of Streaming DiLoCo for ``params`` (this rank's replica, in order): ``fragments`` P,
     ``inner_steps`` H, ``overlap_steps`` τ, ``alpha`` the merge's α (used with τ ≥ 1); ``outer`` the
-    OuterStep keywords (group, islands, optimizer, lr, momentum, algorithm, compression, place)."""
+    OuterStep keywords (group, islands, optimizer, lr, momentum, algorithm, compression, place).
+
+    ``whole`` (a rank of a grid island holds pieces of some tensors: engines/diloco_grid.py): (the whole
+    model's tensor sizes, in its order; each of ``params``' index among them). The cut is then the whole
+    model's, and fragment p holds the params whose whole tensor lies in its cut, in ``params``' order: the
+    plain fragment restricted to what this rank holds. A fragment of which the rank holds nothing keeps its
+    schedule and sync count but exchanges nothing (the cross group's ranks hold the same tensors: all skip)."""
 
     def __init__(self, params, *, fragments: int, inner_steps: int, overlap_steps: int = 0, alpha: float = 0.5,
-                 **outer):
+                 whole: tuple[list[int], list[int]] | None = None, **outer):
         self.params: list[nn.Parameter] = list(params)
-        self.cuts = fragment_cuts([p.numel() for p in self.params], fragments)
+        sizes, index = whole if whole is not None else ([p.numel() for p in self.params], range(len(self.params)))
+        self.cuts = fragment_cuts(list(sizes), fragments)
+        # each fragment's params, as positions in self.params (contiguous runs when whole is None)
+        self.members = [[i for i, j in enumerate(index) if a <= j < b] for a, b in self.cuts]
         if not 0 <= overlap_steps < inner_steps:
             raise ConfigError(f"--overlap-steps must be in 0..--inner-steps - 1 = {inner_steps - 1} (an exchange "
                               f"is applied before the fragment's next one starts), got {overlap_steps}")
@@ -81,15 +90,19 @@ class StreamingOuter:
             raise ConfigError(f"--overlap-steps {overlap_steps} with --outer-compression {outer['compression']}: "
                               f"the quantized mean is two blocking exchanges, not one asynchronous all-reduce; "
                               f"use --outer-compression bf16 or none, or --overlap-steps 0")
-        self.parts = [OuterStep(self.params[a:b], **outer) for a, b in self.cuts]
+        self.parts = [OuterStep([self.params[i] for i in m], **outer) if m else EmptyFragment() for m in self.members]
         self.inner_steps, self.overlap_steps, self.alpha = inner_steps, overlap_steps, alpha
         self.offsets = offsets(fragments, inner_steps)
         self.pending: dict[int, tuple[int, Exchange]] = {}  # fragment -> (the step after which it applies, exchange)
 
     @property
     def master(self) -> list[torch.Tensor]:
-        """θ_prev of every parameter, in the replica's order (the fragments are contiguous)."""
-        return [m for part in self.parts for m in part.master]
+        """θ_prev of every parameter, in the replica's order."""
+        out: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
+        for m, part in zip(self.members, self.parts):
+            for i, t in zip(m, part.master):
+                out[i] = t
+        return out
 
     @property
     def syncs(self) -> int:
@@ -97,7 +110,7 @@ class StreamingOuter:
         return sum(part.syncs for part in self.parts)
 
     def numels(self) -> list[int]:
-        """Elements of each fragment."""
+        """Elements of each fragment (this rank's)."""
         return [sum(p.numel() for p in part.params) for part in self.parts]
 
     def due(self, fragment: int, step: int) -> bool:
@@ -151,7 +164,7 @@ class StreamingOuter:
             at, mean = (entry.get("apply_after"), entry.get("mean")) if isinstance(entry, dict) else (None, None)
             if not (isinstance(p, int) and 0 <= p < len(self.parts) and p not in pending and isinstance(at, int)
                     and torch.is_tensor(mean) and mean.shape == (numels[p],)
-                    and mean.dtype == self.parts[p].master[0].dtype):
+                    and (not numels[p] or mean.dtype == self.parts[p].master[0].dtype)):
                 raise ConfigError(f"--resume: {where} holds a malformed pending exchange of Streaming DiLoCo "
                                   f"({entry if not isinstance(entry, dict) else sorted(entry)}); resume from "
                                   f"another checkpoint")
@@ -159,3 +172,34 @@ class StreamingOuter:
             exchange.done = exchange.flat
             pending[p] = (at, exchange)
         self.pending = pending
+
+
+class EmptyFragment:
+    """A fragment of which this rank holds no tensor (a pipeline stage without it): its outer steps are
+    counted on schedule, nothing is exchanged (every rank of its cross group holds the same: none)."""
+
+    def __init__(self):
+        self.params: list[nn.Parameter] = []
+        self.master: list[torch.Tensor] = []
+        self.syncs = 0
+
+    def sync(self) -> None:
+        self.syncs += 1
+
+    def outer_gradient(self) -> torch.Tensor:
+        return torch.zeros(0)
+
+    def launch(self, flat: torch.Tensor) -> Exchange:
+        return Exchange(flat, flat, None, 1)
+
+    def apply(self, delta: torch.Tensor, alpha: float | None = None) -> None:
+        self.syncs += 1
+
+    def state_dict(self) -> dict:
+        return {"master": [], "syncs": self.syncs}
+
+    def load_state_dict(self, state: dict, where: str = "the checkpoint") -> None:
+        if not (isinstance(state, dict) and state.get("master") == [] and isinstance(state.get("syncs"), int)):
+            raise ConfigError(f"--resume: {where} holds outer state for a fragment this rank does not hold; resume "
+                              f"with the layout it was written with")
+        self.syncs = state["syncs"]

@@ -41,7 +41,7 @@ def check_island_grid(cfg) -> None:
     """Islands that are grids (--tp/--pp/--cp/--inner-strategy zeroN: engines/diloco_grid.py): each island's
     --nproc / K ranks a whole dp x cp x tp x pp grid (island dp = --nproc / (K x cp x tp x pp); --dp and --ep
     are not island axes yet), a ZeRO stage that fits it, and none of what the grid islands do not do yet (elastic
-    islands, --layout-invariant, Streaming DiLoCo, the quantized outer mean), each refused by name."""
+    islands, --layout-invariant, the quantized outer mean; Streaming DiLoCo with ZeRO-3), each refused by name."""
     if not cfg.island_grid:
         return
     k = cfg.islands or cfg.nproc
@@ -57,14 +57,18 @@ def check_island_grid(cfg) -> None:
          f"grid does not divide; give --islands K with --nproc / K a multiple of {mp}")
     for flag, set_, fix in (("--elastic", bool(cfg.elastic), "drop --elastic (elastic islands are DDP islands)"),
                             ("--layout-invariant", cfg.layout_invariant, "drop --layout-invariant"),
-                            ("--fragments", cfg.fragments > 1, "use --fragments 1"),
-                            ("--overlap-steps", cfg.overlap_steps > 0, "use --overlap-steps 0"),
                             ("--outer-compression", cfg.outer_compression in ("int8", "int4"),
                              "use --outer-compression bf16 or none")):
         need(not set_, f"{flag} with --strategy diloco islands of --tp/--pp/--inner-strategy {cfg.inner_strategy} is "
                        f"not supported (DDP islands only); {fix}, or use DDP islands (no --tp/--pp, --inner-strategy "
                        f"ddp)")
     stage = int(cfg.inner_strategy[4:]) if cfg.inner_strategy.startswith("zero") else 0
+    for flag, set_, fix in (("--fragments", cfg.fragments > 1, "--fragments 1"),
+                            ("--overlap-steps", cfg.overlap_steps > 0, "--overlap-steps 0")):
+        need(not (set_ and stage == 3),
+             f"{flag} with --strategy diloco islands of --inner-strategy zero3 is not supported (Streaming DiLoCo's "
+             f"fragments are whole tensors, ZeRO-3's flat shards cut across them); use --inner-strategy zero2, "
+             f"zero1 or ddp, or {fix}")
     if stage:
         from distrain.parallel.parallelize import check_zero_layout
 

@@ -24,9 +24,16 @@ Checkpoints: each island writes its grid's shards, named ``island{i}-`` + the gr
 layout (K, the island's dp, tp, pp, the ZeRO stage): --reshard is refused (the base engine's load_full).
 
 --outer-compression bf16: Δ travels in bfloat16, as in plain DiLoCo (elementwise, so the same on shards).
-Not here (refused by the config, checks/diloco.py): elastic islands, --layout-invariant, Streaming DiLoCo,
-the quantized outer mean (int8/int4: its blocks would cut this rank's shard, not the model), --ep/--dp
-inside an island.
+
+Streaming DiLoCo (--fragments P, --overlap-steps τ; with ddp/zero1/zero2 inside: the rank holds whole
+parameters of its tp shard and stage): a StreamingOuter on the held parameters with the whole model's cut
+(``whole_index``: each held parameter's whole-model name, a stage's ``layers.i`` the model's
+``layers.{start+i}``), so fragment p on this rank is the plain engine's fragment p restricted to what it
+holds, and each fragment's outer step over the cross group is the one-process simulation's on these pieces.
+
+Not here (refused by the config, checks/diloco.py): elastic islands, --layout-invariant, the quantized outer
+mean (int8/int4: its blocks would cut this rank's shard, not the model), --ep/--dp inside an island, and
+Streaming DiLoCo with ZeRO-3 (its flat shards cut across the whole tensors that fragments hold).
 """
 
 from __future__ import annotations
@@ -37,9 +44,10 @@ import time
 
 import torch
 
-from distrain.parallel.diloco import OuterStep
+from distrain.errors import ConfigError
+from distrain.parallel.diloco import OuterStep, StreamingOuter
 from distrain.trainer.engines.base import Engine
-from distrain.trainer.engines.diloco import islands_of
+from distrain.trainer.engines.diloco import DiLoCoEngine, islands_of
 from distrain.trainer.engines.grid import GridEngine, zero_stage_of
 
 
@@ -47,29 +55,54 @@ class DiLoCoGridEngine(Engine):
     def __init__(self, cfg, model, loss_fn, optimizer_factory):
         super().__init__(cfg, model, loss_fn, optimizer_factory)
         k = islands_of(cfg)
+        whole = [(n, p.numel()) for n, p in model.named_parameters()]  # (before parallelize shards the model)
         # the island's grid: the grid engine of the inner strategy (ddp or zeroN) on K islands
         self.grid = g = GridEngine(dataclasses.replace(cfg, strategy=cfg.inner_strategy), model, loss_fn,
                                    optimizer_factory, islands=k)
         t = g.topo
         # what this rank holds: ZeRO-3's flat shards (its module holds no parameter), else its module's parameters
         self.held = list(g.pm.zero.parameters()) if g.zero_stage == 3 else list(g.pm.module.parameters())
-        self.outer = OuterStep(self.held, group=t.cross_group, islands=k, optimizer=cfg.outer_optimizer,
-                               lr=cfg.outer_lr, momentum=cfg.outer_momentum, algorithm=cfg.algorithm, place=t.island,
-                               compression=cfg.outer_compression)  # (bf16 or None: checks/diloco.py)
+        outer = dict(group=t.cross_group, islands=k, optimizer=cfg.outer_optimizer, lr=cfg.outer_lr,
+                     momentum=cfg.outer_momentum, algorithm=cfg.algorithm, place=t.island,
+                     compression=cfg.outer_compression)  # (bf16 or None: checks/diloco.py)
+        self.streaming = cfg.fragments > 1 or cfg.overlap_steps > 0  # (not with ZeRO-3: checks/diloco.py)
+        self.outer = StreamingOuter(self.held, fragments=cfg.fragments, inner_steps=cfg.inner_steps,
+                                    overlap_steps=cfg.overlap_steps, alpha=cfg.overlap_alpha,
+                                    whole=self.whole_index(whole), **outer) \
+            if self.streaming else OuterStep(self.held, **outer)
         self.dp_rank, self.dp_size, self.loss_weight = g.dp_rank, g.dp_size, g.loss_weight
         self.optimizer = g.optimizer
         self.label = f"diloco (K={k}×{t.per_island}: {g.label}, H={cfg.inner_steps})"
         self.outer_s = 0.0  # seconds this rank spent in outer steps
+        if self.streaming:
+            self.label = self.label[:-1] + f", P={cfg.fragments}, τ={cfg.overlap_steps})"
+
+    def whole_index(self, whole: list[tuple[str, int]]) -> tuple[list[int], list[int]]:
+        """(the whole model's tensor sizes, each held parameter's index among them): the held parameters by
+        their whole-model names (a pipeline stage's ``layers.i`` is the model's ``layers.{start+i}``), so that
+        Streaming DiLoCo's fragments are the plain engine's cut of the whole model (fragment_cuts)."""
+        from distrain.checkpoint.reshard import stage_full_name
+
+        full, where = stage_full_name(self.grid.pm.stage), {n: i for i, (n, _) in enumerate(whole)}
+        index = []
+        for n, _ in self.grid.pm.module.named_parameters():
+            if full(n) not in where:
+                raise ConfigError(f"--fragments: this rank's parameter {full(n)!r} is not one of the model's "
+                                  f"parameters, so it has no fragment; use --fragments 1 --overlap-steps 0")
+            index.append(where[full(n)])
+        return [size for _, size in whole], index
 
     def train_step(self, x, y, commit=None):
         """The island's grid step (its inner optimizer's update included), then the outer step when the global
         step closes an interval of H."""
         self.grid.step_index = self.step_index
         loss = self.grid.train_step(x, y)
-        if (self.step_index + 1) % self.cfg.inner_steps == 0:
-            t0 = time.perf_counter()
+        t0 = time.perf_counter()
+        if self.streaming:  # (its fragments' schedule: StreamingOuter.step)
+            self.outer.step(self.step_index)
+        elif (self.step_index + 1) % self.cfg.inner_steps == 0:
             self.outer.sync()
-            self.outer_s += time.perf_counter() - t0
+        self.outer_s += time.perf_counter() - t0
         self.comm_wait_s = None  # (the grid's waits and the outer all-reduce: not one measure)
         return loss
 
@@ -81,6 +114,8 @@ class DiLoCoGridEngine(Engine):
 
     def end_training(self) -> None:
         self.grid.end_training()
+        if self.streaming:
+            self.outer.settle()  # (every exchange still in flight completes; its mean waits for its step)
 
     @contextlib.contextmanager
     def outer_parameters(self):
@@ -130,10 +165,13 @@ class DiLoCoGridEngine(Engine):
                 "inner_strategy": c.inner_strategy, "inner_steps": c.inner_steps,
                 "outer_compression": c.outer_compression,
                 "outer_optimizer": c.outer_optimizer, "outer_lr": c.outer_lr, "outer_momentum": c.outer_momentum,
-                "outer_syncs": self.outer.syncs, "outer_s_rank0": self.outer_s}
+                "outer_syncs": self.outer.syncs, "outer_s_rank0": self.outer_s, "fragments": c.fragments,
+                "overlap_steps": c.overlap_steps, "overlap_alpha": c.overlap_alpha if c.overlap_steps else None,
+                "fragment_params": self.outer.numels() if self.streaming else [sum(p.numel() for p in self.held)]}
 
     def report_rows(self, summary: dict) -> list[tuple[str, str]]:
         s = summary
         return [("islands", f"{s['islands']} × {s['ranks_per_island']} rank(s), each {s['island_grid']}"),
                 ("outer steps", f"{s['outer_syncs']} (every {s['inner_steps']} steps; {s['outer_optimizer']}, lr "
-                                f"{s['outer_lr']:g}, momentum {s['outer_momentum']:g})")]
+                                f"{s['outer_lr']:g}, momentum {s['outer_momentum']:g})")] + \
+            DiLoCoEngine.streaming_rows(s)
