@@ -49,7 +49,8 @@ def test_h1_outer_sgd_lr1_is_the_plain_grid(tmp_path, tmp_path_factory):
 
 STREAMING = {"tp2-P3-tau2-a0": dict(tp=2, fragments=3, overlap_steps=2, overlap_alpha=0.0),
              "pp2-P4-tau1": dict(pp=2, microbatches=2, fragments=4, overlap_steps=1, overlap_alpha=0.5),
-             "zero2-P3-blocking": dict(inner_strategy="zero2", fragments=3, overlap_steps=0)}
+             "zero2-P3-blocking": dict(inner_strategy="zero2", fragments=3, overlap_steps=0),
+             "cp2-P2-tau1": dict(cp=2, fragments=2, overlap_steps=1)}
 
 
 @pytest.mark.slow
@@ -58,8 +59,9 @@ STREAMING = {"tp2-P3-tau2-a0": dict(tp=2, fragments=3, overlap_steps=2, overlap_
 def test_streaming_grid_islands_equal_the_streaming_simulation(tmp_path, layout):
     """Streaming DiLoCo on 4 ranks, K = 2 islands of 2, H = 4, 6 steps: every step's loss equals
     test_diloco_streaming's one-process simulation (the whole model's cut; each fragment's outer step over the
-    cross group on the rank's pieces of it). pp 2 with P = 4: each stage lacks a fragment (gpt-tiny's cut
-    (0, 15), (15, 33), (33, 59), (59, 69) of 69 tensors), which it counts but does not exchange."""
+    cross group on the rank's pieces of it), for tp 2, pp 2, ZeRO-2 and cp 2 islands. pp 2 with P = 4: each
+    stage lacks a fragment (gpt-tiny's cut (0, 15), (15, 33), (33, 59), (59, 69) of 69 tensors), which it
+    counts but does not exchange."""
     kw = STREAMING[layout]
     cfg = trainer_config(tmp_path / "run", strategy="diloco", nproc=4, islands=2, inner_steps=4, steps=6, **kw)
     got = train_losses(cfg)
@@ -68,9 +70,30 @@ def test_streaming_grid_islands_equal_the_streaming_simulation(tmp_path, layout)
     assert close(got, losses), (got, losses)
     outer = shard(cfg.out, "island1-tp0-pp0" + ("-dp1" if "zero" in layout else ""))["outer"]
     # H = 4, 6 steps: fragment p's exchanges start after steps s with (s + 1 - p·4//P) % 4 == 0
-    starts = [sum(1 for s in range(6) if (s + 1 - p * 4 // kw["fragments"]) % 4 == 0) for p in range(kw["fragments"])]
+    p_ = kw["fragments"]
+    starts = [sum(1 for s in range(6) if (s + 1 - p * 4 // p_) % 4 == 0) for p in range(p_)]
     assert [f["syncs"] for f in outer["fragments"]] == [n - (p in left) for p, n in enumerate(starts)]
     assert sorted(e["fragment"] for e in outer["pending"]) == sorted(left)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_resumed_streaming_grid_run_equals_the_uninterrupted_one(tmp_path):
+    """pp 2, P = 4, τ = 2, H = 4: stopped after step 3 with fragments 2 and 3 in flight (sent after steps 1 and
+    2), of which stage 0 holds only 2, and resumed: every loss and every shard's state, bit for bit."""
+    kw = dict(strategy="diloco", nproc=4, islands=2, inner_steps=4, pp=2, microbatches=2, fragments=4,
+              overlap_steps=2)
+    whole = tmp_path / "whole"
+    ref = train_losses(trainer_config(whole, steps=6, **kw))
+    out = tmp_path / "resumed"
+    train_losses(trainer_config(out, steps=3, ckpt_every=3, **kw))
+    pending = shard(out, "island0-tp0-pp0")["outer"]["pending"]
+    assert [e["fragment"] for e in pending] == [2, 3] and pending[1]["mean"].numel() == 0  # (stage 0: none of 3)
+    got = train_losses(trainer_config(out, steps=6, resume=True, **kw))
+    assert got == ref
+    for name in ("island0-tp0-pp0", "island1-tp0-pp1"):
+        a, b = tensors(shard(out, name)), tensors(shard(whole, name))
+        assert len(a) == len(b) > 0 and all(torch.equal(x, y) for x, y in zip(a, b)), name
 
 
 def tensors(tree) -> list[torch.Tensor]:
