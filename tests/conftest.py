@@ -103,14 +103,44 @@ def train_losses(cfg) -> list[float]:
     return [r["loss"] for r in read_metrics(os.path.join(cfg.out, "metrics.jsonl"))]
 
 
+# trainer_config's job (with out=)
+TRAINER_BASE = dict(model="gpt-tiny", data="shakespeare", steps=5, batch_size=12, lr=1e-2, dtype="float64",
+                    eval_every=0, sample_chars=0, progress=False, log_every=2, timeout=120)
+
+
 def trainer_config(out, **kw):
     """A small, exact trainer job: gpt-tiny in fp64, 5 steps, no evaluation, no output noise."""
     from distrain.trainer import TrainConfig
 
-    base = dict(model="gpt-tiny", data="shakespeare", steps=5, batch_size=12, lr=1e-2, dtype="float64",
-                eval_every=0, sample_chars=0, progress=False, log_every=2, out=str(out), timeout=120)
-    base.update(kw)
-    return TrainConfig(**base)
+    return TrainConfig(**{**TRAINER_BASE, "out": str(out), **kw})
+
+
+def _job_key(kw: dict) -> tuple:
+    """``kw`` of trainer_config without what only repeats its defaults (model="gpt-tiny" is the same job)."""
+    return tuple(sorted((k, v) for k, v in kw.items() if not (k in TRAINER_BASE and TRAINER_BASE[k] == v)))
+
+
+def once_per_session(tmp_path_factory, kind: str, key: tuple, compute):
+    """``compute()`` (a JSON value: floats come back exactly), once per test session: under pytest-xdist the
+    first worker that needs it writes it into the session's folder that the workers share (basetemp's
+    parent; a lock per value while it is computed) and the others read it; without xdist it just runs."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return compute()
+    import fcntl
+    import hashlib
+    import json
+
+    name = hashlib.sha256(repr((kind, key)).encode()).hexdigest()[:20]
+    shared = tmp_path_factory.getbasetemp().parent / f"shared-{kind}-{name}.json"
+    with open(f"{shared}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if shared.exists():
+            return json.loads(shared.read_text())
+        value = compute()
+        part = shared.with_suffix(".part")
+        part.write_text(json.dumps(value))
+        os.replace(part, shared)
+        return value
 
 
 def train_rows(cfg) -> list[dict]:
@@ -129,10 +159,13 @@ _REFERENCE_ROWS: dict = {}
 
 def reference_rows(tmp_path_factory, **kw) -> list[dict]:
     """The metrics lines of the single-process run of ``trainer_config(**EVAL, **kw)``, once per session."""
-    key = tuple(sorted(kw.items()))
+    key = _job_key(kw)
     if key not in _REFERENCE_ROWS:
-        out = tmp_path_factory.mktemp("reference-rows")
-        _REFERENCE_ROWS[key] = train_rows(trainer_config(out, **EVAL, **kw, strategy="single", nproc=1))
+        def compute():
+            out = tmp_path_factory.mktemp("reference-rows")
+            return train_rows(trainer_config(out, **EVAL, **kw, strategy="single", nproc=1))
+
+        _REFERENCE_ROWS[key] = once_per_session(tmp_path_factory, "reference-rows", key, compute)
     return _REFERENCE_ROWS[key]
 
 
@@ -231,10 +264,13 @@ def invariant_matrix(full: dict, suite: list[str]) -> list[str]:
 
 def reference_losses(tmp_path_factory, **kw) -> list[float]:
     """The single-process run of ``trainer_config(**kw)``, computed once per session."""
-    key = tuple(sorted(kw.items()))
+    key = _job_key(kw)
     if key not in _REFERENCES:
-        out = tmp_path_factory.mktemp("reference")
-        _REFERENCES[key] = train_losses(trainer_config(out, **kw, strategy="single", nproc=1))
+        def compute():
+            out = tmp_path_factory.mktemp("reference")
+            return train_losses(trainer_config(out, **kw, strategy="single", nproc=1))
+
+        _REFERENCES[key] = once_per_session(tmp_path_factory, "reference", key, compute)
     return _REFERENCES[key]
 
 

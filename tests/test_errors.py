@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -128,7 +126,7 @@ def _hangs(rank: int) -> None:
 def test_spawn_timeout_names_the_ranks_still_running():
     t0 = time.monotonic()
     with pytest.raises(SpawnTimeoutError, match=r"rank\(s\) \[0, 1\] still running"):
-        distrain.spawn(_hangs, 2, timeout=8)
+        distrain.spawn(_hangs, 2, timeout=3, init_timeout=60)  # (a rank slow to start fails no rendezvous)
     assert time.monotonic() - t0 < 30
 
 
@@ -153,11 +151,34 @@ def test_spawn_rejects_bad_arguments():
         distrain.spawn(_returns, 1, backend="mpi")
 
 
-def _run_python(code: str, env: dict, timeout: float = 60) -> subprocess.CompletedProcess:
-    full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    full_env.update(env)
-    return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True,
-                          timeout=timeout)
+def _init_alone(env: dict, err_path: str) -> None:
+    import traceback
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(k, None)
+    os.environ.update(env)
+    try:
+        distrain.runtime.init(timeout=1)
+    except BaseException:  # noqa: BLE001 - printed as the interpreter would, then status 1
+        with open(err_path, "w") as f:
+            traceback.print_exc(file=f)
+        os._exit(1)
+    os._exit(0)
+
+
+def _init_in_a_child(env: dict, tmp_path) -> tuple[int | None, str]:
+    """``distrain.runtime.init(timeout=1)`` with ``env`` in a forked child (its own process, as a rank's; forked,
+    not a fresh interpreter: torch is already imported): (its exit code, the traceback it printed)."""
+    import multiprocessing as mp
+
+    err = tmp_path / "stderr"
+    child = mp.get_context("fork").Process(target=_init_alone, args=(env, str(err)))
+    child.start()
+    child.join(60)
+    if child.exitcode is None:
+        child.kill()
+        child.join()
+    return child.exitcode, err.read_text() if err.exists() else ""
 
 
 def test_init_without_launcher_environment_says_what_is_missing(monkeypatch):
@@ -176,17 +197,17 @@ def test_init_without_launcher_environment_says_what_is_missing(monkeypatch):
 
 
 @pytest.mark.timeout(60)
-def test_rank_that_never_joins_is_named():
+def test_rank_that_never_joins_is_named(tmp_path):
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # rank 0 of a world of 3 starts alone: ranks 1 and 2 never join
-    p = _run_python("import distrain; distrain.runtime.init(timeout=3)",
-                    {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    assert p.returncode != 0
-    assert "rank 0: timed out after 3s waiting for rank(s) [1, 2] to join the process group" in p.stderr
+    code, stderr = _init_in_a_child({"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
+                                     "MASTER_PORT": str(port)}, tmp_path)
+    assert code not in (0, None)
+    assert "rank 0: timed out after 1s waiting for rank(s) [1, 2] to join the process group" in stderr
 
 
 def test_collective_without_process_group():

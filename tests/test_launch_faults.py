@@ -255,13 +255,21 @@ def test_a_two_node_launch_listens_on_the_endpoint_address_only(tmp_path, where)
 
 # -- 3. and 4. --seed and --nproc out of range are refused before any rank starts -------------------
 
-def _train_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "distrain.cli", "train", "--model", "mlp-tiny", "--data", "digits",
-                           "--no-progress", "--out", str(tmp_path / "run"), *args], env=_env(), capture_output=True,
-                          text=True, timeout=120)
+def _train_cli(tmp_path: Path, monkeypatch, capsys, *args: str) -> tuple[int, str]:
+    """``distrain train ARGS`` in this process (the refusals come before any rank starts, so a fresh
+    interpreter would only add its torch import): (the exit status as ``python -m distrain`` would compute
+    it, what it wrote on stderr)."""
+    from distrain.cli import exit_status, main
+
+    for env in LAUNCH_VARS:  # as _env(): a top process, not a launched rank
+        monkeypatch.delenv(env, raising=False)
+    capsys.readouterr()
+    code = exit_status(main, ["train", "--model", "mlp-tiny", "--data", "digits", "--no-progress",
+                              "--out", str(tmp_path / "run"), *args])
+    return code, capsys.readouterr().err
 
 
-def test_seed_outside_int64_is_refused_naming_the_flag_and_the_range(tmp_path):
+def test_seed_outside_int64_is_refused_naming_the_flag_and_the_range(tmp_path, monkeypatch, capsys):
     """Before: --seed 2**64 passed validation and every rank died with a traceback ending in
     "ValueError: Overflow when unpacking long long" (torch.manual_seed); int64 tensors overflow
     from 2**63, numpy's sampler refuses negative seeds."""
@@ -272,14 +280,15 @@ def test_seed_outside_int64_is_refused_naming_the_flag_and_the_range(tmp_path):
             TrainConfig(seed=bad, nproc=1, strategy="single").validate()
         assert str(e.value) == f"--seed must be an integer in 0..2**63-1 (0..9223372036854775807), got {bad}"
     TrainConfig(seed=2**63 - 1, nproc=1, strategy="single").validate()
-    p = _train_cli(tmp_path, "--nproc", "1", "--strategy", "single", "--steps", "1", "--seed", str(2**63))
-    assert p.returncode == 2
-    assert p.stderr == ("distrain: error: --seed must be an integer in 0..2**63-1 (0..9223372036854775807), "
+    code, err = _train_cli(tmp_path, monkeypatch, capsys, "--nproc", "1", "--strategy", "single", "--steps", "1",
+                           "--seed", str(2**63))
+    assert code == 2
+    assert err == ("distrain: error: --seed must be an integer in 0..2**63-1 (0..9223372036854775807), "
                         "got 9223372036854775808\n")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_too_many_local_ranks_are_refused_with_the_limit_and_how_to_run_more(tmp_path, monkeypatch):
+def test_too_many_local_ranks_are_refused_with_the_limit_and_how_to_run_more(tmp_path, monkeypatch, capsys):
     """Before: --nproc 1000 on 2 cores said "--batch-size 32 does not divide among 1000 data-parallel
     worker(s)"; with --batch-size 1000 it spawned the ranks and, 2 minutes later, blamed a foreign
     service on MASTER_PORT ("accepts connections but does not answer as a torch.distributed store")."""
@@ -305,9 +314,9 @@ def test_too_many_local_ranks_are_refused_with_the_limit_and_how_to_run_more(tmp
         TrainConfig(nproc=1000, batch_size=1000).validate()  # nothing passed down: a local job
 
     started = time.monotonic()
-    p = _train_cli(tmp_path, "--nproc", "1000", "--steps", "1")
-    assert p.returncode == 2
-    assert p.stderr == (
+    code, err = _train_cli(tmp_path, monkeypatch, capsys, "--nproc", "1000", "--steps", "1")
+    assert code == 2
+    assert err == (
         f"distrain: error: --nproc 1000: a local job runs at most {limit} ranks here ({LOCAL_RANKS_PER_CORE} per "
         f"core, {cores} usable core(s)). Each rank is a whole process (interpreter, model, threads) that must share "
         f"the cores: beyond that they start so slowly that the rendezvous times out (1000 ranks on 2 cores ended "

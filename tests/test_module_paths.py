@@ -7,8 +7,10 @@ one table distrain.moved.MOVED and its finder answer for every old path, no file
 from __future__ import annotations
 
 import ast
+import fcntl
 import importlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -18,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from distrain import moved
+from test_import_graph import parsed  # every source file's tree, parsed once per test process (its checks parse all)
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "distrain"
@@ -79,13 +82,29 @@ print(json.dumps(result))
 """
 
 
-@pytest.fixture(scope="module")
-def resolved() -> dict:
+def _resolve() -> dict:
     paths = sorted(documented_paths())
     proc = subprocess.run([sys.executable, "-c", RESOLVE, json.dumps(sorted(ALL_OLD)), json.dumps(paths)],
                           capture_output=True, text=True, timeout=90, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def resolved(tmp_path_factory) -> dict:
+    """RESOLVE's answer, once per session: under pytest-xdist each test process that runs some of these tests
+    would run the module fixture (a fresh interpreter importing torch and every path), so the first one writes it
+    into the session's folder that the workers share and the others read it (under a lock, while it is written)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return _resolve()
+    shared = tmp_path_factory.getbasetemp().parent / "module-paths-resolved.json"
+    with open(f"{shared}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if shared.exists():
+            return json.loads(shared.read_text())
+        result = _resolve()
+        shared.write_text(json.dumps(result))
+        return result
 
 
 def test_the_documents_name_paths():
@@ -177,17 +196,34 @@ def test_shim_imports_only_its_new_module(old):
     assert old in loaded and loaded <= {old} | parents, f"importing {old} loaded {sorted(loaded - {old} - parents)}"
 
 
+# an import statement of an old path (one regular expression for all of them: one search per file, not 43)
+OLD_IMPORT = re.compile(rf"^\s*(from|import) ({'|'.join(map(re.escape, ALL_OLD))})\b(?!\.)", re.M)
+
+
+def _old_imports(text: str) -> list[str]:
+    """The old paths that ``text`` imports (``from OLD import``, ``import OLD``; not OLD.sub), in ALL_OLD's order."""
+    found = {m.group(2) for m in OLD_IMPORT.finditer(text)}
+    return [old for old in ALL_OLD if old in found]
+
+
+def test_the_old_import_scan_sees_each_form():
+    """(a scan that finds nothing proves nothing)"""
+    old, other = sorted(ALL_OLD)[:2]
+    assert _old_imports(f"import os\nfrom {old} import x\n    import {other} as y\n") == \
+        [o for o in ALL_OLD if o in (old, other)]
+    assert _old_imports(f"from {old}x import y\nfrom {old}._no_such_module import z\n# import {old}\n") == []
+
+
 def test_every_shim_is_listed():
     """No module's docstring says it is deprecated and no file or folder lives at an old path (the finder
     answers for every one, so the tests above cover them all), and nothing in distrain imports an old path."""
     shims = set()
     for f in SRC.rglob("*.py"):
-        doc = ast.get_docstring(ast.parse(f.read_text())) or ""
+        doc = ast.get_docstring(parsed(f)) or ""
         if doc.startswith("Deprecated"):
             shims.add(".".join(("distrain", *f.relative_to(SRC).with_suffix("").parts)))
     assert shims == set()
     files = [old for old in ALL_OLD if _old_file(old).with_suffix(".py").exists() or _old_file(old).is_dir()]
     assert files == []
-    users = [f"{f.relative_to(ROOT)} imports {old}" for f in SRC.rglob("*.py") for old in ALL_OLD
-             if re.search(rf"^\s*(from|import) {re.escape(old)}\b(?!\.)", f.read_text(), re.M)]
+    users = [f"{f.relative_to(ROOT)} imports {old}" for f in SRC.rglob("*.py") for old in _old_imports(f.read_text())]
     assert users == []
