@@ -181,6 +181,63 @@ def _init_in_a_child(env: dict, tmp_path) -> tuple[int | None, str]:
     return child.exitcode, err.read_text() if err.exists() else ""
 
 
+def _init_and_time(env: dict, slow_s: float, out: str) -> None:
+    """A rank's ``runtime.init``; ``slow_s`` > 0: this rank is that long late right after its
+    init_process_group (a rank still finishing its part of Gloo's full mesh). Writes (the time its own group
+    was made, the time init returned)."""
+    import json
+
+    import torch.distributed as dist
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"):
+        os.environ.pop(k, None)
+    os.environ.update(env)
+    made = []
+    real = dist.init_process_group
+
+    def late(*a, **k):
+        real(*a, **k)
+        time.sleep(slow_s)
+        made.append(time.time())
+
+    dist.init_process_group = late
+    distrain.runtime.init(timeout=30)
+    returned = time.time()
+    with open(out, "w") as f:
+        json.dump([made[0], returned], f)
+    distrain.runtime.shutdown()
+    os._exit(0)
+
+
+@pytest.mark.timeout(60)
+def test_no_rank_leaves_init_before_every_rank_has_its_group(tmp_path):
+    # a rank that left init at once could exit and close its sockets under a peer still connecting Gloo's full
+    # mesh ("Connection closed by peer" in connectFullMesh: distrain.spawn of a function that returns at once,
+    # 5 of 160 spawns of 3 ranks under load before the fix); rank 2 is 1.5 s late after its init_process_group,
+    # so ranks 0 and 1 may leave init only after that
+    import json
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork")
+    env = {"WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    kids = [ctx.Process(target=_init_and_time, args=(env | {"RANK": str(r)}, 1.5 if r == 2 else 0.0,
+                                                      str(tmp_path / f"{r}.json"))) for r in range(3)]
+    for k in kids:
+        k.start()
+    for k in kids:
+        k.join(50)
+        if k.exitcode is None:
+            k.kill()
+    assert [k.exitcode for k in kids] == [0, 0, 0]
+    times = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
+    slow_made = times[2][0]
+    assert all(returned >= slow_made for _, returned in times), times
+
+
 def test_init_without_launcher_environment_says_what_is_missing(monkeypatch):
     # in this process (no fresh interpreter: init reads the environment before anything else; no test process
     # initializes a default group, ranks do)

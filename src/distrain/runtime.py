@@ -178,6 +178,11 @@ def init(backend: str = "auto", timeout: float | timedelta = 300.0,
     _wait_for_all(store, prefix, rank, world, secs, f"{addr}:{port}")
     dist.init_process_group(backend, store=dist.PrefixStore(prefix + "pg", store), rank=rank,
                             world_size=world, timeout=timedelta(seconds=secs + max(30.0, secs / 5)))
+    # Gloo connects its full mesh inside init_process_group, and a rank can finish its side of it before a peer
+    # has: a rank that then returned and exited at once closed its sockets under the peer's connect ("Connection
+    # closed by peer" in connectFullMesh, seen with distrain.spawn of a function that returns right away). No rank
+    # leaves init before every rank has its group.
+    _wait_for_all(store, prefix, rank, world, secs, f"{addr}:{port}", stage="connected")
     # heartbeats every BEAT_S over the watchdog's own connection: a rank that stops answering is named within 2 s
     # and a listener on this rank's address that its kernel answers, so a peer tells a cut link from a starved rank
     watchdog.install(store, rank, world, secs, on_hang, interval=watchdog.BEAT_S, quiet_s=watchdog.QUIET_S,
@@ -318,17 +323,21 @@ def _abandon(helper: threading.Thread) -> None:
     sys.excepthook = leave_after_printing
 
 
-def _wait_for_all(store, prefix: str, rank: int, world: int, secs: float, where: str) -> None:
-    store.set(f"{prefix}joined/{rank}", "1")
-    keys = [f"{prefix}joined/{r}" for r in range(world)]
+def _wait_for_all(store, prefix: str, rank: int, world: int, secs: float, where: str, stage: str = "joined") -> None:
+    """Mark this rank at ``stage`` in the store and wait until every rank is there (CommError naming the absent
+    ones past ``secs``): "joined" before the process group is made, "connected" after it is."""
+    store.set(f"{prefix}{stage}/{rank}", "1")
+    keys = [f"{prefix}{stage}/{r}" for r in range(world)]
     deadline = time.monotonic() + secs
     delay = 0.005
     while not store.check(keys):
         if time.monotonic() > deadline:
             absent = [r for r, k in enumerate(keys) if not store.check([k])]
             raise CommError(
-                f"rank {rank}: timed out after {secs:g}s waiting for rank(s) {absent} to join the process group "
-                f"(world size {world}, store {where}); they never started or crashed before init. {LAUNCH_HINT}"
+                f"rank {rank}: timed out after {secs:g}s waiting for rank(s) {absent} to "
+                + ("join the process group" if stage == "joined" else "finish connecting the process group")
+                + f" (world size {world}, store {where}); they never started or crashed "
+                + ("before init" if stage == "joined" else "inside init") + f". {LAUNCH_HINT}"
             )
         time.sleep(delay)
         delay = min(delay * 2, 0.1)
