@@ -56,6 +56,26 @@ from distrain.parallel.diloco import IslandGroups, OuterStep, StreamingOuter, li
 from distrain.trainer.engines.base import Engine, evaluate_batches, part_loss
 
 
+def streams(cfg) -> bool:
+    """Whether the job runs Streaming DiLoCo (--fragments > 1 or --overlap-steps > 0)."""
+    return cfg.fragments > 1 or cfg.overlap_steps > 0
+
+
+def outer_of(cfg, params, whole=None, **outer):
+    """(streaming, the outer half) for ``params``: a StreamingOuter when it :func:`streams`
+    (``whole``: StreamingOuter's cut of the whole model, for a rank holding pieces), else DiLoCo's OuterStep
+    itself (its checkpoint format and bits unchanged); ``outer``: OuterStep's keywords."""
+    if streams(cfg):
+        return True, StreamingOuter(params, fragments=cfg.fragments, inner_steps=cfg.inner_steps,
+                                    overlap_steps=cfg.overlap_steps, alpha=cfg.overlap_alpha, whole=whole, **outer)
+    return False, OuterStep(params, **outer)
+
+
+def stream_label(cfg) -> str:
+    """The engine label's Streaming DiLoCo part (empty without it)."""
+    return f", P={cfg.fragments}, τ={cfg.overlap_steps}" if streams(cfg) else ""
+
+
 def islands_of(cfg) -> int:
     """K: --islands, or every rank its own island (0)."""
     return cfg.islands or cfg.nproc
@@ -84,11 +104,7 @@ class DiLoCoEngine(Engine):
         outer = dict(group=g.cross_group, islands=g.islands, optimizer=cfg.outer_optimizer, lr=cfg.outer_lr,
                      momentum=cfg.outer_momentum, algorithm=cfg.algorithm, compression=cfg.outer_compression,
                      place=g.island, fixed_point=cfg.layout_invariant)
-        self.streaming = cfg.fragments > 1 or cfg.overlap_steps > 0
-        # one fragment without overlap: DiLoCo's OuterStep itself (its checkpoint format and bits unchanged)
-        self.outer = StreamingOuter(self.model.parameters(), fragments=cfg.fragments, inner_steps=cfg.inner_steps,
-                                    overlap_steps=cfg.overlap_steps, alpha=cfg.overlap_alpha, **outer) \
-            if self.streaming else OuterStep(self.model.parameters(), **outer)
+        self.streaming, self.outer = outer_of(cfg, self.model.parameters(), **outer)
         self.dp_rank, self.dp_size = self.rank, self.world
         self.loss_fn = part_loss(loss_fn, cfg.batch_size, self.dp_size, self.dp_rank)
         self.loss_weight = 1.0 / self.world
@@ -98,10 +114,9 @@ class DiLoCoEngine(Engine):
             self._live_islands(cfg)
         if cfg.layout_invariant:  # (validated: K divides the units, M ranks share an island's U / K)
             self._invariant_islands(cfg)
-        stream = f", P={cfg.fragments}, τ={cfg.overlap_steps}" if self.streaming else ""
         m = self.ranks_per_island
         size = f"×{m}" if isinstance(m, int) else f" ({'+'.join(map(str, m))} ranks)"
-        self.label = f"diloco (K={g.islands}{size}, H={cfg.inner_steps}{stream})"
+        self.label = f"diloco (K={g.islands}{size}, H={cfg.inner_steps}{stream_label(cfg)})"
         self.outer_s = 0.0  # seconds this rank spent in outer steps
         # an elastic job's step (a commit hook given): the state of the step's start, copied on a step that takes
         # the outer step (its inner update and the outer all-reduce come before the commit), and the update

@@ -45,9 +45,8 @@ import time
 import torch
 
 from distrain.errors import ConfigError
-from distrain.parallel.diloco import OuterStep, StreamingOuter
 from distrain.trainer.engines.base import Engine
-from distrain.trainer.engines.diloco import DiLoCoEngine, islands_of
+from distrain.trainer.engines.diloco import DiLoCoEngine, islands_of, outer_of, stream_label, streams
 from distrain.trainer.engines.grid import GridEngine, zero_stage_of
 
 
@@ -65,17 +64,13 @@ class DiLoCoGridEngine(Engine):
         outer = dict(group=t.cross_group, islands=k, optimizer=cfg.outer_optimizer, lr=cfg.outer_lr,
                      momentum=cfg.outer_momentum, algorithm=cfg.algorithm, place=t.island,
                      compression=cfg.outer_compression)  # (bf16 or None: checks/diloco.py)
-        self.streaming = cfg.fragments > 1 or cfg.overlap_steps > 0  # (not with ZeRO-3: checks/diloco.py)
-        self.outer = StreamingOuter(self.held, fragments=cfg.fragments, inner_steps=cfg.inner_steps,
-                                    overlap_steps=cfg.overlap_steps, alpha=cfg.overlap_alpha,
-                                    whole=self.whole_index(whole), **outer) \
-            if self.streaming else OuterStep(self.held, **outer)
+        # (streaming not with ZeRO-3: checks/diloco.py)
+        self.streaming, self.outer = outer_of(cfg, self.held, whole=self.whole_index(whole) if streams(cfg) else None,
+                                              **outer)
         self.dp_rank, self.dp_size, self.loss_weight = g.dp_rank, g.dp_size, g.loss_weight
         self.optimizer = g.optimizer
-        self.label = f"diloco (K={k}×{t.per_island}: {g.label}, H={cfg.inner_steps})"
+        self.label = f"diloco (K={k}×{t.per_island}: {g.label}, H={cfg.inner_steps}{stream_label(cfg)})"
         self.outer_s = 0.0  # seconds this rank spent in outer steps
-        if self.streaming:
-            self.label = self.label[:-1] + f", P={cfg.fragments}, τ={cfg.overlap_steps})"
 
     def whole_index(self, whole: list[tuple[str, int]]) -> tuple[list[int], list[int]]:
         """(the whole model's tensor sizes, each held parameter's index among them): the held parameters by
