@@ -296,3 +296,22 @@ def test_exit_status_is_the_interpreters():
         raise RuntimeError("x")
 
     assert exit_status(boom) == 1
+
+
+def test_the_fork_servers_exit_handler_ends_only_the_fork_server():
+    """launch.warm's handler skips the fork server's finalization; a rank forked from the server inherits it
+    and may run the exit handlers itself (runtime.leave): there it must leave the rank's exit status alone."""
+    import os
+
+    from distrain.launch import warm
+
+    pid = os.fork()
+    if pid == 0:  # a process other than the "server" runs the handler: nothing happens, its own status stays
+        warm._end_now(server=os.getppid())
+        os._exit(7)
+    assert os.waitpid(pid, 0)[1] >> 8 == 7
+    pid = os.fork()
+    if pid == 0:  # the server itself: ends at once, with status 0
+        warm._end_now(server=os.getpid())
+        os._exit(7)
+    assert os.waitpid(pid, 0)[1] >> 8 == 0

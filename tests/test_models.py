@@ -228,3 +228,40 @@ def test_registry_and_param_counts():
     p = build_model("mlp-tiny")
     p.layers[1].weight.requires_grad_(False)
     assert count_parameters(p, trainable_only=True) == 6_570 - 64 * 64
+
+
+# -- shapes only (models/meta.py) ----------------------------------------------------------------------
+def test_shapes_only_builds_every_preset_with_the_meta_builds_shapes_and_fills_nothing_else():
+    from distrain.models.meta import shapes_only
+
+    for name in list_models():
+        with shapes_only():
+            got = build_model(name)
+        with torch.device("meta"):
+            want = build_model(name)
+        assert all(t.is_meta for t in got.state_dict().values()), name
+        assert {n: t.shape for n, t in got.state_dict().items()} == {n: t.shape for n, t in want.state_dict().items()}
+        assert count_parameters(got) == count_parameters(want), name
+    with shapes_only():  # a fill on a real tensor still fills: only meta tensors' fills are skipped
+        t = torch.zeros(3, device="cpu")
+        nn.init.ones_(t)
+        u = torch.zeros(2, device="cpu").normal_()
+    assert torch.equal(t, torch.ones(3)) and not torch.equal(u, torch.zeros(2))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_shapes_only_never_imports_torch_dynamo():
+    """The reason shapes_only exists: a random fill on a meta tensor runs PyTorch's Python reference, whose
+    first call imports torch._dynamo (seconds of CPU in every `distrain train` process, to count parameters)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\nfrom distrain.models import build_model, list_models\n"
+            "from distrain.models.meta import shapes_only\n"
+            "for n in list_models():\n    with shapes_only():\n        build_model(n)\n"
+            "print('torch._dynamo' in sys.modules)\n"
+            "with torch.device('meta'):\n    build_model('gpt-tiny')\nprint('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True"]  # (the plain meta build does import it: the check can fail)

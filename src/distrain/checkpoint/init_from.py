@@ -52,6 +52,7 @@ from distrain.checkpoint.read import is_hf_folder, load_llama, read_file
 from distrain.data.vocab import model_overrides, shard_folder, vocab_error
 from distrain.errors import ConfigError
 from distrain.factories import CUSTOM, is_spec
+from distrain.models.meta import shapes_only
 
 WHO = "--init-from"
 WHAT = ("give a Hugging Face model folder (config.json with model.safetensors or model.safetensors.index.json), a "
@@ -273,7 +274,7 @@ def _expected(cfg, parts):
         return module_state(parts.model)
     if is_spec(cfg.model) and not is_hf_name(cfg.model):
         return model_state(cfg.model)
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+    with torch.random.fork_rng(devices=[]), shapes_only():
         return module_state(build_model(cfg))
 
 

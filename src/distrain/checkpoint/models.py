@@ -22,6 +22,7 @@ import torch
 from distrain.checkpoint.read import CONFIG, IMPORT, read_config
 from distrain.errors import ConfigError
 from distrain.factories import CUSTOM, is_spec, load_object
+from distrain.models.meta import shapes_only
 
 HF = "hf:"
 # presets that train (and so export) as they are; shape-only presets are for the cost model
@@ -61,7 +62,7 @@ def model_state(spec: str) -> tuple[dict[str, torch.Size], dict[str, list[str]]]
             if not isinstance(model, torch.nn.Module):
                 raise ConfigError(f"--model {spec} returned a {type(model).__name__}, not an nn.Module")
         else:
-            with torch.device("meta"):  # shapes only: no memory for the weights
+            with shapes_only():  # no memory for the weights
                 model = build_model(spec)
     return module_state(model)
 
@@ -156,7 +157,7 @@ def hf_state(name: str, who: str):
     """(shapes, tied names) of model ``hf:DIR``, built on the meta device (:func:`check_weights`)."""
     from distrain.models.llama import Llama
 
-    with torch.device("meta"):
+    with shapes_only():
         return module_state(Llama(hf_llama_config(name, who)))
 
 

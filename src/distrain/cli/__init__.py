@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 
 from distrain.cli import common
 from distrain.errors import DistrainError
@@ -78,9 +79,12 @@ def import_from_cwd() -> None:
 
 
 def run_command(argv: list[str] | None = None) -> None:
-    """``python -m distrain(.cli) ARGS``: :func:`main`, then exit with its status. A launched rank
-    (:func:`distrain.runtime.launched_rank`) leaves through :func:`distrain.runtime.leave`, skipping
-    interpreter finalization."""
+    """``python -m distrain(.cli) ARGS``: :func:`main`, then exit with its status through
+    :func:`distrain.runtime.leave` (the exit handlers run, stdout and stderr flushed, no interpreter
+    finalization). A launched rank (:func:`distrain.runtime.launched_rank`) must skip finalization (see
+    runtime); every other command skips it for speed: tearing down torch's modules cost 0.6 s of CPU
+    after ``import torch`` and 1.1 s with torch._dynamo loaded, measured on the 2-core host, at the end of
+    every command. A top process first waits for its non-daemon threads, as interpreter exit does."""
     from distrain import runtime
 
     import_from_cwd()
@@ -89,6 +93,8 @@ def run_command(argv: list[str] | None = None) -> None:
         launched = runtime.launched_rank(os.environ) is not None
     except DistrainError:  # RANK/WORLD_SIZE set but not integers: main said so; still a launcher's process
         launched = True
-    if launched:
-        runtime.leave(code)
-    sys.exit(code)
+    if not launched:
+        for t in threading.enumerate():
+            if t is not threading.main_thread() and not t.daemon:
+                t.join()
+    runtime.leave(code)

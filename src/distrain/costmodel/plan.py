@@ -99,9 +99,9 @@ def model_spec(name: str | None, params: int | None) -> ModelSpec:
 
         sizes = tuple(4 * n for n in preset_shape(name).tensor_sizes())
         return ModelSpec(name, sum(sizes) // 4, kw["n_layer"], kw["n_embd"], kw["n_head"], kw["block_size"], sizes)
-    import torch
+    from distrain.models.meta import shapes_only
 
-    with torch.device("meta"):  # shapes only: no memory, so an 8B preset costs nothing to count
+    with shapes_only():  # no memory, so an 8B preset costs nothing to count
         m = build_model(name)
     n = sum(p.numel() for p in m.parameters())
     sizes = tuple(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad)

@@ -28,8 +28,14 @@ LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_po
 
 def inv_frequencies(head_dim: int, base: float, scaling: dict | None = None) -> torch.Tensor:
     """``theta_i`` for i in [0, head_dim/2), float32 (computed as HF does, so the same bits),
-    with the Llama 3 scaling applied when ``scaling`` is given. Shape (head_dim/2,)."""
-    exps = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim   # (d/2,)
+    with the Llama 3 scaling applied when ``scaling`` is given. Shape (head_dim/2,), on the default device.
+    Computed on the CPU whatever the default device (the same bits on every device; on the meta device,
+    PyTorch's Python references of these ops would import torch._dynamo: models/meta.py)."""
+    return _inv_frequencies(head_dim, base, scaling).to(torch.get_default_device())
+
+
+def _inv_frequencies(head_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
+    exps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim  # (d/2,)
     inv = 1.0 / (base ** exps)                                                            # (d/2,)
     if not scaling:
         return inv

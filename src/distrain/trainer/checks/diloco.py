@@ -104,10 +104,9 @@ def check_streaming(cfg) -> None:
 
 def parameter_tensors(cfg) -> int:
     """How many parameter tensors the model ``cfg.model`` names has, built on the meta device."""
-    import torch
-
     from distrain.checkpoint import init_from
+    from distrain.models.meta import shapes_only
 
-    with torch.device("meta"):
+    with shapes_only():
         model = init_from.build_model(cfg)
     return sum(1 for _ in model.parameters())

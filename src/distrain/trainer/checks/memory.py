@@ -74,11 +74,10 @@ def job(cfg, params: int, trainable: int) -> Job:
 
 def count_parameters(cfg) -> tuple[int, int]:
     """(parameters, trainable parameters) of the model ``cfg.model`` names, built on the meta device."""
-    import torch
-
     from distrain.checkpoint import init_from
+    from distrain.models.meta import shapes_only
 
-    with torch.device("meta"):
+    with shapes_only():
         model = init_from.build_model(cfg)
     params = list(model.parameters())
     return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
