@@ -3,8 +3,9 @@
 Every rank is forked from a server that has already imported these: a rank's own import
 would cost each rank the same seconds of CPU, at every start. Measured on the 2-core machine
 (cProfile of one gpt-tiny trainer rank, 2.5 s in all): the first ``torch.optim`` optimizer
-imports torch._dynamo (1.4 s), and the loss plot imports matplotlib (0.9 s). Both are pure
-imports (no threads, no open devices), safe to fork.
+imports torch._dynamo (1.4 s), the loss plot imports matplotlib (0.9 s), and rank 0's metrics log
+imports TensorBoard's writer when it is installed (0.3 s). All are pure imports (no threads, no open
+devices), safe to fork.
 
 The fork server ends when its last client (the process that spawned the ranks) is gone, by raising
 SystemExit: the interpreter's finalization of torch, torch._dynamo and matplotlib then cost it 1.1-1.4 s
@@ -25,6 +26,11 @@ try:  # the trainer's loss plot; pyplot picks its backend on first use, so a ran
     import matplotlib.backends.backend_agg  # noqa: F401
     import matplotlib.pyplot  # noqa: F401
 except ImportError:  # matplotlib is optional for the library
+    pass
+
+try:  # rank 0's TensorBoard event log (trainer/metrics.py), when the optional package is installed: 0.3 s a job
+    import torch.utils.tensorboard  # noqa: F401
+except ImportError:
     pass
 
 
