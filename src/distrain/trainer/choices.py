@@ -44,3 +44,8 @@ def either(names) -> str:
     """``a``, ``a or b``, ``a, b or c``: the names in a sentence."""
     names = list(names)
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def zero_stage(strategy: str) -> int:
+    """The ZeRO stage a --strategy or --inner-strategy names: ``zeroN`` -> N, any other (ddp, ...) -> 0."""
+    return int(strategy.removeprefix("zero")) if strategy.startswith("zero") else 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from distrain.trainer.checks.need import need
-from distrain.trainer.choices import OUTER_COMPRESSIONS, OUTER_OPTIMIZERS
+from distrain.trainer.choices import OUTER_COMPRESSIONS, OUTER_OPTIMIZERS, zero_stage
 
 
 def check_diloco(cfg) -> None:
@@ -62,7 +62,7 @@ def check_island_grid(cfg) -> None:
         need(not set_, f"{flag} with --strategy diloco islands of --tp/--pp/--inner-strategy {cfg.inner_strategy} is "
                        f"not supported (DDP islands only); {fix}, or use DDP islands (no --tp/--pp, --inner-strategy "
                        f"ddp)")
-    stage = int(cfg.inner_strategy[4:]) if cfg.inner_strategy.startswith("zero") else 0
+    stage = zero_stage(cfg.inner_strategy)
     for flag, set_, fix in (("--fragments", cfg.fragments > 1, "--fragments 1"),
                             ("--overlap-steps", cfg.overlap_steps > 0, "--overlap-steps 0")):
         need(not (set_ and stage == 3),

@@ -38,6 +38,7 @@ from distrain import comm
 from distrain.data.sampler import part_bounds
 from distrain.parallel.clip import clip_grad_norm
 from distrain.topology import Topology
+from distrain.trainer.choices import zero_stage
 from distrain.trainer.engines.base import Engine, part_loss, score
 
 
@@ -367,7 +368,7 @@ def interleaved(cfg) -> bool:
 
 def zero_stage_of(cfg) -> int:
     """--strategy zeroN -> N (ZeRO over the dp x cp group), ddp -> 0."""
-    return int(cfg.strategy.removeprefix("zero")) if cfg.strategy.startswith("zero") else 0
+    return zero_stage(cfg.strategy)
 
 
 def label_of(cfg, topo: Topology, zero_stage: int) -> str:
