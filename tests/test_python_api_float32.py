@@ -7,8 +7,8 @@ rank's optimizer updated one storage (P updates per step) and the caller's model
 converting to float64 copied the tensors and hid it. Also: the caller's model and data are
 bitwise unchanged, bf16 autocast runs through the same path, and a model whose forward
 returns an output object (as Hugging Face models do) trains and evaluates. DiLoCo whose islands are grids
-(tp 2, ZeRO-3) equals the one-process simulation of its islands (tests/test_diloco.py) within the same tolerance, and so does
-Streaming DiLoCo on grid islands (tp 2, pp 2) against the streaming simulation.
+(tp 2, ZeRO-3) equals the one-process simulation of its islands (tests/test_diloco.py) within the same tolerance,
+and so does Streaming DiLoCo on grid islands (tp 2, pp 2) against the streaming simulation.
 
 ``python tests/test_python_api_float32.py`` prints the table of max differences.
 """
