@@ -7,7 +7,8 @@ rank's optimizer updated one storage (P updates per step) and the caller's model
 converting to float64 copied the tensors and hid it. Also: the caller's model and data are
 bitwise unchanged, bf16 autocast runs through the same path, and a model whose forward
 returns an output object (as Hugging Face models do) trains and evaluates. DiLoCo whose islands are grids
-(tp 2, ZeRO-3) equals the one-process simulation of its islands (tests/test_diloco.py) within the same tolerance.
+(tp 2, ZeRO-3) equals the one-process simulation of its islands (tests/test_diloco.py) within the same tolerance,
+and so does Streaming DiLoCo on grid islands (tp 2, pp 2) against the streaming simulation.
 
 ``python tests/test_python_api_float32.py`` prints the table of max differences.
 """
@@ -154,6 +155,51 @@ def test_diloco_grid_islands_float32_equal_the_one_process_simulation(tmp_path, 
     assert summary["outer_syncs"] == 2
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before), f"{name}: train() changed the caller's model"
+
+
+# Streaming DiLoCo on grid islands (each fragment's outer step over the cross group on the rank's pieces of it):
+# K = 2 islands of 2 ranks, 6 steps. tp 2: H = 3, P = 3 fragments at offsets 0, 1, 2, each exchange applied one
+# step after it starts (α = 0.5); pp 2: H = 4, P = 4 (each stage lacks a fragment of gpt-tiny's cut, which it
+# counts but does not exchange), τ = 1, α = 0.25. Fragment p's exchanges start after steps s with
+# (s + 1 − p·H//P) mod H = 0; the one started after step 6 is still pending at the end.
+GRID_STREAMING = {"streaming K=2 x tp2 P=3 tau=1": dict(tp=2, inner_steps=3, fragments=3, overlap_steps=1),
+                  "streaming K=2 x pp2 P=4 tau=1 a=0.25": dict(pp=2, microbatches=2, inner_steps=4, fragments=4,
+                                                               overlap_steps=1, overlap_alpha=0.25)}
+
+
+@pytest.mark.slow  # each run 3-4 s here (4 ranks on 2 busy cores; the session's first 9-13 s)
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name", list(GRID_STREAMING))
+def test_streaming_diloco_grid_islands_float32_equal_the_one_process_simulation(tmp_path, name):
+    """Streaming DiLoCo on grid islands the way a user runs it (float32, a model object) equals test_diloco's
+    one-process streaming simulation of K = 2 islands of the caller's model within float32, every step's loss;
+    each fragment's outer steps and the exchange still in flight are the schedule's; the caller's model is
+    unchanged."""
+    from test_diloco import shard, simulate
+
+    from distrain.trainer.custom import UserParts
+
+    kw = GRID_STREAMING[name]
+    model = _model()
+    before = _state(model)
+    cfg = _config(tmp_path / "run", strategy="diloco", nproc=4, islands=2, steps=6, **kw)
+    summary = distrain.train(model=model, config=cfg)
+    got = _losses(tmp_path / "run")
+    ref, _, _, left = simulate(cfg, 2, fragments=cfg.fragments, overlap=cfg.overlap_steps, alpha=cfg.overlap_alpha,
+                               parts=UserParts(model=model))
+    assert len(got) == len(ref) == 6
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=RTOL, atol=0,
+                               msg=lambda m: f"{name}: losses {got} vs the simulation {ref}: {m}")
+    H, P = cfg.inner_steps, cfg.fragments
+    starts = [sum(1 for s in range(6) if (s + 1 - p * H // P) % H == 0) for p in range(P)]
+    assert sorted(left) == [p for p in range(P) if (6 - p * H // P) % H == 0]  # the schedule leaves one in flight
+    outer = shard(cfg.out, "island1-tp0-pp0")["outer"]
+    assert [f["syncs"] for f in outer["fragments"]] == [n - (p in left) for p, n in enumerate(starts)]
+    assert sorted(e["fragment"] for e in outer["pending"]) == sorted(left)
+    assert summary["outer_syncs"] == sum(starts) - len(left) and summary["fragments"] == P
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), f"{name}: train() changed the caller's model"
+    assert not any(p.is_shared() for p in model.parameters()), f"{name}: the caller's parameters were moved to shm"
 
 
 class Regressor(nn.Module):

@@ -7,6 +7,13 @@ imports torch._dynamo (1.4 s), the loss plot imports matplotlib (0.9 s), and ran
 imports TensorBoard's writer when it is installed (0.3 s). All are pure imports (no threads, no open
 devices), safe to fork.
 
+Rank 0 alone opens the metrics log before its first step (``MetricsLog(tensorboard=True)``: the import of
+torch.utils.tensorboard, 0.25 s on a quiet host, 0.5-0.8 s beside other jobs), and so does a new rank 0 after an
+elastic change, while the other ranks already wait in the step's all-reduce: with a short --collective-timeout
+under load that wait ran out (a false loss; tests/test_elastic.py's stale-rank test with --collective-timeout 2
+beside 5 busy processes on 2 cores: rank 0's log took 2.2-2.6 s in 4 of 8 runs, each a membership change (3, 3,
+[], 0)). Imported here, the log is a SummaryWriter and a file (pure import too: no thread until a writer exists).
+
 The fork server ends when its last client (the process that spawned the ranks) is gone, by raising
 SystemExit: the interpreter's finalization of torch, torch._dynamo and matplotlib then cost it 1.1-1.4 s
 of CPU after every ``distrain train`` (measured on the 2-core host, its CPU ticks in /proc at the
@@ -28,7 +35,7 @@ try:  # the trainer's loss plot; pyplot picks its backend on first use, so a ran
 except ImportError:  # matplotlib is optional for the library
     pass
 
-try:  # rank 0's TensorBoard event log (trainer/metrics.py), when the optional package is installed: 0.3 s a job
+try:  # rank 0's metrics log (trainer/metrics.py: TensorBoardLog), opened just before its first step
     import torch.utils.tensorboard  # noqa: F401
 except ImportError:
     pass
