@@ -16,6 +16,7 @@ import torch
 
 from distrain import comm
 from distrain.comm.core import tags
+from distrain.comm.shm.compiled import stream_copy
 from distrain.errors import TrainingError
 
 
@@ -93,13 +94,15 @@ def layout(tree) -> tuple[list[torch.Tensor], list[int], int]:
     return flat, offsets, at
 
 
-def unpack(buf: torch.Tensor, tree, flat: list[torch.Tensor], offsets: list[int], copy: bool = False):
-    """``tree`` with each tensor replaced by a view of ``buf`` at its offset (``copy``: filled from it)."""
+def unpack(buf: torch.Tensor, tree, flat: list[torch.Tensor], offsets: list[int], copy=False):
+    """``tree`` with each tensor replaced by a view of ``buf`` at its offset (``copy``: filled from it, by
+    torch's copy, or by ``copy(view, tensor)`` when it is a function)."""
+    fill = copy if callable(copy) else torch.Tensor.copy_
     views = []
     for t, o in zip(flat, offsets):
         v = buf[o:o + t.numel() * t.element_size()].view(t.dtype).reshape(t.shape)
         if copy:
-            v.copy_(t.detach())
+            fill(v, t.detach())
         views.append(v)
     return rebuild_tree(tree, iter(views))
 
@@ -186,7 +189,7 @@ class InPlace:
         head = buf[:16].view(torch.int64)
         head[1] = 0
         head[0] = step + 1
-        g["views"] = unpack(buf[HEAD:], tree, flat, offsets, copy=True)
+        g["views"] = unpack(buf[HEAD:], tree, flat, offsets, copy=stream_copy)  # (read only after a failure)
         g["parity"] = step % 2
         head[1] = step + 1
         return g["views"]
