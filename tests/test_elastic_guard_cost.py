@@ -206,10 +206,25 @@ def _piece(step: int):
             "state": {"exp_avg": torch.randn(37, generator=g, dtype=torch.float64)}, "rank": 1}
 
 
-def test_an_in_place_replica_is_a_whole_steps_piece_never_half_of_two():
+@pytest.mark.parametrize("kernels", ["python", "compiled"])
+def test_an_in_place_replica_is_a_whole_steps_piece_never_half_of_two(kernels):
     """pieces.InPlace: the previous rank's piece read from its buffers (symmetric memory) only when the group
     breaks. A buffer never packed holds nothing (zeros are no step); a rank killed while packing step 4 leaves
-    step 3's whole piece (the other parity) and nothing of 4; once 4 is packed both are offered, bit for bit."""
+    step 3's whole piece (the other parity) and nothing of 4; once 4 is packed both are offered, bit for bit.
+    The pack's copy by torch (the Python kernels) and by the data plane's non-temporal stores alike."""
+    from distrain.comm.shm import compiled
+
+    if kernels == "compiled" and compiled.ext is None:
+        pytest.skip(str(compiled.MISSING))
+    before = compiled.kernels()
+    compiled.set_kernels(kernels)
+    try:
+        _in_place_replica_is_whole()
+    finally:
+        compiled.set_kernels(before)
+
+
+def _in_place_replica_is_whole():
     import torch
 
     from distrain.elastic.pieces import HEAD, leaves
