@@ -47,6 +47,8 @@ def _faithful_build() -> types.ModuleType:
     fake.__file__ = "/build/_dataplane.so"
     for name, value in compiled.reference().items():
         setattr(fake, name, value)
+    for name in compiled.CALLS:
+        setattr(fake, name, lambda *a: 0)
     return fake
 
 
@@ -86,6 +88,34 @@ def test_a_build_from_other_source_is_one_line_naming_both_values():
         compiled.check_extension(fake)
     assert str(e.value) == ("the compiled data plane (/build/_dataplane.so) has no LINE_SYMMETRIC, the Python kernels "
                             "say 7: it was built from older source; rebuild it (make install)")
+
+    fake = _faithful_build()
+    del fake.stream_copy  # an older build without a function called here
+    with pytest.raises(DataPlaneMismatchError) as e:
+        compiled.check_extension(fake)
+    assert str(e.value) == ("the compiled data plane (/build/_dataplane.so) has no stream_copy(): it was built from "
+                            "older source; rebuild it (make install)")
+
+
+@NEEDS_EXT
+def test_stream_copy_is_torchs_copy_byte_for_byte_at_any_length_and_alignment():
+    """compiled.stream_copy (non-temporal stores: pieces.InPlace's per-step pack) writes what dst.copy_(src)
+    writes, and nothing around it, for lengths and destination offsets off the 32-byte vectors; with the
+    Python kernels, or tensors it does not take (non-contiguous), it is torch's copy."""
+    g = torch.Generator().manual_seed(0)
+    for n in (0, 1, 31, 32, 63, 64, 65, 1000, 4099):
+        for off in (0, 1, 8, 33):
+            src = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+            dst = torch.full((n + off + 7,), 9, dtype=torch.uint8)
+            assert compiled.ext.stream_copy(dst[off:off + n], src) == compiled.OK
+            want = torch.full((n + off + 7,), 9, dtype=torch.uint8)
+            want[off:off + n].copy_(src)
+            assert torch.equal(dst, want), (n, off)
+    x = torch.randn(6, 5, dtype=torch.float64, generator=g)
+    out = torch.zeros(5, 6, dtype=torch.float64)
+    assert compiled.ext.stream_copy(out, x.t()) == compiled.UNSUPPORTED  # (non-contiguous: the caller copies)
+    compiled.stream_copy(out, x.t())
+    assert torch.equal(out, x.t())
 
 
 def test_importing_the_kernels_beside_a_stale_build_raises_at_import(monkeypatch):

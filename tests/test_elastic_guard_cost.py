@@ -78,7 +78,7 @@ def _piece_state_is_the_state_dict_of_live_tensors(rank: int) -> list[str]:
 def _piece_state_of(rank: int, stage: str) -> list[str]:
     import torch
 
-    from distrain.elastic.pieces import pack
+    from distrain.elastic.pieces import leaves, pack, rebuild_tree
     from distrain.models.registry import build_model
     from distrain.trainer.config import TrainConfig
     from distrain.trainer.engines import build_engine
@@ -94,7 +94,9 @@ def _piece_state_of(rank: int, stage: str) -> list[str]:
         x = torch.randint(0, 256, (2, 16), generator=g)
         e.train_step(x, torch.roll(x, -1, 1))
         piece, whole = e.piece_state(), e.state_dict()
-        bad += [f"step {step}: {p}" for p in _same_tree(piece, whole)]
+        flat = []
+        leaves(piece, flat)  # (the tree the pieces' functions see: its Fixed parts as their plain values)
+        bad += [f"step {step}: {p}" for p in _same_tree(rebuild_tree(piece, iter(flat)), whole)]
         live = {t.data_ptr() for t in e.pm.zero.parameters()}
         if {t.data_ptr() for t in piece["zero"]["shards"]} != live:
             bad.append(f"step {step}: the piece's shards are not the live ones")
@@ -204,10 +206,25 @@ def _piece(step: int):
             "state": {"exp_avg": torch.randn(37, generator=g, dtype=torch.float64)}, "rank": 1}
 
 
-def test_an_in_place_replica_is_a_whole_steps_piece_never_half_of_two():
+@pytest.mark.parametrize("kernels", ["python", "compiled"])
+def test_an_in_place_replica_is_a_whole_steps_piece_never_half_of_two(kernels):
     """pieces.InPlace: the previous rank's piece read from its buffers (symmetric memory) only when the group
     breaks. A buffer never packed holds nothing (zeros are no step); a rank killed while packing step 4 leaves
-    step 3's whole piece (the other parity) and nothing of 4; once 4 is packed both are offered, bit for bit."""
+    step 3's whole piece (the other parity) and nothing of 4; once 4 is packed both are offered, bit for bit.
+    The pack's copy by torch (the Python kernels) and by the data plane's non-temporal stores alike."""
+    from distrain.comm.shm import compiled
+
+    if kernels == "compiled" and compiled.ext is None:
+        pytest.skip(str(compiled.MISSING))
+    before = compiled.kernels()
+    compiled.set_kernels(kernels)
+    try:
+        _in_place_replica_is_whole()
+    finally:
+        compiled.set_kernels(before)
+
+
+def _in_place_replica_is_whole():
     import torch
 
     from distrain.elastic.pieces import HEAD, leaves
@@ -273,3 +290,22 @@ def _in_place_over_shm(rank: int) -> list[str]:
 @pytest.mark.timeout(90)
 def test_over_shm_the_in_place_replica_is_the_previous_ranks_piece_across_a_size_change():
     run_ranks(_in_place_over_shm, 2)
+
+
+def test_a_fixed_part_of_a_piece_is_never_walked_and_its_plain_value_is_in_every_tree_made():
+    """pieces.Fixed (an engine's naming record, the same every step): no tensor of it is packed or counted,
+    and what pack, rebuild_tree and clone_tree make holds its value itself (no Fixed leaves the engine's tree)."""
+    import torch
+
+    from distrain.elastic.pieces import Fixed, clone_tree, leaves, pack, packed_size
+
+    names = {"a.weight": "layers.0.a.weight", "shapes": [[2, 3]]}
+    piece = {"zero": {"shards": [torch.arange(6.0)], "layout": Fixed({"units": [names]})}, "names": Fixed(names)}
+    flat = []
+    leaves(piece, flat)
+    assert len(flat) == 1 and packed_size(piece) == 64
+    _, packed = pack(piece)
+    assert packed["names"] is names and packed["zero"]["layout"] == {"units": [names]}
+    assert torch.equal(packed["zero"]["shards"][0], torch.arange(6.0))
+    copy = clone_tree(piece)
+    assert copy["names"] is names and type(copy["zero"]["layout"]) is dict

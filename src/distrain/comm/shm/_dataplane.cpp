@@ -1179,6 +1179,46 @@ int fold(const at::Tensor& out, const std::vector<at::Tensor>& inputs, int op) {
   return OK;
 }
 
+// dst <- src's bytes, stored around the caches (non-temporal stores) where the ISA has them: for a buffer
+// written every step and read only after a failure (an elastic ZeRO rank's piece in symmetric memory,
+// distrain.elastic.pieces.InPlace), so the copy neither reads the destination's lines in first nor evicts
+// the training's working set with them. The same bytes as dst.copy_(src) (compiled.stream_copy falls back
+// to that for anything but two contiguous CPU tensors of one byte count).
+int stream_copy(const at::Tensor& dst, const at::Tensor& src) {
+  if (!dst.is_contiguous() || !src.is_contiguous() || dst.device().type() != at::kCPU ||
+      src.device().type() != at::kCPU || dst.nbytes() != src.nbytes())
+    return UNSUPPORTED;
+  char* d = static_cast<char*>(dst.data_ptr());
+  const char* s = static_cast<const char*>(src.data_ptr());
+  size_t n = dst.nbytes();
+  pybind11::gil_scoped_release nogil;
+#if defined(__AVX2__) || defined(__SSE2__)
+  size_t head = std::min(n, size_t((32 - reinterpret_cast<uintptr_t>(d) % 32) % 32));
+  std::memcpy(d, s, head);
+  size_t i = head;
+#if defined(__AVX2__)
+  for (; i + 64 <= n; i += 64) {
+    __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i));
+    __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + 32));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i + 32), b);
+  }
+#else
+  for (; i + 32 <= n; i += 32) {
+    __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
+  }
+#endif
+  std::memcpy(d + i, s + i, n - i);
+  _mm_sfence();  // (the streamed stores are ordered before whatever the caller stores next: a stamp)
+#else
+  std::memcpy(d, s, n);
+#endif
+  return OK;
+}
+
 std::string isa() {
   std::string s;
 #if defined(__AVX512F__)
@@ -1236,6 +1276,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("send", &Rings::send)
       .def("recv", &Rings::recv);
   m.def("fold", &fold);
+  m.def("stream_copy", &stream_copy);
   m.def("isa", &isa);
   // Every constant the Python reference also defines, under the name compiled.reference() gives it
   // (compiled.check_extension compares them at import).

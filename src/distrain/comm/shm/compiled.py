@@ -81,9 +81,12 @@ def reference() -> dict[str, int | float]:
     }
 
 
+CALLS = ("fold", "stream_copy")  # the extension's functions called here by name (its classes: make_plane, ...)
+
+
 def check_extension(module) -> None:
     """Raise DataPlaneMismatchError when ``module`` (the built extension) disagrees with
-    :func:`reference` on any number, or lacks one: it was built from other source than the Python
+    :func:`reference` on any number, or lacks one or a function of CALLS: it was built from other source than the Python
     beside it (a stale build), and would read and write the segments at other places or misread
     the codes. The first difference, in one line naming both values."""
     where = getattr(module, "__file__", None) or getattr(module, "__name__", "the extension")
@@ -97,6 +100,10 @@ def check_extension(module) -> None:
             raise DataPlaneMismatchError(
                 f"the compiled data plane ({where}) says {name}={theirs!r}, the Python kernels say {ours!r}; "
                 f"rebuild it (make install)")
+    for name in CALLS:
+        if not callable(getattr(module, name, None)):
+            raise DataPlaneMismatchError(f"the compiled data plane ({where}) has no {name}(): it was built from older "
+                                         f"source; rebuild it (make install)")
 
 
 try:
@@ -337,6 +344,16 @@ def fold(out: torch.Tensor, inputs: list[torch.Tensor], op: str) -> None:
     rc = ext.fold(out, inputs, CODES[op])
     if rc:
         raise ConfigError(f"fold({op}) of {out.dtype} is not supported by the compiled kernels")
+
+
+def stream_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, the same bytes, by the extension's non-temporal stores where it is built and chosen
+    (kernels() == "compiled") and both are contiguous CPU tensors of one dtype and shape: for a buffer written
+    often and read only after a failure (pieces.InPlace, an elastic ZeRO rank's piece in symmetric memory),
+    whose lines need not be read in first nor kept in cache. Otherwise torch's copy (the reference)."""
+    if kernels() != "compiled" or dst.dtype != src.dtype or dst.shape != src.shape or \
+            ext.stream_copy(dst, src) != OK:
+        dst.copy_(src)
 
 
 _TOKEN = torch.zeros(1, dtype=torch.uint8)  # a barrier is an all_reduce of one byte (api.barrier)

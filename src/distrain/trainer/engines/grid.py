@@ -312,16 +312,21 @@ class GridEngine(Engine):
 
     def piece_state(self) -> dict:
         """ZeRO: :meth:`state_dict`'s tree with the live shards and buffers (not copies) and the naming record
-        made once per engine (an elastic job packs this every step: the record cost more than the copy)."""
+        and ZeRO layout made once per engine, as pieces.Fixed parts (an elastic job packs this every step: making
+        the record, then walking it, cost more than the copy)."""
         zero = self.pm.zero
         if zero is None:
             return self.state_dict()
         if self._piece_meta is None:  # (the names and buffers kept are the engine's for its life)
+            from distrain.elastic.pieces import Fixed
+
             full = self.state_dict()
-            self._piece_meta = (list(full["buffers"]), {k: v for k, v in full.items() if k not in ("zero", "buffers")})
-        kept, meta = self._piece_meta
-        live = dict(zero.module.named_buffers())
-        return {"zero": zero.state_dict(copy=False), "buffers": {n: live[n].detach() for n in kept}, **meta}
+            meta = {k: Fixed(v) for k, v in full.items() if k not in ("zero", "buffers")}  # (never walked: pieces.py)
+            self._piece_meta = (list(full["buffers"]), meta, Fixed(full["zero"]["layout"]))
+        kept, meta, layout = self._piece_meta
+        live = dict(zero.module.named_buffers()) if kept else {}
+        return {"zero": dict(zero.state_dict(copy=False), layout=layout), "buffers": {n: live[n].detach() for n in kept},
+                **meta}
 
     def load_full(self, full: dict) -> None:
         from distrain.checkpoint.form import whole
