@@ -70,8 +70,8 @@ def _rank(r: int, port: int, how: str, op: str, out, stopped) -> None:
         stopped.wait(60)
         time.sleep(BREAK_S)
         broke_at.append(time.monotonic())
+        comm.interrupt_all()  # (in elastic/breaker.py's order: the group marked broken before its sockets close)
         sever(port)
-        comm.interrupt_all()
 
     broke_at: list = []
     threading.Thread(target=brk, daemon=True).start()
