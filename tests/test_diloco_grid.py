@@ -16,6 +16,8 @@ In float32 through ``distrain.train(model=...)`` against the same simulation: te
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -218,25 +220,52 @@ def test_clipping_and_evaluation_equal_ddp_islands(tmp_path, layout, compression
 
 
 # -- the quantized outer mean (int8/int4) on grid islands ---------------------------------------------------
-def piece_means(out, bits: int, names: list[str], *, blocks_per_tensor: bool = True):
-    """The simulation's quantized mean as the grid islands take it: each tensor in the pieces the island's
-    ranks hold (its tp slices, read from the shard files' ``tp`` records [dim, start, stop]; whole where a
-    rank holds it whole), each piece's K island values through test_diloco_quantized's one-process quantized
-    mean (blocks of 128 starting at the piece). ``blocks_per_tensor`` False: the blocks run across the
-    model's flat Δ instead (plain DiLoCo's), which the grid run must not match under tp."""
+def held_pieces(out) -> list[list[tuple]]:
+    """What each rank of island 0 holds, as the quantized mean's pieces (each of which starts a new block):
+    a list of pieces, each a list of (whole tensor name, view of the whole tensor) whose elements it holds in
+    order, read from the shard files: a tp slice ([dim, start, stop] in ``tp``), a whole tensor, or with
+    ZeRO-3 a flat shard (unit u's concatenated tensors, elements [d·S, (d + 1)·S) for dp rank d, S = ceil(N /
+    dp): ranges of consecutive tensors' flattened elements)."""
     from distrain import checkpoint
-    from test_diloco_quantized import reference_mean
 
-    manifest = checkpoint.read_manifest(out)
-    pieces: dict[str, set] = {}
+    manifest, pieces = checkpoint.read_manifest(out), []
     for file in manifest["files"]:  # checkpoint-{step:08d}-{shard}.pt
         shard_name = file.split("-", 2)[2][:-len(".pt")]
         if not shard_name.startswith("island0-"):
             continue
         meta = checkpoint.load_shard(out, manifest, shard_name)
-        for local, full in meta["names"].items():
+        if "zero" in meta and meta["zero"]["layout"]["stage"] == 3:
+            z = meta["zero"]
+            for unit in z["layout"]["units"]:
+                S = -(-unit["numel"] // z["layout"]["world"])
+                lo, hi, off, piece = z["rank"] * S, (z["rank"] + 1) * S, 0, []
+                for local, shape in zip(unit["names"], unit["shapes"]):
+                    n = math.prod(shape)
+                    a, b = max(lo, off) - off, min(hi, off + n) - off
+                    if a < b:
+                        piece.append((meta["names"][local], lambda t, a=a, b=b: t.view(-1)[a:b]))
+                    off += n
+                pieces.append(piece)
+            continue
+        held = meta["order"] if "order" in meta else [n for u in meta["zero"]["layout"]["units"] for n in u["names"]]
+        for local in held:  # (ZeRO-1/2: the stage's whole parameters, its units' names)
             info = meta.get("tp", {}).get(local)
-            pieces.setdefault(full, set()).add(None if info is None or info[0] is None else tuple(info))
+            whole = info is None or info[0] is None
+            pieces.append([(meta["names"][local],
+                            (lambda t: t) if whole else (lambda t, i=info: t.narrow(i[0], i[1], i[2] - i[1])))])
+    return pieces
+
+
+def piece_means(out, bits: int, names: list[str], *, blocks_per_tensor: bool = True):
+    """The simulation's quantized mean as the grid islands take it: each piece a rank of an island holds
+    (:func:`held_pieces`), the K islands' values of it through test_diloco_quantized's one-process quantized
+    mean (blocks of 128 starting at the piece); a piece several ranks hold alike (a tensor replicated over
+    tp, the dp replicas' stage with ZeRO-1/2) is the same piece on each. ``blocks_per_tensor`` False: the
+    blocks run across the model's flat Δ instead (plain DiLoCo's), which the grid run must not match under
+    tp."""
+    from test_diloco_quantized import reference_mean
+
+    pieces = held_pieces(out)
 
     def mean(deltas: list) -> list:
         if not blocks_per_tensor:
@@ -246,21 +275,24 @@ def piece_means(out, bits: int, names: list[str], *, blocks_per_tensor: bool = T
                 out_.append(m[a:a + d.numel()].view_as(d))
                 a += d.numel()
             return out_
-        got = []
-        for name, ds in zip(names, zip(*deltas)):
-            m = torch.full_like(ds[0], float("nan"))
-            for piece in pieces[name]:
-                cut = (lambda t: t) if piece is None else (lambda t, p=piece: t.narrow(p[0], p[1], p[2] - p[1]))
-                cut(m).copy_(reference_mean([cut(d).reshape(-1) for d in ds], bits).view(cut(m).shape))
-            assert not m.isnan().any(), name  # the pieces tile the tensor
-            got.append(m)
-        return got
+        by_name = [dict(zip(names, ds)) for ds in deltas]
+        got = {n: torch.full_like(d, float("nan")) for n, d in by_name[0].items()}
+        for piece in pieces:
+            flats = [torch.cat([cut(island[n]).reshape(-1) for n, cut in piece]) for island in by_name]
+            m, a = reference_mean(flats, bits), 0
+            for n, cut in piece:
+                view = cut(got[n])
+                view.copy_(m[a:a + view.numel()].view(view.shape))
+                a += view.numel()
+        assert not any(m.isnan().any() for m in got.values())  # the pieces cover every tensor
+        return [got[n] for n in names]
     return mean
 
 
 QUANTIZED = {"tp2-int8": dict(tp=2, outer_compression="int8"),
              "pp2-int4": dict(pp=2, microbatches=2, outer_compression="int4"),
-             "zero2-int4": dict(inner_strategy="zero2", outer_compression="int4")}
+             "zero2-int4": dict(inner_strategy="zero2", outer_compression="int4"),
+             "zero3-int8": dict(inner_strategy="zero3", outer_compression="int8")}
 
 
 @pytest.mark.slow
@@ -268,8 +300,8 @@ QUANTIZED = {"tp2-int8": dict(tp=2, outer_compression="int8"),
 @pytest.mark.parametrize("layout", list(QUANTIZED))
 def test_quantized_outer_mean_on_grid_islands_equals_the_simulation(tmp_path, layout):
     """4 ranks, K = 2 islands of 2, H = 2, 5 steps, Δ in int8/int4: every step's loss equals test_diloco's
-    one-process simulation whose outer mean quantizes each tensor in the pieces the island's ranks hold (tp
-    slices; a tensor every tp rank holds alike, whole), and the outer parameters saved by the two tp ranks of
+    one-process simulation whose outer mean quantizes the pieces the island's ranks hold (tp slices; a tensor
+    every tp rank holds alike, whole; ZeRO-3's flat shards), and the outer parameters saved by the two tp ranks of
     a tensor replicated over tp (the final norm's weight) are equal: the replicas stay one. Under tp the
     simulation with plain DiLoCo's blocks across the flat Δ does not match (a run that cut its blocks so
     would fail here)."""
