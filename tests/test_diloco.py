@@ -101,7 +101,7 @@ def outer_steps(step: int, held: list, master: list, outer: list, cuts: list, pe
                 apply(f, means, merge=False)
 
 
-def simulate(cfg, K: int, fragments: int = 1, overlap: int = 0, alpha: float = 0.5, parts=None):
+def simulate(cfg, K: int, fragments: int = 1, overlap: int = 0, alpha: float = 0.5, parts=None, mean=None):
     """DiLoCo in one process, plain torch: (the step losses, each island's final state_dict, the outer
     parameters by name, the exchanges not yet applied {fragment: mean Δ by name}). Island i reads part i of
     K of every global batch (the trainer's ranks' parts joined: consecutive ranks form an island).
@@ -110,7 +110,8 @@ def simulate(cfg, K: int, fragments: int = 1, overlap: int = 0, alpha: float = 0
     fragments (distrain's cut: fragment_cuts), each with its own torch.optim.SGD on its master slice;
     fragment p's mean Δ is taken after steps s with (s + 1 − p·H//P) mod H = 0 and applied then (τ = 0:
     every island takes the master) or after step s + τ (every island: α·θ_i + (1 − α)·master). ``parts``: the
-    caller's model instead of the config's (simulation_parts)."""
+    caller's model instead of the config's (simulation_parts). ``mean``: the islands' Δ lists of a fragment's
+    tensors -> one mean per tensor (default: in float, :func:`_float_means`)."""
     from distrain.parallel.diloco import fragment_cuts
     from distrain.trainer.task import build_optimizer
 
@@ -137,7 +138,7 @@ def simulate(cfg, K: int, fragments: int = 1, overlap: int = 0, alpha: float = 0
         losses.append(step_loss)
         with torch.no_grad():
             outer_steps(step, [list(m.parameters()) for m in islands], master, outer, cuts, pending, H=H,
-                        fragments=fragments, overlap=overlap, alpha=alpha, mean=_float_means)
+                        fragments=fragments, overlap=overlap, alpha=alpha, mean=mean or _float_means)
     left = {f: dict(zip(names[cuts[f][0]:cuts[f][1]], means)) for f, (_, means) in pending.items()}
     return losses, [m.state_dict() for m in islands], dict(zip(names, master)), left
 

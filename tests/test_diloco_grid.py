@@ -16,6 +16,8 @@ In float32 through ``distrain.train(model=...)`` against the same simulation: te
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -187,7 +189,12 @@ NOT_YET = "with --strategy diloco islands of --tp/--pp/--inner-strategy"
     (dict(GRID, inner_strategy="zero3", overlap_steps=1), "--overlap-steps with --strategy diloco islands of "
                                                           "--inner-strategy zero3 is not supported"),
     (dict(GRID, tp=2, outer_compression="bf16"), None),
-    (dict(GRID, tp=2, outer_compression="int8"), f"--outer-compression {NOT_YET}"),
+    (dict(GRID, tp=2, outer_compression="int8"), None),
+    (dict(GRID, pp=2, outer_compression="int4"), None),
+    (dict(GRID, inner_strategy="zero3", outer_compression="int8"), None),
+    (dict(GRID, nproc=8, tp=2, inner_strategy="zero3", outer_compression="int4"),
+     "--outer-compression int4 with --strategy diloco islands of --inner-strategy zero3 and --tp 2 is not supported "
+     "(a ZeRO-3 flat shard holds tensors every tp rank holds alike beside tp slices"),
     (dict(strategy="ddp", nproc=4, tp=2, inner_strategy="zero1"), "--inner-strategy applies only to --strategy "
                                                                   "diloco"),
 ])
@@ -210,3 +217,109 @@ def test_clipping_and_evaluation_equal_ddp_islands(tmp_path, layout, compression
     ref = train_rows(trainer_config(tmp_path / "ddp", **kw))
     got = train_rows(trainer_config(tmp_path / layout, **kw, **LAYOUTS[layout]))
     assert_rows_equal(got, ref)
+
+
+# -- the quantized outer mean (int8/int4) on grid islands ---------------------------------------------------
+def held_pieces(out) -> list[list[tuple]]:
+    """What each rank of island 0 holds, as the quantized mean's pieces (each of which starts a new block):
+    a list of pieces, each a list of (whole tensor name, view of the whole tensor) whose elements it holds in
+    order, read from the shard files: a tp slice ([dim, start, stop] in ``tp``), a whole tensor, or with
+    ZeRO-3 a flat shard (unit u's concatenated tensors, elements [d·S, (d + 1)·S) for dp rank d, S = ceil(N /
+    dp): ranges of consecutive tensors' flattened elements)."""
+    from distrain import checkpoint
+
+    manifest, pieces = checkpoint.read_manifest(out), []
+    for file in manifest["files"]:  # checkpoint-{step:08d}-{shard}.pt
+        shard_name = file.split("-", 2)[2][:-len(".pt")]
+        if not shard_name.startswith("island0-"):
+            continue
+        meta = checkpoint.load_shard(out, manifest, shard_name)
+        if "zero" in meta and meta["zero"]["layout"]["stage"] == 3:
+            z = meta["zero"]
+            for unit in z["layout"]["units"]:
+                S = -(-unit["numel"] // z["layout"]["world"])
+                lo, hi, off, piece = z["rank"] * S, (z["rank"] + 1) * S, 0, []
+                for local, shape in zip(unit["names"], unit["shapes"]):
+                    n = math.prod(shape)
+                    a, b = max(lo, off) - off, min(hi, off + n) - off
+                    if a < b:
+                        piece.append((meta["names"][local], lambda t, a=a, b=b: t.view(-1)[a:b]))
+                    off += n
+                pieces.append(piece)
+            continue
+        held = meta["order"] if "order" in meta else [n for u in meta["zero"]["layout"]["units"] for n in u["names"]]
+        for local in held:  # (ZeRO-1/2: the stage's whole parameters, its units' names)
+            info = meta.get("tp", {}).get(local)
+            whole = info is None or info[0] is None
+            pieces.append([(meta["names"][local],
+                            (lambda t: t) if whole else (lambda t, i=info: t.narrow(i[0], i[1], i[2] - i[1])))])
+    return pieces
+
+
+def piece_means(out, bits: int, names: list[str], *, blocks_per_tensor: bool = True):
+    """The simulation's quantized mean as the grid islands take it: each piece a rank of an island holds
+    (:func:`held_pieces`), the K islands' values of it through test_diloco_quantized's one-process quantized
+    mean (blocks of 128 starting at the piece); a piece several ranks hold alike (a tensor replicated over
+    tp, the dp replicas' stage with ZeRO-1/2) is the same piece on each. ``blocks_per_tensor`` False: the
+    blocks run across the model's flat Δ instead (plain DiLoCo's), which the grid run must not match under
+    tp."""
+    from test_diloco_quantized import reference_mean
+
+    pieces = held_pieces(out)
+
+    def mean(deltas: list) -> list:
+        if not blocks_per_tensor:
+            flat = [torch.cat([d.reshape(-1) for d in ds]) for ds in deltas]
+            m, out_, a = reference_mean(flat, bits), [], 0
+            for d in deltas[0]:
+                out_.append(m[a:a + d.numel()].view_as(d))
+                a += d.numel()
+            return out_
+        by_name = [dict(zip(names, ds)) for ds in deltas]
+        got = {n: torch.full_like(d, float("nan")) for n, d in by_name[0].items()}
+        for piece in pieces:
+            flats = [torch.cat([cut(island[n]).reshape(-1) for n, cut in piece]) for island in by_name]
+            m, a = reference_mean(flats, bits), 0
+            for n, cut in piece:
+                view = cut(got[n])
+                view.copy_(m[a:a + view.numel()].view(view.shape))
+                a += view.numel()
+        assert not any(m.isnan().any() for m in got.values())  # the pieces cover every tensor
+        return [got[n] for n in names]
+    return mean
+
+
+QUANTIZED = {"tp2-int8": dict(tp=2, outer_compression="int8"),
+             "pp2-int4": dict(pp=2, microbatches=2, outer_compression="int4"),
+             "zero2-int4": dict(inner_strategy="zero2", outer_compression="int4"),
+             "zero3-int8": dict(inner_strategy="zero3", outer_compression="int8")}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", list(QUANTIZED))
+def test_quantized_outer_mean_on_grid_islands_equals_the_simulation(tmp_path, layout):
+    """4 ranks, K = 2 islands of 2, H = 2, 5 steps, Δ in int8/int4: every step's loss equals test_diloco's
+    one-process simulation whose outer mean quantizes the pieces the island's ranks hold (tp slices; a tensor
+    every tp rank holds alike, whole; ZeRO-3's flat shards), and the outer parameters saved by the two tp ranks of
+    a tensor replicated over tp (the final norm's weight) are equal: the replicas stay one. Under tp the
+    simulation with plain DiLoCo's blocks across the flat Δ does not match (a run that cut its blocks so
+    would fail here)."""
+    kw = QUANTIZED[layout]
+    cfg = trainer_config(tmp_path / "run", strategy="diloco", nproc=4, islands=2, inner_steps=2, **kw)
+    got = train_losses(cfg)
+    bits = {"int8": 8, "int4": 4}[kw["outer_compression"]]
+    from distrain.models import build_model
+    names = [n for n, _ in build_model(cfg.model).named_parameters()]
+    losses, _, master, _ = simulate(cfg, 2, mean=piece_means(cfg.out, bits, names))
+    assert close(got, losses), (got, losses)
+    dp = "-dp1" if "zero" in layout else ""
+    outer = shard(cfg.out, f"island1-tp0-pp0{dp}")["outer"]
+    assert outer["syncs"] == 2
+    if kw.get("tp"):
+        a, b = shard(cfg.out, "island1-tp0-pp0"), shard(cfg.out, "island1-tp1-pp0")
+        norm = [i for i, n in enumerate(a["order"]) if n.endswith("ln_f.weight")]  # (held in this order)
+        assert len(norm) == 1 and a["tp"][a["order"][norm[0]]][0] is None, a["order"]
+        assert all(torch.equal(a["outer"]["master"][i], b["outer"]["master"][i]) for i in norm)
+        plain, _, _, _ = simulate(cfg, 2, mean=piece_means(cfg.out, bits, names, blocks_per_tensor=False))
+        assert not close(got, plain), (got, plain)

@@ -21,6 +21,7 @@ from distrain.errors import ConfigError
 from distrain.parallel.diloco import quantized as qz
 
 N = 1000  # 8 blocks of 128 minus 24: the last block short; chunks of 3, 3, 2 blocks over 3 ranks
+SIZES = [300, 1, 129, 0, 570]  # N as tensors (grid islands: a block never mixes two): 3 + 1 + 2 + 0 + 5 blocks
 
 
 def grid(n: int, bits: int, seed: int) -> torch.Tensor:
@@ -55,6 +56,16 @@ def test_a_short_payload_is_refused():
     p = qz.encode(torch.ones(300), 8)
     with pytest.raises(ConfigError, match="a payload of 303 bytes for 300 elements; expected 312"):
         qz.decode(p[:303], 300, 8, torch.float32)
+
+
+def test_pad_puts_each_tensor_on_whole_blocks_and_unpad_undoes_it():
+    x = torch.arange(1, N + 1, dtype=torch.float64)
+    wide = qz.pad(x, SIZES)
+    assert qz.padded(SIZES) == wide.numel() == 11 * 128
+    assert [wide[b].item() for b in (0, 299, 300, 384, 385, 512, 640, 641, 768)] == [1, 300, 0, 301, 0, 302, 430, 0, 431]
+    assert torch.equal(qz.unpad(wide, SIZES), x)
+    with pytest.raises(ConfigError, match="tensor sizes summing to 999 for a vector of 1000 elements"):
+        qz.quantized_mean(x, group=None, parts=1, rank=0, bits=8, sizes=[999])
 
 
 def test_chunks_cover_the_vector_on_block_boundaries():
@@ -103,6 +114,20 @@ def _mean_on_ranks(rank: int) -> list[str]:
         dist.all_gather(every, got)
         if not all(torch.equal(e, got) for e in every):
             bad.append(f"{bits} bits: the ranks' means differ")
+        # blocks per tensor (grid islands): each piece of SIZES quantized on its own, padded to whole blocks
+        with comm.ledger() as led:
+            got = qz.quantized_mean(flat_of(rank), group=None, parts=K, rank=rank, bits=bits, sizes=SIZES)
+        sent, want, a = led.bytes_sent(), [], 0
+        for m in SIZES:
+            want.append(reference_mean([f[a:a + m] for f in flats], bits))
+            a += m
+        if not torch.equal(got, torch.cat(want)):
+            bad.append(f"{bits} bits, per tensor: differs from the pieces' one-process references")
+        if torch.equal(got, reference_mean(flats, bits)):
+            bad.append(f"{bits} bits, per tensor: the same as blocks across the vector (the sizes were ignored)")
+        if rank == 0 and sent != qz.sync_bytes(qz.padded(SIZES), K, bits):
+            bad.append(f"{bits} bits, per tensor: rank 0 sent {sent} bytes, not "
+                       f"{qz.sync_bytes(qz.padded(SIZES), K, bits)}")
     return bad
 
 

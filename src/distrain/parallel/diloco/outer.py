@@ -63,11 +63,14 @@ class OuterStep:
     ``place``: this rank's index in ``group`` (its island), which owns a chunk of the quantized mean;
     ``fixed_point`` (--layout-invariant): the mean is an int64 sum at one exponent per parameter shared
     by the islands (distrain.parallel.diloco.exact), whose bits depend on the K outer gradients alone (not
-    with ``compression``)."""
+    with ``compression``); ``tensor_blocks`` (int8/int4 on grid islands, whose ranks hold tensor slices
+    beside tensors every tp rank holds alike): each parameter starts a new quantization block
+    (quantized.quantized_mean's ``sizes``), so a replicated tensor is rounded alike on every rank holding it;
+    False: the blocks run across the flat Δ, as plain DiLoCo's."""
 
     def __init__(self, params, *, group, islands: int, optimizer: str = "nesterov", lr: float = 0.7,
                  momentum: float = 0.9, algorithm: str = "ring", compression: str | None = None, place: int = 0,
-                 fixed_point: bool = False):
+                 fixed_point: bool = False, tensor_blocks: bool = False):
         if optimizer not in OUTER_OPTIMIZERS:
             raise ConfigError(f"--outer-optimizer {optimizer!r} is unknown; use {' or '.join(OUTER_OPTIMIZERS)}")
         if compression not in (None,) + OUTER_COMPRESSIONS:
@@ -78,7 +81,7 @@ class OuterStep:
         self.fixed_point = fixed_point
         self.params: list[nn.Parameter] = list(params)
         self.group, self.islands, self.algorithm, self.compression = group, islands, algorithm, compression
-        self.place = place
+        self.place, self.tensor_blocks = place, tensor_blocks
         # θ_prev: the outer parameters, a copy of the replica's at the last sync (leaves, for the optimizer)
         self.master = [p.detach().clone() for p in self.params]
         self.optimizer = torch.optim.SGD(self.master, lr=lr, momentum=momentum, nesterov=optimizer == "nesterov")
@@ -99,8 +102,10 @@ class OuterStep:
         """Collective over ``group`` (blocking): the islands' mean of ``flat`` (this island's Δ_i, (numel,)),
         computed in place where it can be (float32/float64 and bf16 on the wire) or as the quantized mean."""
         if self.group is not None and self.compression in quantized.BITS:
+            sizes = [m.numel() for m in self.master] if self.tensor_blocks else None
             return quantized.quantized_mean(flat, group=self.group, parts=self.islands, rank=self.place,
-                                            bits=quantized.BITS[self.compression], algorithm=self.algorithm)
+                                            bits=quantized.BITS[self.compression], algorithm=self.algorithm,
+                                            sizes=sizes)
         return self.launch(flat, async_op=False).mean()
 
     @torch.no_grad()

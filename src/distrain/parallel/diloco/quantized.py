@@ -20,6 +20,14 @@ bytes, plus 4 bytes per block): Σ_{j≠me} c(chunk_j) in the all-to-all, then t
 payloads (each padded to the largest, c_max). Against float32's ring, 2(K−1)/K·4n: about 4× less in
 8 bits and 7.5× less in 4 bits (the scales cost 4/BLOCK bytes per element).
 
+Blocks that never mix two tensors (``sizes``, DiLoCo on grid islands): the flat Δ_i is the concatenation of
+this rank's tensors (of a tensor-parallel rank: its slices, and whole the tensors every tp rank holds alike,
+norms and the row-parallel bias), and a block that held the end of one and the start of the next would take
+its scale from both. Two tp ranks would then round a replicated tensor with different scales and their copies
+of it would part. With ``sizes`` each tensor starts a new block: it is zero-padded to whole blocks on the
+wire (a zero leaves a block's absmax alone, is encoded as 0 and decodes to 0) and the padding is dropped
+from the mean, so each element's mean depends on its own tensor's values only, wherever the tensor sits.
+
 Error: each element of the mean is off by at most half a quantization step of the first round (per
 island, averaged) plus half a step of the second: |mean − exact| ≤ Σ_i s_i/(2K) + s_mean/2, with s the
 block's scale (:func:`error_bound`). No error feedback: the islands' residuals would make their
@@ -100,12 +108,44 @@ def chunks(n: int, parts: int, block: int = BLOCK) -> list[tuple[int, int]]:
     return out
 
 
+def padded(sizes: list[int], block: int = BLOCK) -> int:
+    """Elements on the wire for tensors of ``sizes``, each zero-padded to whole blocks."""
+    return sum(-(-m // block) * block for m in sizes)
+
+
+def pad(flat: torch.Tensor, sizes: list[int], block: int = BLOCK) -> torch.Tensor:
+    """``flat`` (sum(sizes),) with each piece of ``sizes`` followed by zeros up to a whole block: (padded(sizes),)."""
+    out = flat.new_zeros(padded(sizes, block))
+    a = b = 0
+    for m in sizes:
+        out[b:b + m] = flat[a:a + m]
+        a, b = a + m, b + -(-m // block) * block
+    return out
+
+
+def unpad(wide: torch.Tensor, sizes: list[int], block: int = BLOCK) -> torch.Tensor:
+    """The inverse of :func:`pad`: the pieces without their padding, (sum(sizes),)."""
+    out, b = [], 0
+    for m in sizes:
+        out.append(wide[b:b + m])
+        b += -(-m // block) * block
+    return torch.cat(out) if out else wide[:0]
+
+
 @torch.no_grad()
 def quantized_mean(flat: torch.Tensor, *, group, parts: int, rank: int, bits: int,
-                   algorithm: str = "ring") -> torch.Tensor:
+                   algorithm: str = "ring", sizes: list[int] | None = None) -> torch.Tensor:
     """Collective over ``group`` (``parts`` ranks; ``rank``: this rank's place in it): the mean of every
     rank's ``flat`` (n,), as decoded from the payloads (the same bits on every rank; module docstring).
-    The all-to-all is the direct exchange (p2p); ``algorithm`` is the all-gather's (distrain.comm)."""
+    The all-to-all is the direct exchange (p2p); ``algorithm`` is the all-gather's (distrain.comm).
+    ``sizes``: the lengths of ``flat``'s tensors, each of which starts a new block (module docstring; every
+    rank of ``group`` gives the same); None: the blocks run across the whole vector."""
+    if sizes is not None:
+        if sum(sizes) != flat.numel():
+            raise ConfigError(f"quantized outer gradient: tensor sizes summing to {sum(sizes)} for a vector of "
+                              f"{flat.numel()} elements")
+        return unpad(quantized_mean(pad(flat, sizes), group=group, parts=parts, rank=rank, bits=bits,
+                                    algorithm=algorithm), sizes)
     n, dtype = flat.numel(), flat.dtype
     cuts = chunks(n, parts)
     send = [encode(flat[a:a + m], bits) for a, m in cuts]
@@ -130,7 +170,8 @@ def sync_bytes(n: int, parts: int, bits: int) -> int:
     """Payload bytes one rank sends per sync (the all-to-all of the other ranks' chunks, then its padded
     chunk of the mean to each of the K − 1 others), for the cost model and the ledger's check. Rank 0's
     count: the all-gather is symmetric; the all-to-all depends on which chunk is one's own (the last may
-    be short), so this is the count of a rank whose chunk is the first."""
+    be short), so this is the count of a rank whose chunk is the first. With ``sizes`` (blocks per tensor),
+    ``n`` is :func:`padded` (sizes)."""
     cuts = chunks(n, parts)
     widest = max(payload_bytes(m, bits) for _, m in cuts)
     return sum(payload_bytes(m, bits) for _, m in cuts[1:]) + (parts - 1) * widest

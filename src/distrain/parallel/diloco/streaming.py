@@ -68,7 +68,8 @@ def offsets(parts: int, inner_steps: int) -> list[int]:
 class StreamingOuter:
     """The outer half of Streaming DiLoCo for ``params`` (this rank's replica, in order): ``fragments`` P,
     ``inner_steps`` H, ``overlap_steps`` τ, ``alpha`` the merge's α (used with τ ≥ 1); ``outer`` the
-    OuterStep keywords (group, islands, optimizer, lr, momentum, algorithm, compression, place).
+    OuterStep keywords (group, islands, optimizer, lr, momentum, algorithm, compression, place,
+    tensor_blocks).
 
     ``whole`` (a rank of a grid island holds pieces of some tensors: engines/diloco_grid.py): (the whole
     model's tensor sizes, in its order; each of ``params``' index among them). The cut is then the whole

@@ -24,6 +24,14 @@ Checkpoints: each island writes its grid's shards, named ``island{i}-`` + the gr
 layout (K, the island's dp, tp, pp, the ZeRO stage): --reshard is refused (the base engine's load_full).
 
 --outer-compression bf16: Δ travels in bfloat16, as in plain DiLoCo (elementwise, so the same on shards).
+int8/int4: the quantized mean of what this rank holds over the cross group, with each held tensor (a tp slice,
+or a tensor every tp rank holds alike) starting a new block of 128 (OuterStep's ``tensor_blocks``): a
+replicated tensor is rounded with the same scales on every tp rank, so its copies stay one, and each element's
+mean depends on the K islands' values of its own piece (the one-process simulation quantizes the same pieces:
+tests/test_diloco_grid.py). The blocks follow the layout (a tp slice is cut where plain DiLoCo's blocks are
+not), so an int8 run of tp 2 islands is not bit for bit a run of DDP islands: both round to 8 bits, in
+different blocks. With ZeRO-3 and --tp > 1 a flat shard mixes replicated tensors and slices in one piece:
+refused.
 
 Streaming DiLoCo (--fragments P, --overlap-steps τ; with ddp/zero1/zero2 inside: the rank holds whole
 parameters of its tp shard and stage): a StreamingOuter on the held parameters with the whole model's cut
@@ -31,9 +39,9 @@ parameters of its tp shard and stage): a StreamingOuter on the held parameters w
 ``layers.{start+i}``), so fragment p on this rank is the plain engine's fragment p restricted to what it
 holds, and each fragment's outer step over the cross group is the one-process simulation's on these pieces.
 
-Not here (refused by the config, checks/diloco.py): elastic islands, --layout-invariant, the quantized outer
-mean (int8/int4: its blocks would cut this rank's shard, not the model), --ep/--dp inside an island, and
-Streaming DiLoCo with ZeRO-3 (its flat shards cut across the whole tensors that fragments hold).
+Not here (refused by the config, checks/diloco.py): elastic islands, --layout-invariant, int8/int4 with ZeRO-3
+and --tp > 1 (above), --ep/--dp inside an island, and Streaming DiLoCo with ZeRO-3 (its flat shards cut across
+the whole tensors that fragments hold).
 """
 
 from __future__ import annotations
@@ -63,7 +71,7 @@ class DiLoCoGridEngine(Engine):
         self.held = list(g.pm.zero.parameters()) if g.zero_stage == 3 else list(g.pm.module.parameters())
         outer = dict(group=t.cross_group, islands=k, optimizer=cfg.outer_optimizer, lr=cfg.outer_lr,
                      momentum=cfg.outer_momentum, algorithm=cfg.algorithm, place=t.island,
-                     compression=cfg.outer_compression)  # (bf16 or None: checks/diloco.py)
+                     compression=cfg.outer_compression, tensor_blocks=True)
         # (streaming not with ZeRO-3: checks/diloco.py)
         self.streaming, self.outer = outer_of(cfg, self.held, whole=self.whole_index(whole) if streams(cfg) else None,
                                               **outer)
