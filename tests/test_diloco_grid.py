@@ -50,6 +50,7 @@ def test_h1_outer_sgd_lr1_is_the_plain_grid(tmp_path, tmp_path_factory):
 
 
 STREAMING = {"tp2-P3-tau2-a0": dict(tp=2, fragments=3, overlap_steps=2, overlap_alpha=0.0),
+             "zero3-P3-tau1": dict(inner_strategy="zero3", fragments=3, overlap_steps=1),
              "pp2-P4-tau1": dict(pp=2, microbatches=2, fragments=4, overlap_steps=1, overlap_alpha=0.5),
              "zero2-P3-blocking": dict(inner_strategy="zero2", fragments=3, overlap_steps=0),
              "cp2-P2-tau1": dict(cp=2, fragments=2, overlap_steps=1)}
@@ -182,19 +183,13 @@ NOT_YET = "with --strategy diloco islands of --tp/--pp/--inner-strategy"
     (dict(GRID, tp=2, fragments=2), None),
     (dict(GRID, pp=2, fragments=4, overlap_steps=1, inner_steps=4), None),
     (dict(GRID, inner_strategy="zero2", overlap_steps=1), None),
-    (dict(GRID, inner_strategy="zero3", fragments=2), "--fragments with --strategy diloco islands of "
-                                                      "--inner-strategy zero3 is not supported (Streaming DiLoCo's "
-                                                      "fragments are whole tensors, ZeRO-3's flat shards cut across "
-                                                      "them)"),
-    (dict(GRID, inner_strategy="zero3", overlap_steps=1), "--overlap-steps with --strategy diloco islands of "
-                                                          "--inner-strategy zero3 is not supported"),
+    (dict(GRID, inner_strategy="zero3", fragments=2), None),
+    (dict(GRID, inner_strategy="zero3", overlap_steps=1), None),
     (dict(GRID, tp=2, outer_compression="bf16"), None),
     (dict(GRID, tp=2, outer_compression="int8"), None),
     (dict(GRID, pp=2, outer_compression="int4"), None),
     (dict(GRID, inner_strategy="zero3", outer_compression="int8"), None),
-    (dict(GRID, nproc=8, tp=2, inner_strategy="zero3", outer_compression="int4"),
-     "--outer-compression int4 with --strategy diloco islands of --inner-strategy zero3 and --tp 2 is not supported "
-     "(a ZeRO-3 flat shard holds tensors every tp rank holds alike beside tp slices"),
+    (dict(GRID, nproc=8, tp=2, inner_strategy="zero3", outer_compression="int4"), None),
     (dict(strategy="ddp", nproc=4, tp=2, inner_strategy="zero1"), "--inner-strategy applies only to --strategy "
                                                                   "diloco"),
 ])
@@ -220,52 +215,64 @@ def test_clipping_and_evaluation_equal_ddp_islands(tmp_path, layout, compression
 
 
 # -- the quantized outer mean (int8/int4) on grid islands ---------------------------------------------------
-def held_pieces(out) -> list[list[tuple]]:
-    """What each rank of island 0 holds, as the quantized mean's pieces (each of which starts a new block):
-    a list of pieces, each a list of (whole tensor name, view of the whole tensor) whose elements it holds in
-    order, read from the shard files: a tp slice ([dim, start, stop] in ``tp``), a whole tensor, or with
-    ZeRO-3 a flat shard (unit u's concatenated tensors, elements [d·S, (d + 1)·S) for dp rank d, S = ceil(N /
-    dp): ranges of consecutive tensors' flattened elements)."""
+def shard_pieces(meta: dict) -> list[tuple[str, bool, object]]:
+    """What one rank holds, in the outer step's order (engines/diloco_grid.py, ``outer_tensors``), read from
+    its shard file: (whole tensor name, whether every tp rank holds it alike, the piece's elements as
+    indices into the whole tensor's flattening, given its shape): its tp slice ([dim, start, stop] in
+    ``tp``) or the whole tensor, and with ZeRO-3 the part of that in a flat shard (unit u's concatenated
+    tensors, elements [d·S, (d + 1)·S) for dp rank d, S = ceil(N / dp), cut where its tensors meet)."""
+    tp = meta.get("tp", {})
+    replicated = {local: local not in tp or tp[local][0] is None for local in meta["names"]}
+
+    def elements(local: str, a: int = 0, b: int | None = None):
+        def of(shape) -> torch.Tensor:
+            i = torch.arange(math.prod(shape)).view(shape)
+            if not replicated[local]:
+                i = i.narrow(tp[local][0], tp[local][1], tp[local][2] - tp[local][1])
+            return i.reshape(-1)[a:b]
+        return of
+
+    out = []
+    if "zero" in meta and meta["zero"]["layout"]["stage"] == 3:
+        z = meta["zero"]
+        for unit in z["layout"]["units"]:
+            S = -(-unit["numel"] // z["layout"]["world"])
+            lo, hi, off = z["rank"] * S, (z["rank"] + 1) * S, 0
+            for local, shape in zip(unit["names"], unit["shapes"]):
+                n = math.prod(shape)
+                a, b = max(lo, off) - off, min(hi, off + n) - off
+                if a < b:
+                    out.append((meta["names"][local], replicated[local], elements(local, a, b)))
+                off += n
+        return out
+    held = meta["order"] if "order" in meta else [n for u in meta["zero"]["layout"]["units"] for n in u["names"]]
+    for local in held:  # (ZeRO-1/2: the stage's whole parameters, its units' names)
+        out.append((meta["names"][local], replicated[local], elements(local)))
+    return out
+
+
+def island_shards(out, island: int) -> dict[str, dict]:
+    """The shard files of one island: {shard name: its contents}."""
     from distrain import checkpoint
 
-    manifest, pieces = checkpoint.read_manifest(out), []
+    manifest, shards = checkpoint.read_manifest(out), {}
     for file in manifest["files"]:  # checkpoint-{step:08d}-{shard}.pt
-        shard_name = file.split("-", 2)[2][:-len(".pt")]
-        if not shard_name.startswith("island0-"):
-            continue
-        meta = checkpoint.load_shard(out, manifest, shard_name)
-        if "zero" in meta and meta["zero"]["layout"]["stage"] == 3:
-            z = meta["zero"]
-            for unit in z["layout"]["units"]:
-                S = -(-unit["numel"] // z["layout"]["world"])
-                lo, hi, off, piece = z["rank"] * S, (z["rank"] + 1) * S, 0, []
-                for local, shape in zip(unit["names"], unit["shapes"]):
-                    n = math.prod(shape)
-                    a, b = max(lo, off) - off, min(hi, off + n) - off
-                    if a < b:
-                        piece.append((meta["names"][local], lambda t, a=a, b=b: t.view(-1)[a:b]))
-                    off += n
-                pieces.append(piece)
-            continue
-        held = meta["order"] if "order" in meta else [n for u in meta["zero"]["layout"]["units"] for n in u["names"]]
-        for local in held:  # (ZeRO-1/2: the stage's whole parameters, its units' names)
-            info = meta.get("tp", {}).get(local)
-            whole = info is None or info[0] is None
-            pieces.append([(meta["names"][local],
-                            (lambda t: t) if whole else (lambda t, i=info: t.narrow(i[0], i[1], i[2] - i[1])))])
-    return pieces
+        name = file.split("-", 2)[2][:-len(".pt")]
+        if name.startswith(f"island{island}-"):
+            shards[name] = checkpoint.load_shard(out, manifest, name)
+    return shards
 
 
 def piece_means(out, bits: int, names: list[str], *, blocks_per_tensor: bool = True):
     """The simulation's quantized mean as the grid islands take it: each piece a rank of an island holds
-    (:func:`held_pieces`), the K islands' values of it through test_diloco_quantized's one-process quantized
+    (:func:`shard_pieces`), the K islands' values of it through test_diloco_quantized's one-process quantized
     mean (blocks of 128 starting at the piece); a piece several ranks hold alike (a tensor replicated over
     tp, the dp replicas' stage with ZeRO-1/2) is the same piece on each. ``blocks_per_tensor`` False: the
     blocks run across the model's flat Δ instead (plain DiLoCo's), which the grid run must not match under
     tp."""
     from test_diloco_quantized import reference_mean
 
-    pieces = held_pieces(out)
+    pieces = [(name, elements) for meta in island_shards(out, 0).values() for name, _, elements in shard_pieces(meta)]
 
     def mean(deltas: list) -> list:
         if not blocks_per_tensor:
@@ -277,13 +284,10 @@ def piece_means(out, bits: int, names: list[str], *, blocks_per_tensor: bool = T
             return out_
         by_name = [dict(zip(names, ds)) for ds in deltas]
         got = {n: torch.full_like(d, float("nan")) for n, d in by_name[0].items()}
-        for piece in pieces:
-            flats = [torch.cat([cut(island[n]).reshape(-1) for n, cut in piece]) for island in by_name]
-            m, a = reference_mean(flats, bits), 0
-            for n, cut in piece:
-                view = cut(got[n])
-                view.copy_(m[a:a + view.numel()].view(view.shape))
-                a += view.numel()
+        for name, elements in pieces:
+            idx = elements(got[name].shape)
+            flats = [island[name].reshape(-1)[idx] for island in by_name]
+            got[name].view(-1)[idx] = reference_mean(flats, bits)
         assert not any(m.isnan().any() for m in got.values())  # the pieces cover every tensor
         return [got[n] for n in names]
     return mean
@@ -292,7 +296,8 @@ def piece_means(out, bits: int, names: list[str], *, blocks_per_tensor: bool = T
 QUANTIZED = {"tp2-int8": dict(tp=2, outer_compression="int8"),
              "pp2-int4": dict(pp=2, microbatches=2, outer_compression="int4"),
              "zero2-int4": dict(inner_strategy="zero2", outer_compression="int4"),
-             "zero3-int8": dict(inner_strategy="zero3", outer_compression="int8")}
+             "zero3-int8": dict(inner_strategy="zero3", outer_compression="int8"),
+             "tp2-zero3-int8": dict(nproc=8, tp=2, inner_strategy="zero3", outer_compression="int8")}
 
 
 @pytest.mark.slow
@@ -306,7 +311,7 @@ def test_quantized_outer_mean_on_grid_islands_equals_the_simulation(tmp_path, la
     simulation with plain DiLoCo's blocks across the flat Δ does not match (a run that cut its blocks so
     would fail here)."""
     kw = QUANTIZED[layout]
-    cfg = trainer_config(tmp_path / "run", strategy="diloco", nproc=4, islands=2, inner_steps=2, **kw)
+    cfg = trainer_config(tmp_path / "run", **{**dict(strategy="diloco", nproc=4, islands=2, inner_steps=2), **kw})
     got = train_losses(cfg)
     bits = {"int8": 8, "int4": 4}[kw["outer_compression"]]
     from distrain.models import build_model
@@ -316,10 +321,14 @@ def test_quantized_outer_mean_on_grid_islands_equals_the_simulation(tmp_path, la
     dp = "-dp1" if "zero" in layout else ""
     outer = shard(cfg.out, f"island1-tp0-pp0{dp}")["outer"]
     assert outer["syncs"] == 2
-    if kw.get("tp"):
-        a, b = shard(cfg.out, "island1-tp0-pp0"), shard(cfg.out, "island1-tp1-pp0")
-        norm = [i for i, n in enumerate(a["order"]) if n.endswith("ln_f.weight")]  # (held in this order)
-        assert len(norm) == 1 and a["tp"][a["order"][norm[0]]][0] is None, a["order"]
-        assert all(torch.equal(a["outer"]["master"][i], b["outer"]["master"][i]) for i in norm)
+    if kw.get("tp"):  # the tp ranks' pieces of every tensor they hold alike are equal (norms, biases)
+        shards = island_shards(cfg.out, 1)
+        for name, a in shards.items():
+            if "-tp0-" not in name + "-":
+                continue
+            b = shards[name.replace("-tp0", "-tp1")]
+            alike = [i for i, (_, rep, _) in enumerate(shard_pieces(a)) if rep]
+            assert alike and [shard_pieces(a)[i][0] for i in alike] == [shard_pieces(b)[i][0] for i in alike]
+            assert all(torch.equal(a["outer"]["master"][i], b["outer"]["master"][i]) for i in alike), name
         plain, _, _, _ = simulate(cfg, 2, mean=piece_means(cfg.out, bits, names, blocks_per_tensor=False))
         assert not close(got, plain), (got, plain)

@@ -41,8 +41,7 @@ def check_island_grid(cfg) -> None:
     """Islands that are grids (--tp/--pp/--cp/--inner-strategy zeroN: engines/diloco_grid.py): each island's
     --nproc / K ranks a whole dp x cp x tp x pp grid (island dp = --nproc / (K x cp x tp x pp); --dp and --ep
     are not island axes yet), a ZeRO stage that fits it, and none of what the grid islands do not do yet (elastic
-    islands, --layout-invariant; the quantized outer mean and Streaming DiLoCo with ZeRO-3 (the quantized mean
-    with --tp 1 only)), each refused by name."""
+    islands, --layout-invariant), each refused by name."""
     if not cfg.island_grid:
         return
     k = cfg.islands or cfg.nproc
@@ -62,18 +61,6 @@ def check_island_grid(cfg) -> None:
                        f"not supported (DDP islands only); {fix}, or use DDP islands (no --tp/--pp, --inner-strategy "
                        f"ddp)")
     stage = zero_stage(cfg.inner_strategy)
-    for flag, set_, fix in (("--fragments", cfg.fragments > 1, "--fragments 1"),
-                            ("--overlap-steps", cfg.overlap_steps > 0, "--overlap-steps 0")):
-        need(not (set_ and stage == 3),
-             f"{flag} with --strategy diloco islands of --inner-strategy zero3 is not supported (Streaming DiLoCo's "
-             f"fragments are whole tensors, ZeRO-3's flat shards cut across them); use --inner-strategy zero2, "
-             f"zero1 or ddp, or {fix}")
-    quantized = cfg.outer_compression in ("int8", "int4")
-    need(not (quantized and stage == 3 and cfg.tp > 1),
-         f"--outer-compression {cfg.outer_compression} with --strategy diloco islands of --inner-strategy zero3 and "
-         f"--tp {cfg.tp} is not supported (a ZeRO-3 flat shard holds tensors every tp rank holds alike beside tp "
-         f"slices, and one quantization block would round them with the slices' scales); use --inner-strategy "
-         f"zero2, zero1 or ddp, or --outer-compression bf16")
     if stage:
         from distrain.parallel.parallelize import check_zero_layout
 

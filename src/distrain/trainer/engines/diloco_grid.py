@@ -11,8 +11,9 @@ plain DiLoCo's islands do.
 
 The outer step (:class:`~distrain.parallel.diloco.OuterStep`) runs on what THIS rank holds: its module's
 parameters (its tp shard of its pipeline stage; with ZeRO-1/2 the whole stage, which the shards are views
-of), or with ZeRO-3 its flat shards, over the ``cross`` group: the ranks with this rank's coordinates in
-every island, which hold the same shard. θ_prev and the outer momentum are per local parameter. After
+of), or with ZeRO-3 its flat shards cut where their parameters meet (``outer_tensors``: views, one piece of
+one parameter each), over the ``cross`` group: the ranks with this rank's coordinates in every island, which
+hold the same pieces. θ_prev and the outer momentum are per local piece. After
 global steps s with (s + 1) % H == 0: the islands' mean of θ_prev − θ_i, the outer SGD/Nesterov step on
 θ_prev, θ_i ← θ_prev (every rank of every island then holds θ_prev's shard).
 
@@ -30,18 +31,16 @@ replicated tensor is rounded with the same scales on every tp rank, so its copie
 mean depends on the K islands' values of its own piece (the one-process simulation quantizes the same pieces:
 tests/test_diloco_grid.py). The blocks follow the layout (a tp slice is cut where plain DiLoCo's blocks are
 not), so an int8 run of tp 2 islands is not bit for bit a run of DDP islands: both round to 8 bits, in
-different blocks. With ZeRO-3 and --tp > 1 a flat shard mixes replicated tensors and slices in one piece:
-refused.
+different blocks.
 
-Streaming DiLoCo (--fragments P, --overlap-steps τ; with ddp/zero1/zero2 inside: the rank holds whole
-parameters of its tp shard and stage): a StreamingOuter on the held parameters with the whole model's cut
-(``whole_index``: each held parameter's whole-model name, a stage's ``layers.i`` the model's
+Streaming DiLoCo (--fragments P, --overlap-steps τ): a StreamingOuter on the held pieces with the whole
+model's cut (``whole_index``: each piece's whole-model parameter name, a stage's ``layers.i`` the model's
 ``layers.{start+i}``), so fragment p on this rank is the plain engine's fragment p restricted to what it
-holds, and each fragment's outer step over the cross group is the one-process simulation's on these pieces.
+holds (with ZeRO-3: the pieces of its flat shards that lie in fragment p's parameters), and each fragment's
+outer step over the cross group is the one-process simulation's on these pieces.
 
-Not here (refused by the config, checks/diloco.py): elastic islands, --layout-invariant, int8/int4 with ZeRO-3
-and --tp > 1 (above), --ep/--dp inside an island, and Streaming DiLoCo with ZeRO-3 (its flat shards cut across
-the whole tensors that fragments hold).
+Not here (refused by the config, checks/diloco.py): elastic islands, --layout-invariant, --ep/--dp inside an
+island.
 """
 
 from __future__ import annotations
@@ -67,28 +66,49 @@ class DiLoCoGridEngine(Engine):
         self.grid = g = GridEngine(dataclasses.replace(cfg, strategy=cfg.inner_strategy), model, loss_fn,
                                    optimizer_factory, islands=k)
         t = g.topo
-        # what this rank holds: ZeRO-3's flat shards (its module holds no parameter), else its module's parameters
-        self.held = list(g.pm.zero.parameters()) if g.zero_stage == 3 else list(g.pm.module.parameters())
+        # what the outer step runs on: this rank's pieces of the model's tensors, each in one tensor
+        self.held, names = self.outer_tensors()
         outer = dict(group=t.cross_group, islands=k, optimizer=cfg.outer_optimizer, lr=cfg.outer_lr,
                      momentum=cfg.outer_momentum, algorithm=cfg.algorithm, place=t.island,
                      compression=cfg.outer_compression, tensor_blocks=True)
-        # (streaming not with ZeRO-3: checks/diloco.py)
-        self.streaming, self.outer = outer_of(cfg, self.held, whole=self.whole_index(whole) if streams(cfg) else None,
-                                              **outer)
+        self.streaming, self.outer = outer_of(cfg, self.held, whole=self.whole_index(whole, names)
+                                              if streams(cfg) else None, **outer)
         self.dp_rank, self.dp_size, self.loss_weight = g.dp_rank, g.dp_size, g.loss_weight
         self.optimizer = g.optimizer
         self.label = f"diloco (K={k}×{t.per_island}: {g.label}, H={cfg.inner_steps}{stream_label(cfg)})"
         self.outer_s = 0.0  # seconds this rank spent in outer steps
 
-    def whole_index(self, whole: list[tuple[str, int]]) -> tuple[list[int], list[int]]:
-        """(the whole model's tensor sizes, each held parameter's index among them): the held parameters by
-        their whole-model names (a pipeline stage's ``layers.i`` is the model's ``layers.{start+i}``), so that
-        Streaming DiLoCo's fragments are the plain engine's cut of the whole model (fragment_cuts)."""
+    def outer_tensors(self) -> tuple[list[torch.Tensor], list[str]]:
+        """(what the outer step runs on, each one's stage-local parameter name): the module's parameters (its
+        tp shards of its stage; with ZeRO-1/2 the stage's whole parameters, which the shards are views of), or
+        with ZeRO-3 the pieces of this rank's flat shards that lie in one parameter each: views, so the outer
+        step writes through them into the shards (a shard's padding lies in none and stays zero). A piece of
+        one tensor each is what Streaming DiLoCo's fragments (whole tensors) and the quantized mean's blocks
+        (one tensor each: a tensor every tp rank holds alike sits at the same place in each tp rank's shard,
+        the units having the same shapes) need."""
+        g = self.grid
+        if g.zero_stage != 3:
+            named = list(g.pm.module.named_parameters())
+            return [p for _, p in named], [n for n, _ in named]
+        zero, tensors, names = g.pm.zero, [], []
+        for unit, shard in zip(zero.units, zero.parameters()):
+            lo, hi = unit.shard_range(zero.rank)
+            for name, shape, off in zip(unit.names, unit.shapes, unit.offsets):
+                a, b = max(lo, off), min(hi, off + shape.numel())
+                if a < b:  # (this rank's elements a..b of the unit's flat, of parameter ``name``)
+                    tensors.append(shard.detach()[a - lo:b - lo])
+                    names.append(name)
+        return tensors, names
+
+    def whole_index(self, whole: list[tuple[str, int]], names: list[str]) -> tuple[list[int], list[int]]:
+        """(the whole model's tensor sizes, each held tensor's index among them): the held tensors by their
+        whole-model names (``names`` local; a pipeline stage's ``layers.i`` is the model's ``layers.{start+i}``),
+        so that Streaming DiLoCo's fragments are the plain engine's cut of the whole model (fragment_cuts)."""
         from distrain.checkpoint.reshard import stage_full_name
 
         full, where = stage_full_name(self.grid.pm.stage), {n: i for i, (n, _) in enumerate(whole)}
         index = []
-        for n, _ in self.grid.pm.module.named_parameters():
+        for n in names:
             if full(n) not in where:
                 raise ConfigError(f"--fragments: this rank's parameter {full(n)!r} is not one of the model's "
                                   f"parameters, so it has no fragment; use --fragments 1 --overlap-steps 0")
