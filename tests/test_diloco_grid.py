@@ -179,7 +179,10 @@ NOT_YET = "with --strategy diloco islands of --tp/--pp/--inner-strategy"
     (dict(GRID, cp=2, tp=2), "a cp x tp x pp = 4 grid does not divide"),
     (dict(GRID, tp=2, elastic="2:4"), "--elastic 2:4: with --tp/--pp only --strategy ddp is supported"),
     (dict(GRID, inner_strategy="zero2", elastic="2:4"), f"--elastic {NOT_YET}"),
-    (dict(GRID, tp=2, layout_invariant=True), f"--layout-invariant {NOT_YET}"),
+    (dict(GRID, tp=2, layout_invariant=True), "--layout-invariant with --strategy diloco islands of --tp is not "
+                                              "supported (islands of --inner-strategy zero1/zero2/zero3 or of DDP "
+                                              "are); drop --tp"),
+    (dict(GRID, inner_strategy="zero2", layout_invariant=True, units=4), None),
     (dict(GRID, tp=2, fragments=2), None),
     (dict(GRID, pp=2, fragments=4, overlap_steps=1, inner_steps=4), None),
     (dict(GRID, inner_strategy="zero2", overlap_steps=1), None),
@@ -215,12 +218,14 @@ def test_clipping_and_evaluation_equal_ddp_islands(tmp_path, layout, compression
 
 
 # -- the quantized outer mean (int8/int4) on grid islands ---------------------------------------------------
-def shard_pieces(meta: dict) -> list[tuple[str, bool, object]]:
+def shard_pieces(meta: dict, names: list[str]) -> list[tuple[str, bool, object]]:
     """What one rank holds, in the outer step's order (engines/diloco_grid.py, ``outer_tensors``), read from
     its shard file: (whole tensor name, whether every tp rank holds it alike, the piece's elements as
     indices into the whole tensor's flattening, given its shape): its tp slice ([dim, start, stop] in
     ``tp``) or the whole tensor, and with ZeRO-3 the part of that in a flat shard (unit u's concatenated
-    tensors, elements [d·S, (d + 1)·S) for dp rank d, S = ceil(N / dp), cut where its tensors meet)."""
+    tensors, elements [d·S, (d + 1)·S) for dp rank d, S = ceil(N / dp), cut where its tensors meet).
+    ``names``: the model's parameters in order (ZeRO-1/2's units hold them in reverse; the outer step, whole
+    and in the module's order)."""
     tp = meta.get("tp", {})
     replicated = {local: local not in tp or tp[local][0] is None for local in meta["names"]}
 
@@ -245,8 +250,13 @@ def shard_pieces(meta: dict) -> list[tuple[str, bool, object]]:
                     out.append((meta["names"][local], replicated[local], elements(local, a, b)))
                 off += n
         return out
-    held = meta["order"] if "order" in meta else [n for u in meta["zero"]["layout"]["units"] for n in u["names"]]
-    for local in held:  # (ZeRO-1/2: the stage's whole parameters, its units' names)
+    if "order" in meta:
+        held = meta["order"]
+    else:  # ZeRO-1/2: the stage's whole parameters, its units' names, in the model's order
+        place = {n: i for i, n in enumerate(names)}
+        held = sorted((n for u in meta["zero"]["layout"]["units"] for n in u["names"]),
+                      key=lambda n: place[meta["names"][n]])
+    for local in held:
         out.append((meta["names"][local], replicated[local], elements(local)))
     return out
 
@@ -272,7 +282,8 @@ def piece_means(out, bits: int, names: list[str], *, blocks_per_tensor: bool = T
     tp."""
     from test_diloco_quantized import reference_mean
 
-    pieces = [(name, elements) for meta in island_shards(out, 0).values() for name, _, elements in shard_pieces(meta)]
+    pieces = [(name, elements) for meta in island_shards(out, 0).values()
+              for name, _, elements in shard_pieces(meta, names)]
 
     def mean(deltas: list) -> list:
         if not blocks_per_tensor:
@@ -327,8 +338,9 @@ def test_quantized_outer_mean_on_grid_islands_equals_the_simulation(tmp_path, la
             if "-tp0-" not in name + "-":
                 continue
             b = shards[name.replace("-tp0", "-tp1")]
-            alike = [i for i, (_, rep, _) in enumerate(shard_pieces(a)) if rep]
-            assert alike and [shard_pieces(a)[i][0] for i in alike] == [shard_pieces(b)[i][0] for i in alike]
+            pa, pb = shard_pieces(a, names), shard_pieces(b, names)
+            alike = [i for i, (_, rep, _) in enumerate(pa) if rep]
+            assert alike and [pa[i][0] for i in alike] == [pb[i][0] for i in alike]
             assert all(torch.equal(a["outer"]["master"][i], b["outer"]["master"][i]) for i in alike), name
         plain, _, _, _ = simulate(cfg, 2, mean=piece_means(cfg.out, bits, names, blocks_per_tensor=False))
         assert not close(got, plain), (got, plain)

@@ -25,7 +25,7 @@ import math
 import pytest
 import torch
 
-from conftest import train_losses, trainer_config
+from conftest import run_ranks, train_losses, trainer_config
 from test_diloco import outer_steps, shard, simulation_parts
 
 K = 2
@@ -88,6 +88,69 @@ def test_islands_of_one_and_of_two_ranks_are_bit_for_bit_the_same(tmp_path_facto
     m0, m1 = shard(one_cfg.out, "island0")["model"], shard(one_cfg.out, "island1")["model"]
     w = next(iter(m0))  # the islands differ after the last, unsynchronised step: a real check
     assert not torch.equal(m0[w], m1[w])
+
+
+# -- (1b) islands that are grids: ZeRO over two ranks, the same bits as islands of one rank --------------------
+def outer_master(out, island: int, names: list[str], like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A grid island's θ_prev as whole tensors (in ``names``' order, shaped as ``like``), put together from
+    the pieces its ranks' shard files hold (test_diloco_grid.shard_pieces: which elements of which tensor)."""
+    from test_diloco_grid import island_shards, shard_pieces
+
+    whole = {n: torch.full_like(t, float("nan")) for n, t in zip(names, like)}
+    for meta in island_shards(out, island).values():
+        pieces = shard_pieces(meta, names)
+        assert len(pieces) == len(meta["outer"]["master"])
+        for (name, _, elements), piece in zip(pieces, meta["outer"]["master"]):
+            whole[name].view(-1)[elements(whole[name].shape)] = piece.reshape(-1)
+    return [whole[n] for n in names]
+
+
+def _piece_exponents(rank: int) -> list[str]:
+    """Rank r holds piece r of tensor 0 (its largest |value| on rank 1) and all of tensor 1 (rank 1's differs)."""
+    from distrain.parallel.diloco import exact
+    from distrain.parallel.invariant.fixed_point import scale_exponents
+
+    t0 = torch.tensor([0.5, -0.25, 3.0, 1.0])  # tensor 0 (4,): rank 0 holds [:2], rank 1 [2:]
+    t1 = torch.tensor([0.125, 6.0]) if rank else torch.tensor([0.125, 0.75])
+    flat = torch.cat([t0[2 * rank:2 * rank + 2], t1])
+    got = exact.exponents_of(flat, [2, 2], 2, tensors=(2, [0, 1]))
+    want = (scale_exponents([3.0, 6.0], 2, headroom=0), [True, True])
+    own = exact.exponents_of(flat, [2, 2], 2)  # (no group: this rank's own maxima)
+    bad = [] if got == want else [f"exponents {got}, not the whole tensors' {want}"]
+    if rank == 0 and own[0][0] == want[0][0]:
+        bad.append("rank 0's own piece has the whole tensor's exponent: the check cannot fail")
+    return bad
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_piece_gets_its_whole_tensors_exponent():
+    """Grid islands hold pieces of tensors (ZeRO-3's flat shards): each piece's exponent is its whole tensor's
+    over every rank (exact.exponents_of's ``tensors``), the one an island holding the tensor whole computes."""
+    run_ranks(_piece_exponents, 2, timeout=60)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("inner", ["zero2", "zero3"])
+def test_zero_islands_of_two_ranks_are_bit_for_bit_islands_of_one(tmp_path, inner):
+    """K = 2 islands of ZeRO-2 or ZeRO-3 over 2 ranks (engines/diloco_grid.py) against K = 2 islands of one
+    rank (4 units: an island's 2 split 1 + 1, as ZeRO-3's collective all-gathers need): every step's loss and
+    each island's θ_prev, from its ranks' pieces (ZeRO-3: parts of its flat shards, each with its whole
+    tensor's exponent: test_a_piece_gets_its_whole_tensors_exponent; here a piece's own exponent rounded the
+    same float32 bits, its ~60-bit sums far finer than float32), bit for bit."""
+    from distrain.models import build_model
+
+    one_cfg = job(tmp_path / "one", 2, units=4)
+    one = train_losses(one_cfg)
+    cfg = job(tmp_path / inner, 4, inner_strategy=inner, units=4)
+    got = train_losses(cfg)
+    assert len(one) == 5 and got == one, (got, one)
+    names = [n for n, _ in build_model(cfg.model).named_parameters()]
+    for i in range(K):
+        want = shard(one_cfg.out, f"island{i}")["outer"]
+        assert differences(outer_master(cfg.out, i, names, want["master"]), want["master"]) == []
+        assert shard(cfg.out, f"island{i}-tp0-pp0-dp1")["outer"]["syncs"] == want["syncs"] == 2
 
 
 # -- (2) a one-process simulation of the islands ------------------------------------------------------------------
@@ -233,6 +296,17 @@ def test_an_islands_units_draw_the_random_numbers_of_their_global_index():
     (dict(units=2), "--layout-invariant: 4 data-parallel replicas cannot share 2 units"),  # M = 2 > U / K = 1
     (dict(units=4), None),  # 2 units per island, one per rank
     (dict(nproc=2, units=6), None),  # islands of one rank
+    (dict(units=4, inner_strategy="zero3"), None),  # islands of ZeRO-3 over 2 ranks: 2 units each, 1 per replica
+    (dict(units=6, inner_strategy="zero3"), "--layout-invariant with --strategy diloco islands of --inner-strategy "
+                                            "zero3: every replica of an island must run the same number of units (its "
+                                            "all-gathers are collective), so the island's 2 replicas must divide its "
+                                            "--units / --islands = 3 units; use --units 4"),
+    (dict(units=6, inner_strategy="zero2"), None),
+    (dict(units=4, tp=2, invariant_tp=True), "--layout-invariant with --strategy diloco islands of --tp is not "
+                                             "supported (islands of --inner-strategy zero1/zero2/zero3 or of DDP are); "
+                                             "drop --tp"),
+    (dict(units=4, inner_strategy="zero2", fragments=2),
+     "--layout-invariant with --strategy diloco islands of --inner-strategy zero2 does not stream"),
 ])
 def test_refusals(tmp_path, kw, message):
     from distrain.errors import ConfigError

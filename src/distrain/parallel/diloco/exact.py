@@ -25,11 +25,25 @@ from distrain import comm
 from distrain.parallel.invariant.fixed_point import maxima, quantize, scale_exponents
 
 
-def exponents_of(flat: torch.Tensor, sizes: list[int], islands: int, group=None) -> tuple[list[int], list[bool]]:
+def exponents_of(flat: torch.Tensor, sizes: list[int], islands: int, group=None,
+                 tensors: tuple[int, list[int]] | None = None) -> tuple[list[int], list[bool]]:
     """(one exponent per piece of ``flat`` (pieces of ``sizes`` elements, in order), whether the piece's
-    largest |value| over the group is finite): one all-reduce (max) over ``group`` (None: this rank alone)."""
+    largest |value| over the group is finite): one all-reduce (max) over ``group`` (None: this rank alone).
+
+    ``tensors`` (DiLoCo's grid islands, whose ranks hold pieces of tensors: tp slices, ZeRO-3's flat shards'
+    parts): (the whole model's tensor count T, each piece's tensor among them). The maxima are then per
+    whole tensor, a (T,) vector with each piece's at its tensor (0 where this rank holds none: |Δ| >= 0),
+    all-reduced (max) over the whole world, which holds every piece of every island: each piece gets its
+    tensor's exponent, the one a rank holding the whole tensor (a plain island) computes."""
     top = maxima(list(flat.split(sizes)))
-    if group is not None:
+    if tensors is not None:
+        count, index = tensors
+        whole = torch.zeros(count, dtype=top.dtype)
+        for i, m in zip(index, top.tolist()):
+            whole[i] = max(float(whole[i]), m) if math.isfinite(m) else m
+        comm.all_reduce(whole, op="max", algorithm="native")  # (None: the world)
+        top = whole[torch.tensor(index, dtype=torch.long)] if index else top
+    elif group is not None:
         comm.all_reduce(top, op="max", group=group, algorithm="native")
     reference = top.tolist()
     return scale_exponents(reference, islands, headroom=0), [math.isfinite(m) for m in reference]

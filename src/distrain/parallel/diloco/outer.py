@@ -66,11 +66,14 @@ class OuterStep:
     with ``compression``); ``tensor_blocks`` (int8/int4 on grid islands, whose ranks hold tensor slices
     beside tensors every tp rank holds alike): each parameter starts a new quantization block
     (quantized.quantized_mean's ``sizes``), so a replicated tensor is rounded alike on every rank holding it;
-    False: the blocks run across the flat Δ, as plain DiLoCo's."""
+    False: the blocks run across the flat Δ, as plain DiLoCo's. ``tensors`` (with ``fixed_point`` on grid
+    islands): (the whole model's tensor count, each of ``params``' tensor among them): the exponents are the
+    whole tensors' (exact.exponents_of), so the mean has the bits a plain island's would."""
 
     def __init__(self, params, *, group, islands: int, optimizer: str = "nesterov", lr: float = 0.7,
                  momentum: float = 0.9, algorithm: str = "ring", compression: str | None = None, place: int = 0,
-                 fixed_point: bool = False, tensor_blocks: bool = False):
+                 fixed_point: bool = False, tensor_blocks: bool = False,
+                 tensors: tuple[int, list[int]] | None = None):
         if optimizer not in OUTER_OPTIMIZERS:
             raise ConfigError(f"--outer-optimizer {optimizer!r} is unknown; use {' or '.join(OUTER_OPTIMIZERS)}")
         if compression not in (None,) + OUTER_COMPRESSIONS:
@@ -81,7 +84,7 @@ class OuterStep:
         self.fixed_point = fixed_point
         self.params: list[nn.Parameter] = list(params)
         self.group, self.islands, self.algorithm, self.compression = group, islands, algorithm, compression
-        self.place, self.tensor_blocks = place, tensor_blocks
+        self.place, self.tensor_blocks, self.tensors = place, tensor_blocks, tensors
         # θ_prev: the outer parameters, a copy of the replica's at the last sync (leaves, for the optimizer)
         self.master = [p.detach().clone() for p in self.params]
         self.optimizer = torch.optim.SGD(self.master, lr=lr, momentum=momentum, nesterov=optimizer == "nesterov")
@@ -116,7 +119,7 @@ class OuterStep:
         are two blocking exchanges: :meth:`mean` only)."""
         if self.fixed_point:  # (one island too: its mean is its Δ through the same integers, as any K's)
             sizes = [m.numel() for m in self.master]
-            exponents, finite = exact.exponents_of(flat, sizes, self.islands, self.group)
+            exponents, finite = exact.exponents_of(flat, sizes, self.islands, self.group, self.tensors)
             wire = exact.to_integers(flat, sizes, exponents)
             handle = None if self.group is None else comm.all_reduce(wire, op="sum", group=self.group,
                                                                      algorithm=self.algorithm, async_op=async_op)

@@ -55,12 +55,26 @@ def check_island_grid(cfg) -> None:
          f"--tp {cfg.tp} --pp {cfg.pp}{f' --cp {cfg.cp}' if cfg.cp > 1 else ''} with --strategy diloco: each of the "
          f"{k} islands has --nproc / --islands = {m} rank(s), which a {'cp x ' if cfg.cp > 1 else ''}tp x pp = {mp} "
          f"grid does not divide; give --islands K with --nproc / K a multiple of {mp}")
-    for flag, set_, fix in (("--elastic", bool(cfg.elastic), "drop --elastic (elastic islands are DDP islands)"),
-                            ("--layout-invariant", cfg.layout_invariant, "drop --layout-invariant")):
-        need(not set_, f"{flag} with --strategy diloco islands of --tp/--pp/--inner-strategy {cfg.inner_strategy} is "
-                       f"not supported (DDP islands only); {fix}, or use DDP islands (no --tp/--pp, --inner-strategy "
-                       f"ddp)")
+    need(not cfg.elastic, f"--elastic with --strategy diloco islands of --tp/--pp/--inner-strategy "
+                          f"{cfg.inner_strategy} is not supported (DDP islands only); drop --elastic (elastic islands "
+                          f"are DDP islands), or use DDP islands (no --tp/--pp, --inner-strategy ddp)")
+    if cfg.layout_invariant:
+        grid = [f for f, v in (("--tp", cfg.tp), ("--pp", cfg.pp)) if v > 1]
+        need(not grid, f"--layout-invariant with --strategy diloco islands of {' and '.join(grid)} is not supported "
+                       f"(islands of --inner-strategy zero1/zero2/zero3 or of DDP are); drop {' and '.join(grid)}")
+        need(cfg.fragments == 1 and cfg.overlap_steps == 0,
+             f"--layout-invariant with --strategy diloco islands of --inner-strategy {cfg.inner_strategy} does not "
+             f"stream (its outer mean's exponents are one exchange over every rank); drop --fragments and "
+             f"--overlap-steps, or use DDP islands")
     stage = zero_stage(cfg.inner_strategy)
+    if cfg.layout_invariant and stage == 3:
+        from distrain.trainer.checks.invariant import units_of
+
+        per, dp = units_of(cfg) // k, m // mp
+        need(per % dp == 0,
+             f"--layout-invariant with --strategy diloco islands of --inner-strategy zero3: every replica of an "
+             f"island must run the same number of units (its all-gathers are collective), so the island's {dp} "
+             f"replicas must divide its --units / --islands = {per} units; use --units {k * dp * max(1, per // dp)}")
     if stage:
         from distrain.parallel.parallelize import check_zero_layout
 

@@ -39,18 +39,25 @@ model's cut (``whole_index``: each piece's whole-model parameter name, a stage's
 holds (with ZeRO-3: the pieces of its flat shards that lie in fragment p's parameters), and each fragment's
 outer step over the cross group is the one-process simulation's on these pieces.
 
-Not here (refused by the config, checks/diloco.py): elastic islands, --layout-invariant, --ep/--dp inside an
-island.
+--layout-invariant (islands of ZeRO-1/2/3 over the island's dp ranks): each island trains its U / K units as
+InvariantTraining's replicas (GridEngine), the logged loss is the islands' summed exactly (``islands_loss``),
+and the outer mean is OuterStep's fixed-point sum with each exponent the whole tensor's (``tensors``: a ZeRO-3
+rank holds pieces), so a run is bit for bit the run of plain islands of one rank (tests/test_diloco_invariant.py).
+
+Not here (refused by the config, checks/diloco.py): elastic islands; --layout-invariant with --tp/--pp or
+Streaming DiLoCo; --ep/--dp inside an island.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 
 import torch
 
+from distrain import comm
 from distrain.errors import ConfigError
 from distrain.trainer.engines.base import Engine
 from distrain.trainer.engines.diloco import DiLoCoEngine, islands_of, outer_of, stream_label, streams
@@ -70,9 +77,11 @@ class DiLoCoGridEngine(Engine):
         self.held, names = self.outer_tensors()
         outer = dict(group=t.cross_group, islands=k, optimizer=cfg.outer_optimizer, lr=cfg.outer_lr,
                      momentum=cfg.outer_momentum, algorithm=cfg.algorithm, place=t.island,
-                     compression=cfg.outer_compression, tensor_blocks=True)
-        self.streaming, self.outer = outer_of(cfg, self.held, whole=self.whole_index(whole, names)
-                                              if streams(cfg) else None, **outer)
+                     compression=cfg.outer_compression, tensor_blocks=True, fixed_point=cfg.layout_invariant)
+        index = self.whole_index(whole, names) if streams(cfg) or cfg.layout_invariant else None
+        if cfg.layout_invariant:  # (not streaming: checks/diloco.py) each exponent the whole tensor's
+            outer["tensors"] = (len(whole), index[1])
+        self.streaming, self.outer = outer_of(cfg, self.held, whole=index if streams(cfg) else None, **outer)
         self.dp_rank, self.dp_size, self.loss_weight = g.dp_rank, g.dp_size, g.loss_weight
         self.optimizer = g.optimizer
         self.label = f"diloco (K={k}×{t.per_island}: {g.label}, H={cfg.inner_steps}{stream_label(cfg)})"
@@ -120,6 +129,8 @@ class DiLoCoGridEngine(Engine):
         step closes an interval of H."""
         self.grid.step_index = self.step_index
         loss = self.grid.train_step(x, y)
+        if self.grid.invariant is not None:
+            loss = self.islands_loss(loss)
         t0 = time.perf_counter()
         if self.streaming:  # (its fragments' schedule: StreamingOuter.step)
             self.outer.step(self.step_index)
@@ -128,6 +139,17 @@ class DiLoCoGridEngine(Engine):
         self.outer_s += time.perf_counter() - t0
         self.comm_wait_s = None  # (the grid's waits and the outer all-reduce: not one measure)
         return loss
+
+    def islands_loss(self, island: torch.Tensor) -> torch.Tensor:
+        """--layout-invariant: the global batch's mean loss from the islands' (each the same on every rank of
+        its island), summed exactly (math.fsum) over the cross group and divided by K, as plain DiLoCo's
+        invariant islands do: the same bits on any layout."""
+        t = self.grid.topo
+        losses = torch.zeros(t.islands, dtype=torch.float64)
+        losses[t.island] = float(island)  # (one contributor per slot: the sum is exact in any order)
+        if t.cross_group is not None:
+            comm.all_reduce(losses, op="sum", group=t.cross_group, algorithm="native")
+        return torch.tensor(math.fsum(losses.tolist()) / t.islands, dtype=torch.float64)
 
     def optimizers(self):
         return self.grid.optimizers()  # the schedule drives the inner optimizer; the outer lr stays --outer-lr

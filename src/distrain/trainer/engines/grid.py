@@ -45,7 +45,9 @@ from distrain.trainer.engines.base import Engine, part_loss, score
 class GridEngine(Engine):
     """``islands`` K > 1: this grid is one of DiLoCo's K islands (engines/diloco_grid.py, which drives it): the
     Topology's groups lie inside this rank's island, replica d of island i reads part i·dp + d of K·dp of
-    every batch, clipping and evaluation are the island's own, and the logged loss is weighted 1/K more."""
+    every batch, clipping and evaluation are the island's own, and the logged loss is weighted 1/K more. With
+    --layout-invariant island i trains its U / K units (global units i·U/K ..: their dropout draws), each rank
+    reading the island's part and running its replica's units of it, and the step's loss is the island's."""
 
     def __init__(self, cfg, model, loss_fn, optimizer_factory, islands: int = 1):
         from distrain.models.registry import model_cp_plan, model_ep_plan, model_tp_plan
@@ -85,20 +87,30 @@ class GridEngine(Engine):
         self.holds_whole_state = self.whole and not self.zero_stage
         self.label = label_of(cfg, topo, self.zero_stage)
         self.invariant = None
+        self.mine = slice(None)  # --layout-invariant islands: this replica's samples of its island's part
         self._piece_meta = None  # (piece_state: the buffers' names and the naming record, made once)
         if cfg.layout_invariant:  # (validated: data parallelism; pipelines whose micro-batches are the units;
             # tensor parallelism under ddp)
             from distrain.trainer.engines.invariant import InvariantTraining
 
+            from distrain.trainer.checks.invariant import units_of
+
             pm = self.pm  # the plan's own loss on its output (canonical chunks), else the model's
             loss = pm.loss_fn if pm.tp is not None and pm.tp_plan.loss is not None else self.eval_loss_fn
+            # a DiLoCo island (islands > 1) trains its U / K units of the batch, global units i·U/K ..
+            per = units_of(cfg) // topo.islands
             self.invariant = InvariantTraining(cfg, pm.module, loss, replicas=topo.dp,
                                                replica=topo.dp_rank, group=topo.dp_cp_group, zero=pm.zero,
                                                ddp=pm.ddp, forward_context=self.autocast,
                                                stage=pm.stage, pp_group=topo.pp_group if topo.pp > 1 else None,
-                                               tp_group=topo.tp_group if topo.tp > 1 else None, tp_info=pm.tp_info)
+                                               tp_group=topo.tp_group if topo.tp > 1 else None, tp_info=pm.tp_info,
+                                               units=per, first_unit=topo.island * per)
             self.part_unit = self.invariant.samples_per_unit
             self.loss_weight = 1.0 if self.rank == 0 else 0.0  # every rank has the whole loss: exact
+            if topo.islands > 1:  # each rank reads its island's part, and runs its replica's units of it
+                self.dp_rank, self.dp_size = topo.island, topo.islands
+                mine = self.invariant.run.mine
+                self.mine = slice(mine.start * self.part_unit, mine.stop * self.part_unit)
 
     def train_step(self, x, y, commit=None):
         """Forward/backward of this replica's part (``--accum-steps`` chunks without a pipeline,
@@ -106,7 +118,7 @@ class GridEngine(Engine):
         (an elastic job's quorum; with DDP its values ride in the last gradient bucket), the update."""
         pm, zero = self.pm, self.pm.zero
         if self.invariant is not None:
-            loss = self.invariant.step(x, y, self.step_index)
+            loss = self.invariant.step(x[self.mine], y[self.mine], self.step_index)
             if commit is not None:
                 commit(loss)
             self.finish_step()
