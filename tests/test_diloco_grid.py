@@ -179,9 +179,8 @@ NOT_YET = "with --strategy diloco islands of --tp/--pp/--inner-strategy"
     (dict(GRID, cp=2, tp=2), "a cp x tp x pp = 4 grid does not divide"),
     (dict(GRID, tp=2, elastic="2:4"), "--elastic 2:4: with --tp/--pp only --strategy ddp is supported"),
     (dict(GRID, inner_strategy="zero2", elastic="2:4"), f"--elastic {NOT_YET}"),
-    (dict(GRID, tp=2, layout_invariant=True), "--layout-invariant with --strategy diloco islands of --tp is not "
-                                              "supported (islands of --inner-strategy zero1/zero2/zero3 or of DDP "
-                                              "are); drop --tp"),
+    (dict(GRID, tp=2, layout_invariant=True), "--layout-invariant with --tp 2 needs --invariant-tp"),
+    (dict(GRID, tp=2, layout_invariant=True, invariant_tp=True, units=4), None),
     (dict(GRID, inner_strategy="zero2", layout_invariant=True, units=4), None),
     (dict(GRID, tp=2, fragments=2), None),
     (dict(GRID, pp=2, fragments=4, overlap_steps=1, inner_steps=4), None),

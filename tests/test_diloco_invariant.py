@@ -96,8 +96,11 @@ def outer_master(out, island: int, names: list[str], like: list[torch.Tensor]) -
     the pieces its ranks' shard files hold (test_diloco_grid.shard_pieces: which elements of which tensor)."""
     from test_diloco_grid import island_shards, shard_pieces
 
-    whole = {n: torch.full_like(t, float("nan")) for n, t in zip(names, like)}
-    for meta in island_shards(out, island).values():
+    shards = island_shards(out, island)
+    if not shards:  # islands of one rank (the plain engine): its shard ``island{i}`` holds them whole
+        return list(shard(out, f"island{island}")["outer"]["master"])
+    whole = {n: torch.full_like(t.detach(), float("nan")) for n, t in zip(names, like)}
+    for meta in shards.values():
         pieces = shard_pieces(meta, names)
         assert len(pieces) == len(meta["outer"]["master"])
         for (name, _, elements), piece in zip(pieces, meta["outer"]["master"]):
@@ -130,27 +133,35 @@ def test_a_piece_gets_its_whole_tensors_exponent():
     run_ranks(_piece_exponents, 2, timeout=60)
 
 
+GRID_ISLANDS = {"zero2": dict(inner_strategy="zero2"), "zero3": dict(inner_strategy="zero3"),
+                "tp2": dict(tp=2, invariant_tp=True)}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("inner", ["zero2", "zero3"])
-def test_zero_islands_of_two_ranks_are_bit_for_bit_islands_of_one(tmp_path, inner):
-    """K = 2 islands of ZeRO-2 or ZeRO-3 over 2 ranks (engines/diloco_grid.py) against K = 2 islands of one
-    rank (4 units: an island's 2 split 1 + 1, as ZeRO-3's collective all-gathers need): every step's loss and
-    each island's θ_prev, from its ranks' pieces (ZeRO-3: parts of its flat shards, each with its whole
-    tensor's exponent: test_a_piece_gets_its_whole_tensors_exponent; here a piece's own exponent rounded the
-    same float32 bits, its ~60-bit sums far finer than float32), bit for bit."""
+@pytest.mark.parametrize("layout", list(GRID_ISLANDS))
+def test_grid_islands_of_two_ranks_are_bit_for_bit_islands_of_one(tmp_path, layout):
+    """K = 2 islands of ZeRO-2 or ZeRO-3 over 2 ranks, or of tp 2 (engines/diloco_grid.py), against K = 2
+    islands of one rank (4 units: an island's 2 split 1 + 1, as ZeRO-3's collective all-gathers need; with
+    --invariant-tp both run the canonical tensor-parallel layers): every step's loss and each island's
+    θ_prev, put together from its ranks' pieces (tp slices; ZeRO-3: parts of its flat shards, each with its
+    whole tensor's exponent: test_a_piece_gets_its_whole_tensors_exponent; here a piece's own exponent
+    rounded the same float32 bits, its ~60-bit sums far finer than float32), bit for bit."""
     from distrain.models import build_model
 
-    one_cfg = job(tmp_path / "one", 2, units=4)
+    kw = GRID_ISLANDS[layout]
+    one_cfg = job(tmp_path / "one", 2, units=4, **({"invariant_tp": True} if kw.get("tp") else {}))
     one = train_losses(one_cfg)
-    cfg = job(tmp_path / inner, 4, inner_strategy=inner, units=4)
+    cfg = job(tmp_path / layout, 4, units=4, **kw)
     got = train_losses(cfg)
     assert len(one) == 5 and got == one, (got, one)
     names = [n for n, _ in build_model(cfg.model).named_parameters()]
+    like = list(build_model(cfg.model).parameters())
     for i in range(K):
-        want = shard(one_cfg.out, f"island{i}")["outer"]
-        assert differences(outer_master(cfg.out, i, names, want["master"]), want["master"]) == []
-        assert shard(cfg.out, f"island{i}-tp0-pp0-dp1")["outer"]["syncs"] == want["syncs"] == 2
+        want = outer_master(one_cfg.out, i, names, like)
+        assert differences(outer_master(cfg.out, i, names, like), want) == []
+    dp = "-dp1" if "zero" in layout else ""
+    assert shard(cfg.out, f"island1-tp{int('tp' in kw)}-pp0{dp}")["outer"]["syncs"] == 2
 
 
 # -- (2) a one-process simulation of the islands ------------------------------------------------------------------
@@ -302,9 +313,10 @@ def test_an_islands_units_draw_the_random_numbers_of_their_global_index():
                                             "all-gathers are collective), so the island's 2 replicas must divide its "
                                             "--units / --islands = 3 units; use --units 4"),
     (dict(units=6, inner_strategy="zero2"), None),
-    (dict(units=4, tp=2, invariant_tp=True), "--layout-invariant with --strategy diloco islands of --tp is not "
-                                             "supported (islands of --inner-strategy zero1/zero2/zero3 or of DDP are); "
-                                             "drop --tp"),
+    (dict(units=4, tp=2, invariant_tp=True), None),  # islands of tp 2 (one replica each)
+    (dict(units=4, pp=2, microbatches=2), "--layout-invariant with --strategy diloco islands of --pp is not supported"),
+    (dict(units=4, tp=2, invariant_tp=True, inner_strategy="zero2", nproc=8),
+     "--layout-invariant with --tp 2 covers --strategy ddp without --pp"),
     (dict(units=4, inner_strategy="zero2", fragments=2),
      "--layout-invariant with --strategy diloco islands of --inner-strategy zero2 does not stream"),
 ])

@@ -190,8 +190,10 @@ class TrainConfig:
     @property
     def island_grid(self) -> bool:
         """--strategy diloco whose islands are grids (--tp/--pp or --inner-strategy zeroN inside each island:
-        engines/diloco_grid.py), not plain DDP islands."""
-        return self.strategy == "diloco" and (self.model_parallel or self.dp > 0 or self.inner_strategy != "ddp")
+        engines/diloco_grid.py), not plain DDP islands; --invariant-tp too (the grid engine runs the canonical
+        tensor-parallel layers, one rank per island too)."""
+        return self.strategy == "diloco" and (self.model_parallel or self.dp > 0 or self.inner_strategy != "ddp"
+                                              or self.invariant_tp)
 
     @property
     def dp_size(self) -> int:

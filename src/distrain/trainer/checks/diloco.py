@@ -59,9 +59,8 @@ def check_island_grid(cfg) -> None:
                           f"{cfg.inner_strategy} is not supported (DDP islands only); drop --elastic (elastic islands "
                           f"are DDP islands), or use DDP islands (no --tp/--pp, --inner-strategy ddp)")
     if cfg.layout_invariant:
-        grid = [f for f, v in (("--tp", cfg.tp), ("--pp", cfg.pp)) if v > 1]
-        need(not grid, f"--layout-invariant with --strategy diloco islands of {' and '.join(grid)} is not supported "
-                       f"(islands of --inner-strategy zero1/zero2/zero3 or of DDP are); drop {' and '.join(grid)}")
+        need(cfg.pp == 1, "--layout-invariant with --strategy diloco islands of --pp is not supported (islands of "
+                          "--tp with --invariant-tp, of --inner-strategy zero1/zero2/zero3 or of DDP are); drop --pp")
         need(cfg.fragments == 1 and cfg.overlap_steps == 0,
              f"--layout-invariant with --strategy diloco islands of --inner-strategy {cfg.inner_strategy} does not "
              f"stream (its outer mean's exponents are one exchange over every rank); drop --fragments and "

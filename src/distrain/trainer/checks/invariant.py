@@ -43,7 +43,8 @@ def check_invariant(cfg) -> None:
     need(cfg.tp in INVARIANT_TP, f"--layout-invariant computes tensor-parallel sums as {INVARIANT_TP[-1]} fixed "
                                  f"chunks, which --tp {cfg.tp} cannot share; use --tp "
                                  f"{', '.join(str(t) for t in INVARIANT_TP)}")
-    need(cfg.tp == 1 or (cfg.strategy == "ddp" and cfg.pp == 1),
+    need(cfg.tp == 1 or (cfg.strategy == "ddp" or (cfg.strategy == "diloco" and cfg.inner_strategy == "ddp"))
+         and cfg.pp == 1,
          f"--layout-invariant with --tp {cfg.tp} covers --strategy ddp without --pp (ZeRO's flat shards of "
          f"tensor-parallel layers and tensor-parallel pipeline stages are not ordered yet); use --strategy ddp "
          f"and drop --pp")

@@ -39,12 +39,14 @@ model's cut (``whole_index``: each piece's whole-model parameter name, a stage's
 holds (with ZeRO-3: the pieces of its flat shards that lie in fragment p's parameters), and each fragment's
 outer step over the cross group is the one-process simulation's on these pieces.
 
---layout-invariant (islands of ZeRO-1/2/3 over the island's dp ranks): each island trains its U / K units as
-InvariantTraining's replicas (GridEngine), the logged loss is the islands' summed exactly (``islands_loss``),
-and the outer mean is OuterStep's fixed-point sum with each exponent the whole tensor's (``tensors``: a ZeRO-3
-rank holds pieces), so a run is bit for bit the run of plain islands of one rank (tests/test_diloco_invariant.py).
+--layout-invariant (islands of ZeRO-1/2/3 over the island's dp ranks, or of --tp with --invariant-tp, which
+routes islands of one rank here too: the canonical tensor-parallel layers): each island trains its U / K units
+as InvariantTraining's replicas (GridEngine), the logged loss is the islands' summed exactly
+(``islands_loss``), and the outer mean is OuterStep's fixed-point sum with each exponent the whole tensor's
+(``tensors``: tp slices, ZeRO-3's pieces), so a run is bit for bit the run of islands of one rank
+(tests/test_diloco_invariant.py).
 
-Not here (refused by the config, checks/diloco.py): elastic islands; --layout-invariant with --tp/--pp or
+Not here (refused by the config, checks/diloco.py): elastic islands; --layout-invariant with --pp or
 Streaming DiLoCo; --ep/--dp inside an island.
 """
 
