@@ -108,7 +108,8 @@ def test_bench_comm_predict_across_the_emulated_cluster_puts_the_prediction_besi
         return Fabric((0, 1), Link(d["inter"]["alpha_us"] * 1e-6, d["inter"]["bandwidth_GBps"] * 1e9),
                       Link(d["intra"]["alpha_us"] * 1e-6, d["intra"]["bandwidth_GBps"] * 1e9),
                       d["gamma_ns_per_byte"] * 1e-9, host=d["host_GBps"] * 1e9 if host and d["host_GBps"] else None,
-                      handshake=d["handshake"])
+                      handshake=d["handshake"], fan_sizes=tuple(d["fan_sizes"]),
+                      fan_in=tuple(map(tuple, d["fan_in"])), fan_out=tuple(map(tuple, d["fan_out"])))
 
     for r in (recs["star"], recs["ring"]):
         assert r["predicted_us"] == pytest.approx(predict("all_reduce", r["algorithm"], 1 << 20, fabric(r["fabric"])).seconds * 1e6)

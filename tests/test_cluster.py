@@ -189,7 +189,7 @@ def test_bench_link_and_comm_across_nodes_with_prediction(emulated_cluster, tmp_
                      timeout=300, echo=False)
     assert res.returncode == 0, "\n".join(res.output[-30:])
     model = json.loads(cal.read_text())["model"]
-    assert set(model) == {"inter", "gamma_ns_per_byte", "shift"}  # one rank per node: only the shaped link
+    assert set(model) == {"inter", "gamma_ns_per_byte", "shift", "fan"}  # one rank per node: only the shaped link
     # the shaped link: 200 Mbit/s = 0.025 GB/s, and far above nothing. The rate is a least-squares
     # slope through medians of 3 timings at 8 B, 256K and 1M: a 256K point that ran late flattens
     # the slope, and CI once read 0.0258 (3 % over). 10 % over the shaped rate is noise; a transport
@@ -199,6 +199,17 @@ def test_bench_link_and_comm_across_nodes_with_prediction(emulated_cluster, tmp_
     shift = model["shift"]
     assert shift["bytes"] == 1 << 20 and shift["aggregate_GBps"] == pytest.approx(2 * shift["per_link_GBps"])
     assert 0.002 < shift["per_link_GBps"] <= 0.025 and 0 <= shift["host_softirq"] <= shift["host_busy"] <= 1
+    # the fan at P = 2 (default size: the largest, 1 MiB): one flow into rank 0 and one out of it, at about the
+    # link's rate (its rate leaves out 2α, a noisy estimate on a fast link: 25 % of slack over the shaped rate);
+    # one flow no longer than the ping-pong's is the ping-pong's own: the fabric keeps e = 1 for it
+    fan = model["fan"]
+    assert fan["bytes"] == [1 << 20] and fan["senders"] == [1]
+    assert all(0.002 < g[0][0] <= 1.25 * 0.025 for g in (fan["in_goodput_GBps"], fan["out_goodput_GBps"]))
+    assert all(0 < e[0][0] <= 1 for e in (fan["in_efficiency"], fan["out_efficiency"]))
+    from distrain.costmodel.links import calibrated_fabric
+
+    fabric = calibrated_fabric(str(cal), [0, 1])
+    assert fabric.fan_sizes == (1 << 20,) and fabric.fan_in == ((1.0,),) and fabric.fan_out == ((1.0,),)
     out = tmp_path / "comm.json"
     res = runner.run(spec, ["distrain", "bench", "comm", "--sizes", "1M", "--algorithms", "ring,star,native",
                             "--warmup", "1", "--iters", "3", "--predict", str(cal), "--json", str(out)],

@@ -155,6 +155,9 @@ def add_link_arguments(p: argparse.ArgumentParser) -> None:
     p.description = "Ping-pong α-β calibration of every link (rank 0 with each other rank); see docs/cost_model.md."
     p.add_argument("--nproc", type=int, default=2, help="local ranks to spawn when not under a launcher (default 2)")
     p.add_argument("--sizes", default=LINK_SIZES, help=f"message sizes, K/M = powers of 1024 (default {LINK_SIZES})")
+    p.add_argument("--fan-sizes", default=None, metavar="SIZES",
+                   help="bytes per flow of the fan (k ranks into rank 0 at once, and out of it: TCP incast), "
+                        "comma-separated; the sizes the collectives send (default: the largest of --sizes)")
     p.add_argument("--warmup", type=int, default=2, help="untimed round trips per size (default 2)")
     p.add_argument("--iters", type=int, default=7, help="timed round trips per size (default 7)")
     p.add_argument("--json", default=None, metavar="PATH", help="write records and the fitted model as JSON")
@@ -169,7 +172,8 @@ def run_link(args: argparse.Namespace) -> int:
 
     transports = common.parse_choices(args.transport, (*TRANSPORT_NAMES, columns.PYTHON_SHM), "--transport")
     return calibrate.run(common.parse_sizes(args.sizes), args.warmup, args.iters, args.nproc, json_path=args.json,
-                         transports=tuple(transports))
+                         transports=tuple(transports),
+                         fan_sizes=tuple(common.parse_sizes(args.fan_sizes)) if args.fan_sizes else ())
 
 
 TOOLS = (

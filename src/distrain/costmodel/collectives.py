@@ -73,7 +73,9 @@ def ring_time(fabric: Fabric, groups: Sequence[Sequence[int]], nbytes: float, co
     pieces = min(MAX_PIECES, max(1, -(-chunk // PIECE_BYTES)))  # the ring forwards a chunk in pieces
     add = fabric.gamma * chunk / pieces if collective in ("all_reduce", "reduce_scatter") else 0.0
     # per hop: its latency and its chunk at its share of its most loaded link
-    per = [(a, chunk / min(fabric.bandwidth(link) / users[link] for link in path)) for a, path in hops]
+    # (a pair's connection carries its sent bytes in the call: what a fan-calibrated link's rate depends on)
+    per = [(a, chunk / min(fabric.bandwidth(link, users[link], max(sent)) / users[link] for link in path))
+           for a, path in hops]
     slowest = max(x for _, x in per)
     seconds = 0.0
     for phase_add in ((add, 0.0) if collective == "all_reduce" else (add,)):

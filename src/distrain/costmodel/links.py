@@ -11,6 +11,10 @@ packets of every node (an emulated cluster). It is measured, not fitted: ``distr
 link``'s shift sends on every link at once, and where each link then gets less than
 ``HOST_BOUND`` of its ping-pong bandwidth, the shift's total is that shared capacity
 (:func:`fabric_from_model`). A real cluster's shift gives every link its rate: no host.
+``fan_in``/``fan_out``, also measured (``bench link``'s fan, :mod:`distrain.bench.link.fan`), are what
+a node's downlink/uplink delivers to k flows at once of n bytes each, over its ping-pong rate: below 1
+where TCP loses bytes in a shallow queue that k flows (incast) or one long one overflow;
+:meth:`Fabric.bandwidth` applies them.
 
 Presets (``LINKS``/``INTRA``): bandwidth is the data rate of the standard or the vendor's
 data sheet, as payload bytes per second per direction; α is a typical one-way small-message
@@ -22,6 +26,7 @@ microseconds; RDMA: a few). Sources are in docs/cost_model.md. Calibrated values
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 
 from distrain.errors import ConfigError
@@ -75,6 +80,13 @@ class Fabric:
     # a send leaves only once the receiver's "receive ready" notice has arrived (Gloo's TCP pair; sim.py):
     # a calibration by `distrain bench link` over torch's transport says so ("handshake" in its links' model)
     handshake: bool = False
+    # TCP over a shallow queue: a node's downlink carrying k flows at once, whose connections carry n bytes in
+    # the call, delivers B·e in all, e = fan_in[i][k-1] at fan_sizes[i] (interpolated in log n, held at the
+    # ends; k past the measured: the last); its uplink the same with fan_out. Measured by `distrain bench
+    # link`'s fan (bench/link/fan.py: TCP incast, a long flow). Empty: B for any k, max-min sharing's lossless link.
+    fan_sizes: tuple[float, ...] = ()
+    fan_in: tuple[tuple[float, ...], ...] = ()
+    fan_out: tuple[tuple[float, ...], ...] = ()
     notes: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -98,14 +110,33 @@ class Fabric:
             return self.intra.alpha
         return max(self.link_of(a).alpha, self.link_of(b).alpha)
 
-    def bandwidth(self, link: tuple) -> float:
+    def bandwidth(self, link: tuple, flows: int = 1, nbytes: float | None = None) -> float:
+        """Bytes/s that ``link`` delivers in all while it carries ``flows`` flows at once whose connections
+        carry ``nbytes`` in the call (None: not known, the link's rate)."""
         kind, node = link
         if kind == "host":
             return self.host
-        return self.intra.bandwidth if kind == "intra" else self.link_of(node).bandwidth
+        if kind == "intra":
+            return self.intra.bandwidth
+        table = self.fan_in if kind == "down" else self.fan_out
+        scale = fan_scale(self.fan_sizes, table, flows, nbytes) if table and nbytes is not None else 1.0
+        return self.link_of(node).bandwidth * scale
 
     def with_placement(self, placement) -> "Fabric":
         return replace(self, placement=tuple(placement))
+
+
+def fan_scale(sizes: tuple[float, ...], table: tuple[tuple[float, ...], ...], flows: int, nbytes: float) -> float:
+    """e(k, n) of a fan table (Fabric.fan_in/fan_out): row i for sizes[i], column k-1 for k flows (k past
+    the last column: the last), linear in log n between two sizes, the end's value outside them."""
+    col = [row[min(max(flows, 1), len(row)) - 1] for row in table]
+    if nbytes <= sizes[0]:
+        return col[0]
+    for i in range(1, len(sizes)):
+        if nbytes < sizes[i]:
+            w = math.log(nbytes / sizes[i - 1]) / math.log(sizes[i] / sizes[i - 1])
+            return col[i - 1] + w * (col[i] - col[i - 1])
+    return col[-1]
 
 
 def block_placement(world: int, procs_per_node: int) -> tuple[int, ...]:
@@ -142,9 +173,38 @@ def calibrated_fabric(path: str, placement) -> Fabric:
     return fabric_from_model(model, placement)
 
 
+def fan_efficiencies(model: dict) -> tuple[tuple[float, ...], tuple, tuple]:
+    """(fan_sizes, fan_in, fan_out) of a calibration's model, sizes ascending (bench/link/fan.py), each
+    efficiency in (0, 1]; ((), (), ()) for a calibration without a fan (written before it existed, or by
+    hand): its links then share max-min at their full rate, as before. One flow (k = 1) of at most the
+    ping-pong's largest size (the shift's bytes) keeps e = 1: the ping-pong measured that very flow, and β
+    is fitted on it; its fan value there is only a noisier second sample of the same (one 1 MiB fan-out of
+    2026-12-02 took 387 ms of a median, against 138 ms in the fan-in beside it). A longer one (a long-lived
+    flow, whose window may overshoot the queue) takes the fan's."""
+    fan = model.get("fan")
+    if not fan or "in_efficiency" not in fan:
+        return (), (), ()
+    if not isinstance(fan.get("bytes"), list) or not all(isinstance(n, (int, float)) and n > 0 for n in fan["bytes"]):
+        raise ConfigError(f"calibration: fan bytes must be a list of sizes, one per row, got {fan.get('bytes')!r}")
+    order = sorted(range(len(fan["bytes"])), key=lambda i: fan["bytes"][i])
+    pingpong = (model.get("shift") or {}).get("bytes", 0)
+    tables = []
+    for side in ("in", "out"):
+        rows = fan[f"{side}_efficiency"]
+        if len(rows) != len(order) or not all(
+                row and all(isinstance(e, (int, float)) and 0 < e <= 1 for e in row) for row in rows):
+            raise ConfigError(f"calibration: fan {side}_efficiency needs a row of numbers in (0, 1] per size, "
+                              f"got {rows!r}")
+        # one flow of a size the ping-pong sent (up to its largest: the shift's) is what β was fitted on: e = 1
+        tables.append(tuple(tuple(1.0 if k == 0 and fan["bytes"][i] <= pingpong else float(e)
+                                  for k, e in enumerate(rows[i])) for i in order))
+    return tuple(float(fan["bytes"][i]) for i in order), tables[0], tables[1]
+
+
 def fabric_from_model(model: dict, placement) -> Fabric:
     """A Fabric from a calibration's model dict ({inter, intra: {alpha_us, bandwidth_GBps, handshake},
-    gamma_ns_per_byte, shift}); a calibration written before ``handshake`` existed has none."""
+    gamma_ns_per_byte, shift, fan}); a calibration written before ``handshake`` or ``fan`` existed has
+    none, and predicts as then."""
     inter = _link(model["inter"], "inter") if model.get("inter") else None
     intra = _link(model["intra"], "intra") if model.get("intra") else INTRA["shm"]
     if inter is None:
@@ -156,5 +216,7 @@ def fabric_from_model(model: dict, placement) -> Fabric:
     if shift and model.get("inter") and per_link * 1e9 < HOST_BOUND * inter.bandwidth:
         # all links busy at once got only this much in all
         host = float(shift.get("aggregate_bytes_GBps") or shift["aggregate_GBps"]) * 1e9
+    fan_sizes, fan_in, fan_out = fan_efficiencies(model)
     return Fabric(tuple(placement), inter, intra, float(model.get("gamma_ns_per_byte", DEFAULT_GAMMA * 1e9)) * 1e-9,
-                  host=host, handshake=any((model.get(k) or {}).get("handshake") is True for k in ("inter", "intra")))
+                  host=host, handshake=any((model.get(k) or {}).get("handshake") is True for k in ("inter", "intra")),
+                  fan_sizes=fan_sizes, fan_in=fan_in, fan_out=fan_out)

@@ -22,7 +22,10 @@ here replays the schedule itself:
   receiver node's downlink between nodes, the node's shared loopback within one; and, in an
   emulated cluster, the host that carries every node's packets) at a rate
   given by max-min fair sharing among all flows active at that moment (progressive
-  filling; TCP flows sharing a bottleneck converge to about this share);
+  filling; TCP flows sharing a bottleneck converge to about this share), the link's capacity
+  being what it delivers to that many flows at once (``Fabric.bandwidth(link, flows, nbytes)``,
+  nbytes the most any of their pairs' connections carries in the schedule: less than its rate
+  where a calibration measured TCP incast, or a long flow's losses, on it);
 * the collective ends when its last message arrives, plus ``tail`` seconds of compute.
 
 Events are flow arrivals, readiness and completions; rates are recomputed at each.
@@ -53,7 +56,8 @@ class Fabric(Protocol):
 
     def path(self, src: int, dst: int) -> tuple[tuple, ...]: ...
     def alpha(self, src: int, dst: int) -> float: ...
-    def bandwidth(self, link: tuple) -> float: ...
+    # in all, while ``flows`` flows cross it whose connections carry ``nbytes`` in the call
+    def bandwidth(self, link: tuple, flows: int = 1, nbytes: float | None = None) -> float: ...
 
 
 @dataclass(eq=False)
@@ -61,6 +65,7 @@ class _Flow:
     mid: int
     left: float
     links: tuple
+    length: float = 0.0  # bytes its pair's connection carries in the whole schedule (TCP's transfer)
     rate: float = 0.0
 
 
@@ -85,12 +90,11 @@ def _fair_rates(flows: list[_Flow], fabric: Fabric) -> None:
     users: dict[tuple, list[_Flow]] = {}
     for f in flows:
         for link in f.links:
-            if link not in cap:
-                cap[link] = fabric.bandwidth(link)
-                if not cap[link] > 0:
-                    raise ValueError(f"link {link}: bandwidth must be positive, got {cap[link]}")
-                users[link] = []
-            users[link].append(f)
+            users.setdefault(link, []).append(f)
+    for link, fs in users.items():  # a link's capacity may depend on how many flows cross it (TCP incast)
+        cap[link] = fabric.bandwidth(link, len(fs), max(f.length for f in fs))
+        if not cap[link] > 0:
+            raise ValueError(f"link {link}: bandwidth must be positive, got {cap[link]}")
     left = {link: len(fs) for link, fs in users.items()}
     fixed: set[int] = set()
     while len(fixed) < len(flows):
@@ -126,6 +130,9 @@ def simulate(messages: Sequence[Message], fabric: Fabric, tail: float = 0.0) -> 
     for i, m in enumerate(messages):
         pair_prev[i] = prev_on_pair.get((m.src, m.dst), -1)
         prev_on_pair[(m.src, m.dst)] = i
+    pair_bytes: dict[tuple[int, int], float] = {}
+    for m in messages:
+        pair_bytes[(m.src, m.dst)] = pair_bytes.get((m.src, m.dst), 0.0) + m.nbytes
     dep_done = [0.0] * n  # latest arrival among deps
     starts: list[tuple[float, int]] = []  # heap of (earliest byte-flow start, message)
     link_bytes: dict = {}
@@ -182,6 +189,6 @@ def simulate(messages: Sequence[Message], fabric: Fabric, tail: float = 0.0) -> 
             if m.nbytes <= 0 or not links:
                 arrive(i, now)
             else:
-                active.append(_Flow(i, float(m.nbytes), links))
+                active.append(_Flow(i, float(m.nbytes), links, pair_bytes[(m.src, m.dst)]))
         _fair_rates(active, fabric)
     return SimResult(max(finish, default=0.0) + tail, finish, link_bytes)

@@ -44,12 +44,15 @@ def annotate(records: list[dict], fabric: Fabric, dtype_size: int) -> None:
 def describe(fabric: Fabric) -> dict:
     """The links a prediction used, in a calibration model's units (``host_GBps`` null unless the
     calibration's shift found every link sharing one machine's capacity; ``handshake`` whether a send
-    waited for the receiver's notice): enough to rebuild it."""
+    waited for the receiver's notice; ``fan_in``/``fan_out`` the fan's efficiencies, empty without one):
+    enough to rebuild it."""
     def link(ln):
         return {"alpha_us": ln.alpha * 1e6, "bandwidth_GBps": ln.bandwidth / 1e9}
 
     return {"inter": link(fabric.inter), "intra": link(fabric.intra), "gamma_ns_per_byte": fabric.gamma * 1e9,
-            "host_GBps": None if fabric.host is None else fabric.host / 1e9, "handshake": fabric.handshake}
+            "host_GBps": None if fabric.host is None else fabric.host / 1e9, "handshake": fabric.handshake,
+            "fan_sizes": list(fabric.fan_sizes), "fan_in": [list(r) for r in fabric.fan_in],
+            "fan_out": [list(r) for r in fabric.fan_out]}
 
 
 def table(records: list[dict]) -> str:

@@ -26,6 +26,11 @@ where they do not, something they share is the limit. In an emulated cluster tha
 host's cores, which process every node's packets (``model["shift"]`` also records how busy
 rank 0's host was, from /proc/stat; docs/cost_model.md).
 
+Then a *fan* (:mod:`distrain.bench.link.fan`): k = 1..P-1 ranks send n bytes (each of ``--fan-sizes``,
+default the largest size) into rank 0 at once, and rank 0 to k ranks at once; ``model["fan"]`` holds
+each time, goodput and efficiency against the ping-pong's rate (TCP incast and a long flow over a
+shallow queue), which the cost model applies to a link that carries k flows at once.
+
 ``--transport torch,shm,shm-python`` ping-pongs each pair over each transport in turn (a group
 of all ranks per transport, as ``bench comm`` builds them) and prints the one-way times side by
 side (``latency`` in the JSON); the first transport's times are the ones fitted.
@@ -47,6 +52,7 @@ import torch
 
 from distrain.bench import common
 from distrain.bench.comm.columns import DEEPSPEED, transport_groups
+from distrain.bench.link import fan
 from distrain.errors import ConfigError
 
 FIT_FROM = 256 << 10
@@ -61,6 +67,7 @@ class Settings:
     warmup: int
     iters: int
     transports: tuple[str, ...] = ("torch",)
+    fan_sizes: tuple[int, ...] = ()  # the fan's message sizes (bench/link/fan.py); () = the largest of sizes
 
     def __post_init__(self) -> None:
         if not self.sizes:
@@ -219,9 +226,10 @@ def measure(rank: int, settings: Settings) -> Calibration | None:
                         f"{1 / beta / 1e9:.4f} GB/s ({8 / beta / 1e6:.0f} Mbit/s)")
     dist.barrier()
     shift = _shift(rank, P, max(sizes), settings.iters)
+    fan_res = fan.measure(rank, P, sorted(settings.fan_sizes or (max(sizes),)), settings.iters)
     if rank != 0:
         return None
-    model: dict = {"gamma_ns_per_byte": gamma_add() * 1e9, "shift": shift}
+    model: dict = {"gamma_ns_per_byte": gamma_add() * 1e9, "shift": shift, "fan": fan_res}
     for kind in ("inter", "intra"):
         rs = [r for r in records if r["kind"] == kind]
         if rs:
@@ -233,6 +241,8 @@ def measure(rank: int, settings: Settings) -> Calibration | None:
                            "handshake": transports[0] == "torch"}
     if "inter" in model:  # a shift message, posted with its receive, pays that notice's α before its own
         shift_rates(shift, P, model["inter"]["alpha_us"] * (2 if model["inter"]["handshake"] else 1))
+    link = model.get("inter") or model["intra"]  # the fans' messages pay its latency as the shift's do
+    fan.efficiencies(fan_res, link["alpha_us"] * (2 if link["handshake"] else 1), link["bandwidth_GBps"])
     return Calibration(records=records, model=model, placement=where, latency=latency)
 
 
@@ -255,7 +265,7 @@ def calibrate(settings: Settings, nproc: int) -> Calibration | None:
 
 
 def run(sizes: list[int], warmup: int, iters: int, nproc: int, json_path: str | None = None,
-        transports: tuple[str, ...] = ("torch",)) -> int:
+        transports: tuple[str, ...] = ("torch",), fan_sizes: tuple[int, ...] = ()) -> int:
     """Calibrate with messages of ``sizes`` bytes (``warmup`` untimed and ``iters`` timed round trips
     each, ``nproc`` local ranks when not launched) over ``transports`` (the first is fitted); print the
     fitted links and the one-way times, write ``json_path``."""
@@ -264,7 +274,7 @@ def run(sizes: list[int], warmup: int, iters: int, nproc: int, json_path: str | 
     if DEEPSPEED in transports:
         raise ConfigError(f"--transport {DEEPSPEED}: DeepSpeed's shared-memory op is an all_reduce; it has no "
                           f"point-to-point messages to time")
-    settings = Settings(tuple(sizes), warmup, iters, tuple(transports))
+    settings = Settings(tuple(sizes), warmup, iters, tuple(transports), tuple(fan_sizes))
     res = calibrate(settings, nproc)
     if res is None:  # not rank 0
         return 0
@@ -283,13 +293,19 @@ def run(sizes: list[int], warmup: int, iters: int, nproc: int, json_path: str | 
     sh = res["model"]["shift"]
     busy = (f"; rank 0's host CPU {sh['host_busy']:.0%} busy ({sh['host_softirq']:.0%} softirq)"
             if "host_busy" in sh else "")
+    fr = res["model"]["fan"]
+    for i, n in enumerate(fr["bytes"]):
+        print(f"fan of {common.format_size(n)} per flow, k = " + ", ".join(map(str, fr["senders"])) + " flows at once: "
+              "goodput over the ping-pong's into one rank " + ", ".join(f"{e:.2f}" for e in fr["in_efficiency"][i]) +
+              "; out of one rank " + ", ".join(f"{e:.2f}" for e in fr["out_efficiency"][i]))
     print(f"shift (every rank sends {sh['bytes'] >> 10} KiB to the next at once): {sh['per_link_GBps']:.4f} GB/s per "
           f"link, {sh['aggregate_GBps']:.4f} GB/s in all"
           + (f" ({sh['per_link_bytes_GBps']:.4f} per link without its {sh['latency_us'] / 1e3:.1f} ms of latency)"
              if sh.get("latency_us") else "") + busy)
     if json_path:
         meta = common.metadata(benchmark="link", sizes=list(settings.sizes), warmup=settings.warmup,
-                               iters=settings.iters, placement=res["placement"], transports=list(settings.transports))
+                               iters=settings.iters, placement=res["placement"], transports=list(settings.transports),
+                               fan_sizes=list(settings.fan_sizes))
         with open(json_path, "w") as f:
             json.dump({"meta": meta, "records": res["records"], "model": res["model"], "latency": res["latency"]},
                       f, indent=1)
