@@ -16,8 +16,8 @@ _moved.install()
 from distrain.errors import CommError, ConfigError, DistrainError, RankFailedError, SpawnTimeoutError  # noqa: E402
 
 # The torch-backed names are imported on first use (PEP 562), so that ``import distrain`` (and the commands that
-# never touch torch: ``distrain --version``, ``cluster``, ``secret``, most of ``plan``) do not pay torch's import,
-# about 1.7 s of CPU per process on the 2-core host. ``distrain.comm`` etc. read as before.
+# never touch torch: ``distrain --version``, ``cluster up|down|status|link``, ``data prepare``) do not pay torch's
+# import, about 1.7 s of CPU per process on the 2-core host. ``distrain.comm`` etc. read as before.
 _LAZY = {"comm": ("distrain.comm", None), "runtime": ("distrain.runtime", None),
          "launch": ("distrain.launch", "launch"), "spawn": ("distrain.launch", "spawn"),
          "Topology": ("distrain.topology", "Topology")}

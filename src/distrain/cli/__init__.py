@@ -37,8 +37,8 @@ COMMANDS = ("launch", "train", "cluster", "plan", "bench", "checkpoint", "data",
 
 def build_parser(commands: tuple[str, ...] = COMMANDS) -> argparse.ArgumentParser:
     """The ``distrain`` parser with ``commands`` (default all). :func:`main` builds only the command it
-    runs: importing every command's module imports torch, which ``cluster``, ``secret`` and ``--version``
-    do not need (about 1.7 s of CPU per process on the 2-core host)."""
+    runs: importing every command's module imports torch, which ``--version``, ``cluster up|down|status|link``
+    and ``data prepare`` do not need (about 1.7 s of CPU per process on the 2-core host)."""
     import importlib
 
     from distrain import __version__
