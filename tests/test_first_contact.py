@@ -99,6 +99,20 @@ def test_version_and_python_m(tmp_path, capsys):
     assert (p.returncode, p.stdout.strip()) == (0, f"distrain {__version__}")
 
 
+def test_commands_that_need_no_torch_do_not_import_it(tmp_path):
+    """`distrain --version`, `distrain cluster up|down|status|link` and `distrain data prepare` import no torch (about 1.7 s of CPU per
+    process on the 2-core host): main builds only the parser of the command it runs, and the package's
+    torch-backed names are imported on use. A train command's parser still imports it (the check can fail)."""
+    code = ("import sys\nfrom distrain.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules)")
+    for argv, want in [(["--version"], "False"), (["cluster", "status", "--name", "zz-none"], "False"),
+                       (["cluster", "link", "--help"], "False"),
+                       (["data", "prepare", "no.txt", "--tokenizer", "byte", "--out", "o"], "False"),
+                       (["train", "--help"], "True")]:
+        p = _python(["-c", code, *argv], tmp_path, timeout=60)
+        assert p.stdout.strip().splitlines()[-1] == want, f"distrain {' '.join(argv)}: {p.stdout}{p.stderr}"
+
+
 def test_a_previous_run_is_not_overwritten(tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()

@@ -34,6 +34,7 @@ LAYERS: dict[str, int] = {
     "distrain.errors": 0,
     "distrain.topology": 1, "distrain.blame": 1, "distrain.lifeline": 1, "distrain.runlock": 1,
     "distrain.optim": 1, "distrain.factories": 1,
+    "distrain.entry": 1,  # launched_rank and leave, without torch: every command's entry point asks both
     "distrain.sealed": 1,  # the job secret and the sealed store (torch, cryptography, errors)
     "distrain.rendezvous": 2,  # torchrun's rendezvous on one address, its state tagged with the job secret (sealed)
     "distrain.checkpoint.form": 1,  # the whole-model format alone (torch, errors): ZeRO in parallel/ speaks it

@@ -8,10 +8,7 @@ both ranks named and the checkpoint due at the detection not written, no flip an
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +22,6 @@ from distrain.trainer.metrics import read_metrics
 from distrain.trainer.replicas import (BitFlip, check_inject, digest, disagreeing, flip_bit, mismatch_message,
                                        optimizer_tensors, parse_inject)
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 TINY = ["--model", "mlp-tiny", "--data", "digits", "--batch-size", "24", "--no-progress", "--eval-every", "0",
         "--no-report", "--sample-chars", "0"]
 
@@ -160,23 +156,40 @@ def test_a_malformed_inject_is_refused_before_the_run(tmp_path, capsys, monkeypa
 
 
 # -- runs ------------------------------------------------------------------------------------------------
-def _train(out: Path, nproc: int, inject: str | None, *flags: str, job=TINY) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                                                            "DISTRAIN_PARENT_PID", "DISTRAIN_RESUME",
-                                                            "DISTRAIN_INJECT")}
-    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
-    if inject:
-        env["DISTRAIN_INJECT"] = inject
-    return subprocess.run([sys.executable, "-m", "distrain", "train", *job, "--strategy", "ddp", "--nproc",
-                           str(nproc), "--out", str(out), *flags], env=env, capture_output=True, text=True,
-                          timeout=240)
+class Ran:
+    """What a run through the CLI's ``main`` left: its exit status and everything written to stderr (the
+    top process's and its ranks', file descriptor 2), as a subprocess's ``returncode`` and ``stderr``."""
+
+    def __init__(self, returncode: int, stderr: str):
+        self.returncode, self.stderr = returncode, stderr
+
+
+@pytest.fixture
+def train(capfd, monkeypatch):
+    """``distrain train`` through the CLI's main in this process (nothing here is about the process boundary:
+    a subprocess would only import torch and start a fork server again, ~4 s of CPU a run), the injected fault
+    in DISTRAIN_INJECT, read at the top of the run as in a command's process."""
+    from distrain.cli import main
+
+    def run(out: Path, nproc: int, inject: str | None, *flags: str, job=TINY) -> Ran:
+        for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DISTRAIN_PARENT_PID", "DISTRAIN_RESUME"):
+            monkeypatch.delenv(k, raising=False)
+        if inject:
+            monkeypatch.setenv("DISTRAIN_INJECT", inject)
+        else:
+            monkeypatch.delenv("DISTRAIN_INJECT", raising=False)
+        capfd.readouterr()
+        code = main(["train", *job, "--strategy", "ddp", "--nproc", str(nproc), "--out", str(out), *flags])
+        return Ran(code, capfd.readouterr().err)
+
+    return run
 
 
 def _checkpoint_steps(out: Path) -> list[int]:
     return sorted({int(p.name.split("-")[1]) for p in out.glob("checkpoint-*.pt")})
 
 
-def _error_line(p: subprocess.CompletedProcess) -> str:
+def _error_line(p: Ran) -> str:
     """The one line of the ReplicaMismatchError (whichever replica reported first)."""
     lines = [ln for ln in p.stderr.splitlines() if "ReplicaMismatchError" in ln]
     assert len(lines) == 1, p.stderr[-3000:]
@@ -187,10 +200,10 @@ def _error_line(p: subprocess.CompletedProcess) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_flipped_bit_at_three_replicas_is_named_by_the_majority(tmp_path):
+def test_a_flipped_bit_at_three_replicas_is_named_by_the_majority(tmp_path, train):
     out = tmp_path / "run"
     # the flip after step 4's update (state of step 5 on); checks at 3, 4 (a checkpoint), 6: caught at 6
-    p = _train(out, 3, "bitflip:4:2", "--steps", "8", "--check-replicas", "3", "--ckpt-every", "4")
+    p = train(out, 3, "bitflip:4:2", "--steps", "8", "--check-replicas", "3", "--ckpt-every", "4")
     assert p.returncode != 0
     assert _error_line(p) == (f"replica check at step 6: rank 2 holds other parameters and optimizer state than "
                               f"the majority of its 3 replicas (ranks 0, 1, 2); the last good checkpoint is step 4 "
@@ -202,10 +215,10 @@ def test_a_flipped_bit_at_three_replicas_is_named_by_the_majority(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_two_replicas_are_both_named_and_the_checkpoint_due_at_the_detection_is_not_written(tmp_path):
+def test_two_replicas_are_both_named_and_the_checkpoint_due_at_the_detection_is_not_written(tmp_path, train):
     out = tmp_path / "run"
     # the flip after step 4's update; checks at 3 (a checkpoint), 4, 6 (a checkpoint, due after the flip)
-    p = _train(out, 2, "bitflip:4:0", "--steps", "8", "--check-replicas", "4", "--ckpt-every", "3")
+    p = train(out, 2, "bitflip:4:0", "--steps", "8", "--check-replicas", "4", "--ckpt-every", "3")
     assert p.returncode != 0
     assert _error_line(p) == (f"replica check at step 6: ranks 0, 1 hold different parameters and optimizer state "
                               f"(2 replicas, no majority); the last good checkpoint is step 3 in {out} (--resume "
@@ -215,9 +228,9 @@ def test_two_replicas_are_both_named_and_the_checkpoint_due_at_the_detection_is_
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_without_a_flip_every_check_passes(tmp_path):
+def test_without_a_flip_every_check_passes(tmp_path, train):
     out = tmp_path / "run"
-    p = _train(out, 2, None, "--steps", "5", "--check-replicas", "2")
+    p = train(out, 2, None, "--steps", "5", "--check-replicas", "2")
     assert p.returncode == 0, p.stderr[-3000:]
     rows = read_metrics(out / "metrics.jsonl")
     # checks at steps 2 and 4 and before the final checkpoint (5): the lines of steps 1, 3, 4
@@ -227,11 +240,11 @@ def test_without_a_flip_every_check_passes(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_with_a_pipeline_the_replicas_of_the_flipped_stage_are_named(tmp_path):
+def test_with_a_pipeline_the_replicas_of_the_flipped_stage_are_named(tmp_path, train):
     out = tmp_path / "run"
     gpt = ["--model", "gpt-tiny", "--batch-size", "8", "--no-progress", "--eval-every", "0", "--no-report",
            "--sample-chars", "0"]
-    p = _train(out, 4, "bitflip:1:3", "--dp", "2", "--pp", "2", "--steps", "3", "--check-replicas", "2", job=gpt)
+    p = train(out, 4, "bitflip:1:3", "--dp", "2", "--pp", "2", "--steps", "3", "--check-replicas", "2", job=gpt)
     assert p.returncode != 0
     # rank 3's replicas: the dp x cp group of its pipeline stage (the other stage's group agrees and says nothing)
     group = next(g for g in Topology(dp=2, tp=1, pp=2, rank=3, world_size=4).groups_of("dp_cp") if 3 in g)

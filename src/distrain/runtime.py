@@ -39,14 +39,15 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Mapping, NoReturn
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
-from distrain import comm, lifeline, rendezvous, sealed
+from distrain import comm, entry, lifeline, rendezvous, sealed
 from distrain.comm.core import reach, watchdog
 from distrain.errors import CommError, ConfigError
+from distrain.entry import env_int, leave  # noqa: F401  (leave: runtime.leave, the entry points' end)
 
 REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 HANDSHAKE_S = 20.0  # a port that accepts connections but has not answered as a store by then is something else
@@ -81,24 +82,14 @@ def _seconds(timeout: float | timedelta) -> float:
     return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
 
 
-def _env_int(name: str, environ: Mapping[str, str] | None = None) -> int:
-    environ = os.environ if environ is None else environ
-    try:
-        return int(environ[name])
-    except ValueError:
-        raise ConfigError(f"environment variable {name}={environ[name]!r} is not an integer") from None
-
-
 def launched_rank(environ: Mapping[str, str] | None = None) -> tuple[int, int] | None:
     """(rank, world size) when a launcher (``distrain launch``, torchrun, ``distrain cluster run``,
     ``distrain.spawn``) started this process as one rank of a job, i.e. ``environ`` (default: this
     process's environment) holds both RANK and WORLD_SIZE; None for a top process (one that
     spawns its ranks, or runs alone). The one answer to "am I a launched rank?": read here, at the
-    process edge, and passed down. ConfigError when either is not an integer."""
-    environ = os.environ if environ is None else environ
-    if "RANK" not in environ or "WORLD_SIZE" not in environ:
-        return None
-    return _env_int("RANK", environ), _env_int("WORLD_SIZE", environ)
+    process edge, and passed down (:func:`distrain.entry.launched_rank`, torch-free, answers for a given
+    mapping). ConfigError when either is not an integer."""
+    return entry.launched_rank(os.environ if environ is None else environ)
 
 
 FASHION_MNIST_ENV = "DISTRAIN_FASHION_MNIST"  # the Fashion-MNIST folder, when not the default (data.images)
@@ -151,13 +142,13 @@ def init(backend: str = "auto", timeout: float | timedelta = 300.0,
     missing = [k for k in REQUIRED_ENV if k not in os.environ]
     if missing:
         raise ConfigError(f"distrain.runtime.init: environment variable(s) {', '.join(missing)} not set; {LAUNCH_HINT}")
-    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    rank, world = env_int("RANK", os.environ), env_int("WORLD_SIZE", os.environ)
     if not 0 <= rank < world:
         raise ConfigError(f"RANK={rank} is outside [0, WORLD_SIZE={world})")
-    local_rank = _env_int("LOCAL_RANK") if "LOCAL_RANK" in os.environ else rank
+    local_rank = env_int("LOCAL_RANK", os.environ) if "LOCAL_RANK" in os.environ else rank
     backend = resolve_backend(backend)
     secs = _seconds(timeout)
-    addr, port = os.environ["MASTER_ADDR"], _env_int("MASTER_PORT")
+    addr, port = os.environ["MASTER_ADDR"], env_int("MASTER_PORT", os.environ)
 
     if lifeline.PARENT_ENV in os.environ:  # started by distrain: die with the top process, leave Ctrl-C to it
         lifeline.die_with_parent()
@@ -368,19 +359,3 @@ def shutdown() -> None:
         comm.close_all()  # shared-memory segments go with the groups
         dist.destroy_process_group()
     _held.clear()
-
-
-def leave(code: int) -> NoReturn:
-    """End this process with exit status ``code`` without interpreter finalization.
-
-    Runs the atexit callbacks (:func:`shutdown` among them, and logging's), flushes stdout and
-    stderr, then ``os._exit``: what multiprocessing does at the end of a child, so a C++
-    thread that still holds a finished collective's tensors can never ask for the GIL during
-    finalization (see the module docstring). For the command-line entry points of launched ranks."""
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):  # closed or replaced: nothing left to flush
-            pass
-    os._exit(code)

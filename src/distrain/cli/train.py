@@ -70,8 +70,6 @@ def config_arguments(p: argparse.ArgumentParser, cls) -> None:
 
 def apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     """``train --config run.toml``: the file's settings become the defaults, so flags override them."""
-    from distrain.trainer.config import TrainConfig
-
     if not argv or argv[0] != "train":
         return
     path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
@@ -79,6 +77,8 @@ def apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:
         path = argv[argv.index("--config") + 1]
     if path is None:
         return
+    from distrain.trainer.config import TrainConfig  # (torch: only for a train command, which imports it anyway)
+
     settings = read_toml(path)
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {}

@@ -42,7 +42,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from distrain import sealed
 from distrain.cluster import netns
 from distrain.errors import ConfigError
 
@@ -136,6 +135,8 @@ def run(spec: netns.ClusterSpec, cmd: list[str], procs_per_node: int = 1, max_re
     """Run ``cmd`` on every node (``procs_per_node`` ranks each); see the module docstring."""
     if procs_per_node < 1:
         raise ConfigError(f"--procs-per-node must be >= 1, got {procs_per_node}")
+    from distrain import sealed  # (torch: imported by a run only, so that `cluster up|down|status|link` need none)
+
     cmd = check_command(list(cmd))
     endpoint = f"{spec.address(0)}:{RDZV_PORT}"
     secret = sealed.check(os.environ[sealed.ENV]).decode() if os.environ.get(sealed.ENV) else sealed.new()

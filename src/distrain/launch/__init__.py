@@ -7,7 +7,18 @@ in torchrun.py, which delegates to torch's elastic launcher so multi-node rendez
 restarts are torchrun's). rank_exit.py: the exit status a launched rank's command leaves with.
 """
 
-from distrain.launch.local import core_slices, local_env, local_store, spawn
-from distrain.launch.torchrun import launch
+# imported on first use (PEP 562): rank_exit.py, which every command's entry point imports, needs no torch
+_NAMES = {"core_slices": "distrain.launch.local", "local_env": "distrain.launch.local",
+          "local_store": "distrain.launch.local", "spawn": "distrain.launch.local", "launch": "distrain.launch.torchrun"}
+
+
+def __getattr__(name: str):
+    if name not in _NAMES:
+        raise AttributeError(f"module 'distrain.launch' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_NAMES[name]), name)
+    globals()[name] = value
+    return value
 
 __all__ = ["core_slices", "launch", "local_env", "local_store", "spawn"]

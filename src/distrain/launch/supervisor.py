@@ -101,7 +101,9 @@ class Supervisor:
         self.ctx = mp.get_context(start_method)
         if start_method == "forkserver":
             # (launch.warm: what every rank's first optimizer would import, ~1 s, once in the fork server)
-            self.ctx.set_forkserver_preload(["distrain.comm", "distrain.launch", "distrain.launch.warm", *preload])
+            # (distrain.launch imports its modules on use: local and torchrun named, as the package's import did)
+            self.ctx.set_forkserver_preload(["distrain.comm", "distrain.launch.local", "distrain.launch.torchrun",
+                                             "distrain.launch.warm", *preload])
         self.name = name
         self.procs: dict[int, Any] = {}
         self.conns: dict[int, Any] = {}
