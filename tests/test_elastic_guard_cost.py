@@ -309,3 +309,35 @@ def test_a_fixed_part_of_a_piece_is_never_walked_and_its_plain_value_is_in_every
     assert torch.equal(packed["zero"]["shards"][0], torch.arange(6.0))
     copy = clone_tree(piece)
     assert copy["names"] is names and type(copy["zero"]["layout"]) is dict
+
+
+def test_an_in_place_pack_makes_its_views_once_per_buffer_and_anew_when_the_pieces_shapes_change():
+    """pieces.InPlace.pack keeps each buffer's views (making them cost as much as the copy): steps of one parity
+    pack into the same view tensors, the other parity into its own; a piece of the same bytes cut into other
+    shapes gets new views, and the replica read back is still each step's piece, bit for bit."""
+    import torch
+
+    from distrain.elastic.pieces import leaves
+
+    def flat(tree):
+        out = []
+        leaves(tree, out)
+        return out
+
+    me, peer, mine = _pair()
+    me.pack(3, mine)  # (the reader's own layout: a replica takes its views' shapes, as the group's pieces share them)
+    trees = {s: peer.pack(s, _piece(s)) for s in (3, 4, 5)}
+    assert [a is b for a, b in zip(flat(trees[3]), flat(trees[5]))] == [True, True]  # (parity 1: one set of views)
+    assert not any(a is b for a, b in zip(flat(trees[4]), flat(trees[5])))
+    got = dict(me.replicas())
+    assert sorted(got) == [4, 5]
+    assert all(torch.equal(a, b) for s in (4, 5) for a, b in zip(flat(got[s]), flat(_piece(s))))
+    g = torch.Generator().manual_seed(6)  # the same 400 + 296 bytes, other shapes: new views, the right bytes
+    other = {"shards": [torch.randn(10, 10, generator=g)],
+             "state": {"exp_avg": torch.randn(37, generator=g, dtype=torch.float64)}, "rank": 1}
+    tree = peer.pack(7, other)
+    assert tree["shards"][0].shape == (10, 10) and tree["shards"][0] is not trees[5]["shards"][0]
+    assert [torch.equal(a, b) for a, b in zip(flat(tree), flat(other))] == [True, True]
+    got = dict(me.replicas())
+    assert sorted(got) == [4, 7]
+    assert [torch.equal(a.flatten(), b.flatten()) for a, b in zip(flat(got[7]), flat(other))] == [True, True]

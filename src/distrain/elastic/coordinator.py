@@ -1,20 +1,18 @@
 """The top process of an elastic job: the quorum's coordinator, a layer on the launcher's supervisor.
 
-Contract of :func:`run` (``distrain train --elastic MIN:MAX`` calls it where a fixed job calls
-distrain.spawn): ``fn(ident, *args)`` runs in every rank process after
-:func:`distrain.elastic.member.current` is set up (the process group is opened by the rank itself,
-through ``Member.join``); ids are 0..nproc-1 for the first ranks and count on for newcomers. It
-returns ``{ident: fn's value}`` for the ranks of the last membership, or raises: RankFailedError
-when a rank fails in its own code, TrainingError when no rank with the state is left,
+Contract of :func:`run` (``distrain train --elastic MIN:MAX`` calls it where a fixed job calls distrain.spawn):
+``fn(ident, *args)`` runs in every rank process after :func:`distrain.elastic.member.current` is set up (the
+process group is opened by the rank itself, through ``Member.join``); ids are 0..nproc-1 for the first ranks and
+count on for newcomers. It returns ``{ident: fn's value}`` for the ranks of the last membership, or raises:
+RankFailedError when a rank fails in its own code, TrainingError when no rank with the state is left,
 SpawnTimeoutError past ``timeout``.
 
 Processes are the launcher's: the coordinator starts, watches and ends its ranks through
 :class:`distrain.launch.supervisor.Supervisor` (as spawn does), and folds every
-:class:`~distrain.launch.supervisor.Outcome` (of a local rank, or of a rank on another node as its
-node agent reports it: elastic/nodes.py) into the membership through one method, :meth:`fold`.
-The coordinator (torchft's lighthouse, in the process that outlives every rank) hosts the store,
-so a new membership never depends on a rank that may be gone. It watches the ranks (a SIGKILLed
-rank is seen at once through its sentinel) and the store:
+:class:`~distrain.launch.supervisor.Outcome` (of a local rank, or of a rank on another node as its node agent
+reports it: elastic/nodes.py) into the membership through one method, :meth:`fold`. The coordinator (torchft's
+lighthouse, in the process that outlives every rank) hosts the store, so a new membership never depends on a rank
+that may be gone. It watches the ranks (a SIGKILLed one is seen at once by its sentinel) and the store (beats.News):
 
 1. a change is wanted when a member dies, when a member arrives for the next epoch on its own (it saw
    its group break: a time-out, a reset connection), or when a newcomer is ready: ``change/E`` is set,
@@ -50,7 +48,7 @@ from typing import Any, Callable, Sequence
 from distrain import sealed
 from distrain.blame import Failure, blame
 from distrain.elastic import protocol as m  # (the store's keys)
-from distrain.elastic.beats import Beats
+from distrain.elastic.beats import Beats, News
 from distrain.elastic import nodes as multinode
 from distrain.elastic.quorum import reachable, refusal, replicated_target, rolled_back, sharded_target, whole_replicas
 from distrain.elastic.ranks import Recipe, threads_per_rank
@@ -88,7 +86,8 @@ class Coordinator:
         self.run_id = uuid.uuid4().hex[:12]  # a rank of another run (another store, same port) is refused
         self.dropped: dict[int, int] = {}  # members dropped while alive (silent): id -> the epoch they would arrive at
         self.refused: dict[int, str] = {}  # id -> the one-line refusal it was given
-        self.beats = Beats()  # the current epoch's heartbeats, the members found frozen (_watch_beats)
+        # the current epoch's heartbeats, the members found frozen (_watch_beats); news: whether the store may hold
+        self.beats, self.news = Beats(), News()  # a key of the members' not seen yet (one round trip a poll)
         self.said = -1  # the epoch whose wait was told
         self.why: dict[int, str] = {}  # lost ids -> why they left (killed by SIGKILL, exit code 1, frozen, ...)
         # cores per rank, as a fixed job's spawn binds them (launch/cores.py): MAX slots of cores, chosen at the
@@ -348,7 +347,8 @@ class Coordinator:
                 self._replace()
                 self._admit()
                 self._watch_beats()
-                self._step_membership()
+                if self.news.any(self.store, steady=self.want is None and not self.waiting and not self.dropped):
+                    self._step_membership()
                 if deadline is not None and time.monotonic() > deadline:
                     running = [i for i in self.sup.procs if i not in self.gone]
                     raise SpawnTimeoutError(f"elastic: timed out after {self.timeout:g}s (the whole-run limit); "

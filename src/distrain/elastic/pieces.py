@@ -98,13 +98,16 @@ def unpack(buf: torch.Tensor, tree, flat: list[torch.Tensor], offsets: list[int]
     """``tree`` with each tensor replaced by a view of ``buf`` at its offset (``copy``: filled from it, by
     torch's copy, or by ``copy(view, tensor)`` when it is a function)."""
     fill = copy if callable(copy) else torch.Tensor.copy_
-    views = []
-    for t, o in zip(flat, offsets):
-        v = buf[o:o + t.numel() * t.element_size()].view(t.dtype).reshape(t.shape)
-        if copy:
+    views = _views(buf, flat, offsets)
+    if copy:
+        for v, t in zip(views, flat):
             fill(v, t.detach())
-        views.append(v)
     return rebuild_tree(tree, iter(views))
+
+
+def _views(buf: torch.Tensor, flat: list[torch.Tensor], offsets: list[int]) -> list[torch.Tensor]:
+    """Each tensor of ``flat``'s place in ``buf`` (at its offset), as a view of its dtype and shape."""
+    return [buf[o:o + t.numel() * t.element_size()].view(t.dtype).reshape(t.shape) for t, o in zip(flat, offsets)]
 
 
 class Exchange:
@@ -159,7 +162,9 @@ class InPlace:
 
     def __init__(self, source: int):
         self.source = source
-        self.gens: list[dict] = []  # the last two sizes' {"bufs", "peers", "views", "parity"}, the newest last
+        # the last two sizes' {"bufs", "peers", "views", "parity"}, the newest last; "dst" from the first pack into
+        # them: per buffer, the dtypes and shapes of the tensors last packed into it, their views there, its stamps
+        self.gens: list[dict] = []
 
     @classmethod
     def open(cls, nbytes: int, source: int) -> "InPlace | None":
@@ -179,18 +184,26 @@ class InPlace:
 
     def pack(self, step: int, tree):
         """Pack ``tree`` (this rank's piece at the start of ``step``) into the buffer of ``step``'s parity;
-        returns the tree of views into it."""
+        returns the tree of views into it. The views of each buffer are made once for a piece's tensors'
+        dtypes and shapes and kept (``dst``): making them (a slice, a view and a reshape per tensor) cost as much
+        as the copy itself, ~10 us a tensor, 0.5 ms a step for a piece of 48 tensors on this 2-core host."""
         flat, offsets, nbytes = layout(tree)
         if nbytes != self.gens[-1]["bufs"][0].numel() - HEAD and not self._grow(nbytes):
             raise TrainingError(f"elastic: no symmetric memory for the piece of step {step} ({nbytes} bytes), "
                                 f"where its group had some; free /dev/shm or run with --transport torch")
-        g = self.gens[-1]
-        buf = g["bufs"][step % 2]
-        head = buf[:16].view(torch.int64)
+        g, parity = self.gens[-1], step % 2
+        buf = g["bufs"][parity]
+        kinds = [(t.dtype, t.shape) for t in flat]  # (they fix the offsets too: layout)
+        made = g.setdefault("dst", [None, None])
+        if made[parity] is None or made[parity][0] != kinds:
+            made[parity] = (kinds, _views(buf[HEAD:], flat, offsets), buf[:16].view(torch.int64))
+        _, dst, head = made[parity]
         head[1] = 0
         head[0] = step + 1
-        g["views"] = unpack(buf[HEAD:], tree, flat, offsets, copy=stream_copy)  # (read only after a failure)
-        g["parity"] = step % 2
+        for v, t in zip(dst, flat):  # (read only after a failure)
+            stream_copy(v, t.detach())
+        g["views"] = rebuild_tree(tree, iter(dst))
+        g["parity"] = parity
         head[1] = step + 1
         return g["views"]
 
