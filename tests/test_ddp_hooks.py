@@ -138,7 +138,7 @@ def _hook_vs_torch(rank: int, name: str) -> list[str]:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("P", [2, 3])
+@pytest.mark.parametrize("P", [2, pytest.param(3, marks=pytest.mark.slow)])  # (fast tier: P = 2)
 @pytest.mark.parametrize("name", list(HOOKS))
 def test_hook_equals_torch_hook(name, P):
     run_ranks(_hook_vs_torch, P, name, timeout=80)
@@ -215,7 +215,7 @@ def _join_vs_torch(rank: int) -> list[str]:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("P", [2, 3])
+@pytest.mark.parametrize("P", [2, pytest.param(3, marks=pytest.mark.slow)])  # (fast tier: P = 2)
 def test_join_uneven_inputs_equals_torch_join(P):
     run_ranks(_join_vs_torch, P, timeout=80)
 

@@ -99,6 +99,7 @@ def test_version_and_python_m(tmp_path, capsys):
     assert (p.returncode, p.stdout.strip()) == (0, f"distrain {__version__}")
 
 
+@pytest.mark.slow
 def test_commands_that_need_no_torch_do_not_import_it(tmp_path):
     """`distrain --version`, `distrain cluster up|down|status|link` and `distrain data prepare` import no torch (about 1.7 s of CPU per
     process on the 2-core host): main builds only the parser of the command it runs, and the package's
