@@ -134,7 +134,9 @@ def test_a_piece_gets_its_whole_tensors_exponent():
 
 
 GRID_ISLANDS = {"zero2": dict(inner_strategy="zero2"), "zero3": dict(inner_strategy="zero3"),
-                "tp2": dict(tp=2, invariant_tp=True)}
+                "tp2": dict(tp=2, invariant_tp=True),
+                # 12 fragments: dp rank 0's flat shards hold nothing of fragment 5 (EmptyFragment's exponent exchange)
+                "zero3-streaming-P12-tau1": dict(inner_strategy="zero3", fragments=12, overlap_steps=1)}
 
 
 @pytest.mark.slow
@@ -143,18 +145,28 @@ GRID_ISLANDS = {"zero2": dict(inner_strategy="zero2"), "zero3": dict(inner_strat
 def test_grid_islands_of_two_ranks_are_bit_for_bit_islands_of_one(tmp_path, layout):
     """K = 2 islands of ZeRO-2 or ZeRO-3 over 2 ranks, or of tp 2 (engines/diloco_grid.py), against K = 2
     islands of one rank (4 units: an island's 2 split 1 + 1, as ZeRO-3's collective all-gathers need; with
-    --invariant-tp both run the canonical tensor-parallel layers): every step's loss and each island's
+    --invariant-tp both run the canonical tensor-parallel layers; Streaming DiLoCo on ZeRO-3 islands against
+    streaming islands of one rank, P = 12, τ = 1): every step's loss and each island's
     θ_prev, put together from its ranks' pieces (tp slices; ZeRO-3: parts of its flat shards, each with its
     whole tensor's exponent: test_a_piece_gets_its_whole_tensors_exponent; here a piece's own exponent
     rounded the same float32 bits, its ~60-bit sums far finer than float32), bit for bit."""
     from distrain.models import build_model
 
     kw = GRID_ISLANDS[layout]
-    one_cfg = job(tmp_path / "one", 2, units=4, **({"invariant_tp": True} if kw.get("tp") else {}))
+    same = {k: v for k, v in kw.items() if k in ("invariant_tp", "fragments", "overlap_steps")}
+    one_cfg = job(tmp_path / "one", 2, units=4, **same)
     one = train_losses(one_cfg)
     cfg = job(tmp_path / layout, 4, units=4, **kw)
     got = train_losses(cfg)
     assert len(one) == 5 and got == one, (got, one)
+    if "fragments" in kw:  # (Streaming DiLoCo: its outer state is per fragment; the losses hold every exchange)
+        outer = shard(cfg.out, "island1-tp0-pp0-dp1")["outer"]
+        assert [f["syncs"] for f in outer["fragments"]] == \
+            [f["syncs"] for f in shard(one_cfg.out, "island1")["outer"]["fragments"]]
+        rank0 = shard(cfg.out, "island0-tp0-pp0-dp0")["outer"]["fragments"]
+        empty = [p for p, f in enumerate(rank0) if not f["master"]]
+        assert empty == [5], empty  # (the case covers a rank that holds nothing of a fragment)
+        return
     names = [n for n, _ in build_model(cfg.model).named_parameters()]
     like = list(build_model(cfg.model).parameters())
     for i in range(K):
@@ -317,8 +329,7 @@ def test_an_islands_units_draw_the_random_numbers_of_their_global_index():
     (dict(units=4, pp=2, microbatches=2), "--layout-invariant with --strategy diloco islands of --pp is not supported"),
     (dict(units=4, tp=2, invariant_tp=True, inner_strategy="zero2", nproc=8),
      "--layout-invariant with --tp 2 covers --strategy ddp without --pp"),
-    (dict(units=4, inner_strategy="zero2", fragments=2),
-     "--layout-invariant with --strategy diloco islands of --inner-strategy zero2 does not stream"),
+    (dict(units=4, inner_strategy="zero2", fragments=2), None),
 ])
 def test_refusals(tmp_path, kw, message):
     from distrain.errors import ConfigError

@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from distrain import comm
 from distrain.errors import ConfigError
 from distrain.parallel.diloco.outer import Exchange, OuterStep
 
@@ -91,7 +92,13 @@ class StreamingOuter:
             raise ConfigError(f"--overlap-steps {overlap_steps} with --outer-compression {outer['compression']}: "
                               f"the quantized mean is two blocking exchanges, not one asynchronous all-reduce; "
                               f"use --outer-compression bf16 or none, or --overlap-steps 0")
-        self.parts = [OuterStep([self.params[i] for i in m], **outer) if m else EmptyFragment() for m in self.members]
+        # --layout-invariant on grid islands (``tensors`` given): each fragment's exponents come from its whole
+        # tensors over every rank (exact.exponents_of), a world all-reduce in which a rank holding nothing of the
+        # fragment takes part too (EmptyFragment's ``tensors``)
+        count = outer.pop("tensors", None) and len(sizes)
+        self.parts = [OuterStep([self.params[i] for i in m], **outer,
+                                tensors=(count, [index[i] for i in m]) if count else None)
+                      if m else EmptyFragment(count) for m in self.members]
         self.inner_steps, self.overlap_steps, self.alpha = inner_steps, overlap_steps, alpha
         self.offsets = offsets(fragments, inner_steps)
         self.pending: dict[int, tuple[int, Exchange]] = {}  # fragment -> (the step after which it applies, exchange)
@@ -176,21 +183,31 @@ class StreamingOuter:
 
 
 class EmptyFragment:
-    """A fragment of which this rank holds no tensor (a pipeline stage without it): its outer steps are
-    counted on schedule, nothing is exchanged (every rank of its cross group holds the same: none)."""
+    """A fragment of which this rank holds no tensor (a pipeline stage without it, a ZeRO-3 rank whose flat
+    shards lie outside it): its outer steps are counted on schedule, nothing is exchanged (every rank of its
+    cross group holds the same: none). ``tensors`` (the model's tensor count; --layout-invariant on grid
+    islands): it still takes part in the fragment's exponent all-reduce over every rank, with zeros (a max's
+    identity for |Δ|), as exact.exponents_of's ranks that hold pieces do."""
 
-    def __init__(self):
+    def __init__(self, tensors: int | None = None):
         self.params: list[nn.Parameter] = []
         self.master: list[torch.Tensor] = []
         self.syncs = 0
+        self.tensors = tensors
+
+    def _exponents(self) -> None:
+        if self.tensors:
+            comm.all_reduce(torch.zeros(self.tensors, dtype=torch.float64), op="max", algorithm="native")
 
     def sync(self) -> None:
+        self._exponents()
         self.syncs += 1
 
     def outer_gradient(self) -> torch.Tensor:
         return torch.zeros(0)
 
     def launch(self, flat: torch.Tensor) -> Exchange:
+        self._exponents()
         return Exchange(flat, flat, None, 1)
 
     def apply(self, delta: torch.Tensor, alpha: float | None = None) -> None:

@@ -61,10 +61,6 @@ def check_island_grid(cfg) -> None:
     if cfg.layout_invariant:
         need(cfg.pp == 1, "--layout-invariant with --strategy diloco islands of --pp is not supported (islands of "
                           "--tp with --invariant-tp, of --inner-strategy zero1/zero2/zero3 or of DDP are); drop --pp")
-        need(cfg.fragments == 1 and cfg.overlap_steps == 0,
-             f"--layout-invariant with --strategy diloco islands of --inner-strategy {cfg.inner_strategy} does not "
-             f"stream (its outer mean's exponents are one exchange over every rank); drop --fragments and "
-             f"--overlap-steps, or use DDP islands")
     stage = zero_stage(cfg.inner_strategy)
     if cfg.layout_invariant and stage == 3:
         from distrain.trainer.checks.invariant import units_of

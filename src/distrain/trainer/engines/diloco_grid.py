@@ -46,8 +46,8 @@ as InvariantTraining's replicas (GridEngine), the logged loss is the islands' su
 (``tensors``: tp slices, ZeRO-3's pieces), so a run is bit for bit the run of islands of one rank
 (tests/test_diloco_invariant.py).
 
-Not here (refused by the config, checks/diloco.py): elastic islands; --layout-invariant with --pp or
-Streaming DiLoCo; --ep/--dp inside an island.
+Not here (refused by the config, checks/diloco.py): elastic islands; --layout-invariant with --pp; --ep/--dp
+inside an island.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class DiLoCoGridEngine(Engine):
                      momentum=cfg.outer_momentum, algorithm=cfg.algorithm, place=t.island,
                      compression=cfg.outer_compression, tensor_blocks=True, fixed_point=cfg.layout_invariant)
         index = self.whole_index(whole, names) if streams(cfg) or cfg.layout_invariant else None
-        if cfg.layout_invariant:  # (not streaming: checks/diloco.py) each exponent the whole tensor's
+        if cfg.layout_invariant:  # each exponent the whole tensor's (streaming: each fragment's OuterStep)
             outer["tensors"] = (len(whole), index[1])
         self.streaming, self.outer = outer_of(cfg, self.held, whole=index if streams(cfg) else None, **outer)
         self.dp_rank, self.dp_size, self.loss_weight = g.dp_rank, g.dp_size, g.loss_weight
