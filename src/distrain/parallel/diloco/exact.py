@@ -67,4 +67,16 @@ def from_integers(total: torch.Tensor, sizes: list[int], exponents: list[int], f
     return out.copy_(x)
 
 
-__all__ = ["exponents_of", "from_integers", "to_integers"]
+def islands_mean(value: float, island: int, islands: int, group=None) -> torch.Tensor:
+    """Collective over ``group`` (the cross group: one rank of each island; None: one island): the mean of the
+    K islands' ``value`` (each the same on every rank of its island, here island ``island``'s), float64 with the
+    same bits on any layout: each island writes its slot of a (K,) vector (one contributor per slot, so the
+    all-reduce's sum is exact in any order), then math.fsum (exactly rounded) over K."""
+    values = torch.zeros(islands, dtype=torch.float64)
+    values[island] = value
+    if group is not None:
+        comm.all_reduce(values, op="sum", group=group, algorithm="native")
+    return torch.tensor(math.fsum(values.tolist()) / islands, dtype=torch.float64)
+
+
+__all__ = ["exponents_of", "from_integers", "islands_mean", "to_integers"]

@@ -70,7 +70,7 @@ class StreamingOuter:
     """The outer half of Streaming DiLoCo for ``params`` (this rank's replica, in order): ``fragments`` P,
     ``inner_steps`` H, ``overlap_steps`` τ, ``alpha`` the merge's α (used with τ ≥ 1); ``outer`` the
     OuterStep keywords (group, islands, optimizer, lr, momentum, algorithm, compression, place,
-    tensor_blocks).
+    tensor_blocks, fixed_point, tensors: each fragment's OuterStep gets its params' entries of ``tensors``).
 
     ``whole`` (a rank of a grid island holds pieces of some tensors: engines/diloco_grid.py): (the whole
     model's tensor sizes, in its order; each of ``params``' index among them). The cut is then the whole
@@ -95,10 +95,10 @@ class StreamingOuter:
         # --layout-invariant on grid islands (``tensors`` given): each fragment's exponents come from its whole
         # tensors over every rank (exact.exponents_of), a world all-reduce in which a rank holding nothing of the
         # fragment takes part too (EmptyFragment's ``tensors``)
-        count = outer.pop("tensors", None) and len(sizes)
+        tensors = outer.pop("tensors", None)  # (the model's tensor count, each of params' tensor among them)
         self.parts = [OuterStep([self.params[i] for i in m], **outer,
-                                tensors=(count, [index[i] for i in m]) if count else None)
-                      if m else EmptyFragment(count) for m in self.members]
+                                tensors=None if tensors is None else (tensors[0], [tensors[1][i] for i in m]))
+                      if m else EmptyFragment(None if tensors is None else tensors[0]) for m in self.members]
         self.inner_steps, self.overlap_steps, self.alpha = inner_steps, overlap_steps, alpha
         self.offsets = offsets(fragments, inner_steps)
         self.pending: dict[int, tuple[int, Exchange]] = {}  # fragment -> (the step after which it applies, exchange)

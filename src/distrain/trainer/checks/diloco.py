@@ -41,7 +41,7 @@ def check_island_grid(cfg) -> None:
     """Islands that are grids (--tp/--pp/--cp/--inner-strategy zeroN: engines/diloco_grid.py): each island's
     --nproc / K ranks a whole dp x cp x tp x pp grid (island dp = --nproc / (K x cp x tp x pp); --dp and --ep
     are not island axes yet), a ZeRO stage that fits it, and none of what the grid islands do not do yet (elastic
-    islands, --layout-invariant), each refused by name."""
+    islands, --layout-invariant with --pp), each refused by name."""
     if not cfg.island_grid:
         return
     k = cfg.islands or cfg.nproc

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import time
 
 import torch
@@ -53,6 +52,7 @@ from distrain.parallel.data_parallel import DistributedDataParallel, accumulate_
 from distrain import comm
 from distrain.data.sampler import part_bounds
 from distrain.parallel.diloco import IslandGroups, OuterStep, StreamingOuter, live_islands
+from distrain.parallel.diloco.exact import islands_mean
 from distrain.trainer.engines.base import Engine, evaluate_batches, part_loss
 
 
@@ -171,8 +171,7 @@ class DiLoCoEngine(Engine):
                                            first_unit=g.island * per, forward_context=self.autocast)
         self.dp_rank, self.dp_size = g.island, g.islands
         self.part_unit = self.invariant.samples_per_unit
-        mine = self.invariant.run.mine
-        self.mine = slice(mine.start * self.part_unit, mine.stop * self.part_unit)  # this place's samples
+        self.mine = self.invariant.samples  # this place's samples
         self.loss_weight = 1.0 if self.rank == 0 else 0.0
 
     def _invariant_loss(self, x, y) -> torch.Tensor:
@@ -180,11 +179,7 @@ class DiLoCoEngine(Engine):
         clipped); the global batch's mean loss: fsum over the islands' losses / K (the same bits anywhere)."""
         island = float(self.invariant.step(x[self.mine], y[self.mine], self.step_index))
         g = self.groups
-        losses = torch.zeros(g.islands, dtype=torch.float64)
-        losses[g.island] = island  # (one contributor per slot: the sum is exact in any order)
-        if g.cross_group is not None:
-            comm.all_reduce(losses, op="sum", group=g.cross_group, algorithm="native")
-        return torch.tensor(math.fsum(losses.tolist()) / g.islands, dtype=torch.float64)
+        return islands_mean(island, g.island, g.islands, g.cross_group)
 
     def _step(self, x, y, commit):
         self.optimizer.zero_grad(set_to_none=True)

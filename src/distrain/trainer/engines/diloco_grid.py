@@ -54,13 +54,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
 
 import torch
 
-from distrain import comm
 from distrain.errors import ConfigError
+from distrain.parallel.diloco.exact import islands_mean
 from distrain.trainer.engines.base import Engine
 from distrain.trainer.engines.diloco import DiLoCoEngine, islands_of, outer_of, stream_label, streams
 from distrain.trainer.engines.grid import GridEngine, zero_stage_of
@@ -147,11 +146,7 @@ class DiLoCoGridEngine(Engine):
         its island), summed exactly (math.fsum) over the cross group and divided by K, as plain DiLoCo's
         invariant islands do: the same bits on any layout."""
         t = self.grid.topo
-        losses = torch.zeros(t.islands, dtype=torch.float64)
-        losses[t.island] = float(island)  # (one contributor per slot: the sum is exact in any order)
-        if t.cross_group is not None:
-            comm.all_reduce(losses, op="sum", group=t.cross_group, algorithm="native")
-        return torch.tensor(math.fsum(losses.tolist()) / t.islands, dtype=torch.float64)
+        return islands_mean(float(island), t.island, t.islands, t.cross_group)
 
     def optimizers(self):
         return self.grid.optimizers()  # the schedule drives the inner optimizer; the outer lr stays --outer-lr

@@ -91,9 +91,8 @@ class GridEngine(Engine):
         self._piece_meta = None  # (piece_state: the buffers' names and the naming record, made once)
         if cfg.layout_invariant:  # (validated: data parallelism; pipelines whose micro-batches are the units;
             # tensor parallelism under ddp)
-            from distrain.trainer.engines.invariant import InvariantTraining
-
             from distrain.trainer.checks.invariant import units_of
+            from distrain.trainer.engines.invariant import InvariantTraining
 
             pm = self.pm  # the plan's own loss on its output (canonical chunks), else the model's
             loss = pm.loss_fn if pm.tp is not None and pm.tp_plan.loss is not None else self.eval_loss_fn
@@ -109,8 +108,7 @@ class GridEngine(Engine):
             self.loss_weight = 1.0 if self.rank == 0 else 0.0  # every rank has the whole loss: exact
             if topo.islands > 1:  # each rank reads its island's part, and runs its replica's units of it
                 self.dp_rank, self.dp_size = topo.island, topo.islands
-                mine = self.invariant.run.mine
-                self.mine = slice(mine.start * self.part_unit, mine.stop * self.part_unit)
+                self.mine = self.invariant.samples
 
     def train_step(self, x, y, commit=None):
         """Forward/backward of this replica's part (``--accum-steps`` chunks without a pipeline,

@@ -125,6 +125,13 @@ class InvariantTraining:
     def samples_per_unit(self) -> int:
         return self.cfg.batch_size // units_of(self.cfg)
 
+    @property
+    def samples(self) -> slice:
+        """This replica's samples of the part its group shares (a DiLoCo island's: every rank reads the island's
+        part whole): its units' (``replica_units``), samples_per_unit each."""
+        mine, n = self.run.mine, self.samples_per_unit
+        return slice(mine.start * n, mine.stop * n)
+
     def _all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
         comm.all_reduce(t, op=op, group=self.group, algorithm="native")
         return t
